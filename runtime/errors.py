@@ -1,0 +1,158 @@
+"""Every error the runtime raises or reports, each with a stable ``code``.
+
+Errors raised to the host derive from ``MlxRuntimeError``. Input errors also derive from
+``ValueError``. Failures of accepted requests travel as ``Failed`` events carrying the same codes,
+so a host can map either form to one handler. Codes never change meaning once published.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+
+class MlxRuntimeError(Exception):
+    """Base of the runtime's errors. ``code`` is stable; ``retryable`` says whether to try again."""
+
+    code: ClassVar[str] = "runtime_error"
+    retryable: ClassVar[bool] = False
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+class InvalidRequest(MlxRuntimeError, ValueError):
+    """Raised before any work starts when a request's fields are malformed or out of range."""
+
+    code = "invalid_request"
+
+
+class ContextLengthExceeded(InvalidRequest):
+    """Reported when prompt plus ``max_tokens`` does not fit the model's context window."""
+
+    code = "context_length_exceeded"
+
+
+class InvalidModelSpec(InvalidRequest):
+    """Raised when a ``ModelSpec`` names an unknown backend or has malformed options."""
+
+    code = "invalid_model_spec"
+
+
+# --------------------------------------------------------------------------- routing
+
+
+class ModelNotLoaded(MlxRuntimeError):
+    """Raised when a request or command names a model that is not loaded (or is unloading)."""
+
+    code = "model_not_loaded"
+
+
+class ModelAlreadyLoaded(MlxRuntimeError):
+    """Raised when ``load_model`` names a model that is loaded or loading."""
+
+    code = "model_already_loaded"
+
+
+class DuplicateRequestId(MlxRuntimeError):
+    """Raised when a request id is reused while the earlier request with that id is still live."""
+
+    code = "duplicate_request_id"
+
+
+class ModelLoadFailed(MlxRuntimeError):
+    """Raised when a model's files cannot be found or loaded (the message says what is missing)."""
+
+    code = "model_load_failed"
+
+
+# --------------------------------------------------------------------------- resources
+
+
+class KVBudgetExhausted(MlxRuntimeError):
+    """Reported when a KV reservation waited its whole deadline without fitting. Try again later."""
+
+    code = "kv_budget_exhausted"
+    retryable = True
+
+
+class KVRequestTooLarge(MlxRuntimeError):
+    """Reported when one request needs more KV bytes than the whole budget; it can never fit."""
+
+    code = "kv_request_too_large"
+
+
+# --------------------------------------------------------------------------- execution
+
+
+class BackendError(MlxRuntimeError):
+    """Reported when the model backend raised during a prefill or decode step of a sequence."""
+
+    code = "backend_error"
+    retryable = True
+
+
+class EngineCrashed(MlxRuntimeError):
+    """Reported for in-flight requests of an engine whose actor crashed and was restarted."""
+
+    code = "engine_crashed"
+    retryable = True
+
+
+class ModelUnloading(MlxRuntimeError):
+    """Reported for requests drained because their model is being unloaded."""
+
+    code = "model_unloading"
+    retryable = True
+
+
+# --------------------------------------------------------------------------- kernel
+
+
+class ActorStopped(MlxRuntimeError):
+    """Raised when asking (or telling) an actor whose mailbox is closed, or that stopped mid-ask."""
+
+    code = "actor_stopped"
+
+
+class RuntimeClosed(MlxRuntimeError):
+    """Raised when the host uses a ``Runtime`` outside its ``async with`` block."""
+
+    code = "runtime_closed"
+
+
+class SupervisionEscalated(MlxRuntimeError):
+    """Raised by a supervisor when a child crashed more often than its restart intensity allows."""
+
+    code = "supervision_escalated"
+
+
+ERRORS_BY_CODE: dict[str, type[MlxRuntimeError]] = {
+    cls.code: cls
+    for cls in (
+        MlxRuntimeError,
+        InvalidRequest,
+        ContextLengthExceeded,
+        InvalidModelSpec,
+        ModelNotLoaded,
+        ModelAlreadyLoaded,
+        DuplicateRequestId,
+        ModelLoadFailed,
+        KVBudgetExhausted,
+        KVRequestTooLarge,
+        BackendError,
+        EngineCrashed,
+        ModelUnloading,
+        ActorStopped,
+        RuntimeClosed,
+        SupervisionEscalated,
+    )
+}
+
+
+def error_for_code(code: str, message: str) -> MlxRuntimeError:
+    """Build the typed error for a code carried in a ``Failed``/``Rejected``/``CommandFailed``."""
+    return ERRORS_BY_CODE.get(code, MlxRuntimeError)(message)

@@ -1,0 +1,599 @@
+"""The runtime's one message vocabulary.
+
+Every actor talks only through these frozen msgspec Structs. Heavy state (weights, KV arrays) never
+travels: messages carry handles (sequence ids, entry ids, model epochs). Each actor has one inbox
+union (``RouterInbox``, ``EngineInbox``, ``KVInbox``, ``PrefixInbox``) and the host receives
+``HostEvent``. ``docs/protocols.md`` walks through every protocol with its invariants; in short:
+
+Request lifecycle (host → router → engine → router → host)
+    ``Generate``/``Prewarm`` → router validates, assigns a ``sequence_id`` (never reused) and the
+    engine's current ``epoch``, sends ``Admit`` → engine tokenizes, reserves KV (``Reserve`` →
+    ``Reserved``), looks up the prefix cache (``Lookup`` → ``LookupResult``), prefills in chunks,
+    decodes → ``SequenceStarted``, ``TokensProduced``…, exactly one of ``SequenceFinished`` /
+    ``SequenceCancelled`` / ``SequenceFailed`` → router → host ``Started``, ``TokensEmitted``…,
+    exactly one of ``Finished`` / ``Cancelled`` / ``Failed``. A request the router will not accept
+    gets ``Rejected`` (and no other event).
+
+Cancellation
+    ``Cancel(request_id, incarnation)`` → router → ``Abort(sequence_id, epoch)`` → engine sets that
+    sequence's set-once abort flag; the compute thread sees it at the next chunk or step boundary.
+
+Teardown fencing
+    ``UnloadModel`` → router stops admitting to the engine → ``Drain(epoch)`` → engine aborts its
+    sequences, waits for compute to stop, drops its prefix entries and KV → ``Drained(epoch)`` →
+    router stops the engine → ``ModelUnloaded``. Anything carrying an older epoch is dropped and
+    counted.
+
+KV budget (engine ↔ keeper ↔ prefix-cache manager)
+    ``Reserve`` → ``Reserved`` | ``ReservationRefused`` (after queueing FIFO up to a deadline; the
+    keeper asks the prefix manager to ``Evict`` first). ``Transfer`` moves bytes from a sequence to
+    the prefix entry it became; ``Release`` returns them.
+
+Prefix cache (engine ↔ prefix-cache manager)
+    ``Lookup`` → ``LookupResult`` (taking a lease on a hit) ; ``Commit`` → ``Committed`` ;
+    ``ReleaseLease`` ; ``ResetPrefixes`` ; ``InvalidateEpoch`` ; the manager tells the owning engine
+    to ``DropEntries`` it evicted or invalidated.
+"""
+
+from __future__ import annotations
+
+import enum
+import msgspec
+
+TokenIds = tuple[int, ...]
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True):
+    """Base of every message: immutable, strict, tagged with its class name."""
+
+
+# --------------------------------------------------------------------------- shared value types
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to pick the next token. ``temperature == 0`` is greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Token counts of one request, exact on every terminal event."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class ReusePath(enum.StrEnum):
+    """How a sequence's prompt state was obtained from the prefix cache."""
+
+    EXACT = "exact"  # a whole cached entry is a prefix of the prompt
+    TRIM = "trim"  # a trimmable entry cut back to the common prefix
+    CHECKPOINT = "checkpoint"  # a non-trimmable snapshot whose tokens prefix the prompt
+    ADOPTED = "adopted"  # took over an in-flight prewarm of the same session
+    MISS = "miss"  # cold prefill
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence stopped normally."""
+
+    STOP = "stop"  # end-of-sequence token or stop string
+    LENGTH = "length"  # max_tokens reached
+    PREWARMED = "prewarmed"  # a prewarm finished and committed its state
+    ADOPTED = "adopted"  # a prewarm whose work a generate request took over
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What to load: ``backend`` names a backend kind ("mlx" or "simulated")."""
+
+    name: str
+    backend: str = "mlx"
+    path: str | None = None
+    options: dict[str, str | int | float | bool | None] = {}
+    prefill_chunk_tokens: int = 256
+
+
+class RequestKind(enum.StrEnum):
+    GENERATE = "generate"
+    PREWARM = "prewarm"
+
+
+# --------------------------------------------------------------------------- host → router
+
+
+class Generate(Message, frozen=True):
+    """Start generating. ``incarnation`` is unique per runtime, so a recycled ``request_id`` is safe.
+
+    Exactly one of ``prompt`` (text) and ``prompt_tokens`` is set. ``session`` groups requests that
+    may supersede each other's prewarms (default: model plus namespace).
+    """
+
+    request_id: str
+    incarnation: int
+    model: str
+    prompt: str | None = None
+    prompt_tokens: TokenIds | None = None
+    sampling: Sampling = Sampling()
+    max_tokens: int = 256
+    stop_token_ids: TokenIds = ()
+    namespace: str = "default"
+    session: str | None = None
+
+
+class Prewarm(Message, frozen=True):
+    """Prefill a prompt and commit its state to the prefix cache, without sampling."""
+
+    request_id: str
+    incarnation: int
+    model: str
+    prompt: str | None = None
+    prompt_tokens: TokenIds | None = None
+    namespace: str = "default"
+    session: str | None = None
+
+
+class Cancel(Message, frozen=True):
+    """Cancel the request ``(request_id, incarnation)``; a no-op if it is not live."""
+
+    request_id: str
+    incarnation: int
+
+
+class LoadModel(Message, frozen=True):
+    """Load a model under ``spec.name``; replied to with ``ModelLoaded`` or ``CommandFailed``."""
+
+    spec: ModelSpec
+
+
+class UnloadModel(Message, frozen=True):
+    """Drain and unload a model; replied to with ``ModelUnloaded`` once its memory is free."""
+
+    model: str
+
+
+class ResetPrefixes(Message, frozen=True):
+    """Drop cached prefixes of ``model`` (``namespace`` None: every namespace)."""
+
+    model: str
+    namespace: str | None = None
+
+
+class GetStats(Message, frozen=True):
+    """Ask an actor for its counters; replied to with ``Stats``."""
+
+
+class Shutdown(Message, frozen=True):
+    """Unload every model and stop; replied to with ``ShutdownComplete``."""
+
+
+# --------------------------------------------------------------------------- router → host
+
+
+class Started(Message, frozen=True):
+    """The request has its prompt state and starts producing tokens (or, for prewarm, committing)."""
+
+    request_id: str
+    incarnation: int
+    sequence_id: int
+    epoch: int
+    prompt_tokens: int
+    cached_tokens: int
+    path: ReusePath
+
+
+class TokensEmitted(Message, frozen=True):
+    """New tokens (with their text, UTF-8 complete) for a generate request."""
+
+    request_id: str
+    incarnation: int
+    token_ids: TokenIds
+    text: str
+
+
+class Finished(Message, frozen=True):
+    """Terminal: the request completed normally."""
+
+    request_id: str
+    incarnation: int
+    reason: FinishReason
+    usage: Usage
+
+
+class Cancelled(Message, frozen=True):
+    """Terminal: the request was cancelled or superseded; usage counts tokens made before that."""
+
+    request_id: str
+    incarnation: int
+    usage: Usage
+    reason: str = "cancelled"
+
+
+class Failed(Message, frozen=True):
+    """Terminal: the request failed after it was accepted. ``code`` is stable (see errors.py)."""
+
+    request_id: str
+    incarnation: int
+    code: str
+    message: str
+    retryable: bool
+    usage: Usage
+
+
+class Rejected(Message, frozen=True):
+    """The router did not accept the request; no other event follows for this incarnation."""
+
+    request_id: str
+    incarnation: int
+    code: str
+    message: str
+
+
+class ModelLoaded(Message, frozen=True):
+    """Reply to ``LoadModel``."""
+
+    model: str
+    epoch: int
+    reuse_path: str
+    bytes_per_token: int
+    context_length: int
+
+
+class ModelUnloaded(Message, frozen=True):
+    """Reply to ``UnloadModel``: the engine drained and its memory was released."""
+
+    model: str
+    epoch: int
+
+
+class PrefixesReset(Message, frozen=True):
+    """Reply to ``ResetPrefixes``: entries in scope are gone (or doomed while leased)."""
+
+    model: str
+    dropped: int
+
+
+class CommandFailed(Message, frozen=True):
+    """Reply to a command (load, unload, reset) that could not be carried out."""
+
+    code: str
+    message: str
+
+
+class ShutdownComplete(Message, frozen=True):
+    """Reply to ``Shutdown``."""
+
+
+class Stats(Message, frozen=True):
+    """An actor's counters at one moment (immutable snapshot)."""
+
+    actor: str
+    counters: dict[str, int]
+    gauges: dict[str, int] = {}
+
+
+# --------------------------------------------------------------------------- router ↔ engine
+
+
+class Admit(Message, frozen=True):
+    """Router → engine: run a new sequence for a request."""
+
+    sequence_id: int
+    epoch: int
+    kind: RequestKind
+    prompt: str | None
+    prompt_tokens: TokenIds | None
+    sampling: Sampling
+    max_tokens: int
+    stop_token_ids: TokenIds
+    namespace: str
+    session: str
+
+
+class Abort(Message, frozen=True):
+    """Router → engine: stop sequence ``sequence_id`` of ``epoch`` at its next boundary."""
+
+    sequence_id: int
+    epoch: int
+    reason: str = "cancelled"
+
+
+class Drain(Message, frozen=True):
+    """Router → engine: abort everything, stop compute, free all memory, then reply ``Drained``."""
+
+    epoch: int
+
+
+class EngineReady(Message, frozen=True):
+    """Engine → router: the model of ``epoch`` is loaded and warm."""
+
+    epoch: int
+    reuse_path: str
+    bytes_per_token: int
+    context_length: int
+
+
+class EngineLoadFailed(Message, frozen=True):
+    """Engine → router: the model could not be loaded."""
+
+    epoch: int
+    code: str
+    message: str
+
+
+class SequenceStarted(Message, frozen=True):
+    sequence_id: int
+    epoch: int
+    prompt_tokens: int
+    cached_tokens: int
+    path: ReusePath
+
+
+class TokensProduced(Message, frozen=True):
+    sequence_id: int
+    epoch: int
+    token_ids: TokenIds
+    text: str
+
+
+class SequenceFinished(Message, frozen=True):
+    sequence_id: int
+    epoch: int
+    reason: FinishReason
+    usage: Usage
+
+
+class SequenceCancelled(Message, frozen=True):
+    sequence_id: int
+    epoch: int
+    usage: Usage
+    reason: str = "cancelled"
+
+
+class SequenceFailed(Message, frozen=True):
+    sequence_id: int
+    epoch: int
+    code: str
+    message: str
+    retryable: bool
+    usage: Usage
+
+
+class Drained(Message, frozen=True):
+    """Engine → router: nothing of ``epoch`` runs or holds memory any more."""
+
+    epoch: int
+
+
+# --------------------------------------------------------------------------- KV budget keeper
+
+
+class HolderKind(enum.StrEnum):
+    SEQUENCE = "sequence"
+    PREFIX_ENTRY = "prefix_entry"
+
+
+class Holder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Who holds a reservation: a sequence or a prefix entry of one model epoch. Never reused."""
+
+    model: str
+    epoch: int
+    kind: HolderKind
+    id: int
+
+
+class Reserve(Message, frozen=True):
+    """Ask for ``nbytes`` of KV budget; answered ``Reserved`` or ``ReservationRefused``.
+
+    Larger than the whole budget: refused at once. Otherwise granted, or queued FIFO (after asking
+    the prefix manager to evict) until ``timeout_s``, then refused as retryable.
+    """
+
+    holder: Holder
+    nbytes: int
+    timeout_s: float | None = None
+
+
+class Reserved(Message, frozen=True):
+    holder: Holder
+    nbytes: int
+
+
+class ReservationRefused(Message, frozen=True):
+    holder: Holder
+    nbytes: int
+    code: str
+    message: str
+    retryable: bool
+
+
+class Release(Message, frozen=True):
+    """Return all bytes of ``holder`` (a no-op for an unknown holder: releases are idempotent)."""
+
+    holder: Holder
+
+
+class Transfer(Message, frozen=True):
+    """Move ``nbytes`` of ``source``'s reservation to a new holder ``target`` (never grows it)."""
+
+    source: Holder
+    target: Holder
+    nbytes: int
+
+
+class ReservationExpired(Message, frozen=True):
+    """Keeper → itself (timer): the queued reservation of ``holder`` reached its deadline."""
+
+    holder: Holder
+    ticket: int
+
+
+class ReleaseEpoch(Message, frozen=True):
+    """Return every reservation of ``model`` at ``epoch`` (teardown's last word on memory)."""
+
+    model: str
+    epoch: int
+
+
+# --------------------------------------------------------------------------- prefix cache manager
+
+
+class Lookup(Message, frozen=True):
+    """Find the longest usable cached prefix of ``tokens``; answered ``LookupResult``.
+
+    ``sequence_id`` names the sequence that will hold the lease on a hit.
+    """
+
+    model: str
+    epoch: int
+    namespace: str
+    tokens: TokenIds
+    sequence_id: int
+
+
+class LookupResult(Message, frozen=True):
+    """``entry_id`` None on a miss. ``matched`` tokens of the entry are usable (after trimming).
+
+    ``generation`` counts resets of this (model, namespace); a later ``Commit`` carries it back so
+    state computed before a reset can never be committed after it.
+    """
+
+    sequence_id: int
+    epoch: int
+    entry_id: int | None
+    matched: int
+    path: ReusePath
+    lease_id: int | None
+    generation: int
+
+
+class Commit(Message, frozen=True):
+    """Register engine-owned state ``entry_id`` whose cache holds exactly ``tokens``.
+
+    ``trimmable`` entries serve any shared prefix; others only when all their tokens prefix a
+    prompt. ``pinned`` entries are evicted only under a waiting reservation's pressure.
+    """
+
+    model: str
+    epoch: int
+    namespace: str
+    entry_id: int
+    tokens: TokenIds
+    nbytes: int
+    trimmable: bool
+    generation: int
+    pinned: bool = False
+
+
+class Committed(Message, frozen=True):
+    """Reply to ``Commit``: ``superseded`` lists entries dropped because this one covers them."""
+
+    entry_id: int
+    accepted: bool
+    superseded: tuple[int, ...] = ()
+
+
+class ReleaseLease(Message, frozen=True):
+    lease_id: int
+
+
+class Evict(Message, frozen=True):
+    """Keeper → prefix manager: free at least ``nbytes`` from unleased entries, LRU first."""
+
+    nbytes: int
+    include_pinned: bool = False
+
+
+class InvalidateEpoch(Message, frozen=True):
+    """Forget every entry of ``model`` at ``epoch`` (the engine frees the arrays itself)."""
+
+    model: str
+    epoch: int
+
+
+class DropEntries(Message, frozen=True):
+    """Prefix manager → engine: free the state of these entries and release their reservations."""
+
+    epoch: int
+    entry_ids: tuple[int, ...]
+
+
+# --------------------------------------------------------------------------- engine internal
+
+
+class ComputeDone(Message, frozen=True):
+    """Engine → itself: the compute job ``job_id`` finished (its result stays in the engine)."""
+
+    job_id: int
+
+
+# --------------------------------------------------------------------------- unions
+
+RouterInbox = (
+    Generate
+    | Prewarm
+    | Cancel
+    | LoadModel
+    | UnloadModel
+    | ResetPrefixes
+    | GetStats
+    | Shutdown
+    | EngineReady
+    | EngineLoadFailed
+    | SequenceStarted
+    | TokensProduced
+    | SequenceFinished
+    | SequenceCancelled
+    | SequenceFailed
+    | Drained
+    | PrefixesReset
+)
+
+EngineInbox = (
+    Admit
+    | Abort
+    | Drain
+    | GetStats
+    | ComputeDone
+    | Reserved
+    | ReservationRefused
+    | LookupResult
+    | Committed
+    | DropEntries
+)
+
+KVInbox = Reserve | Release | Transfer | ReleaseEpoch | ReservationExpired | GetStats
+
+PrefixInbox = (
+    Lookup | Commit | ReleaseLease | Evict | InvalidateEpoch | ResetPrefixes | GetStats
+)
+
+HostEvent = Started | TokensEmitted | Finished | Cancelled | Failed | Rejected
+TerminalEvent = Finished | Cancelled | Failed
+
+CommandReply = (
+    ModelLoaded | ModelUnloaded | PrefixesReset | CommandFailed | ShutdownComplete | Stats
+)
+
+AnyMessage = RouterInbox | EngineInbox | KVInbox | PrefixInbox | HostEvent | CommandReply
+
+ALL_MESSAGE_TYPES: tuple[type[Message], ...] = tuple(
+    sorted({*Message.__subclasses__()}, key=lambda cls: cls.__name__)
+)
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder: msgspec.msgpack.Decoder[AnyMessage] = msgspec.msgpack.Decoder(AnyMessage)
+
+
+def encode(message: Message) -> bytes:
+    """Serialize a message with msgpack (the wire form a multi-host transport would use)."""
+    return _encoder.encode(message)
+
+
+def decode(data: bytes) -> AnyMessage:
+    """Inverse of ``encode``; raises ``msgspec.ValidationError`` on anything not in the vocabulary."""
+    return _decoder.decode(data)
+
