@@ -1,0 +1,77 @@
+# Build, test and CI entry points. `make test` is what CI runs (see .ci/run).
+#
+#   make venv          create .venv and install the package with test extras
+#   make run           run the demo (runtime.demo)
+#   make lint          ruff check, ruff format --check, mypy --strict
+#   make test          lint, then pytest with the Hypothesis `ci` profile
+#   make test-nightly  pytest with the Hypothesis `nightly` profile
+#   make bench         run benchmarks (python -m bench), if there are any
+#
+# Variables: PYTHON (interpreter used to create the venv), PYTEST_ARGS (extra
+# pytest arguments), BLAS_PRELOAD=0 (do not preload OpenBLAS).
+
+SHELL := /bin/sh
+.DEFAULT_GOAL := test
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PYTEST := $(PY) -m pytest -p no:cacheprovider
+PYTEST_ARGS ?=
+# Nightly runs ~40x more examples than CI, so pyproject's per-test timeout is too short.
+NIGHTLY_TIMEOUT ?= 3600
+
+# MLX's Linux CPU wheel links a slow reference BLAS; preloading Debian's OpenBLAS
+# makes matmul ~40x faster. Only the commands that run MLX get it (not pip, ruff
+# or mypy), hence a command prefix rather than an exported variable.
+BLAS_PRELOAD ?= 1
+BLAS_LIB :=
+ifeq ($(BLAS_PRELOAD),1)
+BLAS_LIB := $(shell sh scripts/blas-preload.sh)
+endif
+ifneq ($(BLAS_LIB),)
+# Append: a library the caller already preloads keeps precedence.
+WITH_BLAS := LD_PRELOAD="$(if $(LD_PRELOAD),$(LD_PRELOAD):)$(BLAS_LIB)"
+BLAS_NOTE := BLAS: OpenBLAS via LD_PRELOAD ($(BLAS_LIB))
+else
+WITH_BLAS :=
+BLAS_NOTE := BLAS: MLX built-in (no OpenBLAS preload; on Debian/Ubuntu install libopenblas0-pthread)
+endif
+
+.PHONY: venv run lint test test-nightly bench
+
+venv: $(VENV)/.installed
+
+# The stamp makes `venv` cheap when nothing changed and re-installs when
+# pyproject.toml (the dependency list) does. It is written only if pip succeeds.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --disable-pip-version-check -e '.[test]'
+	touch $@
+
+run: venv
+	@echo "$(BLAS_NOTE)"
+	$(WITH_BLAS) $(PY) -m runtime.demo
+
+lint: venv
+	$(PY) -m ruff check runtime actors tests property_tests bench conftest.py
+	$(PY) -m ruff format --check runtime actors
+	$(PY) -m mypy
+
+# pytest is the last command, so its exit status decides the target; exit 5
+# ("no tests collected") fails it like any other non-zero status.
+test: venv lint
+	@echo "$(BLAS_NOTE)"
+	$(WITH_BLAS) $(PYTEST) --hypothesis-profile=ci $(PYTEST_ARGS)
+
+test-nightly: venv
+	@echo "$(BLAS_NOTE)"
+	$(WITH_BLAS) $(PYTEST) --hypothesis-profile=nightly --timeout=$(NIGHTLY_TIMEOUT) $(PYTEST_ARGS)
+
+bench: venv
+	@echo "$(BLAS_NOTE)"
+ifneq ($(wildcard bench/__main__.py),)
+	$(WITH_BLAS) $(PY) -m bench
+else
+	@echo "bench: no bench/__main__.py yet, nothing to run"
+endif
