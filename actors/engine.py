@@ -1,0 +1,671 @@
+"""The engine actor: one per loaded model epoch; owns the model, every sequence and every cached state.
+
+Blocking model work runs as compute jobs on the engine's executor, one at a time. Between jobs the
+core picks the next unit of work round-robin (a prefill chunk or a decode step), so a sequence's
+abort flag is seen at the next chunk or step boundary. Prefix entries' states live here; the
+prefix-cache manager only indexes them, and the KV keeper only counts their bytes.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from runtime.backend import Backend, BackendLoader, CannotTrim, SequenceState
+from runtime.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, Context
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.errors import (
+    BackendError,
+    ContextLengthExceeded,
+    InvalidRequest,
+    ModelLoadFailed,
+    MlxRuntimeError,
+)
+from runtime.messages import (
+    Abort,
+    Admit,
+    Commit,
+    Committed,
+    ComputeDone,
+    Drain,
+    Drained,
+    DropEntries,
+    EngineLoadFailed,
+    EngineReady,
+    FinishReason,
+    GetStats,
+    Holder,
+    HolderKind,
+    InvalidateEpoch,
+    Lookup,
+    LookupResult,
+    Message,
+    ModelSpec,
+    Release,
+    ReleaseEpoch,
+    ReleaseLease,
+    RequestKind,
+    ReservationRefused,
+    Reserve,
+    Reserved,
+    ReusePath,
+    SequenceCancelled,
+    SequenceFailed,
+    SequenceFinished,
+    SequenceStarted,
+    Stats,
+    TokensProduced,
+    Transfer,
+)
+from runtime.sequence import COMPUTE_PHASES, Phase, Sequence
+from runtime.stats import Counters
+
+log = logging.getLogger("mlx_actor_runtime.engine")
+
+
+@dataclass
+class _Entry:
+    state: SequenceState
+    nbytes: int
+
+
+class _JobKind(enum.Enum):
+    LOAD = enum.auto()
+    TOKENIZE = enum.auto()
+    STEP = enum.auto()
+    CLOSE = enum.auto()
+
+
+@dataclass
+class _Job:
+    """A unit of compute and the result the compute thread leaves for the loop."""
+
+    kind: _JobKind
+    seq: Sequence | None = None
+    prefilled: int = 0
+    backend: Backend | None = None
+    token: int | None = None
+    text: str = ""
+    state: SequenceState | None = None
+    error: BaseException | None = None
+    skipped: bool = False  # the abort flag was already set when the job started
+    fallback: str | None = None
+    results: dict[int, list[int]] = field(default_factory=dict)
+
+
+class EngineCore:
+    """State and decisions of one engine (see module docstring)."""
+
+    def __init__(
+        self,
+        spec: ModelSpec,
+        epoch: int,
+        load_backend: BackendLoader,
+        reservation_timeout_s: float = 30.0,
+    ) -> None:
+        self.model = spec.name
+        self.epoch = epoch
+        self._spec = spec
+        self._load_backend = load_backend
+        self._reservation_timeout_s = reservation_timeout_s
+        self._chunk = max(1, spec.prefill_chunk_tokens)
+        self._backend: Backend | None = None
+        self._sequences: dict[int, Sequence] = {}
+        self._entries: dict[int, _Entry] = {}
+        self._next_entry_id = 1
+        self._next_job_id = 1
+        self._jobs: dict[int, _Job] = {}
+        self._busy = False
+        self._draining = False
+        self._drain_requester: Address | None = None
+        self._closed = False
+        self._last_served = 0
+        self._load_error: BaseException | None = None
+        self.counters = Counters()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def on_start(self, ctx: Context) -> None:
+        job = _Job(_JobKind.LOAD)
+        self._submit(ctx, job, lambda: self._load_job(job))
+
+    def on_stop(self, ctx: Context) -> None:
+        self._sequences.clear()
+        self._entries.clear()
+
+    def crashed(self, error: BaseException, ctx: Context) -> None:
+        """Supervisor hook after a bug in ``handle``: fail every live sequence, keep the model."""
+        for seq in list(self._sequences.values()):
+            if not seq.in_compute:
+                self._fail(seq, ctx, "engine_crashed", f"engine crashed: {error!r}", True)
+
+    def statistics(self) -> Stats:
+        gauges = {
+            "sequences": len(self._sequences),
+            "entries": len(self._entries),
+            "entry_bytes": sum(e.nbytes for e in self._entries.values()),
+        }
+        return Stats(actor=f"engine:{self.model}", counters=self.counters.snapshot(), gauges=gauges)
+
+    # ------------------------------------------------------------------ messages
+
+    def handle(self, message: Message, sender: Address, ctx: Context) -> None:
+        match message:
+            case Admit():
+                self._admit(message, ctx)
+            case Abort(sequence_id=sequence_id, epoch=epoch, reason=reason):
+                self._abort(sequence_id, epoch, reason, ctx)
+            case ComputeDone(job_id=job_id):
+                self._busy = False
+                job = self._jobs.pop(job_id)
+                self._job_done(job, ctx)
+            case Reserved(holder=holder):
+                self._reserved(holder, ctx)
+            case ReservationRefused(holder=holder, code=code, message=text, retryable=retry):
+                seq = self._sequences.get(holder.id)
+                if holder.kind is HolderKind.SEQUENCE and seq and seq.phase is Phase.RESERVING:
+                    self._fail(seq, ctx, code, text, retry)
+                else:
+                    ctx.count_dead_letter("stale_reservation_reply")
+            case LookupResult():
+                self._looked_up(message, ctx)
+            case Committed(entry_id=entry_id, accepted=accepted, superseded=superseded):
+                dropped = superseded if accepted else (entry_id, *superseded)
+                self._drop_entries(dropped, ctx)
+            case DropEntries(epoch=epoch, entry_ids=ids) if epoch == self.epoch:
+                self._drop_entries(ids, ctx)
+            case Drain(epoch=epoch) if epoch == self.epoch:
+                self._drain(sender, ctx)
+            case GetStats():
+                ctx.send(sender, self.statistics())
+            case _:
+                ctx.count_dead_letter("engine_unexpected_or_stale")
+                self.counters.inc("stale_messages")
+        self._pump(ctx)
+
+    def _admit(self, admit: Admit, ctx: Context) -> None:
+        if admit.epoch != self.epoch or self._draining:
+            ctx.count_dead_letter("admit_to_stale_engine")
+            return
+        seq = Sequence(
+            sequence_id=admit.sequence_id,
+            model=self.model,
+            epoch=self.epoch,
+            kind=admit.kind,
+            session=admit.session,
+            namespace=admit.namespace,
+            sampling=admit.sampling,
+            max_tokens=admit.max_tokens,
+            stop_token_ids=frozenset(admit.stop_token_ids),
+            prompt_text=admit.prompt,
+            tokens=admit.prompt_tokens,
+            rng=random.Random(admit.sampling.seed if admit.sampling.seed is not None else 0),
+        )
+        self._sequences[seq.sequence_id] = seq
+        self.counters.inc(f"admitted_{admit.kind}")
+        if seq.tokens is not None and self._backend is not None:
+            self._tokenized(seq, ctx)
+
+    def _abort(self, sequence_id: int, epoch: int, reason: str, ctx: Context) -> None:
+        seq = self._sequences.get(sequence_id)
+        if epoch != self.epoch or seq is None:
+            ctx.count_dead_letter("abort_unknown_sequence")
+            self.counters.inc("aborts_noop")
+            return
+        self._request_abort(seq, reason, ctx)
+
+    def _request_abort(self, seq: Sequence, reason: str, ctx: Context) -> None:
+        if seq.abort.is_set():
+            return
+        seq.abort_reason = reason
+        seq.abort.set()
+        if not seq.in_compute:
+            self._finish_cancelled(seq, ctx)
+
+    # ------------------------------------------------------------------ admission steps
+
+    def _tokenized(self, seq: Sequence, ctx: Context) -> None:
+        assert seq.tokens is not None and self._backend is not None
+        info = self._backend.info
+        if not seq.tokens:
+            error = InvalidRequest("the prompt is empty after tokenization; send at least one token")
+            self._fail_with(seq, ctx, error)
+            return
+        wanted = len(seq.tokens) + (seq.max_tokens if seq.kind is RequestKind.GENERATE else 0)
+        if wanted > info.context_length:
+            error = ContextLengthExceeded(
+                f"prompt ({len(seq.tokens)} tokens) plus max_tokens ({seq.max_tokens}) exceeds "
+                f"the model's context of {info.context_length} tokens; shorten the prompt or "
+                "lower max_tokens"
+            )
+            self._fail_with(seq, ctx, error)
+            return
+        seq.stop_token_ids = seq.stop_token_ids | info.eos_token_ids
+        if seq.kind is RequestKind.GENERATE:
+            self._supersede_prewarms(seq, ctx)
+        elif seq.prefill_target == 0:
+            self._finish(seq, ctx, FinishReason.PREWARMED)
+            return
+        seq.phase = Phase.RESERVING
+        ctx.send(
+            KV_KEEPER,
+            Reserve(
+                holder=seq.holder,
+                nbytes=info.kv_bytes(wanted),
+                timeout_s=self._reservation_timeout_s,
+            ),
+        )
+
+    def _supersede_prewarms(self, seq: Sequence, ctx: Context) -> None:
+        """A generate adopts an in-flight prewarm it extends, and aborts any other in its session."""
+        assert seq.tokens is not None
+        for other in list(self._sequences.values()):
+            if other.kind is not RequestKind.PREWARM or other.session != seq.session:
+                continue
+            if other.abort.is_set() or other.phase is Phase.DONE:
+                continue
+            target = other.tokens[: other.prefill_target] if other.tokens else None
+            extends = target is not None and seq.tokens[: len(target)] == target
+            if extends and other.phase in COMPUTE_PHASES and seq.resume_phase is None:
+                self._adopt(seq, other, ctx)
+            else:
+                self._request_abort(other, "superseded", ctx)
+                self.counters.inc("prewarms_superseded")
+
+    def _adopt(self, seq: Sequence, prewarm: Sequence, ctx: Context) -> None:
+        seq.state, prewarm.state = prewarm.state, None
+        seq.lease_id, prewarm.lease_id = prewarm.lease_id, None
+        seq.generation = prewarm.generation
+        seq.restore_entry, seq.restore_length = prewarm.restore_entry, prewarm.restore_length
+        seq.in_compute, prewarm.in_compute = prewarm.in_compute, False
+        seq.resume_phase = prewarm.phase
+        seq.path = ReusePath.ADOPTED
+        seq.cached_tokens = self._expected_length(prewarm, seq)
+        prewarm.adopted_by = seq
+        self.counters.inc("prewarms_adopted")
+        self._finish(prewarm, ctx, FinishReason.ADOPTED)
+
+    def _expected_length(self, prewarm: Sequence, seq: Sequence) -> int:
+        """Prompt tokens the adopter gets for free: what the prewarm has or is computing now."""
+        if seq.state is not None:
+            done = seq.state.length
+            if seq.in_compute and prewarm.phase is Phase.PREFILLING:
+                done = min(done + self._chunk, prewarm.prefill_target)
+            return done
+        return prewarm.restore_length if seq.in_compute else 0
+
+    def _reserved(self, holder: Holder, ctx: Context) -> None:
+        seq = self._sequences.get(holder.id)
+        if holder.kind is not HolderKind.SEQUENCE or seq is None or seq.phase is not Phase.RESERVING:
+            ctx.send(KV_KEEPER, Release(holder=holder))  # its sequence ended while it waited
+            ctx.count_dead_letter("stale_reservation_reply")
+            return
+        seq.reserved = True
+        if seq.resume_phase is not None:
+            seq.phase = seq.resume_phase
+            self._started(seq, ctx)
+            if seq.phase is Phase.PREFILLING and not seq.in_compute:
+                self._after_prefill_chunk(seq, ctx)
+            return
+        seq.phase = Phase.LOOKING_UP
+        assert seq.tokens is not None
+        ctx.send(
+            PREFIX_CACHE,
+            Lookup(
+                model=self.model,
+                epoch=self.epoch,
+                namespace=seq.namespace,
+                tokens=seq.tokens,
+                sequence_id=seq.sequence_id,
+            ),
+        )
+
+    def _looked_up(self, result: LookupResult, ctx: Context) -> None:
+        seq = self._sequences.get(result.sequence_id)
+        if result.epoch != self.epoch or seq is None or seq.phase is not Phase.LOOKING_UP:
+            if result.lease_id is not None:
+                ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=result.lease_id))
+            ctx.count_dead_letter("stale_lookup_result")
+            return
+        seq.lease_id, seq.generation = result.lease_id, result.generation
+        entry_id, matched, path = result.entry_id, result.matched, result.path
+        if entry_id is not None and entry_id not in self._entries:
+            self.counters.inc("fallback_entry_missing")
+            entry_id, matched, path = None, 0, ReusePath.MISS
+        if seq.kind is RequestKind.PREWARM and matched >= seq.prefill_target:
+            self.counters.inc("prewarms_already_warm")
+            self._finish(seq, ctx, FinishReason.PREWARMED)
+            return
+        seq.restore_entry, seq.restore_length = entry_id, matched
+        seq.cached_tokens, seq.path = matched, path
+        seq.phase = Phase.RESTORING
+        self._started(seq, ctx)
+
+    def _started(self, seq: Sequence, ctx: Context) -> None:
+        assert seq.tokens is not None
+        self.counters.inc(f"path_{seq.path}")
+        self.counters.inc("cached_prompt_tokens", seq.cached_tokens)
+        ctx.send(
+            ROUTER,
+            SequenceStarted(
+                sequence_id=seq.sequence_id,
+                epoch=self.epoch,
+                prompt_tokens=len(seq.tokens),
+                cached_tokens=seq.cached_tokens,
+                path=seq.path,
+            ),
+        )
+
+    # ------------------------------------------------------------------ compute
+
+    def _pump(self, ctx: Context) -> None:
+        """Start the next compute job if the executor is free."""
+        if self._busy or self._closed or self._backend is None:
+            return
+        backend = self._backend
+        waiting = [s for s in self._sequences.values() if s.phase is Phase.TOKENIZING]
+        if waiting:
+            job = _Job(_JobKind.TOKENIZE)
+            self._submit(ctx, job, lambda: self._tokenize_job(job, waiting, backend))
+            return
+        ready = sorted(
+            (s for s in self._sequences.values() if s.phase in COMPUTE_PHASES),
+            key=lambda s: (s.sequence_id <= self._last_served, s.sequence_id),
+        )
+        if ready:
+            seq = ready[0]
+            self._last_served = seq.sequence_id
+            seq.in_compute = True
+            step = _Job(_JobKind.STEP, seq=seq)
+            self._submit(ctx, step, lambda: self._step_job(step, seq, backend))
+            return
+        if self._draining and not self._sequences:
+            self._closed = True
+            backend, self._backend = self._backend, None
+            self._submit(ctx, _Job(_JobKind.CLOSE), backend.close)
+
+    def _submit(self, ctx: Context, job: _Job, work: Callable[[], None]) -> None:
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        self._jobs[job_id] = job
+        self._busy = True
+        ctx.compute(work, ComputeDone(job_id=job_id))
+
+    # The *_job methods run on the compute thread: they touch only the backend, the job and
+    # the sequence's state, and never raise (errors are handed back in the job).
+
+    def _load_job(self, job: _Job) -> None:
+        try:
+            job.backend = self._load_backend(self._spec)
+        except BaseException as exc:
+            job.error = exc
+
+    def _tokenize_job(self, job: _Job, seqs: list[Sequence], backend: Backend) -> None:
+        for seq in seqs:
+            try:
+                job.results[seq.sequence_id] = backend.encode(seq.prompt_text or "")
+            except BaseException as exc:
+                job.error = exc
+
+    def _step_job(self, job: _Job, seq: Sequence, backend: Backend) -> None:
+        if seq.abort.is_set():
+            job.skipped = True
+            return
+        try:
+            if seq.phase is Phase.RESTORING:
+                job.state = self._restore(backend, seq, job)
+            elif seq.phase is Phase.PREFILLING:
+                assert seq.state is not None and seq.tokens is not None
+                start = seq.state.length
+                chunk = seq.tokens[start : min(start + self._chunk, seq.prefill_target)]
+                backend.prefill(seq.state, chunk)
+                job.prefilled = len(chunk)
+            else:
+                assert seq.state is not None and seq.detokenizer is not None
+                if seq.pending_token is not None:
+                    backend.prefill(seq.state, [seq.pending_token])
+                    job.prefilled = 1
+                job.token = backend.sample(seq.state, seq.sampling, seq.rng)
+                if job.token not in seq.stop_token_ids:
+                    job.text = seq.detokenizer.add(job.token)
+        except BaseException as exc:
+            job.error = exc
+
+    def _restore(self, backend: Backend, seq: Sequence, job: _Job) -> SequenceState:
+        if seq.state is not None:  # adopted from a prewarm
+            return seq.state
+        if seq.restore_entry is None:
+            return backend.new_state()
+        try:
+            return backend.copy_state(self._entries[seq.restore_entry].state, seq.restore_length)
+        except CannotTrim:
+            job.fallback = "trim_refused"
+            return backend.new_state()
+
+    def _job_done(self, job: _Job, ctx: Context) -> None:
+        match job.kind:
+            case _JobKind.LOAD:
+                self._backend, self._load_error = job.backend, job.error
+                self._loaded(ctx)
+            case _JobKind.TOKENIZE:
+                self._tokenize_done(job, ctx)
+            case _JobKind.CLOSE:
+                self._closed_down(ctx)
+            case _JobKind.STEP:
+                assert job.seq is not None
+                self._step_done(job, job.seq.live_successor(), ctx)
+
+    def _step_done(self, job: _Job, seq: Sequence, ctx: Context) -> None:
+        seq.in_compute = False
+        self.counters.inc(
+            "decoded_tokens" if seq.phase is Phase.DECODING else "prefilled_tokens", job.prefilled
+        )
+        if job.fallback is not None:
+            self._fall_back_cold(seq, job.fallback, ctx)
+        if job.state is not None:
+            seq.state = job.state
+        if seq.phase is Phase.DONE:
+            return
+        if seq.abort.is_set() or job.skipped:
+            self._finish_cancelled(seq, ctx)
+            return
+        if job.error is not None:
+            self._fail_with(seq, ctx, BackendError(f"model step failed: {job.error!r}"))
+            return
+        if seq.phase is Phase.RESERVING:  # adopted mid-step; it resumes once reserved
+            if seq.resume_phase is Phase.RESTORING:
+                seq.resume_phase = Phase.PREFILLING
+            return
+        if seq.phase is Phase.RESTORING:
+            seq.phase = Phase.PREFILLING
+        if seq.phase is Phase.PREFILLING:
+            self._after_prefill_chunk(seq, ctx)
+        elif seq.phase is Phase.DECODING:
+            self._after_decode_step(seq, job, ctx)
+
+    def _fall_back_cold(self, seq: Sequence, reason: str, ctx: Context) -> None:
+        self.counters.inc(f"fallback_{reason}")
+        self.counters.inc("cached_prompt_tokens", -seq.cached_tokens)
+        seq.cached_tokens, seq.path = 0, ReusePath.MISS
+        if seq.lease_id is not None:
+            ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
+            seq.lease_id = None
+
+    def _loaded(self, ctx: Context) -> None:
+        if self._backend is None:
+            error = self._load_error
+            code = error.code if isinstance(error, MlxRuntimeError) else ModelLoadFailed.code
+            ctx.send(ROUTER, EngineLoadFailed(epoch=self.epoch, code=code, message=str(error)))
+            self._closed = True
+            return
+        info = self._backend.info
+        log.info("model %s (epoch %d): prefix reuse path %s: %s",
+                 self.model, self.epoch, info.reuse, info.reuse_reason)  # fmt: skip
+        ctx.send(
+            ROUTER,
+            EngineReady(
+                epoch=self.epoch,
+                reuse_path=str(info.reuse),
+                bytes_per_token=info.bytes_per_token,
+                context_length=info.context_length,
+            ),
+        )
+        for seq in list(self._sequences.values()):
+            if seq.tokens is not None and seq.phase is Phase.TOKENIZING:
+                self._tokenized(seq, ctx)
+
+    def _tokenize_done(self, job: _Job, ctx: Context) -> None:
+        for seq in list(self._sequences.values()):
+            if seq.phase is not Phase.TOKENIZING or seq.tokens is not None:
+                continue
+            tokens = job.results.get(seq.sequence_id)
+            if tokens is None:
+                error = InvalidRequest(f"the prompt could not be tokenized: {job.error!r}")
+                self._fail_with(seq, ctx, error)
+            else:
+                seq.tokens = tuple(tokens)
+                self._tokenized(seq, ctx)
+
+    def _closed_down(self, ctx: Context) -> None:
+        """Compute has stopped for good: forget every entry and hand the epoch's memory back."""
+        self._entries.clear()
+        ctx.send(PREFIX_CACHE, InvalidateEpoch(model=self.model, epoch=self.epoch))
+        ctx.send(KV_KEEPER, ReleaseEpoch(model=self.model, epoch=self.epoch))
+        ctx.send(self._drain_requester or ROUTER, Drained(epoch=self.epoch))
+
+    def _after_prefill_chunk(self, seq: Sequence, ctx: Context) -> None:
+        assert seq.state is not None
+        if seq.state.length < seq.prefill_target:
+            return
+        if seq.kind is RequestKind.PREWARM:
+            self._finish(seq, ctx, FinishReason.PREWARMED)
+            return
+        assert self._backend is not None
+        seq.phase = Phase.DECODING
+        seq.detokenizer = IncrementalDetokenizer(self._backend.decode)
+
+    def _after_decode_step(self, seq: Sequence, job: _Job, ctx: Context) -> None:
+        assert job.token is not None
+        if job.token in seq.stop_token_ids:
+            self._finish(seq, ctx, FinishReason.STOP)
+            return
+        seq.generated.append(job.token)
+        seq.pending_token = job.token
+        ctx.send(
+            ROUTER,
+            TokensProduced(
+                sequence_id=seq.sequence_id,
+                epoch=self.epoch,
+                token_ids=(job.token,),
+                text=job.text,
+            ),
+        )
+        if len(seq.generated) >= seq.max_tokens:
+            self._finish(seq, ctx, FinishReason.LENGTH)
+
+    # ------------------------------------------------------------------ endings
+
+    def _finish(self, seq: Sequence, ctx: Context, reason: FinishReason) -> None:
+        if reason is not FinishReason.ADOPTED:
+            self._detach_state(seq, ctx)
+        self._end(seq, ctx)
+        self.counters.inc(f"finished_{reason}")
+        message = SequenceFinished(
+            sequence_id=seq.sequence_id, epoch=self.epoch, reason=reason, usage=seq.usage()
+        )
+        ctx.send(ROUTER, message)
+
+    def _finish_cancelled(self, seq: Sequence, ctx: Context) -> None:
+        if not self._draining:
+            self._detach_state(seq, ctx)  # an aborted prefill is not wasted: keep its cache
+        self._end(seq, ctx)
+        self.counters.inc("cancelled")
+        ctx.send(
+            ROUTER,
+            SequenceCancelled(
+                sequence_id=seq.sequence_id,
+                epoch=self.epoch,
+                usage=seq.usage(),
+                reason=seq.abort_reason,
+            ),
+        )
+
+    def _fail_with(self, seq: Sequence, ctx: Context, error: MlxRuntimeError) -> None:
+        self._fail(seq, ctx, error.code, error.message, error.retryable)
+
+    def _fail(self, seq: Sequence, ctx: Context, code: str, text: str, retry: bool) -> None:
+        seq.state = None  # a state that saw an error is never reused
+        self._end(seq, ctx)
+        self.counters.inc(f"failed_{code}")
+        ctx.send(
+            ROUTER,
+            SequenceFailed(
+                sequence_id=seq.sequence_id,
+                epoch=self.epoch,
+                code=code,
+                message=text,
+                retryable=retry,
+                usage=seq.usage(),
+            ),
+        )
+
+    def _detach_state(self, seq: Sequence, ctx: Context) -> None:
+        """Turn the sequence's cache into a prefix entry keyed by exactly the tokens it holds."""
+        state, seq.state = seq.state, None
+        if state is None or state.length == 0 or not seq.reserved or self._backend is None:
+            return
+        entry_id = self._next_entry_id
+        self._next_entry_id += 1
+        nbytes = self._backend.state_nbytes(state)
+        self._entries[entry_id] = _Entry(state=state, nbytes=nbytes)
+        target = self._entry_holder(entry_id)
+        ctx.send(KV_KEEPER, Transfer(source=seq.holder, target=target, nbytes=nbytes))
+        ctx.send(
+            PREFIX_CACHE,
+            Commit(
+                model=self.model,
+                epoch=self.epoch,
+                namespace=seq.namespace,
+                entry_id=entry_id,
+                tokens=seq.all_tokens[: state.length],
+                nbytes=nbytes,
+                trimmable=self._backend.info.reuse == "trim",
+                generation=seq.generation,
+            ),
+        )
+        self.counters.inc("entries_committed")
+
+    def _end(self, seq: Sequence, ctx: Context) -> None:
+        """Release everything the sequence holds; after this nothing acts on it."""
+        seq.phase = Phase.DONE
+        seq.state = None
+        self._sequences.pop(seq.sequence_id, None)
+        if seq.lease_id is not None:
+            ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
+            seq.lease_id = None
+        ctx.send(KV_KEEPER, Release(holder=seq.holder))
+
+    def _entry_holder(self, entry_id: int) -> Holder:
+        return Holder(model=self.model, epoch=self.epoch, kind=HolderKind.PREFIX_ENTRY, id=entry_id)
+
+    def _drop_entries(self, entry_ids: tuple[int, ...], ctx: Context) -> None:
+        for entry_id in entry_ids:
+            if self._entries.pop(entry_id, None) is None:
+                ctx.count_dead_letter("drop_unknown_entry")
+                continue
+            ctx.send(KV_KEEPER, Release(holder=self._entry_holder(entry_id)))
+
+    # ------------------------------------------------------------------ teardown
+
+    def _drain(self, requester: Address, ctx: Context) -> None:
+        if self._draining:
+            return
+        self._draining = True
+        self._drain_requester = requester
+        for seq in list(self._sequences.values()):
+            self._request_abort(seq, "model_unloaded", ctx)
+        if self._closed and not self._busy:  # the load had failed: nothing to stop
+            self._closed_down(ctx)

@@ -1,0 +1,101 @@
+"""The contract between an engine and a model backend (MLX or simulated).
+
+Every method runs on the engine's compute thread, never on the event loop. A backend owns the
+model; a ``SequenceState`` is an opaque per-sequence cache the engine hands back to it. The engine
+never looks inside states: it asks the backend to copy, trim, measure and extend them.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
+import msgspec
+
+from runtime.messages import ModelSpec, Sampling
+
+
+class ReuseStrategy(enum.StrEnum):
+    """Which prefix-reuse path a model's cache allows, decided once per load."""
+
+    TRIM = "trim"  # every layer's cache can be cut back to any shorter prefix
+    CHECKPOINT = "checkpoint"  # some layer cannot be trimmed: reuse only whole snapshots
+    NONE = "none"  # nothing can be reused safely
+
+
+class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
+    """Facts about a loaded model the engine schedules and prices by."""
+
+    context_length: int
+    vocab_size: int
+    eos_token_ids: frozenset[int]
+    reuse: ReuseStrategy
+    reuse_reason: str
+    bytes_per_token: int  # per token of full-attention KV
+    window_tokens: int | None = None  # sliding-window layers hold at most this many tokens
+    window_bytes_per_token: int = 0
+    fixed_state_bytes: int = 0  # recurrent state, independent of length
+
+    def kv_bytes(self, n_tokens: int) -> int:
+        """Bytes of cache a sequence of ``n_tokens`` needs, from the model's real layout."""
+        windowed = n_tokens if self.window_tokens is None else min(n_tokens, self.window_tokens)
+        return (
+            self.bytes_per_token * n_tokens
+            + self.window_bytes_per_token * windowed
+            + self.fixed_state_bytes
+        )
+
+
+class SequenceState(Protocol):
+    """Opaque cache of one sequence; ``length`` is how many tokens it has consumed."""
+
+    @property
+    def length(self) -> int: ...
+
+
+class CannotTrim(Exception):
+    """Raised by ``copy_state`` when a state cannot be cut back to the requested length."""
+
+
+class Backend(Protocol):
+    """What an engine needs from a model. Implementations: ``mlx_backend``, ``simulated``."""
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    def encode(self, text: str) -> list[int]:
+        """Tokenize a prompt (adding the model's BOS if it uses one)."""
+        ...
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        """Detokenize (may end in U+FFFD while a character is incomplete)."""
+        ...
+
+    def new_state(self) -> SequenceState:
+        """An empty cache."""
+        ...
+
+    def copy_state(self, state: SequenceState, length: int) -> SequenceState:
+        """An independent copy of the first ``length`` tokens of ``state``; raises ``CannotTrim``."""
+        ...
+
+    def prefill(self, state: SequenceState, token_ids: Sequence[int]) -> None:
+        """Run ``token_ids`` through the model, extending ``state`` and keeping the last logits."""
+        ...
+
+    def sample(self, state: SequenceState, sampling: Sampling, rng: random.Random) -> int:
+        """Pick the next token from the logits after the last prefilled token."""
+        ...
+
+    def state_nbytes(self, state: SequenceState) -> int:
+        """Actual bytes the state's cache occupies."""
+        ...
+
+    def close(self) -> None:
+        """Free the model and its buffers (called on the compute thread at unload)."""
+        ...
+
+
+BackendLoader = Callable[[ModelSpec], Backend]

@@ -1,0 +1,105 @@
+"""One sequence's state inside an engine: the request it serves, its phase and its cache."""
+
+from __future__ import annotations
+
+import enum
+import random
+import threading
+from dataclasses import dataclass, field
+
+from runtime.backend import SequenceState
+from runtime.detokenizer import IncrementalDetokenizer
+from runtime.messages import (
+    Holder,
+    HolderKind,
+    RequestKind,
+    ReusePath,
+    Sampling,
+    TokenIds,
+    Usage,
+)
+
+
+class Phase(enum.Enum):
+    TOKENIZING = enum.auto()  # waiting for the compute thread to tokenize the prompt
+    RESERVING = enum.auto()  # waiting for the KV keeper
+    LOOKING_UP = enum.auto()  # waiting for the prefix-cache manager
+    RESTORING = enum.auto()  # compute: copy (and trim) a cached state, or make an empty one
+    PREFILLING = enum.auto()  # compute: prompt chunks
+    DECODING = enum.auto()  # compute: one token per step
+    DONE = enum.auto()
+
+
+COMPUTE_PHASES = frozenset({Phase.RESTORING, Phase.PREFILLING, Phase.DECODING})
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Mutable per-sequence bookkeeping, owned by the engine core (the loop thread).
+
+    Only ``state`` is touched by the compute thread, and only while ``in_compute`` is set.
+    """
+
+    sequence_id: int
+    model: str
+    epoch: int
+    kind: RequestKind
+    session: str
+    namespace: str
+    sampling: Sampling
+    max_tokens: int
+    stop_token_ids: frozenset[int]
+    prompt_text: str | None
+    tokens: TokenIds | None
+    phase: Phase = Phase.TOKENIZING
+    # Set once, by the loop, when the sequence must stop; the compute thread checks it per step.
+    abort: threading.Event = field(default_factory=threading.Event)
+    abort_reason: str = "cancelled"
+    state: SequenceState | None = None
+    in_compute: bool = False
+    reserved: bool = False
+    lease_id: int | None = None
+    generation: int = 0
+    restore_entry: int | None = None
+    restore_length: int = 0
+    path: ReusePath = ReusePath.MISS
+    cached_tokens: int = 0
+    resume_phase: Phase | None = None  # set when adopting a prewarm: where to continue
+    adopted_by: Sequence | None = None
+    generated: list[int] = field(default_factory=list)
+    pending_token: int | None = None  # sampled and emitted, not yet fed to the model
+    detokenizer: IncrementalDetokenizer | None = None
+    rng: random.Random = field(default_factory=random.Random)
+
+    @property
+    def holder(self) -> Holder:
+        return Holder(
+            model=self.model, epoch=self.epoch, kind=HolderKind.SEQUENCE, id=self.sequence_id
+        )
+
+    @property
+    def prefill_target(self) -> int:
+        """Tokens to prefill: the whole prompt, or for a prewarm all but the last (see design.md)."""
+        assert self.tokens is not None
+        if self.kind is RequestKind.PREWARM:
+            return max(len(self.tokens) - 1, 0)
+        return len(self.tokens)
+
+    @property
+    def all_tokens(self) -> TokenIds:
+        assert self.tokens is not None
+        return self.tokens + tuple(self.generated)
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=len(self.tokens or ()),
+            cached_prompt_tokens=self.cached_tokens,
+            completion_tokens=len(self.generated),
+        )
+
+    def live_successor(self) -> Sequence:
+        """The sequence that now owns this one's work (itself unless a generate adopted it)."""
+        seq = self
+        while seq.adopted_by is not None:
+            seq = seq.adopted_by
+        return seq

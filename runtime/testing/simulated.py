@@ -1,0 +1,193 @@
+"""A deterministic model backend an engine cannot tell from a real one.
+
+The next token is a pure function of the token prefix (a rolling hash), so any two paths to the same
+prefix (cold prefill, trimmed reuse, checkpoint, adopted warmup) must produce the same tokens: that
+is the oracle for prefix reuse. Compute "costs" time through a ``ComputeClock``: real sleeps on the
+production thread executor, virtual seconds in the simulator. Faults are data, so they can travel in
+a ``ModelSpec`` and be replayed.
+
+Public: hosts can load ``ModelSpec(name=..., backend="simulated", options={...})`` in their own tests.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+
+from runtime.backend import CannotTrim, ModelInfo, ReuseStrategy
+from runtime.errors import InvalidModelSpec
+from runtime.messages import ModelSpec, Sampling
+
+EOS_TOKEN_ID = 256
+VOCAB_SIZE = 257
+# Generated tokens are drawn from these bytes so the text is readable and valid UTF-8.
+_TEXT_TOKENS = tuple(b"abcdefghijklmnopqrstuvwxyz ")
+_HASH_MOD = (1 << 61) - 1
+_HASH_BASE = 1_000_003
+
+
+class ComputeClock(Protocol):
+    """Where simulated compute spends its time."""
+
+    def spend(self, seconds: float) -> None: ...
+
+
+class RealClock:
+    """Spends real time: the compute thread sleeps, as a real model would keep it busy."""
+
+    def spend(self, seconds: float) -> None:
+        if seconds > 0:
+            time.sleep(seconds)
+
+
+class SimulatedFault(RuntimeError):
+    """Raised by the simulated backend where its options inject a fault."""
+
+
+class SimulatedModelOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of a simulated model (``ModelSpec.options``)."""
+
+    trimmable: bool = True  # False: behaves like sliding-window/recurrent caches
+    context_length: int = 4096
+    bytes_per_token: int = 1024
+    fixed_state_bytes: int = 0
+    prefill_s_per_token: float = 0.0
+    decode_s_per_token: float = 0.0
+    load_s: float = 0.0
+    eos_every: int = 0  # >0: the prefix hash emits EOS about once every this many tokens
+    fail_load: bool = False
+    fail_prefill_call: int = 0  # >0: the n-th prefill call (1-based, per load) raises
+    fail_sample_call: int = 0  # >0: the n-th sample call raises
+
+
+class SimulatedState:
+    """Tokens consumed so far plus the rolling hash after each one (so trims are exact)."""
+
+    __slots__ = ("hashes", "tokens")
+
+    def __init__(self, tokens: list[int] | None = None, hashes: list[int] | None = None) -> None:
+        self.tokens: list[int] = tokens or []
+        self.hashes: list[int] = hashes or []
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+def next_token_for(prefix_hash: int, eos_every: int) -> int:
+    """The greedy next token after a prefix with this hash."""
+    if eos_every > 0 and prefix_hash % eos_every == 0:
+        return EOS_TOKEN_ID
+    return _TEXT_TOKENS[prefix_hash % len(_TEXT_TOKENS)]
+
+
+def extend_hash(prefix_hash: int, token_id: int) -> int:
+    return (prefix_hash * _HASH_BASE + token_id + 1) % _HASH_MOD
+
+
+def greedy_continuation(prompt: Sequence[int], n: int, eos_every: int = 0) -> list[int]:
+    """What a cold greedy run would produce: the reference for equivalence tests."""
+    h = 0
+    for token in prompt:
+        h = extend_hash(h, token)
+    out: list[int] = []
+    for _ in range(n):
+        token = next_token_for(h, eos_every)
+        if token == EOS_TOKEN_ID:
+            break
+        out.append(token)
+        h = extend_hash(h, token)
+    return out
+
+
+class SimulatedBackend:
+    """The ``Backend`` implementation. Thread-confined like a real one: only the compute thread."""
+
+    def __init__(self, options: SimulatedModelOptions, clock: ComputeClock) -> None:
+        self._options = options
+        self._clock = clock
+        self._prefill_calls = 0
+        self._sample_calls = 0
+        self._lock = threading.Lock()  # catches accidental use from two threads at once
+        strategy = ReuseStrategy.TRIM if options.trimmable else ReuseStrategy.CHECKPOINT
+        self._info = ModelInfo(
+            context_length=options.context_length,
+            vocab_size=VOCAB_SIZE,
+            eos_token_ids=frozenset({EOS_TOKEN_ID}),
+            reuse=strategy,
+            reuse_reason=(
+                "simulated trimmable cache"
+                if options.trimmable
+                else "simulated non-trimmable cache (sliding-window/recurrent behaviour)"
+            ),
+            bytes_per_token=options.bytes_per_token,
+            fixed_state_bytes=options.fixed_state_bytes,
+        )
+
+    @classmethod
+    def load(cls, spec: ModelSpec, clock: ComputeClock) -> SimulatedBackend:
+        """Build from a spec; raises ``InvalidModelSpec`` on bad options, ``SimulatedFault`` on demand."""
+        try:
+            options = msgspec.convert(spec.options, SimulatedModelOptions)
+        except msgspec.ValidationError as exc:
+            raise InvalidModelSpec(f"simulated model {spec.name!r}: {exc}") from exc
+        clock.spend(options.load_s)
+        if options.fail_load:
+            raise SimulatedFault(f"simulated load failure for {spec.name!r}")
+        return cls(options, clock)
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")
+
+    def new_state(self) -> SimulatedState:
+        return SimulatedState()
+
+    def copy_state(self, state: SimulatedState, length: int) -> SimulatedState:  # type: ignore[override]
+        if length > state.length or length < 0:
+            raise CannotTrim(f"cannot copy {length} tokens of a {state.length}-token state")
+        if length < state.length and not self._options.trimmable:
+            raise CannotTrim("this simulated cache is not trimmable")
+        return SimulatedState(state.tokens[:length], state.hashes[:length])
+
+    def prefill(self, state: SimulatedState, token_ids: Sequence[int]) -> None:  # type: ignore[override]
+        with self._lock:
+            self._prefill_calls += 1
+            if self._prefill_calls == self._options.fail_prefill_call:
+                raise SimulatedFault(f"injected fault in prefill call {self._prefill_calls}")
+            cost = self._options.prefill_s_per_token
+            if len(token_ids) == 1:
+                cost = self._options.decode_s_per_token or cost
+            self._clock.spend(cost * len(token_ids))
+            h = state.hashes[-1] if state.hashes else 0
+            for token in token_ids:
+                h = extend_hash(h, token)
+                state.tokens.append(token)
+                state.hashes.append(h)
+
+    def sample(self, state: SimulatedState, sampling: Sampling, rng: random.Random) -> int:  # type: ignore[override]
+        with self._lock:
+            self._sample_calls += 1
+            if self._sample_calls == self._options.fail_sample_call:
+                raise SimulatedFault(f"injected fault in sample call {self._sample_calls}")
+            h = state.hashes[-1] if state.hashes else 0
+            if sampling.temperature > 0:
+                h = extend_hash(h, rng.randrange(1 << 30))
+            return next_token_for(h, self._options.eos_every)
+
+    def state_nbytes(self, state: SimulatedState) -> int:  # type: ignore[override]
+        return self._info.kv_bytes(state.length)
+
+    def close(self) -> None:
+        pass

@@ -1,0 +1,244 @@
+"""The actor simulator: the real actor cores on a virtual clock, in an order chosen by a seed.
+
+It replaces the production transport (``runtime.actor``) with a single-threaded loop. At each step
+it picks, with a seeded random source, one actor that has mail and delivers one message to it;
+compute jobs run inline and their simulated cost advances the virtual clock instead of taking
+time. Same seed, same trace: a race found once is found again, and Hypothesis can shrink it.
+
+Typical use (a host's own test of its cancellation handling)::
+
+    sim = Simulator(seed=7, config=RuntimeConfig(kv_budget_bytes=1 << 20))
+    sim.load(ModelSpec(name="m", backend="simulated", options={"prefill_s_per_token": 0.001}))
+    sim.send(Generate(request_id="a", incarnation=1, model="m", prompt="hello"))
+    sim.advance(0.002)                      # part-way through the prefill
+    sim.send(Cancel(request_id="a", incarnation=1))
+    sim.run_until_quiescent()
+    assert isinstance(sim.terminal("a", 1), Cancelled)
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import random
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from runtime.backends import make_backend_loader
+from runtime.config import RuntimeConfig, build_standing_actors
+from runtime.core import ROUTER, ActorCore, Address
+from runtime.messages import (
+    Cancelled,
+    CommandReply,
+    Failed,
+    Finished,
+    LoadModel,
+    Message,
+    ModelSpec,
+    Rejected,
+)
+
+HOST: Address = "host"
+
+
+class VirtualClock:
+    """Simulated time. Compute charges its cost here; the simulator moves ``now`` forward."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._charged = 0.0
+
+    def spend(self, seconds: float) -> None:
+        self._charged += seconds
+
+    def take_charged(self) -> float:
+        charged, self._charged = self._charged, 0.0
+        return charged
+
+
+@dataclass(frozen=True)
+class _Envelope:
+    message: Message | None  # None: stop the actor
+    sender: Address
+
+
+class _SimContext:
+    """``runtime.core.Context`` that queues effects; the simulator applies them after ``handle``."""
+
+    def __init__(self, sim: Simulator, address: Address) -> None:
+        self._sim = sim
+        self._address = address
+        self.effects: list[Callable[[], None]] = []
+
+    @property
+    def self_address(self) -> Address:
+        return self._address
+
+    def now(self) -> float:
+        return self._sim.clock.now
+
+    def send(self, to: Address, message: Message) -> None:
+        self.effects.append(lambda: self._sim.deliver(to, message, self._address))
+
+    def send_later(self, delay_s: float, message: Message) -> None:
+        due = self._sim.clock.now + delay_s
+        self.effects.append(lambda: self._sim.at(due, self._address, message))
+
+    def spawn(self, address: Address, core: ActorCore) -> None:
+        self.effects.append(lambda: self._sim.spawn(address, core))
+
+    def stop(self, address: Address) -> None:
+        self.effects.append(lambda: self._sim.deliver_stop(address))
+
+    def compute(self, job: Callable[[], None], done: Message) -> None:
+        self.effects.append(lambda: self._sim.run_inline(self._address, job, done))
+
+    def count_dead_letter(self, reason: str) -> None:
+        self._sim.dead_letters[reason] += 1
+
+
+class Simulator:
+    """Drives the runtime's actor cores deterministically. Not thread-safe; no event loop needed."""
+
+    def __init__(self, seed: int = 0, config: RuntimeConfig | None = None) -> None:
+        self.clock = VirtualClock()
+        self.rng = random.Random(seed)
+        self.config = config or RuntimeConfig(kv_budget_bytes=64 << 20)
+        self.dead_letters: Counter[str] = Counter()
+        self.host_messages: list[Message] = []
+        self.trace: list[str] = []
+        self._cores: dict[Address, ActorCore] = {}
+        self._mail: dict[Address, deque[_Envelope]] = {}
+        self._timers: list[tuple[float, int, Address, Message]] = []
+        self._order = itertools.count()
+        loader = make_backend_loader(self.clock)
+        for address, core in build_standing_actors(self.config, loader):
+            self.spawn(address, core)
+
+    # ------------------------------------------------------------------ host side
+
+    def send(self, message: Message, sender: Address = HOST) -> None:
+        """Send from the host to the router (or another sender address, for replies)."""
+        self.deliver(ROUTER, message, sender)
+
+    def load(self, spec: ModelSpec) -> Message:
+        """Load a model and run until its reply arrives."""
+        before = len(self.host_messages)
+        self.send(LoadModel(spec=spec))
+        self.run_until(lambda: any(isinstance(m, CommandReply) for m in self.host_messages[before:]))
+        return next(m for m in self.host_messages[before:] if isinstance(m, CommandReply))
+
+    def events(self, request_id: str, incarnation: int) -> list[Message]:
+        """Host events of one request, in arrival order."""
+        return [
+            m
+            for m in self.host_messages
+            if getattr(m, "request_id", None) == request_id
+            and getattr(m, "incarnation", None) == incarnation
+        ]
+
+    def terminal(self, request_id: str, incarnation: int) -> Message | None:
+        ends = (Finished, Cancelled, Failed, Rejected)
+        found = [m for m in self.events(request_id, incarnation) if isinstance(m, ends)]
+        return found[-1] if found else None
+
+    def core(self, address: Address) -> ActorCore | None:
+        return self._cores.get(address)
+
+    def addresses(self) -> list[Address]:
+        return list(self._cores)
+
+    # ------------------------------------------------------------------ stepping
+
+    def step(self) -> bool:
+        """Deliver one message to one actor chosen by the seed; False when every mailbox is empty."""
+        ready = [address for address, mail in self._mail.items() if mail]
+        if not ready:
+            return False
+        address = self.rng.choice(ready)
+        envelope = self._mail[address].popleft()
+        core = self._cores[address]
+        ctx = _SimContext(self, address)
+        if envelope.message is None:
+            core.on_stop(ctx)
+            del self._cores[address], self._mail[address]
+            self.trace.append(f"{self.clock.now:.6f} stop {address}")
+        else:
+            name = type(envelope.message).__name__
+            self.trace.append(f"{self.clock.now:.6f} {envelope.sender}->{address} {name}")
+            core.handle(envelope.message, envelope.sender, ctx)
+        for effect in ctx.effects:
+            effect()
+        return True
+
+    def run_until_idle(self, max_steps: int = 1_000_000) -> None:
+        """Deliver messages until no actor has mail (time does not move)."""
+        for _ in range(max_steps):
+            if not self.step():
+                return
+        raise RuntimeError(f"simulation did not go idle within {max_steps} steps")
+
+    def advance(self, seconds: float) -> None:
+        """Move time forward by ``seconds``, firing timers and compute completions on the way."""
+        until = self.clock.now + seconds
+        self.run_until_idle()
+        while self._timers and self._timers[0][0] <= until:
+            due, _, address, message = heapq.heappop(self._timers)
+            self.clock.now = max(self.clock.now, due)
+            self.deliver(address, message, address)
+            self.run_until_idle()
+        self.clock.now = until
+
+    def run_until(self, condition: Callable[[], bool], max_seconds: float = 3600.0) -> None:
+        """Run (jumping time to each next event) until ``condition()`` holds; raise if it never does."""
+        deadline = self.clock.now + max_seconds
+        self.run_until_idle()
+        while not condition():
+            if not self._timers or self._timers[0][0] > deadline:
+                raise RuntimeError("simulation stalled before the condition held")
+            self.advance(self._timers[0][0] - self.clock.now)
+
+    def run_until_quiescent(self, max_seconds: float = 3600.0) -> None:
+        """Run until no mail and no pending timer or compute remains."""
+        self.run_until(lambda: not self._timers and not any(self._mail.values()), max_seconds)
+
+    @property
+    def quiescent(self) -> bool:
+        return not self._timers and not any(self._mail.values())
+
+    # ------------------------------------------------------------------ transport (used by contexts)
+
+    def deliver(self, to: Address, message: Message, sender: Address) -> None:
+        if to == HOST or to.startswith("host"):
+            self.host_messages.append(message)
+            return
+        mail = self._mail.get(to)
+        if mail is None:
+            self.dead_letters[f"no_actor:{type(message).__name__}"] += 1
+            return
+        mail.append(_Envelope(message, sender))
+
+    def deliver_stop(self, address: Address) -> None:
+        mail = self._mail.get(address)
+        if mail is not None:
+            mail.append(_Envelope(None, address))
+
+    def at(self, due: float, address: Address, message: Message) -> None:
+        heapq.heappush(self._timers, (due, next(self._order), address, message))
+
+    def spawn(self, address: Address, core: ActorCore) -> None:
+        if address in self._cores:
+            raise ValueError(f"an actor already lives at {address!r}")
+        self._cores[address] = core
+        self._mail[address] = deque()
+        ctx = _SimContext(self, address)
+        core.on_start(ctx)
+        for effect in ctx.effects:
+            effect()
+
+    def run_inline(self, address: Address, job: Callable[[], None], done: Message) -> None:
+        """Run a compute job now; its charged cost decides when ``done`` arrives."""
+        self.clock.take_charged()
+        job()
+        self.at(self.clock.now + self.clock.take_charged(), address, done)
