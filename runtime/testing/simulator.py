@@ -30,7 +30,6 @@ from runtime.config import RuntimeConfig, build_standing_actors
 from runtime.core import ROUTER, ActorCore, Address
 from runtime.messages import (
     Cancelled,
-    CommandReply,
     Failed,
     Finished,
     LoadModel,
@@ -112,6 +111,8 @@ class Simulator:
         self._mail: dict[Address, deque[_Envelope]] = {}
         self._timers: list[tuple[float, int, Address, Message]] = []
         self._order = itertools.count()
+        self._asks = 0
+        self._replies: dict[Address, list[Message]] = {}
         loader = make_backend_loader(self.clock)
         for address, core in build_standing_actors(self.config, loader):
             self.spawn(address, core)
@@ -122,12 +123,18 @@ class Simulator:
         """Send from the host to the router (or another sender address, for replies)."""
         self.deliver(ROUTER, message, sender)
 
+    def ask(self, message: Message, max_seconds: float = 3600.0) -> Message:
+        """Send a command from a fresh reply address and run until its one reply arrives."""
+        self._asks += 1
+        reply_to = f"{HOST}:ask:{self._asks}"
+        self._replies[reply_to] = []
+        self.send(message, sender=reply_to)
+        self.run_until(lambda: bool(self._replies[reply_to]), max_seconds)
+        return self._replies.pop(reply_to)[0]
+
     def load(self, spec: ModelSpec) -> Message:
-        """Load a model and run until its reply arrives."""
-        before = len(self.host_messages)
-        self.send(LoadModel(spec=spec))
-        self.run_until(lambda: any(isinstance(m, CommandReply) for m in self.host_messages[before:]))
-        return next(m for m in self.host_messages[before:] if isinstance(m, CommandReply))
+        """Load a model and run until its reply (``ModelLoaded`` or ``CommandFailed``) arrives."""
+        return self.ask(LoadModel(spec=spec))
 
     def events(self, request_id: str, incarnation: int) -> list[Message]:
         """Host events of one request, in arrival order."""
@@ -210,7 +217,10 @@ class Simulator:
     # ------------------------------------------------------------------ transport (used by contexts)
 
     def deliver(self, to: Address, message: Message, sender: Address) -> None:
-        if to == HOST or to.startswith("host"):
+        if to in self._replies:
+            self._replies[to].append(message)
+            return
+        if to == HOST or to.startswith(f"{HOST}:"):
             self.host_messages.append(message)
             return
         mail = self._mail.get(to)

@@ -1,0 +1,196 @@
+"""The whole runtime on the simulator, against the protocol's invariants (docs/protocols.md).
+
+Hypothesis picks the simulator's seed (so which actor runs next) and a program of host actions;
+after every step the invariants are checked. A failure shrinks to a short program and replays.
+"""
+
+from __future__ import annotations
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from runtime.config import RuntimeConfig
+from runtime.messages import (
+    Cancel,
+    Cancelled,
+    CommandFailed,
+    Failed,
+    Finished,
+    FinishReason,
+    Generate,
+    Message,
+    ModelLoaded,
+    ModelSpec,
+    ModelUnloaded,
+    Prewarm,
+    Rejected,
+    ResetPrefixes,
+    Started,
+    TokensEmitted,
+    UnloadModel,
+)
+from runtime.testing.simulated import greedy_continuation
+from runtime.testing.simulator import Simulator
+
+BYTES_PER_TOKEN = 100
+BUDGET = 6_000  # small enough that reservations queue, are evicted for, and time out
+REQUEST_IDS = ("r1", "r2", "r3")
+TERMINALS = (Finished, Cancelled, Failed)
+prompts = st.lists(st.sampled_from([97, 98, 99]), min_size=1, max_size=12).map(tuple)
+
+
+class RuntimeMachine(RuleBasedStateMachine):
+    @initialize(seed=st.integers(0, 2**16), trimmable=st.booleans())
+    def start(self, seed: int, trimmable: bool) -> None:
+        config = RuntimeConfig(kv_budget_bytes=BUDGET, reservation_timeout_s=0.05)
+        self.sim = Simulator(seed=seed, config=config)
+        self.spec = ModelSpec(
+            name="m",
+            backend="simulated",
+            prefill_chunk_tokens=3,
+            options={
+                "trimmable": trimmable,
+                "bytes_per_token": BYTES_PER_TOKEN,
+                "prefill_s_per_token": 0.001,
+                "decode_s_per_token": 0.002,
+            },
+        )
+        self.incarnation = 0
+        self.sent: dict[tuple[str, int], Generate | Prewarm] = {}
+        self.cancelled_by_host: set[tuple[str, int]] = set()
+        self.model_loaded = False
+        self.unloads: list[tuple[int, int]] = []  # (epoch, host messages seen when it replied)
+        self._load()
+
+    def _load(self) -> None:
+        reply = self.sim.load(self.spec)
+        assert isinstance(reply, ModelLoaded)
+        self.model_loaded = True
+
+    def _next(self) -> int:
+        self.incarnation += 1
+        return self.incarnation
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(request_id=st.sampled_from(REQUEST_IDS), prompt=prompts, max_tokens=st.integers(1, 6))
+    def generate(self, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> None:
+        request = Generate(
+            request_id=request_id,
+            incarnation=self._next(),
+            model="m",
+            prompt_tokens=prompt,
+            max_tokens=max_tokens,
+        )
+        self.sent[(request_id, request.incarnation)] = request
+        self.sim.send(request)
+
+    @rule(request_id=st.sampled_from(REQUEST_IDS), prompt=prompts)
+    def prewarm(self, request_id: str, prompt: tuple[int, ...]) -> None:
+        request = Prewarm(
+            request_id=request_id, incarnation=self._next(), model="m", prompt_tokens=prompt
+        )
+        self.sent[(request_id, request.incarnation)] = request
+        self.sim.send(request)
+
+    @precondition(lambda self: bool(self.sent))
+    @rule(data=st.data())
+    def cancel(self, data: st.DataObject) -> None:
+        # Any incarnation ever sent, including finished ones: a late cancel must be a no-op.
+        key = data.draw(st.sampled_from(sorted(self.sent)))
+        self.cancelled_by_host.add(key)
+        self.sim.send(Cancel(request_id=key[0], incarnation=key[1]))
+
+    @rule()
+    def unload(self) -> None:
+        reply = self.sim.ask(UnloadModel(model="m"))
+        assert isinstance(reply, (ModelUnloaded, CommandFailed))
+        if isinstance(reply, ModelUnloaded):
+            self.unloads.append((reply.epoch, len(self.sim.host_messages)))
+        self.model_loaded = False
+
+    @precondition(lambda self: not self.model_loaded)
+    @rule()
+    def load(self) -> None:
+        self._load()
+
+    @rule()
+    def reset(self) -> None:
+        self.sim.ask(ResetPrefixes(model="m"))
+
+    @rule(steps=st.integers(1, 20))
+    def deliver(self, steps: int) -> None:
+        for _ in range(steps):
+            if not self.sim.step():
+                break
+
+    @rule(seconds=st.sampled_from([0.001, 0.003, 0.01, 0.1]))
+    def advance(self, seconds: float) -> None:
+        self.sim.advance(seconds)
+
+    # ------------------------------------------------------------------ invariants
+
+    @invariant()
+    def one_terminal_and_nothing_after(self) -> None:
+        for key in self.sent:
+            events = self.sim.events(*key)
+            ends = [i for i, e in enumerate(events) if isinstance(e, (*TERMINALS, Rejected))]
+            assert len(ends) <= 1, (key, events)
+            if ends:
+                assert ends[0] == len(events) - 1, (key, events)
+
+    @invariant()
+    def kv_never_over_budget(self) -> None:
+        kv = self.sim.core("kv")
+        assert 0 <= kv.reserved_bytes <= kv.budget_bytes  # type: ignore[union-attr]
+        assert kv.reserved_bytes + kv.free_bytes == kv.budget_bytes  # type: ignore[union-attr]
+
+    @invariant()
+    def cancel_only_hits_what_it_names(self) -> None:
+        for key in self.sent:
+            terminal = self.sim.terminal(*key)
+            if isinstance(terminal, Cancelled) and terminal.reason == "cancelled":
+                assert key in self.cancelled_by_host, key
+
+    @invariant()
+    def greedy_output_equals_cold_run(self) -> None:
+        for key, request in self.sent.items():
+            terminal = self.sim.terminal(*key)
+            if not isinstance(request, Generate) or terminal is None:
+                continue
+            assert request.prompt_tokens is not None
+            emitted = [t for e in self.sim.events(*key) if isinstance(e, TokensEmitted)
+                       for t in e.token_ids]  # fmt: skip
+            expected = greedy_continuation(request.prompt_tokens, request.max_tokens)
+            assert emitted == expected[: len(emitted)], (key, emitted, expected)
+            if isinstance(terminal, Finished) and terminal.reason is FinishReason.LENGTH:
+                assert emitted == expected
+
+    @invariant()
+    def unload_only_after_its_work_ended(self) -> None:
+        for epoch, seen in self.unloads:
+            for key in self.sent:
+                started = _first(self.sim.events(*key), Started)
+                if started is None or started.epoch != epoch:
+                    continue
+                terminal = self.sim.terminal(*key)
+                assert terminal is not None, key
+                assert self.sim.host_messages.index(terminal) < seen, key
+
+    def teardown(self) -> None:
+        if not hasattr(self, "sim"):
+            return
+        self.sim.run_until_quiescent()
+        for key in self.sent:
+            assert self.sim.terminal(*key) is not None, f"{key} never ended"
+        kv, prefix = self.sim.core("kv"), self.sim.core("prefix")
+        # Quiescent: every reserved byte belongs to a cached prefix entry; nothing leaked.
+        assert kv.reserved_bytes == prefix.total_bytes, (kv.holdings(), prefix.entries())  # type: ignore[union-attr]
+
+
+def _first(events: list[Message], kind: type[Started]) -> Started | None:
+    return next((e for e in events if isinstance(e, kind)), None)
+
+
+
+TestRuntimeMachine = RuntimeMachine.TestCase
