@@ -54,6 +54,7 @@ from runtime.validation import validate_request
 HOST: Address = "host"
 _T = TypeVar("_T")
 TERMINALS = (Finished, Cancelled, Failed)
+CLOSE_WAIT_S = 10.0  # a safety net only: an engine answers an abort within one step
 
 
 class RuntimeStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -106,11 +107,18 @@ class GenerationStream:
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Cancel the request unless it already ended, and stop listening to it."""
+        """Cancel the request unless it already ended, and wait (shielded) for its end.
+
+        The wait is one prefill chunk or decode step at most; afterwards the request id is free.
+        """
         if self._receive is None:
             return
         if self._terminal is None:
             self._runtime._tell(Cancel(request_id=self.request_id, incarnation=self._incarnation))
+            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_WAIT_S):
+                async for event in self._receive:
+                    if isinstance(event, (*TERMINALS, Rejected)):
+                        break
         self._runtime._forget(self.request)
         self._receive.close()
 
@@ -180,7 +188,13 @@ class Runtime:
             for address in system.addresses():
                 system.stop(address)
             self._system = None
-        return await stack.__aexit__(exc_type, exc, tb)
+        try:
+            return await stack.__aexit__(exc_type, exc, tb)
+        except BaseExceptionGroup as group:
+            # The host's own exception comes back wrapped by the task group: give it back as is.
+            if exc is not None and len(group.exceptions) == 1 and group.exceptions[0] is exc:
+                raise exc from None
+            raise
 
     # ------------------------------------------------------------------ models
 
@@ -323,7 +337,9 @@ class Runtime:
         return receive
 
     def _forget(self, request: Generate | Prewarm) -> None:
-        self._streams.pop((request.request_id, request.incarnation), None)
+        send = self._streams.pop((request.request_id, request.incarnation), None)
+        if send is not None:
+            send.close()
         if self._live_incarnation.get(request.request_id) == request.incarnation:
             del self._live_incarnation[request.request_id]
 

@@ -1,0 +1,101 @@
+"""The production transport: mailboxes, ask/tell, stop ordering, supervision."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from runtime.actor import ActorSystem
+from runtime.core import Address, Context
+from runtime.errors import ActorStopped, SupervisionEscalated
+from runtime.messages import GetStats, Message, Stats
+from runtime.supervision import RestartPolicy, RestartTracker
+
+pytestmark = pytest.mark.anyio
+
+
+class Echo:
+    """Replies to GetStats with how many messages it handled; crashes when told to."""
+
+    def __init__(self, crash_on: int = 0) -> None:
+        self.handled = 0
+        self.crash_on = crash_on
+        self.recovered = 0
+        self.stopped = False
+
+    def on_start(self, ctx: Context) -> None:
+        pass
+
+    def on_stop(self, ctx: Context) -> None:
+        self.stopped = True
+
+    def handle(self, message: Message, sender: Address, ctx: Context) -> None:
+        self.handled += 1
+        if self.crash_on and self.handled % self.crash_on == 0:
+            raise RuntimeError("boom")
+        ctx.send(sender, Stats(actor="echo", counters={"handled": self.handled}))
+
+    def crashed(self, error: BaseException, ctx: Context) -> None:
+        self.recovered += 1
+
+
+async def test_ask_gets_the_reply_and_stop_handles_earlier_mail_first() -> None:
+    async with anyio.create_task_group() as tg:
+        system = ActorSystem(tg)
+        echo = Echo()
+        system.spawn("echo", echo)
+        reply = await system.ask("echo", GetStats())
+        assert reply == Stats(actor="echo", counters={"handled": 1})
+        for _ in range(5):
+            system.tell("echo", GetStats(), sender="nobody")
+        system.stop("echo")
+        with pytest.raises(ActorStopped):
+            await system.ask("echo", GetStats())
+        with anyio.fail_after(5):
+            while "echo" in system.addresses():
+                await anyio.wait_all_tasks_blocked()
+        assert echo.handled == 6 and echo.stopped
+        assert system.dead_letters["no_actor:Stats"] == 5
+
+
+async def test_a_crash_within_intensity_is_recovered() -> None:
+    async with anyio.create_task_group() as tg:
+        system = ActorSystem(tg)
+        echo = Echo(crash_on=2)
+        system.spawn("echo", echo, policy=RestartPolicy(max_restarts=3, within_s=60))
+        await system.ask("echo", GetStats())
+        system.tell("echo", GetStats(), sender="nobody")  # crashes, recovered
+        reply = await system.ask("echo", GetStats())
+        assert reply == Stats(actor="echo", counters={"handled": 3})
+        assert echo.recovered == 1
+        system.stop("echo")
+
+
+async def test_crashes_beyond_intensity_escalate() -> None:
+    with pytest.raises(BaseExceptionGroup) as raised:
+        async with anyio.create_task_group() as tg:
+            system = ActorSystem(tg)
+            system.spawn("echo", Echo(crash_on=1), policy=RestartPolicy(max_restarts=1))
+            for _ in range(3):
+                system.tell("echo", GetStats(), sender="nobody")
+    assert raised.group_contains(SupervisionEscalated)
+
+
+def test_restart_tracker_forgets_old_crashes() -> None:
+    tracker = RestartTracker(RestartPolicy(max_restarts=2, within_s=10))
+    assert tracker.may_restart(0) and tracker.may_restart(1)
+    assert not tracker.may_restart(2)
+    assert tracker.may_restart(30)  # the window moved on
+
+
+async def test_the_host_edge_waits_while_a_mailbox_is_full() -> None:
+    async with anyio.create_task_group() as tg:
+        system = ActorSystem(tg)
+        echo = Echo()
+        system.spawn("echo", echo, capacity=2)
+        with anyio.fail_after(5):
+            for _ in range(10):
+                await system.tell_external("echo", GetStats(), sender="nobody")
+            while echo.handled < 10:
+                await anyio.wait_all_tasks_blocked()
+        system.stop("echo")

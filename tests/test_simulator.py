@@ -1,0 +1,140 @@
+"""Protocol examples on the deterministic simulator (virtual time, seeded interleavings)."""
+
+from __future__ import annotations
+
+from runtime.config import RuntimeConfig
+from runtime.messages import (
+    Abort,
+    Cancel,
+    Cancelled,
+    Finished,
+    Generate,
+    ModelLoaded,
+    ModelSpec,
+    SequenceFinished,
+    Started,
+    TokensEmitted,
+    UnloadModel,
+    Usage,
+)
+from runtime.testing.simulated import greedy_continuation
+from runtime.testing.simulator import Simulator
+
+PER_TOKEN = 0.001
+CHUNK = 16
+
+
+def make_sim(seed: int = 0, **options: object) -> Simulator:
+    sim = Simulator(seed=seed, config=RuntimeConfig(kv_budget_bytes=64 << 20))
+    spec = ModelSpec(
+        name="m",
+        backend="simulated",
+        prefill_chunk_tokens=CHUNK,
+        options={"prefill_s_per_token": PER_TOKEN, "decode_s_per_token": PER_TOKEN, **options},
+    )
+    assert isinstance(sim.load(spec), ModelLoaded)
+    return sim
+
+
+def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int = 4) -> Generate:
+    return Generate(
+        request_id=request_id,
+        incarnation=incarnation,
+        model="m",
+        prompt_tokens=tokens,
+        max_tokens=n,
+    )
+
+
+def emitted(sim: Simulator, request_id: str, incarnation: int) -> list[int]:
+    return [
+        t
+        for e in sim.events(request_id, incarnation)
+        if isinstance(e, TokensEmitted)
+        for t in e.token_ids
+    ]
+
+
+def run_program(seed: int) -> list[str]:
+    sim = make_sim(seed)
+    for i in range(4):
+        sim.send(generate(f"r{i}", i + 1, tuple(range(10 + i)), n=3))
+    sim.advance(0.004)
+    sim.send(Cancel(request_id="r2", incarnation=3))
+    sim.run_until_quiescent()
+    return sim.trace
+
+
+def test_same_seed_same_trace() -> None:
+    assert run_program(3) == run_program(3)
+    assert any(run_program(3) != run_program(seed) for seed in range(4, 10))
+
+
+def test_cancel_mid_prefill_stops_at_the_next_chunk_boundary() -> None:
+    sim = make_sim()
+    prompt = tuple(range(50, 250))  # 200 tokens: 12.5 chunks
+    sim.send(generate("a", 1, prompt))
+    sim.advance(CHUNK * PER_TOKEN * 3.5)  # inside the fourth chunk
+    sim.send(Cancel(request_id="a", incarnation=1))
+    sim.run_until_quiescent()
+    terminal = sim.terminal("a", 1)
+    assert isinstance(terminal, Cancelled) and terminal.reason == "cancelled"
+    assert terminal.usage == Usage(prompt_tokens=200, cached_prompt_tokens=0, completion_tokens=0)
+    engine = sim.core("engine:m#1")
+    assert engine.counters["prefilled_tokens"] == 4 * CHUNK  # type: ignore[union-attr]
+    # The aborted prefill is kept: the keystroke that extends the prompt resumes from it.
+    sim.send(generate("b", 2, (*prompt, 7, 8)))
+    sim.run_until_quiescent()
+    started = next(e for e in sim.events("b", 2) if isinstance(e, Started))
+    assert started.cached_tokens == 4 * CHUNK
+    assert emitted(sim, "b", 2) == greedy_continuation((*prompt, 7, 8), 4)
+
+
+def test_a_cancel_for_an_earlier_incarnation_never_hits_a_reused_id() -> None:
+    sim = make_sim()
+    sim.send(generate("same", 1, (1, 2, 3), n=2))
+    sim.run_until_quiescent()
+    assert isinstance(sim.terminal("same", 1), Finished)
+    # The host reuses the id; a cancel it sent for the first incarnation arrives late.
+    sim.send(generate("same", 2, (4, 5, 6), n=6))
+    sim.send(Cancel(request_id="same", incarnation=1))
+    sim.run_until_quiescent()
+    terminal = sim.terminal("same", 2)
+    assert isinstance(terminal, Finished) and terminal.usage.completion_tokens == 6
+    assert sim.core("router").counters["cancels_noop"] == 1  # type: ignore[union-attr]
+
+
+def test_an_abort_after_the_last_step_is_a_counted_noop() -> None:
+    sim = make_sim()
+    sim.send(generate("a", 1, (1, 2, 3), n=2))
+    sim.run_until_quiescent()
+    sim.deliver("engine:m#1", Abort(sequence_id=1, epoch=1), "router")
+    sim.run_until_quiescent()
+    assert [type(e) for e in sim.events("a", 1)].count(Finished) == 1
+    assert sim.core("engine:m#1").counters["aborts_noop"] == 1  # type: ignore[union-attr]
+
+
+def test_stale_epoch_messages_are_dropped_and_counted() -> None:
+    sim = make_sim()
+    sim.send(generate("a", 1, (1, 2, 3), n=30))
+    sim.advance(0.01)
+    stale = SequenceFinished(sequence_id=1, epoch=0, reason="stop", usage=Usage())  # type: ignore[arg-type]
+    sim.deliver("router", stale, "engine:m#0")
+    sim.run_until_quiescent()
+    terminal = sim.terminal("a", 1)
+    assert isinstance(terminal, Finished) and terminal.usage.completion_tokens == 30
+    assert sim.core("router").counters["stale_engine_events"] == 1  # type: ignore[union-attr]
+
+
+def test_unload_waits_for_the_step_in_flight_and_releases_everything() -> None:
+    sim = make_sim()
+    sim.send(generate("a", 1, tuple(range(100)), n=5))
+    sim.advance(0.005)
+    reply = sim.ask(UnloadModel(model="m"))
+    assert reply == type(reply)(model="m", epoch=1)
+    terminal = sim.terminal("a", 1)
+    assert isinstance(terminal, Cancelled) and terminal.reason == "model_unloaded"
+    assert sim.host_messages.index(terminal) >= 0
+    assert sim.core("kv").reserved_bytes == 0  # type: ignore[union-attr]
+    assert sim.core("prefix").total_bytes == 0  # type: ignore[union-attr]
+    assert "engine:m#1" not in sim.addresses()
