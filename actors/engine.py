@@ -35,6 +35,7 @@ from runtime.messages import (
     DropEntries,
     EngineLoadFailed,
     EngineReady,
+    EpochReleased,
     FinishReason,
     GetStats,
     Holder,
@@ -148,7 +149,7 @@ class EngineCore:
             "entries": len(self._entries),
             "entry_bytes": sum(e.nbytes for e in self._entries.values()),
         }
-        return Stats(actor=f"engine:{self.model}", counters=self.counters.snapshot(), gauges=gauges)
+        return Stats(actor=f"engine:{self.model}#{self.epoch}", counters=self.counters.snapshot(), gauges=gauges)
 
     # ------------------------------------------------------------------ messages
 
@@ -179,6 +180,8 @@ class EngineCore:
                 self._drop_entries(ids, ctx)
             case Drain(epoch=epoch) if epoch == self.epoch:
                 self._drain(sender, ctx)
+            case EpochReleased(epoch=epoch) if epoch == self.epoch and self._draining:
+                ctx.send(self._drain_requester or ROUTER, Drained(epoch=self.epoch))
             case GetStats():
                 ctx.send(sender, self.statistics())
             case _:
@@ -283,19 +286,9 @@ class EngineCore:
         seq.in_compute, prewarm.in_compute = prewarm.in_compute, False
         seq.resume_phase = prewarm.phase
         seq.path = ReusePath.ADOPTED
-        seq.cached_tokens = self._expected_length(prewarm, seq)
         prewarm.adopted_by = seq
         self.counters.inc("prewarms_adopted")
         self._finish(prewarm, ctx, FinishReason.ADOPTED)
-
-    def _expected_length(self, prewarm: Sequence, seq: Sequence) -> int:
-        """Prompt tokens the adopter gets for free: what the prewarm has or is computing now."""
-        if seq.state is not None:
-            done = seq.state.length
-            if seq.in_compute and prewarm.phase is Phase.PREFILLING:
-                done = min(done + self._chunk, prewarm.prefill_target)
-            return done
-        return prewarm.restore_length if seq.in_compute else 0
 
     def _reserved(self, holder: Holder, ctx: Context) -> None:
         seq = self._sequences.get(holder.id)
@@ -306,8 +299,8 @@ class EngineCore:
         seq.reserved = True
         if seq.resume_phase is not None:
             seq.phase = seq.resume_phase
-            self._started(seq, ctx)
             if seq.phase is Phase.PREFILLING and not seq.in_compute:
+                self._announce_start(seq, ctx)
                 self._after_prefill_chunk(seq, ctx)
             return
         seq.phase = Phase.LOOKING_UP
@@ -342,10 +335,15 @@ class EngineCore:
         seq.restore_entry, seq.restore_length = entry_id, matched
         seq.cached_tokens, seq.path = matched, path
         seq.phase = Phase.RESTORING
-        self._started(seq, ctx)
 
-    def _started(self, seq: Sequence, ctx: Context) -> None:
-        assert seq.tokens is not None
+    def _announce_start(self, seq: Sequence, ctx: Context) -> None:
+        """Tell the router how the prompt state was obtained, once that is final (after restore)."""
+        assert seq.tokens is not None and seq.state is not None
+        if seq.started_sent:
+            return
+        seq.started_sent = True
+        if seq.path is ReusePath.ADOPTED:
+            seq.cached_tokens = seq.state.length  # what the prewarm had computed when it ended
         self.counters.inc(f"path_{seq.path}")
         self.counters.inc("cached_prompt_tokens", seq.cached_tokens)
         ctx.send(
@@ -482,6 +480,7 @@ class EngineCore:
         if seq.phase is Phase.RESTORING:
             seq.phase = Phase.PREFILLING
         if seq.phase is Phase.PREFILLING:
+            self._announce_start(seq, ctx)
             self._after_prefill_chunk(seq, ctx)
         elif seq.phase is Phase.DECODING:
             self._after_decode_step(seq, job, ctx)
@@ -534,7 +533,7 @@ class EngineCore:
         self._entries.clear()
         ctx.send(PREFIX_CACHE, InvalidateEpoch(model=self.model, epoch=self.epoch))
         ctx.send(KV_KEEPER, ReleaseEpoch(model=self.model, epoch=self.epoch))
-        ctx.send(self._drain_requester or ROUTER, Drained(epoch=self.epoch))
+        # Drained waits for EpochReleased: "unloaded" must mean the memory is free.
 
     def _after_prefill_chunk(self, seq: Sequence, ctx: Context) -> None:
         assert seq.state is not None

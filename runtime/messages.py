@@ -417,7 +417,10 @@ class Release(Message, frozen=True):
 
 
 class Transfer(Message, frozen=True):
-    """Move ``nbytes`` of ``source``'s reservation to a new holder ``target`` (never grows it)."""
+    """Move ``nbytes`` of ``source``'s reservation to ``target``, which becomes or joins a holder.
+
+    Never grows the total; a source holding less moves what it has.
+    """
 
     source: Holder
     target: Holder
@@ -432,7 +435,17 @@ class ReservationExpired(Message, frozen=True):
 
 
 class ReleaseEpoch(Message, frozen=True):
-    """Return every reservation of ``model`` at ``epoch`` (teardown's last word on memory)."""
+    """Return every reservation of ``model`` at ``epoch`` (teardown's last word on memory).
+
+    Answered with ``EpochReleased``. Later reservations for that epoch or older are dropped.
+    """
+
+    model: str
+    epoch: int
+
+
+class EpochReleased(Message, frozen=True):
+    """Reply to ``ReleaseEpoch``: nothing of that epoch holds budget any more."""
 
     model: str
     epoch: int
@@ -563,6 +576,7 @@ EngineInbox = (
     | LookupResult
     | Committed
     | DropEntries
+    | EpochReleased
 )
 
 KVInbox = Reserve | Release | Transfer | ReleaseEpoch | ReservationExpired | GetStats

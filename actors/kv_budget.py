@@ -1,0 +1,331 @@
+"""The KV budget keeper: the one place that knows how many bytes of KV exist and who holds them.
+
+Every sequence and every cached prefix entry holds a reservation here, named by a ``Holder``
+(model, epoch, kind, id). The keeper never touches MLX; it only does the accounting and answers.
+
+Policy
+    ``Reserve(holder, nbytes, timeout_s)``
+        Negative ``nbytes`` (or a negative / non-finite timeout) is refused at once with
+        ``invalid_request``. More than the whole budget is refused at once with
+        ``kv_request_too_large`` (not retryable: it can never fit). Otherwise it is granted
+        (``Reserved``) if it fits in the free bytes *and nobody is waiting*: the queue is strict
+        FIFO, so a small request never jumps a large one. If not, it waits in the queue under a
+        fresh ticket (never reused), the keeper asks the prefix-cache manager to ``Evict`` the
+        whole queue's shortfall, and a timer fires at the deadline (``timeout_s``, default
+        ``default_timeout_s``). A holder may reserve more than once; its amounts add up.
+    ``Release(holder)``
+        Frees all of the holder's bytes and silently drops its waiting reservations (counted).
+        Idempotent: an unknown holder is a counted no-op.
+    ``Transfer(source, target, nbytes)``
+        Moves bytes from ``source`` to ``target`` (which becomes or joins a holder); the total
+        reserved never changes, so nothing new can be granted. A source holding less moves what it
+        holds (counted ``transfer_short``); an unknown source is a counted no-op.
+    ``ReleaseEpoch(model, epoch)``
+        Releases every holder of that model epoch and drops its waiting reservations (counted).
+        It is teardown's last word: later reservations or transfer targets of that epoch (or
+        an older one) are dropped and counted, since nothing would ever release them.
+    ``ReservationExpired(holder, ticket)``
+        If the ticket still waits, it is removed and refused with ``kv_budget_exhausted``
+        (retryable). A ticket already granted or dropped is a counted no-op.
+    ``GetStats``
+        Answered with ``Stats(actor="kv")``: counters plus gauges of the budget.
+
+After anything that frees bytes or shortens the queue, waiting reservations are granted from the
+head, in order, as long as they fit (stopping at the first that does not).
+
+Invariants: ``free + reserved == budget``; ``reserved <= budget``; ``reserved`` is the sum of the
+holdings; a waiting reservation is gone once its deadline timer has been delivered; if anything
+waits, the head does not fit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from runtime.core import PREFIX_CACHE, Address, Context
+from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge, MlxRuntimeError
+from runtime.messages import (
+    Evict,
+    EpochReleased,
+    GetStats,
+    Holder,
+    Message,
+    Release,
+    ReleaseEpoch,
+    ReservationExpired,
+    ReservationRefused,
+    Reserve,
+    Reserved,
+    Stats,
+    Transfer,
+)
+
+# Always reported, so a dashboard sees a zero rather than a missing key.
+# fmt: off
+_COUNTER_NAMES = (
+    "granted", "queued", "evict_requests", "refused_invalid", "refused_too_large",
+    "refused_timeout", "released", "released_unknown", "transfers", "transfer_short",
+    "transfer_invalid", "transfer_unknown_source", "dropped_waiting", "stale_timer", "stale_epoch",
+    "unexpected_message",
+)
+# fmt: on
+
+
+class QueuedReservation(NamedTuple):
+    """A reservation waiting for bytes, as seen from outside the keeper."""
+
+    holder: Holder
+    nbytes: int
+    deadline: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Waiting:
+    ticket: int
+    holder: Holder
+    nbytes: int
+    deadline: float
+    timeout_s: float
+    requester: Address
+
+
+def _describe(holder: Holder) -> str:
+    return f"{holder.kind} {holder.id} of {holder.model}#{holder.epoch}"
+
+
+class KVBudgetCore:
+    """Grants, queues and refuses KV reservations against a fixed byte budget (see module doc)."""
+
+    def __init__(
+        self,
+        budget_bytes: int,
+        default_timeout_s: float = 30.0,
+        prefix_cache: Address = PREFIX_CACHE,
+    ) -> None:
+        if budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+        if not (default_timeout_s >= 0 and math.isfinite(default_timeout_s)):
+            raise ValueError(f"default_timeout_s must be finite and >= 0, got {default_timeout_s}")
+        self._budget_bytes = budget_bytes
+        self._default_timeout_s = default_timeout_s
+        self._prefix_cache = prefix_cache
+        self._reserved_bytes = 0
+        self._holdings: dict[Holder, int] = {}
+        # Keyed by ticket; dict order is arrival order, which is the FIFO order.
+        self._waiting: dict[int, _Waiting] = {}
+        self._tickets = itertools.count(1)
+        self._retired_epochs: dict[str, int] = {}
+        self._counters: Counter[str] = Counter(dict.fromkeys(_COUNTER_NAMES, 0))
+
+    # ------------------------------------------------------------------ read-only views
+
+    @property
+    def budget_bytes(self) -> int:
+        """The whole budget, in bytes."""
+        return self._budget_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes currently granted to holders."""
+        return self._reserved_bytes
+
+    @property
+    def free_bytes(self) -> int:
+        """Bytes not granted to anyone (``budget_bytes - reserved_bytes``)."""
+        return self._budget_bytes - self._reserved_bytes
+
+    def holding(self, holder: Holder) -> int:
+        """Bytes granted to ``holder`` (0 if it holds nothing)."""
+        return self._holdings.get(holder, 0)
+
+    def holdings(self) -> Mapping[Holder, int]:
+        """A copy of each holder's bytes (a holder stays listed, even at 0, until released)."""
+        return dict(self._holdings)
+
+    def queued(self) -> tuple[QueuedReservation, ...]:
+        """Waiting reservations, head first."""
+        return tuple(
+            QueuedReservation(w.holder, w.nbytes, w.deadline) for w in self._waiting.values()
+        )
+
+    # ------------------------------------------------------------------ actor interface
+
+    def handle(self, message: Message, sender: Address, ctx: Context) -> None:
+        """Apply one inbox message; never raises on bad input (it is refused or counted)."""
+        match message:
+            case Reserve():
+                self._reserve(message, sender, ctx)
+            case Release(holder=holder):
+                self._release(holder, ctx)
+            case Transfer():
+                self._transfer(message, ctx)
+            case ReleaseEpoch(model=model, epoch=epoch):
+                self._release_epoch(model, epoch, ctx)
+                ctx.send(sender, EpochReleased(model=model, epoch=epoch))
+            case ReservationExpired(holder=holder, ticket=ticket):
+                self._expire(holder, ticket, ctx)
+            case GetStats():
+                ctx.send(sender, self.statistics())
+            case _:
+                self._count_dropped("unexpected_message", ctx)
+
+    def on_start(self, ctx: Context) -> None:
+        """Nothing to set up: the budget is fixed at construction."""
+
+    def on_stop(self, ctx: Context) -> None:
+        """Nothing to release: the keeper holds only bookkeeping, and its holders stop with it."""
+
+    # ------------------------------------------------------------------ policy
+
+    def _reserve(self, request: Reserve, sender: Address, ctx: Context) -> None:
+        holder, nbytes = request.holder, request.nbytes
+        timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
+        if self._is_retired(holder):
+            self._count_dropped("stale_epoch", ctx)
+            return
+        if nbytes < 0 or not (timeout_s >= 0 and math.isfinite(timeout_s)):
+            self._counters["refused_invalid"] += 1
+            text = (
+                f"nbytes={nbytes} and timeout_s={timeout_s} must be finite and >= 0 (caller bug)."
+            )
+            self._refuse(sender, holder, nbytes, InvalidRequest, text, ctx)
+            return
+        if nbytes > self._budget_bytes:
+            self._counters["refused_too_large"] += 1
+            text = (
+                f"{_describe(holder)} needs {nbytes} bytes of KV cache but the whole budget is "
+                f"{self._budget_bytes} bytes; shorten the prompt or max_tokens, or raise the "
+                "KV budget."
+            )
+            self._refuse(sender, holder, nbytes, KVRequestTooLarge, text, ctx)
+            return
+        if not self._waiting and nbytes <= self.free_bytes:
+            self._grant(holder, nbytes, sender, ctx)
+            return
+        ticket = next(self._tickets)
+        deadline = ctx.now() + timeout_s
+        self._waiting[ticket] = _Waiting(ticket, holder, nbytes, deadline, timeout_s, sender)
+        self._counters["queued"] += 1
+        self._counters["evict_requests"] += 1
+        # Ask for the whole queue's shortfall: everything ahead must be served before this one.
+        ctx.send(self._prefix_cache, Evict(nbytes=self._queued_bytes() - self.free_bytes))
+        ctx.send_later(timeout_s, ReservationExpired(holder=holder, ticket=ticket))
+
+    def _release(self, holder: Holder, ctx: Context) -> None:
+        dropped = self._drop_waiting(lambda w: w.holder == holder, ctx)
+        if holder in self._holdings:
+            self._release_holding(holder)
+        elif not dropped:
+            self._count_dropped("released_unknown", ctx)
+        self._grant_waiting(ctx)
+
+    def _transfer(self, transfer: Transfer, ctx: Context) -> None:
+        source, target = transfer.source, transfer.target
+        if transfer.nbytes < 0:
+            self._count_dropped("transfer_invalid", ctx)
+            return
+        if source not in self._holdings:
+            self._count_dropped("transfer_unknown_source", ctx)
+            return
+        if self._is_retired(target):
+            # The target's epoch is gone, so nothing would ever release it: keep the bytes put.
+            self._count_dropped("stale_epoch", ctx)
+            return
+        held = self._holdings[source]
+        moved = min(transfer.nbytes, held)
+        if moved < transfer.nbytes:
+            self._count_dropped("transfer_short", ctx)
+        self._holdings[source] = held - moved
+        self._holdings[target] = self._holdings.get(target, 0) + moved
+        self._counters["transfers"] += 1
+
+    def _release_epoch(self, model: str, epoch: int, ctx: Context) -> None:
+        self._retired_epochs[model] = max(epoch, self._retired_epochs.get(model, epoch))
+        self._drop_waiting(lambda w: w.holder.model == model and w.holder.epoch == epoch, ctx)
+        for holder in [h for h in self._holdings if h.model == model and h.epoch == epoch]:
+            self._release_holding(holder)
+        self._grant_waiting(ctx)
+
+    def _expire(self, holder: Holder, ticket: int, ctx: Context) -> None:
+        waiting = self._waiting.get(ticket)
+        if waiting is None or waiting.holder != holder:
+            self._count_dropped("stale_timer", ctx)
+            return
+        del self._waiting[ticket]
+        self._counters["refused_timeout"] += 1
+        text = (
+            f"{_describe(holder)} waited {waiting.timeout_s:g}s for {waiting.nbytes} bytes of KV "
+            f"cache ({self.free_bytes} of {self._budget_bytes} free, {len(self._waiting)} still "
+            "waiting); retry later, or lower concurrency or max_tokens."
+        )
+        self._refuse(waiting.requester, holder, waiting.nbytes, KVBudgetExhausted, text, ctx)
+        self._grant_waiting(ctx)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _grant(self, holder: Holder, nbytes: int, requester: Address, ctx: Context) -> None:
+        self._holdings[holder] = self._holdings.get(holder, 0) + nbytes
+        self._reserved_bytes += nbytes
+        self._counters["granted"] += 1
+        ctx.send(requester, Reserved(holder=holder, nbytes=nbytes))
+
+    def _grant_waiting(self, ctx: Context) -> None:
+        while self._waiting:
+            head = next(iter(self._waiting.values()))
+            if head.nbytes > self.free_bytes:
+                return
+            del self._waiting[head.ticket]
+            self._grant(head.holder, head.nbytes, head.requester, ctx)
+
+    def _release_holding(self, holder: Holder) -> None:
+        self._reserved_bytes -= self._holdings.pop(holder)
+        self._counters["released"] += 1
+
+    def _drop_waiting(self, doomed: Callable[[_Waiting], bool], ctx: Context) -> int:
+        tickets = [w.ticket for w in self._waiting.values() if doomed(w)]
+        for ticket in tickets:
+            del self._waiting[ticket]
+            self._count_dropped("dropped_waiting", ctx)
+        return len(tickets)
+
+    def _refuse(
+        self,
+        requester: Address,
+        holder: Holder,
+        nbytes: int,
+        error: type[MlxRuntimeError],
+        text: str,
+        ctx: Context,
+    ) -> None:
+        refusal = ReservationRefused(
+            holder=holder, nbytes=nbytes, code=error.code, message=text, retryable=error.retryable
+        )
+        ctx.send(requester, refusal)
+
+    def _is_retired(self, holder: Holder) -> bool:
+        retired = self._retired_epochs.get(holder.model)
+        return retired is not None and holder.epoch <= retired
+
+    def _queued_bytes(self) -> int:
+        return sum(w.nbytes for w in self._waiting.values())
+
+    def _count_dropped(self, reason: str, ctx: Context) -> None:
+        self._counters[reason] += 1
+        ctx.count_dead_letter(reason)
+
+    def statistics(self) -> Stats:
+        """The keeper's counters and gauges now (an immutable snapshot)."""
+        gauges = {
+            "budget": self._budget_bytes,
+            "reserved": self._reserved_bytes,
+            "free": self.free_bytes,
+            "queued": len(self._waiting),
+            "queued_bytes": self._queued_bytes(),
+            "holders": len(self._holdings),
+        }
+        return Stats(actor="kv", counters=dict(self._counters), gauges=gauges)
