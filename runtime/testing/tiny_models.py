@@ -1,0 +1,539 @@
+"""Deterministic, offline factory for tiny mlx-lm model directories used in tests.
+
+Every directory this module writes is a regular mlx-lm checkpoint: ``mlx_lm.load(path)``
+returns a working ``(model, TokenizerWrapper)`` pair.  Nothing is downloaded, ever: the
+weights are random (fixed seed) and the tokenizer is a byte-level BPE trained in-process
+on a small corpus that lives in this file.
+
+Kinds (``TinyModelKind``)
+-------------------------
+``"llama"``
+    Full-attention llama (``mlx_lm.models.llama``): the cache is all ``KVCache``.
+``"sliding"``
+    Gemma 3 text (``mlx_lm.models.gemma3_text``) with ``sliding_window=32`` and
+    ``sliding_window_pattern=2``: layers alternate sliding / full attention, so the
+    cache mixes ``RotatingKVCache(max_size=32)`` and ``KVCache``.
+``"hybrid"``
+    Qwen3-Next (``mlx_lm.models.qwen3_next``) with ``full_attention_interval=2`` and no
+    MoE: gated-delta linear-attention layers (``ArraysCache``) alternate with gated
+    full-attention layers (``KVCache``).
+
+Greedy decoding never emits a special token (EOS included) or a token that is not
+printable UTF-8 on its own: their ``lm_head`` rows are zeroed, so their logits are 0
+while the rest draw random +-logits.  Continuations are gibberish but prompt-dependent,
+valid text, and always run to ``max_tokens``; to test stopping, use stop sequences or a
+logits processor.
+
+All kinds: 4 layers, hidden 128, 4 query / 2 KV heads of dim 32, MLP 256, untied
+``lm_head``, float32 weights (the fastest dtype on MLX's CPU backend), a 512-token
+vocabulary and ``max_position_embeddings=2048`` (~0.7-0.8M parameters).  Special token
+ids: ``<s>``=0, ``</s>``=1, ``<|im_start|>``=2, ``<|im_end|>``=3 (the tokenizer's
+``eos_token``), ``<pad>``=4; ``eos_token_id`` is ``[3, 1]``.
+
+Files written: ``config.json`` (every ``ModelArgs`` field plus ``eos_token_id``),
+``model.safetensors`` (+ index, via ``mlx_lm.utils.save_model``), ``tokenizer.json``,
+``tokenizer_config.json`` (ChatML chat template, ``eos_token="<|im_end|>"``),
+``special_tokens_map.json``, ``generation_config.json`` and a stamp file
+(``tiny_model_stamp.json``) written last, so a directory holding a matching stamp is
+complete.
+
+API
+---
+``build_tiny_model(kind, directory, seed=0) -> Path``
+    Writes the directory; idempotent: if ``directory`` already holds a matching stamp it
+    is returned untouched.  The build happens in a sibling temporary directory that is
+    renamed into place, so concurrent builders (threads or processes) never observe a
+    half-written model; the loser of a race discards its copy.
+``tiny_model_path(kind, seed=0) -> Path``
+    Builds (once) under the per-user cache root and returns the path.
+    Root: ``$MLXRT_TINY_MODELS`` if set, else ``$XDG_CACHE_HOME/mlx-actor-runtime/
+    tiny-models`` (default ``~/.cache/...``); entry ``<kind>-v<FACTORY_VERSION>-seed<seed>``.
+``load_tiny_model(kind, seed=0) -> (model, tokenizer)``
+    ``mlx_lm.load`` of ``tiny_model_path``; memoized in-process (a module-level cache in
+    place of a session fixture).  Callers share the objects and must not mutate them.
+
+Bump ``FACTORY_VERSION`` whenever the output changes (configs, corpus, init) so stale
+cache entries are not reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Final, Literal, cast, get_args
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+__all__ = [
+    "FACTORY_VERSION",
+    "SLIDING_WINDOW",
+    "SPECIAL_TOKENS",
+    "STAMP_FILE",
+    "TINY_MODEL_KINDS",
+    "VOCAB_SIZE",
+    "TinyModelKind",
+    "build_tiny_model",
+    "cache_root",
+    "load_tiny_model",
+    "tiny_model_config",
+    "tiny_model_path",
+    "train_tiny_tokenizer",
+]
+
+TinyModelKind = Literal["llama", "sliding", "hybrid"]
+TINY_MODEL_KINDS: Final[tuple[TinyModelKind, ...]] = get_args(TinyModelKind)
+
+# Part of the cache key and the stamp: bump on any change to what gets written.
+FACTORY_VERSION: Final = 1
+
+SLIDING_WINDOW: Final = 32
+VOCAB_SIZE: Final = 512
+MAX_POSITION_EMBEDDINGS: Final = 2048
+STAMP_FILE: Final = "tiny_model_stamp.json"
+
+BOS: Final = "<s>"
+EOS: Final = "</s>"
+IM_START: Final = "<|im_start|>"
+IM_END: Final = "<|im_end|>"
+PAD: Final = "<pad>"
+# Order fixes the ids: the trainer assigns special tokens ids 0..4 in this order.
+SPECIAL_TOKENS: Final[tuple[str, ...]] = (BOS, EOS, IM_START, IM_END, PAD)
+
+CHAT_TEMPLATE: Final = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+# Fixed training text for the tokenizer.  Mixed prose, chat-ish and code so common
+# English words and Python/JSON punctuation get merges; changing it changes every id.
+_CORPUS: Final = r'''
+The quick brown fox jumps over the lazy dog. A journey of a thousand miles begins with
+a single step. All that glitters is not gold. The early bird catches the worm, but the
+second mouse gets the cheese. Hello, world! How are you today? I am fine, thank you.
+What is the weather like in the city? It is sunny and warm, with a light breeze from
+the west. Please write a short story about a robot who learns to paint. Once upon a
+time, there was a small robot named Pixel. Pixel lived in a workshop full of brushes
+and colors. Every morning the robot watched the sun rise and tried to paint it.
+The first paintings were only gray lines, but the robot kept trying, day after day.
+One day a child visited the workshop and said: "Your sky is beautiful." The robot was
+happy, and it painted the child a picture of the sea.
+You are a helpful assistant. Answer the question as clearly as you can. Explain the
+answer step by step, and keep the reply short. The user asked about the history of the
+printing press, the causes of the weather, and the rules of chess. In chess, each
+player starts with sixteen pieces: one king, one queen, two rooks, two knights, two
+bishops and eight pawns. The goal of the game is to checkmate the other king.
+Water boils at one hundred degrees at sea level. The capital of France is Paris. The
+capital of Japan is Tokyo. There are seven days in a week and twelve months in a year.
+An actor receives messages, updates its own state, and sends messages to other actors.
+The runtime schedules requests, batches tokens, and streams the results back to the
+caller. Memory is limited, so the cache keeps the most recent keys and values.
+
+def fibonacci(n: int) -> int:
+    """Return the n-th Fibonacci number."""
+    a, b = 0, 1
+    for _ in range(n):
+        a, b = b, a + b
+    return a
+
+
+class Counter:
+    def __init__(self, start: int = 0) -> None:
+        self.value = start
+
+    def increment(self, step: int = 1) -> int:
+        self.value += step
+        return self.value
+
+
+def read_lines(path: str) -> list[str]:
+    with open(path, encoding="utf-8") as handle:
+        return [line.rstrip("\n") for line in handle if line.strip()]
+
+
+async def fetch_all(client, urls):
+    results = []
+    for url in urls:
+        response = await client.get(url)
+        if response.status == 200:
+            results.append(response.json())
+    return results
+
+
+def f(x):
+    return x * x + 2 * x + 1
+
+
+for i in range(10):
+    print(f"value {i} = {f(i)}")
+
+if __name__ == "__main__":
+    print("Hello, world!")
+
+{"name": "tiny", "version": 1, "layers": [1, 2, 3], "enabled": true, "ratio": 0.5}
+SELECT id, name, email FROM users WHERE active = 1 ORDER BY name LIMIT 10;
+x = [1, 2, 3, 4, 5]; y = {"a": 1, "b": 2}; z = (x, y) # a tuple of a list and a dict
+const add = (a, b) => a + b; let total = 0; for (const v of values) { total += v; }
+fn main() { let mut count = 0; while count < 10 { count += 1; } println!("{}", count); }
+1 + 1 = 2, 2 * 3 = 6, 10 / 4 = 2.5, 7 % 3 = 1, 2 ** 8 = 256, 100 - 42 = 58.
+'''
+
+# Shapes shared by all kinds: small enough that a full test run stays quick on 2 CPU
+# cores, large enough that heads/GQA/rope code paths are all non-trivial.
+_HIDDEN: Final = 128
+_LAYERS: Final = 4
+_HEADS: Final = 4
+_KV_HEADS: Final = 2
+_HEAD_DIM: Final = 32
+_INTERMEDIATE: Final = 256
+
+
+def _common_config(eos_ids: list[int], bos_id: int) -> dict[str, Any]:
+    return {
+        "hidden_size": _HIDDEN,
+        "num_hidden_layers": _LAYERS,
+        "intermediate_size": _INTERMEDIATE,
+        "num_attention_heads": _HEADS,
+        "num_key_value_heads": _KV_HEADS,
+        "head_dim": _HEAD_DIM,
+        "vocab_size": VOCAB_SIZE,
+        "max_position_embeddings": MAX_POSITION_EMBEDDINGS,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        # mlx_lm.load reads eos ids from config.json (not generation_config.json).
+        "eos_token_id": eos_ids,
+        "bos_token_id": bos_id,
+        "torch_dtype": "float32",
+    }
+
+
+def tiny_model_config(kind: TinyModelKind) -> dict[str, Any]:
+    """The config.json content (before ModelArgs normalization) for ``kind``."""
+    _check_kind(kind)
+    eos_ids = [SPECIAL_TOKENS.index(IM_END), SPECIAL_TOKENS.index(EOS)]
+    cfg = _common_config(eos_ids, SPECIAL_TOKENS.index(BOS))
+    if kind == "llama":
+        cfg.update(model_type="llama", architectures=["LlamaForCausalLM"])
+    elif kind == "sliding":
+        cfg.update(
+            model_type="gemma3_text",
+            architectures=["Gemma3ForCausalLM"],
+            sliding_window=SLIDING_WINDOW,
+            # Layer i is full attention iff (i + 1) % pattern == 0: S, F, S, F.
+            sliding_window_pattern=2,
+            query_pre_attn_scalar=_HEAD_DIM,
+            rope_local_base_freq=10000.0,
+        )
+    else:
+        cfg.update(
+            model_type="qwen3_next",
+            architectures=["Qwen3NextForCausalLM"],
+            # Layer i is full attention iff (i + 1) % interval == 0: L, F, L, F.
+            full_attention_interval=2,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=32,
+            linear_value_head_dim=32,
+            linear_conv_kernel_dim=4,
+            partial_rotary_factor=0.25,
+            # num_experts=0 keeps every MLP dense; it also makes sanitize() a no-op, so
+            # the weights we save load back bit-for-bit (no "+1" norm shift).
+            num_experts=0,
+            num_experts_per_tok=0,
+            decoder_sparse_step=1,
+            shared_expert_intermediate_size=0,
+            moe_intermediate_size=0,
+            mlp_only_layers=[],
+            norm_topk_prob=False,
+            attention_bias=False,
+        )
+    return cfg
+
+
+def _check_kind(kind: str) -> None:
+    if kind not in TINY_MODEL_KINDS:
+        raise ValueError(f"unknown tiny model kind {kind!r}; expected one of {TINY_MODEL_KINDS}")
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+def train_tiny_tokenizer() -> Any:
+    """Train the byte-level BPE tokenizer (a ``tokenizers.Tokenizer``) on ``_CORPUS``.
+
+    Deterministic: the BPE trainer breaks count ties by pair order, and the whole
+    256-byte alphabet is seeded so any UTF-8 text round-trips.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # A ByteLevel decoder is what makes mlx-lm pick its BPEStreamingDetokenizer.
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(keepends=True), trainer=trainer)
+    if tok.get_vocab_size() != VOCAB_SIZE:
+        # The corpus is fixed, so this only fires if the corpus or VOCAB_SIZE is edited
+        # into a combination where the trainer runs out of merges.
+        raise RuntimeError(f"tokenizer vocab {tok.get_vocab_size()} != {VOCAB_SIZE}")
+    for i, special in enumerate(SPECIAL_TOKENS):
+        assert tok.token_to_id(special) == i, special
+    return tok
+
+
+def _unprintable_ids(tok: Any) -> list[int]:
+    """Ids of special tokens and tokens that do not decode to printable text on their own.
+
+    Byte-level BPE keeps all 256 bytes as tokens, and half of them are UTF-8 fragments;
+    a random model emits them often, which turns every continuation into U+FFFD soup.
+    """
+    bad = []
+    for i in range(tok.get_vocab_size()):
+        text = tok.decode([i], skip_special_tokens=False)
+        printable = "\ufffd" not in text and all(ch.isprintable() or ch in "\n\t" for ch in text)
+        if i < len(SPECIAL_TOKENS) or not printable:
+            bad.append(i)
+    return bad
+
+
+def _write_tokenizer(directory: Path, tok: Any) -> None:
+    tok.save(str(directory / "tokenizer.json"))
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": IM_END,
+        "pad_token": PAD,
+        "unk_token": None,
+        "additional_special_tokens": [IM_START, IM_END, EOS],
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": MAX_POSITION_EMBEDDINGS,
+        "chat_template": CHAT_TEMPLATE,
+    }
+    _write_json(directory / "tokenizer_config.json", tokenizer_config)
+    _write_json(
+        directory / "special_tokens_map.json",
+        {
+            "bos_token": BOS,
+            "eos_token": IM_END,
+            "pad_token": PAD,
+            "additional_special_tokens": [IM_START, IM_END, EOS],
+        },
+    )
+    _write_json(
+        directory / "generation_config.json",
+        {
+            "bos_token_id": SPECIAL_TOKENS.index(BOS),
+            "eos_token_id": [SPECIAL_TOKENS.index(IM_END), SPECIAL_TOKENS.index(EOS)],
+            "pad_token_id": SPECIAL_TOKENS.index(PAD),
+            "do_sample": False,
+        },
+    )
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _model_classes(kind: TinyModelKind) -> tuple[Any, Any]:
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{tiny_model_config(kind)['model_type']}")
+    return module.Model, module.ModelArgs
+
+
+def _init_weights(model: Any, seed: int) -> None:
+    """Re-draw every random parameter from explicit keys derived from ``seed``.
+
+    Explicit keys (never ``mx.random.seed``) keep the build from reseeding the caller's
+    global MLX RNG, and make the weights independent of whatever that RNG did before.
+
+    mlx's default init (uniform +-1/sqrt(fan_in)) leaves the residual stream dominated by
+    the current token's embedding, so greedy decoding collapses into a short cycle that
+    ignores the prompt.  Larger N(0, 1.5^2/fan_in) projections and a unit-variance
+    embedding give attention/recurrence real influence.
+    """
+    import mlx.core as mx
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    # tree_flatten is typed list-or-dict (its destination argument); ours is a list.
+    params = cast("list[tuple[str, Any]]", tree_flatten(model.parameters()))
+    keys = mx.random.split(mx.random.key(seed), len(params))
+    new: list[tuple[str, Any]] = []
+    for (name, value), key in zip(params, keys, strict=True):
+        shape, f32 = value.shape, mx.float32
+        if name.endswith("A_log"):
+            # Gated-delta decay, drawn like Qwen3NextGatedDeltaNet.__init__ does.
+            new.append((name, mx.log(mx.random.uniform(1.0, 16.0, shape, f32, key=key))))
+        elif value.ndim == 3:
+            # Depthwise conv1d (out, kernel, 1): fan_in is the kernel width.
+            bound = 1.0 / shape[1] ** 0.5
+            new.append((name, mx.random.uniform(-bound, bound, shape, f32, key=key)))
+        elif value.ndim == 2 and "embed_tokens" in name:
+            new.append((name, mx.random.normal(shape, f32, key=key)))
+        elif value.ndim == 2:
+            std = 1.5 / shape[1] ** 0.5
+            new.append((name, std * mx.random.normal(shape, f32, key=key)))
+        else:
+            # Norm weights and dt_bias: constant inits (ones), already deterministic.
+            new.append((name, value.astype(f32)))
+    model.update(tree_unflatten(new))
+    mx.eval(model.parameters())
+
+
+def _write_model(kind: TinyModelKind, directory: Path, seed: int, suppress: list[int]) -> None:
+    import mlx.core as mx
+    from mlx_lm.utils import save_config, save_model
+
+    config = tiny_model_config(kind)
+    model_cls, args_cls = _model_classes(kind)
+    args = args_cls.from_dict(config)
+    model = model_cls(args)
+    _init_weights(model, seed)
+    # Zero the output rows of special and non-printable tokens: their logits become 0
+    # while printable tokens draw random +-logits, so greedy text is valid UTF-8 and
+    # never stops early on EOS (tests wanting EOS use stop tokens / logits processors).
+    rows = mx.array(suppress)
+    head = model.lm_head.weight
+    head[rows] = 0.0
+    model.lm_head.weight = head
+    mx.eval(model.parameters())
+    save_model(directory, model)
+    # Persist every ModelArgs field (defaults included) next to the extras, so the
+    # checkpoint does not depend on mlx-lm's defaults staying the same.
+    full = {**dataclasses.asdict(args), **config}
+    save_config(full, config_path=directory / "config.json")
+
+
+# ------------------------------------------------------------------------ build / cache
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def _stamp(kind: TinyModelKind, seed: int) -> dict[str, Any]:
+    return {"factory_version": FACTORY_VERSION, "kind": kind, "seed": seed}
+
+
+def _has_stamp(directory: Path, kind: TinyModelKind, seed: int) -> bool:
+    try:
+        found = json.loads((directory / STAMP_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return bool(found == _stamp(kind, seed))
+
+
+# Serializes builds inside one process: concurrent threads would otherwise race on the
+# same temp-then-rename dance and duplicate the (cheap but pointless) work.
+_BUILD_LOCK = threading.Lock()
+
+
+def build_tiny_model(kind: TinyModelKind, directory: Path, seed: int = 0) -> Path:
+    """Write an mlx-lm model directory for ``kind`` at ``directory`` and return it.
+
+    Idempotent and safe under concurrent callers: an existing directory with a matching
+    stamp is returned as is; otherwise the model is built in a temporary sibling and
+    renamed into place.
+    """
+    _check_kind(kind)
+    directory = Path(directory)
+    if _has_stamp(directory, kind, seed):
+        return directory
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with _BUILD_LOCK:
+        if _has_stamp(directory, kind, seed):
+            return directory
+        tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+        try:
+            # mkdtemp makes it 0700; a shared cache dir should be readable like any other.
+            # (Reading the umask would need os.umask(), which is racy across threads.)
+            os.chmod(tmp, 0o755)
+            tok = train_tiny_tokenizer()
+            _write_tokenizer(tmp, tok)
+            _write_model(kind, tmp, seed, _unprintable_ids(tok))
+            # Stamp last: its presence means every other file is complete.
+            _write_json(tmp / STAMP_FILE, _stamp(kind, seed))
+            _install(tmp, directory, lambda: _has_stamp(directory, kind, seed))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return directory
+
+
+def _install(tmp: Path, directory: Path, is_valid: Callable[[], bool]) -> None:
+    """Atomically move ``tmp`` to ``directory``, tolerating a concurrent winner."""
+    for _ in range(5):
+        try:
+            # rename(2) onto a missing or empty directory is atomic; onto a non-empty
+            # one it fails, which is how we notice another builder got there first.
+            os.rename(tmp, directory)
+            return
+        except OSError:
+            if is_valid():
+                return  # another process installed an equivalent build; drop ours
+            # A stale or foreign directory is in the way: move it aside (atomic), then
+            # retry.  Deleting in place could expose a half-deleted dir to readers.
+            trash = directory.with_name(f".{directory.name}.stale-{uuid.uuid4().hex}")
+            with contextlib.suppress(FileNotFoundError):
+                os.rename(directory, trash)
+            shutil.rmtree(trash, ignore_errors=True)
+    raise RuntimeError(f"could not install tiny model at {directory}")
+
+
+def cache_root() -> Path:
+    """Directory under which ``tiny_model_path`` keeps its builds."""
+    env = os.environ.get("MLXRT_TINY_MODELS")
+    if env:
+        return Path(env).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    base = Path(xdg).expanduser() if xdg else Path.home() / ".cache"
+    return base / "mlx-actor-runtime" / "tiny-models"
+
+
+_LOADED: dict[tuple[Path, str, int], tuple[Any, Any]] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def tiny_model_path(kind: TinyModelKind, seed: int = 0) -> Path:
+    """Path of the cached tiny model for ``kind`` under ``cache_root()``, built on first use.
+
+    Not memoized beyond the stamp check (one small file read), so a changed
+    ``$MLXRT_TINY_MODELS`` or a deleted cache entry is picked up immediately.
+    """
+    _check_kind(kind)
+    return build_tiny_model(kind, cache_root() / f"{kind}-v{FACTORY_VERSION}-seed{seed}", seed)
+
+
+def load_tiny_model(kind: TinyModelKind, seed: int = 0) -> tuple[Any, Any]:
+    """``mlx_lm.load(tiny_model_path(kind, seed))``, memoized per process.
+
+    The returned model and TokenizerWrapper are shared between callers: treat them as
+    read-only (make a fresh prompt cache per generation; never update the weights).
+    """
+    from mlx_lm import load
+
+    path = tiny_model_path(kind, seed)
+    key = (path, kind, seed)
+    # Held across the load so concurrent first callers share one copy, not race two.
+    with _LOAD_LOCK:
+        hit = _LOADED.get(key)
+        if hit is None:
+            loaded = load(str(path))  # typed as a 2- or 3-tuple (return_config)
+            hit = _LOADED[key] = (loaded[0], loaded[1])
+        return hit
