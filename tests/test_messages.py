@@ -1,0 +1,316 @@
+"""The message vocabulary: every message survives the wire form, is immutable and strict.
+
+``BUILDERS`` holds one representative instance per message type, with non-default values wherever
+a field has a default, so a field that does not round-trip shows up. A new message type without a
+builder fails ``test_every_message_type_has_a_builder``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+import pytest
+
+from runtime.messages import (
+    ALL_MESSAGE_TYPES,
+    Abort,
+    Admit,
+    Cancel,
+    Cancelled,
+    CommandFailed,
+    Commit,
+    Committed,
+    ComputeDone,
+    Drain,
+    Drained,
+    DropEntries,
+    EngineLoadFailed,
+    EngineReady,
+    EpochReleased,
+    Evict,
+    Failed,
+    Finished,
+    FinishReason,
+    Generate,
+    GetStats,
+    Holder,
+    HolderKind,
+    InvalidateEpoch,
+    LoadModel,
+    Lookup,
+    LookupResult,
+    Message,
+    ModelLoaded,
+    ModelSpec,
+    ModelUnloaded,
+    PrefixesReset,
+    Prewarm,
+    Rejected,
+    Release,
+    ReleaseEpoch,
+    ReleaseLease,
+    RequestKind,
+    ReservationExpired,
+    ReservationRefused,
+    Reserve,
+    Reserved,
+    ResetPrefixes,
+    ReusePath,
+    Sampling,
+    SequenceCancelled,
+    SequenceFailed,
+    SequenceFinished,
+    SequenceStarted,
+    Shutdown,
+    ShutdownComplete,
+    Started,
+    Stats,
+    TokensEmitted,
+    TokensProduced,
+    Transfer,
+    UnloadModel,
+    Usage,
+    decode,
+    encode,
+)
+
+SAMPLING = Sampling(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=11)
+USAGE = Usage(prompt_tokens=12, cached_prompt_tokens=8, completion_tokens=3)
+SEQ_HOLDER = Holder(model="m", epoch=3, kind=HolderKind.SEQUENCE, id=17)
+ENTRY_HOLDER = Holder(model="m", epoch=3, kind=HolderKind.PREFIX_ENTRY, id=5)
+SPEC = ModelSpec(
+    name="m",
+    backend="simulated",
+    path="/models/m",
+    options={"trimmable": False, "bytes_per_token": 64, "prefill_s_per_token": 0.001, "x": None},
+    prefill_chunk_tokens=32,
+)
+
+BUILDERS: dict[type[Message], Callable[[], Message]] = {
+    # host → router
+    Generate: lambda: Generate(
+        request_id="r1",
+        incarnation=4,
+        model="m",
+        prompt_tokens=(1, 2, 3),
+        sampling=SAMPLING,
+        max_tokens=9,
+        stop_token_ids=(256,),
+        namespace="tenant-a",
+        session="s1",
+    ),
+    Prewarm: lambda: Prewarm(
+        request_id="r2", incarnation=5, model="m", prompt="héllo ✓", namespace="t", session="s"
+    ),
+    Cancel: lambda: Cancel(request_id="r1", incarnation=4),
+    LoadModel: lambda: LoadModel(spec=SPEC),
+    UnloadModel: lambda: UnloadModel(model="m"),
+    ResetPrefixes: lambda: ResetPrefixes(model="m", namespace="tenant-a"),
+    GetStats: GetStats,
+    Shutdown: Shutdown,
+    # router → host
+    Started: lambda: Started(
+        request_id="r1",
+        incarnation=4,
+        sequence_id=17,
+        epoch=3,
+        prompt_tokens=12,
+        cached_tokens=8,
+        path=ReusePath.CHECKPOINT,
+    ),
+    TokensEmitted: lambda: TokensEmitted(
+        request_id="r1", incarnation=4, token_ids=(104, 105), text="hi"
+    ),
+    Finished: lambda: Finished(
+        request_id="r1", incarnation=4, reason=FinishReason.LENGTH, usage=USAGE
+    ),
+    Cancelled: lambda: Cancelled(request_id="r1", incarnation=4, usage=USAGE, reason="superseded"),
+    Failed: lambda: Failed(
+        request_id="r1",
+        incarnation=4,
+        code="kv_budget_exhausted",
+        message="waited too long",
+        retryable=True,
+        usage=USAGE,
+    ),
+    Rejected: lambda: Rejected(
+        request_id="r1", incarnation=4, code="model_not_loaded", message="load it first"
+    ),
+    ModelLoaded: lambda: ModelLoaded(
+        model="m", epoch=3, reuse_path="trim", bytes_per_token=64, context_length=4096
+    ),
+    ModelUnloaded: lambda: ModelUnloaded(model="m", epoch=3),
+    PrefixesReset: lambda: PrefixesReset(model="m", dropped=2),
+    CommandFailed: lambda: CommandFailed(code="model_already_loaded", message="unload it first"),
+    ShutdownComplete: ShutdownComplete,
+    Stats: lambda: Stats(actor="kv", counters={"granted": 3}, gauges={"free": 100}),
+    # router ↔ engine
+    Admit: lambda: Admit(
+        sequence_id=17,
+        epoch=3,
+        kind=RequestKind.PREWARM,
+        prompt=None,
+        prompt_tokens=(1, 2, 3),
+        sampling=SAMPLING,
+        max_tokens=0,
+        stop_token_ids=(2,),
+        namespace="tenant-a",
+        session="m/tenant-a",
+    ),
+    Abort: lambda: Abort(sequence_id=17, epoch=3, reason="superseded"),
+    Drain: lambda: Drain(epoch=3),
+    EngineReady: lambda: EngineReady(
+        epoch=3, reuse_path="checkpoint", bytes_per_token=64, context_length=4096
+    ),
+    EngineLoadFailed: lambda: EngineLoadFailed(epoch=3, code="model_load_failed", message="gone"),
+    SequenceStarted: lambda: SequenceStarted(
+        sequence_id=17, epoch=3, prompt_tokens=12, cached_tokens=8, path=ReusePath.ADOPTED
+    ),
+    TokensProduced: lambda: TokensProduced(sequence_id=17, epoch=3, token_ids=(104,), text="h"),
+    SequenceFinished: lambda: SequenceFinished(
+        sequence_id=17, epoch=3, reason=FinishReason.PREWARMED, usage=USAGE
+    ),
+    SequenceCancelled: lambda: SequenceCancelled(
+        sequence_id=17, epoch=3, usage=USAGE, reason="model_unloaded"
+    ),
+    SequenceFailed: lambda: SequenceFailed(
+        sequence_id=17,
+        epoch=3,
+        code="backend_error",
+        message="step failed",
+        retryable=True,
+        usage=USAGE,
+    ),
+    Drained: lambda: Drained(epoch=3),
+    # KV budget keeper
+    Reserve: lambda: Reserve(holder=SEQ_HOLDER, nbytes=4096, timeout_s=1.5),
+    Reserved: lambda: Reserved(holder=SEQ_HOLDER, nbytes=4096),
+    ReservationRefused: lambda: ReservationRefused(
+        holder=SEQ_HOLDER,
+        nbytes=4096,
+        code="kv_request_too_large",
+        message="larger than the budget",
+        retryable=False,
+    ),
+    Release: lambda: Release(holder=ENTRY_HOLDER),
+    Transfer: lambda: Transfer(source=SEQ_HOLDER, target=ENTRY_HOLDER, nbytes=1024),
+    ReservationExpired: lambda: ReservationExpired(holder=SEQ_HOLDER, ticket=9),
+    ReleaseEpoch: lambda: ReleaseEpoch(model="m", epoch=3),
+    EpochReleased: lambda: EpochReleased(model="m", epoch=3),
+    # prefix-cache manager
+    Lookup: lambda: Lookup(model="m", epoch=3, namespace="t", tokens=(1, 2, 3), sequence_id=17),
+    LookupResult: lambda: LookupResult(
+        sequence_id=17,
+        epoch=3,
+        entry_id=5,
+        matched=2,
+        path=ReusePath.TRIM,
+        lease_id=8,
+        generation=1,
+    ),
+    Commit: lambda: Commit(
+        model="m",
+        epoch=3,
+        namespace="t",
+        entry_id=5,
+        tokens=(1, 2, 3),
+        nbytes=192,
+        trimmable=True,
+        generation=1,
+        pinned=True,
+    ),
+    Committed: lambda: Committed(entry_id=5, accepted=True, superseded=(2, 4)),
+    ReleaseLease: lambda: ReleaseLease(lease_id=8),
+    Evict: lambda: Evict(nbytes=2048, include_pinned=True),
+    InvalidateEpoch: lambda: InvalidateEpoch(model="m", epoch=3),
+    DropEntries: lambda: DropEntries(epoch=3, entry_ids=(5, 6)),
+    # engine internal
+    ComputeDone: lambda: ComputeDone(job_id=42),
+}
+
+TYPES = sorted(BUILDERS, key=lambda cls: cls.__name__)
+
+
+def _ids(cls: type[Message]) -> str:
+    return cls.__name__
+
+
+def test_every_message_type_has_a_builder() -> None:
+    missing = sorted(cls.__name__ for cls in ALL_MESSAGE_TYPES if cls not in BUILDERS)
+    assert not missing, f"add a builder to BUILDERS for: {', '.join(missing)}"
+    unknown = sorted(cls.__name__ for cls in BUILDERS if cls not in ALL_MESSAGE_TYPES)
+    assert not unknown, f"BUILDERS names types outside ALL_MESSAGE_TYPES: {', '.join(unknown)}"
+
+
+@pytest.mark.parametrize("cls", TYPES, ids=_ids)
+def test_round_trips_through_the_wire_form(cls: type[Message]) -> None:
+    message = BUILDERS[cls]()
+    assert type(message) is cls
+    decoded = decode(encode(message))
+    assert type(decoded) is cls
+    assert decoded == message
+
+
+@pytest.mark.parametrize("cls", TYPES, ids=_ids)
+def test_wire_form_is_tagged_with_the_class_name(cls: type[Message]) -> None:
+    as_dict = msgspec.msgpack.decode(encode(BUILDERS[cls]()))
+    assert as_dict["type"] == cls.__name__
+
+
+def test_enum_and_nested_values_come_back_typed() -> None:
+    started = decode(encode(BUILDERS[Started]()))
+    assert isinstance(started, Started)
+    assert started.path is ReusePath.CHECKPOINT
+    reserve = decode(encode(BUILDERS[Reserve]()))
+    assert isinstance(reserve, Reserve)
+    assert reserve.holder == SEQ_HOLDER
+    assert reserve.holder.kind is HolderKind.SEQUENCE
+    generate = decode(encode(BUILDERS[Generate]()))
+    assert isinstance(generate, Generate)
+    assert generate.sampling == SAMPLING
+    assert isinstance(generate.prompt_tokens, tuple)
+
+
+@pytest.mark.parametrize("cls", TYPES, ids=_ids)
+def test_messages_are_frozen(cls: type[Message]) -> None:
+    message = BUILDERS[cls]()
+    field_name = cls.__struct_fields__[0] if cls.__struct_fields__ else "anything"
+    with pytest.raises(AttributeError):
+        setattr(message, field_name, None)
+
+
+def test_nested_value_types_are_frozen() -> None:
+    with pytest.raises(AttributeError):
+        SAMPLING.temperature = 0.0  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        SEQ_HOLDER.id = 1  # type: ignore[misc]
+    with pytest.raises(AttributeError):
+        USAGE.prompt_tokens = 0  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("cls", TYPES, ids=_ids)
+def test_unknown_fields_are_refused(cls: type[Message]) -> None:
+    as_dict = msgspec.to_builtins(BUILDERS[cls]())
+    as_dict["not_a_field"] = 1
+    with pytest.raises(msgspec.ValidationError, match="not_a_field"):
+        decode(msgspec.msgpack.encode(as_dict))
+
+
+def test_unknown_fields_in_nested_values_are_refused() -> None:
+    as_dict = msgspec.to_builtins(BUILDERS[Generate]())
+    as_dict["sampling"]["temprature"] = 0.5
+    with pytest.raises(msgspec.ValidationError, match="temprature"):
+        decode(msgspec.msgpack.encode(as_dict))
+
+
+def test_unknown_message_type_is_refused() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        decode(msgspec.msgpack.encode({"type": "Teleport", "to": "mars"}))
+
+
+def test_wrong_field_type_is_refused() -> None:
+    as_dict = msgspec.to_builtins(BUILDERS[Abort]())
+    as_dict["epoch"] = "three"
+    with pytest.raises(msgspec.ValidationError):
+        decode(msgspec.msgpack.encode(as_dict))
