@@ -289,9 +289,11 @@ class RouterCore:
             del self._models[model.spec.name]
             ctx.stop(engine)
             failure = CommandFailed(code=event.code, message=event.message)
-            for asker in [waiter, *model.unload_waiters]:
-                if asker is not None:
-                    ctx.send(asker, failure)
+            if waiter is not None:
+                ctx.send(waiter, failure)
+            for asker in model.unload_waiters:  # nothing was loaded: the unload is done
+                ctx.send(asker, ModelUnloaded(model=model.spec.name, epoch=model.epoch))
+            self._maybe_shutdown_complete(ctx)
             return
         model.loaded = ModelLoaded(
             model=model.spec.name,
@@ -336,9 +338,13 @@ class RouterCore:
         if model.load_waiter is not None:
             failure = CommandFailed(code=ModelUnloading.code, message="unloaded while loading")
             ctx.send(model.load_waiter, failure)
+        self._maybe_shutdown_complete(ctx)
+
+    def _maybe_shutdown_complete(self, ctx: Context) -> None:
         if self._shutdown_waiters and not self._models:
             for asker in self._shutdown_waiters:
                 ctx.send(asker, ShutdownComplete())
+            self._shutdown_waiters.clear()
 
     def _fail_orphans(self, model: _Model, ctx: Context) -> None:
         """Defensive: an engine reports every terminal before ``Drained``; count any it did not."""
@@ -355,10 +361,10 @@ class RouterCore:
             )
 
     def _shutdown(self, asker: Address, ctx: Context) -> None:
-        self._shutdown_waiters.append(asker)
         if not self._models:
             ctx.send(asker, ShutdownComplete())
             return
+        self._shutdown_waiters.append(asker)
         for name in list(self._models):
             self._unload(name, asker=None, ctx=ctx)
 

@@ -84,7 +84,7 @@ class _ActorContext:
         self._system.start_timer(delay_s, self._actor.address, message)
 
     def spawn(self, address: Address, core: ActorCore) -> None:
-        self._system.spawn(address, core, computes=True)
+        self._system.spawn(address, core, policy=self._system.child_policy, computes=True)
 
     def stop(self, address: Address) -> None:
         self._system.stop(address)
@@ -99,8 +99,9 @@ class _ActorContext:
 class ActorSystem:
     """Owns every actor task of one runtime. Not global: each ``Runtime`` has its own."""
 
-    def __init__(self, task_group: TaskGroup) -> None:
+    def __init__(self, task_group: TaskGroup, child_policy: RestartPolicy | None = None) -> None:
         self._tg = task_group
+        self.child_policy = child_policy or RestartPolicy()  # for actors that actors spawn
         self._actors: dict[Address, _Actor] = {}
         self._sinks: dict[Address, HostSink] = {}
         self._loop = asyncio.get_running_loop()
@@ -138,7 +139,8 @@ class ActorSystem:
         return None if actor is None else actor.core
 
     def addresses(self) -> list[Address]:
-        return list(self._actors)
+        """Actors that are running and not stopping."""
+        return [address for address, actor in self._actors.items() if not actor.stopped]
 
     def register_sink(self, address: Address, sink: HostSink) -> None:
         """Let a host-side callback receive messages sent to ``address`` (called on the loop)."""

@@ -1,0 +1,260 @@
+"""The host API on the production transport (real compute threads), on asyncio and uvloop."""
+
+from __future__ import annotations
+
+import anyio
+import pytest
+
+from runtime.api import Runtime
+from runtime.config import RuntimeConfig
+from runtime.errors import (
+    DuplicateRequestId,
+    InvalidRequest,
+    ModelAlreadyLoaded,
+    ModelLoadFailed,
+    ModelNotLoaded,
+)
+from runtime.messages import (
+    Cancelled,
+    Failed,
+    Finished,
+    FinishReason,
+    ModelSpec,
+    ReusePath,
+    Sampling,
+    Started,
+    TokensEmitted,
+)
+from runtime.testing.simulated import greedy_continuation
+
+pytestmark = pytest.mark.anyio
+
+CHUNK = 8
+
+
+def sim_model(name: str = "m", **options: object) -> ModelSpec:
+    return ModelSpec(
+        name=name, backend="simulated", prefill_chunk_tokens=CHUNK, options=dict(options)
+    )
+
+
+def config(**overrides: object) -> RuntimeConfig:
+    return RuntimeConfig(**{"kv_budget_bytes": 64 << 20, **overrides})  # type: ignore[arg-type]
+
+
+def expected(prompt: str, n: int) -> str:
+    return bytes(greedy_continuation(list(prompt.encode()), n)).decode()
+
+
+async def test_complete_matches_the_cold_reference() -> None:
+    async with Runtime(config()) as rt:
+        loaded = await rt.load_model(sim_model())
+        assert loaded.reuse_path == "trim"
+        result = await rt.complete("m", "hello world", max_tokens=6)
+        assert result.text == expected("hello world", 6)
+        assert isinstance(result.terminal, Finished)
+        assert result.terminal.reason is FinishReason.LENGTH
+        assert result.usage.completion_tokens == 6
+        assert result.usage.prompt_tokens == 11
+
+
+async def test_turn_two_reuses_the_first_turn_and_matches_cold() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model())
+        first = await rt.complete("m", "system: be brief. user: hi", max_tokens=4)
+        second_prompt = "system: be brief. user: hi" + first.text + " user: more"
+        second = await rt.complete("m", second_prompt, max_tokens=4)
+        assert second.text == expected(second_prompt, 4)
+        assert second.started is not None and second.started.path is ReusePath.EXACT
+        # The first turn's prompt and its reply except the last sampled token were cached.
+        assert second.started.cached_tokens == 26 + 4 - 1
+        assert second.usage.cached_prompt_tokens == 29
+
+
+async def test_non_trimmable_model_reuses_whole_checkpoints_only() -> None:
+    async with Runtime(config()) as rt:
+        loaded = await rt.load_model(sim_model(trimmable=False))
+        assert loaded.reuse_path == "checkpoint"
+        first = await rt.complete("m", "abcdefgh", max_tokens=3)
+        extended = await rt.complete("m", "abcdefgh" + first.text + "ij", max_tokens=3)
+        assert extended.started is not None and extended.started.path is ReusePath.CHECKPOINT
+        assert extended.started.cached_tokens == 8 + 3 - 1
+        assert extended.text == expected("abcdefgh" + first.text + "ij", 3)
+        diverged = await rt.complete("m", "abcdXfgh", max_tokens=3)
+        assert diverged.started is not None and diverged.started.path is ReusePath.MISS
+        assert diverged.text == expected("abcdXfgh", 3)
+
+
+async def test_breaking_out_mid_prefill_stops_the_engine_within_one_chunk() -> None:
+    spec = sim_model(prefill_s_per_token=0.002)  # 400 tokens: 0.8 s if it ran to the end
+    async with Runtime(config()) as rt:
+        await rt.load_model(spec)
+        async with rt.generate("m", "x" * 400, max_tokens=4) as stream:
+            async for event in stream:
+                assert isinstance(event, Started)
+                break
+        with anyio.fail_after(5):
+            short = await rt.complete("m", "hi", max_tokens=1)
+        assert isinstance(short.terminal, Finished)
+        engine = rt.stats().actors["engine:m#1"].counters
+        aborted_prefill = engine["prefilled_tokens"] - 2
+        assert aborted_prefill <= 2 * CHUNK  # the chunk running at the cancel, at most one more
+        assert engine["cancelled"] == 1
+
+
+async def test_cancel_by_id_ends_quietly_with_usage_so_far() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model(decode_s_per_token=0.005))
+        async with rt.generate("m", "count", max_tokens=200, request_id="r") as stream:
+            seen = 0
+            async for event in stream:
+                if isinstance(event, TokensEmitted):
+                    seen += 1
+                    if seen == 3:
+                        assert await rt.cancel("r")
+                if isinstance(event, Cancelled):
+                    assert event.reason == "cancelled"
+                    assert event.usage.completion_tokens >= 3
+                    break
+            else:
+                pytest.fail("no Cancelled event")
+        assert not await rt.cancel("r")  # finished: a counted no-op
+
+
+async def test_duplicate_live_id_is_refused_and_finished_ids_are_reusable() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model(decode_s_per_token=0.01))
+        async with rt.generate("m", "one", max_tokens=50, request_id="same") as first:
+            await first.__anext__()
+            with pytest.raises(DuplicateRequestId):
+                async with rt.generate("m", "two", request_id="same") as second:
+                    await second.__anext__()
+        reused = await rt.complete("m", "three", max_tokens=2, request_id="same")
+        assert isinstance(reused.terminal, Finished)
+
+
+async def test_bad_input_is_refused_before_any_work() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model())
+        for kwargs in (
+            {"max_tokens": 0},
+            {"sampling": Sampling(temperature=float("nan"))},
+            {"sampling": Sampling(top_p=1.5)},
+        ):
+            with pytest.raises(InvalidRequest) as raised:
+                rt.generate("m", "x", **kwargs)  # type: ignore[arg-type]
+            assert raised.value.code == "invalid_request"
+        with pytest.raises(InvalidRequest):
+            rt.generate("m", "")
+        with pytest.raises(ModelNotLoaded):
+            await rt.complete("nope", "x")
+        with pytest.raises(ModelAlreadyLoaded):
+            await rt.load_model(sim_model())
+        with pytest.raises(ModelLoadFailed):
+            await rt.load_model(sim_model("broken", fail_load=True))
+        assert rt.stats().actors["router"].counters.get("accepted_generate", 0) == 0
+
+
+async def test_context_overflow_fails_with_a_clear_error() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model(context_length=16))
+        result = await rt.complete("m", "0123456789", max_tokens=10)
+        assert isinstance(result.terminal, Failed)
+        assert result.terminal.code == "context_length_exceeded"
+        assert "context of 16 tokens" in result.terminal.message
+
+
+async def test_prewarm_then_generate_reuses_all_but_the_last_token() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model())
+        warm = await rt.prewarm("m", "a system prompt and a question")
+        assert isinstance(warm, Finished) and warm.reason is FinishReason.PREWARMED
+        again = await rt.prewarm("m", "a system prompt and a question")
+        assert isinstance(again, Finished)  # already warm: a cheap no-op
+        engine = rt.stats().actors["engine:m#1"].counters
+        assert engine["prewarms_already_warm"] == 1
+        result = await rt.complete("m", "a system prompt and a question", max_tokens=3)
+        assert result.started is not None and result.started.path is ReusePath.EXACT
+        assert result.started.cached_tokens == 29
+        assert result.text == expected("a system prompt and a question", 3)
+
+
+async def test_generate_supersedes_a_diverging_prewarm_and_adopts_an_extended_one() -> None:
+    slow = sim_model(prefill_s_per_token=0.002)
+    async with Runtime(config()) as rt, anyio.create_task_group() as tg:
+        await rt.load_model(slow)
+        outcomes: dict[str, object] = {}
+
+        async def warm(key: str, prompt: str) -> None:
+            outcomes[key] = await rt.prewarm("m", prompt, session="s")
+
+        tg.start_soon(warm, "diverged", "z" * 200)
+        await anyio.sleep(0.02)  # let the warmup start prefilling
+        await rt.complete("m", "y" * 20, max_tokens=1, session="s")
+        tg.start_soon(warm, "extended", "w" * 200)
+        await anyio.sleep(0.02)
+        result = await rt.complete("m", "w" * 200 + "?", max_tokens=2, session="s")
+    diverged, extended = outcomes["diverged"], outcomes["extended"]
+    assert isinstance(diverged, Cancelled) and diverged.reason == "superseded"
+    assert isinstance(extended, Finished) and extended.reason is FinishReason.ADOPTED
+    assert result.started is not None and result.started.path is ReusePath.ADOPTED
+    assert result.text == expected("w" * 200 + "?", 2)
+
+
+async def test_unload_drains_in_flight_requests_and_frees_all_kv() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model(decode_s_per_token=0.005))
+        async with rt.generate("m", "long reply", max_tokens=500) as stream:
+            await stream.__anext__()
+            unloaded = await rt.unload_model("m")
+            ends = [e async for e in stream if isinstance(e, Cancelled)]
+        assert unloaded.epoch == 1
+        assert [e.reason for e in ends] == ["model_unloaded"]
+        stats = rt.stats()
+        assert stats.actors["kv"].gauges["reserved"] == 0
+        assert "engine:m#1" not in stats.actors
+        with pytest.raises(ModelNotLoaded):
+            await rt.complete("m", "x")
+        reloaded = await rt.load_model(sim_model())
+        assert reloaded.epoch == 2  # epochs only grow
+
+
+async def test_reset_drops_cached_prefixes_and_namespaces_never_share() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model())
+        await rt.complete("m", "shared prefix one", max_tokens=2, namespace="a")
+        other = await rt.complete("m", "shared prefix one", max_tokens=2, namespace="b")
+        assert other.started is not None and other.started.path is ReusePath.MISS
+        same = await rt.complete("m", "shared prefix one", max_tokens=2, namespace="a")
+        assert same.started is not None and same.started.cached_tokens > 0
+        await rt.reset("m", namespace="a")
+        after = await rt.complete("m", "shared prefix one", max_tokens=2, namespace="a")
+        assert after.started is not None and after.started.path is ReusePath.MISS
+
+
+async def test_kv_refusals_carry_stable_codes() -> None:
+    async with Runtime(config(kv_budget_bytes=10_000, reservation_timeout_s=0.05)) as rt:
+        await rt.load_model(sim_model(bytes_per_token=100, decode_s_per_token=0.01))
+        too_big = await rt.complete("m", "x" * 50, max_tokens=60)
+        assert isinstance(too_big.terminal, Failed)
+        assert too_big.terminal.code == "kv_request_too_large"
+        assert not too_big.terminal.retryable
+        async with rt.generate("m", "y" * 10, max_tokens=80) as hog:  # holds 9,000 bytes
+            await hog.__anext__()
+            starved = await rt.complete("m", "z" * 10, max_tokens=20)
+        assert isinstance(starved.terminal, Failed)
+        assert starved.terminal.code == "kv_budget_exhausted" and starved.terminal.retryable
+
+
+async def test_backend_fault_fails_one_request_and_the_runtime_goes_on() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model(fail_prefill_call=1))
+        broken = await rt.complete("m", "first", max_tokens=2)
+        assert isinstance(broken.terminal, Failed)
+        assert broken.terminal.code == "backend_error" and broken.terminal.retryable
+        fine = await rt.complete("m", "second", max_tokens=2)
+        assert fine.text == expected("second", 2)
+        assert (
+            rt.stats().actors["kv"].gauges["reserved"]
+            == rt.stats().actors["prefix"].gauges["bytes"]
+        )
