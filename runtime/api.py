@@ -163,7 +163,7 @@ class Runtime:
     async def __aenter__(self) -> Runtime:
         stack = contextlib.AsyncExitStack()
         task_group = await stack.enter_async_context(anyio.create_task_group())
-        system = ActorSystem(task_group)
+        system = ActorSystem(task_group, child_policy=self.config.engine_restart)
         system.register_sink(HOST, self._on_event)
         for address, core in build_standing_actors(self.config, make_backend_loader()):
             capacity = self.config.router_mailbox_capacity if address == ROUTER else math.inf
