@@ -1,0 +1,203 @@
+"""A token trie that finds the best reusable cached prefix of a prompt in O(prompt length).
+
+One trie indexes the live prefix entries of one (model, epoch, namespace) partition. Each node is
+one token position; an entry sits on the node where its tokens end. A node holds at most one
+trimmable and one non-trimmable ("checkpoint") entry, because the prefix-cache manager refuses a
+second entry with identical tokens and trimmability.
+
+Reuse rules (see ``best_match``): a prompt must keep at least one token to run through the model,
+so at most ``len(prompt) - 1`` tokens are ever reused. A trimmable entry serves any shared prefix,
+cut back to the common part; a checkpoint serves only when all of its tokens prefix the prompt.
+
+To answer "which trimmable entry below this node was used most recently" without walking the
+subtree, every node caches ``subtree_best``: the greatest ``(recency, entry_id)`` of the trimmable
+entries at or below it. Recency values must only grow (the caller passes a logical clock).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.messages import ReusePath, TokenIds
+
+# (recency, entry_id): comparing slots compares recency, which is unique per trie.
+_Slot = tuple[int, int]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixMatch:
+    """The best usable entry for a prompt: reuse its first ``matched`` tokens via ``path``."""
+
+    entry_id: int
+    matched: int
+    path: ReusePath
+
+
+class _Node:
+    __slots__ = ("checkpoint", "children", "subtree_best", "trimmable")
+
+    def __init__(self) -> None:
+        self.children: dict[int, _Node] = {}
+        self.trimmable: _Slot | None = None
+        self.checkpoint: _Slot | None = None
+        self.subtree_best: _Slot | None = None
+
+    def is_empty(self) -> bool:
+        return not self.children and self.trimmable is None and self.checkpoint is None
+
+    def recompute_subtree_best(self) -> None:
+        best = self.trimmable
+        for child in self.children.values():
+            if child.subtree_best is not None and (best is None or child.subtree_best > best):
+                best = child.subtree_best
+        self.subtree_best = best
+
+
+class TokenTrie:
+    """Index of one partition's live entries by their tokens.
+
+    Insert, remove and touch cost O(len(tokens)) (removal also scans the siblings on the path of
+    the removed entry); ``best_match`` costs O(len(prompt)).
+    """
+
+    def __init__(self) -> None:
+        self._root = _Node()
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def find(self, tokens: TokenIds, trimmable: bool) -> int | None:
+        """The id of the entry with exactly these tokens and trimmability, if indexed."""
+        node = self._walk(tokens)
+        if node is None:
+            return None
+        slot = node.trimmable if trimmable else node.checkpoint
+        return None if slot is None else slot[1]
+
+    def insert(self, tokens: TokenIds, trimmable: bool, entry_id: int, recency: int) -> None:
+        """Index an entry. Raises ``ValueError`` if tokens are empty or the slot is taken."""
+        if not tokens:
+            raise ValueError("a prefix entry needs at least one token")
+        path = [self._root]
+        for token in tokens:
+            path.append(path[-1].children.setdefault(token, _Node()))
+        end = path[-1]
+        if (end.trimmable if trimmable else end.checkpoint) is not None:
+            raise ValueError(f"an entry with these tokens (trimmable={trimmable}) is indexed")
+        slot = (recency, entry_id)
+        if trimmable:
+            end.trimmable = slot
+            self._raise_subtree_best(path, slot)
+        else:
+            end.checkpoint = slot
+        self._size += 1
+
+    def touch(self, tokens: TokenIds, trimmable: bool, recency: int) -> None:
+        """Mark an indexed entry as used at ``recency`` (greater than any recency seen before)."""
+        path = self._path(tokens)
+        end = path[-1]
+        if trimmable:
+            assert end.trimmable is not None, "touch of an entry that is not indexed"
+            end.trimmable = (recency, end.trimmable[1])
+            self._raise_subtree_best(path, end.trimmable)
+        else:
+            assert end.checkpoint is not None, "touch of an entry that is not indexed"
+            end.checkpoint = (recency, end.checkpoint[1])
+
+    def remove(self, tokens: TokenIds, trimmable: bool) -> None:
+        """Unindex an entry, pruning nodes that no longer lead anywhere."""
+        path = self._path(tokens)
+        end = path[-1]
+        if trimmable:
+            removed = end.trimmable
+            end.trimmable = None
+        else:
+            removed = end.checkpoint
+            end.checkpoint = None
+        assert removed is not None, "removal of an entry that is not indexed"
+        self._size -= 1
+        for depth in range(len(tokens), -1, -1):
+            node = path[depth]
+            # Above the first ancestor whose best was not the removed entry, nothing changes.
+            if trimmable and node.subtree_best == removed:
+                node.recompute_subtree_best()
+            if depth > 0 and node.is_empty():
+                del path[depth - 1].children[tokens[depth - 1]]
+
+    def strict_prefix_trimmable(self, tokens: TokenIds) -> list[int]:
+        """Ids of trimmable entries whose tokens strictly prefix ``tokens``, shortest first."""
+        found: list[int] = []
+        node = self._root
+        for token in tokens[:-1]:
+            child = node.children.get(token)
+            if child is None:
+                break
+            node = child
+            if node.trimmable is not None:
+                found.append(node.trimmable[1])
+        return found
+
+    def best_match(self, prompt: TokenIds) -> PrefixMatch | None:
+        """The entry that reuses the most tokens of ``prompt``, or None when nothing is usable.
+
+        Ties prefer an entry used whole (EXACT or CHECKPOINT) over a trimmed one, then the most
+        recently used.
+        """
+        limit = len(prompt) - 1  # leave one token to compute the next-token logits from
+        if limit < 1:
+            return None
+        path = [self._root]
+        for token in prompt[:limit]:
+            child = path[-1].children.get(token)
+            if child is None:
+                break
+            path.append(child)
+
+        # Every trimmable entry below path[d] shares at least d tokens with the prompt, so the
+        # deepest node with one below it gives the longest trimmable reuse.
+        trim_depth = next(
+            (d for d in range(len(path) - 1, 0, -1) if path[d].subtree_best is not None), 0
+        )
+        checkpoint_depth = next(
+            (d for d in range(len(path) - 1, 0, -1) if path[d].checkpoint is not None), 0
+        )
+        matched = max(trim_depth, checkpoint_depth)
+        if matched < 1:
+            return None
+
+        node = path[matched]
+        # Candidates ranked by (used whole, recency).
+        candidates: list[tuple[bool, int, int, ReusePath]] = []
+        if trim_depth == matched:
+            if node.trimmable is not None:
+                candidates.append((True, *node.trimmable, ReusePath.EXACT))
+            else:
+                assert node.subtree_best is not None
+                candidates.append((False, *node.subtree_best, ReusePath.TRIM))
+        if checkpoint_depth == matched:
+            assert node.checkpoint is not None
+            candidates.append((True, *node.checkpoint, ReusePath.CHECKPOINT))
+        _, _, entry_id, path_kind = max(candidates)
+        return PrefixMatch(entry_id=entry_id, matched=matched, path=path_kind)
+
+    def _walk(self, tokens: TokenIds) -> _Node | None:
+        node = self._root
+        for token in tokens:
+            child = node.children.get(token)
+            if child is None:
+                return None
+            node = child
+        return node
+
+    def _path(self, tokens: TokenIds) -> list[_Node]:
+        path = [self._root]
+        for token in tokens:
+            path.append(path[-1].children[token])
+        return path
+
+    @staticmethod
+    def _raise_subtree_best(path: list[_Node], slot: _Slot) -> None:
+        for node in path:
+            if node.subtree_best is None or slot > node.subtree_best:
+                node.subtree_best = slot
