@@ -1,4 +1,4 @@
-"""The engine actor: one per loaded model epoch; owns the model, every sequence and every cached state.
+"""The engine actor: one per loaded model epoch; owns the model, its sequences and cached states.
 
 Blocking model work runs as compute jobs on the engine's executor, one at a time. Between jobs the
 core picks the next unit of work round-robin (a prefill chunk or a decode step), so a sequence's
@@ -21,8 +21,8 @@ from runtime.errors import (
     BackendError,
     ContextLengthExceeded,
     InvalidRequest,
-    ModelLoadFailed,
     MlxRuntimeError,
+    ModelLoadFailed,
 )
 from runtime.messages import (
     Abort,
@@ -149,7 +149,11 @@ class EngineCore:
             "entries": len(self._entries),
             "entry_bytes": sum(e.nbytes for e in self._entries.values()),
         }
-        return Stats(actor=f"engine:{self.model}#{self.epoch}", counters=self.counters.snapshot(), gauges=gauges)
+        return Stats(
+            actor=f"engine:{self.model}#{self.epoch}",
+            counters=self.counters.snapshot(),
+            gauges=gauges,
+        )
 
     # ------------------------------------------------------------------ messages
 
@@ -231,10 +235,13 @@ class EngineCore:
     # ------------------------------------------------------------------ admission steps
 
     def _tokenized(self, seq: Sequence, ctx: Context) -> None:
-        assert seq.tokens is not None and self._backend is not None
+        assert seq.tokens is not None
+        assert self._backend is not None
         info = self._backend.info
         if not seq.tokens:
-            error = InvalidRequest("the prompt is empty after tokenization; send at least one token")
+            error = InvalidRequest(
+                "the prompt is empty after tokenization; send at least one token"
+            )
             self._fail_with(seq, ctx, error)
             return
         wanted = len(seq.tokens) + (seq.max_tokens if seq.kind is RequestKind.GENERATE else 0)
@@ -263,7 +270,7 @@ class EngineCore:
         )
 
     def _supersede_prewarms(self, seq: Sequence, ctx: Context) -> None:
-        """A generate adopts an in-flight prewarm it extends, and aborts any other in its session."""
+        """A generate adopts an in-flight prewarm it extends and aborts others in its session."""
         assert seq.tokens is not None
         for other in list(self._sequences.values()):
             if other.kind is not RequestKind.PREWARM or other.session != seq.session:
@@ -292,7 +299,11 @@ class EngineCore:
 
     def _reserved(self, holder: Holder, ctx: Context) -> None:
         seq = self._sequences.get(holder.id)
-        if holder.kind is not HolderKind.SEQUENCE or seq is None or seq.phase is not Phase.RESERVING:
+        if (
+            holder.kind is not HolderKind.SEQUENCE
+            or seq is None
+            or seq.phase is not Phase.RESERVING
+        ):
             ctx.send(KV_KEEPER, Release(holder=holder))  # its sequence ended while it waited
             ctx.count_dead_letter("stale_reservation_reply")
             return
@@ -338,7 +349,8 @@ class EngineCore:
 
     def _announce_start(self, seq: Sequence, ctx: Context) -> None:
         """Tell the router how the prompt state was obtained, once that is final (after restore)."""
-        assert seq.tokens is not None and seq.state is not None
+        assert seq.tokens is not None
+        assert seq.state is not None
         if seq.started_sent:
             return
         seq.started_sent = True
@@ -416,13 +428,15 @@ class EngineCore:
             if seq.phase is Phase.RESTORING:
                 job.state = self._restore(backend, seq, job)
             elif seq.phase is Phase.PREFILLING:
-                assert seq.state is not None and seq.tokens is not None
+                assert seq.state is not None
+                assert seq.tokens is not None
                 start = seq.state.length
                 chunk = seq.tokens[start : min(start + self._chunk, seq.prefill_target)]
                 backend.prefill(seq.state, chunk)
                 job.prefilled = len(chunk)
             else:
-                assert seq.state is not None and seq.detokenizer is not None
+                assert seq.state is not None
+                assert seq.detokenizer is not None
                 if seq.pending_token is not None:
                     backend.prefill(seq.state, [seq.pending_token])
                     job.prefilled = 1
@@ -631,7 +645,7 @@ class EngineCore:
                 entry_id=entry_id,
                 tokens=seq.all_tokens[: state.length],
                 nbytes=nbytes,
-                trimmable=self._backend.info.reuse == "trim",
+                trimmable=self._backend.can_trim(state),
                 generation=seq.generation,
             ),
         )

@@ -50,8 +50,8 @@ from typing import NamedTuple
 from runtime.core import PREFIX_CACHE, Address, Context
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge, MlxRuntimeError
 from runtime.messages import (
-    Evict,
     EpochReleased,
+    Evict,
     GetStats,
     Holder,
     Message,

@@ -225,10 +225,11 @@ class RouterCore:
         if live is None:
             ctx.count_dead_letter("stale_engine_event")
             return
-        ids = {"request_id": live.request_id, "incarnation": live.incarnation}
+        request_id, incarnation = live.request_id, live.incarnation
         if isinstance(event, SequenceStarted):
             out: Message = Started(
-                **ids,
+                request_id=request_id,
+                incarnation=incarnation,
                 sequence_id=event.sequence_id,
                 epoch=event.epoch,
                 prompt_tokens=event.prompt_tokens,
@@ -236,7 +237,12 @@ class RouterCore:
                 path=event.path,
             )
         else:
-            out = TokensEmitted(**ids, token_ids=event.token_ids, text=event.text)
+            out = TokensEmitted(
+                request_id=request_id,
+                incarnation=incarnation,
+                token_ids=event.token_ids,
+                text=event.text,
+            )
         ctx.send(live.host, out)
 
     def _forward_terminal(
@@ -248,15 +254,29 @@ class RouterCore:
             return
         del self._live_by_sequence[live.sequence_id]
         del self._live_by_request[live.request_id]
-        ids = {"request_id": live.request_id, "incarnation": live.incarnation}
+        request_id, incarnation = live.request_id, live.incarnation
         out: Message
         match event:
             case SequenceFinished(reason=reason, usage=usage):
-                out = Finished(**ids, reason=reason, usage=usage)
-            case SequenceCancelled(reason=reason, usage=usage):
-                out = Cancelled(**ids, reason=reason, usage=usage)
+                out = Finished(
+                    request_id=request_id, incarnation=incarnation, reason=reason, usage=usage
+                )
+            case SequenceCancelled(reason=cancel_reason, usage=usage):
+                out = Cancelled(
+                    request_id=request_id,
+                    incarnation=incarnation,
+                    reason=cancel_reason,
+                    usage=usage,
+                )
             case SequenceFailed(code=code, message=text, retryable=retryable, usage=usage):
-                out = Failed(**ids, code=code, message=text, retryable=retryable, usage=usage)
+                out = Failed(
+                    request_id=request_id,
+                    incarnation=incarnation,
+                    code=code,
+                    message=text,
+                    retryable=retryable,
+                    usage=usage,
+                )
         self.counters.inc(f"terminal_{type(out).__name__.lower()}")
         ctx.send(live.host, out)
 
@@ -375,4 +395,3 @@ def _not_loaded_text(name: str) -> str:
 
 def _not_loaded(name: str) -> CommandFailed:
     return CommandFailed(code=ModelNotLoaded.code, message=_not_loaded_text(name))
-

@@ -17,6 +17,7 @@ from actors.kv_budget import KVBudgetCore, QueuedReservation
 from runtime.core import KV_KEEPER, PREFIX_CACHE, Address
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge
 from runtime.messages import (
+    EpochReleased,
     Evict,
     GetStats,
     Holder,
@@ -82,6 +83,7 @@ class KVBudgetMachine(RuleBasedStateMachine):
         # What the keeper actually did.
         self.replies: dict[Address, list[Reply]] = {}
         self.evicts: list[int] = []
+        self.epochs_released: list[tuple[str, str, int]] = []
         self.granted_numbers: list[int] = []
         # Requests that were queued (deadline) and those dropped unanswered by a release.
         self.queued_deadlines: dict[Address, float] = {}
@@ -112,6 +114,8 @@ class KVBudgetMachine(RuleBasedStateMachine):
                 case ReservationRefused(holder=holder, nbytes=nbytes, code=code):
                     assert message.retryable == (code == KVBudgetExhausted.code)
                     self.replies.setdefault(to, []).append(("refused", code, holder, nbytes))
+                case EpochReleased(model=model, epoch=epoch):
+                    self.epochs_released.append((to, model, epoch))
                 case _:
                     raise AssertionError(f"unexpected {message!r} to {to}")
 
@@ -210,7 +214,8 @@ class KVBudgetMachine(RuleBasedStateMachine):
         for holder in [h for h in self.holdings if (h.model, h.epoch) == (model, epoch)]:
             del self.holdings[holder]
         self.model_grant_waiting()
-        self.deliver(ReleaseEpoch(model=model, epoch=epoch), "router")
+        self.deliver(ReleaseEpoch(model=model, epoch=epoch), f"engine:{model}#{epoch}")
+        assert self.epochs_released[-1] == (f"engine:{model}#{epoch}", model, epoch)
 
     @rule(seconds=st.integers(1, 40).map(float))
     def advance_time(self, seconds: float) -> None:

@@ -192,5 +192,4 @@ def _first(events: list[Message], kind: type[Started]) -> Started | None:
     return next((e for e in events if isinstance(e, kind)), None)
 
 
-
 TestRuntimeMachine = RuntimeMachine.TestCase

@@ -164,7 +164,7 @@ class ActorSystem:
         actor.send.send_nowait(Envelope(message, sender))
 
     async def tell_external(self, to: Address, message: Message, sender: Address) -> None:
-        """The host's way in: waits while ``to``'s mailbox is at capacity; raises ``ActorStopped``."""
+        """The host's way in: waits while ``to``'s mailbox is full; raises ``ActorStopped``."""
         actor = self._live(to)
         while actor.send.statistics().current_buffer_used >= actor.capacity:
             actor.space = actor.space or anyio.Event()

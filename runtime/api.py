@@ -178,7 +178,8 @@ class Runtime:
         tb: TracebackType | None,
     ) -> bool | None:
         system, stack = self._system, self._stack
-        assert system is not None and stack is not None
+        assert system is not None
+        assert stack is not None
         try:
             with anyio.CancelScope(shield=True), anyio.move_on_after(30):
                 await system.ask(ROUTER, Shutdown())
@@ -199,7 +200,10 @@ class Runtime:
     # ------------------------------------------------------------------ models
 
     async def load_model(self, spec: ModelSpec) -> ModelLoaded:
-        """Load a model; raises ``ModelAlreadyLoaded``, ``ModelLoadFailed``, ``InvalidModelSpec``."""
+        """Load a model; raises ``ModelAlreadyLoaded``, ``ModelLoadFailed`` or ``InvalidModelSpec``.
+
+        The reply says which prefix-reuse path the model uses and its KV bytes per token.
+        """
         reply = await self._ask(LoadModel(spec=spec))
         return _expect(reply, ModelLoaded)
 
@@ -209,7 +213,9 @@ class Runtime:
 
     async def reset(self, model: str, namespace: str | None = None) -> PrefixesReset:
         """Drop cached prefixes of ``model`` (one namespace, or all); later requests observe it."""
-        return _expect(await self._ask(ResetPrefixes(model=model, namespace=namespace)), PrefixesReset)
+        return _expect(
+            await self._ask(ResetPrefixes(model=model, namespace=namespace)), PrefixesReset
+        )
 
     # ------------------------------------------------------------------ requests
 

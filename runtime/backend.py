@@ -37,12 +37,17 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     window_tokens: int | None = None  # sliding-window layers hold at most this many tokens
     window_bytes_per_token: int = 0
     fixed_state_bytes: int = 0  # recurrent state, independent of length
+    alloc_step: int = 1  # KV caches grow in steps of this many tokens (mlx-lm: 256)
 
     def kv_bytes(self, n_tokens: int) -> int:
-        """Bytes of cache a sequence of ``n_tokens`` needs, from the model's real layout."""
+        """Bytes of cache a sequence of ``n_tokens`` needs, from the model's real layout.
+
+        Full-attention layers are priced in whole allocation steps, as they really grow.
+        """
+        allocated = -(-n_tokens // self.alloc_step) * self.alloc_step
         windowed = n_tokens if self.window_tokens is None else min(n_tokens, self.window_tokens)
         return (
-            self.bytes_per_token * n_tokens
+            self.bytes_per_token * allocated
             + self.window_bytes_per_token * windowed
             + self.fixed_state_bytes
         )
@@ -77,8 +82,12 @@ class Backend(Protocol):
         """An empty cache."""
         ...
 
+    def can_trim(self, state: SequenceState) -> bool:
+        """Whether ``state`` could be cut back to a shorter prefix (decides how it is cached)."""
+        ...
+
     def copy_state(self, state: SequenceState, length: int) -> SequenceState:
-        """An independent copy of the first ``length`` tokens of ``state``; raises ``CannotTrim``."""
+        """An independent copy of ``state``'s first ``length`` tokens; raises ``CannotTrim``."""
         ...
 
     def prefill(self, state: SequenceState, token_ids: Sequence[int]) -> None:

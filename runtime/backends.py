@@ -26,4 +26,3 @@ def make_backend_loader(clock: ComputeClock | None = None) -> BackendLoader:
         )
 
     return load
-

@@ -32,7 +32,7 @@ Spawn = Callable[[Address, ActorCore], None]
 def build_standing_actors(
     config: RuntimeConfig, load_backend: BackendLoader
 ) -> list[tuple[Address, ActorCore]]:
-    """The router, KV keeper and prefix-cache manager, wired to start engines with ``load_backend``."""
+    """The router, KV keeper and prefix-cache manager; engines load with ``load_backend``."""
     if config.kv_budget_bytes is None:
         from runtime.memory import default_kv_budget_bytes
 

@@ -23,7 +23,7 @@ PREFIX_CACHE: Address = "prefix"
 
 
 def engine_address(model: str, epoch: int) -> Address:
-    """Each load of a model gets its own address, so nothing meant for an old load can reach a new one."""
+    """Each load of a model gets its own address: mail for an old load never reaches a new one."""
     return f"engine:{model}#{epoch}"
 
 

@@ -74,12 +74,12 @@ async def _simulated() -> None:
 async def _tiny_mlx() -> None:
     try:
         from runtime.mlx_backend import MlxBackend  # noqa: F401
-        from runtime.testing.tiny_models import tiny_model_path
+        from runtime.testing.tiny_models import TINY_MODEL_KINDS, tiny_model_path
     except ImportError:
         _say("== Part 2 skipped: the MLX backend is not built yet (see the open issues) ==")
         return
-    for kind in ("llama", "sliding", "hybrid"):
-        path = tiny_model_path(kind)  # type: ignore[arg-type]
+    for kind in TINY_MODEL_KINDS:
+        path = tiny_model_path(kind)
         _say(f"== Part 2: tiny random-weight MLX model {kind!r} ({path}) ==")
         async with Runtime(RuntimeConfig()) as rt:
             loaded = await rt.load_model(ModelSpec(name=kind, path=str(path), backend="mlx"))

@@ -38,6 +38,7 @@ Prefix cache (engine ↔ prefix-cache manager)
 from __future__ import annotations
 
 import enum
+
 import msgspec
 
 TokenIds = tuple[int, ...]
@@ -106,7 +107,7 @@ class RequestKind(enum.StrEnum):
 
 
 class Generate(Message, frozen=True):
-    """Start generating. ``incarnation`` is unique per runtime, so a recycled ``request_id`` is safe.
+    """Start generating. ``incarnation`` is unique per runtime: a recycled ``request_id`` is safe.
 
     Exactly one of ``prompt`` (text) and ``prompt_tokens`` is set. ``session`` groups requests that
     may supersede each other's prewarms (default: model plus namespace).
@@ -174,7 +175,7 @@ class Shutdown(Message, frozen=True):
 
 
 class Started(Message, frozen=True):
-    """The request has its prompt state and starts producing tokens (or, for prewarm, committing)."""
+    """The request has its prompt state and starts producing tokens (a prewarm: committing)."""
 
     request_id: str
     incarnation: int
@@ -581,9 +582,7 @@ EngineInbox = (
 
 KVInbox = Reserve | Release | Transfer | ReleaseEpoch | ReservationExpired | GetStats
 
-PrefixInbox = (
-    Lookup | Commit | ReleaseLease | Evict | InvalidateEpoch | ResetPrefixes | GetStats
-)
+PrefixInbox = Lookup | Commit | ReleaseLease | Evict | InvalidateEpoch | ResetPrefixes | GetStats
 
 HostEvent = Started | TokensEmitted | Finished | Cancelled | Failed | Rejected
 TerminalEvent = Finished | Cancelled | Failed
@@ -608,6 +607,8 @@ def encode(message: Message) -> bytes:
 
 
 def decode(data: bytes) -> AnyMessage:
-    """Inverse of ``encode``; raises ``msgspec.ValidationError`` on anything not in the vocabulary."""
-    return _decoder.decode(data)
+    """Inverse of ``encode``; raises ``msgspec.ValidationError`` on anything not in the vocabulary.
 
+    Decodes into the closed union of every message type.
+    """
+    return _decoder.decode(data)

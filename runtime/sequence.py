@@ -80,7 +80,7 @@ class Sequence:
 
     @property
     def prefill_target(self) -> int:
-        """Tokens to prefill: the whole prompt, or for a prewarm all but the last (see design.md)."""
+        """Tokens to prefill: the whole prompt, or for a prewarm all but the last (design.md)."""
         assert self.tokens is not None
         if self.kind is RequestKind.PREWARM:
             return max(len(self.tokens) - 1, 0)

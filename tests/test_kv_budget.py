@@ -9,8 +9,8 @@ from runtime.core import KV_KEEPER, PREFIX_CACHE, Address
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge
 from runtime.memory import default_kv_budget_bytes
 from runtime.messages import (
-    Evict,
     EpochReleased,
+    Evict,
     GetStats,
     Holder,
     HolderKind,

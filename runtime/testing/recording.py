@@ -10,7 +10,7 @@ from runtime.messages import Message
 
 
 class RecordingContext:
-    """Records sends, timers, spawns and compute jobs; time is whatever the test sets ``clock`` to."""
+    """Records sends, timers, spawns and compute jobs; time is what the test sets ``clock`` to."""
 
     def __init__(self, self_address: Address, clock: float = 0.0) -> None:
         self._self_address = self_address

@@ -6,7 +6,7 @@ is the oracle for prefix reuse. Compute "costs" time through a ``ComputeClock``:
 production thread executor, virtual seconds in the simulator. Faults are data, so they can travel in
 a ``ModelSpec`` and be replayed.
 
-Public: hosts can load ``ModelSpec(name=..., backend="simulated", options={...})`` in their own tests.
+Public: hosts load ``ModelSpec(name=..., backend="simulated", options={...})`` in their tests.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from typing import Protocol
 
 import msgspec
 
-from runtime.backend import CannotTrim, ModelInfo, ReuseStrategy
+from runtime.backend import CannotTrim, ModelInfo, ReuseStrategy, SequenceState
 from runtime.errors import InvalidModelSpec
 from runtime.messages import ModelSpec, Sampling
 
@@ -131,7 +131,7 @@ class SimulatedBackend:
 
     @classmethod
     def load(cls, spec: ModelSpec, clock: ComputeClock) -> SimulatedBackend:
-        """Build from a spec; raises ``InvalidModelSpec`` on bad options, ``SimulatedFault`` on demand."""
+        """Build from a spec; raises ``InvalidModelSpec`` (bad options) or ``SimulatedFault``."""
         try:
             options = msgspec.convert(spec.options, SimulatedModelOptions)
         except msgspec.ValidationError as exc:
@@ -154,14 +154,19 @@ class SimulatedBackend:
     def new_state(self) -> SimulatedState:
         return SimulatedState()
 
-    def copy_state(self, state: SimulatedState, length: int) -> SimulatedState:  # type: ignore[override]
+    def can_trim(self, state: SequenceState) -> bool:
+        return self._options.trimmable
+
+    def copy_state(self, state: SequenceState, length: int) -> SimulatedState:
+        state = _own(state)
         if length > state.length or length < 0:
             raise CannotTrim(f"cannot copy {length} tokens of a {state.length}-token state")
         if length < state.length and not self._options.trimmable:
             raise CannotTrim("this simulated cache is not trimmable")
         return SimulatedState(state.tokens[:length], state.hashes[:length])
 
-    def prefill(self, state: SimulatedState, token_ids: Sequence[int]) -> None:  # type: ignore[override]
+    def prefill(self, state: SequenceState, token_ids: Sequence[int]) -> None:
+        state = _own(state)
         with self._lock:
             self._prefill_calls += 1
             if self._prefill_calls == self._options.fail_prefill_call:
@@ -176,7 +181,8 @@ class SimulatedBackend:
                 state.tokens.append(token)
                 state.hashes.append(h)
 
-    def sample(self, state: SimulatedState, sampling: Sampling, rng: random.Random) -> int:  # type: ignore[override]
+    def sample(self, state: SequenceState, sampling: Sampling, rng: random.Random) -> int:
+        state = _own(state)
         with self._lock:
             self._sample_calls += 1
             if self._sample_calls == self._options.fail_sample_call:
@@ -186,8 +192,15 @@ class SimulatedBackend:
                 h = extend_hash(h, rng.randrange(1 << 30))
             return next_token_for(h, self._options.eos_every)
 
-    def state_nbytes(self, state: SimulatedState) -> int:  # type: ignore[override]
+    def state_nbytes(self, state: SequenceState) -> int:
         return self._info.kv_bytes(state.length)
 
     def close(self) -> None:
         pass
+
+
+def _own(state: SequenceState) -> SimulatedState:
+    """Narrow an engine-held state back to ours (a foreign state is a programming error)."""
+    if not isinstance(state, SimulatedState):
+        raise TypeError(f"not a simulated state: {type(state).__name__}")
+    return state

@@ -159,7 +159,7 @@ class Simulator:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> bool:
-        """Deliver one message to one actor chosen by the seed; False when every mailbox is empty."""
+        """Deliver one message to an actor chosen by the seed; False when every mailbox is empty."""
         ready = [address for address, mail in self._mail.items() if mail]
         if not ready:
             return False
@@ -198,7 +198,7 @@ class Simulator:
         self.clock.now = until
 
     def run_until(self, condition: Callable[[], bool], max_seconds: float = 3600.0) -> None:
-        """Run (jumping time to each next event) until ``condition()`` holds; raise if it never does."""
+        """Run, jumping time to each next event, until ``condition()`` holds (raise if never)."""
         deadline = self.clock.now + max_seconds
         self.run_until_idle()
         while not condition():
@@ -214,7 +214,7 @@ class Simulator:
     def quiescent(self) -> bool:
         return not self._timers and not any(self._mail.values())
 
-    # ------------------------------------------------------------------ transport (used by contexts)
+    # ------------------------------------------------------------------ transport (for contexts)
 
     def deliver(self, to: Address, message: Message, sender: Address) -> None:
         if to in self._replies:

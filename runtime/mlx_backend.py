@@ -1,0 +1,294 @@
+"""The real backend: an mlx-lm model and its per-layer caches, run on the engine's compute thread.
+
+Loading never downloads: ``ModelSpec.path`` is a local mlx-lm model directory, or a Hugging Face
+repo id that is already in the local cache. At load the backend runs one tiny forward pass, which
+warms the weights and lets it measure the cache layout (bytes per token, windows, fixed recurrent
+state) from real arrays instead of trusting config fields that differ between architectures.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import random
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
+
+from runtime.backend import CannotTrim, ModelInfo, ReuseStrategy, SequenceState
+from runtime.errors import InvalidModelSpec, ModelLoadFailed
+from runtime.messages import ModelSpec, Sampling
+
+_WARMUP_TOKENS = 4
+
+
+class MlxState:
+    """A sequence's caches (one per layer), tokens consumed, and the logits after the last one."""
+
+    __slots__ = ("caches", "logits", "n_tokens")
+
+    def __init__(self, caches: list[Any], n_tokens: int = 0, logits: mx.array | None = None):
+        self.caches = caches
+        self.n_tokens = n_tokens
+        self.logits = logits
+
+    @property
+    def length(self) -> int:
+        return self.n_tokens
+
+
+class MlxBackend:
+    """``runtime.backend.Backend`` over mlx-lm. Every method runs on one compute thread."""
+
+    def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, kv_bits: int | None) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self._info = info
+        self._kv_bits = kv_bits
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def load(cls, spec: ModelSpec) -> MlxBackend:
+        """Load ``spec.path``; raises ``ModelLoadFailed`` naming what is missing."""
+        from mlx_lm.utils import load as mlx_load
+
+        path = resolve_model_path(spec)
+        kv_bits = _int_option(spec, "kv_bits")
+        if kv_bits not in (None, 4, 8):
+            raise InvalidModelSpec(f"kv_bits must be 4 or 8 (got {kv_bits})")
+        try:
+            loaded = mlx_load(str(path), return_config=True)
+            model, tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], loaded)
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            raise ModelLoadFailed(f"could not load the model at {path}: {exc}") from exc
+        backend = cls(model, tokenizer, _placeholder_info(), kv_bits)
+        backend._info = backend._measure(spec, config)
+        return backend
+
+    def _measure(self, spec: ModelSpec, config: dict[str, Any]) -> ModelInfo:
+        """Run a tiny forward pass and read the cache layout off the real arrays."""
+        state = self.new_state()
+        self.prefill(state, [0] * _WARMUP_TOKENS)
+        per_token = window_per_token = fixed = 0
+        window: int | None = None
+        kinds: dict[str, list[int]] = {}
+        for index, layer_cache in enumerate(state.caches):
+            kinds.setdefault(type(layer_cache).__name__, []).append(index)
+            if isinstance(layer_cache, mlx_cache.RotatingKVCache):
+                window = max(window or 0, layer_cache.max_size)
+                window_per_token += _kv_bytes_per_token(layer_cache)
+            elif isinstance(layer_cache, (mlx_cache.KVCache, mlx_cache.QuantizedKVCache)):
+                per_token += _kv_bytes_per_token(layer_cache)
+            else:
+                fixed += int(layer_cache.nbytes)
+        strategy, reason = _reuse_strategy(kinds, window)
+        context = _int_option(spec, "context_length") or int(
+            config.get("max_position_embeddings") or config.get("max_seq_len") or 4096
+        )
+        eos = frozenset(int(t) for t in self._tokenizer.eos_token_ids)
+        return ModelInfo(
+            context_length=context,
+            vocab_size=int(config.get("vocab_size", 0)),
+            eos_token_ids=eos,
+            reuse=strategy,
+            reuse_reason=reason,
+            bytes_per_token=per_token,
+            window_tokens=window,
+            window_bytes_per_token=window_per_token,
+            fixed_state_bytes=fixed,
+            alloc_step=mlx_cache.KVCache.step,
+        )
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    # ------------------------------------------------------------------ tokens
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids)))
+
+    # ------------------------------------------------------------------ states
+
+    def new_state(self) -> MlxState:
+        caches = mlx_cache.make_prompt_cache(self._model)
+        if self._kv_bits is not None:
+            caches = [
+                mlx_cache.QuantizedKVCache(group_size=64, bits=self._kv_bits)
+                if type(c) is mlx_cache.KVCache
+                else c
+                for c in caches
+            ]
+        return MlxState(caches)
+
+    def can_trim(self, state: SequenceState) -> bool:
+        """Whether every layer of ``state`` can be cut back (a rotating cache until it wraps)."""
+        return all(c.is_trimmable() for c in _own(state).caches)
+
+    def copy_state(self, state: SequenceState, length: int) -> MlxState:
+        source = _own(state)
+        if not 0 <= length <= source.n_tokens:
+            raise CannotTrim(f"cannot copy {length} tokens of a {source.n_tokens}-token state")
+        drop = source.n_tokens - length
+        if drop and not self.can_trim(source):
+            raise CannotTrim(
+                "a layer of this cache cannot be trimmed (sliding window or recurrent)"
+            )
+        caches = [_copy_layer(c, drop) for c in source.caches]
+        logits = source.logits if drop == 0 else None
+        return MlxState(caches, length, logits)
+
+    def prefill(self, state: SequenceState, token_ids: Sequence[int]) -> None:
+        own = _own(state)
+        if not token_ids:
+            return
+        logits = self._model(mx.array([list(token_ids)]), cache=own.caches)
+        own.logits = logits[0, -1].astype(mx.float32)
+        mx.eval(own.logits, [c.state for c in own.caches])
+        own.n_tokens += len(token_ids)
+
+    def sample(self, state: SequenceState, sampling: Sampling, rng: random.Random) -> int:
+        own = _own(state)
+        if own.logits is None:
+            raise RuntimeError("sample() before any prefill: no logits")
+        if sampling.temperature == 0:
+            return cast(int, mx.argmax(own.logits).item())
+        logprobs = own.logits - mx.logsumexp(own.logits, keepdims=True)
+        logprobs = logprobs[None]
+        if sampling.top_k > 0:
+            logprobs = apply_top_k(logprobs, sampling.top_k)
+        if 0 < sampling.top_p < 1:
+            logprobs = apply_top_p(logprobs, sampling.top_p)
+        if sampling.min_p > 0:
+            logprobs = apply_min_p(logprobs, sampling.min_p)
+        key = mx.random.key(rng.getrandbits(32))
+        choice = mx.random.categorical(logprobs * (1 / sampling.temperature), key=key)
+        return cast(int, choice.item())
+
+    def state_nbytes(self, state: SequenceState) -> int:
+        return sum(int(c.nbytes) for c in _own(state).caches if not c.empty())
+
+    def close(self) -> None:
+        """Drop the model and return MLX's cached buffers to the system."""
+        self._model = None
+        self._tokenizer = None
+        gc.collect()
+        mx.clear_cache()
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def resolve_model_path(spec: ModelSpec) -> Path:
+    """A local directory, or a hub id already in the local cache; never a download."""
+    if not spec.path:
+        raise InvalidModelSpec(f"model {spec.name!r} needs a path (an mlx-lm model directory)")
+    path = Path(spec.path).expanduser()
+    if path.is_dir():
+        return path
+    try:
+        from mlx_lm.utils import hf_repo_to_path
+
+        return Path(hf_repo_to_path(spec.path))  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        raise ModelLoadFailed(
+            f"{spec.path!r} is neither a model directory nor a repo in the local Hugging Face "
+            "cache; the runtime never downloads: fetch it first (e.g. `hf download "
+            f"{spec.path}`) or pass a directory"
+        ) from exc
+
+
+def _int_option(spec: ModelSpec, name: str) -> int | None:
+    value = spec.options.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidModelSpec(f"option {name!r} must be an integer (got {value!r})")
+    return value
+
+
+def _placeholder_info() -> ModelInfo:
+    return ModelInfo(
+        context_length=1,
+        vocab_size=0,
+        eos_token_ids=frozenset(),
+        reuse=ReuseStrategy.NONE,
+        reuse_reason="loading",
+        bytes_per_token=0,
+    )
+
+
+def _kv_bytes_per_token(layer_cache: Any) -> int:
+    """Bytes one token adds to a KV layer: keys plus values, across heads (quantized or not)."""
+    keys, values = layer_cache.keys, layer_cache.values
+    parts = [*keys, *values] if isinstance(keys, tuple) else [keys, values]
+    return sum(int(a.nbytes) // int(a.shape[2]) for a in parts)
+
+
+def _reuse_strategy(kinds: dict[str, list[int]], window: int | None) -> tuple[ReuseStrategy, str]:
+    trimmable = {"KVCache", "QuantizedKVCache"}
+    others = {k: v for k, v in kinds.items() if k not in trimmable}
+    if not others:
+        names = ", ".join(sorted(kinds))
+        return ReuseStrategy.TRIM, f"every layer is a trimmable {names}: trim to the common prefix"
+    described = "; ".join(
+        f"layers {v} are {k}" + (f" (window {window})" if k == "RotatingKVCache" else "")
+        for k, v in sorted(others.items())
+    )
+    return (
+        ReuseStrategy.CHECKPOINT,
+        f"{described}: such layers cannot be trimmed safely, so reuse restores whole checkpoints",
+    )
+
+
+def _copy_layer(layer_cache: Any, drop: int) -> Any:
+    """An independent copy of one layer's cache minus its last ``drop`` tokens.
+
+    New array objects are made by slicing, so in-place cache updates of the copy never reach the
+    original (prefix entries are shared and must not change).
+    """
+    clone = copy.copy(layer_cache)
+    if isinstance(layer_cache, mlx_cache.RotatingKVCache):
+        keys, values = layer_cache.keys, layer_cache.values
+        if keys is not None and values is not None:
+            if drop == 0:  # possibly wrapped around: copy the whole ring
+                clone.keys, clone.values = mx.array(keys), mx.array(values)
+            else:  # trimmable means not wrapped: tokens sit in order before _idx
+                end = layer_cache._idx - drop
+                clone.keys, clone.values = keys[..., :end, :], values[..., :end, :]
+        clone.offset = layer_cache.offset - drop
+        clone._idx = layer_cache._idx - drop
+        return clone
+    if isinstance(layer_cache, mlx_cache.KVCache):
+        keys, values = layer_cache.keys, layer_cache.values
+        if keys is not None and values is not None:
+            end = layer_cache.offset - drop
+            clone.keys, clone.values = keys[..., :end, :], values[..., :end, :]
+        clone.offset = layer_cache.offset - drop
+        return clone
+    if isinstance(layer_cache, mlx_cache.QuantizedKVCache):
+        qkeys, qvalues = layer_cache.keys, layer_cache.values
+        if qkeys is not None and qvalues is not None:
+            end = layer_cache.offset - drop
+            clone.keys = tuple(a[..., :end, :] for a in qkeys)
+            clone.values = tuple(a[..., :end, :] for a in qvalues)
+        clone.offset = layer_cache.offset - drop
+        return clone
+    if isinstance(layer_cache, mlx_cache.ArraysCache):
+        clone.cache = [None if a is None else mx.array(a) for a in layer_cache.cache]
+        return clone
+    raise CannotTrim(f"no copy rule for cache type {type(layer_cache).__name__}")
+
+
+def _own(state: SequenceState) -> MlxState:
+    if not isinstance(state, MlxState):
+        raise TypeError(f"not an MLX state: {type(state).__name__}")
+    return state
