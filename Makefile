@@ -54,7 +54,7 @@ run: venv
 	$(WITH_BLAS) $(PY) -m runtime.demo
 
 lint: venv
-	$(PY) -m ruff check runtime actors tests property_tests bench conftest.py
+	$(PY) -m ruff check runtime actors tests property_tests conftest.py $(wildcard bench)
 	$(PY) -m ruff format --check runtime actors
 	$(PY) -m mypy
 
