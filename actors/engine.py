@@ -14,7 +14,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtime.backend import Backend, BackendLoader, CannotTrim, SequenceState
+from runtime.backend import Backend, BackendLoader, CannotTrim, ReuseStrategy, SequenceState
+from runtime.checkpoints import plan_checkpoints
 from runtime.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, Context
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.errors import (
@@ -66,11 +67,15 @@ from runtime.stats import Counters
 
 log = logging.getLogger("mlx_actor_runtime.engine")
 
+# Snapshot spacing during long prefills of non-trimmable caches (ModelSpec option to override).
+DEFAULT_CHECKPOINT_EVERY = 512
+
 
 @dataclass
 class _Entry:
     state: SequenceState
     nbytes: int
+    pending: Commit | None = None  # a snapshot waiting for its own reservation before commit
 
 
 class _JobKind(enum.Enum):
@@ -94,6 +99,8 @@ class _Job:
     error: BaseException | None = None
     skipped: bool = False  # the abort flag was already set when the job started
     fallback: str | None = None
+    snapshot: SequenceState | None = None
+    checkpoints: list[int] | None = None
     results: dict[int, list[int]] = field(default_factory=dict)
 
 
@@ -113,6 +120,8 @@ class EngineCore:
         self._load_backend = load_backend
         self._reservation_timeout_s = reservation_timeout_s
         self._chunk = max(1, spec.prefill_chunk_tokens)
+        every = spec.options.get("checkpoint_every_tokens", DEFAULT_CHECKPOINT_EVERY)
+        self._checkpoint_every = every if isinstance(every, int) else DEFAULT_CHECKPOINT_EVERY
         self._backend: Backend | None = None
         self._sequences: dict[int, Sequence] = {}
         self._entries: dict[int, _Entry] = {}
@@ -173,6 +182,9 @@ class EngineCore:
                 seq = self._sequences.get(holder.id)
                 if holder.kind is HolderKind.SEQUENCE and seq and seq.phase is Phase.RESERVING:
                     self._fail(seq, ctx, code, text, retry)
+                elif holder.kind is HolderKind.PREFIX_ENTRY and holder.id in self._entries:
+                    del self._entries[holder.id]  # no room for this snapshot: skip it
+                    self.counters.inc("snapshots_refused")
                 else:
                     ctx.count_dead_letter("stale_reservation_reply")
             case LookupResult():
@@ -298,6 +310,14 @@ class EngineCore:
         self._finish(prewarm, ctx, FinishReason.ADOPTED)
 
     def _reserved(self, holder: Holder, ctx: Context) -> None:
+        if holder.kind is HolderKind.PREFIX_ENTRY:
+            entry = self._entries.get(holder.id)
+            if entry is None or entry.pending is None:
+                ctx.send(KV_KEEPER, Release(holder=holder))
+                return
+            ctx.send(PREFIX_CACHE, entry.pending)
+            entry.pending = None
+            return
         seq = self._sequences.get(holder.id)
         if (
             holder.kind is not HolderKind.SEQUENCE
@@ -431,9 +451,13 @@ class EngineCore:
                 assert seq.state is not None
                 assert seq.tokens is not None
                 start = seq.state.length
-                chunk = seq.tokens[start : min(start + self._chunk, seq.prefill_target)]
-                backend.prefill(seq.state, chunk)
-                job.prefilled = len(chunk)
+                end = min(start + self._chunk, seq.prefill_target)
+                if seq.checkpoints:  # land exactly on the next checkpoint
+                    end = min(end, seq.checkpoints[0])
+                backend.prefill(seq.state, seq.tokens[start:end])
+                job.prefilled = end - start
+                if seq.checkpoints and end == seq.checkpoints[0]:
+                    job.snapshot = backend.copy_state(seq.state, end)
             else:
                 assert seq.state is not None
                 assert seq.detokenizer is not None
@@ -447,6 +471,14 @@ class EngineCore:
             job.error = exc
 
     def _restore(self, backend: Backend, seq: Sequence, job: _Job) -> SequenceState:
+        state = self._restored_state(backend, seq, job)
+        if backend.info.reuse is ReuseStrategy.CHECKPOINT and seq.tokens is not None:
+            job.checkpoints = plan_checkpoints(
+                seq.tokens, state.length, seq.prefill_target, self._checkpoint_every, backend.decode
+            )
+        return state
+
+    def _restored_state(self, backend: Backend, seq: Sequence, job: _Job) -> SequenceState:
         if seq.state is not None:  # adopted from a prewarm
             return seq.state
         if seq.restore_entry is None:
@@ -479,6 +511,11 @@ class EngineCore:
             self._fall_back_cold(seq, job.fallback, ctx)
         if job.state is not None:
             seq.state = job.state
+        if job.checkpoints is not None:
+            seq.checkpoints = job.checkpoints
+        if job.snapshot is not None:
+            seq.checkpoints.pop(0)
+            self._commit_snapshot(seq, job.snapshot, ctx)
         if seq.phase is Phase.DONE:
             return
         if seq.abort.is_set() or job.skipped:
@@ -630,26 +667,40 @@ class EngineCore:
         state, seq.state = seq.state, None
         if state is None or state.length == 0 or not seq.reserved or self._backend is None:
             return
+        entry_id, commit = self._new_entry(seq, state)
+        # The sequence's own reservation already covers this state: move it to the entry.
+        transfer = Transfer(
+            source=seq.holder, target=self._entry_holder(entry_id), nbytes=commit.nbytes
+        )
+        ctx.send(KV_KEEPER, transfer)
+        ctx.send(PREFIX_CACHE, commit)
+
+    def _commit_snapshot(self, seq: Sequence, snapshot: SequenceState, ctx: Context) -> None:
+        """A checkpoint is extra memory: it needs its own reservation, and never waits for one."""
+        entry_id, commit = self._new_entry(seq, snapshot)
+        self._entries[entry_id].pending = commit
+        holder = self._entry_holder(entry_id)
+        ctx.send(KV_KEEPER, Reserve(holder=holder, nbytes=commit.nbytes, timeout_s=0.0))
+        self.counters.inc("snapshots_taken")
+
+    def _new_entry(self, seq: Sequence, state: SequenceState) -> tuple[int, Commit]:
+        assert self._backend is not None
         entry_id = self._next_entry_id
         self._next_entry_id += 1
         nbytes = self._backend.state_nbytes(state)
         self._entries[entry_id] = _Entry(state=state, nbytes=nbytes)
-        target = self._entry_holder(entry_id)
-        ctx.send(KV_KEEPER, Transfer(source=seq.holder, target=target, nbytes=nbytes))
-        ctx.send(
-            PREFIX_CACHE,
-            Commit(
-                model=self.model,
-                epoch=self.epoch,
-                namespace=seq.namespace,
-                entry_id=entry_id,
-                tokens=seq.all_tokens[: state.length],
-                nbytes=nbytes,
-                trimmable=self._backend.can_trim(state),
-                generation=seq.generation,
-            ),
-        )
         self.counters.inc("entries_committed")
+        commit = Commit(
+            model=self.model,
+            epoch=self.epoch,
+            namespace=seq.namespace,
+            entry_id=entry_id,
+            tokens=seq.all_tokens[: state.length],
+            nbytes=nbytes,
+            trimmable=self._backend.can_trim(state),
+            generation=seq.generation,
+        )
+        return entry_id, commit
 
     def _end(self, seq: Sequence, ctx: Context) -> None:
         """Release everything the sequence holds; after this nothing acts on it."""

@@ -63,6 +63,7 @@ class Sequence:
     restore_entry: int | None = None
     restore_length: int = 0
     path: ReusePath = ReusePath.MISS
+    checkpoints: list[int] = field(default_factory=list)  # token counts to snapshot at
     started_sent: bool = False
     cached_tokens: int = 0
     resume_phase: Phase | None = None  # set when adopting a prewarm: where to continue

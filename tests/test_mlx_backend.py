@@ -1,0 +1,267 @@
+"""The MLX backend on the tiny offline models: cache layout, state copies, teardown, load errors.
+
+Synchronous and backend-level (no Runtime): each tiny model is loaded once per module.
+"""
+
+from __future__ import annotations
+
+import gc
+import random
+from collections.abc import Sequence
+
+import mlx.core as mx
+import pytest
+
+from runtime.backend import CannotTrim, ReuseStrategy
+from runtime.errors import ModelLoadFailed
+from runtime.messages import ModelSpec, Sampling
+from runtime.mlx_backend import MlxBackend, MlxState
+from runtime.testing.tiny_models import SLIDING_WINDOW, tiny_model_path
+
+KINDS = ("llama", "sliding", "hybrid")
+GREEDY = Sampling()
+
+
+def load(kind: str, **options: str | int | float | bool | None) -> MlxBackend:
+    spec = ModelSpec(name=kind, path=str(tiny_model_path(kind)), backend="mlx", options=options)  # type: ignore[arg-type]
+    return MlxBackend.load(spec)
+
+
+@pytest.fixture(scope="module")
+def backends() -> dict[str, MlxBackend]:
+    return {kind: load(kind) for kind in KINDS}
+
+
+def tokens(n: int, seed: int = 0) -> list[int]:
+    """``n`` ordinary (non-special) token ids, deterministic per seed."""
+    rng = random.Random(seed)
+    return [rng.randrange(5, 500) for _ in range(n)]
+
+
+def prefilled(backend: MlxBackend, ids: Sequence[int], chunk: int | None = None) -> MlxState:
+    state = backend.new_state()
+    step = chunk or max(len(ids), 1)
+    for start in range(0, len(ids), step):
+        backend.prefill(state, ids[start : start + step])
+    return state
+
+
+def greedy(backend: MlxBackend, state: MlxState, n: int) -> list[int]:
+    """Greedy continuation of ``state`` (extends it)."""
+    out: list[int] = []
+    for _ in range(n):
+        token = backend.sample(state, GREEDY, random.Random(0))
+        out.append(token)
+        backend.prefill(state, [token])
+    return out
+
+
+# ---------------------------------------------------------------------- info
+
+
+@pytest.mark.parametrize(
+    ("kind", "reuse"),
+    [
+        ("llama", ReuseStrategy.TRIM),
+        ("sliding", ReuseStrategy.CHECKPOINT),
+        ("hybrid", ReuseStrategy.CHECKPOINT),
+    ],
+)
+def test_info_reports_the_reuse_path_and_model_facts(
+    backends: dict[str, MlxBackend], kind: str, reuse: ReuseStrategy
+) -> None:
+    info = backends[kind].info
+    assert info.reuse is reuse
+    assert info.reuse_reason
+    assert info.eos_token_ids  # the tiny models declare eos_token_id [3, 1]
+    assert info.eos_token_ids == {1, 3}
+    assert info.context_length == 2048
+    assert info.vocab_size == 512
+    assert info.bytes_per_token > 0
+    if kind == "sliding":
+        assert info.window_tokens == SLIDING_WINDOW
+        assert info.window_bytes_per_token > 0
+    if kind == "hybrid":
+        assert info.fixed_state_bytes > 0
+
+
+# ---------------------------------------------------------------------- KV estimate
+
+
+def _assert_estimate_close(backend: MlxBackend, state: MlxState, n: int) -> None:
+    estimate, actual = backend.info.kv_bytes(n), backend.state_nbytes(state)
+    assert actual > 0
+    assert abs(estimate - actual) <= 0.10 * actual, (
+        f"{n} tokens: estimated {estimate} B, the cache holds {actual} B "
+        f"({(estimate - actual) / actual:+.1%})"
+    )
+
+
+@pytest.mark.parametrize("n", [20, 100, 300])
+@pytest.mark.parametrize("kind", KINDS)
+def test_kv_estimate_matches_the_real_cache_after_one_prefill(
+    backends: dict[str, MlxBackend], kind: str, n: int
+) -> None:
+    backend = backends[kind]
+    _assert_estimate_close(backend, prefilled(backend, tokens(n)), n)
+
+
+@pytest.mark.parametrize("n", [20, 100, 300])
+@pytest.mark.parametrize("kind", KINDS)
+def test_kv_estimate_matches_the_real_cache_after_chunked_prefill(
+    backends: dict[str, MlxBackend], kind: str, n: int
+) -> None:
+    # The engine prefills in chunks (here 16, as the runtime tests configure it).
+    backend = backends[kind]
+    _assert_estimate_close(backend, prefilled(backend, tokens(n), chunk=16), n)
+
+
+@pytest.fixture(scope="module")
+def quantized_llama() -> MlxBackend:
+    return load("llama", kv_bits=8)
+
+
+@pytest.mark.parametrize("n", [20, 100, 300])
+def test_kv_estimate_matches_a_quantized_cache(quantized_llama: MlxBackend, n: int) -> None:
+    state = prefilled(quantized_llama, tokens(n))
+    assert all(type(c).__name__ == "QuantizedKVCache" for c in state.caches)
+    _assert_estimate_close(quantized_llama, state, n)
+
+
+# ---------------------------------------------------------------------- copy_state
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_extending_a_copy_never_changes_the_original(
+    backends: dict[str, MlxBackend], kind: str
+) -> None:
+    backend = backends[kind]
+    prompt = tokens(40, seed=1)
+    reference = greedy(backend, prefilled(backend, prompt), 4)
+
+    original = prefilled(backend, prompt)
+    copy = backend.copy_state(original, original.length)
+    assert copy.length == original.length
+    backend.prefill(copy, tokens(50, seed=2))  # past the sliding window, past recurrent steps
+    assert copy.length == 90
+    assert original.length == 40
+    assert greedy(backend, original, 4) == reference
+    # A second copy taken after the first was extended is still the pristine prompt state.
+    original = prefilled(backend, prompt)
+    first = backend.copy_state(original, original.length)
+    greedy(backend, first, 3)
+    second = backend.copy_state(original, original.length)
+    assert greedy(backend, second, 4) == reference
+
+
+def test_a_trimmed_copy_continues_like_a_cold_prefill(backends: dict[str, MlxBackend]) -> None:
+    backend = backends["llama"]
+    shared = tokens(30, seed=3)
+    first = shared + tokens(20, seed=4)
+    second = shared + tokens(25, seed=5)
+    cold = greedy(backend, prefilled(backend, second), 6)
+
+    entry = prefilled(backend, first)
+    assert backend.can_trim(entry)
+    for k in (1, 17, 30):
+        copy = backend.copy_state(entry, k)
+        assert copy.length == k
+        backend.prefill(copy, second[k:])
+        assert greedy(backend, copy, 6) == cold, f"trimmed to {k}"
+    assert entry.length == len(first)
+    assert greedy(backend, entry, 6) == greedy(backend, prefilled(backend, first), 6)
+
+
+def test_sliding_state_is_trimmable_only_before_the_window_wraps(
+    backends: dict[str, MlxBackend],
+) -> None:
+    backend = backends["sliding"]
+    short = prefilled(backend, tokens(20, seed=6))
+    assert backend.can_trim(short)
+    trimmed = backend.copy_state(short, 12)
+    assert trimmed.length == 12
+
+    long = prefilled(backend, tokens(40, seed=6))  # window is 32
+    assert not backend.can_trim(long)
+    with pytest.raises(CannotTrim):
+        backend.copy_state(long, 39)
+    full = backend.copy_state(long, 40)  # a whole copy is always allowed
+    assert full.length == 40
+
+
+def test_hybrid_state_is_never_trimmable(backends: dict[str, MlxBackend]) -> None:
+    backend = backends["hybrid"]
+    for n in (1, 5, 40):
+        state = prefilled(backend, tokens(n, seed=7))
+        assert not backend.can_trim(state)
+        if n > 1:
+            with pytest.raises(CannotTrim):
+                backend.copy_state(state, n - 1)
+        assert backend.copy_state(state, n).length == n
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_copy_beyond_the_state_raises(backends: dict[str, MlxBackend], kind: str) -> None:
+    backend = backends[kind]
+    state = prefilled(backend, tokens(8, seed=8))
+    with pytest.raises(CannotTrim):
+        backend.copy_state(state, 9)
+
+
+# ---------------------------------------------------------------------- teardown
+
+
+def _settled_active_memory() -> int:
+    gc.collect()
+    mx.synchronize()
+    mx.clear_cache()
+    return int(mx.get_active_memory())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_close_returns_the_memory(kind: str) -> None:
+    baseline = _settled_active_memory()
+    backend = load(kind)
+    state = prefilled(backend, tokens(200, seed=9), chunk=64)
+    greedy(backend, state, 3)
+    loaded = int(mx.get_active_memory())
+    assert loaded > baseline + 100_000  # weights (~3 MB fp32) and cache are really counted
+    backend.close()
+    del state, backend
+    after = _settled_active_memory()
+    margin = max(1 << 20, baseline // 20)
+    assert after - baseline <= margin, f"{after - baseline} bytes still active after close()"
+
+
+# ---------------------------------------------------------------------- load errors
+
+
+@pytest.fixture
+def offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    import huggingface_hub.constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True, raising=False)
+
+
+@pytest.mark.usefixtures("offline")
+@pytest.mark.parametrize("path", ["nonexistent-org/nonexistent-model", "/nonexistent/model/dir"])
+def test_a_model_that_is_not_local_fails_without_downloading(
+    path: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub.file_download as file_download
+
+    def no_network(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"a network call was attempted: {args} {kwargs}")
+
+    monkeypatch.setattr(file_download, "get_session", no_network, raising=False)
+    with pytest.raises(ModelLoadFailed) as caught:
+        MlxBackend.load(ModelSpec(name="missing", path=path, backend="mlx"))
+    message = str(caught.value)
+    assert path in message
+    assert "never downloads" in message
+
+
+def test_an_empty_model_directory_fails_to_load(tmp_path: pytest.TempPathFactory) -> None:
+    with pytest.raises(ModelLoadFailed):
+        MlxBackend.load(ModelSpec(name="empty", path=str(tmp_path), backend="mlx"))
