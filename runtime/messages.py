@@ -52,13 +52,31 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 
 
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How to pick the next token. ``temperature == 0`` is greedy."""
+    """How to pick the next token. ``temperature == 0`` is greedy; every other default is "off".
+
+    Penalties look at the last ``penalty_context`` tokens (prompt and output). ``logprobs`` asks
+    for the chosen token's log-probability, ``top_logprobs`` for that many alternatives.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    top_n_sigma: float = 0.0  # >0: keep tokens within n standard deviations of the max logit
+    xtc_probability: float = 0.0  # exclude-top-choices: chance per step to apply it
+    xtc_threshold: float = 0.1
+    dry_multiplier: float = 0.0  # >0: "don't repeat yourself" n-gram penalty
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_context: int = 64
+    logit_bias: dict[int, float] = {}
     seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
