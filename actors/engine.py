@@ -8,14 +8,21 @@ prefix-cache manager only indexes them, and the KV keeper only counts their byte
 
 from __future__ import annotations
 
-import enum
 import logging
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from runtime.backend import Backend, BackendLoader, CannotTrim, ReuseStrategy, SequenceState
-from runtime.checkpoints import plan_checkpoints
+from actors.engine_jobs import (
+    DEFAULT_CHECKPOINT_EVERY,
+    Job,
+    JobKind,
+    StepPlan,
+    run_load,
+    run_step,
+    run_tokenize,
+)
+from runtime.backend import Backend, BackendLoader, SequenceState
 from runtime.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, Context
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.errors import (
@@ -67,41 +74,12 @@ from runtime.stats import Counters
 
 log = logging.getLogger("mlx_actor_runtime.engine")
 
-# Snapshot spacing during long prefills of non-trimmable caches (ModelSpec option to override).
-DEFAULT_CHECKPOINT_EVERY = 512
-
 
 @dataclass
 class _Entry:
     state: SequenceState
     nbytes: int
     pending: Commit | None = None  # a snapshot waiting for its own reservation before commit
-
-
-class _JobKind(enum.Enum):
-    LOAD = enum.auto()
-    TOKENIZE = enum.auto()
-    STEP = enum.auto()
-    CLOSE = enum.auto()
-
-
-@dataclass
-class _Job:
-    """A unit of compute and the result the compute thread leaves for the loop."""
-
-    kind: _JobKind
-    seq: Sequence | None = None
-    prefilled: int = 0
-    backend: Backend | None = None
-    token: int | None = None
-    text: str = ""
-    state: SequenceState | None = None
-    error: BaseException | None = None
-    skipped: bool = False  # the abort flag was already set when the job started
-    fallback: str | None = None
-    snapshot: SequenceState | None = None
-    checkpoints: list[int] | None = None
-    results: dict[int, list[int]] = field(default_factory=dict)
 
 
 class EngineCore:
@@ -119,15 +97,17 @@ class EngineCore:
         self._spec = spec
         self._load_backend = load_backend
         self._reservation_timeout_s = reservation_timeout_s
-        self._chunk = max(1, spec.prefill_chunk_tokens)
         every = spec.options.get("checkpoint_every_tokens", DEFAULT_CHECKPOINT_EVERY)
-        self._checkpoint_every = every if isinstance(every, int) else DEFAULT_CHECKPOINT_EVERY
+        self._plan = StepPlan(
+            chunk_tokens=max(1, spec.prefill_chunk_tokens),
+            checkpoint_every=every if isinstance(every, int) else DEFAULT_CHECKPOINT_EVERY,
+        )
         self._backend: Backend | None = None
         self._sequences: dict[int, Sequence] = {}
         self._entries: dict[int, _Entry] = {}
         self._next_entry_id = 1
         self._next_job_id = 1
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, Job] = {}
         self._busy = False
         self._draining = False
         self._drain_requester: Address | None = None
@@ -139,8 +119,8 @@ class EngineCore:
     # ------------------------------------------------------------------ lifecycle
 
     def on_start(self, ctx: Context) -> None:
-        job = _Job(_JobKind.LOAD)
-        self._submit(ctx, job, lambda: self._load_job(job))
+        job = Job(JobKind.LOAD)
+        self._submit(ctx, job, lambda: run_load(job, self._load_backend, self._spec))
 
     def on_stop(self, ctx: Context) -> None:
         self._sequences.clear()
@@ -398,8 +378,8 @@ class EngineCore:
         backend = self._backend
         waiting = [s for s in self._sequences.values() if s.phase is Phase.TOKENIZING]
         if waiting:
-            job = _Job(_JobKind.TOKENIZE)
-            self._submit(ctx, job, lambda: self._tokenize_job(job, waiting, backend))
+            job = Job(JobKind.TOKENIZE)
+            self._submit(ctx, job, lambda: run_tokenize(job, waiting, backend))
             return
         ready = sorted(
             (s for s in self._sequences.values() if s.phase in COMPUTE_PHASES),
@@ -409,100 +389,37 @@ class EngineCore:
             seq = ready[0]
             self._last_served = seq.sequence_id
             seq.in_compute = True
-            step = _Job(_JobKind.STEP, seq=seq)
-            self._submit(ctx, step, lambda: self._step_job(step, seq, backend))
+            step = Job(JobKind.STEP, seq=seq)
+            entry = self._entries.get(seq.restore_entry) if seq.restore_entry is not None else None
+            source = None if entry is None else entry.state  # leased: never dropped meanwhile
+            self._submit(ctx, step, lambda: run_step(step, seq, backend, self._plan, source))
             return
         if self._draining and not self._sequences:
             self._closed = True
             backend, self._backend = self._backend, None
-            self._submit(ctx, _Job(_JobKind.CLOSE), backend.close)
+            self._submit(ctx, Job(JobKind.CLOSE), backend.close)
 
-    def _submit(self, ctx: Context, job: _Job, work: Callable[[], None]) -> None:
+    def _submit(self, ctx: Context, job: Job, work: Callable[[], None]) -> None:
         job_id = self._next_job_id
         self._next_job_id += 1
         self._jobs[job_id] = job
         self._busy = True
         ctx.compute(work, ComputeDone(job_id=job_id))
 
-    # The *_job methods run on the compute thread: they touch only the backend, the job and
-    # the sequence's state, and never raise (errors are handed back in the job).
-
-    def _load_job(self, job: _Job) -> None:
-        try:
-            job.backend = self._load_backend(self._spec)
-        except BaseException as exc:
-            job.error = exc
-
-    def _tokenize_job(self, job: _Job, seqs: list[Sequence], backend: Backend) -> None:
-        for seq in seqs:
-            try:
-                job.results[seq.sequence_id] = backend.encode(seq.prompt_text or "")
-            except BaseException as exc:
-                job.error = exc
-
-    def _step_job(self, job: _Job, seq: Sequence, backend: Backend) -> None:
-        if seq.abort.is_set():
-            job.skipped = True
-            return
-        try:
-            if seq.phase is Phase.RESTORING:
-                job.state = self._restore(backend, seq, job)
-            elif seq.phase is Phase.PREFILLING:
-                assert seq.state is not None
-                assert seq.tokens is not None
-                start = seq.state.length
-                end = min(start + self._chunk, seq.prefill_target)
-                if seq.checkpoints:  # land exactly on the next checkpoint
-                    end = min(end, seq.checkpoints[0])
-                backend.prefill(seq.state, seq.tokens[start:end])
-                job.prefilled = end - start
-                if seq.checkpoints and end == seq.checkpoints[0]:
-                    job.snapshot = backend.copy_state(seq.state, end)
-            else:
-                assert seq.state is not None
-                assert seq.detokenizer is not None
-                if seq.pending_token is not None:
-                    backend.prefill(seq.state, [seq.pending_token])
-                    job.prefilled = 1
-                job.token = backend.sample(seq.state, seq.sampling, seq.rng)
-                if job.token not in seq.stop_token_ids:
-                    job.text = seq.detokenizer.add(job.token)
-        except BaseException as exc:
-            job.error = exc
-
-    def _restore(self, backend: Backend, seq: Sequence, job: _Job) -> SequenceState:
-        state = self._restored_state(backend, seq, job)
-        if backend.info.reuse is ReuseStrategy.CHECKPOINT and seq.tokens is not None:
-            job.checkpoints = plan_checkpoints(
-                seq.tokens, state.length, seq.prefill_target, self._checkpoint_every, backend.decode
-            )
-        return state
-
-    def _restored_state(self, backend: Backend, seq: Sequence, job: _Job) -> SequenceState:
-        if seq.state is not None:  # adopted from a prewarm
-            return seq.state
-        if seq.restore_entry is None:
-            return backend.new_state()
-        try:
-            return backend.copy_state(self._entries[seq.restore_entry].state, seq.restore_length)
-        except CannotTrim:
-            job.fallback = "trim_refused"
-            return backend.new_state()
-
-    def _job_done(self, job: _Job, ctx: Context) -> None:
+    def _job_done(self, job: Job, ctx: Context) -> None:
         match job.kind:
-            case _JobKind.LOAD:
+            case JobKind.LOAD:
                 self._backend, self._load_error = job.backend, job.error
                 self._loaded(ctx)
-            case _JobKind.TOKENIZE:
+            case JobKind.TOKENIZE:
                 self._tokenize_done(job, ctx)
-            case _JobKind.CLOSE:
+            case JobKind.CLOSE:
                 self._closed_down(ctx)
-            case _JobKind.STEP:
+            case JobKind.STEP:
                 assert job.seq is not None
                 self._step_done(job, job.seq.live_successor(), ctx)
 
-    def _step_done(self, job: _Job, seq: Sequence, ctx: Context) -> None:
+    def _step_done(self, job: Job, seq: Sequence, ctx: Context) -> None:
         seq.in_compute = False
         self.counters.inc(
             "decoded_tokens" if seq.phase is Phase.DECODING else "prefilled_tokens", job.prefilled
@@ -567,7 +484,7 @@ class EngineCore:
             if seq.tokens is not None and seq.phase is Phase.TOKENIZING:
                 self._tokenized(seq, ctx)
 
-    def _tokenize_done(self, job: _Job, ctx: Context) -> None:
+    def _tokenize_done(self, job: Job, ctx: Context) -> None:
         for seq in list(self._sequences.values()):
             if seq.phase is not Phase.TOKENIZING or seq.tokens is not None:
                 continue
@@ -597,7 +514,7 @@ class EngineCore:
         seq.phase = Phase.DECODING
         seq.detokenizer = IncrementalDetokenizer(self._backend.decode)
 
-    def _after_decode_step(self, seq: Sequence, job: _Job, ctx: Context) -> None:
+    def _after_decode_step(self, seq: Sequence, job: Job, ctx: Context) -> None:
         assert job.token is not None
         if job.token in seq.stop_token_ids:
             self._finish(seq, ctx, FinishReason.STOP)

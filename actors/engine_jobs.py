@@ -1,0 +1,140 @@
+"""The engine's compute jobs: the only code that runs on its compute thread.
+
+A job touches the backend, its own ``Job`` record and the one sequence state it was given, and
+never raises: errors are handed back in the record, which the engine reads on the event loop after
+``ComputeDone`` arrives (the executor's hand-off orders the two).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from runtime.backend import Backend, CannotTrim, ReuseStrategy, SequenceState
+from runtime.checkpoints import plan_checkpoints
+from runtime.messages import ModelSpec
+from runtime.sequence import Phase, Sequence
+
+# Snapshot spacing during long prefills of non-trimmable caches (ModelSpec option to override).
+DEFAULT_CHECKPOINT_EVERY = 512
+
+
+class JobKind(enum.Enum):
+    LOAD = enum.auto()
+    TOKENIZE = enum.auto()
+    STEP = enum.auto()
+    CLOSE = enum.auto()
+
+
+@dataclass
+class Job:
+    """A unit of compute and the result the compute thread leaves for the loop."""
+
+    kind: JobKind
+    seq: Sequence | None = None
+    prefilled: int = 0
+    backend: Backend | None = None
+    token: int | None = None
+    text: str = ""
+    state: SequenceState | None = None
+    error: BaseException | None = None
+    skipped: bool = False  # the abort flag was already set when the job started
+    fallback: str | None = None
+    snapshot: SequenceState | None = None
+    checkpoints: list[int] | None = None
+    results: dict[int, list[int]] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How an engine cuts prefills: chunk size, and snapshot spacing for non-trimmable caches."""
+
+    chunk_tokens: int
+    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
+
+
+def run_load(job: Job, load_backend: Callable[[ModelSpec], Backend], spec: ModelSpec) -> None:
+    try:
+        job.backend = load_backend(spec)
+    except BaseException as exc:
+        job.error = exc
+
+
+def run_tokenize(job: Job, seqs: list[Sequence], backend: Backend) -> None:
+    for seq in seqs:
+        try:
+            job.results[seq.sequence_id] = backend.encode(seq.prompt_text or "")
+        except BaseException as exc:
+            job.error = exc
+
+
+def run_step(
+    job: Job,
+    seq: Sequence,
+    backend: Backend,
+    plan: StepPlan,
+    restore_source: SequenceState | None,
+) -> None:
+    """One restore, prefill chunk or decode step of ``seq``, unless its abort flag is set."""
+    if seq.abort.is_set():
+        job.skipped = True
+        return
+    try:
+        if seq.phase is Phase.RESTORING:
+            job.state = _restore(job, seq, backend, plan, restore_source)
+        elif seq.phase is Phase.PREFILLING:
+            _prefill_chunk(job, seq, backend, plan)
+        else:
+            _decode_step(job, seq, backend)
+    except BaseException as exc:
+        job.error = exc
+
+
+def _restore(
+    job: Job,
+    seq: Sequence,
+    backend: Backend,
+    plan: StepPlan,
+    source: SequenceState | None,
+) -> SequenceState:
+    if seq.state is not None:  # adopted from a prewarm
+        state = seq.state
+    elif source is None:
+        state = backend.new_state()
+    else:
+        try:
+            state = backend.copy_state(source, seq.restore_length)
+        except CannotTrim:
+            job.fallback = "trim_refused"
+            state = backend.new_state()
+    if backend.info.reuse is ReuseStrategy.CHECKPOINT and seq.tokens is not None:
+        job.checkpoints = plan_checkpoints(
+            seq.tokens, state.length, seq.prefill_target, plan.checkpoint_every, backend.decode
+        )
+    return state
+
+
+def _prefill_chunk(job: Job, seq: Sequence, backend: Backend, plan: StepPlan) -> None:
+    assert seq.state is not None
+    assert seq.tokens is not None
+    start = seq.state.length
+    end = min(start + plan.chunk_tokens, seq.prefill_target)
+    if seq.checkpoints:  # land exactly on the next checkpoint
+        end = min(end, seq.checkpoints[0])
+    backend.prefill(seq.state, seq.tokens[start:end])
+    job.prefilled = end - start
+    if seq.checkpoints and end == seq.checkpoints[0]:
+        job.snapshot = backend.copy_state(seq.state, end)
+
+
+def _decode_step(job: Job, seq: Sequence, backend: Backend) -> None:
+    """Feed the last emitted token (if any), then sample the next one and its text."""
+    assert seq.state is not None
+    assert seq.detokenizer is not None
+    if seq.pending_token is not None:
+        backend.prefill(seq.state, [seq.pending_token])
+        job.prefilled = 1
+    job.token = backend.sample(seq.state, seq.sampling, seq.rng)
+    if job.token not in seq.stop_token_ids:
+        job.text = seq.detokenizer.add(job.token)
