@@ -28,6 +28,7 @@ from runtime.detokenizer import IncrementalDetokenizer
 from runtime.errors import (
     BackendError,
     ContextLengthExceeded,
+    EngineCrashed,
     InvalidRequest,
     MlxRuntimeError,
     ModelLoadFailed,
@@ -127,10 +128,18 @@ class EngineCore:
         self._entries.clear()
 
     def crashed(self, error: BaseException, ctx: Context) -> None:
-        """Supervisor hook after a bug in ``handle``: fail every live sequence, keep the model."""
+        """Supervisor hook after a bug in ``handle``: fail every live sequence, keep the model.
+
+        A sequence whose step is running fails when that step comes back (its state may be
+        half-updated by the handler that crashed, so it is never committed).
+        """
+        message = f"engine crashed: {error!r}"
         for seq in list(self._sequences.values()):
-            if not seq.in_compute:
-                self._fail(seq, ctx, "engine_crashed", f"engine crashed: {error!r}", True)
+            if seq.in_compute:
+                seq.crash_message = message
+                seq.abort.set()
+            else:
+                self._fail(seq, ctx, EngineCrashed.code, message, EngineCrashed.retryable)
 
     def statistics(self) -> Stats:
         gauges = {
@@ -434,6 +443,9 @@ class EngineCore:
             seq.checkpoints.pop(0)
             self._commit_snapshot(seq, job.snapshot, ctx)
         if seq.phase is Phase.DONE:
+            return
+        if seq.crash_message is not None:
+            self._fail(seq, ctx, EngineCrashed.code, seq.crash_message, EngineCrashed.retryable)
             return
         if seq.abort.is_set() or job.skipped:
             self._finish_cancelled(seq, ctx)

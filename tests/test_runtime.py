@@ -258,3 +258,28 @@ async def test_backend_fault_fails_one_request_and_the_runtime_goes_on() -> None
             rt.stats().actors["kv"].gauges["reserved"]
             == rt.stats().actors["prefix"].gauges["bytes"]
         )
+
+
+async def test_an_engine_crash_fails_its_live_requests_once_and_the_engine_recovers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from actors.engine import EngineCore
+
+    original = EngineCore._announce_start
+    crashes = []
+
+    def crash_once(self: EngineCore, seq: object, ctx: object) -> None:
+        if not crashes:
+            crashes.append(seq)
+            raise RuntimeError("injected bug")
+        original(self, seq, ctx)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(EngineCore, "_announce_start", crash_once)
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model())
+        broken = await rt.complete("m", "first", max_tokens=2)
+        assert isinstance(broken.terminal, Failed)
+        assert broken.terminal.code == "engine_crashed" and broken.terminal.retryable
+        fine = await rt.complete("m", "second", max_tokens=2)
+        assert fine.text == expected("second", 2)
+        assert rt.stats().actors["router"].counters["terminal_failed"] == 1
