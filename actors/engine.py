@@ -72,6 +72,7 @@ from runtime.messages import (
 )
 from runtime.sequence import COMPUTE_PHASES, Phase, Sequence
 from runtime.stats import Counters
+from runtime.stop_strings import StopStringMatcher
 
 log = logging.getLogger("mlx_actor_runtime.engine")
 
@@ -208,6 +209,7 @@ class EngineCore:
             sampling=admit.sampling,
             max_tokens=admit.max_tokens,
             stop_token_ids=frozenset(admit.stop_token_ids),
+            stop_strings=admit.stop,
             prompt_text=admit.prompt,
             tokens=admit.prompt_tokens,
             rng=random.Random(admit.sampling.seed if admit.sampling.seed is not None else 0),
@@ -265,7 +267,7 @@ class EngineCore:
             KV_KEEPER,
             Reserve(
                 holder=seq.holder,
-                nbytes=info.kv_bytes(wanted),
+                nbytes=info.kv_bytes(wanted, self._plan.chunk_tokens),
                 timeout_s=self._reservation_timeout_s,
             ),
         )
@@ -525,35 +527,55 @@ class EngineCore:
         assert self._backend is not None
         seq.phase = Phase.DECODING
         seq.detokenizer = IncrementalDetokenizer(self._backend.decode)
+        if seq.stop_strings:
+            seq.stop_matcher = StopStringMatcher(seq.stop_strings)
 
     def _after_decode_step(self, seq: Sequence, job: Job, ctx: Context) -> None:
         assert job.token is not None
-        if job.token in seq.stop_token_ids:
+        matcher = seq.stop_matcher
+        if job.token in seq.stop_token_ids:  # EOS or a stop token: not emitted, not counted
+            tail = (matcher.feed(job.text).text + matcher.flush()) if matcher else job.text
+            self._emit(seq, (), tail, ctx)
             self._finish(seq, ctx, FinishReason.STOP)
             return
         seq.generated.append(job.token)
         seq.pending_token = job.token
-        ctx.send(
-            ROUTER,
-            TokensProduced(
-                sequence_id=seq.sequence_id,
-                epoch=self.epoch,
-                token_ids=(job.token,),
-                text=job.text,
-            ),
-        )
-        if len(seq.generated) >= seq.max_tokens:
+        result = matcher.feed(job.text) if matcher else None
+        if result is not None and result.stopped:
+            self._emit(seq, (job.token,), result.text, ctx)
+            self._finish(seq, ctx, FinishReason.STOP, stop=result.stop)
+            return
+        text = job.text if result is None else result.text
+        last = len(seq.generated) >= seq.max_tokens
+        if last and matcher is not None:
+            text += matcher.flush()
+        self._emit(seq, (job.token,), text, ctx)
+        if last:
             self._finish(seq, ctx, FinishReason.LENGTH)
+
+    def _emit(self, seq: Sequence, token_ids: tuple[int, ...], text: str, ctx: Context) -> None:
+        if not token_ids and not text:
+            return
+        produced = TokensProduced(
+            sequence_id=seq.sequence_id, epoch=self.epoch, token_ids=token_ids, text=text
+        )
+        ctx.send(ROUTER, produced)
 
     # ------------------------------------------------------------------ endings
 
-    def _finish(self, seq: Sequence, ctx: Context, reason: FinishReason) -> None:
+    def _finish(
+        self, seq: Sequence, ctx: Context, reason: FinishReason, stop: str | None = None
+    ) -> None:
         if reason is not FinishReason.ADOPTED:
             self._detach_state(seq, ctx)
         self._end(seq, ctx)
         self.counters.inc(f"finished_{reason}")
         message = SequenceFinished(
-            sequence_id=seq.sequence_id, epoch=self.epoch, reason=reason, usage=seq.usage()
+            sequence_id=seq.sequence_id,
+            epoch=self.epoch,
+            reason=reason,
+            usage=seq.usage(),
+            stop=stop,
         )
         ctx.send(ROUTER, message)
 

@@ -136,5 +136,8 @@ def _decode_step(job: Job, seq: Sequence, backend: Backend) -> None:
         backend.prefill(seq.state, [seq.pending_token])
         job.prefilled = 1
     job.token = backend.sample(seq.state, seq.sampling, seq.rng)
-    if job.token not in seq.stop_token_ids:
+    ending = job.token in seq.stop_token_ids
+    if not ending:
         job.text = seq.detokenizer.add(job.token)
+    if ending or seq.on_last_step:
+        job.text += seq.detokenizer.flush()  # the stream ends: release any held-back bytes

@@ -182,6 +182,7 @@ class RouterCore:
                 prompt_tokens=request.prompt_tokens,
                 sampling=request.sampling if isinstance(request, Generate) else Sampling(),
                 max_tokens=request.max_tokens if isinstance(request, Generate) else 0,
+                stop=request.stop if isinstance(request, Generate) else (),
                 stop_token_ids=request.stop_token_ids if isinstance(request, Generate) else (),
                 namespace=request.namespace,
                 session=request.session or f"{request.model}/{request.namespace}",
@@ -257,9 +258,13 @@ class RouterCore:
         request_id, incarnation = live.request_id, live.incarnation
         out: Message
         match event:
-            case SequenceFinished(reason=reason, usage=usage):
+            case SequenceFinished(reason=reason, usage=usage, stop=stop):
                 out = Finished(
-                    request_id=request_id, incarnation=incarnation, reason=reason, usage=usage
+                    request_id=request_id,
+                    incarnation=incarnation,
+                    reason=reason,
+                    usage=usage,
+                    stop=stop,
                 )
             case SequenceCancelled(reason=cancel_reason, usage=usage):
                 out = Cancelled(

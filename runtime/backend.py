@@ -39,13 +39,17 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     fixed_state_bytes: int = 0  # recurrent state, independent of length
     alloc_step: int = 1  # KV caches grow in steps of this many tokens (mlx-lm: 256)
 
-    def kv_bytes(self, n_tokens: int) -> int:
+    def kv_bytes(self, n_tokens: int, chunk_tokens: int = 1) -> int:
         """Bytes of cache a sequence of ``n_tokens`` needs, from the model's real layout.
 
-        Full-attention layers are priced in whole allocation steps, as they really grow.
+        Full-attention layers are priced in whole allocation steps, as they really grow. A
+        sliding-window layer fed ``chunk_tokens`` at a time holds up to window - 1 + chunk tokens
+        (the chunk attends to the window before it).
         """
         allocated = -(-n_tokens // self.alloc_step) * self.alloc_step
-        windowed = n_tokens if self.window_tokens is None else min(n_tokens, self.window_tokens)
+        windowed = n_tokens
+        if self.window_tokens is not None:
+            windowed = min(n_tokens, self.window_tokens - 1 + max(1, chunk_tokens))
         return (
             self.bytes_per_token * allocated
             + self.window_bytes_per_token * windowed

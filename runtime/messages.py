@@ -138,6 +138,7 @@ class Generate(Message, frozen=True):
     prompt_tokens: TokenIds | None = None
     sampling: Sampling = Sampling()
     max_tokens: int = 256
+    stop: tuple[str, ...] = ()
     stop_token_ids: TokenIds = ()
     namespace: str = "default"
     session: str | None = None
@@ -214,12 +215,13 @@ class TokensEmitted(Message, frozen=True):
 
 
 class Finished(Message, frozen=True):
-    """Terminal: the request completed normally."""
+    """Terminal: the request completed normally; ``stop`` names the stop string that ended it."""
 
     request_id: str
     incarnation: int
     reason: FinishReason
     usage: Usage
+    stop: str | None = None
 
 
 class Cancelled(Message, frozen=True):
@@ -307,6 +309,7 @@ class Admit(Message, frozen=True):
     prompt_tokens: TokenIds | None
     sampling: Sampling
     max_tokens: int
+    stop: tuple[str, ...]
     stop_token_ids: TokenIds
     namespace: str
     session: str
@@ -363,6 +366,7 @@ class SequenceFinished(Message, frozen=True):
     epoch: int
     reason: FinishReason
     usage: Usage
+    stop: str | None = None
 
 
 class SequenceCancelled(Message, frozen=True):

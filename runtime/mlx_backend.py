@@ -49,6 +49,7 @@ class MlxBackend:
         self._tokenizer = tokenizer
         self._info = info
         self._kv_bits = kv_bits
+        self._kv_group = _quantization_group(model) if kv_bits is not None else 64
 
     # ------------------------------------------------------------------ loading
 
@@ -67,7 +68,10 @@ class MlxBackend:
         except (FileNotFoundError, ValueError, OSError) as exc:
             raise ModelLoadFailed(f"could not load the model at {path}: {exc}") from exc
         backend = cls(model, tokenizer, _placeholder_info(), kv_bits)
-        backend._info = backend._measure(spec, config)
+        try:
+            backend._info = backend._measure(spec, config)
+        except (ValueError, TypeError) as exc:  # e.g. an architecture the options do not fit
+            raise ModelLoadFailed(f"the model at {path} failed its warm-up pass: {exc}") from exc
         return backend
 
     def _measure(self, spec: ModelSpec, config: dict[str, Any]) -> ModelInfo:
@@ -122,7 +126,7 @@ class MlxBackend:
         caches = mlx_cache.make_prompt_cache(self._model)
         if self._kv_bits is not None:
             caches = [
-                mlx_cache.QuantizedKVCache(group_size=64, bits=self._kv_bits)
+                mlx_cache.QuantizedKVCache(group_size=self._kv_group, bits=self._kv_bits)
                 if type(c) is mlx_cache.KVCache
                 else c
                 for c in caches
@@ -213,6 +217,16 @@ def _int_option(spec: ModelSpec, name: str) -> int | None:
     if not isinstance(value, int) or isinstance(value, bool):
         raise InvalidModelSpec(f"option {name!r} must be an integer (got {value!r})")
     return value
+
+
+def _quantization_group(model: Any) -> int:
+    """MLX quantizes in groups along the head dimension: 64 where it divides, else 32."""
+    args = getattr(model, "args", None)
+    head_dim = getattr(args, "head_dim", None)
+    if head_dim is None and args is not None:
+        hidden, heads = getattr(args, "hidden_size", 0), getattr(args, "num_attention_heads", 1)
+        head_dim = hidden // max(1, heads)
+    return 64 if not head_dim or head_dim % 64 == 0 else 32
 
 
 def _placeholder_info() -> ModelInfo:

@@ -18,6 +18,7 @@ from runtime.messages import (
     TokenIds,
     Usage,
 )
+from runtime.stop_strings import StopStringMatcher
 
 
 class Phase(enum.Enum):
@@ -49,6 +50,7 @@ class Sequence:
     sampling: Sampling
     max_tokens: int
     stop_token_ids: frozenset[int]
+    stop_strings: tuple[str, ...]
     prompt_text: str | None
     tokens: TokenIds | None
     phase: Phase = Phase.TOKENIZING
@@ -72,6 +74,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     pending_token: int | None = None  # sampled and emitted, not yet fed to the model
     detokenizer: IncrementalDetokenizer | None = None
+    stop_matcher: StopStringMatcher | None = None
     rng: random.Random = field(default_factory=random.Random)
 
     @property
@@ -92,6 +95,11 @@ class Sequence:
     def all_tokens(self) -> TokenIds:
         assert self.tokens is not None
         return self.tokens + tuple(self.generated)
+
+    @property
+    def on_last_step(self) -> bool:
+        """Whether the token being sampled now is the last one ``max_tokens`` allows."""
+        return len(self.generated) + 1 >= self.max_tokens
 
     def usage(self) -> Usage:
         return Usage(

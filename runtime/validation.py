@@ -8,6 +8,7 @@ from runtime.errors import InvalidRequest
 from runtime.messages import Generate, Prewarm, Sampling
 
 MAX_ID_LENGTH = 256
+MAX_STOP_STRINGS = 16
 
 
 def validate_request(request: Generate | Prewarm) -> None:
@@ -30,20 +31,95 @@ def validate_request(request: Generate | Prewarm) -> None:
     if isinstance(request, Generate):
         if request.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1 (got {request.max_tokens})")
+        if any(not isinstance(stop, str) or not stop for stop in request.stop):
+            raise InvalidRequest("stop strings must be non-empty strings")
+        if len(request.stop) > MAX_STOP_STRINGS:
+            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
         validate_sampling(request.sampling)
 
 
 def validate_sampling(sampling: Sampling) -> None:
-    """Refuse NaN and out-of-range sampling values."""
-    checks = (
-        (sampling.temperature, 0.0, math.inf, "temperature", "0 (greedy) or more"),
-        (sampling.top_p, 0.0, 1.0, "top_p", "in (0, 1]"),
-        (sampling.min_p, 0.0, 1.0, "min_p", "in [0, 1]"),
+    """Refuse wrongly typed, NaN, infinite and out-of-range values, saying what to change."""
+    s = sampling
+    max_top_logprobs = 20
+    max_logit_bias = 100.0
+    # name, value, low, high, low inclusive, what is allowed (said to the person)
+    ranges: tuple[tuple[str, object, float, float, bool, str], ...] = (
+        ("temperature", s.temperature, 0.0, math.inf, True, "0 (greedy) or more"),
+        ("top_p", s.top_p, 0.0, 1.0, False, "in (0, 1] (1 turns it off)"),
+        ("min_p", s.min_p, 0.0, 1.0, True, "in [0, 1] (0 turns it off)"),
+        ("top_n_sigma", s.top_n_sigma, 0.0, math.inf, True, "0 (off) or more"),
+        ("xtc_probability", s.xtc_probability, 0.0, 1.0, True, "in [0, 1] (0 turns XTC off)"),
+        (
+            "xtc_threshold",
+            s.xtc_threshold,
+            0.0,
+            0.5,
+            True,
+            "in [0, 0.5] (above 0.5 no two tokens can reach it, so XTC would never act)",
+        ),
+        ("dry_multiplier", s.dry_multiplier, 0.0, math.inf, True, "0 (DRY off) or more"),
+        ("dry_base", s.dry_base, -math.inf, math.inf, True, "a finite number"),
+        ("repetition_penalty", s.repetition_penalty, 0.0, math.inf, False, "above 0 (1 is off)"),
+        ("presence_penalty", s.presence_penalty, -2.0, 2.0, True, "in [-2, 2] (0 is off)"),
+        ("frequency_penalty", s.frequency_penalty, -2.0, 2.0, True, "in [-2, 2] (0 is off)"),
     )
-    for value, low, high, name, allowed in checks:
-        if not math.isfinite(value) or not low <= value <= high:
+    for name, value, low, high, low_inclusive, allowed in ranges:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequest(f"{name} must be a number {allowed} (got {value!r})")
+        if not math.isfinite(value):
+            raise InvalidRequest(f"{name} must be a finite number {allowed} (got {value})")
+        above_low = low <= value if low_inclusive else low < value
+        if not above_low or value > high:
             raise InvalidRequest(f"{name} must be {allowed} (got {value})")
-    if sampling.top_p == 0.0:
-        raise InvalidRequest("top_p must be in (0, 1] (got 0.0)")
-    if sampling.top_k < 0:
-        raise InvalidRequest(f"top_k must be 0 (off) or positive (got {sampling.top_k})")
+    if s.dry_multiplier > 0 and not s.dry_base > 1.0:
+        raise InvalidRequest(
+            f"dry_base must be greater than 1 when DRY is on (dry_multiplier > 0); "
+            f"got {s.dry_base} (the usual value is 1.75)"
+        )
+
+    # name, value, low, high, what is allowed
+    integers: tuple[tuple[str, object, int, float, str], ...] = (
+        ("top_k", s.top_k, 0, math.inf, "0 (off) or positive"),
+        ("dry_allowed_length", s.dry_allowed_length, 1, math.inf, "1 or more (the usual is 2)"),
+        ("penalty_context", s.penalty_context, 0, math.inf, "0 (penalties off) or more tokens"),
+        ("top_logprobs", s.top_logprobs, 0, max_top_logprobs, f"0 to {max_top_logprobs}"),
+    )
+    for name, value, low, high, allowed in integers:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise InvalidRequest(f"{name} must be an integer, {allowed} (got {value!r})")
+        if not low <= value <= high:
+            raise InvalidRequest(f"{name} must be {allowed} (got {value})")
+    if not isinstance(s.logprobs, bool):
+        raise InvalidRequest(f"logprobs must be true or false (got {s.logprobs!r})")
+    if s.top_logprobs > 0 and not s.logprobs:
+        raise InvalidRequest(
+            f"top_logprobs={s.top_logprobs} needs logprobs=true; set logprobs or top_logprobs=0"
+        )
+    if s.seed is not None and (isinstance(s.seed, bool) or not isinstance(s.seed, int)):
+        raise InvalidRequest(f"seed must be an integer or null (got {s.seed!r})")
+
+    if not isinstance(s.dry_sequence_breakers, tuple | list) or not all(
+        isinstance(b, str) and b for b in s.dry_sequence_breakers
+    ):
+        raise InvalidRequest(
+            "dry_sequence_breakers must be a list of non-empty strings "
+            f"(got {s.dry_sequence_breakers!r})"
+        )
+
+    if not isinstance(s.logit_bias, dict):
+        raise InvalidRequest(f"logit_bias must map token ids to numbers (got {s.logit_bias!r})")
+    for token, bias in s.logit_bias.items():
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise InvalidRequest(
+                f"logit_bias keys must be token ids (integers 0 or more); got {token!r}"
+            )
+        if isinstance(bias, bool) or not isinstance(bias, int | float) or not math.isfinite(bias):
+            raise InvalidRequest(
+                f"logit_bias[{token}] must be a finite number in [-100, 100] (got {bias!r})"
+            )
+        if not -max_logit_bias <= bias <= max_logit_bias:
+            raise InvalidRequest(
+                f"logit_bias[{token}] must be in [-100, 100] (got {bias}); "
+                "-100 bans a token, 100 all but forces it"
+            )

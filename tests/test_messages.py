@@ -154,6 +154,7 @@ BUILDERS: dict[type[Message], Callable[[], Message]] = {
         prompt_tokens=(1, 2, 3),
         sampling=SAMPLING,
         max_tokens=0,
+        stop=("\n\n",),
         stop_token_ids=(2,),
         namespace="tenant-a",
         session="m/tenant-a",

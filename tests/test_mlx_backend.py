@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import random
 from collections.abc import Sequence
+from pathlib import Path
 
 import mlx.core as mx
 import pytest
@@ -16,14 +17,14 @@ from runtime.backend import CannotTrim, ReuseStrategy
 from runtime.errors import ModelLoadFailed
 from runtime.messages import ModelSpec, Sampling
 from runtime.mlx_backend import MlxBackend, MlxState
-from runtime.testing.tiny_models import SLIDING_WINDOW, tiny_model_path
+from runtime.testing.tiny_models import SLIDING_WINDOW, TinyModelKind, tiny_model_path
 
-KINDS = ("llama", "sliding", "hybrid")
+KINDS: tuple[TinyModelKind, ...] = ("llama", "sliding", "hybrid")
 GREEDY = Sampling()
 
 
-def load(kind: str, **options: str | int | float | bool | None) -> MlxBackend:
-    spec = ModelSpec(name=kind, path=str(tiny_model_path(kind)), backend="mlx", options=options)  # type: ignore[arg-type]
+def load(kind: TinyModelKind, **options: str | int | float | bool | None) -> MlxBackend:
+    spec = ModelSpec(name=kind, path=str(tiny_model_path(kind)), backend="mlx", options=options)
     return MlxBackend.load(spec)
 
 
@@ -88,8 +89,8 @@ def test_info_reports_the_reuse_path_and_model_facts(
 # ---------------------------------------------------------------------- KV estimate
 
 
-def _assert_estimate_close(backend: MlxBackend, state: MlxState, n: int) -> None:
-    estimate, actual = backend.info.kv_bytes(n), backend.state_nbytes(state)
+def _assert_estimate_close(backend: MlxBackend, state: MlxState, n: int, chunk: int) -> None:
+    estimate, actual = backend.info.kv_bytes(n, chunk_tokens=chunk), backend.state_nbytes(state)
     assert actual > 0
     assert abs(estimate - actual) <= 0.10 * actual, (
         f"{n} tokens: estimated {estimate} B, the cache holds {actual} B "
@@ -103,7 +104,7 @@ def test_kv_estimate_matches_the_real_cache_after_one_prefill(
     backends: dict[str, MlxBackend], kind: str, n: int
 ) -> None:
     backend = backends[kind]
-    _assert_estimate_close(backend, prefilled(backend, tokens(n)), n)
+    _assert_estimate_close(backend, prefilled(backend, tokens(n)), n, chunk=n)
 
 
 @pytest.mark.parametrize("n", [20, 100, 300])
@@ -113,7 +114,7 @@ def test_kv_estimate_matches_the_real_cache_after_chunked_prefill(
 ) -> None:
     # The engine prefills in chunks (here 16, as the runtime tests configure it).
     backend = backends[kind]
-    _assert_estimate_close(backend, prefilled(backend, tokens(n), chunk=16), n)
+    _assert_estimate_close(backend, prefilled(backend, tokens(n), chunk=16), n, chunk=16)
 
 
 @pytest.fixture(scope="module")
@@ -125,7 +126,7 @@ def quantized_llama() -> MlxBackend:
 def test_kv_estimate_matches_a_quantized_cache(quantized_llama: MlxBackend, n: int) -> None:
     state = prefilled(quantized_llama, tokens(n))
     assert all(type(c).__name__ == "QuantizedKVCache" for c in state.caches)
-    _assert_estimate_close(quantized_llama, state, n)
+    _assert_estimate_close(quantized_llama, state, n, chunk=n)
 
 
 # ---------------------------------------------------------------------- copy_state
@@ -219,7 +220,7 @@ def _settled_active_memory() -> int:
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_close_returns_the_memory(kind: str) -> None:
+def test_close_returns_the_memory(kind: TinyModelKind) -> None:
     baseline = _settled_active_memory()
     backend = load(kind)
     state = prefilled(backend, tokens(200, seed=9), chunk=64)
@@ -262,6 +263,6 @@ def test_a_model_that_is_not_local_fails_without_downloading(
     assert "never downloads" in message
 
 
-def test_an_empty_model_directory_fails_to_load(tmp_path: pytest.TempPathFactory) -> None:
+def test_an_empty_model_directory_fails_to_load(tmp_path: Path) -> None:
     with pytest.raises(ModelLoadFailed):
         MlxBackend.load(ModelSpec(name="empty", path=str(tmp_path), backend="mlx"))

@@ -283,3 +283,17 @@ async def test_an_engine_crash_fails_its_live_requests_once_and_the_engine_recov
         fine = await rt.complete("m", "second", max_tokens=2)
         assert fine.text == expected("second", 2)
         assert rt.stats().actors["router"].counters["terminal_failed"] == 1
+
+
+async def test_stop_strings_end_the_reply_and_are_never_emitted() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model())
+        full = expected("stop here", 12)
+        stop = full[5:8]  # a stop string that straddles token boundaries
+        result = await rt.complete("m", "stop here", max_tokens=12, stop=[stop, "never"])
+        assert isinstance(result.terminal, Finished)
+        assert result.terminal.reason is FinishReason.STOP and result.terminal.stop == stop
+        assert result.text == full[: full.index(stop)]
+        assert result.usage.completion_tokens == full.index(stop) + len(stop)
+        with pytest.raises(InvalidRequest):
+            rt.generate("m", "x", stop=[""])

@@ -1,0 +1,286 @@
+"""Chat prompt preparation: the one path from chat messages to prompt tokens.
+
+Generate and prewarm both call ``prepare_chat``, so a warmup caches exactly the tokens the request
+that follows it will send. It runs on the engine's compute thread with the model's tokenizer (an
+mlx-lm ``TokenizerWrapper`` or anything with ``encode`` and, optionally, ``apply_chat_template``).
+
+Steps, in order:
+
+1. Validate: at least one message, known roles, ``str`` content; else ``InvalidRequest``.
+2. Strip reasoning (``<think>...</think>``, ``<thinking>...</thinking>``) from every assistant
+   message except a final one, which is a prefill and is kept as is (``keep_reasoning`` keeps all).
+3. Render with the tokenizer's chat template and tokenize without adding special tokens (the
+   template writes them). ``developer`` is rendered as ``system``, the role templates know. A final
+   assistant message is continued: the template renders the messages before it with the generation
+   prompt, and its content is appended. A tokenizer without a template gets the fallback format:
+   one ``"<role>: <content>\\n"`` line per message, then ``"assistant: "``.
+4. Window (only with ``history_budget_tokens``): drop the oldest turns until the prompt fits
+   ``min(history_budget_tokens, context_length - max_tokens)``. A turn is a user message and the
+   messages after it up to the next user message. System/developer messages and the latest turn
+   are never dropped.
+5. Check the context: prompt plus ``max_tokens`` above ``context_length`` raises
+   ``ContextLengthExceeded``. Without a window nothing is ever dropped: the client owns its context.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import Any, Final, Literal, Protocol
+
+import msgspec
+
+from runtime.errors import ContextLengthExceeded, InvalidRequest
+
+__all__ = [
+    "ChatMessage",
+    "ChatOptions",
+    "ChatTokenizer",
+    "PreparedPrompt",
+    "prepare_chat",
+    "strip_reasoning",
+]
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+ROLES: Final[frozenset[str]] = frozenset(("system", "developer", "user", "assistant", "tool"))
+INSTRUCTION_ROLES: Final[frozenset[str]] = frozenset(("system", "developer"))
+
+# A closed block; reasoning before a lone closing tag (templates that open it in the generation
+# prompt); an opening tag never closed (a turn cut off by max_tokens).
+_CLOSED_REASONING: Final = re.compile(r"<(think|thinking)>.*?</\1>", re.DOTALL)
+_UNOPENED_REASONING: Final = re.compile(r"\A(?:(?!<think(?:ing)?>).)*?</think(?:ing)?>", re.DOTALL)
+_UNCLOSED_REASONING: Final = re.compile(r"<think(?:ing)?>.*\Z", re.DOTALL)
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One chat message as the OpenAI API sends it (text content only)."""
+
+    role: Role
+    content: str
+
+
+class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to prepare a chat prompt.
+
+    ``history_budget_tokens`` turns on the history window (oldest turns dropped to fit it); when
+    ``None`` nothing is ever dropped. ``add_generation_prompt=False`` renders the messages as
+    complete turns, with no assistant header and no prefill continuation.
+    """
+
+    keep_reasoning: bool = False
+    history_budget_tokens: int | None = None
+    add_generation_prompt: bool = True
+
+
+class PreparedPrompt(msgspec.Struct, frozen=True, kw_only=True):
+    """A prompt ready to prefill.
+
+    ``instructions_tokens`` is how many leading ``tokens`` render the leading system/developer
+    messages alone (0 when there are none or they are not a token prefix); the runtime pins that
+    prefix in the prefix cache. ``dropped_turns`` counts the turns the history window removed.
+    """
+
+    tokens: tuple[int, ...]
+    text: str
+    instructions_tokens: int
+    dropped_turns: int
+
+
+class ChatTokenizer(Protocol):
+    """What ``prepare_chat`` needs; ``apply_chat_template`` is used when the tokenizer has one."""
+
+    def encode(self, text: str, add_special_tokens: bool = ...) -> list[int]: ...
+
+
+def prepare_chat(
+    tokenizer: ChatTokenizer,
+    messages: Sequence[ChatMessage],
+    options: ChatOptions,
+    max_tokens: int,
+    context_length: int,
+) -> PreparedPrompt:
+    """Template, tokenize, window and check ``messages``; see the module docstring.
+
+    Raises ``InvalidRequest`` for malformed messages or options (or a template that rejects the
+    messages) and ``ContextLengthExceeded`` when the prompt plus ``max_tokens`` cannot fit.
+    """
+    _validate(messages, options, max_tokens, context_length)
+    renderer = _Renderer(tokenizer, options.add_generation_prompt)
+    msgs = messages if options.keep_reasoning else _strip_earlier_reasoning(messages)
+    if options.history_budget_tokens is None:
+        text, tokens = renderer.prompt(msgs)
+        dropped = 0
+    else:
+        budget = min(options.history_budget_tokens, context_length - max_tokens)
+        text, tokens, dropped = _window(renderer, msgs, budget)
+    over = len(tokens) + max_tokens - context_length
+    if over > 0:
+        after = f" after dropping {dropped} earlier turns" if dropped else ""
+        raise ContextLengthExceeded(
+            f"the prompt is {len(tokens)} tokens{after} and max_tokens is {max_tokens}: {over} "
+            f"tokens over the context length of {context_length}; shorten the messages or lower "
+            "max_tokens"
+        )
+    return PreparedPrompt(
+        tokens=tuple(tokens),
+        text=text,
+        instructions_tokens=_instructions_tokens(renderer, msgs, tokens),
+        dropped_turns=dropped,
+    )
+
+
+def _validate(
+    messages: Sequence[ChatMessage], options: ChatOptions, max_tokens: int, context_length: int
+) -> None:
+    if not isinstance(messages, Sequence) or isinstance(messages, str) or not messages:
+        raise InvalidRequest("messages must be a non-empty list of chat messages")
+    for i, m in enumerate(messages):
+        if not isinstance(m, ChatMessage):
+            raise InvalidRequest(f"messages[{i}] must be a ChatMessage (got {type(m).__name__})")
+        if m.role not in ROLES:
+            raise InvalidRequest(
+                f"messages[{i}].role {m.role!r} is not one of {', '.join(sorted(ROLES))}"
+            )
+        if not isinstance(m.content, str):
+            raise InvalidRequest(
+                f"messages[{i}].content must be a string (got {type(m.content).__name__})"
+            )
+    if max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1 (got {max_tokens})")
+    if context_length < 1:
+        raise InvalidRequest(f"context_length must be at least 1 (got {context_length})")
+    budget = options.history_budget_tokens
+    if budget is not None and budget < 1:
+        raise InvalidRequest(f"history_budget_tokens must be at least 1 or None (got {budget})")
+
+
+def strip_reasoning(content: str) -> str:
+    """``content`` without its reasoning blocks, and without the blank lines they leave."""
+    answer = _UNOPENED_REASONING.sub("", content, count=1)
+    answer = _CLOSED_REASONING.sub("", answer)
+    answer = _UNCLOSED_REASONING.sub("", answer)
+    return content if answer == content else answer.strip()
+
+
+def _strip_earlier_reasoning(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+    last = len(messages) - 1
+    return [
+        ChatMessage(m.role, strip_reasoning(m.content))
+        if m.role == "assistant" and i != last
+        else m
+        for i, m in enumerate(messages)
+    ]
+
+
+class _Renderer:
+    """Renders messages with the tokenizer's template (or the fallback format) and tokenizes."""
+
+    def __init__(self, tokenizer: ChatTokenizer, add_generation_prompt: bool) -> None:
+        self._tokenizer = tokenizer
+        self._add_generation_prompt = add_generation_prompt
+        self._templated = _has_chat_template(tokenizer)
+
+    def prompt(self, messages: Sequence[ChatMessage]) -> tuple[str, list[int]]:
+        """The full prompt: a final assistant message is continued, not closed."""
+        if self._add_generation_prompt and messages[-1].role == "assistant":
+            text = self.render(messages[:-1], generation_prompt=True) + messages[-1].content
+        else:
+            text = self.render(messages, generation_prompt=self._add_generation_prompt)
+        return text, self.encode(text)
+
+    def render(self, messages: Sequence[ChatMessage], *, generation_prompt: bool) -> str:
+        if not self._templated:
+            lines = "".join(f"{m.role}: {m.content}\n" for m in messages)
+            return lines + ("assistant: " if generation_prompt else "")
+        conversation = [
+            {"role": "system" if m.role == "developer" else m.role, "content": m.content}
+            for m in messages
+        ]
+        templated: Any = self._tokenizer  # _has_chat_template checked apply_chat_template
+        try:
+            text = templated.apply_chat_template(
+                conversation, add_generation_prompt=generation_prompt, tokenize=False
+            )
+        # Templates are user-written Jinja: they raise TemplateError, ValueError, TypeError...
+        except Exception as e:
+            raise InvalidRequest(f"the model's chat template rejected the messages: {e}") from e
+        if not isinstance(text, str):
+            raise InvalidRequest("the model's chat template did not render to a string")
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        # The template already wrote BOS and friends; the fallback format relies on the tokenizer.
+        if self._templated:
+            return [int(t) for t in self._tokenizer.encode(text, add_special_tokens=False)]
+        return [int(t) for t in self._tokenizer.encode(text)]
+
+
+def _has_chat_template(tokenizer: object) -> bool:
+    if not callable(getattr(tokenizer, "apply_chat_template", None)):
+        return False
+    has = getattr(tokenizer, "has_chat_template", None)  # TokenizerWrapper's flag
+    if has is not None:
+        return bool(has)
+    return getattr(tokenizer, "chat_template", None) is not None  # a bare Hugging Face tokenizer
+
+
+def _turns(messages: Sequence[ChatMessage]) -> list[list[int]]:
+    """Indices of the droppable messages, grouped into turns (each starts at a user message)."""
+    turns: list[list[int]] = []
+    for i, m in enumerate(messages):
+        if m.role in INSTRUCTION_ROLES:
+            continue
+        if m.role == "user" or not turns:
+            turns.append([])
+        turns[-1].append(i)
+    return turns
+
+
+def _window(
+    renderer: _Renderer, messages: Sequence[ChatMessage], budget: int
+) -> tuple[str, list[int], int]:
+    """The prompt without the fewest oldest turns that makes it fit ``budget`` tokens.
+
+    When even the latest turn alone does not fit, returns that smallest prompt; the caller's
+    context check decides whether it is refused.
+    """
+    turns = _turns(messages)
+    tried: dict[int, tuple[str, list[int]]] = {}
+
+    def without_oldest(drop: int) -> tuple[str, list[int]]:
+        if drop not in tried:
+            gone = {i for turn in turns[:drop] for i in turn}
+            tried[drop] = renderer.prompt([m for i, m in enumerate(messages) if i not in gone])
+        return tried[drop]
+
+    most = max(len(turns) - 1, 0)
+    if len(without_oldest(0)[1]) <= budget:
+        return (*without_oldest(0), 0)
+    if len(without_oldest(most)[1]) > budget:
+        return (*without_oldest(most), most)
+    # Fewer messages never render to more tokens, so the fitting drop counts are a suffix range.
+    fits, overflows = most, 0
+    while fits - overflows > 1:
+        middle = (fits + overflows) // 2
+        if len(without_oldest(middle)[1]) <= budget:
+            fits = middle
+        else:
+            overflows = middle
+    return (*without_oldest(fits), fits)
+
+
+def _instructions_tokens(
+    renderer: _Renderer, messages: Sequence[ChatMessage], tokens: list[int]
+) -> int:
+    count = 0
+    while count < len(messages) and messages[count].role in INSTRUCTION_ROLES:
+        count += 1
+    if count == 0:
+        return 0
+    try:
+        prefix = renderer.encode(renderer.render(messages[:count], generation_prompt=False))
+    except InvalidRequest:
+        return 0  # some templates refuse a conversation without a user message
+    if len(prefix) <= len(tokens) and tokens[: len(prefix)] == prefix:
+        return len(prefix)
+    return 0

@@ -1,0 +1,332 @@
+"""Per-sequence token sampling: logits processors, truncation filters, and log-probabilities.
+
+A ``TokenSampler`` is built once per sequence from its ``Sampling`` and then asked, once per step,
+for the next token given the last position's logits and the sequence's token history (prompt and
+output so far). The pipeline, in order:
+
+1. **Logits processors** (change values, keep every token):
+
+   - *logit bias*: ``logits[t] += bias[t]``.
+   - *repetition penalty* (CTRL, sign-aware): each distinct token in the penalty window has its
+     logit divided by ``repetition_penalty`` when positive, multiplied when negative.
+   - *presence penalty*: ``-presence_penalty`` once for each distinct token in the window.
+   - *frequency penalty*: ``-frequency_penalty`` per occurrence in the window.
+   - *DRY* ("don't repeat yourself", as in koboldcpp / llama.cpp / text-generation-webui): for
+     every earlier occurrence of the last token, the repeated suffix ending there is measured
+     backwards (stopping at a sequence breaker or after ``_DRY_MAX_EXTRA + allowed_length``
+     tokens); the token that followed that occurrence would extend the repetition, and is
+     penalised by ``dry_multiplier * dry_base ** (match_len - dry_allowed_length)`` if
+     ``match_len >= dry_allowed_length`` (the longest match per token counts). Nothing is
+     penalised when the last token is a breaker, and a breaker token itself is never penalised.
+
+   The penalty window is the last ``penalty_context`` tokens of the history (0: penalties and DRY
+   are off). The three penalties are mlx-lm's own processors (``make_repetition_penalty``,
+   ``make_presence_penalty``, ``make_frequency_penalty``).
+
+2. ``temperature == 0``: the **argmax of the processed logits** (no filter, no randomness).
+
+3. Otherwise the processed logits become log-probabilities and the **truncation filters** run,
+   each on the distribution renormalised over the tokens the previous ones kept: top-k, top-n-sigma
+   (keep ``logit >= max - n * std`` over the surviving logits, population std), top-p (smallest
+   set reaching ``p``), min-p (``p >= min_p * p_max``), XTC (with probability ``xtc_probability``,
+   drawn from the sequence's ``rng``: remove every token with ``p >= xtc_threshold`` except the
+   least probable of them, so it acts only when at least two reach the threshold). Temperature is
+   applied last, to the survivors (llama.cpp's and mlx-lm's order), and a token is drawn with
+   ``mx.random.categorical`` keyed from the same ``rng``: a seeded ``rng`` gives the same tokens.
+
+**Log-probabilities** (``logprobs`` / ``top_logprobs``) are the log-softmax of the *processed*
+logits (after bias, penalties and DRY) at temperature 1, *before* truncation filters: they say how
+likely the model, as steered by the request's processors, found each token, instead of ``-inf``
+for every alternative a filter removed (and greedy decoding, which has no temperature-1 filtered
+distribution, reports the same numbers as sampling would). Alternatives are picked with
+``mx.argpartition`` (no full sort of the vocabulary) and ordered by log-probability, then token id.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import mlx.core as mx
+import msgspec
+from mlx_lm.sample_utils import (
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    make_frequency_penalty,
+    make_presence_penalty,
+    make_repetition_penalty,
+)
+
+from runtime.errors import InvalidRequest
+from runtime.messages import Sampling
+
+__all__ = ["SampleResult", "TokenSampler", "sequence_breaker_ids"]
+
+# DRY measures a repeated suffix at most this many tokens beyond ``dry_allowed_length``: it bounds
+# the per-step work (window x this) and the exponent; longer repeats get the same penalty.
+_DRY_MAX_EXTRA = 50
+# A DRY penalty is clamped here so it stays finite in float32 (the token is banned in effect).
+_DRY_MAX_PENALTY = 1e9
+
+_NEG_INF = float("-inf")
+
+LogitsProcessor = Callable[[mx.array, mx.array], mx.array]
+
+
+class SampleResult(msgspec.Struct, frozen=True):
+    """One sampled token, with its log-probability and the top alternatives when asked for.
+
+    ``logprob`` is None unless ``Sampling.logprobs``; ``top_logprobs`` holds
+    ``Sampling.top_logprobs`` ``(token_id, logprob)`` pairs, most likely first (empty if 0).
+    """
+
+    token: int
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+@functools.lru_cache(maxsize=8)
+def sequence_breaker_ids(
+    decode_token: Callable[[int], str], vocab_size: int, breakers: tuple[str, ...]
+) -> frozenset[int]:
+    """Token ids whose text contains any of ``breakers``: one scan of the vocabulary.
+
+    Cached per ``(decode_token, vocab_size, breakers)``: pass a stable callable (such as a
+    tokenizer's bound method, which compares equal across accesses) so sequences share the scan.
+    Ids the tokenizer cannot decode (padding rows of the embedding) are not breakers.
+    """
+    needles = tuple(b for b in breakers if b)
+    if not needles:
+        return frozenset()
+    found = set()
+    for token_id in range(vocab_size):
+        try:
+            text = decode_token(token_id)
+        except Exception:  # tokenizers raise assorted errors for ids past their vocabulary
+            continue
+        if any(needle in text for needle in needles):
+            found.add(token_id)
+    return frozenset(found)
+
+
+class TokenSampler:
+    """Picks a sequence's tokens under one ``Sampling``; built once per sequence, not thread-safe.
+
+    ``vocab_size`` is the length of the logits vector. ``decode_token`` maps one token id to its
+    text; it is used only at construction, and only when DRY is on, to find the token ids of
+    ``dry_sequence_breakers``. Raises ``InvalidRequest`` if ``logit_bias`` names a token outside
+    the vocabulary. The ``Sampling`` itself is assumed to have passed ``validate_sampling``.
+    """
+
+    def __init__(
+        self, sampling: Sampling, vocab_size: int, decode_token: Callable[[int], str]
+    ) -> None:
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be positive (got {vocab_size})")
+        self.sampling = sampling
+        self.vocab_size = vocab_size
+
+        self._bias: tuple[mx.array, mx.array] | None = None
+        if sampling.logit_bias:
+            outside = sorted(t for t in sampling.logit_bias if not 0 <= t < vocab_size)
+            if outside:
+                raise InvalidRequest(
+                    f"logit_bias names token ids outside the model's vocabulary of {vocab_size} "
+                    f"(ids 0 to {vocab_size - 1}): {outside[:5]}; remove them"
+                )
+            ids = list(sampling.logit_bias)
+            self._bias = (
+                mx.array(ids, dtype=mx.int32),
+                mx.array([sampling.logit_bias[t] for t in ids], dtype=mx.float32),
+            )
+
+        self._penalties: list[LogitsProcessor] = []
+        n = sampling.penalty_context
+        if n > 0:
+            if sampling.repetition_penalty != 1.0:
+                self._penalties.append(make_repetition_penalty(sampling.repetition_penalty, n))
+            if sampling.presence_penalty != 0.0:
+                self._penalties.append(make_presence_penalty(sampling.presence_penalty, n))
+            if sampling.frequency_penalty != 0.0:
+                self._penalties.append(make_frequency_penalty(sampling.frequency_penalty, n))
+
+        self._dry = n > 0 and sampling.dry_multiplier > 0.0
+        self._breakers: frozenset[int] = frozenset()
+        if self._dry and sampling.dry_sequence_breakers:
+            self._breakers = sequence_breaker_ids(
+                decode_token, vocab_size, tuple(sampling.dry_sequence_breakers)
+            )
+
+    @property
+    def greedy(self) -> bool:
+        """True when this sampler takes the argmax (temperature 0) and never uses its ``rng``."""
+        return self.sampling.temperature == 0.0
+
+    # ------------------------------------------------------------------ pipeline stages
+
+    def process(self, logits: mx.array, history: Sequence[int]) -> mx.array:
+        """Logit bias, then repetition/presence/frequency penalties, then DRY; returns new logits.
+
+        ``logits`` is the ``(vocab_size,)`` vector of the last position; it is not modified.
+        """
+        if logits.shape != (self.vocab_size,):
+            raise ValueError(
+                f"expected logits of shape ({self.vocab_size},), got {tuple(logits.shape)}"
+            )
+        out = logits.astype(mx.float32)
+        if self._bias is not None:
+            ids, values = self._bias
+            out = out.at[ids].add(values)
+        n = self.sampling.penalty_context
+        if n <= 0 or not history:
+            return out
+        window = list(history[-n:])
+        if self._penalties:
+            in_vocab = [t for t in window if 0 <= t < self.vocab_size]
+            if in_vocab:
+                tokens = mx.array(in_vocab, dtype=mx.int32)
+                rows = out[None]  # mlx-lm's processors take (batch, vocab) and may write in place
+                for penalty in self._penalties:
+                    rows = penalty(tokens, rows)
+                out = rows[0]
+        if self._dry:
+            penalties = self.dry_penalties(window)
+            if penalties:
+                ids_ = mx.array(list(penalties), dtype=mx.int32)
+                amounts = mx.array(list(penalties.values()), dtype=mx.float32)
+                out = out.at[ids_].subtract(amounts)
+        return out
+
+    def dry_penalties(self, window: Sequence[int]) -> dict[int, float]:
+        """DRY: ``{token: amount to subtract}`` for the tokens that would extend a repetition.
+
+        ``window`` is the penalty window of the history (its last token is the newest).
+        """
+        s = self.sampling
+        n = len(window)
+        breakers = self._breakers
+        if n < 2 or window[-1] in breakers:
+            return {}
+        last = window[-1]
+        cap = s.dry_allowed_length + _DRY_MAX_EXTRA
+        longest: dict[int, int] = {}
+        for i in range(n - 1):
+            if window[i] != last:
+                continue
+            following = window[i + 1]
+            if following in breakers or not 0 <= following < self.vocab_size:
+                continue
+            length = 1  # window[i] == last already
+            while length < cap:
+                j = i - length
+                if j < 0:
+                    break
+                previous = window[n - 1 - length]
+                if window[j] != previous or previous in breakers:
+                    break
+                length += 1
+            if length > longest.get(following, 0):
+                longest[following] = length
+        penalties: dict[int, float] = {}
+        log_limit = math.log(_DRY_MAX_PENALTY)
+        for token, length in longest.items():
+            if length < s.dry_allowed_length:
+                continue
+            exponent = length - s.dry_allowed_length
+            log_amount = math.log(s.dry_multiplier) + exponent * math.log(s.dry_base)
+            penalties[token] = (
+                _DRY_MAX_PENALTY
+                if log_amount >= log_limit
+                else s.dry_multiplier * s.dry_base**exponent
+            )
+        return penalties
+
+    def truncate(self, logprobs: mx.array, rng: random.Random) -> mx.array:
+        """Top-k, top-n-sigma, top-p, min-p, XTC on log-probabilities; removed tokens get -inf.
+
+        Draws XTC's coin from ``rng`` (only when ``xtc_probability > 0``).
+        """
+        s = self.sampling
+        lp = logprobs
+        if 0 < s.top_k < self.vocab_size:
+            lp = apply_top_k(lp, s.top_k)
+        if s.top_n_sigma > 0.0:
+            lp = _top_n_sigma(lp, s.top_n_sigma)
+        if 0.0 < s.top_p < 1.0:
+            lp = apply_top_p(lp, s.top_p)
+        if s.min_p > 0.0:
+            lp = apply_min_p(lp, s.min_p)
+        if s.xtc_probability > 0.0 and rng.random() < s.xtc_probability:
+            lp = _exclude_top_choices(lp, s.xtc_threshold)
+        return lp
+
+    # ------------------------------------------------------------------ the step
+
+    def sample(self, logits: mx.array, history: Sequence[int], rng: random.Random) -> SampleResult:
+        """The next token for ``logits`` (the last position's, shape ``(vocab_size,)``).
+
+        ``history`` is the prompt plus the tokens generated so far; ``rng`` is the sequence's own
+        generator (seeded from ``Sampling.seed`` for reproducible output).
+        """
+        s = self.sampling
+        processed = self.process(logits, history)
+        want_lp = s.logprobs
+        k = min(s.top_logprobs, self.vocab_size)
+        logprobs: mx.array | None = None
+        if self.greedy:
+            token = mx.argmax(processed)
+            if want_lp or k > 0:
+                logprobs = processed - mx.logsumexp(processed, keepdims=True)
+        else:
+            logprobs = processed - mx.logsumexp(processed, keepdims=True)
+            kept = self.truncate(logprobs, rng)
+            key = mx.random.key(rng.getrandbits(32))
+            token = mx.random.categorical(kept * (1.0 / s.temperature), key=key)
+
+        outputs = [token]
+        if logprobs is not None and want_lp:
+            outputs.append(mx.take(logprobs, token))
+        if logprobs is not None and k > 0:
+            top_ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+            outputs += [top_ids, mx.take(logprobs, top_ids)]
+        mx.eval(outputs)
+
+        chosen = int(cast(int, token.item()))
+        logprob = float(cast(float, outputs[1].item())) if want_lp else None
+        top: tuple[tuple[int, float], ...] = ()
+        if k > 0:
+            ids: list[int] = outputs[-2].tolist()  # type: ignore[assignment]
+            values: list[float] = outputs[-1].tolist()  # type: ignore[assignment]
+            top = tuple(sorted(zip(ids, values, strict=True), key=lambda p: (-p[1], p[0])))
+        return SampleResult(token=chosen, logprob=logprob, top_logprobs=top)
+
+
+def _top_n_sigma(logprobs: mx.array, n: float) -> mx.array:
+    """Keep tokens whose logit is within ``n`` standard deviations of the best one.
+
+    Mean and (population) standard deviation are taken over the tokens still in play (finite);
+    shifting every logit by a constant (as log-softmax does) changes nothing.
+    """
+    alive = mx.isfinite(logprobs)
+    count = alive.sum()
+    mean = mx.where(alive, logprobs, 0.0).sum() / count
+    variance = mx.where(alive, mx.square(logprobs - mean), 0.0).sum() / count
+    threshold = logprobs.max() - n * mx.sqrt(variance)
+    return mx.where(logprobs >= threshold, logprobs, _NEG_INF)
+
+
+def _exclude_top_choices(logprobs: mx.array, threshold: float) -> mx.array:
+    """XTC: remove every token with probability ``>= threshold`` except the least probable one.
+
+    Probabilities are renormalised over the tokens still in play; with fewer than two tokens at
+    or over the threshold nothing changes.
+    """
+    probs = mx.softmax(logprobs)
+    over = mx.logical_and(probs >= threshold, mx.isfinite(logprobs))
+    least = mx.where(over, probs, math.inf).min()
+    remove = mx.logical_and(over, probs > least)
+    return mx.where(remove, _NEG_INF, logprobs)
