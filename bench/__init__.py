@@ -1,0 +1,4 @@
+"""Benchmarks: our runtime vs raw mlx-lm vs ``mlx_lm.server`` on the same tiny model.
+
+Run ``python -m bench --help`` (``make bench`` runs it with OpenBLAS preloaded).
+"""
