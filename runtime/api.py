@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import math
+import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -21,6 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from runtime.actor import ActorSystem
 from runtime.backends import make_backend_loader
+from runtime.coalesce import Chunk, CoalescePolicy, Coalescer
 from runtime.config import RuntimeConfig, build_standing_actors
 from runtime.core import ROUTER, Address
 from runtime.errors import InvalidRequest, MlxRuntimeError, RuntimeClosed, error_for_code
@@ -84,11 +86,15 @@ class GenerationStream:
     consuming task) cancels the request at once; nothing waits for garbage collection.
     """
 
-    def __init__(self, runtime: Runtime, request: Generate | Prewarm) -> None:
+    def __init__(
+        self, runtime: Runtime, request: Generate | Prewarm, coalesce: CoalescePolicy
+    ) -> None:
         self._runtime = runtime
         self.request = request
         self._receive: MemoryObjectReceiveStream[HostEvent] | None = None
         self._terminal: HostEvent | None = None
+        self._coalescer = Coalescer(coalesce)
+        self._held: HostEvent | None = None  # a non-token event waiting behind a flushed chunk
 
     @property
     def request_id(self) -> str:
@@ -113,7 +119,7 @@ class GenerationStream:
         """
         if self._receive is None:
             return
-        if self._terminal is None:
+        if self._terminal is None and not isinstance(self._held, (*TERMINALS, Rejected)):
             self._runtime._tell(Cancel(request_id=self.request_id, incarnation=self._incarnation))
             with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_WAIT_S):
                 async for event in self._receive:
@@ -134,16 +140,48 @@ class GenerationStream:
             raise RuntimeError("use `async with rt.generate(...) as stream:` to iterate events")
         if self._terminal is not None:
             raise StopAsyncIteration
-        try:
-            event = await self._receive.receive()
-        except (anyio.EndOfStream, anyio.ClosedResourceError):
-            raise StopAsyncIteration from None
+        if self._held is not None:
+            event, self._held = self._held, None
+        else:
+            event = await self._next_coalesced(self._receive)
         if isinstance(event, Rejected):
             self._terminal = event
             raise error_for_code(event.code, event.message)
         if isinstance(event, TERMINALS):
             self._terminal = event
         return event
+
+    async def _next_coalesced(self, receive: MemoryObjectReceiveStream[HostEvent]) -> HostEvent:
+        """The next event, with token events merged by the coalescing policy (size or age)."""
+        while True:
+            deadline = self._coalescer.next_deadline()
+            wait = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
+            with anyio.move_on_after(wait):
+                try:
+                    event = await receive.receive()
+                except (anyio.EndOfStream, anyio.ClosedResourceError):
+                    raise StopAsyncIteration from None
+                if not isinstance(event, TokensEmitted):
+                    chunk = self._coalescer.flush()  # never let a token trail a later event
+                    if chunk is None:
+                        return event
+                    self._held = event
+                    return self._as_event(chunk)
+                chunk = self._coalescer.add(event.text, event.token_ids, time.monotonic())
+                if chunk is not None:
+                    return self._as_event(chunk)
+                continue
+            chunk = self._coalescer.due(time.monotonic())
+            if chunk is not None:
+                return self._as_event(chunk)
+
+    def _as_event(self, chunk: Chunk) -> TokensEmitted:
+        return TokensEmitted(
+            request_id=self.request_id,
+            incarnation=self._incarnation,
+            token_ids=chunk.token_ids,
+            text=chunk.text,
+        )
 
 
 class Runtime:
@@ -232,6 +270,7 @@ class Runtime:
         namespace: str = "default",
         session: str | None = None,
         request_id: str | None = None,
+        coalesce: CoalescePolicy | None = None,
     ) -> GenerationStream:
         """A stream of this request's events; raises ``InvalidRequest`` on malformed input."""
         request = Generate(
@@ -248,7 +287,10 @@ class Runtime:
             session=session,
         )
         validate_request(request)
-        return GenerationStream(self, request)
+        policy = coalesce or self.config.coalesce
+        if request.sampling.logprobs:  # one event per token, so each carries its logprobs
+            policy = CoalescePolicy(enabled=False)
+        return GenerationStream(self, request, policy)
 
     async def complete(self, model: str, prompt: str | None = None, **kwargs: object) -> Completion:
         """Run ``generate`` to its end and collect the output."""
@@ -297,7 +339,7 @@ class Runtime:
             session=session,
         )
         validate_request(request)
-        async with GenerationStream(self, request) as stream:
+        async with GenerationStream(self, request, CoalescePolicy(enabled=False)) as stream:
             async for event in stream:
                 if isinstance(event, TERMINALS):
                     return event

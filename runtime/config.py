@@ -11,6 +11,7 @@ from actors.kv_budget import KVBudgetCore
 from actors.prefix_cache import PrefixCacheCore
 from actors.router import RouterCore
 from runtime.backend import BackendLoader
+from runtime.coalesce import CoalescePolicy
 from runtime.core import KV_KEEPER, PREFIX_CACHE, ROUTER, ActorCore, Address
 from runtime.messages import ModelSpec
 from runtime.supervision import RestartPolicy
@@ -24,6 +25,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     reservation_timeout_s: float = 30.0
     router_mailbox_capacity: int = 1024
     engine_restart: RestartPolicy = RestartPolicy()
+    coalesce: CoalescePolicy = CoalescePolicy()  # token events merged by size/age for hosts
 
 
 Spawn = Callable[[Address, ActorCore], None]

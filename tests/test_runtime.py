@@ -6,6 +6,7 @@ import anyio
 import pytest
 
 from runtime.api import Runtime
+from runtime.coalesce import CoalescePolicy
 from runtime.config import RuntimeConfig
 from runtime.errors import (
     DuplicateRequestId,
@@ -297,3 +298,29 @@ async def test_stop_strings_end_the_reply_and_are_never_emitted() -> None:
         assert result.usage.completion_tokens == full.index(stop) + len(stop)
         with pytest.raises(InvalidRequest):
             rt.generate("m", "x", stop=[""])
+
+
+async def test_coalescing_merges_token_events_by_size_and_flushes_by_age() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model())
+
+        async def count_events(policy: CoalescePolicy, **kwargs: object) -> tuple[int, str]:
+            async with rt.generate("m", "a reply", coalesce=policy, **kwargs) as stream:  # type: ignore[arg-type]
+                texts = [e.text async for e in stream if isinstance(e, TokensEmitted)]
+            return len(texts), "".join(texts)
+
+        per_token = await count_events(CoalescePolicy(enabled=False), max_tokens=200)
+        merged = await count_events(CoalescePolicy(max_chars=32, max_age_s=60), max_tokens=200)
+        assert per_token == (200, expected("a reply", 200))
+        assert merged == (7, expected("a reply", 200))  # 6 full chunks of 32, then the rest
+
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model(decode_s_per_token=0.1))
+        # Each token waits far longer than the age limit for a successor: it goes out alone.
+        aged = await count_events_on(rt, CoalescePolicy(max_chars=1000, max_age_s=0.005))
+        assert aged == 4
+
+
+async def count_events_on(rt: Runtime, policy: CoalescePolicy) -> int:
+    async with rt.generate("m", "slow", max_tokens=4, coalesce=policy) as stream:
+        return len([e async for e in stream if isinstance(e, TokensEmitted)])
