@@ -248,6 +248,8 @@ class TokenSampler:
     def truncate(self, logprobs: mx.array, rng: random.Random) -> mx.array:
         """Top-k, top-n-sigma, top-p, min-p, XTC on log-probabilities; removed tokens get -inf.
 
+        Only top-p needs them normalised; the others accept logits shifted by any constant.
+
         Draws XTC's coin from ``rng`` (only when ``xtc_probability > 0``).
         """
         s = self.sampling
@@ -282,8 +284,11 @@ class TokenSampler:
             if want_lp or k > 0:
                 logprobs = processed - mx.logsumexp(processed, keepdims=True)
         else:
-            logprobs = processed - mx.logsumexp(processed, keepdims=True)
-            kept = self.truncate(logprobs, rng)
+            # Every filter but top-p (which exponentiates) and the categorical draw are unchanged
+            # by a constant shift, so normalising is skipped when nothing needs it.
+            if want_lp or k > 0 or 0.0 < s.top_p < 1.0:
+                logprobs = processed - mx.logsumexp(processed, keepdims=True)
+            kept = self.truncate(processed if logprobs is None else logprobs, rng)
             key = mx.random.key(rng.getrandbits(32))
             token = mx.random.categorical(kept * (1.0 / s.temperature), key=key)
 
