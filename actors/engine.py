@@ -67,6 +67,7 @@ from runtime.messages import (
     SequenceFinished,
     SequenceStarted,
     Stats,
+    TokenLogprob,
     TokensProduced,
     Transfer,
 )
@@ -212,7 +213,8 @@ class EngineCore:
             stop_strings=admit.stop,
             prompt_text=admit.prompt,
             tokens=admit.prompt_tokens,
-            rng=random.Random(admit.sampling.seed if admit.sampling.seed is not None else 0),
+            # Unseeded requests draw from OS entropy; a seed makes the output repeatable.
+            rng=random.Random(admit.sampling.seed),
         )
         self._sequences[seq.sequence_id] = seq
         self.counters.inc(f"admitted_{admit.kind}")
@@ -452,6 +454,9 @@ class EngineCore:
         if seq.abort.is_set() or job.skipped:
             self._finish_cancelled(seq, ctx)
             return
+        if isinstance(job.error, MlxRuntimeError):  # e.g. a logit bias outside the vocabulary
+            self._fail_with(seq, ctx, job.error)
+            return
         if job.error is not None:
             self._fail_with(seq, ctx, BackendError(f"model step failed: {job.error!r}"))
             return
@@ -541,23 +546,35 @@ class EngineCore:
         seq.generated.append(job.token)
         seq.pending_token = job.token
         result = matcher.feed(job.text) if matcher else None
+        logprobs = () if job.logprob is None else (job.logprob,)
         if result is not None and result.stopped:
-            self._emit(seq, (job.token,), result.text, ctx)
+            self._emit(seq, (job.token,), result.text, ctx, logprobs)
             self._finish(seq, ctx, FinishReason.STOP, stop=result.stop)
             return
         text = job.text if result is None else result.text
         last = len(seq.generated) >= seq.max_tokens
         if last and matcher is not None:
             text += matcher.flush()
-        self._emit(seq, (job.token,), text, ctx)
+        self._emit(seq, (job.token,), text, ctx, logprobs)
         if last:
             self._finish(seq, ctx, FinishReason.LENGTH)
 
-    def _emit(self, seq: Sequence, token_ids: tuple[int, ...], text: str, ctx: Context) -> None:
+    def _emit(
+        self,
+        seq: Sequence,
+        token_ids: tuple[int, ...],
+        text: str,
+        ctx: Context,
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> None:
         if not token_ids and not text:
             return
         produced = TokensProduced(
-            sequence_id=seq.sequence_id, epoch=self.epoch, token_ids=token_ids, text=text
+            sequence_id=seq.sequence_id,
+            epoch=self.epoch,
+            token_ids=token_ids,
+            text=text,
+            logprobs=logprobs,
         )
         ctx.send(ROUTER, produced)
 

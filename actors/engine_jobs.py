@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from runtime.backend import Backend, CannotTrim, ReuseStrategy, SequenceState
 from runtime.checkpoints import plan_checkpoints
-from runtime.messages import ModelSpec
+from runtime.messages import ModelSpec, TokenLogprob
+from runtime.sampling import TokenSampler
 from runtime.sequence import Phase, Sequence
 
 # Snapshot spacing during long prefills of non-trimmable caches (ModelSpec option to override).
@@ -44,6 +45,7 @@ class Job:
     snapshot: SequenceState | None = None
     checkpoints: list[int] | None = None
     results: dict[int, list[int]] = field(default_factory=dict)
+    logprob: TokenLogprob | None = None
 
 
 @dataclass(frozen=True)
@@ -135,9 +137,29 @@ def _decode_step(job: Job, seq: Sequence, backend: Backend) -> None:
     if seq.pending_token is not None:
         backend.prefill(seq.state, [seq.pending_token])
         job.prefilled = 1
-    job.token = backend.sample(seq.state, seq.sampling, seq.rng)
+    logits = backend.logits(seq.state)
+    if seq.sampler is None:
+        seq.sampler = TokenSampler(seq.sampling, int(logits.shape[0]), _token_decoder(backend))
+    sampled = seq.sampler.sample(logits, seq.all_tokens, seq.rng)
+    job.token = sampled.token
+    if seq.sampling.logprobs:
+        job.logprob = TokenLogprob(
+            token=sampled.token, logprob=sampled.logprob or 0.0, top=sampled.top_logprobs
+        )
     ending = job.token in seq.stop_token_ids
     if not ending:
         job.text = seq.detokenizer.add(job.token)
     if ending or seq.on_last_step:
         job.text += seq.detokenizer.flush()  # the stream ends: release any held-back bytes
+
+
+def _token_decoder(backend: Backend) -> Callable[[int], str]:
+    """One stable callable per backend, so the sampler's sequence-breaker cache is shared."""
+    cached: Callable[[int], str] | None = getattr(backend, "_token_decoder", None)
+    if cached is None:
+
+        def cached(token: int) -> str:
+            return backend.decode([token])
+
+        setattr(backend, "_token_decoder", cached)  # noqa: B010
+    return cached

@@ -243,6 +243,7 @@ class RouterCore:
                 incarnation=incarnation,
                 token_ids=event.token_ids,
                 text=event.text,
+                logprobs=event.logprobs,
             )
         ctx.send(live.host, out)
 

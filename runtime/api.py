@@ -161,6 +161,8 @@ class GenerationStream:
                     event = await receive.receive()
                 except (anyio.EndOfStream, anyio.ClosedResourceError):
                     raise StopAsyncIteration from None
+                if isinstance(event, TokensEmitted) and not self._coalescer.policy.enabled:
+                    return event  # one event per token, logprobs and all
                 if not isinstance(event, TokensEmitted):
                     chunk = self._coalescer.flush()  # never let a token trail a later event
                     if chunk is None:

@@ -8,13 +8,13 @@ never looks inside states: it asks the backend to copy, trim, measure and extend
 from __future__ import annotations
 
 import enum
-import random
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import mlx.core as mx
 import msgspec
 
-from runtime.messages import ModelSpec, Sampling
+from runtime.messages import ModelSpec
 
 
 class ReuseStrategy(enum.StrEnum):
@@ -98,8 +98,8 @@ class Backend(Protocol):
         """Run ``token_ids`` through the model, extending ``state`` and keeping the last logits."""
         ...
 
-    def sample(self, state: SequenceState, sampling: Sampling, rng: random.Random) -> int:
-        """Pick the next token from the logits after the last prefilled token."""
+    def logits(self, state: SequenceState) -> mx.array:
+        """The float32 ``(vocab,)`` logits after the last prefilled token (samplers act on them)."""
         ...
 
     def state_nbytes(self, state: SequenceState) -> int:

@@ -57,6 +57,10 @@ class Coalescer:
         self._chars = 0
         self._deadline: float | None = None  # set when the buffer stops being empty
 
+    @property
+    def policy(self) -> CoalescePolicy:
+        return self._policy
+
     def add(self, text: str, token_ids: Sequence[int], now: float) -> Chunk | None:
         """Buffer one token's text; return a chunk when one is full or the buffer is overdue."""
         if not self._policy.enabled:

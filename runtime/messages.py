@@ -87,6 +87,14 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tru
     completion_tokens: int = 0
 
 
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One emitted token's log-probability and the ``top`` alternatives (id, logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 class ReusePath(enum.StrEnum):
     """How a sequence's prompt state was obtained from the prefix cache."""
 
@@ -206,12 +214,16 @@ class Started(Message, frozen=True):
 
 
 class TokensEmitted(Message, frozen=True):
-    """New tokens (with their text, UTF-8 complete) for a generate request."""
+    """New tokens (with their text, UTF-8 complete) for a generate request.
+
+    ``logprobs`` has one entry per token when the request asked for them.
+    """
 
     request_id: str
     incarnation: int
     token_ids: TokenIds
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class Finished(Message, frozen=True):
@@ -359,6 +371,7 @@ class TokensProduced(Message, frozen=True):
     epoch: int
     token_ids: TokenIds
     text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
 
 
 class SequenceFinished(Message, frozen=True):

@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import copy
 import gc
-import random
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 from runtime.backend import CannotTrim, ModelInfo, ReuseStrategy, SequenceState
 from runtime.errors import InvalidModelSpec, ModelLoadFailed
-from runtime.messages import ModelSpec, Sampling
+from runtime.messages import ModelSpec
 
 _WARMUP_TOKENS = 4
 
@@ -159,23 +157,11 @@ class MlxBackend:
         mx.eval(own.logits, [c.state for c in own.caches])
         own.n_tokens += len(token_ids)
 
-    def sample(self, state: SequenceState, sampling: Sampling, rng: random.Random) -> int:
+    def logits(self, state: SequenceState) -> mx.array:
         own = _own(state)
         if own.logits is None:
-            raise RuntimeError("sample() before any prefill: no logits")
-        if sampling.temperature == 0:
-            return cast(int, mx.argmax(own.logits).item())
-        logprobs = own.logits - mx.logsumexp(own.logits, keepdims=True)
-        logprobs = logprobs[None]
-        if sampling.top_k > 0:
-            logprobs = apply_top_k(logprobs, sampling.top_k)
-        if 0 < sampling.top_p < 1:
-            logprobs = apply_top_p(logprobs, sampling.top_p)
-        if sampling.min_p > 0:
-            logprobs = apply_min_p(logprobs, sampling.min_p)
-        key = mx.random.key(rng.getrandbits(32))
-        choice = mx.random.categorical(logprobs * (1 / sampling.temperature), key=key)
-        return cast(int, choice.item())
+            raise RuntimeError("logits() before any prefill")
+        return own.logits
 
     def state_nbytes(self, state: SequenceState) -> int:
         return sum(int(c.nbytes) for c in _own(state).caches if not c.empty())

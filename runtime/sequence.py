@@ -18,6 +18,7 @@ from runtime.messages import (
     TokenIds,
     Usage,
 )
+from runtime.sampling import TokenSampler
 from runtime.stop_strings import StopStringMatcher
 
 
@@ -75,6 +76,7 @@ class Sequence:
     pending_token: int | None = None  # sampled and emitted, not yet fed to the model
     detokenizer: IncrementalDetokenizer | None = None
     stop_matcher: StopStringMatcher | None = None
+    sampler: TokenSampler | None = None  # built on the compute thread at the first decode step
     rng: random.Random = field(default_factory=random.Random)
 
     @property

@@ -15,12 +15,11 @@ import pytest
 
 from runtime.backend import CannotTrim, ReuseStrategy
 from runtime.errors import ModelLoadFailed
-from runtime.messages import ModelSpec, Sampling
+from runtime.messages import ModelSpec
 from runtime.mlx_backend import MlxBackend, MlxState
 from runtime.testing.tiny_models import SLIDING_WINDOW, TinyModelKind, tiny_model_path
 
 KINDS: tuple[TinyModelKind, ...] = ("llama", "sliding", "hybrid")
-GREEDY = Sampling()
 
 
 def load(kind: TinyModelKind, **options: str | int | float | bool | None) -> MlxBackend:
@@ -51,7 +50,7 @@ def greedy(backend: MlxBackend, state: MlxState, n: int) -> list[int]:
     """Greedy continuation of ``state`` (extends it)."""
     out: list[int] = []
     for _ in range(n):
-        token = backend.sample(state, GREEDY, random.Random(0))
+        token = int(mx.argmax(backend.logits(state)).item())
         out.append(token)
         backend.prefill(state, [token])
     return out

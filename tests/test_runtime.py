@@ -324,3 +324,44 @@ async def test_coalescing_merges_token_events_by_size_and_flushes_by_age() -> No
 async def count_events_on(rt: Runtime, policy: CoalescePolicy) -> int:
     async with rt.generate("m", "slow", max_tokens=4, coalesce=policy) as stream:
         return len([e async for e in stream if isinstance(e, TokensEmitted)])
+
+
+async def test_sampling_fields_reach_the_sampler_end_to_end() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model())
+        greedy = await rt.complete("m", "bias me", max_tokens=6)
+        assert greedy.text == expected("bias me", 6)
+        biased = await rt.complete(
+            "m", "bias me", max_tokens=6, sampling=Sampling(logit_bias={ord("Q"): 50.0})
+        )
+        assert biased.text == "Q" * 6  # the bias beats the model's peak every step
+        plain = await rt.complete("m", "x", max_tokens=30)
+        assert len(set(plain.token_ids)) < 30  # 30 tokens over 27 letters: greedy repeats
+        penalised = await rt.complete(
+            "m", "x", max_tokens=30, sampling=Sampling(repetition_penalty=50.0)
+        )
+        seen = [ord("x"), *penalised.token_ids]
+        assert len(set(seen)) == len(seen)  # every repeat was pushed below a fresh token
+        seeded = Sampling(temperature=1.0, seed=7)
+        first = await rt.complete("m", "seeded", max_tokens=12, sampling=seeded)
+        again = await rt.complete("m", "seeded", max_tokens=12, sampling=seeded)
+        other = await rt.complete(
+            "m", "seeded", max_tokens=12, sampling=Sampling(temperature=1.0, seed=8)
+        )
+        assert first.text == again.text != other.text
+        bad = await rt.complete("m", "x", sampling=Sampling(logit_bias={10_000: 1.0}))
+        assert isinstance(bad.terminal, Failed) and bad.terminal.code == "invalid_request"
+
+
+async def test_logprobs_come_one_event_per_token() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model())
+        sampling = Sampling(logprobs=True, top_logprobs=3)
+        async with rt.generate("m", "probe", max_tokens=5, sampling=sampling) as stream:
+            events = [e async for e in stream if isinstance(e, TokensEmitted)]
+        assert len(events) == 5
+        for event in events:
+            [entry] = event.logprobs
+            assert entry.token == event.token_ids[0]
+            assert entry.top[0][0] == entry.token  # greedy picks the top one
+            assert len(entry.top) == 3 and entry.logprob == entry.top[0][1] < 0

@@ -17,11 +17,12 @@ import time
 from collections.abc import Sequence
 from typing import Protocol
 
+import mlx.core as mx
 import msgspec
 
 from runtime.backend import CannotTrim, ModelInfo, ReuseStrategy, SequenceState
 from runtime.errors import InvalidModelSpec
-from runtime.messages import ModelSpec, Sampling
+from runtime.messages import ModelSpec
 
 EOS_TOKEN_ID = 256
 VOCAB_SIZE = 257
@@ -29,6 +30,7 @@ VOCAB_SIZE = 257
 _TEXT_TOKENS = tuple(b"abcdefghijklmnopqrstuvwxyz ")
 _HASH_MOD = (1 << 61) - 1
 _HASH_BASE = 1_000_003
+_PEAK_LOGIT = 5.0  # greedy picks it; temperature 1 still explores (about 37% of draws)
 
 
 class ComputeClock(Protocol):
@@ -181,16 +183,22 @@ class SimulatedBackend:
                 state.tokens.append(token)
                 state.hashes.append(h)
 
-    def sample(self, state: SequenceState, sampling: Sampling, rng: random.Random) -> int:
+    def logits(self, state: SequenceState) -> mx.array:
+        """A peak at the greedy next token over pseudo-random noise seeded by the prefix hash.
+
+        Greedy decoding therefore follows ``next_token_for``; samplers and penalties act on these
+        logits exactly as on a real model's.
+        """
         state = _own(state)
         with self._lock:
             self._sample_calls += 1
             if self._sample_calls == self._options.fail_sample_call:
                 raise SimulatedFault(f"injected fault in sample call {self._sample_calls}")
             h = state.hashes[-1] if state.hashes else 0
-            if sampling.temperature > 0:
-                h = extend_hash(h, rng.randrange(1 << 30))
-            return next_token_for(h, self._options.eos_every)
+            noise = random.Random(h).random
+            values = [noise() * 2.0 - 1.0 for _ in range(VOCAB_SIZE)]
+            values[next_token_for(h, self._options.eos_every)] = _PEAK_LOGIT
+            return mx.array(values, dtype=mx.float32)
 
     def state_nbytes(self, state: SequenceState) -> int:
         return self._info.kv_bytes(state.length)
