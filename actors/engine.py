@@ -94,12 +94,14 @@ class EngineCore:
         epoch: int,
         load_backend: BackendLoader,
         reservation_timeout_s: float = 30.0,
+        default_max_tokens: int = 4096,
     ) -> None:
         self.model = spec.name
         self.epoch = epoch
         self._spec = spec
         self._load_backend = load_backend
         self._reservation_timeout_s = reservation_timeout_s
+        self._default_max_tokens = default_max_tokens
         every = spec.options.get("checkpoint_every_tokens", DEFAULT_CHECKPOINT_EVERY)
         self._plan = StepPlan(
             chunk_tokens=max(1, spec.prefill_chunk_tokens),
@@ -208,11 +210,13 @@ class EngineCore:
             session=admit.session,
             namespace=admit.namespace,
             sampling=admit.sampling,
-            max_tokens=admit.max_tokens,
+            max_tokens=admit.max_tokens or 0,  # 0: fixed once the prompt length is known
             stop_token_ids=frozenset(admit.stop_token_ids),
             stop_strings=admit.stop,
             prompt_text=admit.prompt,
             tokens=admit.prompt_tokens,
+            messages=admit.messages,
+            chat=admit.chat,
             # Unseeded requests draw from OS entropy; a seed makes the output repeatable.
             rng=random.Random(admit.sampling.seed),
         )
@@ -249,6 +253,9 @@ class EngineCore:
             )
             self._fail_with(seq, ctx, error)
             return
+        if seq.kind is RequestKind.GENERATE and seq.max_tokens == 0:  # "the rest of the context"
+            room = info.context_length - len(seq.tokens)
+            seq.max_tokens = max(1, min(room, self._default_max_tokens))
         wanted = len(seq.tokens) + (seq.max_tokens if seq.kind is RequestKind.GENERATE else 0)
         if wanted > info.context_length:
             error = ContextLengthExceeded(
@@ -379,6 +386,7 @@ class EngineCore:
                 prompt_tokens=len(seq.tokens),
                 cached_tokens=seq.cached_tokens,
                 path=seq.path,
+                dropped_turns=seq.dropped_turns,
             ),
         )
 
@@ -392,7 +400,8 @@ class EngineCore:
         waiting = [s for s in self._sequences.values() if s.phase is Phase.TOKENIZING]
         if waiting:
             job = Job(JobKind.TOKENIZE)
-            self._submit(ctx, job, lambda: run_tokenize(job, waiting, backend))
+            cap = self._default_max_tokens
+            self._submit(ctx, job, lambda: run_tokenize(job, waiting, backend, cap))
             return
         ready = sorted(
             (s for s in self._sequences.values() if s.phase in COMPUTE_PHASES),
@@ -507,11 +516,18 @@ class EngineCore:
         for seq in list(self._sequences.values()):
             if seq.phase is not Phase.TOKENIZING or seq.tokens is not None:
                 continue
+            failure = job.failures.get(seq.sequence_id)
             tokens = job.results.get(seq.sequence_id)
-            if tokens is None:
-                error = InvalidRequest(f"the prompt could not be tokenized: {job.error!r}")
+            if isinstance(failure, MlxRuntimeError):  # bad chat input, context overflow
+                self._fail_with(seq, ctx, failure)
+            elif tokens is None:
+                error = InvalidRequest(f"the prompt could not be tokenized: {failure!r}")
                 self._fail_with(seq, ctx, error)
             else:
+                prepared = job.prepared.get(seq.sequence_id)
+                if prepared is not None:
+                    seq.instructions_tokens = prepared.instructions_tokens
+                    seq.dropped_turns = prepared.dropped_turns
                 seq.tokens = tuple(tokens)
                 self._tokenized(seq, ctx)
 

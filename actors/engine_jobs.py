@@ -12,8 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from runtime.backend import Backend, CannotTrim, ReuseStrategy, SequenceState
+from runtime.chat import PreparedPrompt, prepare_chat
 from runtime.checkpoints import plan_checkpoints
-from runtime.messages import ModelSpec, TokenLogprob
+from runtime.messages import ModelSpec, RequestKind, TokenLogprob
 from runtime.sampling import TokenSampler
 from runtime.sequence import Phase, Sequence
 
@@ -45,6 +46,8 @@ class Job:
     snapshot: SequenceState | None = None
     checkpoints: list[int] | None = None
     results: dict[int, list[int]] = field(default_factory=dict)
+    prepared: dict[int, PreparedPrompt] = field(default_factory=dict)
+    failures: dict[int, BaseException] = field(default_factory=dict)
     logprob: TokenLogprob | None = None
 
 
@@ -63,12 +66,25 @@ def run_load(job: Job, load_backend: Callable[[ModelSpec], Backend], spec: Model
         job.error = exc
 
 
-def run_tokenize(job: Job, seqs: list[Sequence], backend: Backend) -> None:
+def run_tokenize(job: Job, seqs: list[Sequence], backend: Backend, max_tokens: int) -> None:
+    """Tokenize prompts, rendering chat messages through the one shared preparation path."""
     for seq in seqs:
         try:
-            job.results[seq.sequence_id] = backend.encode(seq.prompt_text or "")
+            if seq.messages is None:
+                job.results[seq.sequence_id] = backend.encode(seq.prompt_text or "")
+                continue
+            reply_room = 1 if seq.kind is RequestKind.PREWARM else seq.max_tokens or max_tokens
+            prepared = prepare_chat(
+                backend.chat_tokenizer,
+                seq.messages,
+                seq.chat,
+                min(reply_room, backend.info.context_length - 1),
+                backend.info.context_length,
+            )
+            job.results[seq.sequence_id] = list(prepared.tokens)
+            job.prepared[seq.sequence_id] = prepared
         except BaseException as exc:
-            job.error = exc
+            job.failures[seq.sequence_id] = exc
 
 
 def run_step(

@@ -180,6 +180,8 @@ class RouterCore:
                 kind=RequestKind.GENERATE if is_generate else RequestKind.PREWARM,
                 prompt=request.prompt,
                 prompt_tokens=request.prompt_tokens,
+                messages=request.messages,
+                chat=request.chat,
                 sampling=request.sampling if isinstance(request, Generate) else Sampling(),
                 max_tokens=request.max_tokens if isinstance(request, Generate) else 0,
                 stop=request.stop if isinstance(request, Generate) else (),
@@ -236,6 +238,7 @@ class RouterCore:
                 prompt_tokens=event.prompt_tokens,
                 cached_tokens=event.cached_tokens,
                 path=event.path,
+                dropped_turns=event.dropped_turns,
             )
         else:
             out = TokensEmitted(

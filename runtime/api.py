@@ -12,7 +12,7 @@ import math
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from types import TracebackType
 from typing import TypeVar
 
@@ -29,6 +29,8 @@ from runtime.errors import InvalidRequest, MlxRuntimeError, RuntimeClosed, error
 from runtime.messages import (
     Cancel,
     Cancelled,
+    ChatMessage,
+    ChatOptions,
     CommandFailed,
     Failed,
     Finished,
@@ -265,7 +267,9 @@ class Runtime:
         prompt: str | None = None,
         *,
         prompt_tokens: tuple[int, ...] | list[int] | None = None,
-        max_tokens: int = 256,
+        messages: Sequence[ChatMessage] | None = None,
+        chat: ChatOptions | None = None,
+        max_tokens: int | None = None,
         sampling: Sampling | None = None,
         stop: tuple[str, ...] | list[str] = (),
         stop_token_ids: tuple[int, ...] = (),
@@ -281,6 +285,8 @@ class Runtime:
             model=model,
             prompt=prompt,
             prompt_tokens=None if prompt_tokens is None else tuple(prompt_tokens),
+            messages=None if messages is None else tuple(messages),
+            chat=chat or ChatOptions(),
             sampling=sampling or Sampling(),
             max_tokens=max_tokens,
             stop=tuple(stop),
@@ -322,6 +328,8 @@ class Runtime:
         prompt: str | None = None,
         *,
         prompt_tokens: tuple[int, ...] | list[int] | None = None,
+        messages: Sequence[ChatMessage] | None = None,
+        chat: ChatOptions | None = None,
         namespace: str = "default",
         session: str | None = None,
         request_id: str | None = None,
@@ -337,6 +345,8 @@ class Runtime:
             model=model,
             prompt=prompt,
             prompt_tokens=None if prompt_tokens is None else tuple(prompt_tokens),
+            messages=None if messages is None else tuple(messages),
+            chat=chat or ChatOptions(),
             namespace=namespace,
             session=session,
         )

@@ -14,6 +14,7 @@ from typing import Protocol
 import mlx.core as mx
 import msgspec
 
+from runtime.chat import ChatTokenizer
 from runtime.messages import ModelSpec
 
 
@@ -73,6 +74,11 @@ class Backend(Protocol):
 
     @property
     def info(self) -> ModelInfo: ...
+
+    @property
+    def chat_tokenizer(self) -> ChatTokenizer:
+        """What ``runtime.chat.prepare_chat`` renders and tokenizes chat messages with."""
+        ...
 
     def encode(self, text: str) -> list[int]:
         """Tokenize a prompt (adding the model's BOS if it uses one)."""

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Protocol
 
 import msgspec
 
 from runtime.errors import ContextLengthExceeded, InvalidRequest
+from runtime.messages import ChatMessage, ChatOptions
 
 __all__ = [
     "ChatMessage",
@@ -41,7 +42,6 @@ __all__ = [
     "strip_reasoning",
 ]
 
-Role = Literal["system", "developer", "user", "assistant", "tool"]
 ROLES: Final[frozenset[str]] = frozenset(("system", "developer", "user", "assistant", "tool"))
 INSTRUCTION_ROLES: Final[frozenset[str]] = frozenset(("system", "developer"))
 
@@ -50,26 +50,6 @@ INSTRUCTION_ROLES: Final[frozenset[str]] = frozenset(("system", "developer"))
 _CLOSED_REASONING: Final = re.compile(r"<(think|thinking)>.*?</\1>", re.DOTALL)
 _UNOPENED_REASONING: Final = re.compile(r"\A(?:(?!<think(?:ing)?>).)*?</think(?:ing)?>", re.DOTALL)
 _UNCLOSED_REASONING: Final = re.compile(r"<think(?:ing)?>.*\Z", re.DOTALL)
-
-
-class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One chat message as the OpenAI API sends it (text content only)."""
-
-    role: Role
-    content: str
-
-
-class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How to prepare a chat prompt.
-
-    ``history_budget_tokens`` turns on the history window (oldest turns dropped to fit it); when
-    ``None`` nothing is ever dropped. ``add_generation_prompt=False`` renders the messages as
-    complete turns, with no assistant header and no prefill continuation.
-    """
-
-    keep_reasoning: bool = False
-    history_budget_tokens: int | None = None
-    add_generation_prompt: bool = True
 
 
 class PreparedPrompt(msgspec.Struct, frozen=True, kw_only=True):

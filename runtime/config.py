@@ -23,6 +23,7 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_budget_bytes: int | None = None
     kv_budget_fraction: float = 0.5
     reservation_timeout_s: float = 30.0
+    default_max_tokens: int = 4096  # cap for requests that give no max_tokens
     router_mailbox_capacity: int = 1024
     engine_restart: RestartPolicy = RestartPolicy()
     coalesce: CoalescePolicy = CoalescePolicy()  # token events merged by size/age for hosts
@@ -43,7 +44,9 @@ def build_standing_actors(
         budget = config.kv_budget_bytes
 
     def engine_factory(spec: ModelSpec, epoch: int) -> ActorCore:
-        return EngineCore(spec, epoch, load_backend, config.reservation_timeout_s)
+        return EngineCore(
+            spec, epoch, load_backend, config.reservation_timeout_s, config.default_max_tokens
+        )
 
     return [
         (KV_KEEPER, KVBudgetCore(budget, default_timeout_s=config.reservation_timeout_s)),

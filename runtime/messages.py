@@ -38,6 +38,7 @@ Prefix cache (engine ↔ prefix-cache manager)
 from __future__ import annotations
 
 import enum
+from typing import Literal
 
 import msgspec
 
@@ -77,6 +78,29 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One chat message as the OpenAI API sends it (text content only)."""
+
+    role: Role
+    content: str
+
+
+class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to prepare a chat prompt (see ``runtime.chat``).
+
+    ``history_budget_tokens`` turns on the history window (oldest turns dropped to fit it); when
+    ``None`` nothing is ever dropped. ``add_generation_prompt=False`` renders the messages as
+    complete turns, with no assistant header and no prefill continuation.
+    """
+
+    keep_reasoning: bool = False
+    history_budget_tokens: int | None = None
+    add_generation_prompt: bool = True
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -135,8 +159,9 @@ class RequestKind(enum.StrEnum):
 class Generate(Message, frozen=True):
     """Start generating. ``incarnation`` is unique per runtime: a recycled ``request_id`` is safe.
 
-    Exactly one of ``prompt`` (text) and ``prompt_tokens`` is set. ``session`` groups requests that
-    may supersede each other's prewarms (default: model plus namespace).
+    Exactly one of ``prompt`` (text), ``prompt_tokens`` and ``messages`` (chat) is set.
+    ``max_tokens`` None: the rest of the context, capped by the engine's default. ``session``
+    groups requests that may supersede each other's prewarms (default: model plus namespace).
     """
 
     request_id: str
@@ -144,8 +169,10 @@ class Generate(Message, frozen=True):
     model: str
     prompt: str | None = None
     prompt_tokens: TokenIds | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    chat: ChatOptions = ChatOptions()
     sampling: Sampling = Sampling()
-    max_tokens: int = 256
+    max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: TokenIds = ()
     namespace: str = "default"
@@ -160,6 +187,8 @@ class Prewarm(Message, frozen=True):
     model: str
     prompt: str | None = None
     prompt_tokens: TokenIds | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    chat: ChatOptions = ChatOptions()
     namespace: str = "default"
     session: str | None = None
 
@@ -211,6 +240,7 @@ class Started(Message, frozen=True):
     prompt_tokens: int
     cached_tokens: int
     path: ReusePath
+    dropped_turns: int = 0  # chat history turns the window left out (only when asked for)
 
 
 class TokensEmitted(Message, frozen=True):
@@ -319,8 +349,10 @@ class Admit(Message, frozen=True):
     kind: RequestKind
     prompt: str | None
     prompt_tokens: TokenIds | None
+    messages: tuple[ChatMessage, ...] | None
+    chat: ChatOptions
     sampling: Sampling
-    max_tokens: int
+    max_tokens: int | None
     stop: tuple[str, ...]
     stop_token_ids: TokenIds
     namespace: str
@@ -364,6 +396,7 @@ class SequenceStarted(Message, frozen=True):
     prompt_tokens: int
     cached_tokens: int
     path: ReusePath
+    dropped_turns: int = 0
 
 
 class TokensProduced(Message, frozen=True):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -47,6 +48,7 @@ class MlxBackend:
         self._tokenizer = tokenizer
         self._info = info
         self._kv_bits = kv_bits
+        self._path = Path(".")
         self._kv_group = _quantization_group(model) if kv_bits is not None else 64
 
     # ------------------------------------------------------------------ loading
@@ -66,6 +68,7 @@ class MlxBackend:
         except (FileNotFoundError, ValueError, OSError) as exc:
             raise ModelLoadFailed(f"could not load the model at {path}: {exc}") from exc
         backend = cls(model, tokenizer, _placeholder_info(), kv_bits)
+        backend._path = path
         try:
             backend._info = backend._measure(spec, config)
         except (ValueError, TypeError) as exc:  # e.g. an architecture the options do not fit
@@ -92,7 +95,7 @@ class MlxBackend:
         context = _int_option(spec, "context_length") or int(
             config.get("max_position_embeddings") or config.get("max_seq_len") or 4096
         )
-        eos = frozenset(int(t) for t in self._tokenizer.eos_token_ids)
+        eos = effective_eos_ids(self._tokenizer, self._path, config)
         return ModelInfo(
             context_length=context,
             vocab_size=int(config.get("vocab_size", 0)),
@@ -111,6 +114,10 @@ class MlxBackend:
         return self._info
 
     # ------------------------------------------------------------------ tokens
+
+    @property
+    def chat_tokenizer(self) -> Any:
+        return self._tokenizer  # mlx-lm's wrapper: encode() and the model's chat template
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text))
@@ -194,6 +201,35 @@ def resolve_model_path(spec: ModelSpec) -> Path:
             "cache; the runtime never downloads: fetch it first (e.g. `hf download "
             f"{spec.path}`) or pass a directory"
         ) from exc
+
+
+# End-of-turn markers of common chat templates: generation must stop on them too.
+_TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+
+
+def effective_eos_ids(tokenizer: Any, path: Path, config: dict[str, Any]) -> frozenset[int]:
+    """The tokenizer's EOS, plus generation_config.json's, plus the chat template's turn end.
+
+    mlx-lm reads only config.json; a chat model that ends turns with another token would otherwise
+    run on past its answer.
+    """
+    ids = {int(t) for t in tokenizer.eos_token_ids}
+    ids.update(_as_ids(config.get("eos_token_id")))
+    generation_config = path / "generation_config.json"
+    if generation_config.is_file():
+        ids.update(_as_ids(json.loads(generation_config.read_text()).get("eos_token_id")))
+    if getattr(tokenizer, "chat_template", None):
+        vocab = tokenizer.get_vocab()
+        ids.update(vocab[t] for t in _TURN_END_TOKENS if t in vocab)
+    return frozenset(ids)
+
+
+def _as_ids(value: object) -> set[int]:
+    if isinstance(value, int):
+        return {value}
+    if isinstance(value, list):
+        return {int(v) for v in value if isinstance(v, int)}
+    return set()
 
 
 def _int_option(spec: ModelSpec, name: str) -> int | None:

@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 from runtime.backend import SequenceState
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.messages import (
+    ChatMessage,
+    ChatOptions,
     Holder,
     HolderKind,
     RequestKind,
@@ -54,6 +56,10 @@ class Sequence:
     stop_strings: tuple[str, ...]
     prompt_text: str | None
     tokens: TokenIds | None
+    messages: tuple[ChatMessage, ...] | None = None
+    chat: ChatOptions = field(default_factory=ChatOptions)
+    dropped_turns: int = 0
+    instructions_tokens: int = 0  # leading tokens that render the system messages alone
     phase: Phase = Phase.TOKENIZING
     # Set once, by the loop, when the sequence must stop; the compute thread checks it per step.
     abort: threading.Event = field(default_factory=threading.Event)

@@ -19,8 +19,13 @@ def validate_request(request: Generate | Prewarm) -> None:
         raise InvalidRequest("model must name a loaded model")
     if not request.namespace:
         raise InvalidRequest("namespace must be a non-empty string (default: 'default')")
-    if (request.prompt is None) == (request.prompt_tokens is None):
-        raise InvalidRequest("give exactly one of prompt (text) and prompt_tokens (token ids)")
+    given = [x is not None for x in (request.prompt, request.prompt_tokens, request.messages)]
+    if sum(given) != 1:
+        raise InvalidRequest(
+            "give exactly one of prompt (text), prompt_tokens (token ids) and messages (chat)"
+        )
+    if request.messages is not None and not request.messages:
+        raise InvalidRequest("messages is empty; send at least one chat message")
     if request.prompt is not None and not request.prompt:
         raise InvalidRequest("the prompt is empty; send at least one character")
     if request.prompt_tokens is not None:
@@ -29,7 +34,7 @@ def validate_request(request: Generate | Prewarm) -> None:
         if any(not isinstance(t, int) or t < 0 for t in request.prompt_tokens):
             raise InvalidRequest("prompt_tokens must be non-negative integers")
     if isinstance(request, Generate):
-        if request.max_tokens < 1:
+        if request.max_tokens is not None and request.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1 (got {request.max_tokens})")
         if any(not isinstance(stop, str) or not stop for stop in request.stop):
             raise InvalidRequest("stop strings must be non-empty strings")

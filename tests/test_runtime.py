@@ -17,6 +17,8 @@ from runtime.errors import (
 )
 from runtime.messages import (
     Cancelled,
+    ChatMessage,
+    ChatOptions,
     Failed,
     Finished,
     FinishReason,
@@ -365,3 +367,40 @@ async def test_logprobs_come_one_event_per_token() -> None:
             assert entry.token == event.token_ids[0]
             assert entry.top[0][0] == entry.token  # greedy picks the top one
             assert len(entry.top) == 3 and entry.logprob == entry.top[0][1] < 0
+
+
+async def test_chat_messages_use_one_preparation_path_for_prewarm_and_generate() -> None:
+    chat = [
+        ChatMessage(role="system", content="Be brief."),
+        ChatMessage(role="user", content="Hi"),
+        ChatMessage(role="assistant", content="<think>greet back</think>Hello."),
+        ChatMessage(role="user", content="Again?"),
+    ]
+    rendered = "system: Be brief.\nuser: Hi\nassistant: Hello.\nuser: Again?\nassistant: "
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model())
+        warm = await rt.prewarm("m", messages=chat)
+        assert isinstance(warm, Finished) and warm.reason is FinishReason.PREWARMED
+        result = await rt.complete("m", messages=chat, max_tokens=4)
+        assert result.started is not None and result.started.path is ReusePath.EXACT
+        assert result.started.cached_tokens == len(rendered) - 1  # the warmup's exact key
+        assert result.text == expected(rendered, 4)  # earlier reasoning was stripped
+        windowed = await rt.complete(
+            "m", messages=chat, max_tokens=4, chat=ChatOptions(history_budget_tokens=40)
+        )
+        assert windowed.started is not None and windowed.started.dropped_turns == 1
+        with pytest.raises(InvalidRequest):
+            rt.generate("m", "text", messages=chat)
+
+
+async def test_without_max_tokens_a_request_gets_the_rest_of_the_context() -> None:
+    async with Runtime(config(default_max_tokens=1000)) as rt:
+        await rt.load_model(sim_model(context_length=40))
+        result = await rt.complete("m", "0123456789")
+        assert result.usage.completion_tokens == 30
+        assert isinstance(result.terminal, Finished)
+        assert result.terminal.reason is FinishReason.LENGTH
+    async with Runtime(config(default_max_tokens=5)) as rt:
+        await rt.load_model(sim_model(context_length=40))
+        capped = await rt.complete("m", "0123456789")
+        assert capped.usage.completion_tokens == 5

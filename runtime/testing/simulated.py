@@ -147,7 +147,12 @@ class SimulatedBackend:
     def info(self) -> ModelInfo:
         return self._info
 
-    def encode(self, text: str) -> list[int]:
+    @property
+    def chat_tokenizer(self) -> SimulatedBackend:
+        """No chat template: ``prepare_chat`` falls back to "role: content" lines."""
+        return self
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
 
     def decode(self, token_ids: Sequence[int]) -> str:
