@@ -217,6 +217,7 @@ class EngineCore:
             tokens=admit.prompt_tokens,
             messages=admit.messages,
             chat=admit.chat,
+            supersede=admit.supersede,
             # Unseeded requests draw from OS entropy; a seed makes the output repeatable.
             rng=random.Random(admit.sampling.seed),
         )
@@ -267,7 +268,7 @@ class EngineCore:
             return
         seq.stop_token_ids = seq.stop_token_ids | info.eos_token_ids
         if seq.kind is RequestKind.GENERATE:
-            self._supersede_prewarms(seq, ctx)
+            self._supersede(seq, ctx)
         elif seq.prefill_target == 0:
             self._finish(seq, ctx, FinishReason.PREWARMED)
             return
@@ -281,13 +282,21 @@ class EngineCore:
             ),
         )
 
-    def _supersede_prewarms(self, seq: Sequence, ctx: Context) -> None:
-        """A generate adopts an in-flight prewarm it extends and aborts others in its session."""
+    def _supersede(self, seq: Sequence, ctx: Context) -> None:
+        """A generate adopts an in-flight prewarm it extends and aborts others in its session.
+
+        With ``supersede`` set (the keystroke case) it also aborts the session's older generates.
+        """
         assert seq.tokens is not None
         for other in list(self._sequences.values()):
-            if other.kind is not RequestKind.PREWARM or other.session != seq.session:
+            if other is seq or other.session != seq.session:
                 continue
             if other.abort.is_set() or other.phase is Phase.DONE:
+                continue
+            if other.kind is RequestKind.GENERATE:
+                if seq.supersede:
+                    self._request_abort(other, "superseded", ctx)
+                    self.counters.inc("generates_superseded")
                 continue
             target = other.tokens[: other.prefill_target] if other.tokens else None
             extends = target is not None and seq.tokens[: len(target)] == target

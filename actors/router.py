@@ -188,6 +188,7 @@ class RouterCore:
                 stop_token_ids=request.stop_token_ids if isinstance(request, Generate) else (),
                 namespace=request.namespace,
                 session=request.session or f"{request.model}/{request.namespace}",
+                supersede=isinstance(request, Generate) and request.supersede,
             ),
         )
 

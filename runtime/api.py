@@ -277,6 +277,7 @@ class Runtime:
         session: str | None = None,
         request_id: str | None = None,
         coalesce: CoalescePolicy | None = None,
+        supersede: bool = False,
     ) -> GenerationStream:
         """A stream of this request's events; raises ``InvalidRequest`` on malformed input."""
         request = Generate(
@@ -293,6 +294,7 @@ class Runtime:
             stop_token_ids=tuple(stop_token_ids),
             namespace=namespace,
             session=session,
+            supersede=supersede,
         )
         validate_request(request)
         policy = coalesce or self.config.coalesce

@@ -161,7 +161,8 @@ class Generate(Message, frozen=True):
 
     Exactly one of ``prompt`` (text), ``prompt_tokens`` and ``messages`` (chat) is set.
     ``max_tokens`` None: the rest of the context, capped by the engine's default. ``session``
-    groups requests that may supersede each other's prewarms (default: model plus namespace).
+    groups requests that may supersede each other's prewarms (default: model plus namespace);
+    with ``supersede`` this request also aborts the session's older generates (a new keystroke).
     """
 
     request_id: str
@@ -177,6 +178,7 @@ class Generate(Message, frozen=True):
     stop_token_ids: TokenIds = ()
     namespace: str = "default"
     session: str | None = None
+    supersede: bool = False
 
 
 class Prewarm(Message, frozen=True):
@@ -357,6 +359,7 @@ class Admit(Message, frozen=True):
     stop_token_ids: TokenIds
     namespace: str
     session: str
+    supersede: bool = False
 
 
 class Abort(Message, frozen=True):

@@ -59,6 +59,7 @@ class Sequence:
     messages: tuple[ChatMessage, ...] | None = None
     chat: ChatOptions = field(default_factory=ChatOptions)
     dropped_turns: int = 0
+    supersede: bool = False  # a generate that aborts its session's older generates
     instructions_tokens: int = 0  # leading tokens that render the system messages alone
     phase: Phase = Phase.TOKENIZING
     # Set once, by the loop, when the sequence must stop; the compute thread checks it per step.

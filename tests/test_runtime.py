@@ -404,3 +404,18 @@ async def test_without_max_tokens_a_request_gets_the_rest_of_the_context() -> No
         await rt.load_model(sim_model(context_length=40))
         capped = await rt.complete("m", "0123456789")
         assert capped.usage.completion_tokens == 5
+
+
+async def test_a_superseding_keystroke_aborts_the_sessions_older_generate() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model(prefill_s_per_token=0.002))
+        async with rt.generate("m", "def f" * 60, max_tokens=4, session="editor") as stale:
+            assert isinstance(await stale.__anext__(), Started)
+            fresh = await rt.complete(
+                "m", "def f" * 60 + "(", max_tokens=2, session="editor", supersede=True
+            )
+            ends = [e async for e in stale if isinstance(e, Cancelled)]
+        assert [e.reason for e in ends] == ["superseded"]
+        assert fresh.text == expected("def f" * 60 + "(", 2)
+        other = await rt.complete("m", "x", max_tokens=1, session="other", supersede=True)
+        assert isinstance(other.terminal, Finished)  # other sessions are untouched
