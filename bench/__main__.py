@@ -39,6 +39,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    from runtime.actor import release_thread_resources
     from runtime.testing.tiny_models import load_tiny_model, tiny_model_path
 
     args = _parse(argv)
@@ -66,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     mode = "quick" if args.quick else f"median of {sizes.repetitions}"
     print(f"\n# bench ({mode}; {time.perf_counter() - began:.0f}s)", file=sys.stderr)
     print(format_table(sink.items), file=sys.stdout if args.json else sys.stderr)
+    release_thread_resources()  # raw mlx-lm ran on this thread: MLX needs its streams cleared
     return 0
 
 

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.results import Measurement, ratio, timed
+from bench.results import Measurement, decode_rate, ratio, timed
 from bench.workload import Workload
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
@@ -143,14 +143,7 @@ async def _measure(path: Path, name: str, work: Workload) -> list[Measurement]:
             "count",
             note=f"abandoned {sizes.abandon_fraction:.0%} into the long prompt's cold TTFT",
         ),
-        Measurement(
-            SYSTEM,
-            name,
-            "decode.tokens_per_s",
-            round(sorted(rates)[len(rates) // 2], 1),
-            "tok/s",
-            [round(r, 1) for r in rates],
-        ),
+        decode_rate(SYSTEM, name, rates),
     ]
 
 

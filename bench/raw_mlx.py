@@ -15,7 +15,7 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench.results import Measurement, ratio, timed
+from bench.results import Measurement, decode_rate, ratio, timed
 from bench.workload import Workload
 
 SYSTEM = "mlx-lm"
@@ -80,12 +80,5 @@ def measure(model: Any, name: str, work: Workload) -> list[Measurement]:
             note="not measured: generate_step prefills before its first yield, so a "
             "hand-rolled loop cannot abandon a prefill",
         ),
-        Measurement(
-            SYSTEM,
-            name,
-            "decode.tokens_per_s",
-            round(sorted(rates)[len(rates) // 2], 1),
-            "tok/s",
-            [round(r, 1) for r in rates],
-        ),
+        decode_rate(SYSTEM, name, rates),
     ]

@@ -51,6 +51,16 @@ def timed(
     return Measurement(system, model, scenario, median(scaled), unit, scaled)
 
 
+def decode_rate(
+    system: str, model: str, samples: Sequence[float], note: str | None = None
+) -> Measurement:
+    """Median decode speed (tokens/s) over ``samples``, every sample kept."""
+    rounded = [round(r, 1) for r in samples]
+    return Measurement(
+        system, model, "decode.tokens_per_s", median(rounded), "tok/s", rounded, note
+    )
+
+
 def ratio(
     system: str, model: str, scenario: str, num: float | None, den: float | None
 ) -> Measurement:

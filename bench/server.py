@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.results import Measurement, ratio, timed
+from bench.results import Measurement, decode_rate, ratio, timed
 from bench.workload import Workload
 
 SYSTEM = "mlx_lm.server"
@@ -240,14 +240,8 @@ async def _measure(port: int, name: str, work: Workload) -> list[Measurement]:
         idle_m,
         after_m,
         ratio(SYSTEM, name, "abandon.after/idle", after_m.value, idle_m.value),
-        Measurement(
-            SYSTEM,
-            name,
-            "decode.tokens_per_s",
-            round(sorted(rates)[len(rates) // 2], 1),
-            "tok/s",
-            [round(r, 1) for r in rates],
-            note="usage completion_tokens over the span of streamed chunks",
+        decode_rate(
+            SYSTEM, name, rates, note="usage completion_tokens over the span of streamed chunks"
         ),
     ]
 

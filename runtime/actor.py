@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -271,12 +272,21 @@ class ActorSystem:
         actor.core.on_stop(ctx)
         if actor.executor is not None:
             # Wait for the running job: memory is freed only once compute has stopped.
+            actor.executor.submit(release_thread_resources)
             await anyio.to_thread.run_sync(actor.executor.shutdown)
         if self._actors.get(actor.address) is actor:
             del self._actors[actor.address]
         for waiting in actor.pending_asks.values():
             waiting.set()  # wakes the asker with no reply: it raises ActorStopped
         actor.send.close()
+
+
+def release_thread_resources() -> None:
+    """Run last on a compute thread: MLX needs ``clear_streams`` before a thread that used it
+    exits, or the process may abort at exit."""
+    mlx_core = sys.modules.get("mlx.core")
+    if mlx_core is not None:
+        mlx_core.clear_streams()
 
 
 @dataclass(frozen=True)

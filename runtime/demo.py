@@ -13,6 +13,7 @@ import time
 
 import anyio
 
+from runtime.actor import release_thread_resources
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
 from runtime.messages import ModelSpec, Started, TokensEmitted
@@ -93,6 +94,7 @@ def main() -> None:
     _say("a simulated model, then on tiny random-weight MLX models (gibberish text by design).\n")
     anyio.run(_simulated, backend_options={"use_uvloop": True})
     anyio.run(_tiny_mlx, backend_options={"use_uvloop": True})
+    release_thread_resources()  # building the tiny models ran MLX on this thread
 
 
 if __name__ == "__main__":

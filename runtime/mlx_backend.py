@@ -174,11 +174,16 @@ class MlxBackend:
         return sum(int(c.nbytes) for c in _own(state).caches if not c.empty())
 
     def close(self) -> None:
-        """Drop the model and return MLX's cached buffers to the system."""
+        """Drop the model, return MLX's cached buffers, and destroy this thread's MLX streams.
+
+        MLX requires ``clear_streams`` before a thread that used it exits; without it the
+        process can abort at exit ("terminate called without an active exception").
+        """
         self._model = None
         self._tokenizer = None
         gc.collect()
         mx.clear_cache()
+        mx.clear_streams()
 
 
 # ---------------------------------------------------------------------- helpers
