@@ -174,16 +174,15 @@ class MlxBackend:
         return sum(int(c.nbytes) for c in _own(state).caches if not c.empty())
 
     def close(self) -> None:
-        """Drop the model, return MLX's cached buffers, and destroy this thread's MLX streams.
+        """Drop the model and return MLX's cached buffers to the system.
 
-        MLX requires ``clear_streams`` before a thread that used it exits; without it the
-        process can abort at exit ("terminate called without an active exception").
+        The thread's MLX streams are left alone: the thread's owner clears them before the
+        thread exits (``runtime.actor.release_thread_resources``).
         """
         self._model = None
         self._tokenizer = None
         gc.collect()
         mx.clear_cache()
-        mx.clear_streams()
 
 
 # ---------------------------------------------------------------------- helpers

@@ -1,0 +1,209 @@
+"""Batched decoding over mlx-lm's batch caches: the backend half of continuous batching.
+
+A ``DecodeBatch`` holds one persistent batch cache per layer (mlx-lm's ``BatchKVCache``,
+``BatchRotatingKVCache``, batched ``ArraysCache``) and runs one forward pass per step for every
+sequence in it, each fed one token. Sequences whose prompts were prefilled on the ordinary B=1
+path ``join`` between steps and ``leave`` between steps; the others are not disturbed. This is the
+same machinery as ``mlx_lm.generate.BatchGenerator`` (``merge`` a sequence's caches into a batch
+cache, ``extend`` the running batch with it, ``extract`` one row back out, ``filter`` the rest),
+without its prompt processing or sampling: the engine prefills and samples, this only decodes.
+
+Layout. mlx-lm batches KV layers by *left* padding: rows are right-aligned at the batch's write
+index, a row shorter than the longest carries zeros on its left, and a per-row ``left_padding``
+masks them out; RoPE uses the per-row ``offset`` (the row's real token count), so a padded row sees
+exactly the positions it would alone. Sliding-window layers are ring buffers of at most the window
+(``BatchRotatingKVCache``); recurrent layers (``ArraysCache``) are a fixed-size state per row, with
+no padding at all.
+
+Costs (B rows, L = the longest row's KV length, window W for sliding layers):
+
+- ``join``: ``merge`` copies the sequence's caches into a one-row batch cache (O(its bytes)); then
+  ``extend`` pads both sides to the same length and concatenates along the batch axis, which
+  rewrites the whole batch cache once (O(B * L) per KV layer, O(B * W) per sliding layer, O(B)
+  per recurrent layer). A row shorter than the longest costs ``L - len`` tokens of padding
+  memory until the longest row leaves.
+- ``leave``: ``extract`` slices the row out into contiguous per-sequence caches (O(its bytes));
+  ``filter`` gathers the remaining rows (again one rewrite of the batch cache) and drops the
+  left padding that every row now shares, so the batch shrinks back when its longest row leaves.
+  Both read the per-row padding on the host (one synchronisation).
+- ``step``: one forward pass of B tokens; it reads every row's KV (padding included) once, like B
+  separate decode steps would, but with one weight pass instead of B.
+
+So one join or leave costs about one pass over the batch cache, i.e. roughly what a decode step
+already spends reading it: cheap next to a prefill, and worth batching joins when many arrive.
+
+What cannot be batched: mlx-lm has no batched form of ``QuantizedKVCache`` (``kv_bits``),
+``ChunkedKVCache``, or a ``RotatingKVCache`` that keeps leading tokens (``keep > 0``, dropped by
+``BatchRotatingKVCache``). ``DecodeBatch.supports(backend)`` is False for such models, and the
+engine keeps them on the B=1 path.
+
+Every method runs on the engine's compute thread, like the backend's own.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+from runtime.mlx_backend import MlxBackend, MlxState
+
+__all__ = ["DecodeBatch"]
+
+
+class DecodeBatch:
+    """Sequences decoded together, one token each per ``step``, over persistent batch caches.
+
+    Slots are stable integer handles (never reused within one batch); rows in the batch cache are
+    renumbered on ``leave`` but slots are not.
+    """
+
+    def __init__(self, backend: MlxBackend) -> None:
+        reason = self.unsupported_reason(backend)
+        if reason is not None:
+            raise ValueError(f"this model cannot be decoded in a batch: {reason}")
+        self._model: Any = backend._model
+        self._caches: list[Any] = []  # one batch cache per layer; empty while no row
+        self._slots: list[int] = []  # row -> slot
+        self._n_tokens: dict[int, int] = {}
+        self._logits: dict[int, mx.array | None] = {}
+        self._next_slot = 0
+
+    # ------------------------------------------------------------------ capability
+
+    @staticmethod
+    def unsupported_reason(backend: MlxBackend) -> str | None:
+        """Why ``backend``'s caches cannot be batched by mlx-lm, or None when they can."""
+        for index, layer_cache in enumerate(backend.new_state().caches):
+            reason = _layer_unsupported(layer_cache)
+            if reason is not None:
+                return f"layer {index}: {reason}"
+        return None
+
+    @classmethod
+    def supports(cls, backend: MlxBackend) -> bool:
+        """Whether the engine may batch this model; if not, keep it on the B=1 path."""
+        return cls.unsupported_reason(backend) is None
+
+    # ------------------------------------------------------------------ membership
+
+    @property
+    def slots(self) -> list[int]:
+        """The member slots, in row order."""
+        return list(self._slots)
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def __contains__(self, slot: object) -> bool:
+        return slot in self._n_tokens
+
+    def length(self, slot: int) -> int:
+        """Tokens in ``slot``'s cache (prompt plus the tokens stepped so far)."""
+        return self._n_tokens[self._check(slot)]
+
+    def logits(self, slot: int) -> mx.array | None:
+        """``slot``'s logits after its last token (None if it joined without any)."""
+        return self._logits[self._check(slot)]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the batch caches, padding and spare capacity included."""
+        return sum(int(c.nbytes) for c in self._caches if not c.empty())
+
+    def join(self, state: MlxState) -> int:
+        """Add a prefilled sequence; returns its slot.
+
+        ``state`` is only read: its caches are copied into the batch (``merge`` + ``extend``), so
+        the caller may keep it (e.g. in the prefix cache). The sequence's next input token is given
+        to ``step``. Cost: about one rewrite of the batch cache (see the module docstring).
+        """
+        if state.n_tokens <= 0 or any(c.empty() for c in state.caches):
+            raise ValueError("join() needs a prefilled state (at least one token in every layer)")
+        merged = [c.merge([c]) for c in state.caches]
+        if not self._slots:
+            self._caches = merged
+        else:
+            if len(merged) != len(self._caches):
+                raise ValueError("the state has a different number of layers than the batch")
+            for batch_cache, one in zip(self._caches, merged, strict=True):
+                batch_cache.extend(one)
+        mx.eval([c.state for c in self._caches])
+        slot = self._next_slot
+        self._next_slot += 1
+        self._slots.append(slot)
+        self._n_tokens[slot] = state.n_tokens
+        self._logits[slot] = state.logits
+        return slot
+
+    def leave(self, slot: int) -> MlxState:
+        """Remove ``slot``; returns its own per-sequence state (independent of the batch).
+
+        The state holds ordinary B=1 caches (``KVCache``, ``RotatingKVCache``, ``ArraysCache``),
+        its token count and its last logits, so it can continue on the B=1 path or be committed to
+        the prefix cache. Cost: about one rewrite of the batch cache (see the module docstring).
+        """
+        row = self._slots.index(self._check(slot))
+        caches = [c.extract(row) for c in self._caches]
+        mx.eval([c.state for c in caches])
+        keep = [i for i in range(len(self._slots)) if i != row]
+        if keep:
+            for batch_cache in self._caches:
+                batch_cache.filter(keep)
+            mx.eval([c.state for c in self._caches])
+        else:
+            self._caches = []
+        del self._slots[row]
+        n_tokens = self._n_tokens.pop(slot)
+        logits = self._logits.pop(slot)
+        return MlxState(caches, n_tokens, logits)
+
+    # ------------------------------------------------------------------ decoding
+
+    def step(self, tokens: dict[int, int]) -> dict[int, mx.array]:
+        """Feed each member one token in one forward pass; returns each one's (vocab,) logits.
+
+        ``tokens`` must name every member exactly once: all rows advance together.
+        """
+        if set(tokens) != set(self._slots):
+            missing = sorted(set(self._slots) - set(tokens))
+            extra = sorted(set(tokens) - set(self._slots))
+            raise ValueError(
+                f"step() needs one token per member (missing {missing}, not members {extra})"
+            )
+        if not self._slots:
+            return {}
+        inputs = mx.array([[tokens[slot]] for slot in self._slots], dtype=mx.int32)
+        logits = self._model(inputs, cache=self._caches)[:, -1, :].astype(mx.float32)
+        mx.eval(logits, [c.state for c in self._caches])
+        out: dict[int, mx.array] = {}
+        for row, slot in enumerate(self._slots):
+            row_logits = logits[row]
+            out[slot] = row_logits
+            self._logits[slot] = row_logits
+            self._n_tokens[slot] += 1
+        return out
+
+    def _check(self, slot: int) -> int:
+        if slot not in self._n_tokens:
+            raise KeyError(f"slot {slot} is not in this batch")
+        return slot
+
+
+def _layer_unsupported(layer_cache: Any) -> str | None:
+    """Why mlx-lm cannot batch one layer's cache, or None when it can."""
+    kind = type(layer_cache)
+    if kind is mlx_cache.KVCache or kind is mlx_cache.ArraysCache:
+        return None
+    if kind is mlx_cache.RotatingKVCache:
+        if layer_cache.keep:
+            return "a RotatingKVCache with keep > 0 (BatchRotatingKVCache drops kept tokens)"
+        return None
+    if kind is mlx_cache.CacheList:
+        for sub in layer_cache.caches:
+            reason = _layer_unsupported(sub)
+            if reason is not None:
+                return reason
+        return None
+    return f"{kind.__name__} has no batched form in mlx-lm"
