@@ -409,8 +409,7 @@ class EngineCore:
         waiting = [s for s in self._sequences.values() if s.phase is Phase.TOKENIZING]
         if waiting:
             job = Job(JobKind.TOKENIZE)
-            cap = self._default_max_tokens
-            self._submit(ctx, job, lambda: run_tokenize(job, waiting, backend, cap))
+            self._submit(ctx, job, lambda: run_tokenize(job, waiting, backend))
             return
         ready = sorted(
             (s for s in self._sequences.values() if s.phase in COMPUTE_PHASES),
@@ -564,9 +563,13 @@ class EngineCore:
         assert job.token is not None
         matcher = seq.stop_matcher
         if job.token in seq.stop_token_ids:  # EOS or a stop token: not emitted, not counted
-            tail = (matcher.feed(job.text).text + matcher.flush()) if matcher else job.text
+            tail, stop = job.text, None
+            if matcher is not None:  # the last text may itself complete a stop string
+                ended = matcher.feed(job.text)
+                tail = ended.text if ended.stopped else ended.text + matcher.flush()
+                stop = ended.stop
             self._emit(seq, (), tail, ctx)
-            self._finish(seq, ctx, FinishReason.STOP)
+            self._finish(seq, ctx, FinishReason.STOP, stop=stop)
             return
         seq.generated.append(job.token)
         seq.pending_token = job.token

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from runtime.backend import Backend, CannotTrim, ReuseStrategy, SequenceState
 from runtime.chat import PreparedPrompt, prepare_chat
 from runtime.checkpoints import plan_checkpoints
-from runtime.messages import ModelSpec, RequestKind, TokenLogprob
+from runtime.messages import ModelSpec, TokenLogprob
 from runtime.sampling import TokenSampler
 from runtime.sequence import Phase, Sequence
 
@@ -66,14 +66,16 @@ def run_load(job: Job, load_backend: Callable[[ModelSpec], Backend], spec: Model
         job.error = exc
 
 
-def run_tokenize(job: Job, seqs: list[Sequence], backend: Backend, max_tokens: int) -> None:
+def run_tokenize(job: Job, seqs: list[Sequence], backend: Backend) -> None:
     """Tokenize prompts, rendering chat messages through the one shared preparation path."""
     for seq in seqs:
         try:
             if seq.messages is None:
                 job.results[seq.sequence_id] = backend.encode(seq.prompt_text or "")
                 continue
-            reply_room = 1 if seq.kind is RequestKind.PREWARM else seq.max_tokens or max_tokens
+            # The window and the context check use the request's own max_tokens (a prewarm
+            # passes the one its generate will use), so both render the same tokens.
+            reply_room = seq.max_tokens or 1
             prepared = prepare_chat(
                 backend.chat_tokenizer,
                 seq.messages,

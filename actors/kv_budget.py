@@ -12,7 +12,9 @@ Policy
         FIFO, so a small request never jumps a large one. If not, it waits in the queue under a
         fresh ticket (never reused), the keeper asks the prefix-cache manager to ``Evict`` the
         whole queue's shortfall, and a timer fires at the deadline (``timeout_s``, default
-        ``default_timeout_s``). A holder may reserve more than once; its amounts add up.
+        ``default_timeout_s``). ``timeout_s=0`` means "only if it fits now": refused at once
+        (retryable), never queued, never evicting for it (checkpoint snapshots use this). A
+        holder may reserve more than once; its amounts add up.
     ``Release(holder)``
         Frees all of the holder's bytes and silently drops its waiting reservations (counted).
         Idempotent: an unknown holder is a counted no-op.
@@ -69,9 +71,9 @@ from runtime.messages import (
 # fmt: off
 _COUNTER_NAMES = (
     "granted", "queued", "evict_requests", "refused_invalid", "refused_too_large",
-    "refused_timeout", "released", "released_unknown", "transfers", "transfer_short",
-    "transfer_invalid", "transfer_unknown_source", "dropped_waiting", "stale_timer", "stale_epoch",
-    "unexpected_message",
+    "refused_timeout", "refused_no_wait", "released", "released_unknown", "transfers",
+    "transfer_short", "transfer_invalid", "transfer_unknown_source", "dropped_waiting",
+    "stale_timer", "stale_epoch", "unexpected_message",
 )
 # fmt: on
 
@@ -206,6 +208,11 @@ class KVBudgetCore:
             return
         if not self._waiting and nbytes <= self.free_bytes:
             self._grant(holder, nbytes, sender, ctx)
+            return
+        if timeout_s == 0:  # "only if it fits now": never queue, never evict for it
+            self._counters["refused_no_wait"] += 1
+            text = f"{_describe(holder)} asked for {nbytes} bytes only if free now; they are not."
+            self._refuse(sender, holder, nbytes, KVBudgetExhausted, text, ctx)
             return
         ticket = next(self._tickets)
         deadline = ctx.now() + timeout_s

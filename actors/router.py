@@ -183,7 +183,7 @@ class RouterCore:
                 messages=request.messages,
                 chat=request.chat,
                 sampling=request.sampling if isinstance(request, Generate) else Sampling(),
-                max_tokens=request.max_tokens if isinstance(request, Generate) else 0,
+                max_tokens=request.max_tokens,
                 stop=request.stop if isinstance(request, Generate) else (),
                 stop_token_ids=request.stop_token_ids if isinstance(request, Generate) else (),
                 namespace=request.namespace,

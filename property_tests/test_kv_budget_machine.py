@@ -178,6 +178,8 @@ class KVBudgetMachine(RuleBasedStateMachine):
             self.model_refuse(requester, holder, nbytes, KVRequestTooLarge.code)
         elif not self.waiting and nbytes <= self.model_free:
             self.model_grant(requester, holder, nbytes)
+        elif timeout_s == 0:  # only if it fits now: refused at once, never queued
+            self.model_refuse(requester, holder, nbytes, KVBudgetExhausted.code)
         else:
             deadline = self.ctx.clock + (DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s)
             self.waiting.append(ModelRequest(self.requests, requester, holder, nbytes, deadline))

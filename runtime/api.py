@@ -332,6 +332,7 @@ class Runtime:
         prompt_tokens: tuple[int, ...] | list[int] | None = None,
         messages: Sequence[ChatMessage] | None = None,
         chat: ChatOptions | None = None,
+        max_tokens: int | None = None,
         namespace: str = "default",
         session: str | None = None,
         request_id: str | None = None,
@@ -349,6 +350,7 @@ class Runtime:
             prompt_tokens=None if prompt_tokens is None else tuple(prompt_tokens),
             messages=None if messages is None else tuple(messages),
             chat=chat or ChatOptions(),
+            max_tokens=max_tokens,
             namespace=namespace,
             session=session,
         )

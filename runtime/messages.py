@@ -191,6 +191,7 @@ class Prewarm(Message, frozen=True):
     prompt_tokens: TokenIds | None = None
     messages: tuple[ChatMessage, ...] | None = None
     chat: ChatOptions = ChatOptions()
+    max_tokens: int | None = None  # of the generate to come: chat windows then render the same
     namespace: str = "default"
     session: str | None = None
 

@@ -33,6 +33,8 @@ def validate_request(request: Generate | Prewarm) -> None:
             raise InvalidRequest("prompt_tokens is empty; send at least one token id")
         if any(not isinstance(t, int) or t < 0 for t in request.prompt_tokens):
             raise InvalidRequest("prompt_tokens must be non-negative integers")
+    if request.max_tokens is not None and request.max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1 (got {request.max_tokens})")
     if isinstance(request, Generate):
         if request.max_tokens is not None and request.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1 (got {request.max_tokens})")

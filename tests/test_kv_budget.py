@@ -579,3 +579,17 @@ def test_default_kv_budget_falls_back_to_physical_memory(
 def test_default_kv_budget_rejects_a_bad_fraction(fraction: float) -> None:
     with pytest.raises(ValueError, match="fraction"):
         default_kv_budget_bytes(fraction)
+
+
+def test_a_zero_timeout_reservation_is_granted_only_if_it_fits_now(
+    keeper: KVBudgetCore, ctx: RecordingContext
+) -> None:
+    reserve(keeper, ctx, seq(1), 900)
+    ctx.take_sent()
+    reserve(keeper, ctx, entry(2), 200, timeout_s=0.0)
+    [(_, reply)] = ctx.take_sent()  # refused at once: no Evict, nothing queued
+    assert isinstance(reply, ReservationRefused) and reply.retryable
+    assert reply.code == "kv_budget_exhausted"
+    assert keeper.queued() == () and ctx.timers == []
+    reserve(keeper, ctx, entry(3), 100, timeout_s=0.0)
+    assert [type(m) for _, m in ctx.take_sent()] == [Reserved]

@@ -419,3 +419,16 @@ async def test_a_superseding_keystroke_aborts_the_sessions_older_generate() -> N
         assert fresh.text == expected("def f" * 60 + "(", 2)
         other = await rt.complete("m", "x", max_tokens=1, session="other", supersede=True)
         assert isinstance(other.terminal, Finished)  # other sessions are untouched
+
+
+async def test_chat_without_max_tokens_fits_and_prewarm_renders_like_its_generate() -> None:
+    chat = [ChatMessage(role="user", content=f"turn {i}") for i in range(6)]
+    options = ChatOptions(history_budget_tokens=60)
+    async with Runtime(config(default_max_tokens=1000)) as rt:
+        await rt.load_model(sim_model(context_length=120))
+        result = await rt.complete("m", messages=[ChatMessage(role="user", content="hi")])
+        assert isinstance(result.terminal, Finished)  # the reply gets the rest of the context
+        await rt.prewarm("m", messages=chat, chat=options, max_tokens=20)
+        hot = await rt.complete("m", messages=chat, chat=options, max_tokens=20)
+        assert hot.started is not None and hot.started.dropped_turns > 0
+        assert hot.started.cached_tokens == hot.started.prompt_tokens - 1
