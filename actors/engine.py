@@ -15,14 +15,16 @@ from dataclasses import dataclass
 
 from actors.engine_jobs import (
     DEFAULT_CHECKPOINT_EVERY,
+    BatchWork,
     Job,
     JobKind,
     StepPlan,
+    run_batch,
     run_load,
     run_step,
     run_tokenize,
 )
-from runtime.backend import Backend, BackendLoader, SequenceState
+from runtime.backend import Backend, BackendLoader, DecodeBatchHandle, SequenceState
 from runtime.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, Context
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.errors import (
@@ -78,6 +80,18 @@ from runtime.stop_strings import StopStringMatcher
 log = logging.getLogger("mlx_actor_runtime.engine")
 
 
+DEFAULT_MAX_BATCH = 8
+
+
+@dataclass
+class _Leaving:
+    """A batched sequence that ended (or returns to B=1); its state comes back at the next step."""
+
+    seq: Sequence
+    detach: bool  # commit its state to the prefix cache once it is back
+    resume: bool = False  # it goes on decoding alone
+
+
 @dataclass
 class _Entry:
     state: SequenceState
@@ -119,6 +133,14 @@ class EngineCore:
         self._closed = False
         self._last_served = 0
         self._load_error: BaseException | None = None
+        # Continuous batching: decoding sequences share one batch once two or more decode.
+        self._batching = spec.options.get("batching", True) is not False
+        max_batch = spec.options.get("max_batch", DEFAULT_MAX_BATCH)
+        self._max_batch = max_batch if isinstance(max_batch, int) else DEFAULT_MAX_BATCH
+        self._batch: DecodeBatchHandle | None = None
+        self._batch_members: dict[int, Sequence] = {}  # slot -> sequence
+        self._leaving: dict[int, _Leaving] = {}  # sequences whose state is still in the batch
+        self._batch_ran_last = False
         self.counters = Counters()
 
     # ------------------------------------------------------------------ lifecycle
@@ -150,6 +172,7 @@ class EngineCore:
             "sequences": len(self._sequences),
             "entries": len(self._entries),
             "entry_bytes": sum(e.nbytes for e in self._entries.values()),
+            "batch_size": len(self._batch_members),
         }
         return Stats(
             actor=f"engine:{self.model}#{self.epoch}",
@@ -411,10 +434,26 @@ class EngineCore:
             job = Job(JobKind.TOKENIZE)
             self._submit(ctx, job, lambda: run_tokenize(job, waiting, backend))
             return
+        work = self._batch_work() if self._batching else None
+        batched = set() if work is None else {id(s) for s in (*work.joiners, *work.members)}
         ready = sorted(
-            (s for s in self._sequences.values() if s.phase in COMPUTE_PHASES),
+            (
+                s
+                for s in self._sequences.values()
+                if s.phase in COMPUTE_PHASES and s.batch_slot is None and id(s) not in batched
+            ),
             key=lambda s: (s.sequence_id <= self._last_served, s.sequence_id),
         )
+        # A newcomer's prefill chunk and a batch step take turns, so neither starves the other.
+        if work is not None and (not ready or not self._batch_ran_last):
+            self._batch_ran_last = True
+            for seq in (*work.leavers, *work.joiners, *work.members):
+                seq.in_compute = True
+            job = Job(JobKind.BATCH)
+            batch = self._batch
+            self._submit(ctx, job, lambda: run_batch(job, work, backend, batch))
+            return
+        self._batch_ran_last = False
         if ready:
             seq = ready[0]
             self._last_served = seq.sequence_id
@@ -424,10 +463,34 @@ class EngineCore:
             source = None if entry is None else entry.state  # leased: never dropped meanwhile
             self._submit(ctx, step, lambda: run_step(step, seq, backend, self._plan, source))
             return
-        if self._draining and not self._sequences:
+        if self._draining and not self._sequences and not self._leaving:
             self._closed = True
             backend, self._backend = self._backend, None
+            self._batch = None
             self._submit(ctx, Job(JobKind.CLOSE), backend.close)
+
+    def _batch_work(self) -> BatchWork | None:
+        """What the next batch step would do, or None when nothing calls for batching."""
+        leavers = [leaving.seq for leaving in self._leaving.values()]
+        members = [s for s in self._batch_members.values() if s.sequence_id not in self._leaving]
+        joinable = [
+            s
+            for s in self._sequences.values()
+            if s.phase is Phase.DECODING
+            and s.batch_slot is None
+            and s.pending_token is not None
+            and not s.abort.is_set()
+        ]
+        joiners: list[Sequence] = []
+        if len(members) + len(joinable) >= 2:
+            joiners = joinable[: max(0, self._max_batch - len(members))]
+        elif len(members) == 1:  # the batch drained to one: it goes back to the fast path
+            self._leaving[members[0].sequence_id] = _Leaving(members[0], False, resume=True)
+            leavers.append(members[0])
+            members = []
+        if not (leavers or joiners or members):
+            return None
+        return BatchWork(leavers=leavers, joiners=joiners, members=members)
 
     def _submit(self, ctx: Context, job: Job, work: Callable[[], None]) -> None:
         job_id = self._next_job_id
@@ -448,6 +511,8 @@ class EngineCore:
             case JobKind.STEP:
                 assert job.seq is not None
                 self._step_done(job, job.seq.live_successor(), ctx)
+            case JobKind.BATCH:
+                self._batch_done(job, ctx)
 
     def _step_done(self, job: Job, seq: Sequence, ctx: Context) -> None:
         seq.in_compute = False
@@ -489,6 +554,57 @@ class EngineCore:
         elif seq.phase is Phase.DECODING:
             self._after_decode_step(seq, job, ctx)
 
+    def _batch_done(self, job: Job, ctx: Context) -> None:
+        self._batch = job.batch
+        self.counters.inc("batch_steps", 1 if job.stepped else 0)
+        self.counters.inc("batch_joins", len(job.joined))
+        self.counters.inc("batch_leaves", len(job.left))
+        self.counters.inc("batched_tokens", len(job.stepped))
+        for seq_id, state in job.left.items():
+            self._left_batch(seq_id, state, ctx)
+        for seq_id, slot in job.joined.items():
+            seq = self._sequences[seq_id]
+            seq.batch_slot, seq.state = slot, None  # its cache lives in the batch now
+            self._batch_members[slot] = seq
+        if job.error is not None:
+            self._batch_failed(job.error, ctx)
+            return
+        for seq in [*self._batch_members.values()]:
+            step = job.stepped.get(seq.sequence_id)
+            if step is not None:
+                self._step_done(step, seq, ctx)
+        for seq in self._sequences.values():
+            seq.in_compute = False  # joiners that were aborted before joining
+
+    def _left_batch(self, seq_id: int, state: SequenceState, ctx: Context) -> None:
+        """A sequence's state came back out of the batch: finish its ending, or let it go on."""
+        leaving = self._leaving.pop(seq_id, None)
+        seq = leaving.seq if leaving is not None else self._member(seq_id)
+        assert seq.batch_slot is not None
+        del self._batch_members[seq.batch_slot]
+        seq.batch_slot, seq.state, seq.in_compute = None, state, False
+        if leaving is None:  # aborted while it waited for this step
+            self._finish_cancelled(seq, ctx)
+        elif not leaving.resume:
+            if leaving.detach:
+                self._detach_state(seq, ctx)
+            self._release_holdings(seq, ctx)
+
+    def _member(self, seq_id: int) -> Sequence:
+        return next(s for s in self._batch_members.values() if s.sequence_id == seq_id)
+
+    def _batch_failed(self, error: BaseException, ctx: Context) -> None:
+        """A batch step raised: its cache cannot be trusted, so every member fails and it goes."""
+        members, self._batch_members, self._batch = list(self._batch_members.values()), {}, None
+        for seq in members:
+            seq.batch_slot, seq.state, seq.in_compute = None, None, False
+            if seq.phase is not Phase.DONE:
+                self._fail_with(seq, ctx, BackendError(f"batched decode step failed: {error!r}"))
+        for leaving in self._leaving.values():
+            leaving.seq.batch_slot = None
+            self._release_holdings(leaving.seq, ctx)
+        self._leaving.clear()
+
     def _fall_back_cold(self, seq: Sequence, reason: str, ctx: Context) -> None:
         self.counters.inc(f"fallback_{reason}")
         self.counters.inc("cached_prompt_tokens", -seq.cached_tokens)
@@ -521,8 +637,10 @@ class EngineCore:
                 self._tokenized(seq, ctx)
 
     def _tokenize_done(self, job: Job, ctx: Context) -> None:
-        for seq in list(self._sequences.values()):
-            if seq.phase is not Phase.TOKENIZING or seq.tokens is not None:
+        # Only the sequences this job tokenized: others admitted meanwhile wait for the next one.
+        for seq_id in [*job.results, *job.failures]:
+            seq = self._sequences.get(seq_id)
+            if seq is None or seq.phase is not Phase.TOKENIZING or seq.tokens is not None:
                 continue
             failure = job.failures.get(seq.sequence_id)
             tokens = job.results.get(seq.sequence_id)
@@ -611,9 +729,7 @@ class EngineCore:
     def _finish(
         self, seq: Sequence, ctx: Context, reason: FinishReason, stop: str | None = None
     ) -> None:
-        if reason is not FinishReason.ADOPTED:
-            self._detach_state(seq, ctx)
-        self._end(seq, ctx)
+        self._end(seq, ctx, detach=reason is not FinishReason.ADOPTED)
         self.counters.inc(f"finished_{reason}")
         message = SequenceFinished(
             sequence_id=seq.sequence_id,
@@ -625,9 +741,8 @@ class EngineCore:
         ctx.send(ROUTER, message)
 
     def _finish_cancelled(self, seq: Sequence, ctx: Context) -> None:
-        if not self._draining:
-            self._detach_state(seq, ctx)  # an aborted prefill is not wasted: keep its cache
-        self._end(seq, ctx)
+        # An aborted prefill is not wasted: its cache is kept (unless the model is going away).
+        self._end(seq, ctx, detach=not self._draining)
         self.counters.inc("cancelled")
         ctx.send(
             ROUTER,
@@ -644,7 +759,7 @@ class EngineCore:
 
     def _fail(self, seq: Sequence, ctx: Context, code: str, text: str, retry: bool) -> None:
         seq.state = None  # a state that saw an error is never reused
-        self._end(seq, ctx)
+        self._end(seq, ctx, detach=False)
         self.counters.inc(f"failed_{code}")
         ctx.send(
             ROUTER,
@@ -698,11 +813,20 @@ class EngineCore:
         )
         return entry_id, commit
 
-    def _end(self, seq: Sequence, ctx: Context) -> None:
-        """Release everything the sequence holds; after this nothing acts on it."""
+    def _end(self, seq: Sequence, ctx: Context, detach: bool) -> None:
+        """After this nothing acts on the sequence; what it holds is released (a batched one's
+        once its state is back out of the batch)."""
         seq.phase = Phase.DONE
-        seq.state = None
         self._sequences.pop(seq.sequence_id, None)
+        if seq.batch_slot is not None:
+            self._leaving[seq.sequence_id] = _Leaving(seq, detach)
+            return
+        if detach:
+            self._detach_state(seq, ctx)
+        seq.state = None
+        self._release_holdings(seq, ctx)
+
+    def _release_holdings(self, seq: Sequence, ctx: Context) -> None:
         if seq.lease_id is not None:
             ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
             seq.lease_id = None

@@ -11,7 +11,9 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtime.backend import Backend, CannotTrim, ReuseStrategy, SequenceState
+import mlx.core as mx
+
+from runtime.backend import Backend, CannotTrim, DecodeBatchHandle, ReuseStrategy, SequenceState
 from runtime.chat import PreparedPrompt, prepare_chat
 from runtime.checkpoints import plan_checkpoints
 from runtime.messages import ModelSpec, TokenLogprob
@@ -26,6 +28,7 @@ class JobKind(enum.Enum):
     LOAD = enum.auto()
     TOKENIZE = enum.auto()
     STEP = enum.auto()
+    BATCH = enum.auto()
     CLOSE = enum.auto()
 
 
@@ -49,6 +52,11 @@ class Job:
     prepared: dict[int, PreparedPrompt] = field(default_factory=dict)
     failures: dict[int, BaseException] = field(default_factory=dict)
     logprob: TokenLogprob | None = None
+    # batch steps
+    batch: DecodeBatchHandle | None = None
+    left: dict[int, SequenceState] = field(default_factory=dict)
+    joined: dict[int, int] = field(default_factory=dict)
+    stepped: dict[int, Job] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -151,11 +159,15 @@ def _prefill_chunk(job: Job, seq: Sequence, backend: Backend, plan: StepPlan) ->
 def _decode_step(job: Job, seq: Sequence, backend: Backend) -> None:
     """Feed the last emitted token (if any), then sample the next one and its text."""
     assert seq.state is not None
-    assert seq.detokenizer is not None
     if seq.pending_token is not None:
         backend.prefill(seq.state, [seq.pending_token])
         job.prefilled = 1
-    logits = backend.logits(seq.state)
+    sample_into(job, seq, backend, backend.logits(seq.state))
+
+
+def sample_into(job: Job, seq: Sequence, backend: Backend, logits: mx.array) -> None:
+    """Pick ``seq``'s next token from ``logits``, with its text (and logprob when asked)."""
+    assert seq.detokenizer is not None
     if seq.sampler is None:
         seq.sampler = TokenSampler(seq.sampling, int(logits.shape[0]), _token_decoder(backend))
     sampled = seq.sampler.sample(logits, seq.all_tokens, seq.rng)
@@ -169,6 +181,52 @@ def _decode_step(job: Job, seq: Sequence, backend: Backend) -> None:
         job.text = seq.detokenizer.add(job.token)
     if ending or seq.on_last_step:
         job.text += seq.detokenizer.flush()  # the stream ends: release any held-back bytes
+
+
+@dataclass
+class BatchWork:
+    """One batched decode step: who leaves first, who joins, who was already in."""
+
+    leavers: list[Sequence]
+    joiners: list[Sequence]
+    members: list[Sequence]
+
+
+def run_batch(job: Job, work: BatchWork, backend: Backend, batch: DecodeBatchHandle | None) -> None:
+    """Leave, join, then one forward pass for every member; a member aborted meanwhile leaves."""
+    try:
+        if batch is None:
+            batch = backend.open_batch()
+            if batch is None:
+                raise RuntimeError("this model's caches cannot be batched")
+        job.batch = batch
+        for seq in work.leavers:
+            assert seq.batch_slot is not None
+            job.left[seq.sequence_id] = batch.leave(seq.batch_slot)
+        slots: dict[int, Sequence] = {}
+        for seq in work.members:
+            assert seq.batch_slot is not None
+            if seq.abort.is_set():
+                job.left[seq.sequence_id] = batch.leave(seq.batch_slot)
+            else:
+                slots[seq.batch_slot] = seq
+        for seq in work.joiners:
+            if seq.abort.is_set():
+                continue
+            assert seq.state is not None
+            slot = batch.join(seq.state)
+            job.joined[seq.sequence_id] = slot
+            slots[slot] = seq
+        if not slots:
+            return
+        tokens = {slot: seq.pending_token for slot, seq in slots.items()}
+        logits = batch.step({slot: t for slot, t in tokens.items() if t is not None})
+        for slot, seq in slots.items():
+            step = Job(JobKind.STEP, seq=seq, prefilled=1)
+            sample_into(step, seq, backend, logits[slot])
+            job.stepped[seq.sequence_id] = step
+    except BaseException as exc:
+        job.error = exc
 
 
 def _token_decoder(backend: Backend) -> Callable[[int], str]:

@@ -65,6 +65,24 @@ class SequenceState(Protocol):
     def length(self) -> int: ...
 
 
+class DecodeBatchHandle(Protocol):
+    """Sequences decoded together, one token each per ``step`` (see ``runtime.mlx_batch``)."""
+
+    def join(self, state: SequenceState) -> int:
+        """Add a prefilled sequence (its state is copied in and left untouched); a slot id."""
+        ...
+
+    def leave(self, slot: int) -> SequenceState:
+        """Take a sequence out, as an independent state (its logits included)."""
+        ...
+
+    def step(self, tokens: dict[int, int]) -> dict[int, mx.array]:
+        """Feed one token to every member; each member's next logits."""
+        ...
+
+    def __len__(self) -> int: ...
+
+
 class CannotTrim(Exception):
     """Raised by ``copy_state`` when a state cannot be cut back to the requested length."""
 
@@ -106,6 +124,10 @@ class Backend(Protocol):
 
     def logits(self, state: SequenceState) -> mx.array:
         """The float32 ``(vocab,)`` logits after the last prefilled token (samplers act on them)."""
+        ...
+
+    def open_batch(self) -> DecodeBatchHandle | None:
+        """A decode batch for this model, or None when its caches cannot be batched."""
         ...
 
     def state_nbytes(self, state: SequenceState) -> int:

@@ -18,7 +18,13 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from runtime.backend import CannotTrim, ModelInfo, ReuseStrategy, SequenceState
+from runtime.backend import (
+    CannotTrim,
+    DecodeBatchHandle,
+    ModelInfo,
+    ReuseStrategy,
+    SequenceState,
+)
 from runtime.errors import InvalidModelSpec, ModelLoadFailed
 from runtime.messages import ModelSpec
 
@@ -169,6 +175,11 @@ class MlxBackend:
         if own.logits is None:
             raise RuntimeError("logits() before any prefill")
         return own.logits
+
+    def open_batch(self) -> DecodeBatchHandle | None:
+        from runtime.mlx_batch import DecodeBatch
+
+        return DecodeBatch(self) if DecodeBatch.supports(self) else None
 
     def state_nbytes(self, state: SequenceState) -> int:
         return sum(int(c.nbytes) for c in _own(state).caches if not c.empty())

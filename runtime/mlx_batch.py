@@ -47,6 +47,7 @@ from typing import Any
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
+from runtime.backend import SequenceState
 from runtime.mlx_backend import MlxBackend, MlxState
 
 __all__ = ["DecodeBatch"]
@@ -112,13 +113,15 @@ class DecodeBatch:
         """Bytes held by the batch caches, padding and spare capacity included."""
         return sum(int(c.nbytes) for c in self._caches if not c.empty())
 
-    def join(self, state: MlxState) -> int:
+    def join(self, state: SequenceState) -> int:
         """Add a prefilled sequence; returns its slot.
 
         ``state`` is only read: its caches are copied into the batch (``merge`` + ``extend``), so
         the caller may keep it (e.g. in the prefix cache). The sequence's next input token is given
         to ``step``. Cost: about one rewrite of the batch cache (see the module docstring).
         """
+        if not isinstance(state, MlxState):
+            raise TypeError(f"not an MLX state: {type(state).__name__}")
         if state.n_tokens <= 0 or any(c.empty() for c in state.caches):
             raise ValueError("join() needs a prefilled state (at least one token in every layer)")
         merged = [c.merge([c]) for c in state.caches]

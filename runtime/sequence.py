@@ -84,6 +84,7 @@ class Sequence:
     detokenizer: IncrementalDetokenizer | None = None
     stop_matcher: StopStringMatcher | None = None
     sampler: TokenSampler | None = None  # built on the compute thread at the first decode step
+    batch_slot: int | None = None  # its row in the engine's decode batch, while batched
     rng: random.Random = field(default_factory=random.Random)
 
     @property

@@ -432,3 +432,18 @@ async def test_chat_without_max_tokens_fits_and_prewarm_renders_like_its_generat
         hot = await rt.complete("m", messages=chat, chat=options, max_tokens=20)
         assert hot.started is not None and hot.started.dropped_turns > 0
         assert hot.started.cached_tokens == hot.started.prompt_tokens - 1
+
+
+async def test_prompts_admitted_while_others_tokenize_are_tokenized_too() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model())
+        results: list[object] = []
+
+        async def one(prompt: str) -> None:
+            results.append(await rt.complete("m", prompt, max_tokens=3))
+
+        async with anyio.create_task_group() as tg:
+            for prompt in ("a b c", "d e f", "g h i", "j k l"):
+                tg.start_soon(one, prompt)
+        assert len(results) == 4
+        assert all(isinstance(r.terminal, Finished) for r in results)  # type: ignore[attr-defined]

@@ -205,6 +205,9 @@ class SimulatedBackend:
             values[next_token_for(h, self._options.eos_every)] = _PEAK_LOGIT
             return mx.array(values, dtype=mx.float32)
 
+    def open_batch(self) -> SimulatedBatch:
+        return SimulatedBatch(self)
+
     def state_nbytes(self, state: SequenceState) -> int:
         return self._info.kv_bytes(state.length)
 
@@ -217,3 +220,37 @@ def _own(state: SequenceState) -> SimulatedState:
     if not isinstance(state, SimulatedState):
         raise TypeError(f"not a simulated state: {type(state).__name__}")
     return state
+
+
+class SimulatedBatch:
+    """A decode batch of simulated states: one step costs one decode step, however many rows."""
+
+    def __init__(self, backend: SimulatedBackend) -> None:
+        self._backend = backend
+        self._rows: dict[int, SimulatedState] = {}
+        self._next_slot = 0
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def join(self, state: SequenceState) -> int:
+        own = _own(state)
+        self._next_slot += 1
+        self._rows[self._next_slot] = SimulatedState(list(own.tokens), list(own.hashes))
+        return self._next_slot
+
+    def leave(self, slot: int) -> SimulatedState:
+        return self._rows.pop(slot)
+
+    def step(self, tokens: dict[int, int]) -> dict[int, mx.array]:
+        if set(tokens) != set(self._rows):
+            raise ValueError("a batch step needs exactly one token for every member")
+        self._backend._clock.spend(self._backend._options.decode_s_per_token)
+        logits: dict[int, mx.array] = {}
+        for slot, token in tokens.items():
+            row = self._rows[slot]
+            h = extend_hash(row.hashes[-1] if row.hashes else 0, token)
+            row.tokens.append(token)
+            row.hashes.append(h)
+            logits[slot] = self._backend.logits(row)
+        return logits

@@ -1,0 +1,114 @@
+"""Continuous batching: the fast path for one stream, a shared batch for several."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.config import RuntimeConfig
+from runtime.messages import (
+    Cancel,
+    Cancelled,
+    Finished,
+    FinishReason,
+    Generate,
+    ModelLoaded,
+    ModelSpec,
+    TokensEmitted,
+)
+from runtime.testing.simulated import greedy_continuation
+from runtime.testing.simulator import Simulator
+
+PER_TOKEN = 0.001
+
+
+def make_sim(seed: int = 0, **options: object) -> Simulator:
+    sim = Simulator(seed=seed, config=RuntimeConfig(kv_budget_bytes=64 << 20))
+    spec = ModelSpec(
+        name="m",
+        backend="simulated",
+        prefill_chunk_tokens=8,
+        options={"prefill_s_per_token": PER_TOKEN, "decode_s_per_token": PER_TOKEN, **options},
+    )
+    assert isinstance(sim.load(spec), ModelLoaded)
+    return sim
+
+
+def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int) -> Generate:
+    return Generate(
+        request_id=request_id,
+        incarnation=incarnation,
+        model="m",
+        prompt_tokens=tokens,
+        max_tokens=n,
+    )
+
+
+def emitted(sim: Simulator, request_id: str, incarnation: int) -> list[int]:
+    return [
+        t
+        for e in sim.events(request_id, incarnation)
+        if isinstance(e, TokensEmitted)
+        for t in e.token_ids
+    ]
+
+
+def counters(sim: Simulator) -> dict[str, int]:
+    return sim.core("engine:m#1").counters.snapshot()  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_a_running_stream_moves_into_the_batch_and_outputs_stay_exact(seed: int) -> None:
+    sim = make_sim(seed)
+    first, second = tuple(range(10, 20)), tuple(range(30, 60))
+    sim.send(generate("a", 1, first, 40))
+    sim.advance(0.02)  # "a" decodes alone on the fast path
+    alone = counters(sim)
+    assert alone.get("decoded_tokens", 0) > 0 and alone.get("batch_steps", 0) == 0
+    sim.send(generate("b", 2, second, 12))
+    sim.run_until_quiescent()
+    assert emitted(sim, "a", 1) == greedy_continuation(first, 40)
+    assert emitted(sim, "b", 2) == greedy_continuation(second, 12)
+    after = counters(sim)
+    assert after["batch_steps"] > 0 and after["batch_joins"] == 2
+    # "b" finished first; "a" went back to the fast path for its last tokens.
+    assert after["batch_leaves"] == 2
+    assert after["decoded_tokens"] > alone["decoded_tokens"]
+    assert sim.core("kv").reserved_bytes == sim.core("prefix").total_bytes  # type: ignore[union-attr]
+
+
+def test_an_abort_removes_one_row_without_disturbing_the_others() -> None:
+    sim = make_sim()
+    prompts = [tuple(range(i * 10, i * 10 + 6)) for i in range(1, 5)]
+    for index, prompt in enumerate(prompts):
+        sim.send(generate(f"r{index}", index + 1, prompt, 30))
+    sim.advance(0.05)
+    assert sim.core("engine:m#1").statistics().gauges["batch_size"] >= 3  # type: ignore[union-attr]
+    sim.send(Cancel(request_id="r1", incarnation=2))
+    sim.run_until_quiescent()
+    cancelled = sim.terminal("r1", 2)
+    assert isinstance(cancelled, Cancelled) and cancelled.reason == "cancelled"
+    assert (
+        emitted(sim, "r1", 2) == greedy_continuation(prompts[1], 30)[: len(emitted(sim, "r1", 2))]
+    )
+    for index in (0, 2, 3):
+        terminal = sim.terminal(f"r{index}", index + 1)
+        assert isinstance(terminal, Finished) and terminal.reason is FinishReason.LENGTH
+        assert emitted(sim, f"r{index}", index + 1) == greedy_continuation(prompts[index], 30)
+    assert sim.core("kv").reserved_bytes == sim.core("prefix").total_bytes  # type: ignore[union-attr]
+
+
+def test_a_long_prefill_interleaves_with_the_batch_steps() -> None:
+    sim = make_sim()
+    sim.send(generate("a", 1, (1, 2, 3), 60))
+    sim.send(generate("b", 2, (4, 5, 6), 60))
+    sim.advance(0.02)
+    before = counters(sim)
+    sim.send(generate("c", 3, tuple(range(7, 400)), 2))  # 393 tokens: 50 chunks of 8
+    sim.advance(0.2)
+    during = counters(sim)
+    # Chunks and batch steps take turns: the running streams get a token after every chunk.
+    chunks = (during["prefilled_tokens"] - before["prefilled_tokens"]) // 8
+    assert 10 < chunks < 50
+    assert during["batch_steps"] - before["batch_steps"] >= chunks - 1
+    sim.run_until_quiescent()
+    assert emitted(sim, "c", 3) == greedy_continuation(tuple(range(7, 400)), 2)
