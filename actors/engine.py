@@ -349,6 +349,7 @@ class EngineCore:
                 return
             ctx.send(PREFIX_CACHE, entry.pending)
             entry.pending = None
+            self.counters.inc("entries_committed")
             return
         seq = self._sequences.get(holder.id)
         if (
@@ -391,6 +392,9 @@ class EngineCore:
         if entry_id is not None and entry_id not in self._entries:
             self.counters.inc("fallback_entry_missing")
             entry_id, matched, path = None, 0, ReusePath.MISS
+            if seq.lease_id is not None:  # nothing of it is used: let it be evicted
+                ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
+                seq.lease_id = None
         if seq.kind is RequestKind.PREWARM and matched >= seq.prefill_target:
             self.counters.inc("prewarms_already_warm")
             self._finish(seq, ctx, FinishReason.PREWARMED)
@@ -606,8 +610,7 @@ class EngineCore:
         self._leaving.clear()
 
     def _fall_back_cold(self, seq: Sequence, reason: str, ctx: Context) -> None:
-        self.counters.inc(f"fallback_{reason}")
-        self.counters.inc("cached_prompt_tokens", -seq.cached_tokens)
+        self.counters.inc(f"fallback_{reason}")  # before Started: nothing was counted as reused
         seq.cached_tokens, seq.path = 0, ReusePath.MISS
         if seq.lease_id is not None:
             ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
@@ -785,6 +788,7 @@ class EngineCore:
         )
         ctx.send(KV_KEEPER, transfer)
         ctx.send(PREFIX_CACHE, commit)
+        self.counters.inc("entries_committed")
 
     def _commit_snapshot(self, seq: Sequence, snapshot: SequenceState, ctx: Context) -> None:
         """A checkpoint is extra memory: it needs its own reservation, and never waits for one."""
@@ -800,7 +804,6 @@ class EngineCore:
         self._next_entry_id += 1
         nbytes = self._backend.state_nbytes(state)
         self._entries[entry_id] = _Entry(state=state, nbytes=nbytes)
-        self.counters.inc("entries_committed")
         commit = Commit(
             model=self.model,
             epoch=self.epoch,

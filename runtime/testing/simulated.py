@@ -20,7 +20,13 @@ from typing import Protocol
 import mlx.core as mx
 import msgspec
 
-from runtime.backend import CannotTrim, ModelInfo, ReuseStrategy, SequenceState
+from runtime.backend import (
+    CannotTrim,
+    ModelInfo,
+    ReuseStrategy,
+    SequenceState,
+    backend_options,
+)
 from runtime.errors import InvalidModelSpec
 from runtime.messages import ModelSpec
 
@@ -135,7 +141,7 @@ class SimulatedBackend:
     def load(cls, spec: ModelSpec, clock: ComputeClock) -> SimulatedBackend:
         """Build from a spec; raises ``InvalidModelSpec`` (bad options) or ``SimulatedFault``."""
         try:
-            options = msgspec.convert(spec.options, SimulatedModelOptions)
+            options = msgspec.convert(backend_options(spec.options), SimulatedModelOptions)
         except msgspec.ValidationError as exc:
             raise InvalidModelSpec(f"simulated model {spec.name!r}: {exc}") from exc
         clock.spend(options.load_s)

@@ -1,0 +1,542 @@
+"""Engine paths on the deterministic simulator that no other test drives directly.
+
+Checkpoint snapshots of a non-trimmable cache (taken, and refused when the budget is full), the
+cold fallback after a lookup hit that cannot be restored, and exactly-one-terminal races (an abort
+against the last decode step, a cancel or an unload while the KV reservation waits in the queue, a
+backend fault in sampling). Virtual time only: nothing sleeps.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from actors.kv_budget import KVBudgetCore, QueuedReservation
+from actors.prefix_cache import PrefixCacheCore
+from runtime.checkpoints import plan_checkpoints
+from runtime.config import RuntimeConfig
+from runtime.core import Address
+from runtime.messages import (
+    Abort,
+    Cancel,
+    Cancelled,
+    ComputeDone,
+    Failed,
+    Finished,
+    FinishReason,
+    Generate,
+    Holder,
+    HolderKind,
+    Lookup,
+    LookupResult,
+    Message,
+    ModelLoaded,
+    ModelSpec,
+    ModelUnloaded,
+    Rejected,
+    ReusePath,
+    Started,
+    TokensEmitted,
+    UnloadModel,
+    Usage,
+)
+from runtime.testing.simulated import greedy_continuation
+from runtime.testing.simulator import Simulator
+
+ENGINE: Address = "engine:m#1"  # the first load of model "m" is epoch 1
+BPT = 1024  # bytes_per_token of every model here (fixed_state_bytes 0, alloc_step 1)
+EVERY = 8
+CHUNK = 4
+PROMPT = tuple(range(100, 130))  # 30 tokens, none whitespace: no word-boundary snapshot
+MAX_TOKENS = 6
+# The snapshot plan of a cold prefill of PROMPT: every 8 tokens, then len - 1.
+PLANNED = [8, 16, 24, 29]
+# What the sequence itself leaves behind: the prompt and every generated token but the last,
+# which was sampled and emitted but never fed to the model.
+END_STATE = len(PROMPT) + MAX_TOKENS - 1
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+Options = dict[str, str | int | float | bool | None]
+
+
+def make_sim(
+    options: Options, budget: int = 64 << 20, chunk: int = CHUNK, seed: int = 0
+) -> Simulator:
+    sim = Simulator(seed=seed, config=RuntimeConfig(kv_budget_bytes=budget))
+    spec = ModelSpec(
+        name="m",
+        backend="simulated",
+        prefill_chunk_tokens=chunk,
+        options={"bytes_per_token": BPT, **options},
+    )
+    assert isinstance(sim.load(spec), ModelLoaded)
+    return sim
+
+
+def checkpoint_sim(budget: int = 64 << 20) -> Simulator:
+    return make_sim({"trimmable": False, "checkpoint_every_tokens": EVERY}, budget)
+
+
+def generate(request_id: str, prompt: tuple[int, ...], n: int, incarnation: int = 1) -> Generate:
+    return Generate(
+        request_id=request_id,
+        incarnation=incarnation,
+        model="m",
+        prompt_tokens=prompt,
+        max_tokens=n,
+    )
+
+
+def emitted(sim: Simulator, request_id: str, incarnation: int = 1) -> list[int]:
+    return [
+        t
+        for e in sim.events(request_id, incarnation)
+        if isinstance(e, TokensEmitted)
+        for t in e.token_ids
+    ]
+
+
+def terminals(sim: Simulator, request_id: str, incarnation: int = 1) -> list[Message]:
+    ends = (Finished, Cancelled, Failed, Rejected)
+    return [e for e in sim.events(request_id, incarnation) if isinstance(e, ends)]
+
+
+def started(sim: Simulator, request_id: str, incarnation: int = 1) -> list[Started]:
+    return [e for e in sim.events(request_id, incarnation) if isinstance(e, Started)]
+
+
+def kv(sim: Simulator) -> KVBudgetCore:
+    core = sim.core("kv")
+    assert isinstance(core, KVBudgetCore)
+    return core
+
+
+def prefix(sim: Simulator) -> PrefixCacheCore:
+    core = sim.core("prefix")
+    assert isinstance(core, PrefixCacheCore)
+    return core
+
+
+def engine_counters(sim: Simulator) -> Counter[str]:
+    """The engine's counters; one never incremented reads 0."""
+    core = sim.core(ENGINE)
+    assert core is not None
+    return Counter(core.counters.snapshot())  # type: ignore[attr-defined]
+
+
+def engine_gauges(sim: Simulator) -> dict[str, int]:
+    core = sim.core(ENGINE)
+    assert core is not None
+    return dict(core.statistics().gauges)  # type: ignore[attr-defined]
+
+
+def sequence_holder(sequence_id: int) -> Holder:
+    return Holder(model="m", epoch=1, kind=HolderKind.SEQUENCE, id=sequence_id)
+
+
+def intercept(sim: Simulator, hook: Callable[[Address, Message, Address], bool]) -> None:
+    """Route every delivery through ``hook``; it returns True when it delivered the message itself.
+
+    Actors' sends go through ``sim.deliver`` (looked up on the instance), so this sees them all.
+    """
+    real = sim.deliver
+
+    def deliver(to: Address, message: Message, sender: Address) -> None:
+        if not hook(to, message, sender):
+            real(to, message, sender)
+
+    sim.deliver = deliver  # type: ignore[method-assign]
+
+
+# --------------------------------------------------------------------------- 1. snapshots
+
+
+def test_the_snapshot_plan_of_the_prompt_is_the_one_these_tests_expect() -> None:
+    def decode(ids: Sequence[int]) -> str:  # as the simulated backend decodes
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    assert plan_checkpoints(PROMPT, 0, len(PROMPT), EVERY, decode) == PLANNED
+
+
+def test_checkpoints_of_a_non_trimmable_prefill_are_committed_and_reserved() -> None:
+    sim = checkpoint_sim()
+    sim.send(generate("a", PROMPT, MAX_TOKENS))
+    sim.run_until_quiescent()
+
+    out = greedy_continuation(PROMPT, MAX_TOKENS)
+    assert terminals(sim, "a") == [
+        Finished(
+            request_id="a",
+            incarnation=1,
+            reason=FinishReason.LENGTH,
+            usage=Usage(prompt_tokens=30, cached_prompt_tokens=0, completion_tokens=MAX_TOKENS),
+        )
+    ]
+    assert emitted(sim, "a") == out
+    entries = sorted(prefix(sim).entries(), key=lambda e: len(e.tokens))
+    all_tokens = PROMPT + tuple(out)
+    assert [len(e.tokens) for e in entries] == [*PLANNED, END_STATE]
+    assert [e.tokens for e in entries] == [all_tokens[:n] for n in [*PLANNED, END_STATE]]
+    assert [e.nbytes for e in entries] == [n * BPT for n in [*PLANNED, END_STATE]]
+    assert [e.entry_id for e in entries] == [1, 2, 3, 4, 5]  # snapshots first, in prefill order
+    assert not any(e.trimmable or e.leases or e.doomed for e in entries)
+    # Every entry's bytes are reserved in the keeper under its own holder, and nothing else is.
+    total = (sum(PLANNED) + END_STATE) * BPT
+    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == total
+    assert kv(sim).holdings() == {
+        Holder(model="m", epoch=1, kind=HolderKind.PREFIX_ENTRY, id=e.entry_id): e.nbytes
+        for e in entries
+    }
+    assert kv(sim).queued() == ()
+    counters = engine_counters(sim)
+    assert counters["snapshots_taken"] == len(PLANNED)
+    assert counters["snapshots_refused"] == 0
+    assert counters["prefilled_tokens"] == len(PROMPT)  # chunks land on checkpoints, never redo
+    gauges = engine_gauges(sim)
+    assert (gauges["sequences"], gauges["entries"], gauges["entry_bytes"]) == (0, 5, total)
+
+
+def test_default_checkpoint_spacing_snapshots_a_long_non_trimmable_prompt() -> None:
+    """No option: snapshots every 512 tokens (DEFAULT_CHECKPOINT_EVERY), plus len - 1."""
+    sim = make_sim({"trimmable": False}, chunk=64)
+    prompt = tuple(97 + i % 26 for i in range(1030))  # letters only: no word-boundary point
+    sim.send(generate("a", prompt, 2))
+    sim.run_until_quiescent()
+
+    assert emitted(sim, "a") == greedy_continuation(prompt, 2)
+    lengths = sorted(len(e.tokens) for e in prefix(sim).entries())
+    assert lengths == [512, 1024, 1029, 1031]
+    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == sum(lengths) * BPT
+    assert engine_counters(sim)["snapshots_taken"] == 3
+
+
+@pytest.mark.parametrize(
+    ("spare_tokens", "kept", "refused"),
+    [
+        pytest.param(0, [], 4, id="no-room-for-any"),
+        pytest.param(10, [8], 3, id="room-for-the-first"),
+    ],
+)
+def test_a_snapshot_that_does_not_fit_now_is_skipped_without_queueing_or_evicting(
+    spare_tokens: int, kept: list[int], refused: int
+) -> None:
+    # The sequence reserves prompt + max_tokens and fits exactly; spare_tokens are left free.
+    budget = (len(PROMPT) + MAX_TOKENS + spare_tokens) * BPT
+    sim = checkpoint_sim(budget)
+    sim.send(generate("a", PROMPT, MAX_TOKENS))
+    sim.run_until_idle()
+    assert kv(sim).queued() == ()  # the snapshots never wait, not even for a moment
+    sim.run_until_quiescent()
+
+    terminal = sim.terminal("a", 1)
+    assert isinstance(terminal, Finished) and terminal.reason is FinishReason.LENGTH
+    assert emitted(sim, "a") == greedy_continuation(PROMPT, MAX_TOKENS)
+    counters = engine_counters(sim)
+    assert counters["snapshots_taken"] == len(PLANNED)
+    assert counters["snapshots_refused"] == refused
+    lengths = sorted(len(e.tokens) for e in prefix(sim).entries())
+    assert lengths == [*kept, END_STATE]  # the sequence's own end state is moved, not reserved
+    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == (sum(kept) + END_STATE) * BPT
+    assert kv(sim).queued() == ()
+    kv_counters = kv(sim).statistics().counters
+    assert kv_counters["refused_no_wait"] == refused
+    assert kv_counters["queued"] == 0
+    assert kv_counters["evict_requests"] == 0
+    prefix_counters = prefix(sim).statistics().counters
+    assert prefix_counters["evict_requests"] == 0
+    assert prefix_counters["evictions"] == 0
+    assert engine_gauges(sim)["entries"] == len(kept) + 1  # refused snapshots were let go
+
+
+# --------------------------------------------------------------------------- 3. fallback
+
+
+@pytest.mark.parametrize(
+    ("counter", "entry_tokens"),
+    [
+        # A real non-trimmable entry (24 tokens) that the result asks to trim to 20.
+        pytest.param("fallback_trim_refused", 24, id="trim-refused"),
+        # An entry id the engine does not hold.
+        pytest.param("fallback_entry_missing", None, id="entry-missing"),
+    ],
+)
+def test_a_hit_that_cannot_be_restored_starts_cold(counter: str, entry_tokens: int | None) -> None:
+    sim = checkpoint_sim()
+    sim.send(generate("warm", PROMPT, MAX_TOKENS))
+    sim.run_until_quiescent()
+    by_length = {len(e.tokens): e.entry_id for e in prefix(sim).entries()}
+    entry_id = 999 if entry_tokens is None else by_length[entry_tokens]
+    assert entry_id == (999 if entry_tokens is None else 3)
+
+    # The prompt shares 20 tokens with PROMPT (so also the 8- and 16-token snapshots).
+    prompt = (*PROMPT[:20], *range(200, 210))
+    crafted: list[LookupResult] = []
+
+    def answer_first(to: Address, message: Message, sender: Address) -> bool:
+        # Answer the engine's Lookup before the prefix manager does; its real answer, which
+        # arrives second, is then stale (and its lease must be given back).
+        if to == "prefix" and isinstance(message, Lookup) and not crafted:
+            result = LookupResult(
+                sequence_id=message.sequence_id,
+                epoch=1,
+                entry_id=entry_id,
+                matched=20,
+                path=ReusePath.TRIM,
+                lease_id=None,
+                generation=0,
+            )
+            crafted.append(result)
+            sim.deliver(ENGINE, result, "prefix")
+        return False
+
+    intercept(sim, answer_first)
+    before = engine_counters(sim)
+    sim.send(generate("b", prompt, MAX_TOKENS))
+    sim.run_until_quiescent()
+
+    assert len(crafted) == 1
+    assert started(sim, "b") == [
+        Started(
+            request_id="b",
+            incarnation=1,
+            sequence_id=2,
+            epoch=1,
+            prompt_tokens=30,
+            cached_tokens=0,
+            path=ReusePath.MISS,
+        )
+    ]
+    assert terminals(sim, "b") == [
+        Finished(
+            request_id="b",
+            incarnation=1,
+            reason=FinishReason.LENGTH,
+            usage=Usage(prompt_tokens=30, cached_prompt_tokens=0, completion_tokens=MAX_TOKENS),
+        )
+    ]
+    assert emitted(sim, "b") == greedy_continuation(prompt, MAX_TOKENS)
+    after = engine_counters(sim)
+    assert after[counter] - before[counter] == 1
+    assert after["path_miss"] - before["path_miss"] == 1
+    assert after["path_checkpoint"] == after["path_trim"] == 0
+    assert after["prefilled_tokens"] - before["prefilled_tokens"] == 30  # all of it, cold
+    # The real (checkpoint) hit came second: its lease was released, nothing stays leased.
+    assert sim.dead_letters["stale_lookup_result"] == 1
+    assert prefix(sim).statistics().counters["hits_checkpoint"] == 1
+    assert prefix(sim).leased_entry_ids() == frozenset()
+    assert prefix(sim).total_bytes == kv(sim).reserved_bytes
+
+
+def test_a_refused_trim_does_not_make_the_cached_prompt_tokens_counter_negative() -> None:
+    sim = checkpoint_sim()
+    sim.send(generate("warm", PROMPT, MAX_TOKENS))
+    sim.run_until_quiescent()
+    entry_id = next(e.entry_id for e in prefix(sim).entries() if len(e.tokens) == 24)
+
+    def answer_first(to: Address, message: Message, sender: Address) -> bool:
+        if to == "prefix" and isinstance(message, Lookup):
+            result = LookupResult(
+                sequence_id=message.sequence_id,
+                epoch=1,
+                entry_id=entry_id,
+                matched=20,
+                path=ReusePath.TRIM,
+                lease_id=None,
+                generation=0,
+            )
+            sim.deliver(ENGINE, result, "prefix")
+            return True  # the prefix manager never sees this Lookup
+        return False
+
+    intercept(sim, answer_first)
+    sim.send(generate("b", (*PROMPT[:20], *range(200, 210)), MAX_TOKENS))
+    sim.run_until_quiescent()
+    counters = engine_counters(sim)
+    assert counters["fallback_trim_refused"] == 1
+    # Nothing was served from cache by either request; the counter says -20.
+    assert counters["cached_prompt_tokens"] == 0
+
+
+# --------------------------------------------------------------------------- 4. one terminal
+
+DECODE_S = 1.0
+
+
+def timed_sim(budget: int = 64 << 20, seed: int = 0, **options: int) -> Simulator:
+    """Prefill is free and each decode step takes DECODE_S, so steps end on whole seconds."""
+    return make_sim({"decode_s_per_token": DECODE_S, **options}, budget, chunk=16, seed=seed)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("abort_first", [True, False], ids=["abort-first", "done-first"])
+def test_an_abort_racing_the_last_decode_step_gives_one_terminal(
+    abort_first: bool, seed: int
+) -> None:
+    n = 4
+    prompt = (1, 2, 3, 4, 5)
+    sim = timed_sim(seed=seed)
+    raced: list[Message] = []
+
+    def race(to: Address, message: Message, sender: Address) -> bool:
+        # The ComputeDone that arrives once n - 1 tokens are out is the last step's: put the
+        # router's Abort into the engine's mailbox just before it, or just after it.
+        if to != ENGINE or not isinstance(message, ComputeDone) or raced:
+            return False
+        if len(emitted(sim, "a")) != n - 1:
+            return False
+        abort = Abort(sequence_id=1, epoch=1)
+        order = [(abort, "router"), (message, sender)]
+        for m, s in order if abort_first else reversed(order):
+            raced.append(m)
+            sim.deliver(to, m, s)
+        return True
+
+    intercept(sim, race)
+    sim.send(generate("a", prompt, n))
+    sim.run_until_quiescent()
+
+    assert len(raced) == 2
+    out = greedy_continuation(prompt, n)
+    ends = terminals(sim, "a")
+    assert len(ends) == 1
+    counters = engine_counters(sim)
+    if abort_first:
+        # The step's token was computed, but the abort wins: it is neither emitted nor counted.
+        assert ends[0] == Cancelled(
+            request_id="a",
+            incarnation=1,
+            usage=Usage(prompt_tokens=5, cached_prompt_tokens=0, completion_tokens=n - 1),
+            reason="cancelled",
+        )
+        assert emitted(sim, "a") == out[: n - 1]
+        assert counters["cancelled"] == 1
+        assert counters["aborts_noop"] == 0
+    else:
+        assert ends[0] == Finished(
+            request_id="a",
+            incarnation=1,
+            reason=FinishReason.LENGTH,
+            usage=Usage(prompt_tokens=5, cached_prompt_tokens=0, completion_tokens=n),
+        )
+        assert emitted(sim, "a") == out
+        assert counters["aborts_noop"] == 1
+        assert counters["cancelled"] == 0
+    # Either way the cached state holds the prompt and n - 1 tokens (the last step fed the
+    # pending token n - 1 and sampled token n, which is never fed).
+    kept = len(prompt) + n - 1
+    assert [len(e.tokens) for e in prefix(sim).entries()] == [kept]
+    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == kept * BPT
+    assert sim.core("router").live_sequences() == {}  # type: ignore[union-attr]
+
+
+def test_a_cancel_while_the_reservation_waits_drops_it_from_the_keeper() -> None:
+    # A reserves 15 tokens of a 20-token budget; B needs 15 too and waits in the keeper's queue.
+    sim = timed_sim(budget=20 * BPT)
+    sim.send(generate("a", (1, 2, 3, 4, 5), 10))
+    sim.run_until_idle()
+    sim.send(generate("b", (6, 7, 8, 9, 10), 10))
+    sim.run_until_idle()
+    assert kv(sim).queued() == (QueuedReservation(sequence_holder(2), 15 * BPT, 30.0),)
+    sim.advance(1.5)  # A is decoding; B still waits
+    assert kv(sim).queued() == (QueuedReservation(sequence_holder(2), 15 * BPT, 30.0),)
+
+    sim.send(Cancel(request_id="b", incarnation=1))
+    sim.run_until_idle()
+    assert kv(sim).queued() == ()
+    assert terminals(sim, "b") == [
+        Cancelled(
+            request_id="b",
+            incarnation=1,
+            usage=Usage(prompt_tokens=5, cached_prompt_tokens=0, completion_tokens=0),
+            reason="cancelled",
+        )
+    ]
+    sim.run_until_quiescent()
+
+    assert sim.events("b", 1) == terminals(sim, "b")  # no Started, no tokens: just the end
+    a_end = sim.terminal("a", 1)
+    assert isinstance(a_end, Finished) and a_end.usage.completion_tokens == 10
+    assert len(terminals(sim, "a")) == 1
+    kv_counters = kv(sim).statistics().counters
+    assert kv_counters["queued"] == 1
+    assert kv_counters["dropped_waiting"] == 1
+    assert kv_counters["granted"] == 1  # A only: B was never granted, not even after A ended
+    assert kv_counters["stale_timer"] == 1  # B's deadline fired for a ticket already dropped
+    assert kv_counters["refused_timeout"] == 0
+    assert sim.dead_letters["stale_reservation_reply"] == 0
+    assert kv(sim).holding(sequence_holder(2)) == 0
+    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == 14 * BPT  # A's end state only
+
+
+@pytest.mark.parametrize("failing_call", [1, 3])
+def test_a_backend_fault_in_sampling_fails_once_with_the_tokens_made_before_it(
+    failing_call: int,
+) -> None:
+    prompt = (1, 2, 3, 4, 5)
+    sim = timed_sim(fail_sample_call=failing_call)
+    sim.send(generate("a", prompt, 6))
+    sim.run_until_quiescent()
+
+    made = failing_call - 1  # one sample call per decode step
+    ends = terminals(sim, "a")
+    assert len(ends) == 1
+    failed = ends[0]
+    assert isinstance(failed, Failed)
+    assert (failed.code, failed.retryable) == ("backend_error", True)
+    assert f"injected fault in sample call {failing_call}" in failed.message
+    assert failed.usage == Usage(prompt_tokens=5, cached_prompt_tokens=0, completion_tokens=made)
+    assert emitted(sim, "a") == greedy_continuation(prompt, 6)[:made]
+    assert [type(e) for e in sim.events("a", 1)] == [Started, *[TokensEmitted] * made, Failed]
+    assert engine_counters(sim)["failed_backend_error"] == 1
+    # A state that saw an error is never cached; everything it held is released.
+    assert prefix(sim).entries() == ()
+    assert kv(sim).reserved_bytes == 0
+    assert kv(sim).holdings() == {}
+
+
+# --------------------------------------------------------------------------- 5. unload
+
+
+def test_unload_cancels_a_request_queued_for_kv_and_frees_everything() -> None:
+    sim = timed_sim(budget=20 * BPT)
+    sim.send(generate("a", (1, 2, 3, 4, 5), 10))
+    sim.run_until_idle()
+    sim.send(generate("b", (6, 7, 8, 9, 10), 10))
+    sim.advance(2.5)  # A's steps ended at t=0, 1 and 2 (three tokens); the fourth is in flight
+    assert len(emitted(sim, "a")) == 3
+    assert kv(sim).queued() == (QueuedReservation(sequence_holder(2), 15 * BPT, 30.0),)
+
+    reply = sim.ask(UnloadModel(model="m"))
+    assert reply == ModelUnloaded(model="m", epoch=1)
+    assert terminals(sim, "b") == [
+        Cancelled(
+            request_id="b",
+            incarnation=1,
+            usage=Usage(prompt_tokens=5, cached_prompt_tokens=0, completion_tokens=0),
+            reason="model_unloaded",
+        )
+    ]
+    assert terminals(sim, "a") == [
+        Cancelled(
+            request_id="a",
+            incarnation=1,
+            usage=Usage(prompt_tokens=5, cached_prompt_tokens=0, completion_tokens=3),
+            reason="model_unloaded",
+        )
+    ]
+    # Both terminals were out, and the memory free, by the time the unload was answered.
+    assert kv(sim).reserved_bytes == 0
+    assert kv(sim).queued() == ()
+    assert kv(sim).holdings() == {}
+    assert prefix(sim).total_bytes == 0
+    assert ENGINE not in sim.addresses()
+    sim.run_until_quiescent()
+    assert len(terminals(sim, "a")) == len(terminals(sim, "b")) == 1
+    assert kv(sim).statistics().counters["granted"] == 1  # B was never granted
+    assert kv(sim).reserved_bytes == 0
+    assert sim.core("router").counters["orphaned_requests"] == 0  # type: ignore[union-attr]
