@@ -413,6 +413,8 @@ class EngineCore:
         if seq.path is ReusePath.ADOPTED:
             seq.cached_tokens = seq.state.length  # what the prewarm had computed when it ended
         self.counters.inc(f"path_{seq.path}")
+        log.debug("sequence %d: %s, %d of %d prompt tokens reused", seq.sequence_id, seq.path,
+                  seq.cached_tokens, len(seq.tokens))  # fmt: skip
         self.counters.inc("cached_prompt_tokens", seq.cached_tokens)
         ctx.send(
             ROUTER,
@@ -611,6 +613,7 @@ class EngineCore:
 
     def _fall_back_cold(self, seq: Sequence, reason: str, ctx: Context) -> None:
         self.counters.inc(f"fallback_{reason}")  # before Started: nothing was counted as reused
+        log.debug("sequence %d: reuse fell back to a cold prefill (%s)", seq.sequence_id, reason)
         seq.cached_tokens, seq.path = 0, ReusePath.MISS
         if seq.lease_id is not None:
             ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))

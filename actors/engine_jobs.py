@@ -138,7 +138,12 @@ def _restore(
             state = backend.new_state()
     if backend.info.reuse is ReuseStrategy.CHECKPOINT and seq.tokens is not None:
         job.checkpoints = plan_checkpoints(
-            seq.tokens, state.length, seq.prefill_target, plan.checkpoint_every, backend.decode
+            seq.tokens,
+            state.length,
+            seq.prefill_target,
+            plan.checkpoint_every,
+            backend.decode,
+            instructions_end=seq.instructions_tokens,
         )
     return state
 

@@ -7,7 +7,9 @@ prompt is most likely to share with this one:
 - the last word boundary before the end (a person typing re-tokenizes the last word, so the next
   prompt rarely extends this one's tokens exactly);
 - every ``every`` tokens of a long prefill (an edit in the middle of a long document reuses all
-  before it).
+  before it);
+- the end of the instructions (system/developer messages) when a chat prompt says where it is, so
+  another conversation with the same instructions reuses them.
 
 The end of a generation and the point where an aborted prefill stopped are snapshotted by the
 engine itself, as the sequence's own final state.
@@ -26,6 +28,7 @@ def plan_checkpoints(
     target: int,
     every: int,
     decode: Callable[[Sequence[int]], str],
+    instructions_end: int = 0,
 ) -> list[int]:
     """Sorted token counts strictly between ``start`` (cached) and ``target`` to snapshot at."""
     points: set[int] = set()
@@ -37,4 +40,6 @@ def plan_checkpoints(
             break
     if every > 0:
         points.update(range(every, target, every))
+    if instructions_end > 0:
+        points.add(instructions_end)
     return sorted(p for p in points if start < p < target)

@@ -25,3 +25,9 @@ def test_a_prewarm_target_excludes_its_own_end() -> None:
     tokens = [5, 5, 0, 5, 5]
     # A prewarm prefills len - 1 tokens and commits that state itself.
     assert plan_checkpoints(tokens, start=0, target=4, every=0, decode=decode) == [2]
+
+
+def test_the_end_of_the_instructions_is_a_checkpoint_when_known() -> None:
+    tokens = [5] * 30
+    plan = plan_checkpoints(tokens, start=0, target=30, every=0, decode=decode, instructions_end=12)
+    assert plan == [12, 29]

@@ -41,3 +41,37 @@ async def test_prewarmed_chat_is_reused_exactly_and_equals_cold() -> None:
         assert hot.started.cached_tokens == hot.started.prompt_tokens - 1
         assert hot.token_ids == cold.token_ids
         assert "<|im_start|>" not in hot.text
+
+
+async def test_unload_through_the_runtime_returns_mlx_memory_to_its_baseline() -> None:
+    import gc
+
+    import mlx.core as mx
+
+    gc.collect()
+    mx.clear_cache()
+    baseline = mx.get_active_memory()
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        await rt.load_model(spec())
+        await rt.complete("llama", "fill some cache " * 20, max_tokens=8)
+        assert mx.get_active_memory() > baseline + (1 << 20)  # weights and cached prefixes
+        await rt.unload_model("llama")
+        gc.collect()
+        assert mx.get_active_memory() <= baseline + (1 << 20)
+
+
+async def test_a_system_prompt_is_checkpointed_for_other_conversations() -> None:
+    hybrid = ModelSpec(name="hybrid", path=str(tiny_model_path("hybrid")), backend="mlx")
+    system = ChatMessage(role="system", content="You answer in one word, politely, always.")
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        await rt.load_model(hybrid)
+        await rt.complete(
+            "hybrid", messages=[system, ChatMessage(role="user", content="Hi")], max_tokens=2
+        )
+        other = await rt.complete(
+            "hybrid",
+            messages=[system, ChatMessage(role="user", content="Something else")],
+            max_tokens=2,
+        )
+        assert other.started is not None and other.started.path is ReusePath.CHECKPOINT
+        assert other.started.cached_tokens >= 10  # at least the rendered system message
