@@ -12,11 +12,12 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from bench import ours, raw_mlx, server
+from bench import generation, ours, raw_mlx, server
 from bench.results import Sink, format_table
 from bench.workload import QUICK, Sizes, build_workload
 
 KINDS = ("llama", "sliding", "hybrid")
+SCENARIO_GROUPS = ("existing", "generation")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -29,7 +30,18 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default="runtime,mlx-lm,mlx_lm.server",
         help="comma-separated subset of: runtime, mlx-lm, mlx_lm.server",
     )
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(SCENARIO_GROUPS),
+        help="comma-separated subset of: existing (turn2, abandon, decode), generation "
+        "(gen.*: one-stream decode, 4 concurrent, inter-token latency, coalescing; runtime "
+        "and mlx-lm only)",
+    )
     args = parser.parse_args(argv)
+    args.scenarios = {s for s in args.scenarios.split(",") if s}
+    unknown_groups = args.scenarios - set(SCENARIO_GROUPS)
+    if unknown_groups:
+        parser.error(f"unknown scenarios {sorted(unknown_groups)}; choose from {SCENARIO_GROUPS}")
     args.models = [m for m in args.models.split(",") if m]
     unknown = set(args.models) - set(KINDS)
     if unknown:
@@ -53,8 +65,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         for kind in args.models:
             path = tiny_model_path(kind)
             model, tokenizer = load_tiny_model(kind)
-            work = build_workload(tokenizer, sizes)
             _log(f"{kind}: {path}")
+            if "generation" in args.scenarios and "runtime" in args.systems:
+                _log(f"{kind}: generation (runtime, backend level, mlx-lm stream_generate)")
+                gen_sizes = generation.GEN_QUICK if args.quick else generation.GenSizes()
+                sink.extend(generation.measure(path, model, tokenizer, kind, gen_sizes))
+            if "existing" not in args.scenarios:
+                continue
+            work = build_workload(tokenizer, sizes)
             if "mlx-lm" in args.systems:
                 _log(f"{kind}: raw mlx-lm")
                 sink.extend(raw_mlx.measure(model, kind, work))
