@@ -13,6 +13,8 @@ import random
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import msgspec
+
 from actors.engine_jobs import (
     DEFAULT_CHECKPOINT_EVERY,
     BatchWork,
@@ -44,6 +46,7 @@ from runtime.messages import (
     Drain,
     Drained,
     DropEntries,
+    EndSession,
     EngineLoadFailed,
     EngineReady,
     EpochReleased,
@@ -68,10 +71,13 @@ from runtime.messages import (
     SequenceFailed,
     SequenceFinished,
     SequenceStarted,
+    SessionEnded,
     Stats,
+    TokenIds,
     TokenLogprob,
     TokensProduced,
     Transfer,
+    Unpin,
 )
 from runtime.sequence import COMPUTE_PHASES, Phase, Sequence
 from runtime.stats import Counters
@@ -141,6 +147,8 @@ class EngineCore:
         self._batch_members: dict[int, Sequence] = {}  # slot -> sequence
         self._leaving: dict[int, _Leaving] = {}  # sequences whose state is still in the batch
         self._batch_ran_last = False
+        # (namespace, session) -> (instructions tokens, entry id) of its pinned prefix entry
+        self._pins: dict[tuple[str, str], tuple[TokenIds, int]] = {}
         self.counters = Counters()
 
     # ------------------------------------------------------------------ lifecycle
@@ -200,6 +208,7 @@ class EngineCore:
                     self._fail(seq, ctx, code, text, retry)
                 elif holder.kind is HolderKind.PREFIX_ENTRY and holder.id in self._entries:
                     del self._entries[holder.id]  # no room for this snapshot: skip it
+                    self._pins = {k: v for k, v in self._pins.items() if v[1] != holder.id}
                     self.counters.inc("snapshots_refused")
                 else:
                     ctx.count_dead_letter("stale_reservation_reply")
@@ -208,6 +217,9 @@ class EngineCore:
             case Committed(entry_id=entry_id, accepted=accepted, superseded=superseded):
                 dropped = superseded if accepted else (entry_id, *superseded)
                 self._drop_entries(dropped, ctx)
+            case EndSession(session=session, namespace=namespace):
+                unpinned = self._unpin((namespace, session), ctx)
+                ctx.send(sender, SessionEnded(model=self.model, session=session, unpinned=unpinned))
             case DropEntries(epoch=epoch, entry_ids=ids) if epoch == self.epoch:
                 self._drop_entries(ids, ctx)
             case Drain(epoch=epoch) if epoch == self.epoch:
@@ -290,6 +302,7 @@ class EngineCore:
             self._fail_with(seq, ctx, error)
             return
         seq.stop_token_ids = seq.stop_token_ids | info.eos_token_ids
+        self._plan_pin(seq, ctx)
         if seq.kind is RequestKind.GENERATE:
             self._supersede(seq, ctx)
         elif seq.prefill_target == 0:
@@ -304,6 +317,32 @@ class EngineCore:
                 timeout_s=self._reservation_timeout_s,
             ),
         )
+
+    def _plan_pin(self, seq: Sequence, ctx: Context) -> None:
+        """Keep the session's instructions prefix pinned in the prefix cache while it lives.
+
+        New instructions in the session unpin the old prefix; the first request with them
+        snapshots and pins the new one.
+        """
+        assert seq.tokens is not None
+        k = seq.instructions_tokens
+        if not 0 < k < len(seq.tokens):
+            return
+        key = (seq.namespace, seq.session)
+        pinned = self._pins.get(key)
+        if pinned is not None and pinned[0] != seq.tokens[:k]:
+            self._unpin(key, ctx)
+            pinned = None
+        if pinned is None:
+            seq.pin_at = k
+
+    def _unpin(self, key: tuple[str, str], ctx: Context) -> bool:
+        pinned = self._pins.pop(key, None)
+        if pinned is None:
+            return False
+        ctx.send(PREFIX_CACHE, Unpin(model=self.model, epoch=self.epoch, entry_id=pinned[1]))
+        self.counters.inc("unpinned")
+        return True
 
     def _supersede(self, seq: Sequence, ctx: Context) -> None:
         """A generate adopts an in-flight prewarm it extends and aborts others in its session.
@@ -796,6 +835,11 @@ class EngineCore:
     def _commit_snapshot(self, seq: Sequence, snapshot: SequenceState, ctx: Context) -> None:
         """A checkpoint is extra memory: it needs its own reservation, and never waits for one."""
         entry_id, commit = self._new_entry(seq, snapshot)
+        key = (seq.namespace, seq.session)
+        if snapshot.length == seq.pin_at and key not in self._pins:
+            commit = msgspec.structs.replace(commit, pinned=True)
+            self._pins[key] = (commit.tokens, entry_id)
+            self.counters.inc("pinned")
         self._entries[entry_id].pending = commit
         holder = self._entry_holder(entry_id)
         ctx.send(KV_KEEPER, Reserve(holder=holder, nbytes=commit.nbytes, timeout_s=0.0))
@@ -842,6 +886,9 @@ class EngineCore:
         return Holder(model=self.model, epoch=self.epoch, kind=HolderKind.PREFIX_ENTRY, id=entry_id)
 
     def _drop_entries(self, entry_ids: tuple[int, ...], ctx: Context) -> None:
+        for key, (_, pinned_id) in list(self._pins.items()):
+            if pinned_id in entry_ids:  # refused or evicted: the next request pins again
+                del self._pins[key]
         for entry_id in entry_ids:
             if self._entries.pop(entry_id, None) is None:
                 ctx.count_dead_letter("drop_unknown_entry")

@@ -136,8 +136,9 @@ def _restore(
         except CannotTrim:
             job.fallback = "trim_refused"
             state = backend.new_state()
+    points: list[int] = []
     if backend.info.reuse is ReuseStrategy.CHECKPOINT and seq.tokens is not None:
-        job.checkpoints = plan_checkpoints(
+        points = plan_checkpoints(
             seq.tokens,
             state.length,
             seq.prefill_target,
@@ -145,6 +146,9 @@ def _restore(
             backend.decode,
             instructions_end=seq.instructions_tokens,
         )
+    if state.length < seq.pin_at < seq.prefill_target and seq.pin_at not in points:
+        points = sorted([*points, seq.pin_at])  # the session's instructions, on any cache kind
+    job.checkpoints = points
     return state
 
 

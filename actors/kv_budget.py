@@ -12,7 +12,8 @@ Policy
         FIFO, so a small request never jumps a large one. If not, it waits in the queue under a
         fresh ticket (never reused), the keeper asks the prefix-cache manager to ``Evict`` the
         whole queue's shortfall, and a timer fires at the deadline (``timeout_s``, default
-        ``default_timeout_s``). ``timeout_s=0`` means "only if it fits now": refused at once
+        ``default_timeout_s``); half-way there it asks again, now letting pinned entries go.
+        ``timeout_s=0`` means "only if it fits now": refused at once
         (retryable), never queued, never evicting for it (checkpoint snapshots use this). A
         holder may reserve more than once; its amounts add up.
     ``Release(holder)``
@@ -60,6 +61,7 @@ from runtime.messages import (
     Release,
     ReleaseEpoch,
     ReservationExpired,
+    ReservationPressure,
     ReservationRefused,
     Reserve,
     Reserved,
@@ -73,7 +75,7 @@ _COUNTER_NAMES = (
     "granted", "queued", "evict_requests", "refused_invalid", "refused_too_large",
     "refused_timeout", "refused_no_wait", "released", "released_unknown", "transfers",
     "transfer_short", "transfer_invalid", "transfer_unknown_source", "dropped_waiting",
-    "stale_timer", "stale_epoch", "unexpected_message",
+    "stale_timer", "stale_epoch", "unexpected_message", "evict_pinned_requests",
 )
 # fmt: on
 
@@ -171,6 +173,11 @@ class KVBudgetCore:
                 ctx.send(sender, EpochReleased(model=model, epoch=epoch))
             case ReservationExpired(holder=holder, ticket=ticket):
                 self._expire(holder, ticket, ctx)
+            case ReservationPressure(ticket=ticket):
+                if ticket in self._waiting:
+                    self._counters["evict_pinned_requests"] += 1
+                    shortfall = self._queued_bytes() - self.free_bytes
+                    ctx.send(self._prefix_cache, Evict(nbytes=shortfall, include_pinned=True))
             case GetStats():
                 ctx.send(sender, self.statistics())
             case _:
@@ -222,6 +229,9 @@ class KVBudgetCore:
         # Ask for the whole queue's shortfall: everything ahead must be served before this one.
         ctx.send(self._prefix_cache, Evict(nbytes=self._queued_bytes() - self.free_bytes))
         ctx.send_later(timeout_s, ReservationExpired(holder=holder, ticket=ticket))
+        # Half-way to the deadline, pinned entries (session instructions) may be evicted too:
+        # they never make a reservation wait out its whole deadline.
+        ctx.send_later(timeout_s / 2, ReservationPressure(holder=holder, ticket=ticket))
 
     def _release(self, holder: Holder, ctx: Context) -> None:
         dropped = self._drop_waiting(lambda w: w.holder == holder, ctx)

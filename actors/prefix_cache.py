@@ -35,6 +35,7 @@ from runtime.messages import (
     ReusePath,
     Stats,
     TokenIds,
+    Unpin,
 )
 from runtime.token_trie import TokenTrie
 
@@ -63,6 +64,7 @@ _COUNTER_NAMES = (
     "reset_entries",
     "invalidations",
     "invalidated_entries",
+    "unpinned",
 )
 
 
@@ -182,6 +184,13 @@ class PrefixCacheCore:
                 ctx.send(sender, self._commit(message))
             case ReleaseLease(lease_id=lease_id):
                 self._release_lease(lease_id, ctx)
+            case Unpin(model=model, epoch=epoch, entry_id=entry_id):
+                entry = self._entries.get(EntryKey(model, epoch, entry_id))
+                if entry is None:
+                    ctx.count_dead_letter("unpin_unknown_entry")
+                else:
+                    entry.pinned = False
+                    self._counters["unpinned"] += 1
             case Evict(nbytes=nbytes, include_pinned=include_pinned):
                 self._evict(nbytes, include_pinned, ctx)
             case InvalidateEpoch(model=model, epoch=epoch):

@@ -23,6 +23,7 @@ from runtime.messages import (
     CommandFailed,
     Drain,
     Drained,
+    EndSession,
     EngineLoadFailed,
     EngineReady,
     Failed,
@@ -44,6 +45,7 @@ from runtime.messages import (
     SequenceFailed,
     SequenceFinished,
     SequenceStarted,
+    SessionEnded,
     Shutdown,
     ShutdownComplete,
     Started,
@@ -99,6 +101,7 @@ class RouterCore:
         self._next_sequence_id = 1
         self._next_epoch = 1
         self._reset_waiters: deque[Address] = deque()
+        self._session_waiters: deque[Address] = deque()
         self._shutdown_waiters: list[Address] = []
         self.counters = Counters()
 
@@ -142,6 +145,15 @@ class RouterCore:
                 ctx.send(PREFIX_CACHE, message)
             case PrefixesReset():
                 ctx.send(self._reset_waiters.popleft(), message)
+            case EndSession(model=model):
+                ready = self._ready(model)
+                if ready is None:
+                    ctx.send(sender, _not_loaded(model))
+                    return
+                self._session_waiters.append(sender)
+                ctx.send(ready.address, message)
+            case SessionEnded():
+                ctx.send(self._session_waiters.popleft(), message)
             case GetStats():
                 ctx.send(sender, self.statistics())
             case Shutdown():

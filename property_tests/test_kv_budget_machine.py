@@ -83,6 +83,7 @@ class KVBudgetMachine(RuleBasedStateMachine):
         # What the keeper actually did.
         self.replies: dict[Address, list[Reply]] = {}
         self.evicts: list[int] = []
+        self.pinned_evicts = 0
         self.epochs_released: list[tuple[str, str, int]] = []
         self.granted_numbers: list[int] = []
         # Requests that were queued (deadline) and those dropped unanswered by a release.
@@ -105,6 +106,10 @@ class KVBudgetMachine(RuleBasedStateMachine):
     def collect_sent(self) -> None:
         for to, message in self.ctx.take_sent():
             match message:
+                case Evict(nbytes=nbytes, include_pinned=True):
+                    assert to == PREFIX_CACHE
+                    assert nbytes > 0  # only sent while a reservation still waits
+                    self.pinned_evicts += 1
                 case Evict(nbytes=nbytes):
                     assert to == PREFIX_CACHE
                     self.evicts.append(nbytes)

@@ -32,6 +32,7 @@ from runtime.messages import (
     ChatMessage,
     ChatOptions,
     CommandFailed,
+    EndSession,
     Failed,
     Finished,
     Generate,
@@ -46,6 +47,7 @@ from runtime.messages import (
     Rejected,
     ResetPrefixes,
     Sampling,
+    SessionEnded,
     Shutdown,
     Started,
     Stats,
@@ -258,6 +260,13 @@ class Runtime:
         return _expect(
             await self._ask(ResetPrefixes(model=model, namespace=namespace)), PrefixesReset
         )
+
+    async def end_session(
+        self, model: str, session: str, namespace: str = "default"
+    ) -> SessionEnded:
+        """The session is over: its pinned instructions prefix becomes evictable again."""
+        reply = await self._ask(EndSession(model=model, session=session, namespace=namespace))
+        return _expect(reply, SessionEnded)
 
     # ------------------------------------------------------------------ requests
 

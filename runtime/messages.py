@@ -222,6 +222,25 @@ class ResetPrefixes(Message, frozen=True):
     namespace: str | None = None
 
 
+class EndSession(Message, frozen=True):
+    """The host is done with ``session``: its pinned instructions prefix may be evicted again.
+
+    Router → engine; answered ``SessionEnded``.
+    """
+
+    model: str
+    session: str
+    namespace: str = "default"
+
+
+class SessionEnded(Message, frozen=True):
+    """Reply to ``EndSession``; ``unpinned`` says whether the session had a pinned prefix."""
+
+    model: str
+    session: str
+    unpinned: bool
+
+
 class GetStats(Message, frozen=True):
     """Ask an actor for its counters; replied to with ``Stats``."""
 
@@ -507,6 +526,13 @@ class ReservationExpired(Message, frozen=True):
     ticket: int
 
 
+class ReservationPressure(Message, frozen=True):
+    """Keeper → itself (timer, half-way to the deadline): if still queued, evict pinned too."""
+
+    holder: Holder
+    ticket: int
+
+
 class ReleaseEpoch(Message, frozen=True):
     """Return every reservation of ``model`` at ``epoch`` (teardown's last word on memory).
 
@@ -586,6 +612,15 @@ class ReleaseLease(Message, frozen=True):
     lease_id: int
 
 
+class Unpin(Message, frozen=True):
+    """Engine → prefix manager: entry ``entry_id`` is no longer its session's instructions prefix
+    (the instructions changed, or the session ended); it becomes an ordinary LRU entry."""
+
+    model: str
+    epoch: int
+    entry_id: int
+
+
 class Evict(Message, frozen=True):
     """Keeper → prefix manager: free at least ``nbytes`` from unleased entries, LRU first."""
 
@@ -619,7 +654,8 @@ class ComputeDone(Message, frozen=True):
 # --------------------------------------------------------------------------- unions
 
 RouterInbox = (
-    Generate
+    EndSession
+    | Generate
     | Prewarm
     | Cancel
     | LoadModel
@@ -636,10 +672,12 @@ RouterInbox = (
     | SequenceFailed
     | Drained
     | PrefixesReset
+    | SessionEnded
 )
 
 EngineInbox = (
-    Admit
+    EndSession
+    | Admit
     | Abort
     | Drain
     | GetStats
@@ -652,15 +690,31 @@ EngineInbox = (
     | EpochReleased
 )
 
-KVInbox = Reserve | Release | Transfer | ReleaseEpoch | ReservationExpired | GetStats
+KVInbox = (
+    Reserve
+    | Release
+    | Transfer
+    | ReleaseEpoch
+    | ReservationExpired
+    | ReservationPressure
+    | GetStats
+)
 
-PrefixInbox = Lookup | Commit | ReleaseLease | Evict | InvalidateEpoch | ResetPrefixes | GetStats
+PrefixInbox = (
+    Lookup | Commit | ReleaseLease | Unpin | Evict | InvalidateEpoch | ResetPrefixes | GetStats
+)
 
 HostEvent = Started | TokensEmitted | Finished | Cancelled | Failed | Rejected
 TerminalEvent = Finished | Cancelled | Failed
 
 CommandReply = (
-    ModelLoaded | ModelUnloaded | PrefixesReset | CommandFailed | ShutdownComplete | Stats
+    SessionEnded
+    | ModelLoaded
+    | ModelUnloaded
+    | PrefixesReset
+    | CommandFailed
+    | ShutdownComplete
+    | Stats
 )
 
 AnyMessage = RouterInbox | EngineInbox | KVInbox | PrefixInbox | HostEvent | CommandReply

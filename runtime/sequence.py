@@ -61,6 +61,7 @@ class Sequence:
     dropped_turns: int = 0
     supersede: bool = False  # a generate that aborts its session's older generates
     instructions_tokens: int = 0  # leading tokens that render the system messages alone
+    pin_at: int = 0  # >0: snapshot here and pin it as the session's instructions prefix
     phase: Phase = Phase.TOKENIZING
     # Set once, by the loop, when the sequence must stop; the compute thread checks it per step.
     abort: threading.Event = field(default_factory=threading.Event)

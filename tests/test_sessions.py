@@ -1,0 +1,79 @@
+"""Sessions pin their instructions prefix in the prefix cache while they live."""
+
+from __future__ import annotations
+
+from runtime.config import RuntimeConfig
+from runtime.messages import (
+    ChatMessage,
+    EndSession,
+    Evict,
+    Finished,
+    Generate,
+    ModelLoaded,
+    ModelSpec,
+    SessionEnded,
+    Started,
+)
+from runtime.testing.simulator import Simulator
+
+SYSTEM = ChatMessage(role="system", content="You are a careful assistant.")
+RENDERED_SYSTEM = len("system: You are a careful assistant.\n")
+
+
+def make_sim(budget: int = 64 << 20, **options: object) -> Simulator:
+    sim = Simulator(config=RuntimeConfig(kv_budget_bytes=budget, reservation_timeout_s=1.0))
+    spec = ModelSpec(name="m", backend="simulated", prefill_chunk_tokens=16, options=dict(options))
+    assert isinstance(sim.load(spec), ModelLoaded)
+    return sim
+
+
+def chat(request_id: str, incarnation: int, system: ChatMessage, text: str) -> Generate:
+    return Generate(
+        request_id=request_id,
+        incarnation=incarnation,
+        model="m",
+        messages=(system, ChatMessage(role="user", content=text)),
+        max_tokens=3,
+        session="s",
+    )
+
+
+def pinned(sim: Simulator) -> list[int]:
+    return [len(e.tokens) for e in sim.core("prefix").entries() if e.pinned]  # type: ignore[union-attr]
+
+
+def test_the_instructions_prefix_is_pinned_reused_and_replaced_when_it_changes() -> None:
+    sim = make_sim(trimmable=False)
+    sim.send(chat("a", 1, SYSTEM, "first question"))
+    sim.run_until_quiescent()
+    assert pinned(sim) == [RENDERED_SYSTEM]
+    sim.send(chat("b", 2, SYSTEM, "a different question"))
+    sim.run_until_quiescent()
+    started = next(e for e in sim.events("b", 2) if isinstance(e, Started))
+    assert started.cached_tokens == RENDERED_SYSTEM  # another conversation reuses the pin
+    assert pinned(sim) == [RENDERED_SYSTEM]  # still one pin: nothing duplicated
+    other = ChatMessage(role="system", content="Be terse.")
+    sim.send(chat("c", 3, other, "first question"))
+    sim.run_until_quiescent()
+    assert pinned(sim) == [len("system: Be terse.\n")]  # the old prefix was unpinned
+    reply = sim.ask(EndSession(model="m", session="s"))
+    assert reply == SessionEnded(model="m", session="s", unpinned=True)
+    assert pinned(sim) == []
+
+
+def test_a_pinned_prefix_survives_ordinary_eviction_but_never_starves_a_reservation() -> None:
+    # Budget: the pinned prefix plus one running request, but not two of them.
+    sim = make_sim(budget=120 * 1024, bytes_per_token=1024)
+    sim.send(chat("a", 1, SYSTEM, "q"))
+    sim.run_until_quiescent()
+    assert pinned(sim) == [RENDERED_SYSTEM]
+    sim.deliver("prefix", Evict(nbytes=1 << 30), "kv")  # ordinary pressure: pins stay
+    sim.run_until_quiescent()
+    assert pinned(sim) == [RENDERED_SYSTEM]
+    # A request too big to fit beside the pin: half-way to its deadline the pin is evicted.
+    big = Generate(request_id="big", incarnation=2, model="m", prompt="x" * 60, max_tokens=40)
+    sim.send(big)
+    sim.run_until_quiescent()
+    assert isinstance(sim.terminal("big", 2), Finished)
+    assert pinned(sim) == []
+    assert sim.core("kv").statistics().counters["evict_pinned_requests"] >= 1  # type: ignore[union-attr]
