@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,6 +88,7 @@ log = logging.getLogger("mlx_actor_runtime.engine")
 
 
 DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_CONCURRENT = 32  # sequences past the admission gate at once; others wait FIFO
 
 
 @dataclass
@@ -147,6 +149,11 @@ class EngineCore:
         self._batch_members: dict[int, Sequence] = {}  # slot -> sequence
         self._leaving: dict[int, _Leaving] = {}  # sequences whose state is still in the batch
         self._batch_ran_last = False
+        max_concurrent = spec.options.get("max_concurrent", DEFAULT_MAX_CONCURRENT)
+        self._max_concurrent = (
+            max_concurrent if isinstance(max_concurrent, int) else DEFAULT_MAX_CONCURRENT
+        )
+        self._admission_queue: deque[Sequence] = deque()
         # (namespace, session) -> (instructions tokens, entry id) of its pinned prefix entry
         self._pins: dict[tuple[str, str], tuple[TokenIds, int]] = {}
         self.counters = Counters()
@@ -308,12 +315,34 @@ class EngineCore:
         elif seq.prefill_target == 0:
             self._finish(seq, ctx, FinishReason.PREWARMED)
             return
+        if self._running() >= self._max_concurrent:  # the admission gate: wait for a slot
+            seq.phase = Phase.WAITING
+            self._admission_queue.append(seq)
+            self.counters.inc("admission_waits")
+            return
+        self._reserve(seq, ctx)
+
+    def _running(self) -> int:
+        """Sequences past the admission gate (reserving, looking up, computing)."""
+        waiting = (Phase.TOKENIZING, Phase.WAITING)
+        return sum(1 for s in self._sequences.values() if s.phase not in waiting)
+
+    def _admit_waiting(self, ctx: Context) -> None:
+        while self._admission_queue and self._running() < self._max_concurrent:
+            seq = self._admission_queue.popleft()
+            if seq.phase is Phase.WAITING:  # not cancelled while it waited
+                self._reserve(seq, ctx)
+
+    def _reserve(self, seq: Sequence, ctx: Context) -> None:
+        assert seq.tokens is not None
+        assert self._backend is not None
+        wanted = len(seq.tokens) + (seq.max_tokens if seq.kind is RequestKind.GENERATE else 0)
         seq.phase = Phase.RESERVING
         ctx.send(
             KV_KEEPER,
             Reserve(
                 holder=seq.holder,
-                nbytes=info.kv_bytes(wanted, self._plan.chunk_tokens),
+                nbytes=self._backend.info.kv_bytes(wanted, self._plan.chunk_tokens),
                 timeout_s=self._reservation_timeout_s,
             ),
         )
@@ -868,6 +897,7 @@ class EngineCore:
         once its state is back out of the batch)."""
         seq.phase = Phase.DONE
         self._sequences.pop(seq.sequence_id, None)
+        self._admit_waiting(ctx)
         if seq.batch_slot is not None:
             self._leaving[seq.sequence_id] = _Leaving(seq, detach)
             return

@@ -18,7 +18,7 @@ from runtime.chat import ChatTokenizer
 from runtime.messages import ModelSpec
 
 # ModelSpec options the engine reads (every backend ignores them).
-ENGINE_OPTIONS = frozenset({"checkpoint_every_tokens", "batching", "max_batch"})
+ENGINE_OPTIONS = frozenset({"checkpoint_every_tokens", "batching", "max_batch", "max_concurrent"})
 
 
 def backend_options(options: dict[str, str | int | float | bool | None]) -> dict[str, object]:

@@ -26,6 +26,7 @@ from runtime.stop_strings import StopStringMatcher
 
 class Phase(enum.Enum):
     TOKENIZING = enum.auto()  # waiting for the compute thread to tokenize the prompt
+    WAITING = enum.auto()  # at the admission gate: the engine runs its most sequences
     RESERVING = enum.auto()  # waiting for the KV keeper
     LOOKING_UP = enum.auto()  # waiting for the prefix-cache manager
     RESTORING = enum.auto()  # compute: copy (and trim) a cached state, or make an empty one

@@ -112,3 +112,26 @@ def test_a_long_prefill_interleaves_with_the_batch_steps() -> None:
     assert during["batch_steps"] - before["batch_steps"] >= chunks - 1
     sim.run_until_quiescent()
     assert emitted(sim, "c", 3) == greedy_continuation(tuple(range(7, 400)), 2)
+
+
+def test_the_admission_gate_runs_at_most_max_concurrent_and_the_rest_wait_in_order() -> None:
+    sim = make_sim(max_concurrent=2)
+    prompts = [tuple(range(i * 10, i * 10 + 5)) for i in range(1, 6)]
+    for index, prompt in enumerate(prompts):
+        sim.send(generate(f"r{index}", index + 1, prompt, 6))
+    sim.advance(0.005)
+    engine = sim.core("engine:m#1")
+    assert engine.statistics().gauges["sequences"] == 5  # type: ignore[union-attr]
+    assert engine.counters["admission_waits"] == 3  # type: ignore[union-attr]
+    sim.send(Cancel(request_id="r3", incarnation=4))  # cancelled while it waits at the gate
+    sim.run_until_quiescent()
+    cancelled = sim.terminal("r3", 4)
+    assert isinstance(cancelled, Cancelled) and cancelled.usage.completion_tokens == 0
+    for index in (0, 1, 2, 4):
+        assert emitted(sim, f"r{index}", index + 1) == greedy_continuation(prompts[index], 6)
+    starts = [
+        next(i for i, m in enumerate(sim.host_messages) if getattr(m, "request_id", "") == rid
+             and type(m).__name__ == "Started")
+        for rid in ("r2", "r4")
+    ]  # fmt: skip
+    assert starts == sorted(starts)  # FIFO through the gate
