@@ -14,8 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import msgspec
-
+from actors.engine_entries import EntryStore
 from actors.engine_jobs import (
     DEFAULT_CHECKPOINT_EVERY,
     BatchWork,
@@ -41,7 +40,6 @@ from runtime.errors import (
 from runtime.messages import (
     Abort,
     Admit,
-    Commit,
     Committed,
     ComputeDone,
     Drain,
@@ -74,11 +72,8 @@ from runtime.messages import (
     SequenceStarted,
     SessionEnded,
     Stats,
-    TokenIds,
     TokenLogprob,
     TokensProduced,
-    Transfer,
-    Unpin,
 )
 from runtime.sequence import COMPUTE_PHASES, Phase, Sequence
 from runtime.stats import Counters
@@ -98,13 +93,6 @@ class _Leaving:
     seq: Sequence
     detach: bool  # commit its state to the prefix cache once it is back
     resume: bool = False  # it goes on decoding alone
-
-
-@dataclass
-class _Entry:
-    state: SequenceState
-    nbytes: int
-    pending: Commit | None = None  # a snapshot waiting for its own reservation before commit
 
 
 class EngineCore:
@@ -131,8 +119,6 @@ class EngineCore:
         )
         self._backend: Backend | None = None
         self._sequences: dict[int, Sequence] = {}
-        self._entries: dict[int, _Entry] = {}
-        self._next_entry_id = 1
         self._next_job_id = 1
         self._jobs: dict[int, Job] = {}
         self._busy = False
@@ -154,9 +140,8 @@ class EngineCore:
             max_concurrent if isinstance(max_concurrent, int) else DEFAULT_MAX_CONCURRENT
         )
         self._admission_queue: deque[Sequence] = deque()
-        # (namespace, session) -> (instructions tokens, entry id) of its pinned prefix entry
-        self._pins: dict[tuple[str, str], tuple[TokenIds, int]] = {}
         self.counters = Counters()
+        self._entries = EntryStore(spec.name, epoch, self.counters)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -185,8 +170,7 @@ class EngineCore:
     def statistics(self) -> Stats:
         gauges = {
             "sequences": len(self._sequences),
-            "entries": len(self._entries),
-            "entry_bytes": sum(e.nbytes for e in self._entries.values()),
+            **self._entries.gauges(),
             "batch_size": len(self._batch_members),
         }
         return Stats(
@@ -213,22 +197,20 @@ class EngineCore:
                 seq = self._sequences.get(holder.id)
                 if holder.kind is HolderKind.SEQUENCE and seq and seq.phase is Phase.RESERVING:
                     self._fail(seq, ctx, code, text, retry)
-                elif holder.kind is HolderKind.PREFIX_ENTRY and holder.id in self._entries:
-                    del self._entries[holder.id]  # no room for this snapshot: skip it
-                    self._pins = {k: v for k, v in self._pins.items() if v[1] != holder.id}
-                    self.counters.inc("snapshots_refused")
+                elif holder.kind is HolderKind.PREFIX_ENTRY and self._entries.refused(holder.id):
+                    pass  # no room for that snapshot: skipped
                 else:
                     ctx.count_dead_letter("stale_reservation_reply")
             case LookupResult():
                 self._looked_up(message, ctx)
             case Committed(entry_id=entry_id, accepted=accepted, superseded=superseded):
                 dropped = superseded if accepted else (entry_id, *superseded)
-                self._drop_entries(dropped, ctx)
+                self._entries.drop(dropped, ctx)
             case EndSession(session=session, namespace=namespace):
-                unpinned = self._unpin((namespace, session), ctx)
+                unpinned = self._entries.unpin((namespace, session), ctx)
                 ctx.send(sender, SessionEnded(model=self.model, session=session, unpinned=unpinned))
             case DropEntries(epoch=epoch, entry_ids=ids) if epoch == self.epoch:
-                self._drop_entries(ids, ctx)
+                self._entries.drop(ids, ctx)
             case Drain(epoch=epoch) if epoch == self.epoch:
                 self._drain(sender, ctx)
             case EpochReleased(epoch=epoch) if epoch == self.epoch and self._draining:
@@ -309,7 +291,7 @@ class EngineCore:
             self._fail_with(seq, ctx, error)
             return
         seq.stop_token_ids = seq.stop_token_ids | info.eos_token_ids
-        self._plan_pin(seq, ctx)
+        self._entries.plan_pin(seq, ctx)
         if seq.kind is RequestKind.GENERATE:
             self._supersede(seq, ctx)
         elif seq.prefill_target == 0:
@@ -346,32 +328,6 @@ class EngineCore:
                 timeout_s=self._reservation_timeout_s,
             ),
         )
-
-    def _plan_pin(self, seq: Sequence, ctx: Context) -> None:
-        """Keep the session's instructions prefix pinned in the prefix cache while it lives.
-
-        New instructions in the session unpin the old prefix; the first request with them
-        snapshots and pins the new one.
-        """
-        assert seq.tokens is not None
-        k = seq.instructions_tokens
-        if not 0 < k < len(seq.tokens):
-            return
-        key = (seq.namespace, seq.session)
-        pinned = self._pins.get(key)
-        if pinned is not None and pinned[0] != seq.tokens[:k]:
-            self._unpin(key, ctx)
-            pinned = None
-        if pinned is None:
-            seq.pin_at = k
-
-    def _unpin(self, key: tuple[str, str], ctx: Context) -> bool:
-        pinned = self._pins.pop(key, None)
-        if pinned is None:
-            return False
-        ctx.send(PREFIX_CACHE, Unpin(model=self.model, epoch=self.epoch, entry_id=pinned[1]))
-        self.counters.inc("unpinned")
-        return True
 
     def _supersede(self, seq: Sequence, ctx: Context) -> None:
         """A generate adopts an in-flight prewarm it extends and aborts others in its session.
@@ -411,13 +367,7 @@ class EngineCore:
 
     def _reserved(self, holder: Holder, ctx: Context) -> None:
         if holder.kind is HolderKind.PREFIX_ENTRY:
-            entry = self._entries.get(holder.id)
-            if entry is None or entry.pending is None:
-                ctx.send(KV_KEEPER, Release(holder=holder))
-                return
-            ctx.send(PREFIX_CACHE, entry.pending)
-            entry.pending = None
-            self.counters.inc("entries_committed")
+            self._entries.reserved(holder.id, ctx)
             return
         seq = self._sequences.get(holder.id)
         if (
@@ -533,8 +483,7 @@ class EngineCore:
             self._last_served = seq.sequence_id
             seq.in_compute = True
             step = Job(JobKind.STEP, seq=seq)
-            entry = self._entries.get(seq.restore_entry) if seq.restore_entry is not None else None
-            source = None if entry is None else entry.state  # leased: never dropped meanwhile
+            source = self._entries.state(seq.restore_entry)  # leased: never dropped meanwhile
             self._submit(ctx, step, lambda: run_step(step, seq, backend, self._plan, source))
             return
         if self._draining and not self._sequences and not self._leaving:
@@ -601,7 +550,8 @@ class EngineCore:
             seq.checkpoints = job.checkpoints
         if job.snapshot is not None:
             seq.checkpoints.pop(0)
-            self._commit_snapshot(seq, job.snapshot, ctx)
+            assert self._backend is not None
+            self._entries.snapshot(seq, job.snapshot, self._backend, ctx)
         if seq.phase is Phase.DONE:
             return
         if seq.crash_message is not None:
@@ -661,7 +611,7 @@ class EngineCore:
             self._finish_cancelled(seq, ctx)
         elif not leaving.resume:
             if leaving.detach:
-                self._detach_state(seq, ctx)
+                self._detach(seq, ctx)
             self._release_holdings(seq, ctx)
 
     def _member(self, seq_id: int) -> Sequence:
@@ -847,51 +797,6 @@ class EngineCore:
             ),
         )
 
-    def _detach_state(self, seq: Sequence, ctx: Context) -> None:
-        """Turn the sequence's cache into a prefix entry keyed by exactly the tokens it holds."""
-        state, seq.state = seq.state, None
-        if state is None or state.length == 0 or not seq.reserved or self._backend is None:
-            return
-        entry_id, commit = self._new_entry(seq, state)
-        # The sequence's own reservation already covers this state: move it to the entry.
-        transfer = Transfer(
-            source=seq.holder, target=self._entry_holder(entry_id), nbytes=commit.nbytes
-        )
-        ctx.send(KV_KEEPER, transfer)
-        ctx.send(PREFIX_CACHE, commit)
-        self.counters.inc("entries_committed")
-
-    def _commit_snapshot(self, seq: Sequence, snapshot: SequenceState, ctx: Context) -> None:
-        """A checkpoint is extra memory: it needs its own reservation, and never waits for one."""
-        entry_id, commit = self._new_entry(seq, snapshot)
-        key = (seq.namespace, seq.session)
-        if snapshot.length == seq.pin_at and key not in self._pins:
-            commit = msgspec.structs.replace(commit, pinned=True)
-            self._pins[key] = (commit.tokens, entry_id)
-            self.counters.inc("pinned")
-        self._entries[entry_id].pending = commit
-        holder = self._entry_holder(entry_id)
-        ctx.send(KV_KEEPER, Reserve(holder=holder, nbytes=commit.nbytes, timeout_s=0.0))
-        self.counters.inc("snapshots_taken")
-
-    def _new_entry(self, seq: Sequence, state: SequenceState) -> tuple[int, Commit]:
-        assert self._backend is not None
-        entry_id = self._next_entry_id
-        self._next_entry_id += 1
-        nbytes = self._backend.state_nbytes(state)
-        self._entries[entry_id] = _Entry(state=state, nbytes=nbytes)
-        commit = Commit(
-            model=self.model,
-            epoch=self.epoch,
-            namespace=seq.namespace,
-            entry_id=entry_id,
-            tokens=seq.all_tokens[: state.length],
-            nbytes=nbytes,
-            trimmable=self._backend.can_trim(state),
-            generation=seq.generation,
-        )
-        return entry_id, commit
-
     def _end(self, seq: Sequence, ctx: Context, detach: bool) -> None:
         """After this nothing acts on the sequence; what it holds is released (a batched one's
         once its state is back out of the batch)."""
@@ -902,28 +807,21 @@ class EngineCore:
             self._leaving[seq.sequence_id] = _Leaving(seq, detach)
             return
         if detach:
-            self._detach_state(seq, ctx)
+            self._detach(seq, ctx)
         seq.state = None
         self._release_holdings(seq, ctx)
+
+    def _detach(self, seq: Sequence, ctx: Context) -> None:
+        if self._backend is None:
+            seq.state = None
+            return
+        self._entries.detach(seq, self._backend, ctx)
 
     def _release_holdings(self, seq: Sequence, ctx: Context) -> None:
         if seq.lease_id is not None:
             ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
             seq.lease_id = None
         ctx.send(KV_KEEPER, Release(holder=seq.holder))
-
-    def _entry_holder(self, entry_id: int) -> Holder:
-        return Holder(model=self.model, epoch=self.epoch, kind=HolderKind.PREFIX_ENTRY, id=entry_id)
-
-    def _drop_entries(self, entry_ids: tuple[int, ...], ctx: Context) -> None:
-        for key, (_, pinned_id) in list(self._pins.items()):
-            if pinned_id in entry_ids:  # refused or evicted: the next request pins again
-                del self._pins[key]
-        for entry_id in entry_ids:
-            if self._entries.pop(entry_id, None) is None:
-                ctx.count_dead_letter("drop_unknown_entry")
-                continue
-            ctx.send(KV_KEEPER, Release(holder=self._entry_holder(entry_id)))
 
     # ------------------------------------------------------------------ teardown
 

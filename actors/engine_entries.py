@@ -1,0 +1,170 @@
+"""An engine's cached states (prefix entries) and its sessions' pinned instructions prefixes.
+
+The prefix-cache manager indexes entries and decides reuse; the states themselves stay here, in
+the engine that made them. Every entry holds a KV reservation of its own: a sequence's final state
+takes over the sequence's bytes (``Transfer``); a checkpoint snapshot is extra memory and asks for
+its own, only if free now (``Reserve(timeout_s=0)``), committing once it is granted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import msgspec
+
+from runtime.backend import Backend, SequenceState
+from runtime.core import KV_KEEPER, PREFIX_CACHE, Context
+from runtime.messages import Commit, Holder, HolderKind, Release, Reserve, TokenIds, Transfer, Unpin
+from runtime.sequence import Sequence
+from runtime.stats import Counters
+
+SessionKey = tuple[str, str]  # (namespace, session)
+
+
+@dataclass
+class _Entry:
+    state: SequenceState
+    nbytes: int
+    pending: Commit | None = None  # a snapshot waiting for its own reservation before commit
+
+
+class EntryStore:
+    """Entries by id (ids never reused within an epoch) and pins by session."""
+
+    def __init__(self, model: str, epoch: int, counters: Counters) -> None:
+        self._model = model
+        self._epoch = epoch
+        self._counters = counters
+        self._entries: dict[int, _Entry] = {}
+        self._next_id = 1
+        self._pins: dict[SessionKey, tuple[TokenIds, int]] = {}  # -> (tokens, entry id)
+
+    def __contains__(self, entry_id: object) -> bool:
+        return entry_id in self._entries
+
+    def state(self, entry_id: int | None) -> SequenceState | None:
+        entry = None if entry_id is None else self._entries.get(entry_id)
+        return None if entry is None else entry.state
+
+    def gauges(self) -> dict[str, int]:
+        return {
+            "entries": len(self._entries),
+            "entry_bytes": sum(e.nbytes for e in self._entries.values()),
+            "pins": len(self._pins),
+        }
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._pins.clear()
+
+    def holder(self, entry_id: int) -> Holder:
+        return Holder(
+            model=self._model, epoch=self._epoch, kind=HolderKind.PREFIX_ENTRY, id=entry_id
+        )
+
+    # ------------------------------------------------------------------ creating entries
+
+    def detach(self, seq: Sequence, backend: Backend, ctx: Context) -> None:
+        """Turn the sequence's cache into an entry keyed by exactly the tokens it holds."""
+        state, seq.state = seq.state, None
+        if state is None or state.length == 0 or not seq.reserved:
+            return
+        entry_id, commit = self._new(seq, state, backend)
+        # The sequence's own reservation already covers this state: move it to the entry.
+        ctx.send(
+            KV_KEEPER,
+            Transfer(source=seq.holder, target=self.holder(entry_id), nbytes=commit.nbytes),
+        )
+        ctx.send(PREFIX_CACHE, commit)
+        self._counters.inc("entries_committed")
+
+    def snapshot(self, seq: Sequence, state: SequenceState, backend: Backend, ctx: Context) -> None:
+        """A checkpoint: extra memory, so it needs its own reservation, and never waits for one."""
+        entry_id, commit = self._new(seq, state, backend)
+        key = (seq.namespace, seq.session)
+        if state.length == seq.pin_at and key not in self._pins:
+            commit = msgspec.structs.replace(commit, pinned=True)
+            self._pins[key] = (commit.tokens, entry_id)
+            self._counters.inc("pinned")
+        self._entries[entry_id].pending = commit
+        ctx.send(
+            KV_KEEPER, Reserve(holder=self.holder(entry_id), nbytes=commit.nbytes, timeout_s=0.0)
+        )
+        self._counters.inc("snapshots_taken")
+
+    def reserved(self, entry_id: int, ctx: Context) -> None:
+        """A snapshot's reservation was granted: commit it now (or give the bytes back)."""
+        entry = self._entries.get(entry_id)
+        if entry is None or entry.pending is None:
+            ctx.send(KV_KEEPER, Release(holder=self.holder(entry_id)))
+            return
+        ctx.send(PREFIX_CACHE, entry.pending)
+        entry.pending = None
+        self._counters.inc("entries_committed")
+
+    def refused(self, entry_id: int) -> bool:
+        """No room for this snapshot: forget it. False if it was not ours."""
+        if self._entries.pop(entry_id, None) is None:
+            return False
+        self._forget_pins((entry_id,))
+        self._counters.inc("snapshots_refused")
+        return True
+
+    def drop(self, entry_ids: tuple[int, ...], ctx: Context) -> None:
+        """Free these entries (evicted, superseded, refused) and return their bytes."""
+        self._forget_pins(entry_ids)
+        for entry_id in entry_ids:
+            if self._entries.pop(entry_id, None) is None:
+                ctx.count_dead_letter("drop_unknown_entry")
+                continue
+            ctx.send(KV_KEEPER, Release(holder=self.holder(entry_id)))
+
+    def _new(self, seq: Sequence, state: SequenceState, backend: Backend) -> tuple[int, Commit]:
+        entry_id = self._next_id
+        self._next_id += 1
+        nbytes = backend.state_nbytes(state)
+        self._entries[entry_id] = _Entry(state=state, nbytes=nbytes)
+        commit = Commit(
+            model=self._model,
+            epoch=self._epoch,
+            namespace=seq.namespace,
+            entry_id=entry_id,
+            tokens=seq.all_tokens[: state.length],
+            nbytes=nbytes,
+            trimmable=backend.can_trim(state),
+            generation=seq.generation,
+        )
+        return entry_id, commit
+
+    # ------------------------------------------------------------------ session pins
+
+    def plan_pin(self, seq: Sequence, ctx: Context) -> None:
+        """Keep the session's instructions prefix pinned in the prefix cache while it lives.
+
+        New instructions in the session unpin the old prefix; the first request with them
+        snapshots and pins the new one (``seq.pin_at``).
+        """
+        assert seq.tokens is not None
+        k = seq.instructions_tokens
+        if not 0 < k < len(seq.tokens):
+            return
+        key = (seq.namespace, seq.session)
+        pinned = self._pins.get(key)
+        if pinned is not None and pinned[0] != seq.tokens[:k]:
+            self.unpin(key, ctx)
+            pinned = None
+        if pinned is None:
+            seq.pin_at = k
+
+    def unpin(self, key: SessionKey, ctx: Context) -> bool:
+        pinned = self._pins.pop(key, None)
+        if pinned is None:
+            return False
+        ctx.send(PREFIX_CACHE, Unpin(model=self._model, epoch=self._epoch, entry_id=pinned[1]))
+        self._counters.inc("unpinned")
+        return True
+
+    def _forget_pins(self, entry_ids: tuple[int, ...]) -> None:
+        for key, (_, pinned_id) in list(self._pins.items()):
+            if pinned_id in entry_ids:  # refused or evicted: the next request pins again
+                del self._pins[key]
