@@ -51,8 +51,10 @@ async def _tour(rt: Runtime, model: str, slow_prompt: str) -> None:
          f"{waited * 1000:.0f} ms later ({type(quick.terminal).__name__})")  # fmt: skip
 
     async with rt.generate(model, "Stream me some tokens:", max_tokens=16) as stream:
-        pieces = [e.text async for e in stream if isinstance(e, TokensEmitted)]
-    _say(f"  streamed {len(pieces)} token events: {''.join(pieces)!r}")
+        events = [e async for e in stream if isinstance(e, TokensEmitted)]
+    tokens = sum(len(e.token_ids) for e in events)
+    text = "".join(e.text for e in events)
+    _say(f"  streamed {tokens} tokens in {len(events)} coalesced events: {text!r}")
 
 
 async def _simulated() -> None:
