@@ -229,7 +229,11 @@ class ActorSystem:
         if isinstance(message, _Crash):
             self._tg.start_soon(_reraise, message.error)
             return
-        actor.send.send_nowait(Envelope(message, actor.address))
+        try:
+            actor.send.send_nowait(Envelope(message, actor.address))
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            # The actor stopped while its last job ran (shutdown waits for it): nothing to do.
+            self.dead_letters[f"no_actor:{type(message).__name__}"] += 1
 
     # ------------------------------------------------------------------ the mailbox loop
 
