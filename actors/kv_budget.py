@@ -18,6 +18,8 @@ Policy
         holder may reserve more than once; its amounts add up.
     ``Release(holder)``
         Frees all of the holder's bytes and silently drops its waiting reservations (counted).
+        If anyone still waits, asks for eviction again: a request that just finished has
+        usually left an evictable prefix entry behind (so do an epoch release and an expiry).
         Idempotent: an unknown holder is a counted no-op.
     ``Transfer(source, target, nbytes)``
         Moves bytes from ``source`` to ``target`` (which becomes or joins a holder); the total
@@ -240,6 +242,7 @@ class KVBudgetCore:
         elif not dropped:
             self._count_dropped("released_unknown", ctx)
         self._grant_waiting(ctx)
+        self._ask_eviction_again(ctx)
 
     def _transfer(self, transfer: Transfer, ctx: Context) -> None:
         source, target = transfer.source, transfer.target
@@ -267,6 +270,7 @@ class KVBudgetCore:
         for holder in [h for h in self._holdings if h.model == model and h.epoch == epoch]:
             self._release_holding(holder)
         self._grant_waiting(ctx)
+        self._ask_eviction_again(ctx)
 
     def _expire(self, holder: Holder, ticket: int, ctx: Context) -> None:
         waiting = self._waiting.get(ticket)
@@ -282,6 +286,7 @@ class KVBudgetCore:
         )
         self._refuse(waiting.requester, holder, waiting.nbytes, KVBudgetExhausted, text, ctx)
         self._grant_waiting(ctx)
+        self._ask_eviction_again(ctx)
 
     # ------------------------------------------------------------------ helpers
 
@@ -290,6 +295,12 @@ class KVBudgetCore:
         self._reserved_bytes += nbytes
         self._counters["granted"] += 1
         ctx.send(requester, Reserved(holder=holder, nbytes=nbytes))
+
+    def _ask_eviction_again(self, ctx: Context) -> None:
+        """Entries cached since the last ask (a finished request's state) may be evictable now."""
+        if self._waiting:
+            self._counters["evict_requests"] += 1
+            ctx.send(self._prefix_cache, Evict(nbytes=self._queued_bytes() - self.free_bytes))
 
     def _grant_waiting(self, ctx: Context) -> None:
         while self._waiting:

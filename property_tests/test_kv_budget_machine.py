@@ -145,10 +145,12 @@ class KVBudgetMachine(RuleBasedStateMachine):
     def model_refuse(self, requester: Address, holder: Holder, nbytes: int, code: str) -> None:
         self.expected_replies[requester] = [("refused", code, holder, nbytes)]
 
-    def model_grant_waiting(self) -> None:
+    def model_grant_waiting(self, ask_again: bool = True) -> None:
         while self.waiting and self.waiting[0].nbytes <= self.model_free:
             head = self.waiting.pop(0)
             self.model_grant(head.requester, head.holder, head.nbytes)
+        if ask_again and self.waiting:  # the keeper asks for eviction again for the rest
+            self.expected_evicts.append(sum(w.nbytes for w in self.waiting) - self.model_free)
 
     def model_drop_waiting(self, doomed: list[ModelRequest]) -> None:
         self.waiting = [w for w in self.waiting if w not in doomed]

@@ -107,6 +107,7 @@ class ActorSystem:
         self._sinks: dict[Address, HostSink] = {}
         self._loop = asyncio.get_running_loop()
         self._next_ask = 0
+        self._timers: set[anyio.CancelScope] = set()
         self.dead_letters: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ actors
@@ -207,10 +208,20 @@ class ActorSystem:
 
     def start_timer(self, delay_s: float, address: Address, message: Message) -> None:
         async def fire() -> None:
-            await anyio.sleep(delay_s)
-            self.tell(address, message, sender=address)
+            with anyio.CancelScope() as scope:
+                self._timers.add(scope)
+                try:
+                    await anyio.sleep(delay_s)
+                    self.tell(address, message, sender=address)
+                finally:
+                    self._timers.discard(scope)
 
         self._tg.start_soon(fire, name=f"timer for {address}")
+
+    def cancel_timers(self) -> None:
+        """Drop every pending timer (at shutdown nothing waits for a far deadline)."""
+        for scope in list(self._timers):
+            scope.cancel()
 
     def run_compute(self, actor: _Actor, job: Callable[[], None], done: Message) -> None:
         if actor.executor is None:

@@ -232,6 +232,7 @@ class Runtime:
         finally:
             for address in system.addresses():
                 system.stop(address)
+            system.cancel_timers()
             self._system = None
         try:
             return await stack.__aexit__(exc_type, exc, tb)

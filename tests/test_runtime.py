@@ -447,3 +447,20 @@ async def test_prompts_admitted_while_others_tokenize_are_tokenized_too() -> Non
                 tg.start_soon(one, prompt)
         assert len(results) == 4
         assert all(isinstance(r.terminal, Finished) for r in results)  # type: ignore[attr-defined]
+
+
+async def test_leaving_the_runtime_never_waits_for_pending_deadlines() -> None:
+    with anyio.fail_after(10):  # the reservation deadline below is 30 s
+        async with Runtime(config(kv_budget_bytes=10_000)) as rt:
+            await rt.load_model(sim_model(bytes_per_token=100, decode_s_per_token=0.005))
+            async with rt.generate("m", "y" * 10, max_tokens=60) as hog:
+                assert isinstance(await hog.__anext__(), Started)  # it holds 7,000 bytes now
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(lambda: drain(hog))
+                    queued = await rt.complete("m", "z" * 10, max_tokens=30)  # waits for it
+            assert isinstance(queued.terminal, Finished)
+
+
+async def drain(stream: object) -> None:
+    async for _ in stream:  # type: ignore[attr-defined]
+        pass

@@ -138,3 +138,24 @@ def test_unload_waits_for_the_step_in_flight_and_releases_everything() -> None:
     assert sim.core("kv").reserved_bytes == 0  # type: ignore[union-attr]
     assert sim.core("prefix").total_bytes == 0  # type: ignore[union-attr]
     assert "engine:m#1" not in sim.addresses()
+
+
+def test_a_waiting_reservation_is_served_once_a_finished_request_leaves_an_evictable_entry() -> (
+    None
+):
+    config = RuntimeConfig(kv_budget_bytes=10_000, reservation_timeout_s=30.0)
+    sim = Simulator(config=config)
+    spec = ModelSpec(
+        name="m",
+        backend="simulated",
+        options={"bytes_per_token": 100, "decode_s_per_token": PER_TOKEN},
+    )
+    assert isinstance(sim.load(spec), ModelLoaded)
+    sim.send(generate("hog", 1, tuple(range(10)), n=60))  # 7,000 of 10,000 bytes
+    sim.advance(0.005)
+    sim.send(generate("next", 2, tuple(range(20, 30)), n=30))  # 4,000: waits
+    sim.run_until(lambda: sim.terminal("next", 2) is not None)
+    # The hog's cached state (7,000 bytes) was evicted for it at once, not at the 15 s pressure
+    # point or the 30 s deadline.
+    assert isinstance(sim.terminal("next", 2), Finished)
+    assert sim.clock.now < 1.0
