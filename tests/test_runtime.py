@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import anyio
+import anyio.lowlevel
 import pytest
 
 from runtime.api import Runtime
@@ -43,6 +46,13 @@ def sim_model(name: str = "m", **options: object) -> ModelSpec:
 
 def config(**overrides: object) -> RuntimeConfig:
     return RuntimeConfig(**{"kv_budget_bytes": 64 << 20, **overrides})  # type: ignore[arg-type]
+
+
+async def wait_until(condition: Callable[[], bool]) -> None:
+    """Yield to the loop until ``condition`` holds (compute results arrive between checkpoints)."""
+    with anyio.fail_after(10):
+        while not condition():
+            await anyio.lowlevel.checkpoint()
 
 
 def expected(prompt: str, n: int) -> str:
@@ -191,11 +201,15 @@ async def test_generate_supersedes_a_diverging_prewarm_and_adopts_an_extended_on
         async def warm(key: str, prompt: str) -> None:
             outcomes[key] = await rt.prewarm("m", prompt, session="s")
 
+        def prefilled() -> int:
+            return rt.stats().actors["engine:m#1"].counters.get("prefilled_tokens", 0)
+
         tg.start_soon(warm, "diverged", "z" * 200)
-        await anyio.sleep(0.02)  # let the warmup start prefilling
+        await wait_until(lambda: prefilled() > 0)  # the warmup is prefilling
         await rt.complete("m", "y" * 20, max_tokens=1, session="s")
+        before = prefilled()
         tg.start_soon(warm, "extended", "w" * 200)
-        await anyio.sleep(0.02)
+        await wait_until(lambda: prefilled() > before)
         result = await rt.complete("m", "w" * 200 + "?", max_tokens=2, session="s")
     diverged, extended = outcomes["diverged"], outcomes["extended"]
     assert isinstance(diverged, Cancelled) and diverged.reason == "superseded"
