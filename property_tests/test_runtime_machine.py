@@ -26,7 +26,6 @@ from runtime.messages import (
     Rejected,
     ResetPrefixes,
     Started,
-    TokensEmitted,
     UnloadModel,
 )
 from runtime.testing.simulated import greedy_continuation
@@ -159,8 +158,7 @@ class RuntimeMachine(RuleBasedStateMachine):
             if not isinstance(request, Generate) or terminal is None:
                 continue
             assert request.prompt_tokens is not None
-            emitted = [t for e in self.sim.events(*key) if isinstance(e, TokensEmitted)
-                       for t in e.token_ids]  # fmt: skip
+            emitted = self.sim.emitted_tokens(*key)
             expected = greedy_continuation(request.prompt_tokens, request.max_tokens)
             assert emitted == expected[: len(emitted)], (key, emitted, expected)
             if isinstance(terminal, Finished) and terminal.reason is FinishReason.LENGTH:

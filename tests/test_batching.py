@@ -13,7 +13,6 @@ from runtime.messages import (
     Generate,
     ModelLoaded,
     ModelSpec,
-    TokensEmitted,
 )
 from runtime.testing.simulated import greedy_continuation
 from runtime.testing.simulator import Simulator
@@ -43,15 +42,6 @@ def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int)
     )
 
 
-def emitted(sim: Simulator, request_id: str, incarnation: int) -> list[int]:
-    return [
-        t
-        for e in sim.events(request_id, incarnation)
-        if isinstance(e, TokensEmitted)
-        for t in e.token_ids
-    ]
-
-
 def counters(sim: Simulator) -> dict[str, int]:
     return sim.core("engine:m#1").counters.snapshot()  # type: ignore[union-attr]
 
@@ -66,8 +56,8 @@ def test_a_running_stream_moves_into_the_batch_and_outputs_stay_exact(seed: int)
     assert alone.get("decoded_tokens", 0) > 0 and alone.get("batch_steps", 0) == 0
     sim.send(generate("b", 2, second, 12))
     sim.run_until_quiescent()
-    assert emitted(sim, "a", 1) == greedy_continuation(first, 40)
-    assert emitted(sim, "b", 2) == greedy_continuation(second, 12)
+    assert sim.emitted_tokens("a", 1) == greedy_continuation(first, 40)
+    assert sim.emitted_tokens("b", 2) == greedy_continuation(second, 12)
     after = counters(sim)
     assert after["batch_steps"] > 0 and after["batch_joins"] == 2
     # "b" finished first; "a" went back to the fast path for its last tokens.
@@ -87,13 +77,12 @@ def test_an_abort_removes_one_row_without_disturbing_the_others() -> None:
     sim.run_until_quiescent()
     cancelled = sim.terminal("r1", 2)
     assert isinstance(cancelled, Cancelled) and cancelled.reason == "cancelled"
-    assert (
-        emitted(sim, "r1", 2) == greedy_continuation(prompts[1], 30)[: len(emitted(sim, "r1", 2))]
-    )
+    partial = sim.emitted_tokens("r1", 2)
+    assert partial == greedy_continuation(prompts[1], 30)[: len(partial)]
     for index in (0, 2, 3):
         terminal = sim.terminal(f"r{index}", index + 1)
         assert isinstance(terminal, Finished) and terminal.reason is FinishReason.LENGTH
-        assert emitted(sim, f"r{index}", index + 1) == greedy_continuation(prompts[index], 30)
+        assert sim.emitted_tokens(f"r{index}", index + 1) == greedy_continuation(prompts[index], 30)
     assert sim.core("kv").reserved_bytes == sim.core("prefix").total_bytes  # type: ignore[union-attr]
 
 
@@ -111,7 +100,7 @@ def test_a_long_prefill_interleaves_with_the_batch_steps() -> None:
     assert 10 < chunks < 50
     assert during["batch_steps"] - before["batch_steps"] >= chunks - 1
     sim.run_until_quiescent()
-    assert emitted(sim, "c", 3) == greedy_continuation(tuple(range(7, 400)), 2)
+    assert sim.emitted_tokens("c", 3) == greedy_continuation(tuple(range(7, 400)), 2)
 
 
 def test_the_admission_gate_runs_at_most_max_concurrent_and_the_rest_wait_in_order() -> None:
@@ -128,7 +117,7 @@ def test_the_admission_gate_runs_at_most_max_concurrent_and_the_rest_wait_in_ord
     cancelled = sim.terminal("r3", 4)
     assert isinstance(cancelled, Cancelled) and cancelled.usage.completion_tokens == 0
     for index in (0, 1, 2, 4):
-        assert emitted(sim, f"r{index}", index + 1) == greedy_continuation(prompts[index], 6)
+        assert sim.emitted_tokens(f"r{index}", index + 1) == greedy_continuation(prompts[index], 6)
     starts = [
         next(i for i, m in enumerate(sim.host_messages) if getattr(m, "request_id", "") == rid
              and type(m).__name__ == "Started")

@@ -93,12 +93,7 @@ def generate(request_id: str, prompt: tuple[int, ...], n: int, incarnation: int 
 
 
 def emitted(sim: Simulator, request_id: str, incarnation: int = 1) -> list[int]:
-    return [
-        t
-        for e in sim.events(request_id, incarnation)
-        if isinstance(e, TokensEmitted)
-        for t in e.token_ids
-    ]
+    return sim.emitted_tokens(request_id, incarnation)
 
 
 def terminals(sim: Simulator, request_id: str, incarnation: int = 1) -> list[Message]:

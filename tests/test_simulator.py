@@ -13,7 +13,6 @@ from runtime.messages import (
     ModelSpec,
     SequenceFinished,
     Started,
-    TokensEmitted,
     UnloadModel,
     Usage,
 )
@@ -44,15 +43,6 @@ def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int 
         prompt_tokens=tokens,
         max_tokens=n,
     )
-
-
-def emitted(sim: Simulator, request_id: str, incarnation: int) -> list[int]:
-    return [
-        t
-        for e in sim.events(request_id, incarnation)
-        if isinstance(e, TokensEmitted)
-        for t in e.token_ids
-    ]
 
 
 def run_program(seed: int) -> list[str]:
@@ -87,7 +77,7 @@ def test_cancel_mid_prefill_stops_at_the_next_chunk_boundary() -> None:
     sim.run_until_quiescent()
     started = next(e for e in sim.events("b", 2) if isinstance(e, Started))
     assert started.cached_tokens == 4 * CHUNK
-    assert emitted(sim, "b", 2) == greedy_continuation((*prompt, 7, 8), 4)
+    assert sim.emitted_tokens("b", 2) == greedy_continuation((*prompt, 7, 8), 4)
 
 
 def test_a_cancel_for_an_earlier_incarnation_never_hits_a_reused_id() -> None:

@@ -36,6 +36,7 @@ from runtime.messages import (
     Message,
     ModelSpec,
     Rejected,
+    TokensEmitted,
 )
 
 HOST: Address = "host"
@@ -143,6 +144,15 @@ class Simulator:
             for m in self.host_messages
             if getattr(m, "request_id", None) == request_id
             and getattr(m, "incarnation", None) == incarnation
+        ]
+
+    def emitted_tokens(self, request_id: str, incarnation: int) -> list[int]:
+        """Every token id the request emitted so far, in order."""
+        return [
+            token
+            for event in self.events(request_id, incarnation)
+            if isinstance(event, TokensEmitted)
+            for token in event.token_ids
         ]
 
     def terminal(self, request_id: str, incarnation: int) -> Message | None:
