@@ -8,7 +8,6 @@ HYPOTHESIS_PROFILE environment variable.
 """
 
 import os
-import sys
 
 from hypothesis import HealthCheck, settings
 
@@ -43,6 +42,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", default_profile))
 def pytest_sessionfinish(session: object, exitstatus: int) -> None:
     """Tests that ran MLX on the main thread must clear its streams before the interpreter exits
     (MLX requires it; without it the process can abort at exit and turn a pass into a failure)."""
-    mlx_core = sys.modules.get("mlx.core")
-    if mlx_core is not None:
-        mlx_core.clear_streams()
+    from runtime.actor import release_thread_resources
+
+    release_thread_resources()

@@ -27,7 +27,7 @@ from actors.engine_jobs import (
     run_tokenize,
 )
 from runtime.backend import Backend, BackendLoader, DecodeBatchHandle, SequenceState
-from runtime.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, Context
+from runtime.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, Context, engine_address
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.errors import (
     BackendError,
@@ -174,7 +174,7 @@ class EngineCore:
             "batch_size": len(self._batch_members),
         }
         return Stats(
-            actor=f"engine:{self.model}#{self.epoch}",
+            actor=engine_address(self.model, self.epoch),
             counters=self.counters.snapshot(),
             gauges=gauges,
         )
