@@ -356,6 +356,8 @@ class EngineCore:
     def _adopt(self, seq: Sequence, prewarm: Sequence, ctx: Context) -> None:
         seq.state, prewarm.state = prewarm.state, None
         seq.lease_id, prewarm.lease_id = prewarm.lease_id, None
+        seq.checkpoints, prewarm.checkpoints = prewarm.checkpoints, []
+        seq.snapshot_ids, prewarm.snapshot_ids = prewarm.snapshot_ids, []
         seq.generation = prewarm.generation
         seq.restore_entry, seq.restore_length = prewarm.restore_entry, prewarm.restore_length
         seq.in_compute, prewarm.in_compute = prewarm.in_compute, False
@@ -483,7 +485,8 @@ class EngineCore:
             self._last_served = seq.sequence_id
             seq.in_compute = True
             step = Job(JobKind.STEP, seq=seq)
-            source = self._entries.state(seq.restore_entry)  # leased: never dropped meanwhile
+            # Leased: never dropped meanwhile.
+            source = self._entries.restore_source(seq.restore_entry, seq.restore_length)
             self._submit(ctx, step, lambda: run_step(step, seq, backend, self._plan, source))
             return
         if self._draining and not self._sequences and not self._leaving:
@@ -548,10 +551,13 @@ class EngineCore:
             seq.state = job.state
         if job.checkpoints is not None:
             seq.checkpoints = job.checkpoints
-        if job.snapshot is not None:
+        if job.pin_copy is not None:
             seq.checkpoints.pop(0)
             assert self._backend is not None
-            self._entries.snapshot(seq, job.snapshot, self._backend, ctx)
+            self._entries.pin_copy(seq, job.pin_copy, self._backend, ctx)
+        if job.snapshot is not None:
+            seq.checkpoints.pop(0)
+            self._entries.snapshot(seq, job.snapshot, ctx)
         if seq.phase is Phase.DONE:
             return
         if seq.crash_message is not None:
@@ -818,6 +824,7 @@ class EngineCore:
         self._entries.detach(seq, self._backend, ctx)
 
     def _release_holdings(self, seq: Sequence, ctx: Context) -> None:
+        self._entries.discard_snapshots(seq, ctx)
         if seq.lease_id is not None:
             ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
             seq.lease_id = None

@@ -10,15 +10,26 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import mlx.core as mx
 
-from runtime.backend import Backend, CannotTrim, DecodeBatchHandle, ReuseStrategy, SequenceState
+from runtime.backend import (
+    Backend,
+    CannotTrim,
+    DecodeBatchHandle,
+    ReuseStrategy,
+    SequenceState,
+    Snapshot,
+)
 from runtime.chat import PreparedPrompt, prepare_chat
 from runtime.checkpoints import plan_checkpoints
 from runtime.messages import ModelSpec, TokenLogprob
 from runtime.sampling import TokenSampler
 from runtime.sequence import Phase, Sequence
+
+if TYPE_CHECKING:
+    from actors.engine_entries import RestoreSource
 
 # Snapshot spacing during long prefills of non-trimmable caches (ModelSpec option to override).
 DEFAULT_CHECKPOINT_EVERY = 512
@@ -46,7 +57,8 @@ class Job:
     error: BaseException | None = None
     skipped: bool = False  # the abort flag was already set when the job started
     fallback: str | None = None
-    snapshot: SequenceState | None = None
+    pin_copy: SequenceState | None = None  # the session's instructions prefix, whole
+    snapshot: Snapshot | None = None  # a checkpoint's untrimmable layers
     checkpoints: list[int] | None = None
     results: dict[int, list[int]] = field(default_factory=dict)
     prepared: dict[int, PreparedPrompt] = field(default_factory=dict)
@@ -102,7 +114,7 @@ def run_step(
     seq: Sequence,
     backend: Backend,
     plan: StepPlan,
-    restore_source: SequenceState | None,
+    restore_source: RestoreSource | None,
 ) -> None:
     """One restore, prefill chunk or decode step of ``seq``, unless its abort flag is set."""
     if seq.abort.is_set():
@@ -124,7 +136,7 @@ def _restore(
     seq: Sequence,
     backend: Backend,
     plan: StepPlan,
-    source: SequenceState | None,
+    source: RestoreSource | None,
 ) -> SequenceState:
     if seq.state is not None:  # adopted from a prewarm
         state = seq.state
@@ -132,7 +144,7 @@ def _restore(
         state = backend.new_state()
     else:
         try:
-            state = backend.copy_state(source, seq.restore_length)
+            state = backend.copy_state(source.state, seq.restore_length, source.snapshot)
         except CannotTrim:
             job.fallback = "trim_refused"
             state = backend.new_state()
@@ -162,7 +174,10 @@ def _prefill_chunk(job: Job, seq: Sequence, backend: Backend, plan: StepPlan) ->
     backend.prefill(seq.state, seq.tokens[start:end])
     job.prefilled = end - start
     if seq.checkpoints and end == seq.checkpoints[0]:
-        job.snapshot = backend.copy_state(seq.state, end)
+        if end == seq.pin_at:
+            job.pin_copy = backend.copy_state(seq.state, end)
+        else:
+            job.snapshot = backend.snapshot(seq.state)
 
 
 def _decode_step(job: Job, seq: Sequence, backend: Backend) -> None:

@@ -90,6 +90,7 @@ class EntrySnapshot:
     pinned: bool
     leases: int
     doomed: bool
+    points: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -100,6 +101,7 @@ class _Entry:
     nbytes: int
     trimmable: bool
     pinned: bool
+    points: tuple[int, ...] = ()  # shorter token counts it is also restorable at
     leases: set[int] = field(default_factory=set)
     doomed: bool = False
 
@@ -161,6 +163,7 @@ class PrefixCacheCore:
                 pinned=e.pinned,
                 leases=len(e.leases),
                 doomed=e.doomed,
+                points=e.points,
             )
             for e in self._entries.values()
         )
@@ -247,8 +250,15 @@ class PrefixCacheCore:
             refusal = "refused_invalidated_epoch"
         elif commit.generation < self.generation(commit.model, commit.namespace):
             refusal = "refused_stale_generation"
-        elif not commit.tokens or commit.nbytes < 0 or key in self._entries:
-            # A reused entry id is an engine bug; accepting it would corrupt both entries.
+        elif (
+            not commit.tokens
+            or commit.nbytes < 0
+            or key in self._entries
+            or (commit.points and commit.trimmable)
+            or any(not 0 < p < len(commit.tokens) for p in commit.points)
+        ):
+            # Engine bugs: a reused entry id would corrupt both entries; a point outside the
+            # tokens (or on a trimmable entry) would be restored from a snapshot that is not there.
             refusal = "refused_invalid"
         elif trie is not None and trie.find(commit.tokens, commit.trimmable) is not None:
             refusal = "refused_duplicate"
@@ -277,11 +287,12 @@ class PrefixCacheCore:
             nbytes=commit.nbytes,
             trimmable=commit.trimmable,
             pinned=commit.pinned,
+            points=tuple(sorted(set(commit.points))),
         )
         self._entries[key] = entry
         self._total_bytes += entry.nbytes
         self._recency_clock += 1
-        trie.insert(entry.tokens, entry.trimmable, key.entry_id, self._recency_clock)
+        trie.insert(entry.tokens, entry.trimmable, key.entry_id, self._recency_clock, entry.points)
         self._lru[key] = None
         self._counters["commits"] += 1
         self._counters["superseded"] += len(superseded)
@@ -366,7 +377,8 @@ class PrefixCacheCore:
 
     def _touch(self, entry: _Entry) -> None:
         self._recency_clock += 1
-        self._tries[entry.partition].touch(entry.tokens, entry.trimmable, self._recency_clock)
+        trie = self._tries[entry.partition]
+        trie.touch(entry.key.entry_id, entry.tokens, entry.trimmable, self._recency_clock)
         self._lru.move_to_end(entry.key)
 
     def _doom(self, entry: _Entry) -> None:
@@ -385,7 +397,7 @@ class PrefixCacheCore:
 
     def _unindex(self, entry: _Entry) -> None:
         trie = self._tries[entry.partition]
-        trie.remove(entry.tokens, entry.trimmable)
+        trie.remove(entry.key.entry_id, entry.tokens, entry.trimmable)
         if not len(trie):
             del self._tries[entry.partition]
         del self._lru[entry.key]

@@ -73,6 +73,22 @@ class SequenceState(Protocol):
     def length(self) -> int: ...
 
 
+class Snapshot(Protocol):
+    """A copy of only the layers of a state that cannot be trimmed back, at ``length`` tokens.
+
+    On a model that mixes full-attention layers with sliding-window or recurrent ones, a checkpoint
+    needs just this: the full-attention layers of the same token prefix are cut back from a longer
+    state that went through it (see ``Backend.copy_state``). On a model whose every layer is
+    untrimmable it is the whole state; on one whose every layer trims, it is empty.
+    """
+
+    @property
+    def length(self) -> int: ...
+
+    @property
+    def nbytes(self) -> int: ...
+
+
 class DecodeBatchHandle(Protocol):
     """Sequences decoded together, one token each per ``step`` (see ``runtime.mlx_batch``)."""
 
@@ -122,8 +138,19 @@ class Backend(Protocol):
         """Whether ``state`` could be cut back to a shorter prefix (decides how it is cached)."""
         ...
 
-    def copy_state(self, state: SequenceState, length: int) -> SequenceState:
-        """An independent copy of ``state``'s first ``length`` tokens; raises ``CannotTrim``."""
+    def copy_state(
+        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+    ) -> SequenceState:
+        """An independent copy of ``state``'s first ``length`` tokens; raises ``CannotTrim``.
+
+        With ``snapshot`` (taken by ``snapshot`` at ``length`` tokens of this state's own history)
+        the untrimmable layers come from it and only the trimmable ones are cut back, so a state
+        that cannot be trimmed as a whole can still be restored at any of its snapshots.
+        """
+        ...
+
+    def snapshot(self, state: SequenceState) -> Snapshot:
+        """A copy of ``state``'s untrimmable layers at its current length (see ``Snapshot``)."""
         ...
 
     def prefill(self, state: SequenceState, token_ids: Sequence[int]) -> None:

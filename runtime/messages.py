@@ -586,7 +586,9 @@ class Commit(Message, frozen=True):
     """Register engine-owned state ``entry_id`` whose cache holds exactly ``tokens``.
 
     ``trimmable`` entries serve any shared prefix; others only when all their tokens prefix a
-    prompt. ``pinned`` entries are evicted only under a waiting reservation's pressure.
+    prompt, or at one of their ``points``: shorter token counts at which the entry also holds a
+    checkpoint of its untrimmable layers (its trimmable layers are cut back to the point).
+    ``pinned`` entries are evicted only under a waiting reservation's pressure.
     """
 
     model: str
@@ -598,6 +600,7 @@ class Commit(Message, frozen=True):
     trimmable: bool
     generation: int
     pinned: bool = False
+    points: tuple[int, ...] = ()
 
 
 class Committed(Message, frozen=True):

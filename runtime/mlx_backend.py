@@ -24,6 +24,7 @@ from runtime.backend import (
     ModelInfo,
     ReuseStrategy,
     SequenceState,
+    Snapshot,
 )
 from runtime.errors import InvalidModelSpec, ModelLoadFailed
 from runtime.messages import ModelSpec
@@ -44,6 +45,25 @@ class MlxState:
     @property
     def length(self) -> int:
         return self.n_tokens
+
+
+class MlxSnapshot:
+    """Copies of a state's untrimmable layers (by layer index) at ``length`` tokens."""
+
+    __slots__ = ("layers", "n_tokens", "size")
+
+    def __init__(self, layers: dict[int, Any], n_tokens: int) -> None:
+        self.layers = layers
+        self.n_tokens = n_tokens
+        self.size = sum(int(c.nbytes) for c in layers.values() if not c.empty())
+
+    @property
+    def length(self) -> int:
+        return self.n_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return self.size
 
 
 class MlxBackend:
@@ -148,18 +168,38 @@ class MlxBackend:
         """Whether every layer of ``state`` can be cut back (a rotating cache until it wraps)."""
         return all(c.is_trimmable() for c in _own(state).caches)
 
-    def copy_state(self, state: SequenceState, length: int) -> MlxState:
+    def copy_state(
+        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+    ) -> MlxState:
         source = _own(state)
         if not 0 <= length <= source.n_tokens:
             raise CannotTrim(f"cannot copy {length} tokens of a {source.n_tokens}-token state")
         drop = source.n_tokens - length
+        logits = source.logits if drop == 0 else None
+        if snapshot is not None:
+            if not isinstance(snapshot, MlxSnapshot) or snapshot.n_tokens != length:
+                raise CannotTrim(f"the snapshot does not hold {length} tokens of this state")
+            caches = [
+                _copy_layer(snapshot.layers[i], 0) if i in snapshot.layers else _copy_layer(c, drop)
+                for i, c in enumerate(source.caches)
+            ]
+            return MlxState(caches, length, logits)
         if drop and not self.can_trim(source):
             raise CannotTrim(
                 "a layer of this cache cannot be trimmed (sliding window or recurrent)"
             )
-        caches = [_copy_layer(c, drop) for c in source.caches]
-        logits = source.logits if drop == 0 else None
-        return MlxState(caches, length, logits)
+        return MlxState([_copy_layer(c, drop) for c in source.caches], length, logits)
+
+    def snapshot(self, state: SequenceState) -> MlxSnapshot:
+        """Copy the sliding-window and recurrent layers; full-attention KV is trimmed later."""
+        source = _own(state)
+        layers = {
+            i: _copy_layer(c, 0)
+            for i, c in enumerate(source.caches)
+            if type(c) not in _TRIMMABLE_LAYERS
+        }
+        mx.eval([c.state for c in layers.values() if not c.empty()])
+        return MlxSnapshot(layers, source.n_tokens)
 
     def prefill(self, state: SequenceState, token_ids: Sequence[int]) -> None:
         own = _own(state)
@@ -284,8 +324,12 @@ def _kv_bytes_per_token(layer_cache: Any) -> int:
     return sum(int(a.nbytes) // int(a.shape[2]) for a in parts)
 
 
+# Layers that can always be cut back to a shorter prefix (a rotating cache only until it wraps).
+_TRIMMABLE_LAYERS = (mlx_cache.KVCache, mlx_cache.QuantizedKVCache)
+
+
 def _reuse_strategy(kinds: dict[str, list[int]], window: int | None) -> tuple[ReuseStrategy, str]:
-    trimmable = {"KVCache", "QuantizedKVCache"}
+    trimmable = {kind.__name__ for kind in _TRIMMABLE_LAYERS}
     others = {k: v for k, v in kinds.items() if k not in trimmable}
     if not others:
         names = ", ".join(sorted(kinds))
@@ -294,9 +338,15 @@ def _reuse_strategy(kinds: dict[str, list[int]], window: int | None) -> tuple[Re
         f"layers {v} are {k}" + (f" (window {window})" if k == "RotatingKVCache" else "")
         for k, v in sorted(others.items())
     )
+    if len(others) == len(kinds):
+        return (
+            ReuseStrategy.CHECKPOINT,
+            f"{described}: no layer can be trimmed safely, so reuse restores whole checkpoints",
+        )
     return (
         ReuseStrategy.CHECKPOINT,
-        f"{described}: such layers cannot be trimmed safely, so reuse restores whole checkpoints",
+        f"{described}: such layers cannot be trimmed safely, so checkpoints snapshot only them "
+        "and cut the full-attention layers back from the state they came from",
     )
 
 

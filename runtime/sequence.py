@@ -77,6 +77,8 @@ class Sequence:
     restore_length: int = 0
     path: ReusePath = ReusePath.MISS
     checkpoints: list[int] = field(default_factory=list)  # token counts to snapshot at
+    # Ids of the snapshots taken so far (EntryStore): they join the entry its final state becomes.
+    snapshot_ids: list[int] = field(default_factory=list)
     started_sent: bool = False
     cached_tokens: int = 0
     resume_phase: Phase | None = None  # set when adopting a prewarm: where to continue

@@ -1,13 +1,18 @@
 """A token trie that finds the best reusable cached prefix of a prompt in O(prompt length).
 
 One trie indexes the live prefix entries of one (model, epoch, namespace) partition. Each node is
-one token position; an entry sits on the node where its tokens end. A node holds at most one
-trimmable and one non-trimmable ("checkpoint") entry, because the prefix-cache manager refuses a
-second entry with identical tokens and trimmability.
+one token position. A trimmable entry sits on the node where its tokens end; a node holds at most
+one, because the prefix-cache manager refuses a second entry with identical tokens and
+trimmability. A non-trimmable ("checkpoint") entry is *restorable* at the node where its tokens
+end and at each of its ``points``: shorter token counts where it also holds a snapshot of its
+untrimmable layers (a hybrid or sliding-window model's trimmable layers are cut back to the point).
+Several checkpoint entries may be restorable at one node (two conversations that share a system
+prompt both hold a snapshot at its end); the most recently used one is chosen.
 
 Reuse rules (see ``best_match``): a prompt must keep at least one token to run through the model,
 so at most ``len(prompt) - 1`` tokens are ever reused. A trimmable entry serves any shared prefix,
-cut back to the common part; a checkpoint serves only when all of its tokens prefix the prompt.
+cut back to the common part; a checkpoint entry serves at a node where it is restorable, when all
+the tokens up to that node prefix the prompt.
 
 To answer "which trimmable entry below this node was used most recently" without walking the
 subtree, every node caches ``subtree_best``: the greatest ``(recency, entry_id)`` of the trimmable
@@ -34,16 +39,16 @@ class PrefixMatch:
 
 
 class _Node:
-    __slots__ = ("checkpoint", "children", "subtree_best", "trimmable")
+    __slots__ = ("children", "restorable", "subtree_best", "trimmable")
 
     def __init__(self) -> None:
         self.children: dict[int, _Node] = {}
         self.trimmable: _Slot | None = None
-        self.checkpoint: _Slot | None = None
+        self.restorable: set[int] = set()  # checkpoint entries restorable at this depth
         self.subtree_best: _Slot | None = None
 
     def is_empty(self) -> bool:
-        return not self.children and self.trimmable is None and self.checkpoint is None
+        return not self.children and self.trimmable is None and not self.restorable
 
     def recompute_subtree_best(self) -> None:
         best = self.trimmable
@@ -57,12 +62,16 @@ class TokenTrie:
     """Index of one partition's live entries by their tokens.
 
     Insert, remove and touch cost O(len(tokens)) (removal also scans the siblings on the path of
-    the removed entry); ``best_match`` costs O(len(prompt)).
+    the removed entry; touching a checkpoint entry is O(1)); ``best_match`` costs O(len(prompt))
+    plus the entries restorable at the chosen node.
     """
 
     def __init__(self) -> None:
         self._root = _Node()
         self._size = 0
+        # Checkpoint entries: the depths where each is restorable (its end last), and recency.
+        self._depths: dict[int, tuple[int, ...]] = {}
+        self._recency: dict[int, int] = {}
 
     def __len__(self) -> int:
         return self._size
@@ -72,55 +81,77 @@ class TokenTrie:
         node = self._walk(tokens)
         if node is None:
             return None
-        slot = node.trimmable if trimmable else node.checkpoint
-        return None if slot is None else slot[1]
+        if trimmable:
+            return None if node.trimmable is None else node.trimmable[1]
+        ending_here = (e for e in node.restorable if self._depths[e][-1] == len(tokens))
+        return next(ending_here, None)
 
-    def insert(self, tokens: TokenIds, trimmable: bool, entry_id: int, recency: int) -> None:
-        """Index an entry. Raises ``ValueError`` if tokens are empty or the slot is taken."""
+    def insert(
+        self,
+        tokens: TokenIds,
+        trimmable: bool,
+        entry_id: int,
+        recency: int,
+        points: tuple[int, ...] = (),
+    ) -> None:
+        """Index an entry (restorable also at ``points``, for a checkpoint entry).
+
+        Raises ``ValueError`` if tokens are empty, the slot is taken, a point is not strictly
+        inside the tokens, or a trimmable entry has points (it serves every prefix already).
+        """
         if not tokens:
             raise ValueError("a prefix entry needs at least one token")
+        if trimmable and points:
+            raise ValueError("a trimmable entry serves every prefix: it takes no points")
+        if any(not 0 < p < len(tokens) for p in points):
+            raise ValueError(f"points {points} must lie strictly inside {len(tokens)} tokens")
+        if self.find(tokens, trimmable) is not None:
+            raise ValueError(f"an entry with these tokens (trimmable={trimmable}) is indexed")
         path = [self._root]
         for token in tokens:
             path.append(path[-1].children.setdefault(token, _Node()))
-        end = path[-1]
-        if (end.trimmable if trimmable else end.checkpoint) is not None:
-            raise ValueError(f"an entry with these tokens (trimmable={trimmable}) is indexed")
-        slot = (recency, entry_id)
         if trimmable:
-            end.trimmable = slot
+            slot = (recency, entry_id)
+            path[-1].trimmable = slot
             self._raise_subtree_best(path, slot)
         else:
-            end.checkpoint = slot
+            depths = (*sorted(set(points)), len(tokens))
+            for depth in depths:
+                path[depth].restorable.add(entry_id)
+            self._depths[entry_id] = depths
+            self._recency[entry_id] = recency
         self._size += 1
 
-    def touch(self, tokens: TokenIds, trimmable: bool, recency: int) -> None:
+    def touch(self, entry_id: int, tokens: TokenIds, trimmable: bool, recency: int) -> None:
         """Mark an indexed entry as used at ``recency`` (greater than any recency seen before)."""
+        if not trimmable:
+            assert entry_id in self._recency, "touch of an entry that is not indexed"
+            self._recency[entry_id] = recency
+            return
         path = self._path(tokens)
         end = path[-1]
-        if trimmable:
-            assert end.trimmable is not None, "touch of an entry that is not indexed"
-            end.trimmable = (recency, end.trimmable[1])
-            self._raise_subtree_best(path, end.trimmable)
-        else:
-            assert end.checkpoint is not None, "touch of an entry that is not indexed"
-            end.checkpoint = (recency, end.checkpoint[1])
+        assert end.trimmable is not None, "touch of an entry that is not indexed"
+        end.trimmable = (recency, end.trimmable[1])
+        self._raise_subtree_best(path, end.trimmable)
 
-    def remove(self, tokens: TokenIds, trimmable: bool) -> None:
+    def remove(self, entry_id: int, tokens: TokenIds, trimmable: bool) -> None:
         """Unindex an entry, pruning nodes that no longer lead anywhere."""
         path = self._path(tokens)
-        end = path[-1]
+        removed: _Slot | None = None
         if trimmable:
-            removed = end.trimmable
-            end.trimmable = None
+            removed = path[-1].trimmable
+            assert removed is not None, "removal of an entry that is not indexed"
+            path[-1].trimmable = None
         else:
-            removed = end.checkpoint
-            end.checkpoint = None
-        assert removed is not None, "removal of an entry that is not indexed"
+            assert entry_id in self._depths, "removal of an entry that is not indexed"
+            for depth in self._depths.pop(entry_id):
+                path[depth].restorable.discard(entry_id)
+            del self._recency[entry_id]
         self._size -= 1
         for depth in range(len(tokens), -1, -1):
             node = path[depth]
             # Above the first ancestor whose best was not the removed entry, nothing changes.
-            if trimmable and node.subtree_best == removed:
+            if removed is not None and node.subtree_best == removed:
                 node.recompute_subtree_best()
             if depth > 0 and node.is_empty():
                 del path[depth - 1].children[tokens[depth - 1]]
@@ -159,9 +190,7 @@ class TokenTrie:
         trim_depth = next(
             (d for d in range(len(path) - 1, 0, -1) if path[d].subtree_best is not None), 0
         )
-        checkpoint_depth = next(
-            (d for d in range(len(path) - 1, 0, -1) if path[d].checkpoint is not None), 0
-        )
+        checkpoint_depth = next((d for d in range(len(path) - 1, 0, -1) if path[d].restorable), 0)
         matched = max(trim_depth, checkpoint_depth)
         if matched < 1:
             return None
@@ -176,8 +205,8 @@ class TokenTrie:
                 assert node.subtree_best is not None
                 candidates.append((False, *node.subtree_best, ReusePath.TRIM))
         if checkpoint_depth == matched:
-            assert node.checkpoint is not None
-            candidates.append((True, *node.checkpoint, ReusePath.CHECKPOINT))
+            recency, entry_id = max((self._recency[e], e) for e in node.restorable)
+            candidates.append((True, recency, entry_id, ReusePath.CHECKPOINT))
         _, _, entry_id, path_kind = max(candidates)
         return PrefixMatch(entry_id=entry_id, matched=matched, path=path_kind)
 

@@ -46,7 +46,8 @@ from runtime.testing.simulated import greedy_continuation
 from runtime.testing.simulator import Simulator
 
 ENGINE: Address = "engine:m#1"  # the first load of model "m" is epoch 1
-BPT = 1024  # bytes_per_token of every model here (fixed_state_bytes 0, alloc_step 1)
+BPT = 1024  # bytes_per_token of every model here (alloc_step 1)
+FIXED = 512  # a non-trimmable model's untrimmable state: what each of its snapshots holds
 EVERY = 8
 CHUNK = 4
 PROMPT = tuple(range(100, 130))  # 30 tokens, none whitespace: no word-boundary snapshot
@@ -79,7 +80,8 @@ def make_sim(
 
 
 def checkpoint_sim(budget: int = 64 << 20) -> Simulator:
-    return make_sim({"trimmable": False, "checkpoint_every_tokens": EVERY}, budget)
+    options: Options = {"trimmable": False, "checkpoint_every_tokens": EVERY}
+    return make_sim({**options, "fixed_state_bytes": FIXED}, budget)
 
 
 def generate(request_id: str, prompt: tuple[int, ...], n: int, incarnation: int = 1) -> Generate:
@@ -158,7 +160,7 @@ def test_the_snapshot_plan_of_the_prompt_is_the_one_these_tests_expect() -> None
     assert plan_checkpoints(PROMPT, 0, len(PROMPT), EVERY, decode) == PLANNED
 
 
-def test_checkpoints_of_a_non_trimmable_prefill_are_committed_and_reserved() -> None:
+def test_checkpoints_of_a_non_trimmable_prefill_become_points_of_its_final_entry() -> None:
     sim = checkpoint_sim()
     sim.send(generate("a", PROMPT, MAX_TOKENS))
     sim.run_until_quiescent()
@@ -173,55 +175,89 @@ def test_checkpoints_of_a_non_trimmable_prefill_are_committed_and_reserved() -> 
         )
     ]
     assert emitted(sim, "a") == out
-    entries = sorted(prefix(sim).entries(), key=lambda e: len(e.tokens))
-    all_tokens = PROMPT + tuple(out)
-    assert [len(e.tokens) for e in entries] == [*PLANNED, END_STATE]
-    assert [e.tokens for e in entries] == [all_tokens[:n] for n in [*PLANNED, END_STATE]]
-    assert [e.nbytes for e in entries] == [n * BPT for n in [*PLANNED, END_STATE]]
-    assert [e.entry_id for e in entries] == [1, 2, 3, 4, 5]  # snapshots first, in prefill order
-    assert not any(e.trimmable or e.leases or e.doomed for e in entries)
-    # Every entry's bytes are reserved in the keeper under its own holder, and nothing else is.
-    total = (sum(PLANNED) + END_STATE) * BPT
+    # One entry: the final state, restorable whole and at every snapshot. Each snapshot holds only
+    # the untrimmable state (FIXED bytes); the per-token KV is stored once, in the final state.
+    [entry] = prefix(sim).entries()
+    assert entry.tokens == (PROMPT + tuple(out))[:END_STATE]
+    assert entry.points == tuple(PLANNED)
+    total = END_STATE * BPT + FIXED + len(PLANNED) * FIXED
+    assert entry.nbytes == total
+    assert entry.entry_id == len(PLANNED) + 1  # the snapshots' reservations used ids 1-4
+    assert not (entry.trimmable or entry.leases or entry.doomed)
+    # The entry's bytes are reserved in the keeper under its own holder, and nothing else is.
     assert prefix(sim).total_bytes == kv(sim).reserved_bytes == total
-    assert kv(sim).holdings() == {
-        Holder(model="m", epoch=1, kind=HolderKind.PREFIX_ENTRY, id=e.entry_id): e.nbytes
-        for e in entries
-    }
+    holder = Holder(model="m", epoch=1, kind=HolderKind.PREFIX_ENTRY, id=entry.entry_id)
+    assert kv(sim).holdings() == {holder: total}
     assert kv(sim).queued() == ()
     counters = engine_counters(sim)
     assert counters["snapshots_taken"] == len(PLANNED)
     assert counters["snapshots_refused"] == 0
     assert counters["prefilled_tokens"] == len(PROMPT)  # chunks land on checkpoints, never redo
     gauges = engine_gauges(sim)
-    assert (gauges["sequences"], gauges["entries"], gauges["entry_bytes"]) == (0, 5, total)
+    assert (gauges["sequences"], gauges["entries"], gauges["entry_bytes"]) == (0, 1, total)
+    assert (gauges["entry_points"], gauges["pending_snapshots"]) == (len(PLANNED), 0)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "path", "cached"),
+    [
+        # Shares 20 tokens: the deepest point at or below 20 is 16.
+        pytest.param((*PROMPT[:20], *range(200, 210)), ReusePath.CHECKPOINT, 16, id="point-16"),
+        # The same prompt again: the end-of-prompt point (one token left to run).
+        pytest.param(PROMPT, ReusePath.CHECKPOINT, len(PROMPT) - 1, id="repeat"),
+        # The next turn: the whole final state.
+        pytest.param(None, ReusePath.CHECKPOINT, END_STATE, id="next-turn"),
+    ],
+)
+def test_a_later_prompt_restores_at_a_point_of_the_final_entry(
+    prompt: tuple[int, ...] | None, path: ReusePath, cached: int
+) -> None:
+    sim = checkpoint_sim()
+    sim.send(generate("a", PROMPT, MAX_TOKENS))
+    sim.run_until_quiescent()
+    if prompt is None:
+        prompt = (*PROMPT, *emitted(sim, "a"), *range(200, 204))
+    before = engine_counters(sim)
+
+    sim.send(generate("b", prompt, MAX_TOKENS))
+    sim.run_until_quiescent()
+
+    [start] = started(sim, "b")
+    assert (start.path, start.cached_tokens) == (path, cached)
+    # The simulated backend checks each snapshot against the state it is restored with.
+    assert emitted(sim, "b") == greedy_continuation(prompt, MAX_TOKENS)
+    after = engine_counters(sim)
+    assert after["prefilled_tokens"] - before["prefilled_tokens"] == len(prompt) - cached
+    assert after["fallback_trim_refused"] == 0
+    assert prefix(sim).total_bytes == kv(sim).reserved_bytes
 
 
 def test_default_checkpoint_spacing_snapshots_a_long_non_trimmable_prompt() -> None:
     """No option: snapshots every 512 tokens (DEFAULT_CHECKPOINT_EVERY), plus len - 1."""
-    sim = make_sim({"trimmable": False}, chunk=64)
+    sim = make_sim({"trimmable": False, "fixed_state_bytes": FIXED}, chunk=64)
     prompt = tuple(97 + i % 26 for i in range(1030))  # letters only: no word-boundary point
     sim.send(generate("a", prompt, 2))
     sim.run_until_quiescent()
 
     assert emitted(sim, "a") == greedy_continuation(prompt, 2)
-    lengths = sorted(len(e.tokens) for e in prefix(sim).entries())
-    assert lengths == [512, 1024, 1029, 1031]
-    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == sum(lengths) * BPT
+    [entry] = prefix(sim).entries()
+    assert (len(entry.tokens), entry.points) == (1031, (512, 1024, 1029))
+    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == 1031 * BPT + 4 * FIXED
     assert engine_counters(sim)["snapshots_taken"] == 3
 
 
 @pytest.mark.parametrize(
-    ("spare_tokens", "kept", "refused"),
+    ("spare_snapshots", "kept", "refused"),
     [
-        pytest.param(0, [], 4, id="no-room-for-any"),
-        pytest.param(10, [8], 3, id="room-for-the-first"),
+        pytest.param(0, (), 4, id="no-room-for-any"),
+        pytest.param(1, (8,), 3, id="room-for-the-first"),
     ],
 )
 def test_a_snapshot_that_does_not_fit_now_is_skipped_without_queueing_or_evicting(
-    spare_tokens: int, kept: list[int], refused: int
+    spare_snapshots: int, kept: tuple[int, ...], refused: int
 ) -> None:
-    # The sequence reserves prompt + max_tokens and fits exactly; spare_tokens are left free.
-    budget = (len(PROMPT) + MAX_TOKENS + spare_tokens) * BPT
+    # The sequence reserves prompt + max_tokens and fits exactly; room for spare snapshots is left.
+    budget = (len(PROMPT) + MAX_TOKENS) * BPT + FIXED + spare_snapshots * FIXED
     sim = checkpoint_sim(budget)
     sim.send(generate("a", PROMPT, MAX_TOKENS))
     sim.run_until_idle()
@@ -234,9 +270,10 @@ def test_a_snapshot_that_does_not_fit_now_is_skipped_without_queueing_or_evictin
     counters = engine_counters(sim)
     assert counters["snapshots_taken"] == len(PLANNED)
     assert counters["snapshots_refused"] == refused
-    lengths = sorted(len(e.tokens) for e in prefix(sim).entries())
-    assert lengths == [*kept, END_STATE]  # the sequence's own end state is moved, not reserved
-    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == (sum(kept) + END_STATE) * BPT
+    [entry] = prefix(sim).entries()
+    assert entry.points == kept  # the sequence's own end state is moved, not reserved
+    total = END_STATE * BPT + FIXED + len(kept) * FIXED
+    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == total
     assert kv(sim).queued() == ()
     kv_counters = kv(sim).statistics().counters
     assert kv_counters["refused_no_wait"] == refused
@@ -245,7 +282,12 @@ def test_a_snapshot_that_does_not_fit_now_is_skipped_without_queueing_or_evictin
     prefix_counters = prefix(sim).statistics().counters
     assert prefix_counters["evict_requests"] == 0
     assert prefix_counters["evictions"] == 0
-    assert engine_gauges(sim)["entries"] == len(kept) + 1  # refused snapshots were let go
+    gauges = engine_gauges(sim)
+    assert (gauges["entries"], gauges["entry_points"], gauges["pending_snapshots"]) == (
+        1,
+        len(kept),
+        0,  # refused snapshots were let go
+    )
 
 
 # --------------------------------------------------------------------------- 3. fallback
@@ -254,8 +296,8 @@ def test_a_snapshot_that_does_not_fit_now_is_skipped_without_queueing_or_evictin
 @pytest.mark.parametrize(
     ("counter", "entry_tokens"),
     [
-        # A real non-trimmable entry (24 tokens) that the result asks to trim to 20.
-        pytest.param("fallback_trim_refused", 24, id="trim-refused"),
+        # The real non-trimmable entry, which the result asks to trim to 20 (not one of its points).
+        pytest.param("fallback_trim_refused", END_STATE, id="trim-refused"),
         # An entry id the engine does not hold.
         pytest.param("fallback_entry_missing", None, id="entry-missing"),
     ],
@@ -266,9 +308,9 @@ def test_a_hit_that_cannot_be_restored_starts_cold(counter: str, entry_tokens: i
     sim.run_until_quiescent()
     by_length = {len(e.tokens): e.entry_id for e in prefix(sim).entries()}
     entry_id = 999 if entry_tokens is None else by_length[entry_tokens]
-    assert entry_id == (999 if entry_tokens is None else 3)
+    assert entry_id == (999 if entry_tokens is None else len(PLANNED) + 1)
 
-    # The prompt shares 20 tokens with PROMPT (so also the 8- and 16-token snapshots).
+    # The prompt shares 20 tokens with PROMPT (so also the 8- and 16-token points).
     prompt = (*PROMPT[:20], *range(200, 210))
     crafted: list[LookupResult] = []
 
@@ -331,7 +373,8 @@ def test_a_refused_trim_does_not_make_the_cached_prompt_tokens_counter_negative(
     sim = checkpoint_sim()
     sim.send(generate("warm", PROMPT, MAX_TOKENS))
     sim.run_until_quiescent()
-    entry_id = next(e.entry_id for e in prefix(sim).entries() if len(e.tokens) == 24)
+    [entry] = prefix(sim).entries()
+    entry_id = entry.entry_id
 
     def answer_first(to: Address, message: Message, sender: Address) -> bool:
         if to == "prefix" and isinstance(message, Lookup):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
+from mlx_lm.models import cache as mlx_cache
 
 from runtime.backend import CannotTrim, ReuseStrategy
 from runtime.errors import ModelLoadFailed
@@ -206,6 +207,60 @@ def test_copy_beyond_the_state_raises(backends: dict[str, MlxBackend], kind: str
     state = prefilled(backend, tokens(8, seed=8))
     with pytest.raises(CannotTrim):
         backend.copy_state(state, 9)
+
+
+# ---------------------------------------------------------------------- snapshots
+
+
+@pytest.mark.parametrize("kind", ["sliding", "hybrid"])
+def test_a_snapshot_copies_only_the_layers_that_cannot_be_trimmed(
+    backends: dict[str, MlxBackend], kind: str
+) -> None:
+    backend = backends[kind]
+    state = prefilled(backend, tokens(200, seed=9), chunk=64)
+    snapshot = backend.snapshot(state)
+    assert snapshot.length == 200
+    full_attention = {i for i, c in enumerate(state.caches) if type(c) is mlx_cache.KVCache}
+    assert full_attention, "a mixed model has full-attention layers"
+    assert snapshot.layers, "and layers that cannot be trimmed"
+    assert not full_attention & set(snapshot.layers)
+    assert snapshot.nbytes == sum(int(state.caches[i].nbytes) for i in snapshot.layers)
+    # The full-attention KV (what grows with the prompt) is what a snapshot leaves out.
+    assert snapshot.nbytes < backend.state_nbytes(state) // 2
+
+
+def test_a_snapshot_of_an_all_trimmable_model_is_empty(backends: dict[str, MlxBackend]) -> None:
+    backend = backends["llama"]
+    snapshot = backend.snapshot(prefilled(backend, tokens(20, seed=9)))
+    assert (snapshot.layers, snapshot.nbytes) == ({}, 0)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_restoring_at_a_snapshot_continues_like_a_cold_prefill(
+    backends: dict[str, MlxBackend], kind: str
+) -> None:
+    """The engine's checkpoint path: trimmable layers cut back, the others from the snapshot."""
+    backend = backends[kind]
+    shared = tokens(45, seed=10)  # past the sliding window (32)
+    first = shared + tokens(30, seed=11)
+    second = shared + tokens(20, seed=12)
+    cold = greedy(backend, prefilled(backend, second), 6)
+
+    entry = backend.new_state()
+    snapshots = {}
+    for end in (20, 45, len(first)):  # chunks that land on the snapshot points
+        backend.prefill(entry, first[entry.length : end])
+        if end < len(first):
+            snapshots[end] = backend.snapshot(entry)
+    for k, snapshot in snapshots.items():
+        copy = backend.copy_state(entry, k, snapshot)
+        assert copy.length == k
+        backend.prefill(copy, second[k:])
+        assert greedy(backend, copy, 6) == cold, f"restored at {k}"
+    # Restoring never changed the entry (it is shared by every later hit).
+    assert greedy(backend, entry, 4) == greedy(backend, prefilled(backend, first), 4)
+    with pytest.raises(CannotTrim):  # a snapshot restores only the length it was taken at
+        backend.copy_state(entry, 44, snapshots[45])
 
 
 # ---------------------------------------------------------------------- teardown

@@ -25,6 +25,7 @@ from runtime.backend import (
     ModelInfo,
     ReuseStrategy,
     SequenceState,
+    Snapshot,
     backend_options,
 )
 from runtime.errors import InvalidModelSpec
@@ -60,7 +61,9 @@ class SimulatedFault(RuntimeError):
 class SimulatedModelOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of a simulated model (``ModelSpec.options``)."""
 
-    trimmable: bool = True  # False: behaves like sliding-window/recurrent caches
+    # False: behaves like a hybrid model's caches: the per-token KV still trims, but a recurrent
+    # state of ``fixed_state_bytes`` does not, so reuse short of the whole state needs a snapshot.
+    trimmable: bool = True
     context_length: int = 4096
     bytes_per_token: int = 1024
     fixed_state_bytes: int = 0
@@ -85,6 +88,17 @@ class SimulatedState:
     @property
     def length(self) -> int:
         return len(self.tokens)
+
+
+class SimulatedSnapshot:
+    """The untrimmable part of a state: its rolling hash after ``length`` tokens."""
+
+    __slots__ = ("length", "nbytes", "prefix_hash")
+
+    def __init__(self, length: int, prefix_hash: int, nbytes: int) -> None:
+        self.length = length
+        self.prefix_hash = prefix_hash
+        self.nbytes = nbytes
 
 
 def next_token_for(prefix_hash: int, eos_every: int) -> int:
@@ -170,13 +184,27 @@ class SimulatedBackend:
     def can_trim(self, state: SequenceState) -> bool:
         return self._options.trimmable
 
-    def copy_state(self, state: SequenceState, length: int) -> SimulatedState:
+    def copy_state(
+        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+    ) -> SimulatedState:
         state = _own(state)
         if length > state.length or length < 0:
             raise CannotTrim(f"cannot copy {length} tokens of a {state.length}-token state")
-        if length < state.length and not self._options.trimmable:
+        if snapshot is not None:
+            # The oracle: a snapshot restores only the state whose history it was taken from.
+            if not isinstance(snapshot, SimulatedSnapshot) or snapshot.length != length:
+                raise CannotTrim(f"the snapshot does not hold {length} tokens of this state")
+            if length and snapshot.prefix_hash != state.hashes[length - 1]:
+                raise ValueError("a snapshot was paired with a state it was not taken from")
+        elif length < state.length and not self._options.trimmable:
             raise CannotTrim("this simulated cache is not trimmable")
         return SimulatedState(state.tokens[:length], state.hashes[:length])
+
+    def snapshot(self, state: SequenceState) -> SimulatedSnapshot:
+        state = _own(state)
+        prefix_hash = state.hashes[-1] if state.hashes else 0
+        nbytes = 0 if self._options.trimmable else self._options.fixed_state_bytes
+        return SimulatedSnapshot(state.length, prefix_hash, nbytes)
 
     def prefill(self, state: SequenceState, token_ids: Sequence[int]) -> None:
         state = _own(state)
