@@ -81,6 +81,9 @@ class EntryStore:
             "entries": len(self._entries),
             "entry_bytes": sum(e.nbytes for e in self._entries.values()),
             "entry_points": sum(len(e.points) for e in self._entries.values()),
+            "entry_point_bytes": sum(
+                p.nbytes for e in self._entries.values() for p in e.points.values()
+            ),
             "pending_snapshots": len(self._snapshots),
             "pins": len(self._pins),
         }

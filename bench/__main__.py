@@ -12,12 +12,12 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from bench import generation, ours, raw_mlx, server
+from bench import checkpoints, generation, ours, raw_mlx, server
 from bench.results import Sink, format_table
 from bench.workload import QUICK, Sizes, build_workload
 
 KINDS = ("llama", "sliding", "hybrid")
-SCENARIO_GROUPS = ("existing", "generation")
+SCENARIO_GROUPS = ("existing", "generation", "checkpoints")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -35,7 +35,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         default=",".join(SCENARIO_GROUPS),
         help="comma-separated subset of: existing (turn2, abandon, decode), generation "
         "(gen.*: one-stream decode, 4 concurrent, inter-token latency, coalescing; runtime "
-        "and mlx-lm only)",
+        "and mlx-lm only), checkpoints (ckpt.*: memory of a long prompt's checkpoints, runtime "
+        "vs deep copies of mlx-lm's prompt cache)",
     )
     args = parser.parse_args(argv)
     args.scenarios = {s for s in args.scenarios.split(",") if s}
@@ -70,6 +71,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _log(f"{kind}: generation (runtime, backend level, mlx-lm stream_generate)")
                 gen_sizes = generation.GEN_QUICK if args.quick else generation.GenSizes()
                 sink.extend(generation.measure(path, model, tokenizer, kind, gen_sizes))
+            if "checkpoints" in args.scenarios and "runtime" in args.systems:
+                _log(f"{kind}: checkpoint memory (runtime vs mlx-lm whole-cache copies)")
+                sink.extend(checkpoints.measure(path, model, tokenizer, kind))
             if "existing" not in args.scenarios:
                 continue
             work = build_workload(tokenizer, sizes)

@@ -48,6 +48,9 @@ NAMESPACES = ("a", "b")
 models = st.sampled_from(MODELS)
 namespaces = st.sampled_from(NAMESPACES)
 token_lists = st.lists(st.integers(0, 3), max_size=6).map(tuple)
+# Points of a checkpoint entry: kept only if strictly inside its tokens, unless the rule asks for
+# invalid ones (which the core must refuse).
+point_lists = st.lists(st.integers(0, 7), max_size=3).map(tuple)
 # Relative to a model's current load: the torn-down previous load, the current one, or the next
 # one already loading beside it (so two live epochs of one model coexist).
 epoch_offsets = st.sampled_from((0, 0, 1, -1))
@@ -63,6 +66,7 @@ class ModelEntry:
     trimmable: bool
     pinned: bool
     last_used: int
+    points: tuple[int, ...] = ()
     leases: set[int] = field(default_factory=set)
     doomed: bool = False
 
@@ -79,12 +83,20 @@ def usable(entry: ModelEntry, prompt: TokenIds) -> tuple[int, ReusePath] | None:
     if entry.trimmable:
         matched = min(common_prefix_len(entry.tokens, prompt), len(prompt) - 1)
         path = ReusePath.EXACT if matched == len(entry.tokens) else ReusePath.TRIM
-    else:
-        matched = len(entry.tokens)
-        if matched > len(prompt) - 1 or prompt[:matched] != entry.tokens:
+    else:  # restorable whole or at a point, when every token up to there prefixes the prompt
+        depths = [
+            d
+            for d in (*entry.points, len(entry.tokens))
+            if d <= len(prompt) - 1 and prompt[:d] == entry.tokens[:d]
+        ]
+        if not depths:
             return None
-        path = ReusePath.CHECKPOINT
+        matched, path = max(depths), ReusePath.CHECKPOINT
     return (matched, path) if matched >= 1 else None
+
+
+def valid_points(tokens: TokenIds, trimmable: bool, points: tuple[int, ...]) -> bool:
+    return not (trimmable and points) and all(0 < p < len(tokens) for p in points)
 
 
 def normalized_drops(sent: list[tuple[Address, Message]]) -> dict[Address, set[int]]:
@@ -176,6 +188,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         trimmable=st.booleans(),
         pinned=rarely,
         stale=rarely,
+        points=point_lists,
+        invalid_points=rarely,
     )
     def commit(
         self,
@@ -187,11 +201,17 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         trimmable: bool,
         pinned: bool,
         stale: bool,
+        points: tuple[int, ...],
+        invalid_points: bool,
     ) -> None:
         epoch = self.epoch(model, epoch_offset)
         current = self.generation(model, namespace)
         generation = current - 1 if stale and current > 0 else current
-        self.check_commit(model, epoch, namespace, tokens, nbytes, trimmable, pinned, generation)
+        if not invalid_points:
+            points = () if trimmable else tuple(p for p in points if 0 < p < len(tokens))
+        self.check_commit(
+            model, epoch, namespace, tokens, nbytes, trimmable, pinned, generation, points
+        )
 
     @precondition(lambda self: self.entries)
     @rule(
@@ -200,16 +220,26 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         suffix=token_lists,
         nbytes=st.integers(1, 50),
         trimmable=st.booleans(),
+        points=point_lists,
     )
     def commit_near_entry(
-        self, data: st.DataObject, keep: int, suffix: TokenIds, nbytes: int, trimmable: bool
+        self,
+        data: st.DataObject,
+        keep: int,
+        suffix: TokenIds,
+        nbytes: int,
+        trimmable: bool,
+        points: tuple[int, ...],
     ) -> None:
         """Commits that extend or branch off a cached entry: supersedes and trims happen here."""
         entry = self.entries[data.draw(st.sampled_from(sorted(self.entries)))]
         model, epoch, namespace = entry.key.model, entry.key.epoch, entry.namespace
         tokens = entry.tokens[:keep] + suffix
         generation = self.generation(model, namespace)
-        self.check_commit(model, epoch, namespace, tokens, nbytes, trimmable, False, generation)
+        points = () if trimmable else tuple(p for p in points if 0 < p < len(tokens))
+        self.check_commit(
+            model, epoch, namespace, tokens, nbytes, trimmable, False, generation, points
+        )
 
     def check_commit(
         self,
@@ -221,6 +251,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         trimmable: bool,
         pinned: bool,
         generation: int,
+        points: tuple[int, ...] = (),
     ) -> None:
         current = self.generation(model, namespace)
         entry_id = self.next_entry_id.get((model, epoch), 0) + 1
@@ -237,6 +268,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             (model, epoch) not in self.invalidated
             and generation >= current
             and bool(tokens)
+            and valid_points(tokens, trimmable, points)
             and not any(e.tokens == tokens and e.trimmable == trimmable for e in live)
         )
         superseded: list[ModelEntry] = []
@@ -265,6 +297,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 trimmable=trimmable,
                 generation=generation,
                 pinned=pinned,
+                points=points,
             ),
             engine,
             self.ctx,
@@ -281,7 +314,14 @@ class PrefixCacheMachine(RuleBasedStateMachine):
                 del self.charged[old.key]
             self.clock += 1
             self.entries[key] = ModelEntry(
-                key, namespace, tokens, nbytes, trimmable, pinned, last_used=self.clock
+                key,
+                namespace,
+                tokens,
+                nbytes,
+                trimmable,
+                pinned,
+                last_used=self.clock,
+                points=tuple(sorted(set(points))),
             )
             self.charged[key] = nbytes
 
@@ -339,6 +379,8 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         snapshot = self.core_snapshot(best.key)
         assert (snapshot.model, snapshot.epoch, snapshot.namespace) == (model, epoch, namespace)
         assert snapshot.tokens[:matched] == prompt[:matched]
+        if path is ReusePath.CHECKPOINT:  # whole, or at a point where it holds a snapshot
+            assert matched == len(snapshot.tokens) or matched in snapshot.points
 
         self.clock += 1
         best.last_used = self.clock
@@ -429,11 +471,18 @@ class PrefixCacheMachine(RuleBasedStateMachine):
     @invariant()
     def entries_match_model(self) -> None:
         core_view = {
-            EntryKey(e.model, e.epoch, e.entry_id): (e.namespace, e.tokens, e.leases, e.doomed)
+            EntryKey(e.model, e.epoch, e.entry_id): (
+                e.namespace,
+                e.tokens,
+                e.points,
+                e.leases,
+                e.doomed,
+            )
             for e in self.core.entries()
         }
         model_view = {
-            k: (e.namespace, e.tokens, len(e.leases), e.doomed) for k, e in self.entries.items()
+            k: (e.namespace, e.tokens, e.points, len(e.leases), e.doomed)
+            for k, e in self.entries.items()
         }
         assert core_view == model_view
         assert self.core.leased_entry_ids() == set(self.lease_owner.values())

@@ -50,6 +50,10 @@ class RuntimeMachine(RuleBasedStateMachine):
             options={
                 "trimmable": trimmable,
                 "bytes_per_token": BYTES_PER_TOKEN,
+                # Non-trimmable: each checkpoint snapshot costs this (every 4 tokens and len - 1),
+                # so snapshots compete for the budget and join their final entries as points.
+                "fixed_state_bytes": 150,
+                "checkpoint_every_tokens": 4,
                 "prefill_s_per_token": 0.001,
                 "decode_s_per_token": 0.002,
             },

@@ -26,6 +26,9 @@ def validate_request(request: Generate | Prewarm) -> None:
         )
     if request.messages is not None and not request.messages:
         raise InvalidRequest("messages is empty; send at least one chat message")
+    if request.prompt is not None and not isinstance(request.prompt, str):
+        kind = type(request.prompt).__name__
+        raise InvalidRequest(f"prompt must be text, not {kind}; pass token ids as prompt_tokens")
     if request.prompt is not None and not request.prompt:
         raise InvalidRequest("the prompt is empty; send at least one character")
     if request.prompt_tokens is not None:

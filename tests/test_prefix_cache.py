@@ -51,6 +51,7 @@ def commit(
     epoch: int = 1,
     model: str = MODEL,
     generation: int | None = None,
+    points: tuple[int, ...] = (),
 ) -> Committed:
     if generation is None:
         generation = core.generation(model, namespace)
@@ -64,6 +65,7 @@ def commit(
         trimmable=trimmable,
         generation=generation,
         pinned=pinned,
+        points=points,
     )
     engine = engine_address(model, epoch)
     core.handle(message, engine, ctx)
@@ -142,6 +144,48 @@ def test_checkpoint_serves_only_whole_with_a_token_left(
     assert hit(lookup(core, ctx, (1, 2, 3, 4))) == (1, 3, ReusePath.CHECKPOINT)
     assert hit(lookup(core, ctx, (1, 2, 3))) == (None, 0, ReusePath.MISS)
     assert hit(lookup(core, ctx, (1, 2, 4, 5))) == (None, 0, ReusePath.MISS)
+
+
+def test_a_checkpoint_entry_also_serves_at_its_points(
+    core: PrefixCacheCore, ctx: RecordingContext
+) -> None:
+    results: list[LookupResult] = []
+
+    def served(prompt: TokenIds) -> tuple[int | None, int, ReusePath]:
+        results.append(lookup(core, ctx, prompt))
+        return hit(results[-1])
+
+    commit(core, ctx, 1, (1, 2, 3, 4, 5), trimmable=False, points=(2, 4))
+    assert served((1, 2, 3, 4, 5, 6)) == (1, 5, ReusePath.CHECKPOINT)
+    assert served((1, 2, 3, 4, 9)) == (1, 4, ReusePath.CHECKPOINT)
+    assert served((1, 2, 3, 9)) == (1, 2, ReusePath.CHECKPOINT)  # not at 3: no snapshot there
+    assert served((1, 9)) == (None, 0, ReusePath.MISS)
+    # Another conversation with a point at the same place: the most recently used serves.
+    commit(core, ctx, 2, (1, 2, 7, 7), trimmable=False, points=(2,))
+    assert served((1, 2, 9))[0] == 2
+    served((1, 2, 3, 4, 9))  # uses entry 1
+    assert served((1, 2, 9))[0] == 1
+    # Evicting one leaves the other's point in place.
+    for result in results:
+        if result.lease_id is not None:
+            core.handle(ReleaseLease(lease_id=result.lease_id), ENGINE, ctx)
+    ctx.take_sent()
+    core.handle(Evict(nbytes=1), "kv", ctx)
+    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(2,)))]
+    assert hit(lookup(core, ctx, (1, 2, 9))) == (1, 2, ReusePath.CHECKPOINT)
+
+
+@pytest.mark.parametrize(
+    ("trimmable", "points"),
+    [(True, (1,)), (False, (0,)), (False, (3,)), (False, (5,))],
+    ids=["trimmable-with-points", "point-zero", "point-at-the-end", "point-past-the-end"],
+)
+def test_points_outside_the_tokens_or_on_a_trimmable_entry_are_refused(
+    core: PrefixCacheCore, ctx: RecordingContext, trimmable: bool, points: tuple[int, ...]
+) -> None:
+    reply = commit(core, ctx, 1, (1, 2, 3), trimmable=trimmable, points=points)
+    assert not reply.accepted
+    assert core.statistics().counters["refused_invalid"] == 1
 
 
 def test_miss_has_no_lease(core: PrefixCacheCore, ctx: RecordingContext) -> None:

@@ -159,6 +159,8 @@ async def test_bad_input_is_refused_before_any_work() -> None:
             assert raised.value.code == "invalid_request"
         with pytest.raises(InvalidRequest):
             rt.generate("m", "")
+        with pytest.raises(InvalidRequest, match="pass token ids as prompt_tokens"):
+            rt.generate("m", [104, 105])  # type: ignore[arg-type]
         with pytest.raises(ModelNotLoaded):
             await rt.complete("nope", "x")
         with pytest.raises(ModelAlreadyLoaded):
