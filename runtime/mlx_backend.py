@@ -194,7 +194,7 @@ class MlxBackend:
         """Copy the sliding-window and recurrent layers; full-attention KV is trimmed later."""
         source = _own(state)
         layers = {
-            i: _copy_layer(c, 0)
+            i: _snapshot_layer(c)
             for i, c in enumerate(source.caches)
             if type(c) not in _TRIMMABLE_LAYERS
         }
@@ -387,6 +387,26 @@ def _copy_layer(layer_cache: Any, drop: int) -> Any:
         clone.cache = [None if a is None else mx.array(a) for a in layer_cache.cache]
         return clone
     raise CannotTrim(f"no copy rule for cache type {type(layer_cache).__name__}")
+
+
+def _snapshot_layer(layer_cache: Any) -> Any:
+    """An independent copy of an untrimmable layer, holding no more than later updates read.
+
+    After a multi-token update a sliding-window ring holds window - 1 + chunk tokens in temporal
+    order, but every later update reads only the last window - 1 of them (mlx-lm's
+    ``RotatingKVCache``), so the snapshot keeps the last ``max_size`` tokens: a window, not a
+    window plus a prefill chunk.
+    """
+    if isinstance(layer_cache, mlx_cache.RotatingKVCache) and layer_cache.keys is not None:
+        size, window = int(layer_cache.keys.shape[2]), layer_cache.max_size
+        if layer_cache.keep == 0 and size > window and layer_cache._idx == size:
+            clone = copy.copy(layer_cache)
+            # mx.array(...) copies: a slice alone would keep the whole ring's buffer alive.
+            clone.keys = mx.array(layer_cache.keys[..., size - window :, :])
+            clone.values = mx.array(layer_cache.values[..., size - window :, :])
+            clone._idx = window
+            return clone
+    return _copy_layer(layer_cache, 0)
 
 
 def _own(state: SequenceState) -> MlxState:

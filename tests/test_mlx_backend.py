@@ -224,7 +224,10 @@ def test_a_snapshot_copies_only_the_layers_that_cannot_be_trimmed(
     assert full_attention, "a mixed model has full-attention layers"
     assert snapshot.layers, "and layers that cannot be trimmed"
     assert not full_attention & set(snapshot.layers)
-    assert snapshot.nbytes == sum(int(state.caches[i].nbytes) for i in snapshot.layers)
+    assert snapshot.nbytes == sum(int(c.nbytes) for c in snapshot.layers.values())
+    for layer in snapshot.layers.values():
+        if isinstance(layer, mlx_cache.RotatingKVCache):  # a window, not window + chunk
+            assert layer.keys.shape[2] == layer.max_size == SLIDING_WINDOW
     # The full-attention KV (what grows with the prompt) is what a snapshot leaves out.
     assert snapshot.nbytes < backend.state_nbytes(state) // 2
 
@@ -243,20 +246,20 @@ def test_restoring_at_a_snapshot_continues_like_a_cold_prefill(
     backend = backends[kind]
     shared = tokens(45, seed=10)  # past the sliding window (32)
     first = shared + tokens(30, seed=11)
-    second = shared + tokens(20, seed=12)
-    cold = greedy(backend, prefilled(backend, second), 6)
-
     entry = backend.new_state()
     snapshots = {}
     for end in (20, 45, len(first)):  # chunks that land on the snapshot points
         backend.prefill(entry, first[entry.length : end])
         if end < len(first):
             snapshots[end] = backend.snapshot(entry)
-    for k, snapshot in snapshots.items():
-        copy = backend.copy_state(entry, k, snapshot)
-        assert copy.length == k
-        backend.prefill(copy, second[k:])
-        assert greedy(backend, copy, 6) == cold, f"restored at {k}"
+    # A chunk after the restore (a multi-token update), and a single token (the in-place one).
+    for second in (shared + tokens(20, seed=12), shared + tokens(1, seed=13)):
+        cold = greedy(backend, prefilled(backend, second), 6)
+        for k, snapshot in snapshots.items():
+            copy = backend.copy_state(entry, k, snapshot)
+            assert copy.length == k
+            backend.prefill(copy, second[k:])
+            assert greedy(backend, copy, 6) == cold, f"restored at {k}, then {len(second) - k}"
     # Restoring never changed the entry (it is shared by every later hit).
     assert greedy(backend, entry, 4) == greedy(backend, prefilled(backend, first), 4)
     with pytest.raises(CannotTrim):  # a snapshot restores only the length it was taken at
