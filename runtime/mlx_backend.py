@@ -397,13 +397,18 @@ def _snapshot_layer(layer_cache: Any) -> Any:
     ``RotatingKVCache``), so the snapshot keeps the last ``max_size`` tokens: a window, not a
     window plus a prefill chunk.
     """
-    if isinstance(layer_cache, mlx_cache.RotatingKVCache) and layer_cache.keys is not None:
-        size, window = int(layer_cache.keys.shape[2]), layer_cache.max_size
+    keys, values = getattr(layer_cache, "keys", None), getattr(layer_cache, "values", None)
+    if (
+        isinstance(layer_cache, mlx_cache.RotatingKVCache)
+        and keys is not None
+        and values is not None
+    ):
+        size, window = int(keys.shape[2]), layer_cache.max_size
         if layer_cache.keep == 0 and size > window and layer_cache._idx == size:
             clone = copy.copy(layer_cache)
             # mx.array(...) copies: a slice alone would keep the whole ring's buffer alive.
-            clone.keys = mx.array(layer_cache.keys[..., size - window :, :])
-            clone.values = mx.array(layer_cache.values[..., size - window :, :])
+            clone.keys = mx.array(keys[..., size - window :, :])
+            clone.values = mx.array(values[..., size - window :, :])
             clone._idx = window
             return clone
     return _copy_layer(layer_cache, 0)
