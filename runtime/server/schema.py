@@ -1,0 +1,254 @@
+"""The OpenAI wire format: the request bodies the server accepts and the bodies it sends.
+
+Requests decode with ``forbid_unknown_fields``, so a field the server does not know is refused by
+name instead of dropped (a dropped field could change the output unnoticed). Fields it knows but
+does not support are declared here with loose types, and ``translate`` refuses them with a
+sentence. ``None`` means "not given" throughout. The runtime's extra samplers (``top_k``,
+``min_p``, ...) are accepted as extra body fields, as vLLM and llama.cpp do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+from runtime.messages import Role
+
+# --------------------------------------------------------------------------- requests
+
+
+class _Body(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Base of request bodies: immutable, strict about unknown fields."""
+
+
+class StreamOptions(_Body, frozen=True, kw_only=True):
+    include_usage: bool = False
+
+
+class _GenerationBody(_Body, frozen=True, kw_only=True):
+    """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    # Completions tell UNSET (omitted: OpenAI's 16) from None (null: the rest of the context).
+    max_tokens: int | msgspec.UnsetType | None = msgspec.UNSET
+    temperature: float | None = None
+    top_p: float | None = None
+    n: int | None = None
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[int, float] | None = None
+    user: str | None = None  # accepted, not used
+    # The runtime's own samplers and routing (extra body fields).
+    top_k: int | None = None
+    min_p: float | None = None
+    top_n_sigma: float | None = None
+    repetition_penalty: float | None = None
+    penalty_context: int | None = None
+    xtc_probability: float | None = None
+    xtc_threshold: float | None = None
+    dry_multiplier: float | None = None
+    dry_base: float | None = None
+    dry_allowed_length: int | None = None
+    dry_sequence_breakers: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    session: str | None = None
+    cache_salt: str | None = None
+
+
+class CompletionRequest(_GenerationBody, frozen=True, kw_only=True):
+    """``POST /v1/completions``. ``prompt`` is text or token ids (one prompt, not a batch)."""
+
+    prompt: str | list[str | int | list[int]]
+    logprobs: int | None = None
+    echo: bool | None = None
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    """One part of a message's content; only ``text`` parts are supported.
+
+    Unknown keys are allowed here: they belong to part types (images, audio) refused by type.
+    """
+
+    type: str
+    text: str | None = None
+
+
+class WireChatMessage(_Body, frozen=True, kw_only=True):
+    role: Role
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: Any = None
+    tool_call_id: str | None = None
+    function_call: Any = None
+    refusal: str | None = None
+    audio: Any = None
+
+
+class ChatCompletionRequest(_GenerationBody, frozen=True, kw_only=True):
+    """``POST /v1/chat/completions``: messages go through the model's chat template."""
+
+    messages: list[WireChatMessage]
+    max_completion_tokens: int | None = None
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    # Accepted and ignored: they do not change the output.
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+    # Known but unsupported: refused unless "off" (see translate.py).
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    web_search_options: Any = None
+
+
+completion_request_decoder = msgspec.json.Decoder(CompletionRequest)
+chat_request_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+
+# --------------------------------------------------------------------------- responses
+
+
+class _Reply(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of response bodies. ``UNSET`` fields are left out of the JSON."""
+
+
+class PromptTokensDetails(_Reply, frozen=True, kw_only=True):
+    cached_tokens: int
+
+
+class WireUsage(_Reply, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class CompletionLogprobs(_Reply, frozen=True, kw_only=True):
+    """The legacy completions form: parallel lists, one entry per token."""
+
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(_Reply, frozen=True, kw_only=True):
+    text: str
+    index: int = 0
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class TextCompletion(_Reply, frozen=True, kw_only=True):
+    """A ``/v1/completions`` response, or (``object`` "text_completion" too) one stream chunk."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: WireUsage | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class TopLogprob(_Reply, frozen=True, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int] | None  # None for an alternative the runtime did not detokenize
+
+
+class TokenLogprob(_Reply, frozen=True, kw_only=True):
+    token: str
+    logprob: float
+    bytes: list[int]
+    top_logprobs: list[TopLogprob]
+
+
+class ChoiceLogprobs(_Reply, frozen=True, kw_only=True):
+    content: list[TokenLogprob]
+
+
+class AssistantMessage(_Reply, frozen=True, kw_only=True):
+    content: str
+    role: Literal["assistant"] = "assistant"
+
+
+class ChatChoice(_Reply, frozen=True, kw_only=True):
+    message: AssistantMessage
+    finish_reason: str
+    index: int = 0
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(_Reply, frozen=True, kw_only=True):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: WireUsage
+
+
+class Delta(_Reply, frozen=True, kw_only=True):
+    role: Literal["assistant"] | msgspec.UnsetType = msgspec.UNSET
+    content: str | msgspec.UnsetType = msgspec.UNSET
+
+
+class ChatChunkChoice(_Reply, frozen=True, kw_only=True):
+    delta: Delta
+    index: int = 0
+    logprobs: ChoiceLogprobs | None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(_Reply, frozen=True, kw_only=True):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: WireUsage | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class ModelCard(_Reply, frozen=True, kw_only=True):
+    id: str
+    created: int
+    context_length: int
+    object: Literal["model"] = "model"
+    owned_by: str = "mlx-actor-runtime"
+
+
+class ModelList(_Reply, frozen=True, kw_only=True):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorDetail(_Reply, frozen=True, kw_only=True):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(_Reply, frozen=True, kw_only=True):
+    error: ErrorDetail
+
+
+Chunk = TextCompletion | ChatCompletionChunk
+encoder = msgspec.json.Encoder()

@@ -1,0 +1,251 @@
+"""OpenAI request bodies → the runtime's ``generate`` arguments, refusing what it cannot honour.
+
+Every field either reaches the runtime, is listed as having no effect on the output (``user``,
+``store``, ``metadata``...), or is refused with a 400 naming it: a feature that would change the
+output is never dropped silently. Value ranges are the runtime's to check (``validate_sampling``);
+this module only checks what the runtime cannot see (wire-only fields and shapes).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from runtime.messages import ChatMessage, Sampling
+from runtime.server.errors import UNSUPPORTED_VALUE, invalid, unsupported
+from runtime.server.schema import ChatCompletionRequest, CompletionRequest, WireChatMessage
+
+OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise; the runtime's default is 0
+LEGACY_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM do
+MAX_LOGPROBS = 20
+
+# Wire fields with the same name and meaning in ``Sampling``; None on the wire keeps its default.
+_SAMPLER_FIELDS = (
+    "top_p",
+    "min_p",
+    "top_n_sigma",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "penalty_context",
+    "xtc_probability",
+    "xtc_threshold",
+    "dry_multiplier",
+    "dry_base",
+    "dry_allowed_length",
+    "seed",
+)
+
+
+class RuntimeCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One OpenAI request as ``Runtime.generate`` arguments, plus how to answer it."""
+
+    model: str
+    prompt: str | None = None
+    prompt_tokens: tuple[int, ...] | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    max_tokens: int | None
+    sampling: Sampling
+    stop: tuple[str, ...]
+    stop_token_ids: tuple[int, ...]
+    namespace: str
+    session: str | None
+    stream: bool
+    include_usage: bool
+
+
+def completion_call(request: CompletionRequest) -> RuntimeCall:
+    """``/v1/completions``; raises ``HttpError`` for refused fields."""
+    _refuse_choices(request.n, request.best_of)
+    if request.echo:
+        raise unsupported(
+            "echo", "echo (returning the prompt with the completion) is not supported"
+        )
+    if request.suffix:
+        raise unsupported("suffix", "suffix (insertion) is not supported")
+    logprobs = request.logprobs
+    if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+        raise invalid("logprobs", f"logprobs must be 0 to {MAX_LOGPROBS} (got {logprobs})")
+    prompt, prompt_tokens = _one_prompt(request.prompt)
+    max_tokens = request.max_tokens
+    return _call(
+        request,
+        prompt=prompt,
+        prompt_tokens=prompt_tokens,
+        max_tokens=LEGACY_DEFAULT_MAX_TOKENS if max_tokens is msgspec.UNSET else max_tokens,
+        logprobs=logprobs is not None,
+        top_logprobs=logprobs or 0,
+    )
+
+
+def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
+    """``/v1/chat/completions``; raises ``HttpError`` for refused fields and message shapes."""
+    _refuse_choices(request.n, None)
+    for field, value, off, why in (
+        ("tools", request.tools, (None, []), "tool calling is not supported"),
+        ("tool_choice", request.tool_choice, (None, "none"), "tools are not supported"),
+        ("functions", request.functions, (None, []), "function calling is not supported"),
+        (
+            "function_call",
+            request.function_call,
+            (None, "none"),
+            "function calling is not supported",
+        ),
+        (
+            "response_format",
+            request.response_format,
+            (None, {"type": "text"}),
+            "structured output (json_object, json_schema) is not supported",
+        ),
+        ("modalities", request.modalities, (None, ["text"]), "only text output is supported"),
+        ("audio", request.audio, (None,), "audio output is not supported"),
+        ("prediction", request.prediction, (None,), "predicted outputs are not supported"),
+        (
+            "reasoning_effort",
+            request.reasoning_effort,
+            (None,),
+            "reasoning effort is not supported",
+        ),
+        ("verbosity", request.verbosity, (None,), "verbosity is not supported"),
+        ("web_search_options", request.web_search_options, (None,), "web search is not supported"),
+    ):
+        if value not in off:
+            raise unsupported(field, f"{field}: {why}")
+    return _call(
+        request,
+        messages=tuple(_chat_message(i, m) for i, m in enumerate(request.messages)),
+        max_tokens=_chat_max_tokens(request),
+        logprobs=bool(request.logprobs),
+        top_logprobs=request.top_logprobs or 0,
+    )
+
+
+def _call(
+    request: CompletionRequest | ChatCompletionRequest,
+    *,
+    prompt: str | None = None,
+    prompt_tokens: tuple[int, ...] | None = None,
+    messages: tuple[ChatMessage, ...] | None = None,
+    max_tokens: int | None,
+    logprobs: bool,
+    top_logprobs: int,
+) -> RuntimeCall:
+    if request.cache_salt is not None and not request.cache_salt:
+        raise invalid("cache_salt", "cache_salt must be a non-empty string when given")
+    stop = request.stop
+    return RuntimeCall(
+        model=request.model,
+        prompt=prompt,
+        prompt_tokens=prompt_tokens,
+        messages=messages,
+        max_tokens=max_tokens,
+        sampling=_sampling(request, logprobs, top_logprobs),
+        stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
+        stop_token_ids=tuple(request.stop_token_ids or ()),
+        namespace=request.cache_salt or "default",
+        session=request.session,
+        stream=request.stream,
+        include_usage=request.stream_options is not None and request.stream_options.include_usage,
+    )
+
+
+def _sampling(
+    request: CompletionRequest | ChatCompletionRequest, logprobs: bool, top_logprobs: int
+) -> Sampling:
+    given: dict[str, Any] = {
+        name: getattr(request, name)
+        for name in _SAMPLER_FIELDS
+        if getattr(request, name) is not None
+    }
+    if request.top_k is not None:
+        given["top_k"] = 0 if request.top_k == -1 else request.top_k  # vLLM spells "off" as -1
+    if request.logit_bias is not None:
+        given["logit_bias"] = request.logit_bias
+    if request.dry_sequence_breakers is not None:
+        given["dry_sequence_breakers"] = tuple(request.dry_sequence_breakers)
+    temperature = request.temperature
+    return msgspec.structs.replace(
+        Sampling(),
+        temperature=OPENAI_DEFAULT_TEMPERATURE if temperature is None else temperature,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+        **given,
+    )
+
+
+def _one_prompt(
+    prompt: str | list[str | int | list[int]],
+) -> tuple[str | None, tuple[int, ...] | None]:
+    """Text or token ids; a list holding one prompt is that prompt, a batch is refused."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if not prompt:
+        raise invalid("prompt", "prompt is empty; send text or a list of token ids")
+    if all(isinstance(item, int) for item in prompt):
+        return None, tuple(item for item in prompt if isinstance(item, int))
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return prompt[0], None
+    if len(prompt) == 1 and isinstance(prompt[0], list):
+        return None, tuple(prompt[0])
+    raise unsupported(
+        "prompt",
+        f"a batch of {len(prompt)} prompts is not supported; send one prompt per request "
+        "(requests run concurrently and share cached prefixes)",
+        code=UNSUPPORTED_VALUE,
+    )
+
+
+def _chat_message(index: int, message: WireChatMessage) -> ChatMessage:
+    where = f"messages[{index}]"
+    for field, value in (
+        ("name", message.name),
+        ("tool_calls", message.tool_calls),
+        ("tool_call_id", message.tool_call_id),
+        ("function_call", message.function_call),
+        ("audio", message.audio),
+    ):
+        if value is not None:
+            raise unsupported(f"{where}.{field}", f"{where}.{field} is not supported")
+    content = message.content
+    if isinstance(content, str):
+        return ChatMessage(role=message.role, content=content)
+    if content is None:
+        raise invalid(f"{where}.content", f"{where}.content is missing; send text")
+    for j, part in enumerate(content):
+        if part.type != "text" or part.text is None:
+            raise unsupported(
+                f"{where}.content[{j}]",
+                f"{where}.content[{j}] is a {part.type!r} part; only text parts are supported",
+                code=UNSUPPORTED_VALUE,
+            )
+    # Text parts join with newlines, as vLLM renders them for string-content chat templates.
+    return ChatMessage(role=message.role, content="\n".join(p.text or "" for p in content))
+
+
+def _chat_max_tokens(request: ChatCompletionRequest) -> int | None:
+    """``max_completion_tokens`` (current) or ``max_tokens`` (deprecated); None: the rest."""
+    legacy = None if request.max_tokens is msgspec.UNSET else request.max_tokens
+    current = request.max_completion_tokens
+    if current is not None and legacy is not None and current != legacy:
+        raise invalid(
+            "max_tokens",
+            f"max_tokens ({legacy}) and max_completion_tokens ({current}) disagree; send one",
+        )
+    chosen = current if current is not None else legacy
+    if chosen is not None and chosen < 1:
+        name = "max_completion_tokens" if current is not None else "max_tokens"
+        raise invalid(name, f"{name} must be at least 1 (got {chosen})")
+    return chosen
+
+
+def _refuse_choices(n: int | None, best_of: int | None) -> None:
+    if n not in (None, 1):
+        raise unsupported(
+            "n",
+            f"n={n}: one choice per request is supported; send {n} requests instead "
+            "(they share the cached prompt)",
+            code=UNSUPPORTED_VALUE,
+        )
+    if best_of not in (None, 1):
+        raise unsupported("best_of", "best_of is not supported", code=UNSUPPORTED_VALUE)
