@@ -1,0 +1,11 @@
+"""An OpenAI-compatible HTTP API over the ``Runtime`` (Starlette on uvicorn); see docs/http.md.
+
+Modules, one job each: ``app`` (routes, lifespan), ``schema`` (wire format), ``translate``
+(request bodies → ``generate`` arguments), ``render`` (events → bodies and chunks),
+``generation`` (one request's response: JSON or SSE, cancelled on disconnect), ``errors``
+(runtime codes → HTTP statuses and OpenAI error bodies).
+"""
+
+from runtime.server.app import OpenAIServer, ServerConfig
+
+__all__ = ["OpenAIServer", "ServerConfig"]

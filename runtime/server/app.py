@@ -1,0 +1,195 @@
+"""The OpenAI-compatible HTTP server: a Starlette app over one ``Runtime``.
+
+``OpenAIServer(config).app`` is the ASGI app. Its lifespan enters the ``Runtime`` and loads the
+configured models (the server accepts requests once they are loaded), and leaves it on shutdown,
+which cancels whatever still runs. Routes: ``GET /v1/models``, ``GET /v1/models/{model}``,
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``. See docs/http.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TypeVar
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from runtime.api import Runtime
+from runtime.config import RuntimeConfig
+from runtime.errors import MlxRuntimeError, RuntimeClosed
+from runtime.messages import ChatOptions, ModelSpec
+from runtime.server import schema as wire
+from runtime.server.errors import HttpError, error_for_body, error_for_runtime, model_not_loaded
+from runtime.server.generation import GenerationResponse
+from runtime.server.render import ChatRender, CompletionRender, Render
+from runtime.server.translate import RuntimeCall, chat_call, completion_call
+
+log = logging.getLogger("mlx_actor_runtime.server")
+_T = TypeVar("_T")
+
+
+class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """What to serve. ``models`` load at start-up, in order; a larger body than
+    ``max_body_bytes`` is refused with 413."""
+
+    models: tuple[ModelSpec, ...]
+    runtime: RuntimeConfig = RuntimeConfig()
+    max_body_bytes: int = 32 << 20
+
+
+class OpenAIServer:
+    """One ``Runtime`` served over HTTP; ``app`` is the ASGI application to run."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self._runtime: Runtime | None = None
+        self._models: dict[str, wire.ModelCard] = {}
+        self.app = Starlette(
+            routes=[
+                Route("/v1/models", self._list_models, methods=["GET"]),
+                Route("/v1/models/{model:path}", self._get_model, methods=["GET"]),
+                Route("/v1/completions", self._completions, methods=["POST"]),
+                Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+                Route("/health", self._health, methods=["GET"]),
+            ],
+            lifespan=self._lifespan,
+            exception_handlers={HttpError: _on_http_error, HTTPException: _on_route_error},
+        )
+
+    @property
+    def runtime(self) -> Runtime:
+        """The running ``Runtime``; raises ``RuntimeClosed`` outside the app's lifespan."""
+        if self._runtime is None:
+            raise RuntimeClosed("the server is not running (its lifespan has not started)")
+        return self._runtime
+
+    @contextlib.asynccontextmanager
+    async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
+        async with Runtime(self.config.runtime) as runtime:
+            for spec in self.config.models:
+                loaded = await runtime.load_model(spec)
+                log.info(
+                    "loaded %s (context %d tokens, prefix reuse by %s)",
+                    spec.name,
+                    loaded.context_length,
+                    loaded.reuse_path,
+                )
+                self._models[spec.name] = wire.ModelCard(
+                    id=spec.name, created=int(time.time()), context_length=loaded.context_length
+                )
+            self._runtime = runtime
+            try:
+                yield
+            finally:
+                self._runtime = None
+                self._models.clear()
+
+    # ------------------------------------------------------------------ routes
+
+    async def _list_models(self, _request: Request) -> Response:
+        return _json(wire.ModelList(data=list(self._models.values())))
+
+    async def _get_model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        card = self._models.get(name)
+        if card is None:
+            raise model_not_loaded(name)
+        return _json(card)
+
+    async def _health(self, _request: Request) -> Response:
+        if self._runtime is None:
+            raise error_for_runtime(RuntimeClosed("the server is starting or stopping"))
+        return _json({"status": "ok"})
+
+    async def _completions(self, request: Request) -> Response:
+        body = await self._read_body(request)
+        call = completion_call(_decode(body, wire.completion_request_decoder))
+        render = CompletionRender(
+            f"cmpl-{uuid.uuid4().hex}",
+            call.model,
+            logprobs=call.sampling.logprobs,
+            include_usage=call.include_usage,
+        )
+        return self._generation(call, render)
+
+    async def _chat_completions(self, request: Request) -> Response:
+        body = await self._read_body(request)
+        call = chat_call(_decode(body, wire.chat_request_decoder))
+        render = ChatRender(
+            f"chatcmpl-{uuid.uuid4().hex}",
+            call.model,
+            logprobs=call.sampling.logprobs,
+            include_usage=call.include_usage,
+        )
+        return self._generation(call, render)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _generation(self, call: RuntimeCall, render: Render) -> Response:
+        try:
+            stream = self.runtime.generate(
+                call.model,
+                call.prompt,
+                prompt_tokens=call.prompt_tokens,
+                messages=call.messages,
+                # An OpenAI client owns its context: no history window, an over-long
+                # conversation is refused (context_length_exceeded), never trimmed.
+                chat=ChatOptions(),
+                max_tokens=call.max_tokens,
+                sampling=call.sampling,
+                stop=call.stop,
+                stop_token_ids=call.stop_token_ids,
+                namespace=call.namespace,
+                session=call.session,
+                request_id=render.request_id,
+            )
+        except MlxRuntimeError as error:
+            raise error_for_runtime(error) from error
+        return GenerationResponse(stream, render, streaming=call.stream)
+
+    async def _read_body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        body = bytearray()
+        try:
+            async for piece in request.stream():
+                body += piece
+                if len(body) > limit:
+                    message = f"the request body is over {limit} bytes; send a smaller one"
+                    raise HttpError(413, message, code="request_too_large")
+        except ClientDisconnect:
+            # Nobody is left to read the answer; this only keeps the log free of a traceback.
+            raise HttpError(400, "the client disconnected", code=None) from None
+        return bytes(body)
+
+
+def _decode(body: bytes, decoder: msgspec.json.Decoder[_T]) -> _T:
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as error:
+        raise error_for_body(error) from None
+
+
+def _json(body: object, status: int = 200) -> Response:
+    return Response(wire.encoder.encode(body), status_code=status, media_type="application/json")
+
+
+async def _on_http_error(_request: Request, error: Exception) -> Response:
+    assert isinstance(error, HttpError)
+    response = _json(error.body(), error.status)
+    response.headers.update(error.headers())
+    return response
+
+
+async def _on_route_error(request: Request, error: Exception) -> Response:
+    """Unknown paths and wrong methods, in the OpenAI error shape like everything else."""
+    assert isinstance(error, HTTPException)
+    message = f"{request.method} {request.url.path}: {error.detail}"
+    return await _on_http_error(request, HttpError(error.status_code, message, code=None))

@@ -1,0 +1,180 @@
+"""One HTTP request running one runtime request: answered as JSON or Server-Sent Events.
+
+``GenerationResponse`` is the ASGI response of both generation endpoints. It enters the
+``GenerationStream`` (submitting the request) and waits for the first text or the end before it
+picks a status, so every failure up to the first token (unknown model, context length, KV budget,
+an out-of-vocabulary ``logit_bias``) is a proper HTTP error. A stream that fails after its first
+chunk gets an SSE error event and ends without ``[DONE]``.
+
+Disconnects: a task waits for ``http.disconnect`` and cancels the response. Leaving the
+``GenerationStream`` block then cancels the runtime request at its next chunk or step boundary
+(quietly: ``Cancelled``, its KV released). Starlette's own disconnect handling is not relied on:
+on ASGI 2.4 servers it only notices a gone client when a write fails, which a long prefill never
+attempts.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import anyio
+import msgspec
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from runtime.api import GenerationStream
+from runtime.errors import MlxRuntimeError, ModelNotLoaded, RuntimeClosed
+from runtime.messages import Cancelled, Failed, Finished, Rejected, Started, TokensEmitted
+from runtime.server.errors import (
+    HttpError,
+    error_for_cancelled,
+    error_for_code,
+    error_for_failed,
+    error_for_runtime,
+    model_not_loaded,
+)
+from runtime.server.render import Render
+from runtime.server.schema import Chunk, encoder
+
+log = logging.getLogger("mlx_actor_runtime.server")
+
+Output = TokensEmitted | Finished | Cancelled | Failed | Rejected | None  # None: no terminal came
+DONE = b"data: [DONE]\n\n"
+
+
+class GenerationResponse(Response):
+    """Runs ``stream`` and answers with ``render``'s JSON (or SSE chunks when ``streaming``).
+
+    A Starlette ``Response`` only so endpoints can return it; it writes its own messages.
+    """
+
+    def __init__(self, stream: GenerationStream, render: Render, *, streaming: bool) -> None:
+        self.status_code = 200
+        self.background = None
+        self._stream = stream
+        self._render = render
+        self._streaming = streaming
+        self._headers_sent = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async with anyio.create_task_group() as task_group:
+            task_group.start_soon(_cancel_on_disconnect, receive, task_group.cancel_scope)
+            try:
+                await self._answer(send)
+            except anyio.get_cancelled_exc_class():
+                log.debug("client went away: request %s cancelled", self._stream.request_id)
+                raise
+            task_group.cancel_scope.cancel()
+
+    async def _answer(self, send: Send) -> None:
+        try:
+            async with self._stream as stream:
+                first = await _next_output(stream)
+                if not isinstance(first, TokensEmitted | Finished):
+                    await self._send_error(send, self._error_for(first))
+                elif self._streaming:
+                    await self._send_events(send, stream, first)
+                else:
+                    await self._send_whole(send, stream, first)
+        except ModelNotLoaded:
+            await self._send_error(send, model_not_loaded(self._render.model))
+        except MlxRuntimeError as error:  # rejected otherwise, or the runtime is closing
+            await self._send_error(send, error_for_runtime(error))
+
+    async def _send_whole(
+        self, send: Send, stream: GenerationStream, first: TokensEmitted | Finished
+    ) -> None:
+        emitted: list[TokensEmitted] = []
+        output: Output = first
+        while isinstance(output, TokensEmitted):
+            emitted.append(output)
+            output = await _next_output(stream)
+        if isinstance(output, Finished):
+            await self._send_json(send, 200, self._render.whole(emitted, output))
+        else:
+            await self._send_error(send, self._error_for(output))
+
+    async def _send_events(
+        self, send: Send, stream: GenerationStream, first: TokensEmitted | Finished
+    ) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self._sse_headers()})
+        self._headers_sent = True
+        pending = self._render.opening()
+        output: Output = first
+        while isinstance(output, TokensEmitted):
+            await _send_chunks(send, [*pending, self._render.chunk(output)])
+            pending = []
+            output = await _next_output(stream)
+        if isinstance(output, Finished):
+            await _send_chunks(send, [*pending, *self._render.closing(output)], last=DONE)
+        else:
+            await self._send_error(send, self._error_for(output))
+
+    def _error_for(self, output: Output) -> HttpError:
+        match output:
+            case Failed():
+                return error_for_failed(output, self._render.prompt_field)
+            case Cancelled():
+                return error_for_cancelled(output)
+            case Rejected(code=code, message=message):
+                return error_for_code(code, message, retryable=False)
+            case _:
+                closed = RuntimeClosed("the server is shutting down; the request did not finish")
+                return error_for_runtime(closed)
+
+    async def _send_error(self, send: Send, error: HttpError) -> None:
+        if self._headers_sent:  # mid-stream: an SSE error event, then the end (no [DONE])
+            body = b"data: " + error.encode() + b"\n\n"
+            await send({"type": "http.response.body", "body": body, "more_body": False})
+            return
+        headers = [(k.encode(), v.encode()) for k, v in error.headers().items()]
+        await self._send_json(send, error.status, error.body(), headers)
+
+    async def _send_json(
+        self,
+        send: Send,
+        status: int,
+        body: msgspec.Struct,
+        headers: Sequence[tuple[bytes, bytes]] = (),
+    ) -> None:
+        content = encoder.encode(body)
+        start_headers = [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(content)).encode()),
+            (b"x-request-id", self._stream.request_id.encode()),
+            *headers,
+        ]
+        await send({"type": "http.response.start", "status": status, "headers": start_headers})
+        self._headers_sent = True
+        await send({"type": "http.response.body", "body": content, "more_body": False})
+
+    def _sse_headers(self) -> list[tuple[bytes, bytes]]:
+        return [
+            (b"content-type", b"text/event-stream; charset=utf-8"),
+            (b"cache-control", b"no-cache"),
+            (b"x-accel-buffering", b"no"),  # proxies must pass chunks on as they come
+            (b"x-request-id", self._stream.request_id.encode()),
+        ]
+
+
+async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass  # the body was read already; nothing else is expected but the disconnect
+    scope.cancel()
+
+
+async def _next_output(stream: GenerationStream) -> Output:
+    """The next text or terminal event (``Started`` carries nothing a client sees)."""
+    async for event in stream:
+        if not isinstance(event, Started):
+            return event
+    return None
+
+
+async def _send_chunks(send: Send, chunks: Sequence[Chunk], last: bytes | None = None) -> None:
+    body = b"".join(b"data: " + encoder.encode(chunk) + b"\n\n" for chunk in chunks)
+    if last is None:
+        await send({"type": "http.response.body", "body": body, "more_body": True})
+    else:
+        await send({"type": "http.response.body", "body": body + last, "more_body": False})
