@@ -511,3 +511,28 @@ async def test_session_and_cache_salt_reach_the_runtime() -> None:
         )
         ended = await server.runtime.end_session("m", "s1")
         assert ended.unpinned  # the session pinned its instructions prefix
+
+
+async def test_prewarm_caches_a_chat_for_the_request_that_follows() -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    rendered = "system: Be brief.\nuser: Hi\nassistant: "
+    async with serving() as (client, _):
+        warm = await client.post(
+            "/v1/prewarm", json={"model": "m", "messages": messages, "session": "s"}
+        )
+        assert warm.json() == {
+            "model": "m",
+            "status": "prewarmed",
+            "prompt_tokens": len(rendered),
+            "cached_tokens": 0,
+            "object": "prewarm",
+        }
+        hot = await chat(client, messages=messages, max_tokens=4, session="s")
+        assert hot.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == len(rendered) - 1
+        assert hot.json()["choices"][0]["message"]["content"] == expected(rendered, 4)
+        both = await client.post(
+            "/v1/prewarm", json={"model": "m", "prompt": "x", "messages": messages}
+        )
+        assert both.status_code == 400 and error_of(both)["code"] == "invalid_request"
+        unknown = await client.post("/v1/prewarm", json={"model": "nope", "prompt": "x"})
+        assert unknown.status_code == 404 and error_of(unknown)["param"] == "model"

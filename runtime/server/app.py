@@ -3,7 +3,8 @@
 ``OpenAIServer(config).app`` is the ASGI app. Its lifespan enters the ``Runtime`` and loads the
 configured models (the server accepts requests once they are loaded), and leaves it on shutdown,
 which cancels whatever still runs. Routes: ``GET /v1/models``, ``GET /v1/models/{model}``,
-``POST /v1/completions``, ``POST /v1/chat/completions``, ``GET /health``. See docs/http.md.
+``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/prewarm`` (the runtime's own),
+``GET /health``. See docs/http.md.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import msgspec
 from starlette.applications import Starlette
@@ -24,13 +25,20 @@ from starlette.routing import Route
 
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
-from runtime.errors import MlxRuntimeError, RuntimeClosed
-from runtime.messages import ChatOptions, ModelSpec
+from runtime.errors import MlxRuntimeError, ModelNotLoaded, RuntimeClosed
+from runtime.messages import Cancelled, ChatOptions, Failed, Finished, FinishReason, ModelSpec
 from runtime.server import schema as wire
-from runtime.server.errors import HttpError, error_for_body, error_for_runtime, model_not_loaded
+from runtime.server.errors import (
+    HttpError,
+    error_for_body,
+    error_for_cancelled,
+    error_for_failed,
+    error_for_runtime,
+    model_not_loaded,
+)
 from runtime.server.generation import GenerationResponse
 from runtime.server.render import ChatRender, CompletionRender, Render
-from runtime.server.translate import RuntimeCall, chat_call, completion_call
+from runtime.server.translate import RuntimeCall, chat_call, completion_call, prewarm_call
 
 log = logging.getLogger("mlx_actor_runtime.server")
 _T = TypeVar("_T")
@@ -58,6 +66,7 @@ class OpenAIServer:
                 Route("/v1/models/{model:path}", self._get_model, methods=["GET"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
+                Route("/v1/prewarm", self._prewarm, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
             ],
             lifespan=self._lifespan,
@@ -130,6 +139,45 @@ class OpenAIServer:
             include_usage=call.include_usage,
         )
         return self._generation(call, render)
+
+    async def _prewarm(self, request: Request) -> Response:
+        """Not cancelled when the client goes away: a client may send it and not wait."""
+        body = await self._read_body(request)
+        call = prewarm_call(_decode(body, wire.prewarm_request_decoder))
+        try:
+            ended = await self.runtime.prewarm(
+                call.model,
+                call.prompt,
+                prompt_tokens=call.prompt_tokens,
+                messages=call.messages,
+                chat=ChatOptions(),  # rendered exactly as the chat request it prepares
+                max_tokens=call.max_tokens,
+                namespace=call.namespace,
+                session=call.session,
+            )
+        except ModelNotLoaded:
+            raise model_not_loaded(call.model) from None
+        except MlxRuntimeError as error:
+            raise error_for_runtime(error) from error
+        match ended:
+            case Finished(reason=FinishReason.ADOPTED):
+                status: Literal["prewarmed", "adopted", "superseded"] = "adopted"
+            case Finished():
+                status = "prewarmed"
+            case Cancelled(reason="superseded"):
+                status = "superseded"
+            case Cancelled():
+                raise error_for_cancelled(ended)
+            case Failed():
+                raise error_for_failed(ended, "messages" if call.messages else "prompt")
+        usage = ended.usage
+        result = wire.PrewarmResult(
+            model=call.model,
+            status=status,
+            prompt_tokens=usage.prompt_tokens,
+            cached_tokens=usage.cached_prompt_tokens,
+        )
+        return _json(result)
 
     # ------------------------------------------------------------------ plumbing
 

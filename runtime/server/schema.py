@@ -119,8 +119,24 @@ class ChatCompletionRequest(_GenerationBody, frozen=True, kw_only=True):
     web_search_options: Any = None
 
 
+class PrewarmRequest(_Body, frozen=True, kw_only=True):
+    """``POST /v1/prewarm`` (not OpenAI): cache a prompt's state before the request that needs it.
+
+    One of ``prompt`` (text or token ids) and ``messages``; ``max_tokens`` is the coming
+    request's, for its context check. A generate in the same ``session`` adopts or supersedes it.
+    """
+
+    model: str
+    prompt: str | list[int] | None = None
+    messages: list[WireChatMessage] | None = None
+    max_tokens: int | None = None
+    session: str | None = None
+    cache_salt: str | None = None
+
+
 completion_request_decoder = msgspec.json.Decoder(CompletionRequest)
 chat_request_decoder = msgspec.json.Decoder(ChatCompletionRequest)
+prewarm_request_decoder = msgspec.json.Decoder(PrewarmRequest)
 
 # --------------------------------------------------------------------------- responses
 
@@ -224,6 +240,16 @@ class ChatCompletionChunk(_Reply, frozen=True, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: WireUsage | msgspec.UnsetType | None = msgspec.UNSET
+
+
+class PrewarmResult(_Reply, frozen=True, kw_only=True):
+    """How a prewarm ended: its state cached, taken over by a generate, or replaced by one."""
+
+    model: str
+    status: Literal["prewarmed", "adopted", "superseded"]
+    prompt_tokens: int
+    cached_tokens: int  # already cached before the prewarm ran
+    object: Literal["prewarm"] = "prewarm"
 
 
 class ModelCard(_Reply, frozen=True, kw_only=True):

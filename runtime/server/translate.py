@@ -14,7 +14,12 @@ import msgspec
 
 from runtime.messages import ChatMessage, Sampling
 from runtime.server.errors import UNSUPPORTED_VALUE, invalid, unsupported
-from runtime.server.schema import ChatCompletionRequest, CompletionRequest, WireChatMessage
+from runtime.server.schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    PrewarmRequest,
+    WireChatMessage,
+)
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise; the runtime's default is 0
 LEGACY_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM do
@@ -53,6 +58,18 @@ class RuntimeCall(msgspec.Struct, frozen=True, kw_only=True):
     session: str | None
     stream: bool
     include_usage: bool
+
+
+class PrewarmCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One ``/v1/prewarm`` request as ``Runtime.prewarm`` arguments."""
+
+    model: str
+    prompt: str | None
+    prompt_tokens: tuple[int, ...] | None
+    messages: tuple[ChatMessage, ...] | None
+    max_tokens: int | None
+    namespace: str
+    session: str | None
 
 
 def completion_call(request: CompletionRequest) -> RuntimeCall:
@@ -114,11 +131,33 @@ def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
             raise unsupported(field, f"{field}: {why}")
     return _call(
         request,
-        messages=tuple(_chat_message(i, m) for i, m in enumerate(request.messages)),
+        messages=_chat_messages(request.messages),
         max_tokens=_chat_max_tokens(request),
         logprobs=bool(request.logprobs),
         top_logprobs=request.top_logprobs or 0,
     )
+
+
+def prewarm_call(request: PrewarmRequest) -> PrewarmCall:
+    """``/v1/prewarm``; messages are checked as ``chat_call`` checks them."""
+    prompt = request.prompt
+    messages = request.messages
+    return PrewarmCall(
+        model=request.model,
+        prompt=prompt if isinstance(prompt, str) else None,
+        prompt_tokens=None if prompt is None or isinstance(prompt, str) else tuple(prompt),
+        messages=None if messages is None else _chat_messages(messages),
+        max_tokens=request.max_tokens,
+        namespace=_namespace(request.cache_salt),
+        session=request.session,
+    )
+
+
+def _namespace(cache_salt: str | None) -> str:
+    """Requests with different salts never share cached prefixes (the runtime's namespaces)."""
+    if cache_salt is not None and not cache_salt:
+        raise invalid("cache_salt", "cache_salt must be a non-empty string when given")
+    return cache_salt or "default"
 
 
 def _call(
@@ -131,8 +170,6 @@ def _call(
     logprobs: bool,
     top_logprobs: int,
 ) -> RuntimeCall:
-    if request.cache_salt is not None and not request.cache_salt:
-        raise invalid("cache_salt", "cache_salt must be a non-empty string when given")
     stop = request.stop
     return RuntimeCall(
         model=request.model,
@@ -143,7 +180,7 @@ def _call(
         sampling=_sampling(request, logprobs, top_logprobs),
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         stop_token_ids=tuple(request.stop_token_ids or ()),
-        namespace=request.cache_salt or "default",
+        namespace=_namespace(request.cache_salt),
         session=request.session,
         stream=request.stream,
         include_usage=request.stream_options is not None and request.stream_options.include_usage,
@@ -194,6 +231,10 @@ def _one_prompt(
         "(requests run concurrently and share cached prefixes)",
         code=UNSUPPORTED_VALUE,
     )
+
+
+def _chat_messages(messages: list[WireChatMessage]) -> tuple[ChatMessage, ...]:
+    return tuple(_chat_message(i, message) for i, message in enumerate(messages))
 
 
 def _chat_message(index: int, message: WireChatMessage) -> ChatMessage:
