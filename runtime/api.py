@@ -409,7 +409,14 @@ class Runtime:
         send, receive = anyio.create_memory_object_stream[HostEvent](math.inf)
         self._streams[key] = send
         self._live_incarnation[request.request_id] = request.incarnation
-        await system.tell_external(ROUTER, request, sender=HOST)
+        try:
+            await system.tell_external(ROUTER, request, sender=HOST)
+        except BaseException:
+            # Cancelled (or refused) while waiting for mailbox space: never submitted, so no
+            # terminal will ever come to unregister it.
+            self._forget(request)
+            receive.close()
+            raise
         return receive
 
     def _forget(self, request: Generate | Prewarm) -> None:
