@@ -536,3 +536,18 @@ async def test_prewarm_caches_a_chat_for_the_request_that_follows() -> None:
         assert both.status_code == 400 and error_of(both)["code"] == "invalid_request"
         unknown = await client.post("/v1/prewarm", json={"model": "nope", "prompt": "x"})
         assert unknown.status_code == 404 and error_of(unknown)["param"] == "model"
+
+
+async def test_a_reply_that_ends_at_once_still_streams_its_framing() -> None:
+    async with serving(sim_model(eos_every=1)) as (client, _):  # EOS is always the next token
+        response = await chat(
+            client,
+            messages=[{"role": "user", "content": "x"}],
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        opening, finish, usage, done = sse_data(response)
+        assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}  # type: ignore[index]
+        assert finish["choices"][0]["finish_reason"] == "stop"  # type: ignore[index]
+        assert usage["usage"]["completion_tokens"] == 0  # type: ignore[index]
+        assert done == "[DONE]"
