@@ -77,7 +77,7 @@ class OpenAIServer:
     def runtime(self) -> Runtime:
         """The running ``Runtime``; raises ``RuntimeClosed`` outside the app's lifespan."""
         if self._runtime is None:
-            raise RuntimeClosed("the server is not running (its lifespan has not started)")
+            raise RuntimeClosed("the server is not running (before start-up or after shutdown)")
         return self._runtime
 
     @contextlib.asynccontextmanager
