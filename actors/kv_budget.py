@@ -21,6 +21,12 @@ Policy
         If anyone still waits, asks for eviction again: a request that just finished has
         usually left an evictable prefix entry behind (so do an epoch release and an expiry).
         Idempotent: an unknown holder is a counted no-op.
+    ``Release(holder, nbytes)``
+        Frees ``nbytes`` of the holder's bytes and keeps the holder and its waiting reservations:
+        a holder that shrinks (an engine's batch padding) gives back what it no longer needs.
+        More than it holds frees what it holds (counted ``release_short``); a negative amount
+        (``release_invalid``) or an unknown holder (``released_unknown``) is a counted no-op.
+        Then, as for a full release, waiting reservations are granted and eviction asked again.
     ``Transfer(source, target, nbytes)``
         Moves bytes from ``source`` to ``target`` (which becomes or joins a holder); the total
         reserved never changes, so nothing new can be granted. A source holding less moves what it
@@ -78,6 +84,7 @@ _COUNTER_NAMES = (
     "refused_timeout", "refused_no_wait", "released", "released_unknown", "transfers",
     "transfer_short", "transfer_invalid", "transfer_unknown_source", "dropped_waiting",
     "stale_timer", "stale_epoch", "unexpected_message", "evict_pinned_requests",
+    "released_partial", "release_short", "release_invalid",
 )
 # fmt: on
 
@@ -166,8 +173,10 @@ class KVBudgetCore:
         match message:
             case Reserve():
                 self._reserve(message, sender, ctx)
-            case Release(holder=holder):
+            case Release(holder=holder, nbytes=None):
                 self._release(holder, ctx)
+            case Release(holder=holder, nbytes=int(nbytes)):
+                self._release_part(holder, nbytes, ctx)
             case Transfer():
                 self._transfer(message, ctx)
             case ReleaseEpoch(model=model, epoch=epoch):
@@ -241,6 +250,23 @@ class KVBudgetCore:
             self._release_holding(holder)
         elif not dropped:
             self._count_dropped("released_unknown", ctx)
+        self._grant_waiting(ctx)
+        self._ask_eviction_again(ctx)
+
+    def _release_part(self, holder: Holder, nbytes: int, ctx: Context) -> None:
+        held = self._holdings.get(holder)
+        if held is None:
+            self._count_dropped("released_unknown", ctx)
+            return
+        if nbytes < 0:
+            self._count_dropped("release_invalid", ctx)
+            return
+        freed = min(nbytes, held)
+        if freed < nbytes:
+            self._count_dropped("release_short", ctx)
+        self._holdings[holder] = held - freed
+        self._reserved_bytes -= freed
+        self._counters["released_partial"] += 1
         self._grant_waiting(ctx)
         self._ask_eviction_again(ctx)
 

@@ -1,9 +1,10 @@
 """The KV budget keeper checked against a simple model: a dict of holdings and a FIFO list.
 
-Rules send the keeper random reservations, releases, transfers and epoch releases, and advance
-the virtual clock (delivering due deadline timers as a transport would). After every step the
-keeper must conserve bytes, agree with the model, and have answered every reservation exactly
-once by its deadline, in FIFO order. Settings come from the active Hypothesis profile.
+Rules send the keeper random reservations, releases (whole or partial), transfers and epoch
+releases, and advance the virtual clock (delivering due deadline timers as a transport would).
+After every step the keeper must conserve bytes, agree with the model, and have answered every
+reservation exactly once by its deadline, in FIFO order. Settings come from the active Hypothesis
+profile.
 """
 
 from __future__ import annotations
@@ -201,6 +202,14 @@ class KVBudgetMachine(RuleBasedStateMachine):
         self.holdings.pop(holder, None)
         self.model_grant_waiting()
         self.deliver(Release(holder=holder), "engine")
+
+    @rule(pick=holder_picks, nbytes=st.integers(-1, 700))
+    def release_part(self, pick: HolderPick, nbytes: int) -> None:
+        holder = self.holder(pick)
+        if nbytes >= 0 and holder in self.holdings:  # the holder and its waiting ones stay
+            self.holdings[holder] -= min(nbytes, self.holdings[holder])
+            self.model_grant_waiting()
+        self.deliver(Release(holder=holder, nbytes=nbytes), "engine")
 
     @rule(source_pick=holder_picks, recipient_pick=holder_picks, nbytes=st.integers(-1, 700))
     def transfer(self, source_pick: HolderPick, recipient_pick: HolderPick, nbytes: int) -> None:

@@ -27,7 +27,8 @@ Teardown fencing
 KV budget (engine ↔ keeper ↔ prefix-cache manager)
     ``Reserve`` → ``Reserved`` | ``ReservationRefused`` (after queueing FIFO up to a deadline; the
     keeper asks the prefix manager to ``Evict`` first). ``Transfer`` moves bytes from a sequence to
-    the prefix entry it became; ``Release`` returns them.
+    the prefix entry it became; ``Release`` returns them (all, or a part the holder no longer
+    needs).
 
 Prefix cache (engine ↔ prefix-cache manager)
     ``Lookup`` → ``LookupResult`` (taking a lease on a hit) ; ``Commit`` → ``Committed`` ;
@@ -503,9 +504,15 @@ class ReservationRefused(Message, frozen=True):
 
 
 class Release(Message, frozen=True):
-    """Return all bytes of ``holder`` (a no-op for an unknown holder: releases are idempotent)."""
+    """Return ``holder``'s bytes: all of them (``nbytes`` None), or ``nbytes`` of them.
+
+    A full release forgets the holder (a no-op for an unknown one: releases are idempotent). A
+    partial one gives back what a holder no longer needs and keeps it; more than it holds frees
+    what it holds.
+    """
 
     holder: Holder
+    nbytes: int | None = None
 
 
 class Transfer(Message, frozen=True):

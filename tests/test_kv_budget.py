@@ -320,6 +320,60 @@ def test_release_of_a_queued_head_grants_the_next(
     assert keeper.queued() == ()
 
 
+def test_partial_release_frees_that_much_and_keeps_the_holder(
+    keeper: KVBudgetCore, ctx: RecordingContext
+) -> None:
+    reserve(keeper, ctx, seq(1), 300)
+    reserve(keeper, ctx, seq(2), 100)
+    ctx.take_sent()
+
+    keeper.handle(Release(holder=seq(1), nbytes=120), ENGINE, ctx)
+    keeper.handle(Release(holder=seq(1), nbytes=180), ENGINE, ctx)
+
+    assert keeper.holdings() == {seq(1): 0, seq(2): 100}  # listed until a full release
+    assert keeper.free_bytes == 900
+    assert ctx.take_sent() == []
+    assert ctx.dead_letters == {}
+    assert_conserved(keeper)
+    keeper.handle(Release(holder=seq(1)), ENGINE, ctx)
+    assert keeper.holdings() == {seq(2): 100}
+
+
+def test_partial_release_of_more_than_held_is_clamped_and_counted(
+    keeper: KVBudgetCore, ctx: RecordingContext
+) -> None:
+    reserve(keeper, ctx, seq(1), 300)
+
+    keeper.handle(Release(holder=seq(1), nbytes=500), ENGINE, ctx)
+    keeper.handle(Release(holder=seq(1), nbytes=-1), ENGINE, ctx)
+    keeper.handle(Release(holder=seq(9), nbytes=10), ENGINE, ctx)
+
+    assert keeper.holdings() == {seq(1): 0}
+    assert keeper.reserved_bytes == 0
+    assert ctx.dead_letters == {"release_short": 1, "release_invalid": 1, "released_unknown": 1}
+    assert_conserved(keeper)
+
+
+def test_partial_release_grants_waiting_from_the_head_and_keeps_the_holders_own_waiting(
+    keeper: KVBudgetCore, ctx: RecordingContext
+) -> None:
+    reserve(keeper, ctx, seq(1), 900)
+    reserve(keeper, ctx, seq(1), 300, sender="own")  # the holder's own waiting reservation
+    reserve(keeper, ctx, seq(2), 100, sender="b")
+    ctx.take_sent()
+
+    keeper.handle(Release(holder=seq(1), nbytes=250), ENGINE, ctx)
+
+    # 350 free: the head (300) fits, then 100 does not; the keeper asks for its shortfall.
+    assert ctx.take_sent() == [
+        ("own", Reserved(holder=seq(1), nbytes=300)),
+        (PREFIX_CACHE, Evict(nbytes=50)),
+    ]
+    assert keeper.holdings() == {seq(1): 950}
+    assert [q.holder for q in keeper.queued()] == [seq(2)]
+    assert_conserved(keeper)
+
+
 # --------------------------------------------------------------------------- deadlines
 
 

@@ -202,7 +202,7 @@ BUILDERS: dict[type[Message], Callable[[], Message]] = {
         message="larger than the budget",
         retryable=False,
     ),
-    Release: lambda: Release(holder=ENTRY_HOLDER),
+    Release: lambda: Release(holder=ENTRY_HOLDER, nbytes=512),
     Transfer: lambda: Transfer(source=SEQ_HOLDER, target=ENTRY_HOLDER, nbytes=1024),
     ReservationExpired: lambda: ReservationExpired(holder=SEQ_HOLDER, ticket=9),
     ReleaseEpoch: lambda: ReleaseEpoch(model="m", epoch=3),
