@@ -1,8 +1,9 @@
 """The engine actor: one per loaded model epoch; owns the model, its sequences and cached states.
 
 Blocking model work runs as compute jobs on the engine's executor, one at a time. Between jobs the
-core picks the next unit of work round-robin (a prefill chunk or a decode step), so a sequence's
-abort flag is seen at the next chunk or step boundary. Prefix entries' states live here; the
+core picks the next unit of work round-robin (a prefill chunk, a decode step, or a step of the
+decode batch that ``BatchScheduler`` plans), so a sequence's abort flag is seen at the next chunk
+or step boundary. Prefix entries' states live here; the
 prefix-cache manager only indexes them, and the KV keeper only counts their bytes.
 """
 
@@ -12,12 +13,11 @@ import logging
 import random
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from actors.engine_batch import BatchScheduler
 from actors.engine_entries import EntryStore
 from actors.engine_jobs import (
     DEFAULT_CHECKPOINT_EVERY,
-    BatchWork,
     Job,
     JobKind,
     StepPlan,
@@ -26,7 +26,7 @@ from actors.engine_jobs import (
     run_step,
     run_tokenize,
 )
-from runtime.backend import Backend, BackendLoader, DecodeBatchHandle, SequenceState
+from runtime.backend import Backend, BackendLoader
 from runtime.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, Context, engine_address
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.errors import (
@@ -82,17 +82,7 @@ from runtime.stop_strings import StopStringMatcher
 log = logging.getLogger("mlx_actor_runtime.engine")
 
 
-DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_CONCURRENT = 32  # sequences past the admission gate at once; others wait FIFO
-
-
-@dataclass
-class _Leaving:
-    """A batched sequence that ended (or returns to B=1); its state comes back at the next step."""
-
-    seq: Sequence
-    detach: bool  # commit its state to the prefix cache once it is back
-    resume: bool = False  # it goes on decoding alone
 
 
 class EngineCore:
@@ -127,14 +117,6 @@ class EngineCore:
         self._closed = False
         self._last_served = 0
         self._load_error: BaseException | None = None
-        # Continuous batching: decoding sequences share one batch once two or more decode.
-        self._batching = spec.options.get("batching", True) is not False
-        max_batch = spec.options.get("max_batch", DEFAULT_MAX_BATCH)
-        self._max_batch = max_batch if isinstance(max_batch, int) else DEFAULT_MAX_BATCH
-        self._batch: DecodeBatchHandle | None = None
-        self._batch_members: dict[int, Sequence] = {}  # slot -> sequence
-        self._leaving: dict[int, _Leaving] = {}  # sequences whose state is still in the batch
-        self._batch_ran_last = False
         max_concurrent = spec.options.get("max_concurrent", DEFAULT_MAX_CONCURRENT)
         self._max_concurrent = (
             max_concurrent if isinstance(max_concurrent, int) else DEFAULT_MAX_CONCURRENT
@@ -142,6 +124,7 @@ class EngineCore:
         self._admission_queue: deque[Sequence] = deque()
         self.counters = Counters()
         self._entries = EntryStore(spec.name, epoch, self.counters)
+        self._batches = BatchScheduler(spec, self.counters)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -171,7 +154,7 @@ class EngineCore:
         gauges = {
             "sequences": len(self._sequences),
             **self._entries.gauges(),
-            "batch_size": len(self._batch_members),
+            "batch_size": len(self._batches),
         }
         return Stats(
             actor=engine_address(self.model, self.epoch),
@@ -460,7 +443,7 @@ class EngineCore:
             job = Job(JobKind.TOKENIZE)
             self._submit(ctx, job, lambda: run_tokenize(job, waiting, backend))
             return
-        work = self._batch_work() if self._batching else None
+        work = self._batches.work(self._sequences.values())
         batched = set() if work is None else {id(s) for s in (*work.joiners, *work.members)}
         ready = sorted(
             (
@@ -470,16 +453,14 @@ class EngineCore:
             ),
             key=lambda s: (s.sequence_id <= self._last_served, s.sequence_id),
         )
-        # A newcomer's prefill chunk and a batch step take turns, so neither starves the other.
-        if work is not None and (not ready or not self._batch_ran_last):
-            self._batch_ran_last = True
+        batch_now = self._batches.takes_turn(work, bool(ready))
+        if work is not None and batch_now:
             for seq in (*work.leavers, *work.joiners, *work.members):
                 seq.in_compute = True
-            job = Job(JobKind.BATCH)
-            batch = self._batch
+            job = Job(JobKind.BATCH, work=work)
+            batch = self._batches.handle
             self._submit(ctx, job, lambda: run_batch(job, work, backend, batch))
             return
-        self._batch_ran_last = False
         if ready:
             seq = ready[0]
             self._last_served = seq.sequence_id
@@ -489,34 +470,11 @@ class EngineCore:
             source = self._entries.restore_source(seq.restore_entry, seq.restore_length)
             self._submit(ctx, step, lambda: run_step(step, seq, backend, self._plan, source))
             return
-        if self._draining and not self._sequences and not self._leaving:
+        if self._draining and not self._sequences and not self._batches.has_leaving:
             self._closed = True
             backend, self._backend = self._backend, None
-            self._batch = None
+            self._batches.handle = None
             self._submit(ctx, Job(JobKind.CLOSE), backend.close)
-
-    def _batch_work(self) -> BatchWork | None:
-        """What the next batch step would do, or None when nothing calls for batching."""
-        leavers = [leaving.seq for leaving in self._leaving.values()]
-        members = [s for s in self._batch_members.values() if s.sequence_id not in self._leaving]
-        joinable = [
-            s
-            for s in self._sequences.values()
-            if s.phase is Phase.DECODING
-            and s.batch_slot is None
-            and s.pending_token is not None
-            and not s.abort.is_set()
-        ]
-        joiners: list[Sequence] = []
-        if len(members) + len(joinable) >= 2:
-            joiners = joinable[: max(0, self._max_batch - len(members))]
-        elif len(members) == 1:  # the batch drained to one: it goes back to the fast path
-            self._leaving[members[0].sequence_id] = _Leaving(members[0], False, resume=True)
-            leavers.append(members[0])
-            members = []
-        if not (leavers or joiners or members):
-            return None
-        return BatchWork(leavers=leavers, joiners=joiners, members=members)
 
     def _submit(self, ctx: Context, job: Job, work: Callable[[], None]) -> None:
         job_id = self._next_job_id
@@ -585,55 +543,25 @@ class EngineCore:
             self._after_decode_step(seq, job, ctx)
 
     def _batch_done(self, job: Job, ctx: Context) -> None:
-        self._batch = job.batch
-        self.counters.inc("batch_steps", 1 if job.stepped else 0)
-        self.counters.inc("batch_joins", len(job.joined))
-        self.counters.inc("batch_leaves", len(job.left))
-        self.counters.inc("batched_tokens", len(job.stepped))
-        for seq_id, state in job.left.items():
-            self._left_batch(seq_id, state, ctx)
-        for seq_id, slot in job.joined.items():
-            seq = self._sequences[seq_id]
-            seq.batch_slot, seq.state = slot, None  # its cache lives in the batch now
-            self._batch_members[slot] = seq
+        done = self._batches.done(job)
+        for seq, leaving in done.returned:
+            if leaving is None:  # aborted while it waited for this step
+                self._finish_cancelled(seq, ctx)
+            elif not leaving.resume:
+                if leaving.detach:
+                    self._detach(seq, ctx)
+                self._release_holdings(seq, ctx)
         if job.error is not None:
-            self._batch_failed(job.error, ctx)
+            error = BackendError(f"batched decode step failed: {job.error!r}")
+            for seq in done.failed:
+                self._fail_with(seq, ctx, error)
+            for seq in done.orphaned:
+                self._release_holdings(seq, ctx)
             return
-        for seq in [*self._batch_members.values()]:
-            step = job.stepped.get(seq.sequence_id)
-            if step is not None:
-                self._step_done(step, seq, ctx)
+        for seq, step in done.stepped:
+            self._step_done(step, seq, ctx)
         for seq in self._sequences.values():
             seq.in_compute = False  # joiners that were aborted before joining
-
-    def _left_batch(self, seq_id: int, state: SequenceState, ctx: Context) -> None:
-        """A sequence's state came back out of the batch: finish its ending, or let it go on."""
-        leaving = self._leaving.pop(seq_id, None)
-        seq = leaving.seq if leaving is not None else self._member(seq_id)
-        assert seq.batch_slot is not None
-        del self._batch_members[seq.batch_slot]
-        seq.batch_slot, seq.state, seq.in_compute = None, state, False
-        if leaving is None:  # aborted while it waited for this step
-            self._finish_cancelled(seq, ctx)
-        elif not leaving.resume:
-            if leaving.detach:
-                self._detach(seq, ctx)
-            self._release_holdings(seq, ctx)
-
-    def _member(self, seq_id: int) -> Sequence:
-        return next(s for s in self._batch_members.values() if s.sequence_id == seq_id)
-
-    def _batch_failed(self, error: BaseException, ctx: Context) -> None:
-        """A batch step raised: its cache cannot be trusted, so every member fails and it goes."""
-        members, self._batch_members, self._batch = list(self._batch_members.values()), {}, None
-        for seq in members:
-            seq.batch_slot, seq.state, seq.in_compute = None, None, False
-            if seq.phase is not Phase.DONE:
-                self._fail_with(seq, ctx, BackendError(f"batched decode step failed: {error!r}"))
-        for leaving in self._leaving.values():
-            leaving.seq.batch_slot = None
-            self._release_holdings(leaving.seq, ctx)
-        self._leaving.clear()
 
     def _fall_back_cold(self, seq: Sequence, reason: str, ctx: Context) -> None:
         self.counters.inc(f"fallback_{reason}")  # before Started: nothing was counted as reused
@@ -810,7 +738,7 @@ class EngineCore:
         self._sequences.pop(seq.sequence_id, None)
         self._admit_waiting(ctx)
         if seq.batch_slot is not None:
-            self._leaving[seq.sequence_id] = _Leaving(seq, detach)
+            self._batches.leave_later(seq, detach)
             return
         if detach:
             self._detach(seq, ctx)

@@ -44,6 +44,15 @@ class JobKind(enum.Enum):
 
 
 @dataclass
+class BatchWork:
+    """One batched decode step: who leaves first, who joins, who was already in."""
+
+    leavers: list[Sequence]
+    joiners: list[Sequence]
+    members: list[Sequence]
+
+
+@dataclass
 class Job:
     """A unit of compute and the result the compute thread leaves for the loop."""
 
@@ -65,6 +74,7 @@ class Job:
     failures: dict[int, BaseException] = field(default_factory=dict)
     logprob: TokenLogprob | None = None
     # batch steps
+    work: BatchWork | None = None
     batch: DecodeBatchHandle | None = None
     left: dict[int, SequenceState] = field(default_factory=dict)
     joined: dict[int, int] = field(default_factory=dict)
@@ -205,15 +215,6 @@ def sample_into(job: Job, seq: Sequence, backend: Backend, logits: mx.array) -> 
         job.text = seq.detokenizer.add(job.token)
     if ending or seq.on_last_step:
         job.text += seq.detokenizer.flush()  # the stream ends: release any held-back bytes
-
-
-@dataclass
-class BatchWork:
-    """One batched decode step: who leaves first, who joins, who was already in."""
-
-    leavers: list[Sequence]
-    joiners: list[Sequence]
-    members: list[Sequence]
 
 
 def run_batch(job: Job, work: BatchWork, backend: Backend, batch: DecodeBatchHandle | None) -> None:
