@@ -487,6 +487,7 @@ class EngineCore:
         match job.kind:
             case JobKind.LOAD:
                 self._backend, self._load_error = job.backend, job.error
+                self._batches.enabled = self._batches.enabled and job.batchable
                 self._loaded(ctx)
             case JobKind.TOKENIZE:
                 self._tokenize_done(job, ctx)
@@ -557,11 +558,10 @@ class EngineCore:
                 self._fail_with(seq, ctx, error)
             for seq in done.orphaned:
                 self._release_holdings(seq, ctx)
-            return
         for seq, step in done.stepped:
             self._step_done(step, seq, ctx)
         for seq in self._sequences.values():
-            seq.in_compute = False  # joiners that were aborted before joining
+            seq.in_compute = False  # joiners that were aborted before joining, or never got in
 
     def _fall_back_cold(self, seq: Sequence, reason: str, ctx: Context) -> None:
         self.counters.inc(f"fallback_{reason}")  # before Started: nothing was counted as reused

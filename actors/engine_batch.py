@@ -143,5 +143,6 @@ class BatchScheduler:
                 result.failed.append(seq)
         for leaving in self._leaving.values():
             leaving.seq.batch_slot = None
-            result.orphaned.append(leaving.seq)
+            if not leaving.resume:  # one going back to B=1 is live: it fails with the members
+                result.orphaned.append(leaving.seq)
         self._leaving.clear()

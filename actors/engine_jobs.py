@@ -60,6 +60,7 @@ class Job:
     seq: Sequence | None = None
     prefilled: int = 0
     backend: Backend | None = None
+    batchable: bool = False
     token: int | None = None
     text: str = ""
     state: SequenceState | None = None
@@ -92,6 +93,8 @@ class StepPlan:
 def run_load(job: Job, load_backend: Callable[[ModelSpec], Backend], spec: ModelSpec) -> None:
     try:
         job.backend = load_backend(spec)
+        # Asked once: a model mlx-lm cannot batch (kv_bits, chunked caches) stays on B=1 for good.
+        job.batchable = job.backend.open_batch() is not None
     except BaseException as exc:
         job.error = exc
 

@@ -7,7 +7,8 @@ import pytest
 
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
-from runtime.messages import ModelSpec, Sampling, TokensEmitted
+from runtime.messages import Finished, Generate, ModelLoaded, ModelSpec, Sampling, TokensEmitted
+from runtime.testing.simulator import Simulator
 from runtime.testing.tiny_models import tiny_model_path
 
 pytestmark = pytest.mark.anyio
@@ -51,3 +52,20 @@ async def test_concurrent_streams_match_their_solo_runs(kind: str) -> None:
         assert counters["batch_steps"] > 0 and counters["batch_joins"] >= 2
         for got, want in zip(batched, alone, strict=True):
             same_or_near_tie(got, want)
+
+
+def test_a_model_mlx_lm_cannot_batch_decodes_concurrent_streams_one_by_one() -> None:
+    # kv_bits: mlx-lm has no batched quantized cache, so the engine never opens a batch for it.
+    sim = Simulator(seed=0, config=RuntimeConfig(kv_budget_bytes=1 << 28))
+    path = str(tiny_model_path("llama"))
+    spec = ModelSpec(name="q", path=path, backend="mlx", options={"kv_bits": 8})
+    assert isinstance(sim.load(spec), ModelLoaded)
+    for index, prompt in enumerate(PROMPTS):
+        sim.send(Generate(request_id=f"r{index}", incarnation=1, model="q", prompt=prompt,
+                          max_tokens=6))  # fmt: skip
+    sim.run_until_quiescent()
+    for index in range(len(PROMPTS)):
+        finished = sim.terminal(f"r{index}", 1)
+        assert isinstance(finished, Finished) and finished.usage.completion_tokens == 6
+    counters = sim.core("engine:q#1").counters  # type: ignore[union-attr]
+    assert counters["batch_steps"] == 0 and counters["decoded_tokens"] > 0
