@@ -229,11 +229,14 @@ class SimulatedBackend:
         logits exactly as on a real model's.
         """
         state = _own(state)
+        return self.logits_after(state.hashes[-1] if state.hashes else 0)
+
+    def logits_after(self, h: int) -> mx.array:
+        """The logits after a prefix whose rolling hash is ``h`` (see ``logits``)."""
         with self._lock:
             self._sample_calls += 1
             if self._sample_calls == self._options.fail_sample_call:
                 raise SimulatedFault(f"injected fault in sample call {self._sample_calls}")
-            h = state.hashes[-1] if state.hashes else 0
             noise = random.Random(h).random
             values = [noise() * 2.0 - 1.0 for _ in range(VOCAB_SIZE)]
             values[next_token_for(h, self._options.eos_every)] = _PEAK_LOGIT
@@ -267,6 +270,13 @@ class SimulatedBatch:
     def __len__(self) -> int:
         return len(self._rows)
 
+    @property
+    def padding_tokens(self) -> int:
+        """Left padding mlx-lm's batch KV would hold for these rows: B * longest - sum of lengths
+        (rows are right-aligned; a leave drops the padding every row shares)."""
+        lengths = [row.length for row in self._rows.values()]
+        return len(lengths) * max(lengths) - sum(lengths) if lengths else 0
+
     def join(self, state: SequenceState) -> int:
         own = _own(state)
         self._next_slot += 1
@@ -280,11 +290,13 @@ class SimulatedBatch:
         if set(tokens) != set(self._rows):
             raise ValueError("a batch step needs exactly one token for every member")
         self._backend._clock.spend(self._backend._options.decode_s_per_token)
-        logits: dict[int, mx.array] = {}
+        hashes = {
+            slot: extend_hash(self._rows[slot].hashes[-1] if self._rows[slot].hashes else 0, t)
+            for slot, t in tokens.items()
+        }
+        # One forward pass: a fault leaves every row as it was (no row advances alone).
+        logits = {slot: self._backend.logits_after(h) for slot, h in hashes.items()}
         for slot, token in tokens.items():
-            row = self._rows[slot]
-            h = extend_hash(row.hashes[-1] if row.hashes else 0, token)
-            row.tokens.append(token)
-            row.hashes.append(h)
-            logits[slot] = self._backend.logits(row)
+            self._rows[slot].tokens.append(token)
+            self._rows[slot].hashes.append(hashes[slot])
         return logits

@@ -114,6 +114,7 @@ class Simulator:
         self._order = itertools.count()
         self._asks = 0
         self._replies: dict[Address, list[Message]] = {}
+        self._step_checks: list[Callable[[], None]] = []
         loader = make_backend_loader(self.clock)
         for address, core in build_standing_actors(self.config, loader):
             self.spawn(address, core)
@@ -166,6 +167,11 @@ class Simulator:
     def addresses(self) -> list[Address]:
         return list(self._cores)
 
+    def check_every_step(self, check: Callable[[], None]) -> None:
+        """Run ``check()`` after every delivered message: an invariant that must hold between any
+        two messages, not only when a test looks (it raises to fail)."""
+        self._step_checks.append(check)
+
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> bool:
@@ -187,6 +193,8 @@ class Simulator:
             core.handle(envelope.message, envelope.sender, ctx)
         for effect in ctx.effects:
             effect()
+        for check in self._step_checks:
+            check()
         return True
 
     def run_until_idle(self, max_steps: int = 1_000_000) -> None:
