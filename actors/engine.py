@@ -26,7 +26,7 @@ from actors.engine_jobs import (
     run_step,
     run_tokenize,
 )
-from runtime.backend import Backend, BackendLoader
+from runtime.backend import Backend, BackendLoader, DecodeBatchHandle
 from runtime.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, Context, engine_address
 from runtime.detokenizer import IncrementalDetokenizer
 from runtime.errors import (
@@ -124,7 +124,7 @@ class EngineCore:
         self._admission_queue: deque[Sequence] = deque()
         self.counters = Counters()
         self._entries = EntryStore(spec.name, epoch, self.counters)
-        self._batches = BatchScheduler(spec, self.counters)
+        self._batches = BatchScheduler(spec, epoch, self.counters)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -155,12 +155,18 @@ class EngineCore:
             "sequences": len(self._sequences),
             **self._entries.gauges(),
             "batch_size": len(self._batches),
+            "batch_padding_bytes": self._batches.padding_bytes,
         }
         return Stats(
             actor=engine_address(self.model, self.epoch),
             counters=self.counters.snapshot(),
             gauges=gauges,
         )
+
+    @property
+    def decode_batch(self) -> DecodeBatchHandle | None:
+        """The decode batch, if one was opened (tests compare its real rows with the budget)."""
+        return self._batches.handle
 
     # ------------------------------------------------------------------ messages
 
@@ -174,11 +180,13 @@ class EngineCore:
                 self._busy = False
                 job = self._jobs.pop(job_id)
                 self._job_done(job, ctx)
-            case Reserved(holder=holder):
-                self._reserved(holder, ctx)
+            case Reserved(holder=holder, nbytes=nbytes):
+                self._reserved(holder, nbytes, ctx)
             case ReservationRefused(holder=holder, code=code, message=text, retryable=retry):
                 seq = self._sequences.get(holder.id)
-                if holder.kind is HolderKind.SEQUENCE and seq and seq.phase is Phase.RESERVING:
+                if holder.kind is HolderKind.BATCH_PADDING:
+                    self._batches.refused(holder, ctx)
+                elif holder.kind is HolderKind.SEQUENCE and seq and seq.phase is Phase.RESERVING:
                     self._fail(seq, ctx, code, text, retry)
                 elif holder.kind is HolderKind.PREFIX_ENTRY and self._entries.refused(holder.id):
                     pass  # no room for that snapshot: skipped
@@ -350,9 +358,12 @@ class EngineCore:
         self.counters.inc("prewarms_adopted")
         self._finish(prewarm, ctx, FinishReason.ADOPTED)
 
-    def _reserved(self, holder: Holder, ctx: Context) -> None:
+    def _reserved(self, holder: Holder, nbytes: int, ctx: Context) -> None:
         if holder.kind is HolderKind.PREFIX_ENTRY:
             self._entries.reserved(holder.id, ctx)
+            return
+        if holder.kind is HolderKind.BATCH_PADDING:
+            self._batches.reserved(holder, nbytes, ctx)
             return
         seq = self._sequences.get(holder.id)
         if (
@@ -443,13 +454,16 @@ class EngineCore:
             job = Job(JobKind.TOKENIZE)
             self._submit(ctx, job, lambda: run_tokenize(job, waiting, backend))
             return
-        work = self._batches.work(self._sequences.values())
+        work = self._batches.work(self._sequences.values(), ctx)
         batched = set() if work is None else {id(s) for s in (*work.joiners, *work.members)}
         ready = sorted(
             (
                 s
                 for s in self._sequences.values()
-                if s.phase in COMPUTE_PHASES and s.batch_slot is None and id(s) not in batched
+                if s.phase in COMPUTE_PHASES
+                and s.batch_slot is None
+                and id(s) not in batched
+                and not self._batches.holds_back(s)  # priced for a join: its length must hold
             ),
             key=lambda s: (s.sequence_id <= self._last_served, s.sequence_id),
         )
@@ -487,7 +501,8 @@ class EngineCore:
         match job.kind:
             case JobKind.LOAD:
                 self._backend, self._load_error = job.backend, job.error
-                self._batches.enabled = self._batches.enabled and job.batchable
+                if job.backend is not None:
+                    self._batches.loaded(job.backend.info.bytes_per_token, job.batchable)
                 self._loaded(ctx)
             case JobKind.TOKENIZE:
                 self._tokenize_done(job, ctx)
@@ -544,7 +559,7 @@ class EngineCore:
             self._after_decode_step(seq, job, ctx)
 
     def _batch_done(self, job: Job, ctx: Context) -> None:
-        done = self._batches.done(job)
+        done = self._batches.done(job, ctx)
         for seq, leaving in done.returned:
             if leaving is None:  # aborted while it waited for this step
                 self._finish_cancelled(seq, ctx)
@@ -736,6 +751,7 @@ class EngineCore:
         once its state is back out of the batch)."""
         seq.phase = Phase.DONE
         self._sequences.pop(seq.sequence_id, None)
+        self._batches.ended(seq)
         self._admit_waiting(ctx)
         if seq.batch_slot is not None:
             self._batches.leave_later(seq, detach)

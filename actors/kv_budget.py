@@ -1,7 +1,8 @@
 """The KV budget keeper: the one place that knows how many bytes of KV exist and who holds them.
 
-Every sequence and every cached prefix entry holds a reservation here, named by a ``Holder``
-(model, epoch, kind, id). The keeper never touches MLX; it only does the accounting and answers.
+Every sequence, every cached prefix entry and every engine's decode batch (its left padding) holds
+a reservation here, named by a ``Holder`` (model, epoch, kind, id). The keeper never touches MLX;
+it only does the accounting and answers.
 
 Policy
     ``Reserve(holder, nbytes, timeout_s)``

@@ -9,6 +9,7 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
+from actors.engine import EngineCore
 from runtime.config import RuntimeConfig
 from runtime.messages import (
     Cancel,
@@ -18,6 +19,7 @@ from runtime.messages import (
     Finished,
     FinishReason,
     Generate,
+    HolderKind,
     Message,
     ModelLoaded,
     ModelSpec,
@@ -28,7 +30,7 @@ from runtime.messages import (
     Started,
     UnloadModel,
 )
-from runtime.testing.simulated import greedy_continuation
+from runtime.testing.simulated import SimulatedBatch, greedy_continuation
 from runtime.testing.simulator import Simulator
 
 BYTES_PER_TOKEN = 100
@@ -43,6 +45,7 @@ class RuntimeMachine(RuleBasedStateMachine):
     def start(self, seed: int, trimmable: bool) -> None:
         config = RuntimeConfig(kv_budget_bytes=BUDGET, reservation_timeout_s=0.05)
         self.sim = Simulator(seed=seed, config=config)
+        self.sim.check_every_step(self.batch_padding_is_reserved)
         self.spec = ModelSpec(
             name="m",
             backend="simulated",
@@ -87,6 +90,12 @@ class RuntimeMachine(RuleBasedStateMachine):
         )
         self.sent[(request_id, request.incarnation)] = request
         self.sim.send(request)
+
+    @rule(burst=st.lists(st.tuples(prompts, st.integers(1, 6)), min_size=2, max_size=3))
+    def generate_together(self, burst: list[tuple[tuple[int, ...], int]]) -> None:
+        # Prompts of different lengths decoding at once: batches with left padding to pay for.
+        for request_id, (prompt, max_tokens) in zip(REQUEST_IDS, burst, strict=False):
+            self.generate(request_id, prompt, max_tokens)
 
     @rule(request_id=st.sampled_from(REQUEST_IDS), prompt=prompts)
     def prewarm(self, request_id: str, prompt: tuple[int, ...]) -> None:
@@ -147,6 +156,24 @@ class RuntimeMachine(RuleBasedStateMachine):
         kv = self.sim.core("kv")
         assert 0 <= kv.reserved_bytes <= kv.budget_bytes  # type: ignore[union-attr]
         assert kv.reserved_bytes + kv.free_bytes == kv.budget_bytes  # type: ignore[union-attr]
+
+    def batch_padding_is_reserved(self) -> None:
+        """Checked after every simulator step: a batch's real padding is always paid for."""
+        kv = self.sim.core("kv")
+        for address in self.sim.addresses():
+            engine = self.sim.core(address)
+            if not isinstance(engine, EngineCore):
+                continue
+            batch = engine.decode_batch
+            assert batch is None or isinstance(batch, SimulatedBatch)
+            padding = 0 if batch is None else batch.padding_tokens
+            held = sum(
+                nbytes
+                for holder, nbytes in kv.holdings().items()  # type: ignore[union-attr]
+                if holder.kind is HolderKind.BATCH_PADDING and holder.epoch == engine.epoch
+            )
+            # The join waited for the grant; the give-back comes after the rows left.
+            assert held >= BYTES_PER_TOKEN * padding, (held, padding)
 
     @invariant()
     def cancel_only_hits_what_it_names(self) -> None:

@@ -28,7 +28,7 @@ KV budget (engine ↔ keeper ↔ prefix-cache manager)
     ``Reserve`` → ``Reserved`` | ``ReservationRefused`` (after queueing FIFO up to a deadline; the
     keeper asks the prefix manager to ``Evict`` first). ``Transfer`` moves bytes from a sequence to
     the prefix entry it became; ``Release`` returns them (all, or a part the holder no longer
-    needs).
+    needs: a decode batch's padding shrinks as rows leave).
 
 Prefix cache (engine ↔ prefix-cache manager)
     ``Lookup`` → ``LookupResult`` (taking a lease on a hit) ; ``Commit`` → ``Committed`` ;
@@ -467,10 +467,12 @@ class Drained(Message, frozen=True):
 class HolderKind(enum.StrEnum):
     SEQUENCE = "sequence"
     PREFIX_ENTRY = "prefix_entry"
+    BATCH_PADDING = "batch_padding"  # an engine's decode batch: the left padding of its rows
 
 
 class Holder(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Who holds a reservation: a sequence or a prefix entry of one model epoch. Never reused."""
+    """Who holds a reservation: a sequence, a prefix entry or a decode batch's padding, of one
+    model epoch. Never reused (a batch's id is new for every batch the engine opens)."""
 
     model: str
     epoch: int

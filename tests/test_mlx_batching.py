@@ -1,20 +1,34 @@
-"""Batched decoding on real (tiny) MLX models equals decoding alone."""
+"""Batched decoding on real (tiny) MLX models: equal to decoding alone, its memory paid for."""
 
 from __future__ import annotations
+
+import random
 
 import anyio
 import pytest
 
+from actors.engine import EngineCore
+from actors.kv_budget import KVBudgetCore
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
-from runtime.messages import Finished, Generate, ModelLoaded, ModelSpec, Sampling, TokensEmitted
+from runtime.messages import (
+    Finished,
+    Generate,
+    HolderKind,
+    ModelLoaded,
+    ModelSpec,
+    Sampling,
+    TokensEmitted,
+)
+from runtime.mlx_batch import DecodeBatch
 from runtime.testing.simulator import Simulator
-from runtime.testing.tiny_models import tiny_model_path
+from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 
 pytestmark = pytest.mark.anyio
 
 PROMPTS = ("The weather today is", "def add(a, b):\n    return", "Once upon a time, in a land far")
 WITH_TOP5 = Sampling(logprobs=True, top_logprobs=5)
+MLX_ALLOC_STEP = 256  # mlx-lm's KVCache / BatchKVCache ``step``
 
 
 async def run(rt: Runtime, model: str, prompt: str) -> list[TokensEmitted]:
@@ -69,3 +83,43 @@ def test_a_model_mlx_lm_cannot_batch_decodes_concurrent_streams_one_by_one() -> 
         assert isinstance(finished, Finished) and finished.usage.completion_tokens == 6
     counters = sim.core("engine:q#1").counters  # type: ignore[union-attr]
     assert counters["batch_steps"] == 0 and counters["decoded_tokens"] > 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "sliding", "hybrid"])
+def test_the_padding_reservation_covers_what_the_real_batch_holds_beyond_its_members(
+    kind: TinyModelKind,
+) -> None:
+    sim = Simulator(seed=0, config=RuntimeConfig(kv_budget_bytes=1 << 30))
+    spec = ModelSpec(name=kind, path=str(tiny_model_path(kind)), backend="mlx")
+    loaded = sim.load(spec)
+    assert isinstance(loaded, ModelLoaded)
+    engine, kv = sim.core(f"engine:{kind}#1"), sim.core("kv")
+    assert isinstance(engine, EngineCore) and isinstance(kv, KVBudgetCore)
+    beyond: list[tuple[int, int, int]] = []  # (bytes beyond the members', padding held, slack)
+
+    def measure() -> None:
+        batch = engine.decode_batch
+        if not isinstance(batch, DecodeBatch) or len(batch) < 2:
+            return
+        held = kv.holdings()
+        own = sum(n for h, n in held.items() if h.kind is HolderKind.SEQUENCE)  # both are in
+        padding = sum(n for h, n in held.items() if h.kind is HolderKind.BATCH_PADDING)
+        # mlx-lm grows a batch cache 256 tokens at a time for every row, so each row may carry
+        # up to 255 tokens of spare capacity past the longest row that no reservation prices.
+        slack = len(batch) * (MLX_ALLOC_STEP - 1) * loaded.bytes_per_token
+        beyond.append((batch.nbytes - own, padding, slack))
+
+    sim.check_every_step(measure)
+    long_prompt = tuple(random.Random(1).randrange(5, 500) for _ in range(1500))
+    sim.send(Generate(request_id="long", incarnation=1, model=kind, prompt_tokens=long_prompt,
+                      max_tokens=8))  # fmt: skip
+    sim.send(Generate(request_id="short", incarnation=1, model=kind, prompt_tokens=(7, 8, 9, 10),
+                      max_tokens=64))  # fmt: skip
+    sim.run_until_quiescent()
+
+    assert beyond, "the two never shared a batch"
+    for extra, padding, slack in beyond:
+        assert extra <= padding + slack
+    # Without the padding reservation the batch would hold far more than was reserved.
+    assert max(extra - slack for extra, _, _ in beyond) > 0
+    assert not any(h.kind is HolderKind.BATCH_PADDING for h in kv.holdings())
