@@ -85,6 +85,7 @@ SAMPLING = Sampling(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=11)
 USAGE = Usage(prompt_tokens=12, cached_prompt_tokens=8, completion_tokens=3)
 SEQ_HOLDER = Holder(model="m", epoch=3, kind=HolderKind.SEQUENCE, id=17)
 ENTRY_HOLDER = Holder(model="m", epoch=3, kind=HolderKind.PREFIX_ENTRY, id=5)
+PADDING_HOLDER = Holder(model="m", epoch=3, kind=HolderKind.BATCH_PADDING, id=2)
 SPEC = ModelSpec(
     name="m",
     backend="simulated",
@@ -202,7 +203,7 @@ BUILDERS: dict[type[Message], Callable[[], Message]] = {
         message="larger than the budget",
         retryable=False,
     ),
-    Release: lambda: Release(holder=ENTRY_HOLDER, nbytes=512),
+    Release: lambda: Release(holder=PADDING_HOLDER, nbytes=512),
     Transfer: lambda: Transfer(source=SEQ_HOLDER, target=ENTRY_HOLDER, nbytes=1024),
     ReservationExpired: lambda: ReservationExpired(holder=SEQ_HOLDER, ticket=9),
     ReleaseEpoch: lambda: ReleaseEpoch(model="m", epoch=3),
