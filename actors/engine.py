@@ -502,7 +502,7 @@ class EngineCore:
             case JobKind.LOAD:
                 self._backend, self._load_error = job.backend, job.error
                 if job.backend is not None:
-                    self._batches.loaded(job.backend.info.bytes_per_token, job.batchable)
+                    self._batches.loaded(job.backend.info, job.batchable)
                 self._loaded(ctx)
             case JobKind.TOKENIZE:
                 self._tokenize_done(job, ctx)

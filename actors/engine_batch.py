@@ -10,7 +10,9 @@ Padding. mlx-lm right-aligns the rows of a batch's full-attention KV, so B rows 
 ``len_i`` hold ``B * max(len_i)`` tokens: ``P = B * max - sum`` tokens of left padding that no
 sequence's own reservation pays for (see ``runtime.mlx_batch``). All rows advance together, so P
 changes only when rows join or leave; after a leave mlx-lm drops the padding every row shares, so
-P is again ``B * max - sum`` of the rows left. The batch holds P * ``bytes_per_token`` bytes under
+P is again ``B * max - sum`` of the rows left. A batch cache also grows every row by a whole
+allocation step from the padded length (mlx-lm: 256 tokens), so up to ``B * (step - 1)`` spare
+tokens are added to P. The batch holds P * ``bytes_per_token`` bytes under
 one ``BATCH_PADDING`` holder, whose id is new for every batch (a late reply about an earlier one
 is released and counted, never acted on):
 
@@ -29,7 +31,7 @@ from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from actors.engine_jobs import BatchWork, Job
-from runtime.backend import DecodeBatchHandle
+from runtime.backend import DecodeBatchHandle, ModelInfo
 from runtime.core import KV_KEEPER, Context
 from runtime.messages import Holder, HolderKind, ModelSpec, Release, Reserve
 from runtime.sequence import Phase, Sequence
@@ -112,6 +114,7 @@ class BatchScheduler:
         self._stepping = False  # a batch step is running: rows may be changing
         # Padding: a row's offset is its KV length minus the batch steps taken before it joined.
         self._bytes_per_token = 0
+        self._alloc_step = 1
         self._offsets: dict[int, int] = {}  # member sequence id -> offset
         self._steps = 0
         self._holder_id = 1
@@ -124,10 +127,11 @@ class BatchScheduler:
     def __len__(self) -> int:
         return len(self._members)
 
-    def loaded(self, bytes_per_token: int, batchable: bool) -> None:
+    def loaded(self, info: ModelInfo, batchable: bool) -> None:
         """The model is in: whether it can batch at all, and what one token of padding costs."""
         self.enabled = self.enabled and batchable
-        self._bytes_per_token = bytes_per_token
+        self._bytes_per_token = info.bytes_per_token
+        self._alloc_step = info.alloc_step
 
     @property
     def has_leaving(self) -> bool:
@@ -211,7 +215,11 @@ class BatchScheduler:
         for seq in joiners:
             assert seq.state is not None  # decoding alone, not in compute
             offsets.append(seq.state.length - self._steps)
-        return self._bytes_per_token * padding_tokens(offsets)
+        # A batch cache grows all its rows a whole allocation step at a time from the padded
+        # length, not from a multiple of the step as a row's own cache does, so each row may hold
+        # up to alloc_step - 1 spare tokens its own reservation does not price.
+        spare = len(offsets) * (self._alloc_step - 1) if len(offsets) >= 2 else 0
+        return self._bytes_per_token * (padding_tokens(offsets) + spare)
 
     def _ask_for_padding(self, joiners: list[Sequence], nbytes: int, ctx: Context) -> None:
         self._opened = True
