@@ -1,13 +1,17 @@
 """``make run``: the runtime's behaviours shown on what exists today, saying plainly what runs.
 
 No trained default model exists yet. Part 1 runs on the simulated backend (deterministic fake
-model, real actors and threads); part 2 runs a tiny random-weight MLX model built offline, when the
-MLX backend and the tiny-model factory are available. Random weights produce gibberish text: the
-point is the runtime's behaviour (reuse, prewarm, cancellation, teardown), not the words.
+model, real actors and threads); part 2 runs the tiny random-weight MLX models built offline
+(full attention, sliding window, hybrid recurrent); part 3 serves one of them over the
+OpenAI-compatible HTTP API and streams a chat completion from it. Random weights produce gibberish
+text: the point is the runtime's behaviour (reuse, prewarm, cancellation, batching, streaming,
+teardown), not the words.
 """
 
 from __future__ import annotations
 
+import http.client
+import json
 import logging
 import time
 
@@ -56,6 +60,18 @@ async def _tour(rt: Runtime, model: str, slow_prompt: str) -> None:
     text = "".join(e.text for e in events)
     _say(f"  streamed {tokens} tokens in {len(events)} coalesced events: {text!r}")
 
+    engine = next(name for name in rt.stats().actors if name.startswith(f"engine:{model}#"))
+    before = rt.stats().actors[engine].counters.get("batch_steps", 0)
+
+    async def one(i: int) -> None:
+        await rt.complete(model, f"Request {i} of four:", max_tokens=16)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(one, i)
+    steps = rt.stats().actors[engine].counters.get("batch_steps", 0) - before
+    _say(f"  4 concurrent requests: decoded together in {steps} batched steps")
+
 
 async def _simulated() -> None:
     _say("== Part 1: simulated backend (deterministic fake model, real actors and threads) ==")
@@ -90,12 +106,57 @@ async def _tiny_mlx() -> None:
             await _tour(rt, kind, "lorem ipsum dolor " * 60)
 
 
+async def _http() -> None:
+    import uvicorn
+
+    from runtime.server import OpenAIServer, ServerConfig
+    from runtime.testing.tiny_models import tiny_model_path
+
+    _say("== Part 3: the same runtime over the OpenAI-compatible HTTP API (mlxrt serve) ==")
+    spec = ModelSpec(name="llama", path=str(tiny_model_path("llama")), backend="mlx")
+    app = OpenAIServer(ServerConfig(models=(spec,))).app
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.serve)
+        while not server.started:  # noqa: ASYNC110 - uvicorn's Server offers only this flag
+            await anyio.sleep(0.05)
+        port = server.servers[0].sockets[0].getsockname()[1]
+        body = {
+            "model": "llama",
+            "messages": [{"role": "user", "content": "Say hello."}],
+            "max_tokens": 24,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        lines = await anyio.to_thread.run_sync(_post_sse, port, "/v1/chat/completions", body)
+        chunks = [json.loads(line) for line in lines if line != "[DONE]"]
+        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
+        usage = chunks[-1]["usage"]
+        _say(f"  POST http://127.0.0.1:{port}/v1/chat/completions (stream): {len(chunks)} SSE "
+             f"chunks, {usage['completion_tokens']} tokens: {text!r}")  # fmt: skip
+        server.should_exit = True
+
+
+def _post_sse(port: int, path: str, body: dict[str, object]) -> list[str]:
+    """The ``data:`` payloads of one streamed response (plain http.client: no extra dependency)."""
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        connection.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+        response = connection.getresponse()
+        raw = response.read().decode()
+    finally:
+        connection.close()
+    return [line[len("data: ") :] for line in raw.splitlines() if line.startswith("data: ")]
+
+
 def main() -> None:
     logging.basicConfig(level=logging.INFO, format="  [%(name)s] %(message)s")
     _say("mlx-actor-runtime demo. No trained default model exists yet: this shows the runtime on")
-    _say("a simulated model, then on tiny random-weight MLX models (gibberish text by design).\n")
+    _say("a simulated model, then on tiny random-weight MLX models (gibberish text by design),")
+    _say("then serves one over HTTP.\n")
     anyio.run(_simulated, backend_options={"use_uvloop": True})
     anyio.run(_tiny_mlx, backend_options={"use_uvloop": True})
+    anyio.run(_http, backend_options={"use_uvloop": True})
     release_thread_resources()  # building the tiny models ran MLX on this thread
 
 
