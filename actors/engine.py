@@ -525,12 +525,12 @@ class EngineCore:
             seq.state = job.state
         if job.checkpoints is not None:
             seq.checkpoints = job.checkpoints
+        if job.pin_copy is not None or job.snapshot is not None:
+            seq.checkpoints.pop(0)  # the chunk landed on it: one of the two was taken there
         if job.pin_copy is not None:
-            seq.checkpoints.pop(0)
             assert self._backend is not None
             self._entries.pin_copy(seq, job.pin_copy, self._backend, ctx)
         if job.snapshot is not None:
-            seq.checkpoints.pop(0)
             self._entries.snapshot(seq, job.snapshot, ctx)
         if seq.phase is Phase.DONE:
             return
