@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import socket
 import time
 
 import anyio
@@ -115,26 +116,29 @@ async def _http() -> None:
     _say("== Part 3: the same runtime over the OpenAI-compatible HTTP API (mlxrt serve) ==")
     spec = ModelSpec(name="llama", path=str(tiny_model_path("llama")), backend="mlx")
     app = OpenAIServer(ServerConfig(models=(spec,))).app
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    async with anyio.create_task_group() as tg:
-        tg.start_soon(server.serve)
-        while not server.started:  # noqa: ASYNC110 - uvicorn's Server offers only this flag
-            await anyio.sleep(0.05)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        body = {
-            "model": "llama",
-            "messages": [{"role": "user", "content": "Say hello."}],
-            "max_tokens": 24,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-        lines = await anyio.to_thread.run_sync(_post_sse, port, "/v1/chat/completions", body)
-        chunks = [json.loads(line) for line in lines if line != "[DONE]"]
-        text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
-        usage = chunks[-1]["usage"]
-        _say(f"  POST http://127.0.0.1:{port}/v1/chat/completions (stream): {len(chunks)} SSE "
-             f"chunks, {usage['completion_tokens']} tokens: {text!r}")  # fmt: skip
-        server.should_exit = True
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    # Listening before the server starts: a request sent while the model still loads waits in
+    # the socket's backlog, so nothing has to poll for the server being up.
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        port = listener.getsockname()[1]
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(lambda: server.serve(sockets=[listener]))
+            body = {
+                "model": "llama",
+                "messages": [{"role": "user", "content": "Say hello."}],
+                "max_tokens": 24,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            lines = await anyio.to_thread.run_sync(_post_sse, port, "/v1/chat/completions", body)
+            chunks = [json.loads(line) for line in lines if line != "[DONE]"]
+            text = "".join(
+                c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]
+            )
+            usage = chunks[-1]["usage"]
+            _say(f"  POST http://127.0.0.1:{port}/v1/chat/completions (stream): {len(chunks)} SSE "
+                 f"chunks, {usage['completion_tokens']} tokens: {text!r}")  # fmt: skip
+            server.should_exit = True
 
 
 def _post_sse(port: int, path: str, body: dict[str, object]) -> list[str]:
