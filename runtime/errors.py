@@ -69,6 +69,21 @@ class ModelLoadFailed(MlxRuntimeError):
     code = "model_load_failed"
 
 
+class ModelFetchFailed(ModelLoadFailed):
+    """Raised when a known model's file cannot be fetched from its package index, or the file
+    fetched does not match its pinned checksum (the message says which, and what to do)."""
+
+    code = "model_fetch_failed"
+    retryable = True
+
+
+class UnsupportedModelFormat(ModelLoadFailed):
+    """Raised when a model file uses an architecture or tensor type the importer cannot convert
+    (the message names it and lists what is supported)."""
+
+    code = "unsupported_model_format"
+
+
 # --------------------------------------------------------------------------- resources
 
 
