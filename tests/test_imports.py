@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 # Runs in a fresh interpreter: this test process has imported MLX long ago.
 LOAD_A_SIMULATED_MODEL = textwrap.dedent(
@@ -40,6 +41,7 @@ def test_loading_a_simulated_model_imports_neither_mlx_nor_mlx_lm() -> None:
         text=True,
         timeout=120,
         check=False,
+        cwd=Path(__file__).resolve().parents[1],  # the repository root, where `runtime` lives
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "[]"
