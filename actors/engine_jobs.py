@@ -12,8 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import mlx.core as mx
-
 from runtime.backend import (
     Backend,
     CannotTrim,
@@ -25,10 +23,11 @@ from runtime.backend import (
 from runtime.chat import PreparedPrompt, prepare_chat
 from runtime.checkpoints import plan_checkpoints
 from runtime.messages import ModelSpec, TokenLogprob
-from runtime.sampling import TokenSampler
 from runtime.sequence import Phase, Sequence
 
 if TYPE_CHECKING:
+    import mlx.core as mx
+
     from actors.engine_entries import RestoreSource
 
 # Snapshot spacing during long prefills of non-trimmable caches (ModelSpec option to override).
@@ -206,6 +205,10 @@ def sample_into(job: Job, seq: Sequence, backend: Backend, logits: mx.array) -> 
     """Pick ``seq``'s next token from ``logits``, with its text (and logprob when asked)."""
     assert seq.detokenizer is not None
     if seq.sampler is None:
+        # Imported at the first sample, not with the engine: it imports mlx-lm (and transformers),
+        # which loading a simulated model does not need.
+        from runtime.sampling import TokenSampler
+
         seq.sampler = TokenSampler(seq.sampling, int(logits.shape[0]), _token_decoder(backend))
     sampled = seq.sampler.sample(logits, seq.all_tokens, seq.rng)
     job.token = sampled.token

@@ -100,8 +100,9 @@ class RouterCore:
         self._live_by_sequence: dict[int, _Live] = {}
         self._next_sequence_id = 1
         self._next_epoch = 1
-        self._reset_waiters: deque[Address] = deque()
-        self._session_waiters: deque[Address] = deque()
+        self._reset_waiters: deque[Address] = deque()  # one prefix manager answers in order
+        # Engines answer independently of each other; one engine answers its own asks in order.
+        self._session_waiters: dict[tuple[Address, str], deque[Address]] = {}
         self._shutdown_waiters: list[Address] = []
         self.counters = Counters()
 
@@ -144,22 +145,43 @@ class RouterCore:
                 self._reset_waiters.append(sender)
                 ctx.send(PREFIX_CACHE, message)
             case PrefixesReset():
+                if sender != PREFIX_CACHE or not self._reset_waiters:
+                    self._unmatched_reply(message, ctx)
+                    return
                 ctx.send(self._reset_waiters.popleft(), message)
-            case EndSession(model=model):
+            case EndSession(model=model, session=session):
                 ready = self._ready(model)
                 if ready is None:
                     ctx.send(sender, _not_loaded(model))
                     return
-                self._session_waiters.append(sender)
+                self._session_waiters.setdefault((ready.address, session), deque()).append(sender)
                 ctx.send(ready.address, message)
             case SessionEnded():
-                ctx.send(self._session_waiters.popleft(), message)
+                self._session_ended(message, sender, ctx)
             case GetStats():
                 ctx.send(sender, self.statistics())
             case Shutdown():
                 self._shutdown(sender, ctx)
             case _:
                 ctx.count_dead_letter("router_unexpected")
+
+    # ------------------------------------------------------------------ command replies
+
+    def _session_ended(self, reply: SessionEnded, engine: Address, ctx: Context) -> None:
+        key = (engine, reply.session)
+        waiters = self._session_waiters.get(key)
+        if not waiters:
+            self._unmatched_reply(reply, ctx)
+            return
+        asker = waiters.popleft()
+        if not waiters:
+            del self._session_waiters[key]
+        ctx.send(asker, reply)
+
+    def _unmatched_reply(self, reply: Message, ctx: Context) -> None:
+        """A reply nobody is waiting for (a bug elsewhere, or a stray sender): drop and count it."""
+        self.counters.inc("unmatched_replies")
+        ctx.count_dead_letter(f"unmatched_reply:{type(reply).__name__}")
 
     # ------------------------------------------------------------------ requests
 

@@ -12,12 +12,12 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from bench import checkpoints, generation, ours, raw_mlx, server
+from bench import batching, checkpoints, generation, ours, raw_mlx, server
 from bench.results import Sink, format_table
 from bench.workload import QUICK, Sizes, build_workload
 
 KINDS = ("llama", "sliding", "hybrid")
-SCENARIO_GROUPS = ("existing", "generation", "checkpoints")
+SCENARIO_GROUPS = ("existing", "generation", "checkpoints", "batching")
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -36,7 +36,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         help="comma-separated subset of: existing (turn2, abandon, decode), generation "
         "(gen.*: one-stream decode, 4 concurrent, inter-token latency, coalescing; runtime "
         "and mlx-lm only), checkpoints (ckpt.*: memory of a long prompt's checkpoints, runtime "
-        "vs deep copies of mlx-lm's prompt cache)",
+        "vs deep copies of mlx-lm's prompt cache), batching (batch.*: decode tokens/s of one "
+        "sequence alone vs four in a DecodeBatch, backend level)",
     )
     args = parser.parse_args(argv)
     args.scenarios = {s for s in args.scenarios.split(",") if s}
@@ -74,6 +75,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "checkpoints" in args.scenarios and "runtime" in args.systems:
                 _log(f"{kind}: checkpoint memory (runtime vs mlx-lm whole-cache copies)")
                 sink.extend(checkpoints.measure(path, model, tokenizer, kind))
+            if "batching" in args.scenarios and "runtime" in args.systems:
+                _log(f"{kind}: backend-level batching (B=1 loop vs a DecodeBatch of four)")
+                batch_sizes = batching.BATCH_QUICK if args.quick else batching.BatchSizes()
+                sink.extend(batching.measure(path, tokenizer, kind, batch_sizes))
             if "existing" not in args.scenarios:
                 continue
             work = build_workload(tokenizer, sizes)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import logging
 import math
 import time
 import uuid
@@ -61,6 +62,9 @@ HOST: Address = "host"
 _T = TypeVar("_T")
 TERMINALS = (Finished, Cancelled, Failed)
 CLOSE_WAIT_S = 10.0  # a safety net only: an engine answers an abort within one step
+SHUTDOWN_WAIT_S = 30.0  # leaving the Runtime waits this long for models to unload, then stops all
+
+log = logging.getLogger("mlx_actor_runtime.api")
 
 
 class RuntimeStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -225,10 +229,21 @@ class Runtime:
         assert system is not None
         assert stack is not None
         try:
-            with anyio.CancelScope(shield=True), anyio.move_on_after(30):
+            with anyio.CancelScope(shield=True), anyio.move_on_after(SHUTDOWN_WAIT_S) as waited:
                 await system.ask(ROUTER, Shutdown())
-        except MlxRuntimeError:
-            pass
+            if waited.cancelled_caught:
+                log.warning(
+                    "leaving the Runtime: the shutdown did not finish within %s s; "
+                    "stopping every actor without waiting for its models to unload",
+                    SHUTDOWN_WAIT_S,
+                )
+        except MlxRuntimeError as error:
+            # The host's own exception (if any) matters more: report this one, do not raise it.
+            log.warning(
+                "leaving the Runtime: the shutdown failed (%s: %s); stopping every actor anyway",
+                error.code,
+                error.message,
+            )
         finally:
             for address in system.addresses():
                 system.stop(address)

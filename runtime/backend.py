@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import mlx.core as mx
 import msgspec
 
 from runtime.chat import ChatTokenizer
 from runtime.messages import ModelSpec
+
+if TYPE_CHECKING:  # logits are MLX arrays; the contract itself needs no MLX to import
+    import mlx.core as mx
 
 # ModelSpec options the engine reads (every backend ignores them).
 ENGINE_OPTIONS = frozenset({"checkpoint_every_tokens", "batching", "max_batch", "max_concurrent"})

@@ -19,7 +19,8 @@ def default_kv_budget_bytes(fraction: float = 0.5) -> int:
     """
     if not 0 < fraction <= 1:
         raise ValueError(f"fraction must be in (0, 1], got {fraction}")
-    import mlx.core as mx  # lazily: code that never touches MLX (the simulator) skips its import
+    # Lazily: importing the runtime imports no MLX (see "What imports MLX" in docs/design.md).
+    import mlx.core as mx
 
     limit = _device_memory_bytes(mx) or int(mx.get_memory_limit())
     if limit <= 0:

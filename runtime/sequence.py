@@ -6,6 +6,7 @@ import enum
 import random
 import threading
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from runtime.backend import SequenceState
 from runtime.detokenizer import IncrementalDetokenizer
@@ -20,8 +21,10 @@ from runtime.messages import (
     TokenIds,
     Usage,
 )
-from runtime.sampling import TokenSampler
 from runtime.stop_strings import StopStringMatcher
+
+if TYPE_CHECKING:
+    from runtime.sampling import TokenSampler
 
 
 class Phase(enum.Enum):

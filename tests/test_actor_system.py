@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 import anyio
 import pytest
+from anyio.abc import TaskGroup
 
 from runtime.actor import ActorSystem
 from runtime.core import Address, Context
@@ -88,14 +91,59 @@ def test_restart_tracker_forgets_old_crashes() -> None:
     assert tracker.may_restart(30)  # the window moved on
 
 
-async def test_the_host_edge_waits_while_a_mailbox_is_full() -> None:
+class GatedTaskGroup:
+    """Starts tasks that wait for ``go`` first: the test decides when a mailbox loop starts."""
+
+    def __init__(self, tg: TaskGroup) -> None:
+        self._tg = tg
+        self.go = anyio.Event()
+
+    def start_soon(
+        self, fn: Callable[..., Awaitable[object]], *args: object, name: object = None
+    ) -> None:
+        async def gated() -> None:
+            await self.go.wait()
+            await fn(*args)
+
+        self._tg.start_soon(gated, name=name)
+
+
+class Witness(Echo):
+    """An Echo that notes, for each message it takes, whether ``done`` was already set."""
+
+    def __init__(self, done: anyio.Event) -> None:
+        super().__init__()
+        self.done = done
+        self.done_when_taken: list[bool] = []
+
+    def handle(self, message: Message, sender: Address, ctx: Context) -> None:
+        self.done_when_taken.append(self.done.is_set())
+        super().handle(message, sender, ctx)
+
+
+async def test_the_host_edge_waits_while_a_mailbox_is_full_until_one_message_is_taken() -> None:
     async with anyio.create_task_group() as tg:
-        system = ActorSystem(tg)
-        echo = Echo()
-        system.spawn("echo", echo, capacity=2)
+        gate = GatedTaskGroup(tg)
+        system = ActorSystem(gate)  # type: ignore[arg-type]
+        sent = anyio.Event()
+        witness = Witness(done=sent)
+        system.spawn("echo", witness, capacity=2)  # its mailbox loop waits for gate.go
+
+        async def send_one_more() -> None:
+            await system.tell_external("echo", GetStats(), sender="nobody")
+            sent.set()
+
         with anyio.fail_after(5):
-            for _ in range(10):
+            for _ in range(2):  # room for both: neither waits
                 await system.tell_external("echo", GetStats(), sender="nobody")
-            while echo.handled < 10:
+            tg.start_soon(send_one_more)
+            await anyio.wait_all_tasks_blocked()
+            assert not sent.is_set()  # at capacity and nothing taken: the sender waits
+            assert witness.handled == 0
+            gate.go.set()
+            await sent.wait()
+            while witness.handled < 3:
                 await anyio.wait_all_tasks_blocked()
+        # The send went through once the first message was taken, before the second was.
+        assert witness.done_when_taken == [False, True, True]
         system.stop("echo")

@@ -8,7 +8,6 @@ top-5 logits, after which the comparison stops (the streams are then legitimatel
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import cast
@@ -288,32 +287,3 @@ def test_batch_shrinks_when_its_longest_row_leaves(backends: dict[str, MlxBacken
     driver.step(2)
     want = alone(backend, prefilled(backend, tokens(3, 52)), 5)
     assert_equivalent(driver.traces[short_slot], want, "short after the long row left")
-
-
-# ---------------------------------------------------------------------- throughput
-
-
-def test_throughput_alone_vs_batched(backends: dict[str, MlxBackend]) -> None:
-    """Prints decode tokens/s: one sequence alone vs four batched (aggregate). No assertion."""
-    backend = backends["llama"]
-    prompt_len, steps, width = 64, 32, 4
-
-    single = batched = 0.0
-    for _ in range(3):  # best of three: the tiny model's steps are sub-millisecond and noisy
-        state = prefilled(backend, tokens(prompt_len, 41))
-        alone(backend, state, 2)  # warm-up
-        start = time.perf_counter()
-        alone(backend, state, steps)
-        single = max(single, steps / (time.perf_counter() - start))
-
-        driver = Driver(backend)
-        for i in range(width):
-            driver.join(prefilled(backend, tokens(prompt_len, 42 + i)))
-        driver.step(2)  # warm-up
-        start = time.perf_counter()
-        driver.step(steps)
-        batched = max(batched, width * steps / (time.perf_counter() - start))
-    print(
-        f"\nllama tiny, {prompt_len}-token prompts, {steps} steps: alone {single:.0f} tok/s, "
-        f"{width} batched {batched:.0f} tok/s aggregate ({batched / single:.2f}x)"
-    )

@@ -7,6 +7,10 @@ production thread executor, virtual seconds in the simulator. Faults are data, s
 a ``ModelSpec`` and be replayed.
 
 Public: hosts load ``ModelSpec(name=..., backend="simulated", options={...})`` in their tests.
+
+Loading a simulated model imports no MLX. Its logits are MLX arrays, though, so that the engine's
+one sampler (``runtime.sampling``, MLX code) treats them as a real model's: the first logits import
+``mlx.core``, and the first sampled token imports mlx-lm.
 """
 
 from __future__ import annotations
@@ -15,9 +19,8 @@ import random
 import threading
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import mlx.core as mx
 import msgspec
 
 from runtime.backend import (
@@ -30,6 +33,9 @@ from runtime.backend import (
 )
 from runtime.errors import InvalidModelSpec
 from runtime.messages import ModelSpec
+
+if TYPE_CHECKING:
+    import mlx.core as mx
 
 EOS_TOKEN_ID = 256
 VOCAB_SIZE = 257
@@ -233,6 +239,8 @@ class SimulatedBackend:
 
     def logits_after(self, h: int) -> mx.array:
         """The logits after a prefix whose rolling hash is ``h`` (see ``logits``)."""
+        import mlx.core as mx  # at the first logits: loading a simulated model needs no MLX
+
         with self._lock:
             self._sample_calls += 1
             if self._sample_calls == self._options.fail_sample_call:

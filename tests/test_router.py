@@ -1,0 +1,115 @@
+"""Example tests of the router's command replies, driving its core with a recording context."""
+
+from __future__ import annotations
+
+import pytest
+
+from actors.router import RouterCore
+from runtime.core import PREFIX_CACHE, ROUTER, ActorCore, Address, Context, engine_address
+from runtime.messages import (
+    EndSession,
+    EngineReady,
+    LoadModel,
+    Message,
+    ModelLoaded,
+    ModelSpec,
+    PrefixesReset,
+    ResetPrefixes,
+    SessionEnded,
+)
+from runtime.testing.recording import RecordingContext
+
+ENGINE_A = engine_address("a", 1)
+ENGINE_B = engine_address("b", 2)
+
+
+class IdleEngine:
+    """Stands in for an engine: the recording context never starts what it is asked to spawn."""
+
+    def on_start(self, ctx: Context) -> None:
+        pass
+
+    def handle(self, message: Message, sender: Address, ctx: Context) -> None:
+        pass
+
+    def on_stop(self, ctx: Context) -> None:
+        pass
+
+
+def idle_engine(spec: ModelSpec, epoch: int) -> ActorCore:
+    return IdleEngine()
+
+
+@pytest.fixture
+def ctx() -> RecordingContext:
+    return RecordingContext(ROUTER)
+
+
+@pytest.fixture
+def router(ctx: RecordingContext) -> RouterCore:
+    """A router with models "a" (epoch 1) and "b" (epoch 2) ready."""
+    router = RouterCore(engine_factory=idle_engine)
+    for name, engine in (("a", ENGINE_A), ("b", ENGINE_B)):
+        router.handle(LoadModel(spec=ModelSpec(name=name, backend="simulated")), "host:load", ctx)
+        epoch = int(engine.rsplit("#", 1)[1])
+        ready = EngineReady(epoch=epoch, reuse_path="trim", bytes_per_token=1, context_length=64)
+        router.handle(ready, engine, ctx)
+    assert [type(m) for _, m in ctx.take_sent()] == [ModelLoaded, ModelLoaded]
+    return router
+
+
+def test_session_replies_reach_their_own_askers_when_engines_answer_out_of_order(
+    router: RouterCore, ctx: RecordingContext
+) -> None:
+    router.handle(EndSession(model="a", session="s1"), "host:ask:1", ctx)
+    router.handle(EndSession(model="b", session="s2"), "host:ask:2", ctx)
+    assert ctx.take_sent() == [
+        (ENGINE_A, EndSession(model="a", session="s1")),
+        (ENGINE_B, EndSession(model="b", session="s2")),
+    ]
+    from_b = SessionEnded(model="b", session="s2", unpinned=False)
+    from_a = SessionEnded(model="a", session="s1", unpinned=True)
+    router.handle(from_b, ENGINE_B, ctx)  # the later ask is answered first
+    router.handle(from_a, ENGINE_A, ctx)
+    assert ctx.take_sent() == [("host:ask:2", from_b), ("host:ask:1", from_a)]
+
+
+def test_two_asks_for_one_session_are_answered_in_the_order_the_engine_answers_them(
+    router: RouterCore, ctx: RecordingContext
+) -> None:
+    router.handle(EndSession(model="a", session="s", namespace="x"), "host:ask:1", ctx)
+    router.handle(EndSession(model="a", session="s", namespace="y"), "host:ask:2", ctx)
+    ctx.take_sent()
+    first = SessionEnded(model="a", session="s", unpinned=True)
+    second = SessionEnded(model="a", session="s", unpinned=False)
+    router.handle(first, ENGINE_A, ctx)  # one engine answers its mailbox in order
+    router.handle(second, ENGINE_A, ctx)
+    assert ctx.take_sent() == [("host:ask:1", first), ("host:ask:2", second)]
+
+
+@pytest.mark.parametrize(
+    ("reply", "sender"),
+    [
+        (SessionEnded(model="a", session="nobody-asked", unpinned=False), ENGINE_A),
+        (SessionEnded(model="a", session="s1", unpinned=False), ENGINE_B),  # not the one asked
+        (PrefixesReset(model="a", dropped=0), PREFIX_CACHE),
+    ],
+    ids=["unknown-session", "other-engine", "prefixes-reset"],
+)
+def test_an_unsolicited_reply_is_a_counted_dead_letter_and_the_router_goes_on(
+    router: RouterCore, ctx: RecordingContext, reply: SessionEnded | PrefixesReset, sender: Address
+) -> None:
+    router.handle(EndSession(model="a", session="s1"), "host:ask:1", ctx)
+    ctx.take_sent()
+    router.handle(reply, sender, ctx)
+    assert ctx.take_sent() == []
+    assert sum(ctx.dead_letters.values()) == 1
+    assert router.statistics().counters["unmatched_replies"] == 1
+    # The real reply still reaches the asker: the stray one took nobody's place.
+    ended = SessionEnded(model="a", session="s1", unpinned=True)
+    router.handle(ended, ENGINE_A, ctx)
+    assert ctx.take_sent() == [("host:ask:1", ended)]
+    router.handle(ResetPrefixes(model="b"), "host:ask:2", ctx)
+    reset = PrefixesReset(model="b", dropped=3)
+    router.handle(reset, PREFIX_CACHE, ctx)
+    assert ctx.take_sent() == [(PREFIX_CACHE, ResetPrefixes(model="b")), ("host:ask:2", reset)]
