@@ -11,6 +11,7 @@ from __future__ import annotations
 import copy
 import gc
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -28,8 +29,11 @@ from runtime.backend import (
 )
 from runtime.errors import InvalidModelSpec, ModelLoadFailed
 from runtime.messages import ModelSpec
+from runtime.model_source import prepare_model
 
 _WARMUP_TOKENS = 4
+_DEFAULT_CONTEXT = 4096  # when a config declares no window at all
+log = logging.getLogger("mlx_actor_runtime.mlx_backend")
 
 
 class MlxState:
@@ -84,7 +88,10 @@ class MlxBackend:
         """Load ``spec.path``; raises ``ModelLoadFailed`` naming what is missing."""
         from mlx_lm.utils import load as mlx_load
 
-        path = resolve_model_path(spec)
+        prepared = prepare_model(spec)
+        path = prepared.path
+        if prepared.note:
+            log.info("model %r: %s", spec.name, prepared.note)
         kv_bits = _int_option(spec, "kv_bits")
         if kv_bits not in (None, 4, 8):
             raise InvalidModelSpec(f"kv_bits must be 4 or 8 (got {kv_bits})")
@@ -118,10 +125,15 @@ class MlxBackend:
             else:
                 fixed += int(layer_cache.nbytes)
         strategy, reason = _reuse_strategy(kinds, window)
-        context = _int_option(spec, "context_length") or int(
-            config.get("max_position_embeddings") or config.get("max_seq_len") or 4096
-        )
+        context = _int_option(spec, "context_length") or context_length_of(config)
         eos = effective_eos_ids(self._tokenizer, self._path, config)
+        log.info(
+            "model %r: context %d tokens, generation ends on token ids %s (%s)",
+            spec.name,
+            context,
+            sorted(eos),
+            ", ".join(repr(self._tokenizer.decode([t])) for t in sorted(eos)),
+        )
         return ModelInfo(
             context_length=context,
             vocab_size=int(config.get("vocab_size", 0)),
@@ -239,27 +251,17 @@ class MlxBackend:
 # ---------------------------------------------------------------------- helpers
 
 
-def resolve_model_path(spec: ModelSpec) -> Path:
-    """A local directory, or a hub id already in the local cache; never a download."""
-    if not spec.path:
-        raise InvalidModelSpec(f"model {spec.name!r} needs a path (an mlx-lm model directory)")
-    path = Path(spec.path).expanduser()
-    if path.is_dir():
-        return path
-    try:
-        from mlx_lm.utils import hf_repo_to_path
-
-        return Path(hf_repo_to_path(spec.path))  # type: ignore[no-untyped-call]
-    except Exception as exc:
-        raise ModelLoadFailed(
-            f"{spec.path!r} is neither a model directory nor a repo in the local Hugging Face "
-            "cache; the runtime never downloads: fetch it first (e.g. `hf download "
-            f"{spec.path}`) or pass a directory"
-        ) from exc
-
-
 # End-of-turn markers of common chat templates: generation must stop on them too.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+
+
+def context_length_of(config: dict[str, Any]) -> int:
+    """The context window a config declares, also where it nests it (``text_config``)."""
+    for scope in (config, config.get("text_config") or {}):
+        for key in ("max_position_embeddings", "max_seq_len", "n_positions", "seq_length"):
+            if scope.get(key):
+                return int(scope[key])
+    return _DEFAULT_CONTEXT
 
 
 def effective_eos_ids(tokenizer: Any, path: Path, config: dict[str, Any]) -> frozenset[int]:

@@ -137,7 +137,6 @@ LLAMA = Architecture(
 # Gemma 3's published values that llama.cpp keeps in code, not in the file.
 GEMMA3_ROPE_LOCAL_BASE = 10000.0
 GEMMA3_SLIDING_PATTERN = 6
-GEMMA3_TURN_END = "<end_of_turn>"
 
 
 def _gemma3_config(meta: Metadata, untied: bool) -> dict[str, Any]:

@@ -194,7 +194,7 @@ def _convert_tensors(
         if weights == "quantized" and tensor.tensor_type in NATIVE_TYPES:
             triple = affine_triple(tensor)
             if rows is not None:
-                triple = tuple(part[rows] for part in triple)  # type: ignore[assignment]
+                triple = (triple[0][rows], triple[1][rows], triple[2][rows])
             out[name] = mx.array(triple[0])
             out[f"{prefix}.scales"] = mx.array(triple[1]).astype(half)
             out[f"{prefix}.biases"] = mx.array(triple[2]).astype(half)

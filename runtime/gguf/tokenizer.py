@@ -16,15 +16,18 @@ from typing import Any
 
 from runtime.errors import UnsupportedModelFormat
 
-# GGUF token types (llama.cpp's llama_token_type).
-CONTROL = 3
+GEMMA_TURN_END = "<end_of_turn>"
 
 
 def _tokenizer_dict(meta: Mapping[str, Any]) -> dict[str, Any]:
     from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
 
     renames = GGUF_TOKENIZER_MAPPING["tokenizer"]
-    return {name: meta[f"tokenizer.{key}"] for key, name in renames.items() if f"tokenizer.{key}" in meta}
+    return {
+        name: meta[f"tokenizer.{key}"]
+        for key, name in renames.items()
+        if f"tokenizer.{key}" in meta
+    }
 
 
 def write_tokenizer(meta: Mapping[str, Any], directory: Path) -> dict[str, Any]:
@@ -48,7 +51,9 @@ def write_tokenizer(meta: Mapping[str, Any], directory: Path) -> dict[str, Any]:
         builder = select_tokenizer_builder(architecture, spec.get("tokenizer_type"))
     except ValueError as exc:
         raise UnsupportedModelFormat(f"the GGUF tokenizer cannot be built: {exc}") from exc
-    tokenizer = set_split_regex(add_gguf_special_tokens(builder(spec), spec), spec)
+    tokenizer = builder(spec)
+    tokenizer = add_gguf_special_tokens(tokenizer, spec)  # type: ignore[no-untyped-call]
+    tokenizer = set_split_regex(tokenizer, spec)  # type: ignore[no-untyped-call]
     if spec.get("pre_tokenizer_type") == "smollm":
         tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
             [
@@ -100,9 +105,7 @@ def _turn_end_ids(meta: Mapping[str, Any], tokens: list[str]) -> list[int]:
     eot = meta.get("tokenizer.ggml.eot_token_id")
     if eot is not None:
         ids.append(int(eot))
-    if str(meta.get("general.architecture", "")).startswith("gemma"):
-        try:
-            ids.append(tokens.index("<end_of_turn>"))
-        except ValueError:
-            pass
+    gemma = str(meta.get("general.architecture", "")).startswith("gemma")
+    if gemma and GEMMA_TURN_END in tokens:
+        ids.append(tokens.index(GEMMA_TURN_END))
     return ids

