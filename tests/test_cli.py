@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.cli import main, model_specs
+from runtime.model_store import DEFAULT_MODEL
 
 
 def test_serve_arguments_become_model_specs() -> None:
@@ -17,17 +18,50 @@ def test_serve_arguments_become_model_specs() -> None:
     [simulated] = model_specs(["sim"], "simulated", [])
     assert simulated.path is None
     with pytest.raises(ValueError, match="NAME=PATH"):
-        model_specs(["a"], "mlx", [])
+        model_specs(["=/models/a"], "mlx", [])
     with pytest.raises(ValueError, match="twice"):
         model_specs(["a=/x", "a=/y"], "mlx", [])
     with pytest.raises(ValueError, match="KEY=VALUE"):
         model_specs(["a=/x"], "mlx", ["kv_bits"])
 
 
+def test_a_bare_path_is_served_under_a_name_derived_from_it() -> None:
+    specs = model_specs(
+        ["/models/SmolLM2.Q4_1.gguf", "/models/llama-dir/", "gemma3-270m", "/x/a=b"], "mlx", []
+    )
+    assert [(s.name, s.path) for s in specs] == [
+        ("SmolLM2.Q4_1", "/models/SmolLM2.Q4_1.gguf"),
+        ("llama-dir", "/models/llama-dir/"),
+        ("gemma3-270m", "gemma3-270m"),
+        ("a=b", "/x/a=b"),
+    ]
+
+
+def test_no_model_means_the_default_model() -> None:
+    [spec] = model_specs([], "mlx", ["weights=float32"])
+    assert (spec.name, spec.path) == (DEFAULT_MODEL, DEFAULT_MODEL)
+    assert spec.options == {"weights": "float32"}
+
+
+def test_generate_without_a_prompt_says_what_to_write(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["generate", "--backend", "simulated", "--model", "sim"]) == 2
+    assert "give a prompt" in capsys.readouterr().err
+
+
 def test_serve_refuses_a_malformed_model_before_starting(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        main(["serve", "--model", "no-path"])
+        main(["serve", "--model", "=no-name"])
     assert exited.value.code == 2
     assert "NAME=PATH" in capsys.readouterr().err
+
+
+def test_generate_streams_a_reply_on_the_simulated_backend(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert (
+        main(["generate", "--backend", "simulated", "--model", "sim", "--max-tokens", "5", "hi"])
+        == 0
+    )
+    assert capsys.readouterr().out.strip()
