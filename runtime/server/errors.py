@@ -25,11 +25,13 @@ from runtime.errors import (
     KVRequestTooLarge,
     MlxRuntimeError,
     ModelAlreadyLoaded,
+    ModelFetchFailed,
     ModelLoadFailed,
     ModelNotLoaded,
     ModelUnloading,
     RuntimeClosed,
     SupervisionEscalated,
+    UnsupportedModelFormat,
 )
 from runtime.messages import Cancelled, Failed
 from runtime.server.schema import (
@@ -58,6 +60,8 @@ STATUS_BY_CODE: dict[str, int] = {
     BackendError.code: 500,
     EngineCrashed.code: 500,
     ModelLoadFailed.code: 500,
+    ModelFetchFailed.code: 503,  # the package index may answer later
+    UnsupportedModelFormat.code: 400,
     ActorStopped.code: 500,
     SupervisionEscalated.code: 500,
     MlxRuntimeError.code: 500,
