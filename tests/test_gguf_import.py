@@ -9,6 +9,7 @@ mlx-lm class. The tokenizers are tested in test_gguf_tokenizer.py.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import filecmp
 import threading
@@ -24,6 +25,8 @@ import pytest
 from gguf import GGMLQuantizationType as QT
 from gguf import GGUFWriter
 from gguf.quants import quantize
+from hypothesis import given
+from hypothesis import strategies as st
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import load_model, load_tokenizer
 
@@ -257,13 +260,56 @@ def test_an_unsupported_architecture_is_named_with_the_supported_ones(tmp_path: 
     assert list(cache.iterdir()) == []  # the half-built directory is gone
 
 
-@pytest.mark.parametrize("content", [b"", b"not a model file\n" * 64])
+@pytest.mark.parametrize("content", [b"", b"GGUF", b"not a model file\n" * 64])
 def test_a_file_that_is_not_gguf_fails_to_load(tmp_path: Path, content: bytes) -> None:
     path = tmp_path / "model.gguf"
     path.write_bytes(content)
 
     with pytest.raises(ModelLoadFailed, match="not a readable GGUF file"):
         convert_gguf(path, tmp_path / "cache", "float32")
+
+
+@pytest.fixture(scope="module")
+def small_gguf(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A complete GGUF file of a few hundred bytes: some metadata and one Q8_0 tensor."""
+    values = np.linspace(-1.0, 1.0, 2 * GROUP, dtype=np.float32).reshape(2, GROUP)
+    return write_gguf(
+        tmp_path_factory.mktemp("small") / "small.gguf",
+        "llama",
+        {"token_embd.weight": (quantize(values, QT.Q8_0), QT.Q8_0)},
+        {"llama.block_count": 1, "llama.context_length": 64},
+    )
+
+
+def test_a_gguf_file_cut_short_fails_to_load(small_gguf: Path, tmp_path: Path) -> None:
+    whole = small_gguf.read_bytes()
+    reader, _ = read_metadata(small_gguf)
+    (tensor,) = reader.tensors
+    data_end = tensor.data_offset + tensor.n_bytes  # only alignment padding follows
+    cut = tmp_path / "cut.gguf"
+
+    for size in range(data_end):  # e.g. an interrupted copy
+        cut.write_bytes(whole[:size])
+        with pytest.raises(ModelLoadFailed, match="not a readable GGUF file"):
+            convert_gguf(cut, tmp_path / "cache", "float32")
+
+    assert list((tmp_path / "cache").iterdir()) == []
+
+
+@given(edits=st.lists(st.tuples(st.integers(0, 1 << 16), st.integers(0, 255)), min_size=1))
+def test_a_corrupt_gguf_header_is_read_or_fails_to_load(
+    small_gguf: Path, edits: list[tuple[int, int]]
+) -> None:
+    reader, _ = read_metadata(small_gguf)
+    header = bytearray(small_gguf.read_bytes())
+    header_size = reader.tensors[0].data_offset
+    for at, byte in edits:
+        header[at % header_size] = byte
+    corrupt = small_gguf.with_name("corrupt.gguf")
+    corrupt.write_bytes(header)
+
+    with contextlib.suppress(ModelLoadFailed):  # any other exception fails the test
+        read_metadata(corrupt)
 
 
 def test_a_missing_file_fails_to_load(tmp_path: Path) -> None:
