@@ -6,11 +6,15 @@ import importlib.util
 import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from runtime.errors import ModelFetchFailed
-from runtime.model_store import fetch_model
+from runtime.model_store import KNOWN_MODELS, fetch_model
+
+if TYPE_CHECKING:
+    from runtime.gguf.convert import ConvertedModel
 
 
 # Run every @pytest.mark.anyio test on plain asyncio and on uvloop: the runtime
@@ -56,5 +60,25 @@ def real_gguf() -> Callable[[str], Path]:
                     pytest.fail(f"CI must run the real-model tests: {error.message}")
                 pytest.skip(f"real model {name!r} not available: {error.message}")
         return fetched[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def converted_gguf(
+    real_gguf: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str, str], ConvertedModel]:
+    """``converted_gguf(name, weights)``: a known model's GGUF converted once per test session,
+    into a temporary cache (never the user's), so every session runs the importer for real."""
+    from runtime.gguf.convert import convert_gguf
+
+    cache = tmp_path_factory.mktemp("converted")
+    converted: dict[tuple[str, str], ConvertedModel] = {}
+
+    def get(name: str, weights: str = "float32") -> ConvertedModel:
+        if (name, weights) not in converted:
+            source, sha256 = real_gguf(name), KNOWN_MODELS[name].sha256
+            converted[name, weights] = convert_gguf(source, cache, weights, sha256=sha256)
+        return converted[name, weights]
 
     return get

@@ -136,14 +136,19 @@ def _read_stamp(target: Path, *, reused: bool) -> ConvertedModel:
 
 
 def read_metadata(source: Path) -> tuple[Any, dict[str, Any]]:
-    """The ``gguf`` reader of a file and its metadata as plain values."""
+    """The ``gguf`` reader of a file and its metadata as plain values.
+
+    Raises ``ModelLoadFailed`` when the file is not GGUF, or is cut short or corrupt.
+    """
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(source)
-    except (OSError, ValueError) as exc:
+        metadata = {name: field.contents() for name, field in reader.fields.items()}
+    # gguf meets a header cut short with IndexError, a corrupt string with UnicodeDecodeError
+    except (OSError, ValueError, IndexError) as exc:
         raise ModelLoadFailed(f"{source} is not a readable GGUF file: {exc}") from exc
-    return reader, {name: field.contents() for name, field in reader.fields.items()}
+    return reader, metadata
 
 
 def _build(source: Path, directory: Path, weights: str, key: str, progress: Progress) -> None:
