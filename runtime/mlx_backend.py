@@ -100,6 +100,12 @@ class MlxBackend:
             model, tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], loaded)
         except (FileNotFoundError, ValueError, OSError) as exc:
             raise ModelLoadFailed(f"could not load the model at {path}: {exc}") from exc
+        if mx.default_device() == mx.cpu and _widen_half_quantized(model):
+            log.info(
+                "model %r: quantized with half-precision scales; widened them (and the other "
+                "half-precision weights) to float32, which MLX's CPU kernels run ~40x faster",
+                spec.name,
+            )
         backend = cls(model, tokenizer, _placeholder_info(), kv_bits)
         backend._path = path
         try:
@@ -253,6 +259,23 @@ class MlxBackend:
 
 # End-of-turn markers of common chat templates: generation must stop on them too.
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
+
+
+def _widen_half_quantized(model: Any) -> bool:
+    """Cast a quantized model's float16/bfloat16 parameters to float32; whether it did.
+
+    Measured on SmolLM2 (MLX 0.32 CPU): a 16-token forward took 58.6 s with float16 scales and
+    1.44 s with float32 ones, the dequantized weights being identical.
+    """
+    from mlx.utils import tree_flatten, tree_unflatten
+
+    params = cast(list[tuple[str, Any]], tree_flatten(model.parameters()))
+    half = (mx.float16, mx.bfloat16)
+    quantized = any(name.endswith(".scales") and p.dtype in half for name, p in params)
+    if not quantized:
+        return False
+    model.update(tree_unflatten([(n, p.astype(mx.float32)) for n, p in params if p.dtype in half]))
+    return True
 
 
 def context_length_of(config: dict[str, Any]) -> int:
