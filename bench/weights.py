@@ -49,9 +49,16 @@ _CACHE: dict[str, Any] = {}
 
 
 def _loaded(path: str, load: Any) -> Any:
+    import mlx.core as mx
+
+    from runtime.mlx_backend import widen_half_quantized
+
     if path not in _CACHE:
         _CACHE.clear()  # one model in memory at a time
-        _CACHE[path] = load(path)
+        model, tokenizer = load(path)
+        if mx.default_device() == mx.cpu:
+            widen_half_quantized(model)  # what the runtime's load does on a CPU
+        _CACHE[path] = (model, tokenizer)
     return _CACHE[path]
 
 

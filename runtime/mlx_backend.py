@@ -100,7 +100,7 @@ class MlxBackend:
             model, tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], loaded)
         except (FileNotFoundError, ValueError, OSError) as exc:
             raise ModelLoadFailed(f"could not load the model at {path}: {exc}") from exc
-        if mx.default_device() == mx.cpu and _widen_half_quantized(model):
+        if mx.default_device() == mx.cpu and widen_half_quantized(model):
             log.info(
                 "model %r: quantized with half-precision scales; widened them (and the other "
                 "half-precision weights) to float32, which MLX's CPU kernels run ~40x faster",
@@ -261,7 +261,7 @@ class MlxBackend:
 _TURN_END_TOKENS = ("<|im_end|>", "<|eot_id|>", "<end_of_turn>", "<|end|>", "<|endoftext|>")
 
 
-def _widen_half_quantized(model: Any) -> bool:
+def widen_half_quantized(model: Any) -> bool:
     """Cast a quantized model's float16/bfloat16 parameters to float32; whether it did.
 
     Measured on SmolLM2 (MLX 0.32 CPU): a 16-token forward took 58.6 s with float16 scales and
