@@ -1,0 +1,511 @@
+"""Every prefix-reuse path on real pretrained weights: output equal to a cold run, and exact counts.
+
+Two models, float32 on CPU, greedy, the runtime's default chunking (256 tokens) and checkpoint
+spacing (512 tokens):
+
+* SmolLM2-135M-Instruct: llama, every layer full attention, reuse path ``trim`` (an entry is cut
+  back to its common prefix with the prompt);
+* Gemma 3 270M (base model): 15 sliding-window layers with a 512-token ring and 3 full-attention
+  layers, reuse path ``checkpoint`` (a state whose ring has wrapped is restorable only whole or at
+  the checkpoints its prefill snapshotted). Its prompts are ~800 tokens, so every ring wraps.
+
+Each scenario asserts the greedy output equals a cold run of the same prompt (the same model in a
+namespace of its own, which shares nothing) and that the request prefilled exactly the tokens the
+reuse semantics of docs/reuse.md leave to compute (``ReuseModel``): ``Started.cached_tokens``,
+``Started.path`` and the engine's ``prefilled_tokens`` counter. Equality alone would also pass if
+nothing were reused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import json
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import anyio.lowlevel
+import pytest
+from mlx_lm.utils import load_tokenizer
+
+from actors.engine_jobs import DEFAULT_CHECKPOINT_EVERY
+from runtime.api import Runtime
+from runtime.chat import prepare_chat
+from runtime.checkpoints import WORD_SCAN_TOKENS
+from runtime.config import RuntimeConfig
+from runtime.messages import (
+    ChatMessage,
+    ChatOptions,
+    Finished,
+    FinishReason,
+    ModelLoaded,
+    ModelSpec,
+    ReusePath,
+    Started,
+    TokensEmitted,
+)
+from runtime.model_source import prepare_model
+
+pytestmark = pytest.mark.real_model
+
+MODELS = ("smollm2-135m-instruct", "gemma3-270m")
+MAX_TOKENS = 6
+CONFIG = RuntimeConfig(kv_budget_bytes=4 << 30)  # nothing is evicted or refused here
+
+# Natural text, so that the models' continuations are meaningful (~800 tokens on both models).
+CORPUS = (
+    "The lighthouse at Carrow Point was built in 1852, after three ships were lost on the reef "
+    "in a single winter. It stands on a shelf of black rock at the end of a narrow causeway that "
+    "disappears under the sea twice a day, so for more than a century the keepers lived with the "
+    "tides as closely as fishermen do. The tower is forty metres tall and painted white, with a "
+    "red band below the lantern room, and on a clear night its light can be seen from twenty-two "
+    "miles away.",
+    "The first keeper was a former ship's carpenter named Thomas Pryce. He kept a logbook in "
+    "which he wrote down the weather, the ships that passed, the oil he burned and the repairs he "
+    "made. His entries are short and practical: a broken pane replaced, a gull trapped in the "
+    "gallery, a fog that lasted four days. Only once does he write about himself, on the night "
+    "his daughter was born in the cottage at the foot of the tower while a storm tore slates from "
+    "the roof.",
+    "Keeping the light was hard and repetitive work. Every evening the keeper climbed the hundred "
+    "and twelve steps with a can of oil, trimmed the wicks, polished the brass and cleaned the "
+    "great glass lens until it shone. During the night he wound the clockwork that turned the "
+    "lens every two hours, and in fog he rang the bell by hand until his arms ached. In the "
+    "morning he drew the curtains around the lantern so that the sun would not crack the glass "
+    "or start a fire.",
+    "In 1911 the oil lamp was replaced by a paraffin vapour burner, which gave a much brighter "
+    "flame, and in 1958 the station was connected to the mainland by an electric cable laid "
+    "across the seabed. The clockwork was replaced by an electric motor, and the keepers, who "
+    "had once numbered three, were reduced to two. Visitors who came across the causeway at low "
+    "tide were often surprised to find that the keepers grew potatoes, kept chickens and baked "
+    "their own bread.",
+    "The last keeper, Margaret Hale, left the tower in 1987, when the light was automated. She "
+    "had lived there for nineteen years with her husband, who maintained the engines, and she "
+    "later said that what she missed most was not the view but the routine: the same tasks at "
+    "the same hours, the sense that the ships depended on her. On her final night she wrote in "
+    "the logbook that the light was burning well and the sea was calm.",
+    "Today the lighthouse is run from a control room two hundred miles away. A small solar panel "
+    "charges the batteries, and a technician visits twice a year to check the lamp and the fog "
+    "signal. The cottages have become a museum, where visitors can read the old logbooks and "
+    "climb the tower on summer afternoons. From the gallery they can look down at the reef that "
+    "once sank so many ships, now marked by a green buoy that rings softly in the swell.",
+    "Local people still tell stories about the keepers. One says that Thomas Pryce rowed out "
+    "alone in a gale to rescue the crew of a coal barge, and brought back seven men in a boat "
+    "built for four. Another says that a keeper's dog once found its way home across the "
+    "causeway in thick fog, barking at the bell so that the men on the rock could follow it. "
+    "Nobody can prove either story, but both are painted on the wall of the harbour inn.",
+    "In the museum there is a glass case that holds the original lens, taken down when the new "
+    "lamp was fitted. It is made of hundreds of prisms set in a brass frame, and it weighs more "
+    "than two tonnes. Children are often more interested in the keepers' kitchen, with its iron "
+    "stove and the narrow bunks where the men slept between watches, than in the lens itself, "
+    "but almost everyone stops to read the last entry in the logbook before they leave.",
+)
+
+
+@dataclass(frozen=True)
+class Texts:
+    """A model's document (Gemma's is longer than its 512-token window) and an edit inside it."""
+
+    doc: str
+    edited: str
+
+
+LONG_DOC = "\n\n".join(CORPUS)  # ~800 tokens
+SHORT_DOC = "\n\n".join(CORPUS[:6])  # ~600 tokens: 3 prefill chunks, so an abort can land inside
+TEXTS = {
+    # SmolLM2 trims to the edit (~token 390); Gemma restores its checkpoint at 512 (edit ~640).
+    "smollm2-135m-instruct": Texts(SHORT_DOC, SHORT_DOC.replace("grew potatoes", "grew onions")),
+    "gemma3-270m": Texts(LONG_DOC, LONG_DOC.replace("seven men in a boat", "six men in a boat")),
+}
+QUESTION = "\n\nQ: Who was the first keeper of the lighthouse?\nA:"
+FOLLOW_UP = "\n\nQ: In which year was the light automated?\nA:"
+TYPED = "\n\nThe keepers' favourite season was winter"
+RETYPED = "\n\nThe keepers' favourite season was summer"
+SYSTEM = ChatMessage("system", "You are a helpful assistant. Answer in one short sentence.")
+CHAT_TURN_1 = (
+    SYSTEM,
+    ChatMessage("user", CORPUS[0] + "\n\nWhen was the lighthouse built?"),
+)
+
+Prompt = str | tuple[ChatMessage, ...]
+
+
+def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------- the reuse semantics
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A cached state: its tokens, and (not trimmable) the lengths it can be restored at."""
+
+    tokens: tuple[int, ...]
+    trimmable: bool
+    restorable: frozenset[int]
+
+
+@dataclass
+class ReuseModel:
+    """What one namespace's prefix cache serves, predicted from docs/reuse.md.
+
+    Entries: a generate's prompt + output (minus the last sampled token when it ran out of
+    ``max_tokens``), a prewarm's prompt minus its last token, an aborted prefill's prompt up to the
+    chunk it reached. A trimmable entry (every layer full attention, or a sliding ring that has not
+    wrapped) serves its common prefix with a prompt; another serves only at its end or at the
+    checkpoints its prefill took (``checkpoints``) strictly inside it, and only when its tokens up
+    to there prefix the prompt. At most ``len(prompt) - 1`` tokens are reused.
+    """
+
+    checkpointing: bool
+    window: int | None
+    word_start: Callable[[int], bool]
+    entries: list[Entry] = field(default_factory=list)
+
+    def reusable(self, prompt: Sequence[int]) -> tuple[int, set[ReusePath]]:
+        """Tokens a lookup reuses, and the paths that may serve them (ties go by recency)."""
+        limit = len(prompt) - 1
+        best, paths = 0, {ReusePath.MISS}
+        for entry in self.entries:
+            if entry.trimmable:
+                n = min(_lcp(entry.tokens, prompt), limit)
+                path = ReusePath.EXACT if n == len(entry.tokens) else ReusePath.TRIM
+            else:
+                fits = (
+                    p for p in entry.restorable if p <= limit and entry.tokens[:p] == prompt[:p]
+                )
+                n, path = max(fits, default=0), ReusePath.CHECKPOINT
+            if n > best:
+                best, paths = n, {path}
+            elif n == best > 0:
+                paths.add(path)
+        return best, paths
+
+    def checkpoints(self, prompt: Sequence[int], start: int, target: int) -> set[int]:
+        """Where a prefill from ``start`` to ``target`` snapshots (``plan_checkpoints``)."""
+        if not self.checkpointing:
+            return set()
+        last = len(prompt) - 1
+        points = {last, *range(DEFAULT_CHECKPOINT_EVERY, target, DEFAULT_CHECKPOINT_EVERY)}
+        scan = range(last, max(start, last - WORD_SCAN_TOKENS), -1)
+        points.update(itertools.islice((i for i in scan if self.word_start(prompt[i])), 1))
+        return {p for p in points if start < p < target}
+
+    def commit(self, tokens: Sequence[int], snapshots: set[int]) -> None:
+        trimmable = not self.checkpointing or len(tokens) < (self.window or 0)
+        restorable = frozenset() if trimmable else frozenset({*snapshots, len(tokens)})
+        self.entries.append(Entry(tuple(tokens), trimmable, restorable))
+
+
+# ---------------------------------------------------------------------- harness
+
+
+@dataclass
+class Run:
+    tokens: tuple[int, ...]
+    text: str
+    prefilled: int
+    started: Started
+    terminal: Finished
+
+
+@dataclass
+class RealModel:
+    """One real model loaded in a Runtime driven through a blocking portal (module scope)."""
+
+    portal: anyio.from_thread.BlockingPortal
+    rt: Runtime
+    loaded: ModelLoaded
+    tokenizer: Any  # mlx-lm's TokenizerWrapper: the engine's own tokenizer and chat template
+    texts: Texts
+    window: int | None  # tokens a sliding-window layer keeps (config.json), None: no such layer
+    cold_outputs: dict[tuple[int, ...], tuple[int, ...]] = field(default_factory=dict)
+    rows: list[str] = field(default_factory=list)
+    _namespaces: Iterator[int] = field(default_factory=itertools.count)
+
+    @property
+    def name(self) -> str:
+        return self.loaded.model
+
+    def tokens(self, prompt: Prompt) -> tuple[int, ...]:
+        """The prompt tokens the engine will prefill (its tokenizer, its chat preparation)."""
+        if isinstance(prompt, str):
+            return tuple(self.tokenizer.encode(prompt))
+        context = self.loaded.context_length
+        return prepare_chat(self.tokenizer, prompt, ChatOptions(), MAX_TOKENS, context).tokens
+
+    def word_start(self, token: int) -> bool:
+        return str(self.tokenizer.decode([token]))[:1].isspace()
+
+    def namespace(self, purpose: str) -> str:
+        return f"{purpose}-{next(self._namespaces)}"
+
+    def prefilled_total(self) -> int:
+        engine = self.rt.stats().actors[f"engine:{self.name}#{self.loaded.epoch}"]
+        return engine.counters.get("prefilled_tokens", 0)
+
+    def engine_counter(self, name: str) -> int:
+        engine = self.rt.stats().actors[f"engine:{self.name}#{self.loaded.epoch}"]
+        return engine.counters.get(name, 0)
+
+    def request(self, prompt: Prompt) -> dict[str, Any]:
+        if isinstance(prompt, str):
+            return {"prompt": prompt}
+        return {"messages": list(prompt)}
+
+    async def complete(self, prompt: Prompt, namespace: str) -> Run:
+        before = self.prefilled_total()
+        done = await self.rt.complete(
+            self.name, **self.request(prompt), max_tokens=MAX_TOKENS, namespace=namespace
+        )
+        assert isinstance(done.terminal, Finished), done.terminal
+        assert done.started is not None
+        prefilled = self.prefilled_total() - before
+        return Run(done.token_ids, done.text, prefilled, done.started, done.terminal)
+
+    async def cold(self, prompt: Prompt) -> tuple[int, ...]:
+        """Greedy output of ``prompt`` computed from nothing (memoised per prompt tokens)."""
+        tokens = self.tokens(prompt)
+        if tokens not in self.cold_outputs:
+            namespace = self.namespace("cold")
+            run = await self.complete(prompt, namespace)
+            assert (run.started.path, run.prefilled) == (ReusePath.MISS, len(tokens))
+            self.cold_outputs[tokens] = run.tokens
+            await self.rt.reset(self.name, namespace=namespace)
+        return self.cold_outputs[tokens]
+
+
+@pytest.fixture(scope="module", params=MODELS)
+def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> Iterator[RealModel]:
+    name: str = request.param
+    real_gguf(name)  # skips (or fails under CI) like every real-model test
+    spec = ModelSpec(name=name, path=name)
+    path = prepare_model(spec).path
+    window = json.loads((path / "config.json").read_text()).get("sliding_window")
+    with contextlib.ExitStack() as stack:
+        portal = stack.enter_context(anyio.from_thread.start_blocking_portal("asyncio"))
+        rt = stack.enter_context(portal.wrap_async_context_manager(Runtime(CONFIG)))
+        loaded = portal.call(rt.load_model, spec)
+        assert loaded.reuse_path == ("trim" if name.startswith("smollm2") else "checkpoint")
+        model = RealModel(portal, rt, loaded, load_tokenizer(path), TEXTS[name], window)
+        yield model
+        print("\n".join(model.rows))
+
+
+@dataclass
+class Walk:
+    """Requests in one namespace of a real model, each checked against ``ReuseModel``."""
+
+    real: RealModel
+    namespace: str
+    model: ReuseModel
+
+    @classmethod
+    def start(cls, real: RealModel, purpose: str) -> Walk:
+        checkpointing = real.loaded.reuse_path == "checkpoint"
+        model = ReuseModel(checkpointing, real.window, real.word_start)
+        return cls(real, real.namespace(purpose), model)
+
+    async def generate(self, prompt: Prompt, label: str) -> Run:
+        tokens = self.real.tokens(prompt)
+        reused, paths = self.model.reusable(tokens)
+        run = await self.real.complete(prompt, self.namespace)
+        self._check(label, tokens, run.started, run.prefilled, reused, paths)
+        output = (*tokens, *run.tokens)
+        last_unfed = 1 if run.terminal.reason is FinishReason.LENGTH else 0
+        kept = len(output) - last_unfed
+        self.model.commit(output[:kept], self.model.checkpoints(tokens, reused, len(tokens)))
+        if reused == 0:  # a cold run itself: the reference for this prompt
+            self.real.cold_outputs.setdefault(tokens, run.tokens)
+        assert run.tokens == await self.real.cold(prompt), f"{label}: reused != cold"
+        return run
+
+    async def prewarm(self, prompt: str, label: str) -> int:
+        tokens = self.real.tokens(prompt)
+        reused, _ = self.model.reusable(tokens)
+        before = self.real.prefilled_total()
+        terminal = await self.real.rt.prewarm(self.real.name, prompt, namespace=self.namespace)
+        prefilled = self.real.prefilled_total() - before
+        assert isinstance(terminal, Finished), terminal
+        assert terminal.reason is FinishReason.PREWARMED
+        assert prefilled == len(tokens) - 1 - reused, label
+        self.row(label, prefilled, len(tokens) - 1 - reused, len(tokens))
+        target = len(tokens) - 1
+        self.model.commit(tokens[:target], self.model.checkpoints(tokens, reused, target))
+        return prefilled
+
+    async def abort_after(self, prompt: str, prefilled_at_least: int, label: str) -> int:
+        """Start ``prompt``, cancel it once that many tokens are prefilled; where it stopped."""
+        tokens = self.real.tokens(prompt)
+        reused, paths = self.model.reusable(tokens)
+        before = self.real.prefilled_total()
+        async with self.real.rt.generate(
+            self.real.name, prompt, max_tokens=MAX_TOKENS, namespace=self.namespace
+        ) as stream:
+            async for event in stream:
+                assert not isinstance(event, TokensEmitted), "the prefill was not interrupted"
+                if isinstance(event, Started):
+                    assert event.cached_tokens == reused, label
+                    assert event.path in paths, label
+                    with anyio.fail_after(60):
+                        # Polling: the engine's counter is the only view of prefill progress.
+                        while self.real.prefilled_total() - before < prefilled_at_least:
+                            await anyio.lowlevel.checkpoint()
+                    break  # leaving the block cancels it and waits for Cancelled
+        stopped_at = reused + self.real.prefilled_total() - before
+        assert prefilled_at_least <= stopped_at < len(tokens), "the abort missed the prefill"
+        done = stopped_at - reused
+        self.row(f"{label} (where it stopped)", done, done, len(tokens))
+        # Snapshots taken strictly before the stop become the aborted entry's checkpoints.
+        snapshots = {
+            p for p in self.model.checkpoints(tokens, reused, len(tokens)) if p < stopped_at
+        }
+        self.model.commit(tokens[:stopped_at], snapshots)
+        return stopped_at
+
+    def _check(
+        self,
+        label: str,
+        tokens: Sequence[int],
+        started: Started,
+        prefilled: int,
+        reused: int,
+        paths: set[ReusePath],
+    ) -> None:
+        self.row(label, prefilled, len(tokens) - reused, len(tokens))
+        assert started.prompt_tokens == len(tokens), f"{label}: tokenized differently"
+        observed = (started.cached_tokens, prefilled)
+        assert observed == (reused, len(tokens) - reused), f"{label}: (cached, prefilled)"
+        assert started.path in paths, f"{label}: path {started.path}, expected one of {paths}"
+
+    def row(self, label: str, prefilled: int, expected: int, prompt: int) -> None:
+        self.real.rows.append(
+            f"{self.real.name} {label}: prefilled {prefilled} (expected {expected}) "
+            f"of {prompt} prompt tokens"
+        )
+
+
+# ---------------------------------------------------------------------- scenarios
+
+
+def test_reused_prompts_equal_cold_runs(real: RealModel) -> None:
+    """Exact repeat, extended prompt, turn 2, last word retyped, edit in the middle: one walk."""
+    doc = real.texts.doc
+
+    async def scenario() -> None:
+        walk = Walk.start(real, "walk")
+        first = await walk.generate(doc, "first prompt (cold)")
+        assert first.started.path is ReusePath.MISS
+        await walk.generate(doc, "exact repeat")
+        turn_1 = await walk.generate(doc + QUESTION, "extended prompt")
+        if real.loaded.reuse_path == "trim":  # SmolLM2 is a chat model: a real conversation
+            reply = await walk.generate(CHAT_TURN_1, "chat turn 1 (cold)")
+            turn_2 = (
+                *CHAT_TURN_1,
+                ChatMessage("assistant", reply.text),
+                ChatMessage("user", "How tall is the tower?"),
+            )
+            await walk.generate(turn_2, "chat turn 2")
+        else:  # a base model: the transcript grows by the answer and the next question
+            await walk.generate(doc + QUESTION + turn_1.text + FOLLOW_UP, "transcript turn 2")
+        await walk.generate(doc + TYPED, "last word typed")
+        await walk.generate(doc + RETYPED, "last word retyped")
+        await walk.generate(real.texts.edited, "edited in the middle")
+
+    real.portal.call(scenario)
+
+
+def test_resume_after_an_aborted_prefill_equals_cold(real: RealModel) -> None:
+    """Cancelled once its first chunk is in: the chunks it finished are reused, the rest prefilled.
+
+    The chunk under way when the cancel lands completes and is kept too (on Gemma the kept state
+    then holds exactly its 512-token window, and the resumed prefill wraps the ring).
+    """
+
+    async def scenario() -> None:
+        walk = Walk.start(real, "abort")
+        stopped_at = await walk.abort_after(real.texts.doc, 1, "aborted prefill")
+        resumed = await walk.generate(real.texts.doc, "resume after abort")
+        assert resumed.started.cached_tokens == stopped_at > 0
+
+    real.portal.call(scenario)
+
+
+def test_generate_after_prewarm_equals_cold(real: RealModel) -> None:
+    doc = real.texts.doc
+
+    async def scenario() -> None:
+        walk = Walk.start(real, "prewarm")
+        await walk.prewarm(doc, "prewarm (cold)")
+        generated = await walk.generate(doc + QUESTION, "generate after prewarm")
+        assert generated.started.cached_tokens == len(real.tokens(doc)) - 1
+
+    real.portal.call(scenario)
+
+
+def test_four_concurrent_streams_equal_each_alone(real: RealModel) -> None:
+    """Four requests restored from one prewarmed prefix decode in one batch; each equals cold."""
+    doc = real.texts.doc
+    # The walk's prompts: their cold outputs are already known when it ran first.
+    prompts = [doc, doc + QUESTION, doc + TYPED, doc + RETYPED]
+
+    async def scenario() -> None:
+        walk = Walk.start(real, "batch")
+        await walk.prewarm(doc, "prewarm (cold)")
+        expected = [walk.model.reusable(real.tokens(p))[0] for p in prompts]
+        joins, before = real.engine_counter("batch_joins"), real.prefilled_total()
+        runs: dict[int, Run] = {}
+
+        async def one(index: int) -> None:
+            runs[index] = await real.complete(prompts[index], walk.namespace)
+
+        async with anyio.create_task_group() as tg:
+            for index in range(len(prompts)):
+                tg.start_soon(one, index)
+        assert real.engine_counter("batch_joins") - joins >= 2, "no decode batch was formed"
+        lengths = [len(real.tokens(p)) for p in prompts]
+        prefilled = sum(n - reused for n, reused in zip(lengths, expected, strict=True))
+        walk.row("4 concurrent streams", real.prefilled_total() - before, prefilled, sum(lengths))
+        assert real.prefilled_total() - before == prefilled
+        for index, prompt in enumerate(prompts):
+            assert runs[index].started.cached_tokens == expected[index], f"stream {index}"
+            assert runs[index].tokens == await real.cold(prompt), f"stream {index}: != alone"
+
+    real.portal.call(scenario)
+
+
+# ---------------------------------------------------------------------- where answers end
+
+
+def test_the_answer_to_a_question_ends_where_the_model_ends_it(real: RealModel) -> None:
+    """SmolLM2 in chat form stops on ``<|im_end|>``; base Gemma answers a few-shot prompt."""
+
+    async def chat() -> None:
+        question = [ChatMessage("user", "What is the capital of France?")]
+        done = await real.rt.complete(real.name, messages=question, max_tokens=48)
+        assert isinstance(done.terminal, Finished), done.terminal
+        # Ended by the end-of-turn token (not emitted), well before max_tokens.
+        assert done.terminal.reason is FinishReason.STOP, done.text
+        assert done.terminal.usage.completion_tokens < 48
+        assert "Paris" in done.text
+        assert "<|im_end|>" not in done.text
+
+    async def few_shot() -> None:
+        prompt = (
+            "Q: What is the capital of Italy?\nA: Rome\n\n"
+            "Q: What is the capital of Japan?\nA: Tokyo\n\n"
+            "Q: What is the capital of France?\nA:"
+        )
+        done = await real.rt.complete(real.name, prompt, max_tokens=4)
+        assert isinstance(done.terminal, Finished), done.terminal
+        assert "Paris" in done.text, done.text
+
+    real.portal.call(chat if real.loaded.reuse_path == "trim" else few_shot)
