@@ -55,12 +55,18 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
 
         Full-attention layers are priced in whole allocation steps, as they really grow. A
         sliding-window layer fed ``chunk_tokens`` at a time holds up to window - 1 + chunk tokens
-        (the chunk attends to the window before it).
+        (the chunk attends to the window before it), and while it decodes below its window it
+        grows in whole steps too.
         """
         allocated = -(-n_tokens // self.alloc_step) * self.alloc_step
         windowed = n_tokens
         if self.window_tokens is not None:
-            windowed = min(n_tokens, self.window_tokens - 1 + max(1, chunk_tokens))
+            # A chunk attends to the window before it; a one-token update grows the ring by a
+            # whole step up to the window (mlx-lm's RotatingKVCache), so either can be larger.
+            windowed = max(
+                min(n_tokens, self.window_tokens - 1 + max(1, chunk_tokens)),
+                min(allocated, self.window_tokens),
+            )
         return (
             self.bytes_per_token * allocated
             + self.window_bytes_per_token * windowed

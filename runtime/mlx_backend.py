@@ -396,8 +396,12 @@ def _copy_layer(layer_cache: Any, drop: int) -> Any:
     if isinstance(layer_cache, mlx_cache.KVCache):
         keys, values = layer_cache.keys, layer_cache.values
         if keys is not None and values is not None:
+            # Keep capacity to the next step boundary: cut at an unaligned length, mlx-lm would
+            # grow the copy by a whole step from there and outgrow its KV reservation.
             end = layer_cache.offset - drop
-            clone.keys, clone.values = keys[..., :end, :], values[..., :end, :]
+            step = mlx_cache.KVCache.step
+            capacity = min(keys.shape[2], -(-end // step) * step)
+            clone.keys, clone.values = keys[..., :capacity, :], values[..., :capacity, :]
         clone.offset = layer_cache.offset - drop
         return clone
     if isinstance(layer_cache, mlx_cache.QuantizedKVCache):
