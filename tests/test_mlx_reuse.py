@@ -28,6 +28,7 @@ from runtime.api import Runtime
 from runtime.config import RuntimeConfig
 from runtime.messages import Cancelled, Finished, FinishReason, ModelSpec, Started, TokensEmitted
 from runtime.mlx_backend import MlxBackend
+from runtime.testing.harness import common_prefix_length
 from runtime.testing.tiny_models import SLIDING_WINDOW, TinyModelKind, tiny_model_path
 
 pytestmark = pytest.mark.anyio
@@ -281,15 +282,6 @@ def test_reuse_never_changes_greedy_output(
 # ---------------------------------------------------------------------- e. reuse happens
 
 
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 @dataclass
 class CacheModel:
     """The reuse semantics, as a prediction of how many prompt tokens a request prefills.
@@ -320,7 +312,7 @@ class CacheModel:
         best = 0
         for entry in self.entries:
             if self.trimmable(entry):
-                best = max(best, min(_lcp(entry, prompt), len(prompt) - 1))
+                best = max(best, min(common_prefix_length(entry, prompt), len(prompt) - 1))
             elif len(entry) < len(prompt) and tuple(prompt[: len(entry)]) == entry:
                 best = max(best, len(entry))
         return best
@@ -431,7 +423,7 @@ async def test_reuse_prefills_exactly_the_uncached_tokens(
             case "edited in the middle":
                 original = enc(CODE)
                 edited = enc(CODE.replace("fibonacci(n - 2)", "fibonacci(n - 3)"))
-                assert _lcp(original, edited) > CHECKPOINT_EVERY + 8
+                assert common_prefix_length(original, edited) > CHECKPOINT_EVERY + 8
                 await s.generate(original)
                 await s.generate(edited, scenario)
     assert s.rows

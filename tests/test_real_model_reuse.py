@@ -48,6 +48,7 @@ from runtime.messages import (
     TokensEmitted,
 )
 from runtime.model_source import prepare_model
+from runtime.testing.harness import common_prefix_length
 
 pytestmark = pytest.mark.real_model
 
@@ -132,15 +133,6 @@ CHAT_TURN_1 = (
 Prompt = str | tuple[ChatMessage, ...]
 
 
-def _lcp(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
-
-
 # ---------------------------------------------------------------------- the reuse semantics
 
 
@@ -176,7 +168,7 @@ class ReuseModel:
         best, paths = 0, {ReusePath.MISS}
         for entry in self.entries:
             if entry.trimmable:
-                n = min(_lcp(entry.tokens, prompt), limit)
+                n = min(common_prefix_length(entry.tokens, prompt), limit)
                 path = ReusePath.EXACT if n == len(entry.tokens) else ReusePath.TRIM
             else:
                 fits = (
