@@ -106,9 +106,11 @@ async def _cancel(rt: Runtime) -> None:
     engine = next(name for name in rt.stats().actors if name.startswith(f"engine:{MODEL}#"))
     prefilled_before = rt.stats().actors[engine].counters.get("prefilled_tokens", 0)
     began = time.perf_counter()
+    long_tokens = 0
     async with rt.generate(MODEL, long_prompt, max_tokens=8) as stream:
         async for event in stream:
             if isinstance(event, Started):
+                long_tokens = event.prompt_tokens
                 break  # the user typed on: leaving the stream cancels the stale prefill
     quick = await _timed(rt, MODEL, prompt="Hello!", max_tokens=2)
     waited = (time.perf_counter() - began) * 1e3
@@ -116,8 +118,8 @@ async def _cancel(rt: Runtime) -> None:
     if quick.started is not None:  # the counter also holds the short request's own prefill
         prefilled -= quick.started.prompt_tokens - quick.started.cached_tokens
     _say(
-        f"  a {len(long_prompt)}-character prompt abandoned as its prefill began: only "
-        f"{prefilled} of its tokens were prefilled (chunks of 256) before it stopped"
+        f"  a {long_tokens}-token prompt abandoned as its prefill began: {prefilled} of its "
+        "tokens had been prefilled (in chunks of 256) when it stopped"
     )
     _say(
         f"  a short request sent after it finished {waited:.0f} ms later "

@@ -36,8 +36,7 @@ def tqdm_progress(*, disable: bool = False) -> Iterator[Progress]:
             bar = bars[stage] = tqdm(
                 total=total or None, desc=stage, disable=disable, unit_scale=True, leave=True
             )
-        bar.n = done
-        bar.refresh()
+        bar.update(done - bar.n)  # update, not refresh: tqdm then redraws at most ~10 times/s
 
     try:
         yield report
