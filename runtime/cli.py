@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import anyio
+import msgspec
 
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
@@ -25,15 +26,20 @@ from runtime.progress import tqdm_progress
 GRACEFUL_SHUTDOWN_S = 10  # on Ctrl-C, streams still running after this are cancelled
 
 
-def prepare_specs(specs: tuple[ModelSpec, ...], *, quiet: bool) -> None:
-    """Fetch and convert the models before the runtime starts, showing progress (a cache hit
-    does no work, and the engine's own load then finds everything in place)."""
+def prepare_specs(specs: tuple[ModelSpec, ...], *, quiet: bool) -> tuple[ModelSpec, ...]:
+    """Fetch and convert the models before the runtime starts, showing progress; the specs
+    with their paths replaced by the prepared directories (so the engines' loads neither fetch
+    nor hash a GGUF file again)."""
+    prepared_specs: list[ModelSpec] = []
     with tqdm_progress(disable=quiet) as progress:
         for spec in specs:
             if spec.backend == "mlx":
                 prepared = prepare_model(spec, progress)
                 if prepared.note and not quiet:
                     print(f"{spec.name}: {prepared.note}", file=sys.stderr)
+                spec = msgspec.structs.replace(spec, path=str(prepared.path))
+            prepared_specs.append(spec)
+    return tuple(prepared_specs)
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -41,7 +47,7 @@ async def _generate(args: argparse.Namespace) -> int:
     prompt = args.prompt_text if args.prompt_text is not None else args.prompt
     if prompt is None:
         raise ValueError('give a prompt: mlxrt generate "What is the capital of France?"')
-    await anyio.to_thread.run_sync(lambda: prepare_specs((spec,), quiet=args.quiet))
+    [spec] = await anyio.to_thread.run_sync(lambda: prepare_specs((spec,), quiet=args.quiet))
     request: dict[str, object] = {"max_tokens": args.max_tokens}
     if args.raw:
         request["prompt"] = prompt
@@ -109,7 +115,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         models = model_specs(args.model, args.backend, args.model_option)
     except ValueError as error:
         parser.error(str(error))
-    prepare_specs(models, quiet=args.quiet)
+    models = prepare_specs(models, quiet=args.quiet)
     # uvicorn configures its own loggers only; the runtime's (model loads, reuse paths) go here.
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     budget = None if args.kv_budget_mib is None else args.kv_budget_mib << 20
