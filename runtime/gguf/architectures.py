@@ -81,20 +81,25 @@ def _unpermute_rows(n_rows: int, n_heads: int) -> np.ndarray:
 # --------------------------------------------------------------------------- llama
 
 
+def _llama_head_dim(meta: Metadata) -> int:
+    heads = int(_get(meta, "llama", "attention.head_count"))
+    hidden = int(_get(meta, "llama", "embedding_length"))
+    return int(meta.get("llama.attention.key_length") or hidden // heads)
+
+
 def _llama_config(meta: Metadata, untied: bool) -> dict[str, Any]:
     a = "llama"
     if meta.get(f"{a}.rope.scaling.type") not in (None, "none"):
         raise UnsupportedModelFormat("llama GGUF files with RoPE scaling cannot be imported yet")
     heads = int(_get(meta, a, "attention.head_count"))
-    hidden = int(_get(meta, a, "embedding_length"))
     return {
         "model_type": "llama",
-        "hidden_size": hidden,
+        "hidden_size": int(_get(meta, a, "embedding_length")),
         "num_hidden_layers": int(_get(meta, a, "block_count")),
         "intermediate_size": int(_get(meta, a, "feed_forward_length")),
         "num_attention_heads": heads,
         "num_key_value_heads": int(_get(meta, a, "attention.head_count_kv", heads)),
-        "head_dim": int(meta.get(f"{a}.attention.key_length") or hidden // heads),
+        "head_dim": _llama_head_dim(meta),
         "rms_norm_eps": float(_get(meta, a, "attention.layer_norm_rms_epsilon")),
         "rope_theta": float(meta.get(f"{a}.rope.freq_base", 10000.0)),
         "max_position_embeddings": int(_get(meta, a, "context_length")),
@@ -110,14 +115,10 @@ def _llama_rows(name: str, meta: Metadata) -> np.ndarray | None:
     kind = name.split(".")[2] if name.startswith("blk.") else ""
     if kind not in ("attn_q", "attn_k"):
         return None
-    q_heads = int(meta["llama.attention.head_count"])
-    heads = q_heads
+    heads = int(meta["llama.attention.head_count"])
     if kind == "attn_k":
-        heads = int(meta.get("llama.attention.head_count_kv") or q_heads)
-    head_dim = int(
-        meta.get("llama.attention.key_length") or int(meta["llama.embedding_length"]) // q_heads
-    )
-    return _unpermute_rows(heads * head_dim, heads)
+        heads = int(meta.get("llama.attention.head_count_kv") or heads)
+    return _unpermute_rows(heads * _llama_head_dim(meta), heads)
 
 
 def _no_fix(name: str, values: np.ndarray, meta: Metadata) -> np.ndarray:

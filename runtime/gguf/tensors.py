@@ -69,12 +69,6 @@ def bits_of(tensor: ReaderTensor) -> int:
     return 8 if tensor.tensor_type == QT.Q8_0 else 4
 
 
-def to_mlx(values: np.ndarray, dtype: mx.Dtype) -> mx.array:
-    import mlx.core as mx
-
-    return mx.array(values).astype(dtype)
-
-
 def quantize_dense(values: np.ndarray, dtype: mx.Dtype) -> tuple[mx.array, mx.array, mx.array]:
     """MLX's own affine quantization of a dequantized matrix (``REQUANT_BITS``)."""
     import mlx.core as mx
