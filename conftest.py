@@ -42,6 +42,6 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", default_profile))
 def pytest_sessionfinish(session: object, exitstatus: int) -> None:
     """Tests that ran MLX on the main thread must clear its streams before the interpreter exits
     (MLX requires it; without it the process can abort at exit and turn a pass into a failure)."""
-    from runtime.actor import release_thread_resources
+    from runtime.kernel.actor import release_thread_resources
 
     release_thread_resources()

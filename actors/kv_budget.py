@@ -59,8 +59,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from runtime.core import PREFIX_CACHE, Address, Context
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge, MlxRuntimeError
+from runtime.kernel.core import PREFIX_CACHE, Address, Context
 from runtime.messages import (
     EpochReleased,
     Evict,

@@ -18,7 +18,8 @@ from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from runtime.core import Address, Context, engine_address
+from actors.token_trie import TokenTrie
+from runtime.kernel.core import Address, Context, engine_address
 from runtime.messages import (
     Commit,
     Committed,
@@ -37,7 +38,6 @@ from runtime.messages import (
     TokenIds,
     Unpin,
 )
-from runtime.token_trie import TokenTrie
 
 # Present in every Stats reply, even while zero, so dashboards see a stable set of names.
 _COUNTER_NAMES = (

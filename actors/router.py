@@ -13,8 +13,9 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtime.core import PREFIX_CACHE, ActorCore, Address, Context, engine_address
 from runtime.errors import DuplicateRequestId, ModelAlreadyLoaded, ModelNotLoaded, ModelUnloading
+from runtime.kernel.core import PREFIX_CACHE, ActorCore, Address, Context, engine_address
+from runtime.kernel.stats import Counters
 from runtime.messages import (
     Abort,
     Admit,
@@ -55,7 +56,6 @@ from runtime.messages import (
     UnloadModel,
     Usage,
 )
-from runtime.stats import Counters
 
 EngineFactory = Callable[[ModelSpec, int], ActorCore]
 

@@ -53,7 +53,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from runtime.actor import release_thread_resources
+    from runtime.kernel.actor import release_thread_resources
     from runtime.testing.tiny_models import load_tiny_model, tiny_model_path
 
     args = _parse(argv)

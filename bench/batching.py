@@ -21,9 +21,9 @@ import mlx.core as mx
 
 from bench.prompts import encode, make_text
 from bench.results import Measurement, median, ratio
+from runtime.backends.mlx.backend import MlxBackend, MlxState
+from runtime.backends.mlx.batch import DecodeBatch
 from runtime.messages import ModelSpec
-from runtime.mlx_backend import MlxBackend, MlxState
-from runtime.mlx_batch import DecodeBatch
 
 SYSTEM = "runtime"
 

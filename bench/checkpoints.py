@@ -21,10 +21,10 @@ import anyio
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
+from actors.engine.checkpoints import plan_checkpoints
 from bench.prompts import encode, make_text
 from bench.results import Measurement, ratio
 from runtime.api import Runtime
-from runtime.checkpoints import plan_checkpoints
 from runtime.config import RuntimeConfig
 from runtime.messages import Finished, ModelSpec
 

@@ -30,11 +30,11 @@ from mlx_lm.generate import stream_generate
 from bench.prompts import encode, make_text
 from bench.results import Measurement, median, ratio, timed
 from runtime.api import Runtime
-from runtime.coalesce import CoalescePolicy
+from runtime.backends.mlx.backend import MlxBackend, MlxState
+from runtime.backends.mlx.batch import DecodeBatch
 from runtime.config import RuntimeConfig
 from runtime.messages import ModelSpec, Started, TokensEmitted
-from runtime.mlx_backend import MlxBackend, MlxState
-from runtime.mlx_batch import DecodeBatch
+from runtime.text.coalesce import CoalescePolicy
 
 SYSTEM = "runtime"
 KV_BUDGET_BYTES = 512 << 20

@@ -51,7 +51,7 @@ _CACHE: dict[str, Any] = {}
 def _loaded(path: str, load: Any) -> Any:
     import mlx.core as mx
 
-    from runtime.mlx_backend import widen_half_quantized
+    from runtime.backends.mlx.facts import widen_half_quantized
 
     if path not in _CACHE:
         _CACHE.clear()  # one model in memory at a time
@@ -63,8 +63,8 @@ def _loaded(path: str, load: Any) -> Any:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from runtime.backends.model_source import prepare_model
     from runtime.messages import ModelSpec
-    from runtime.model_source import prepare_model
 
     parser = argparse.ArgumentParser(prog="python -m bench.weights", description=__doc__)
     parser.add_argument("--models", default=",".join(MODELS))

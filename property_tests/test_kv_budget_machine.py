@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from actors.kv_budget import KVBudgetCore, QueuedReservation
-from runtime.core import KV_KEEPER, PREFIX_CACHE, Address
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge
+from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Address
 from runtime.messages import (
     EpochReleased,
     Evict,

@@ -24,7 +24,7 @@ from hypothesis.stateful import (
 )
 
 from actors.prefix_cache import EntryKey, EntrySnapshot, PrefixCacheCore
-from runtime.core import PREFIX_CACHE, ROUTER, Address, engine_address
+from runtime.kernel.core import PREFIX_CACHE, ROUTER, Address, engine_address
 from runtime.messages import (
     Commit,
     Committed,

@@ -9,7 +9,8 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from actors.engine import EngineCore
+from actors.engine.core import EngineCore
+from runtime.backends.simulated import SimulatedBatch, greedy_continuation
 from runtime.config import RuntimeConfig
 from runtime.messages import (
     Cancel,
@@ -30,7 +31,6 @@ from runtime.messages import (
     Started,
     UnloadModel,
 )
-from runtime.testing.simulated import SimulatedBatch, greedy_continuation
 from runtime.testing.simulator import Simulator
 
 BYTES_PER_TOKEN = 100

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.coalesce import Chunk, CoalescePolicy, Coalescer
-from runtime.stop_strings import StopStringMatcher
+from runtime.text.coalesce import Chunk, CoalescePolicy, Coalescer
+from runtime.text.stop_strings import StopStringMatcher
 
 ALPHABET = "ab \u00e9\U0001f44b"
 

@@ -21,12 +21,12 @@ import anyio
 import msgspec
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from runtime.actor import ActorSystem
-from runtime.backends import make_backend_loader
-from runtime.coalesce import Chunk, CoalescePolicy, Coalescer
-from runtime.config import RuntimeConfig, build_standing_actors
-from runtime.core import ROUTER, Address
+from actors.standing import standing_actors
+from runtime.backends.loader import make_backend_loader
+from runtime.config import RuntimeConfig
 from runtime.errors import InvalidRequest, MlxRuntimeError, RuntimeClosed, error_for_code
+from runtime.kernel.actor import ActorSystem
+from runtime.kernel.core import ROUTER, Address
 from runtime.messages import (
     Cancel,
     Cancelled,
@@ -56,6 +56,7 @@ from runtime.messages import (
     UnloadModel,
     Usage,
 )
+from runtime.text.coalesce import Chunk, CoalescePolicy, Coalescer
 from runtime.validation import validate_request
 
 HOST: Address = "host"
@@ -213,7 +214,12 @@ class Runtime:
         task_group = await stack.enter_async_context(anyio.create_task_group())
         system = ActorSystem(task_group, child_policy=self.config.engine_restart)
         system.register_sink(HOST, self._on_event)
-        for address, core in build_standing_actors(self.config, make_backend_loader()):
+        for address, core in standing_actors(
+            kv_budget_bytes=self.config.resolved_kv_budget_bytes(),
+            load_backend=make_backend_loader(),
+            reservation_timeout_s=self.config.reservation_timeout_s,
+            default_max_tokens=self.config.default_max_tokens,
+        ):
             capacity = self.config.router_mailbox_capacity if address == ROUTER else math.inf
             system.spawn(address, core, capacity=capacity)
         self._system, self._stack = system, stack

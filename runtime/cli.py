@@ -16,11 +16,11 @@ import anyio
 import msgspec
 
 from runtime.api import Runtime
+from runtime.backends.model_source import prepare_model
+from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS
 from runtime.config import RuntimeConfig
 from runtime.errors import MlxRuntimeError
 from runtime.messages import ChatMessage, ModelSpec, TokensEmitted
-from runtime.model_source import prepare_model
-from runtime.model_store import DEFAULT_MODEL, KNOWN_MODELS
 from runtime.progress import tqdm_progress
 
 GRACEFUL_SHUTDOWN_S = 10  # on Ctrl-C, streams still running after this are cancelled

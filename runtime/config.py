@@ -1,20 +1,11 @@
-"""Configuration of a runtime, and the one place that builds its standing actors."""
+"""Configuration of a runtime: the knobs a host sets when it creates one."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import msgspec
 
-from actors.engine import EngineCore
-from actors.kv_budget import KVBudgetCore
-from actors.prefix_cache import PrefixCacheCore
-from actors.router import RouterCore
-from runtime.backend import BackendLoader
-from runtime.coalesce import CoalescePolicy
-from runtime.core import KV_KEEPER, PREFIX_CACHE, ROUTER, ActorCore, Address
-from runtime.messages import ModelSpec
-from runtime.supervision import RestartPolicy
+from runtime.kernel.supervision import RestartPolicy
+from runtime.text.coalesce import CoalescePolicy
 
 
 class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -28,28 +19,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     engine_restart: RestartPolicy = RestartPolicy()
     coalesce: CoalescePolicy = CoalescePolicy()  # token events merged by size/age for hosts
 
+    def resolved_kv_budget_bytes(self) -> int:
+        """``kv_budget_bytes``, or ``kv_budget_fraction`` of the memory MLX can still allocate."""
+        if self.kv_budget_bytes is not None:
+            return self.kv_budget_bytes
+        from runtime.backends.mlx.memory import default_kv_budget_bytes  # imports MLX: only here
 
-Spawn = Callable[[Address, ActorCore], None]
-
-
-def build_standing_actors(
-    config: RuntimeConfig, load_backend: BackendLoader
-) -> list[tuple[Address, ActorCore]]:
-    """The router, KV keeper and prefix-cache manager; engines load with ``load_backend``."""
-    if config.kv_budget_bytes is None:
-        from runtime.memory import default_kv_budget_bytes
-
-        budget = default_kv_budget_bytes(config.kv_budget_fraction)
-    else:
-        budget = config.kv_budget_bytes
-
-    def engine_factory(spec: ModelSpec, epoch: int) -> ActorCore:
-        return EngineCore(
-            spec, epoch, load_backend, config.reservation_timeout_s, config.default_max_tokens
-        )
-
-    return [
-        (KV_KEEPER, KVBudgetCore(budget, default_timeout_s=config.reservation_timeout_s)),
-        (PREFIX_CACHE, PrefixCacheCore()),
-        (ROUTER, RouterCore(engine_factory)),
-    ]
+        return default_kv_budget_bytes(self.kv_budget_fraction)

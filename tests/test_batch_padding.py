@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from collections import Counter
 
-from actors.engine import EngineCore
+from actors.engine.core import EngineCore
 from actors.kv_budget import KVBudgetCore
 from actors.prefix_cache import PrefixCacheCore
+from runtime.backends.simulated import SimulatedBatch, greedy_continuation
 from runtime.config import RuntimeConfig
 from runtime.messages import (
     Cancel,
@@ -26,7 +27,6 @@ from runtime.messages import (
     Reserve,
     UnloadModel,
 )
-from runtime.testing.simulated import SimulatedBatch, greedy_continuation
 from runtime.testing.simulator import Simulator
 
 ENGINE = "engine:m#1"

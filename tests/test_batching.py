@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from runtime.backends.simulated import greedy_continuation
 from runtime.config import RuntimeConfig
 from runtime.messages import (
     Cancel,
@@ -14,7 +15,6 @@ from runtime.messages import (
     ModelLoaded,
     ModelSpec,
 )
-from runtime.testing.simulated import greedy_continuation
 from runtime.testing.simulator import Simulator
 
 PER_TOKEN = 0.001

@@ -7,9 +7,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from runtime.chat import ChatMessage, ChatOptions, PreparedPrompt, prepare_chat
 from runtime.errors import ContextLengthExceeded, InvalidRequest
 from runtime.testing.tiny_models import tiny_model_path
+from runtime.text.chat import ChatMessage, ChatOptions, PreparedPrompt, prepare_chat
 
 BIG_CONTEXT = 2048
 DEFAULT = ChatOptions()
@@ -35,7 +35,7 @@ def bot(content: str) -> ChatMessage:
 
 
 def reference(tok: Any, messages: list[ChatMessage], generation_prompt: bool = True) -> str:
-    """The template rendered directly, bypassing runtime.chat."""
+    """The template rendered directly, bypassing runtime.text.chat."""
     dicts = [{"role": m.role, "content": m.content} for m in messages]
     text = tok.apply_chat_template(dicts, add_generation_prompt=generation_prompt, tokenize=False)
     assert isinstance(text, str)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from runtime.checkpoints import plan_checkpoints
+from actors.engine.checkpoints import plan_checkpoints
 
 
 def decode(ids: Sequence[int]) -> str:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from runtime.backends.model_store import DEFAULT_MODEL
 from runtime.cli import main, model_specs
-from runtime.model_store import DEFAULT_MODEL
 
 
 def test_serve_arguments_become_model_specs() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from runtime.coalesce import Chunk, CoalescePolicy, Coalescer
 from runtime.errors import InvalidRequest
+from runtime.text.coalesce import Chunk, CoalescePolicy, Coalescer
 
 POLICY = CoalescePolicy(max_chars=8, max_age_s=0.05)
 

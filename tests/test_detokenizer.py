@@ -8,8 +8,8 @@ from typing import Any
 from hypothesis import given
 from hypothesis import strategies as st
 
-from runtime.detokenizer import IncrementalDetokenizer
 from runtime.testing.tiny_models import tiny_model_path
+from runtime.text.detokenizer import IncrementalDetokenizer
 
 
 @cache

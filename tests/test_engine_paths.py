@@ -13,11 +13,12 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+from actors.engine.checkpoints import plan_checkpoints
 from actors.kv_budget import KVBudgetCore, QueuedReservation
 from actors.prefix_cache import PrefixCacheCore
-from runtime.checkpoints import plan_checkpoints
+from runtime.backends.simulated import greedy_continuation
 from runtime.config import RuntimeConfig
-from runtime.core import Address
+from runtime.kernel.core import Address
 from runtime.messages import (
     Abort,
     Cancel,
@@ -42,7 +43,6 @@ from runtime.messages import (
     UnloadModel,
     Usage,
 )
-from runtime.testing.simulated import greedy_continuation
 from runtime.testing.simulator import Simulator
 
 ENGINE: Address = "engine:m#1"  # the first load of model "m" is epoch 1

@@ -1,6 +1,7 @@
-"""GGUF import (runtime.gguf): each llama.cpp convention the importer undoes is proven by what the
-real model does with it undone and without; the Q4/Q8 repack is proven exact against gguf's own
-dequantizer; then errors, the conversion cache and the whole path through ``Runtime.load_model``.
+"""GGUF import (runtime.backends.mlx.gguf): each llama.cpp convention the importer undoes is proven
+by what the real model does with it undone and without; the Q4/Q8 repack is proven exact against
+gguf's own dequantizer; then errors, the conversion cache and the whole path through
+``Runtime.load_model``.
 
 The "not undone" models are built without touching production code: the same tensor conversion
 with a patched ``Architecture`` (``dataclasses.replace``), loaded into the converted model's
@@ -30,16 +31,16 @@ from hypothesis import strategies as st
 from mlx.utils import tree_flatten, tree_map_with_path
 from mlx_lm.utils import load_model, load_tokenizer
 
-from runtime.errors import InvalidModelSpec, ModelLoadFailed, UnsupportedModelFormat
-from runtime.gguf.architectures import ARCHITECTURES, GEMMA3, LLAMA, Architecture
-from runtime.gguf.convert import (
+from runtime.backends.mlx.gguf.architectures import ARCHITECTURES, GEMMA3, LLAMA, Architecture
+from runtime.backends.mlx.gguf.convert import (
     STAMP,
     ConvertedModel,
     _convert_tensors,
     convert_gguf,
     read_metadata,
 )
-from runtime.gguf.tensors import GROUP, affine_triple, dense
+from runtime.backends.mlx.gguf.tensors import GROUP, affine_triple, dense
+from runtime.errors import InvalidModelSpec, ModelLoadFailed, UnsupportedModelFormat
 from runtime.progress import no_progress
 
 SMOL = "smollm2-135m-instruct"

@@ -14,9 +14,9 @@ from hypothesis import strategies as st
 from mlx_lm.utils import load_tokenizer
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from runtime.chat import prepare_chat
-from runtime.gguf.convert import ConvertedModel
+from runtime.backends.mlx.gguf.convert import ConvertedModel
 from runtime.messages import ChatMessage, ChatOptions
+from runtime.text.chat import prepare_chat
 
 pytestmark = pytest.mark.real_model
 

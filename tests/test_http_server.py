@@ -12,10 +12,10 @@ import anyio.lowlevel
 import httpx
 import pytest
 
+from runtime.backends.simulated import greedy_continuation
 from runtime.config import RuntimeConfig
 from runtime.messages import ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
-from runtime.testing.simulated import greedy_continuation
 
 pytestmark = pytest.mark.anyio
 

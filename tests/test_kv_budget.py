@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from actors.kv_budget import KVBudgetCore, QueuedReservation
-from runtime.core import KV_KEEPER, PREFIX_CACHE, Address
+from runtime.backends.mlx.memory import default_kv_budget_bytes
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge
-from runtime.memory import default_kv_budget_bytes
+from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Address
 from runtime.messages import (
     EpochReleased,
     Evict,

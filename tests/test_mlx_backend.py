@@ -14,10 +14,10 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from runtime.backend import CannotTrim, ReuseStrategy
+from runtime.backends.contract import CannotTrim, ReuseStrategy
+from runtime.backends.mlx.backend import MlxBackend, MlxState
 from runtime.errors import ModelLoadFailed
 from runtime.messages import ModelSpec
-from runtime.mlx_backend import MlxBackend, MlxState
 from runtime.testing.tiny_models import SLIDING_WINDOW, TinyModelKind, tiny_model_path
 
 KINDS: tuple[TinyModelKind, ...] = ("llama", "sliding", "hybrid")

@@ -15,9 +15,9 @@ from typing import cast
 import mlx.core as mx
 import pytest
 
+from runtime.backends.mlx.backend import MlxBackend, MlxState
+from runtime.backends.mlx.batch import DecodeBatch
 from runtime.messages import ModelSpec
-from runtime.mlx_backend import MlxBackend, MlxState
-from runtime.mlx_batch import DecodeBatch
 from runtime.testing.tiny_models import SLIDING_WINDOW, TinyModelKind, tiny_model_path
 
 KINDS: tuple[TinyModelKind, ...] = ("llama", "sliding", "hybrid")

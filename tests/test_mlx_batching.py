@@ -7,9 +7,10 @@ import random
 import anyio
 import pytest
 
-from actors.engine import EngineCore
+from actors.engine.core import EngineCore
 from actors.kv_budget import KVBudgetCore
 from runtime.api import Runtime
+from runtime.backends.mlx.batch import DecodeBatch
 from runtime.config import RuntimeConfig
 from runtime.messages import (
     Finished,
@@ -20,7 +21,6 @@ from runtime.messages import (
     Sampling,
     TokensEmitted,
 )
-from runtime.mlx_batch import DecodeBatch
 from runtime.testing.simulator import Simulator
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 

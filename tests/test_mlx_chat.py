@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from runtime.api import Runtime
+from runtime.backends.mlx.backend import MlxBackend
 from runtime.config import RuntimeConfig
 from runtime.messages import ChatMessage, Finished, FinishReason, ModelSpec, ReusePath
-from runtime.mlx_backend import MlxBackend
 from runtime.testing.tiny_models import tiny_model_path
 
 pytestmark = pytest.mark.anyio

@@ -25,9 +25,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from runtime.api import Runtime
+from runtime.backends.mlx.backend import MlxBackend
 from runtime.config import RuntimeConfig
 from runtime.messages import Cancelled, Finished, FinishReason, ModelSpec, Started, TokensEmitted
-from runtime.mlx_backend import MlxBackend
 from runtime.testing.harness import common_prefix_length
 from runtime.testing.tiny_models import SLIDING_WINDOW, TinyModelKind, tiny_model_path
 

@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from runtime.errors import InvalidModelSpec, ModelFetchFailed
-from runtime.model_store import (
+from runtime.backends.model_store import (
     DEFAULT_MODEL,
     KNOWN_MODELS,
     KnownModel,
@@ -28,6 +27,7 @@ from runtime.model_store import (
     fetch_model,
     model_cache_path,
 )
+from runtime.errors import InvalidModelSpec, ModelFetchFailed
 
 
 @pytest.fixture(autouse=True)

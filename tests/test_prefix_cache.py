@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.prefix_cache import EntryKey, PrefixCacheCore
-from runtime.core import PREFIX_CACHE, ROUTER, engine_address
+from runtime.kernel.core import PREFIX_CACHE, ROUTER, engine_address
 from runtime.messages import (
     Commit,
     Committed,

@@ -16,9 +16,9 @@ from collections.abc import Callable, Iterator, Sequence
 
 import pytest
 
+from runtime.backends.mlx.backend import MlxBackend, MlxState
+from runtime.backends.model_source import prepare_model
 from runtime.messages import ModelSpec
-from runtime.mlx_backend import MlxBackend, MlxState
-from runtime.model_source import prepare_model
 
 pytestmark = pytest.mark.real_model
 

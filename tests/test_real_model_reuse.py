@@ -31,10 +31,10 @@ import anyio.lowlevel
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from actors.engine_jobs import DEFAULT_CHECKPOINT_EVERY
+from actors.engine.checkpoints import WORD_SCAN_TOKENS
+from actors.engine.jobs import DEFAULT_CHECKPOINT_EVERY
 from runtime.api import Runtime
-from runtime.chat import prepare_chat
-from runtime.checkpoints import WORD_SCAN_TOKENS
+from runtime.backends.model_source import prepare_model
 from runtime.config import RuntimeConfig
 from runtime.messages import (
     ChatMessage,
@@ -47,8 +47,8 @@ from runtime.messages import (
     Started,
     TokensEmitted,
 )
-from runtime.model_source import prepare_model
 from runtime.testing.harness import common_prefix_length
+from runtime.text.chat import prepare_chat
 
 pytestmark = pytest.mark.real_model
 

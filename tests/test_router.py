@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from actors.router import RouterCore
-from runtime.core import PREFIX_CACHE, ROUTER, ActorCore, Address, Context, engine_address
+from runtime.kernel.core import PREFIX_CACHE, ROUTER, ActorCore, Address, Context, engine_address
 from runtime.messages import (
     EndSession,
     EngineReady,

@@ -9,7 +9,7 @@ import anyio.lowlevel
 import pytest
 
 from runtime.api import Runtime
-from runtime.coalesce import CoalescePolicy
+from runtime.backends.simulated import greedy_continuation
 from runtime.config import RuntimeConfig
 from runtime.errors import (
     DuplicateRequestId,
@@ -31,7 +31,7 @@ from runtime.messages import (
     Started,
     TokensEmitted,
 )
-from runtime.testing.simulated import greedy_continuation
+from runtime.text.coalesce import CoalescePolicy
 
 pytestmark = pytest.mark.anyio
 
@@ -282,7 +282,7 @@ async def test_backend_fault_fails_one_request_and_the_runtime_goes_on() -> None
 async def test_an_engine_crash_fails_its_live_requests_once_and_the_engine_recovers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from actors.engine import EngineCore
+    from actors.engine.core import EngineCore
 
     original = EngineCore._announce_start
     crashes = []

@@ -9,8 +9,8 @@ import pytest
 import runtime.api
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
-from runtime.core import ROUTER
 from runtime.errors import ActorStopped
+from runtime.kernel.core import ROUTER
 from runtime.messages import ModelSpec
 
 pytestmark = pytest.mark.anyio

@@ -17,7 +17,7 @@ import pytest
 
 from runtime.errors import InvalidRequest
 from runtime.messages import Sampling
-from runtime.sampling import SampleResult, TokenSampler, sequence_breaker_ids
+from runtime.text.sampling import SampleResult, TokenSampler, sequence_breaker_ids
 from runtime.validation import validate_sampling
 
 SEEDS = range(300)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from runtime.backends.simulated import greedy_continuation
 from runtime.config import RuntimeConfig
 from runtime.messages import (
     Abort,
@@ -16,7 +17,6 @@ from runtime.messages import (
     UnloadModel,
     Usage,
 )
-from runtime.testing.simulated import greedy_continuation
 from runtime.testing.simulator import Simulator
 
 PER_TOKEN = 0.001

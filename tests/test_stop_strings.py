@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import pytest
 
 from runtime.errors import InvalidRequest
-from runtime.stop_strings import StopResult, StopStringMatcher
+from runtime.text.stop_strings import StopResult, StopStringMatcher
 
 
 def feed_all(matcher: StopStringMatcher, pieces: Sequence[str]) -> list[StopResult]:

@@ -1,7 +1,7 @@
 """Runtime events → OpenAI response bodies and stream chunks, one ``Render`` per request.
 
 Streaming: ``opening()``, then ``chunk(event)`` for each ``TokensEmitted`` (the host stream has
-already coalesced them, see runtime/coalesce.py), then ``closing(finished)``. Otherwise
+already coalesced them, see runtime/text/coalesce.py), then ``closing(finished)``. Otherwise
 ``whole(events, finished)``.
 
 Logprobs: the runtime reports token ids and the text each emitted token produced. A chosen token

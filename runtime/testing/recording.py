@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from runtime.core import ActorCore, Address
+from runtime.kernel.core import ActorCore, Address
 from runtime.messages import Message
 
 

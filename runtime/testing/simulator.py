@@ -1,9 +1,9 @@
 """The actor simulator: the real actor cores on a virtual clock, in an order chosen by a seed.
 
-It replaces the production transport (``runtime.actor``) with a single-threaded loop. At each step
-it picks, with a seeded random source, one actor that has mail and delivers one message to it;
-compute jobs run inline and their simulated cost advances the virtual clock instead of taking
-time. Same seed, same trace: a race found once is found again, and Hypothesis can shrink it.
+It replaces the production transport (``runtime.kernel.actor``) with a single-threaded loop. At each
+step it picks, with a seeded random source, one actor that has mail and delivers one message to it;
+compute jobs run inline and their simulated cost advances the virtual clock instead of taking time.
+Same seed, same trace: a race found once is found again, and Hypothesis can shrink it.
 
 Typical use (a host's own test of its cancellation handling)::
 
@@ -25,9 +25,10 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from runtime.backends import make_backend_loader
-from runtime.config import RuntimeConfig, build_standing_actors
-from runtime.core import ROUTER, ActorCore, Address
+from actors.standing import standing_actors
+from runtime.backends.loader import make_backend_loader
+from runtime.config import RuntimeConfig
+from runtime.kernel.core import ROUTER, ActorCore, Address
 from runtime.messages import (
     Cancelled,
     Failed,
@@ -64,7 +65,7 @@ class _Envelope:
 
 
 class _SimContext:
-    """``runtime.core.Context`` that queues effects; the simulator applies them after ``handle``."""
+    """A ``Context`` (runtime.kernel.core) that queues effects, applied after ``handle``."""
 
     def __init__(self, sim: Simulator, address: Address) -> None:
         self._sim = sim
@@ -116,7 +117,12 @@ class Simulator:
         self._replies: dict[Address, list[Message]] = {}
         self._step_checks: list[Callable[[], None]] = []
         loader = make_backend_loader(self.clock)
-        for address, core in build_standing_actors(self.config, loader):
+        for address, core in standing_actors(
+            kv_budget_bytes=self.config.resolved_kv_budget_bytes(),
+            load_backend=loader,
+            reservation_timeout_s=self.config.reservation_timeout_s,
+            default_max_tokens=self.config.default_max_tokens,
+        ):
             self.spawn(address, core)
 
     # ------------------------------------------------------------------ host side

@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 import msgspec
 
-from runtime.backend import Backend, SequenceState, Snapshot
-from runtime.core import KV_KEEPER, PREFIX_CACHE, Context
+from actors.engine.sequence import Sequence
+from runtime.backends.contract import Backend, SequenceState, Snapshot
+from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Context
+from runtime.kernel.stats import Counters
 from runtime.messages import Commit, Holder, HolderKind, Release, Reserve, TokenIds, Transfer, Unpin
-from runtime.sequence import Sequence
-from runtime.stats import Counters
 
 SessionKey = tuple[str, str]  # (namespace, session)
 

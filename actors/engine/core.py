@@ -14,9 +14,9 @@ import random
 from collections import deque
 from collections.abc import Callable
 
-from actors.engine_batch import BatchScheduler
-from actors.engine_entries import EntryStore
-from actors.engine_jobs import (
+from actors.engine.batch import BatchScheduler
+from actors.engine.entries import EntryStore
+from actors.engine.jobs import (
     DEFAULT_CHECKPOINT_EVERY,
     Job,
     JobKind,
@@ -26,9 +26,8 @@ from actors.engine_jobs import (
     run_step,
     run_tokenize,
 )
-from runtime.backend import Backend, BackendLoader, DecodeBatchHandle
-from runtime.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, Context, engine_address
-from runtime.detokenizer import IncrementalDetokenizer
+from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
+from runtime.backends.contract import Backend, BackendLoader, DecodeBatchHandle
 from runtime.errors import (
     BackendError,
     ContextLengthExceeded,
@@ -37,6 +36,8 @@ from runtime.errors import (
     MlxRuntimeError,
     ModelLoadFailed,
 )
+from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, Context, engine_address
+from runtime.kernel.stats import Counters
 from runtime.messages import (
     Abort,
     Admit,
@@ -75,9 +76,8 @@ from runtime.messages import (
     TokenLogprob,
     TokensProduced,
 )
-from runtime.sequence import COMPUTE_PHASES, Phase, Sequence
-from runtime.stats import Counters
-from runtime.stop_strings import StopStringMatcher
+from runtime.text.detokenizer import IncrementalDetokenizer
+from runtime.text.stop_strings import StopStringMatcher
 
 log = logging.getLogger("mlx_actor_runtime.engine")
 

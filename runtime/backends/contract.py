@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from runtime.chat import ChatTokenizer
 from runtime.messages import ModelSpec
+from runtime.text.chat import ChatTokenizer
 
 if TYPE_CHECKING:  # logits are MLX arrays; the contract itself needs no MLX to import
     import mlx.core as mx
@@ -98,7 +98,7 @@ class Snapshot(Protocol):
 
 
 class DecodeBatchHandle(Protocol):
-    """Sequences decoded together, one token each per ``step`` (see ``runtime.mlx_batch``)."""
+    """Sequences decoded together, one token each per ``step`` (``runtime.backends.mlx.batch``)."""
 
     def join(self, state: SequenceState) -> int:
         """Add a prefilled sequence (its state is copied in and left untouched); a slot id."""
@@ -127,7 +127,7 @@ class Backend(Protocol):
 
     @property
     def chat_tokenizer(self) -> ChatTokenizer:
-        """What ``runtime.chat.prepare_chat`` renders and tokenizes chat messages with."""
+        """What ``runtime.text.chat.prepare_chat`` renders and tokenizes chat messages with."""
         ...
 
     def encode(self, text: str) -> list[int]:

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runtime.backend import (
+from actors.engine.checkpoints import plan_checkpoints
+from actors.engine.sequence import Phase, Sequence
+from runtime.backends.contract import (
     Backend,
     CannotTrim,
     DecodeBatchHandle,
@@ -20,15 +22,13 @@ from runtime.backend import (
     SequenceState,
     Snapshot,
 )
-from runtime.chat import PreparedPrompt, prepare_chat
-from runtime.checkpoints import plan_checkpoints
 from runtime.messages import ModelSpec, TokenLogprob
-from runtime.sequence import Phase, Sequence
+from runtime.text.chat import PreparedPrompt, prepare_chat
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
-    from actors.engine_entries import RestoreSource
+    from actors.engine.entries import RestoreSource
 
 # Snapshot spacing during long prefills of non-trimmable caches (ModelSpec option to override).
 DEFAULT_CHECKPOINT_EVERY = 512
@@ -207,7 +207,7 @@ def sample_into(job: Job, seq: Sequence, backend: Backend, logits: mx.array) -> 
     if seq.sampler is None:
         # Imported at the first sample, not with the engine: it imports mlx-lm (and transformers),
         # which loading a simulated model does not need.
-        from runtime.sampling import TokenSampler
+        from runtime.text.sampling import TokenSampler
 
         seq.sampler = TokenSampler(seq.sampling, int(logits.shape[0]), _token_decoder(backend))
     sampled = seq.sampler.sample(logits, seq.all_tokens, seq.rng)

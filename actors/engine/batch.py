@@ -8,7 +8,8 @@ and acts on what it reports; the scheduler never ends a sequence itself.
 
 Padding. mlx-lm right-aligns the rows of a batch's full-attention KV, so B rows of real lengths
 ``len_i`` hold ``B * max(len_i)`` tokens: ``P = B * max - sum`` tokens of left padding that no
-sequence's own reservation pays for (see ``runtime.mlx_batch``). All rows advance together, so P
+sequence's own reservation pays for (see ``runtime.backends.mlx.batch``). All rows advance
+together, so P
 changes only when rows join or leave; after a leave mlx-lm drops the padding every row shares, so
 P is again ``B * max - sum`` of the rows left. A batch cache also grows every row by a whole
 allocation step from the padded length (mlx-lm: 256 tokens), so up to ``B * (step - 1)`` spare
@@ -30,12 +31,12 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from actors.engine_jobs import BatchWork, Job
-from runtime.backend import DecodeBatchHandle, ModelInfo
-from runtime.core import KV_KEEPER, Context
+from actors.engine.jobs import BatchWork, Job
+from actors.engine.sequence import Phase, Sequence
+from runtime.backends.contract import DecodeBatchHandle, ModelInfo
+from runtime.kernel.core import KV_KEEPER, Context
+from runtime.kernel.stats import Counters
 from runtime.messages import Holder, HolderKind, ModelSpec, Release, Reserve
-from runtime.sequence import Phase, Sequence
-from runtime.stats import Counters
 
 DEFAULT_MAX_BATCH = 8
 # Reported from the start, so a dashboard sees zeros rather than missing names.

@@ -42,15 +42,24 @@ Every method runs on the engine's compute thread, like the backend's own.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from runtime.backend import SequenceState
-from runtime.mlx_backend import MlxBackend, MlxState
+from runtime.backends.contract import SequenceState
+from runtime.backends.mlx.state import MlxState
 
-__all__ = ["DecodeBatch"]
+__all__ = ["BatchSource", "DecodeBatch"]
+
+
+class BatchSource(Protocol):
+    """What a batch needs of a backend (``MlxBackend`` is one): its model and a fresh state."""
+
+    @property
+    def model(self) -> Any: ...
+
+    def new_state(self) -> MlxState: ...
 
 
 class DecodeBatch:
@@ -60,11 +69,11 @@ class DecodeBatch:
     renumbered on ``leave`` but slots are not.
     """
 
-    def __init__(self, backend: MlxBackend) -> None:
+    def __init__(self, backend: BatchSource) -> None:
         reason = self.unsupported_reason(backend)
         if reason is not None:
             raise ValueError(f"this model cannot be decoded in a batch: {reason}")
-        self._model: Any = backend._model
+        self._model: Any = backend.model
         self._caches: list[Any] = []  # one batch cache per layer; empty while no row
         self._slots: list[int] = []  # row -> slot
         self._n_tokens: dict[int, int] = {}
@@ -74,7 +83,7 @@ class DecodeBatch:
     # ------------------------------------------------------------------ capability
 
     @staticmethod
-    def unsupported_reason(backend: MlxBackend) -> str | None:
+    def unsupported_reason(backend: BatchSource) -> str | None:
         """Why ``backend``'s caches cannot be batched by mlx-lm, or None when they can."""
         for index, layer_cache in enumerate(backend.new_state().caches):
             reason = _layer_unsupported(layer_cache)
@@ -83,7 +92,7 @@ class DecodeBatch:
         return None
 
     @classmethod
-    def supports(cls, backend: MlxBackend) -> bool:
+    def supports(cls, backend: BatchSource) -> bool:
         """Whether the engine may batch this model; if not, keep it on the B=1 path."""
         return cls.unsupported_reason(backend) is None
 

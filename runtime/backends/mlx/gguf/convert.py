@@ -24,9 +24,8 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-from runtime.errors import InvalidModelSpec, ModelLoadFailed
-from runtime.gguf.architectures import Architecture, architecture_of
-from runtime.gguf.tensors import (
+from runtime.backends.mlx.gguf.architectures import Architecture, architecture_of
+from runtime.backends.mlx.gguf.tensors import (
     FLOAT_TYPES,
     GROUP,
     NATIVE_TYPES,
@@ -37,7 +36,8 @@ from runtime.gguf.tensors import (
     dense,
     quantize_dense,
 )
-from runtime.gguf.tokenizer import write_tokenizer
+from runtime.backends.mlx.gguf.tokenizer import write_tokenizer
+from runtime.errors import InvalidModelSpec, ModelLoadFailed
 from runtime.progress import Progress, no_progress
 
 WeightFormat = Literal["float32", "bfloat16", "float16", "quantized"]

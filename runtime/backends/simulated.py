@@ -9,8 +9,8 @@ a ``ModelSpec`` and be replayed.
 Public: hosts load ``ModelSpec(name=..., backend="simulated", options={...})`` in their tests.
 
 Loading a simulated model imports no MLX. Its logits are MLX arrays, though, so that the engine's
-one sampler (``runtime.sampling``, MLX code) treats them as a real model's: the first logits import
-``mlx.core``, and the first sampled token imports mlx-lm.
+one sampler (``runtime.text.sampling``, MLX code) treats them as a real model's: the first
+logits import ``mlx.core``, and the first sampled token imports mlx-lm.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
-from runtime.backend import (
+from runtime.backends.contract import (
     CannotTrim,
     ModelInfo,
     ReuseStrategy,

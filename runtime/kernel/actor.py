@@ -1,9 +1,9 @@
 """The production transport: actors as anyio tasks with mailboxes, compute threads and timers.
 
-Each actor is a synchronous core (``runtime.core.ActorCore``) driven by one mailbox loop here, the
-same loop for every actor, so the actor modules hold only state and decisions. Messages travel in
-envelopes that carry the sender apart from the message (pykka's design), so replies need no
-correlation fields in the messages themselves.
+Each actor is a synchronous core (``runtime.kernel.core.ActorCore``) driven by one mailbox loop
+here, the same loop for every actor, so the actor modules hold only state and decisions. Messages
+travel in envelopes that carry the sender apart from the message (pykka's design), so replies need
+no correlation fields in the messages themselves.
 
 Mailboxes are unbounded for actor-to-actor traffic: two bounded mailboxes that send to each other
 can deadlock. Backpressure applies at the edge instead: ``tell_external`` (the host's way in)
@@ -26,10 +26,10 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from runtime.core import ActorCore, Address
 from runtime.errors import ActorStopped, SupervisionEscalated
+from runtime.kernel.core import ActorCore, Address
+from runtime.kernel.supervision import RestartPolicy, RestartTracker
 from runtime.messages import Message
-from runtime.supervision import RestartPolicy, RestartTracker
 
 log = logging.getLogger("mlx_actor_runtime.actor")
 
@@ -65,7 +65,7 @@ class _Actor:
 
 
 class _ActorContext:
-    """``runtime.core.Context`` for one actor; effects run as soon as they are asked for."""
+    """``runtime.kernel.core.Context`` for one actor; effects run as soon as they are asked for."""
 
     def __init__(self, system: ActorSystem, actor: _Actor) -> None:
         self._system = system

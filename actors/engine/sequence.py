@@ -8,8 +8,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runtime.backend import SequenceState
-from runtime.detokenizer import IncrementalDetokenizer
+from runtime.backends.contract import SequenceState
 from runtime.messages import (
     ChatMessage,
     ChatOptions,
@@ -21,10 +20,11 @@ from runtime.messages import (
     TokenIds,
     Usage,
 )
-from runtime.stop_strings import StopStringMatcher
+from runtime.text.detokenizer import IncrementalDetokenizer
+from runtime.text.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:
-    from runtime.sampling import TokenSampler
+    from runtime.text.sampling import TokenSampler
 
 
 class Phase(enum.Enum):

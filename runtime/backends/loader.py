@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from runtime.backend import Backend, BackendLoader
+from runtime.backends.contract import Backend, BackendLoader
+from runtime.backends.simulated import ComputeClock, RealClock, SimulatedBackend
 from runtime.errors import InvalidModelSpec
 from runtime.messages import ModelSpec
-from runtime.testing.simulated import ComputeClock, RealClock, SimulatedBackend
 
 BACKEND_KINDS = ("mlx", "simulated")
 
@@ -18,7 +18,7 @@ def make_backend_loader(clock: ComputeClock | None = None) -> BackendLoader:
         if spec.backend == "simulated":
             return SimulatedBackend.load(spec, sim_clock)
         if spec.backend == "mlx":
-            from runtime.mlx_backend import MlxBackend
+            from runtime.backends.mlx.backend import MlxBackend
 
             return MlxBackend.load(spec)
         raise InvalidModelSpec(

@@ -1,0 +1,35 @@
+"""The standing actors every runtime starts: the router, the KV keeper and the prefix-cache manager.
+
+Both transports (``runtime.kernel.actor`` in production, ``runtime.testing.simulator`` in tests)
+spawn exactly this list, so a simulated run wires the same actors as a real one. Engines are not
+standing: the router spawns one per loaded model through the factory built here.
+"""
+
+from __future__ import annotations
+
+from actors.engine.core import EngineCore
+from actors.kv_budget import KVBudgetCore
+from actors.prefix_cache import PrefixCacheCore
+from actors.router import RouterCore
+from runtime.backends.contract import BackendLoader
+from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, ActorCore, Address
+from runtime.messages import ModelSpec
+
+
+def standing_actors(
+    *,
+    kv_budget_bytes: int,
+    load_backend: BackendLoader,
+    reservation_timeout_s: float,
+    default_max_tokens: int,
+) -> list[tuple[Address, ActorCore]]:
+    """The standing actors with their addresses; engines load their model with ``load_backend``."""
+
+    def engine_factory(spec: ModelSpec, epoch: int) -> ActorCore:
+        return EngineCore(spec, epoch, load_backend, reservation_timeout_s, default_max_tokens)
+
+    return [
+        (KV_KEEPER, KVBudgetCore(kv_budget_bytes, default_timeout_s=reservation_timeout_s)),
+        (PREFIX_CACHE, PrefixCacheCore()),
+        (ROUTER, RouterCore(engine_factory)),
+    ]

@@ -1,0 +1,261 @@
+"""The real backend: an mlx-lm model and its per-layer caches, run on the engine's compute thread.
+
+Loading never downloads: ``ModelSpec.path`` is a local mlx-lm model directory, or a Hugging Face
+repo id that is already in the local cache. At load the backend runs one tiny forward pass, which
+warms the weights and lets it measure the cache layout (bytes per token, windows, fixed recurrent
+state) from real arrays instead of trusting config fields that differ between architectures.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+from runtime.backends.contract import (
+    CannotTrim,
+    DecodeBatchHandle,
+    ModelInfo,
+    ReuseStrategy,
+    SequenceState,
+    Snapshot,
+)
+from runtime.backends.mlx.facts import (
+    context_length_of,
+    effective_eos_ids,
+    kv_bytes_per_token,
+    quantization_group,
+    reuse_strategy,
+    widen_half_quantized,
+)
+from runtime.backends.mlx.state import (
+    TRIMMABLE_LAYERS,
+    MlxSnapshot,
+    MlxState,
+    copy_layer,
+    own_state,
+    snapshot_layer,
+)
+from runtime.backends.model_source import prepare_model
+from runtime.errors import InvalidModelSpec, ModelLoadFailed
+from runtime.messages import ModelSpec
+
+_WARMUP_TOKENS = 4
+log = logging.getLogger("mlx_actor_runtime.mlx_backend")
+
+
+class MlxBackend:
+    """The backend contract (``runtime.backends.contract``) over mlx-lm, on one compute thread."""
+
+    def __init__(self, model: Any, tokenizer: Any, info: ModelInfo, kv_bits: int | None) -> None:
+        self._model = model
+        self._tokenizer = tokenizer
+        self._info = info
+        self._kv_bits = kv_bits
+        self._path = Path(".")
+        self._kv_group = quantization_group(model) if kv_bits is not None else 64
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def load(cls, spec: ModelSpec) -> MlxBackend:
+        """Load ``spec.path``; raises ``ModelLoadFailed`` naming what is missing."""
+        from mlx_lm.utils import load as mlx_load
+
+        prepared = prepare_model(spec)
+        path = prepared.path
+        if prepared.note:
+            log.info("model %r: %s", spec.name, prepared.note)
+        kv_bits = _int_option(spec, "kv_bits")
+        if kv_bits not in (None, 4, 8):
+            raise InvalidModelSpec(f"kv_bits must be 4 or 8 (got {kv_bits})")
+        try:
+            loaded = mlx_load(str(path), return_config=True)
+            model, tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], loaded)
+        except (FileNotFoundError, ValueError, OSError) as exc:
+            raise ModelLoadFailed(f"could not load the model at {path}: {exc}") from exc
+        if mx.default_device() == mx.cpu and widen_half_quantized(model):
+            log.info(
+                "model %r: quantized with half-precision scales; widened them (and the other "
+                "half-precision weights) to float32, which MLX's CPU kernels run ~40x faster",
+                spec.name,
+            )
+        backend = cls(model, tokenizer, _placeholder_info(), kv_bits)
+        backend._path = path
+        try:
+            backend._info = backend._measure(spec, config)
+        except (ValueError, TypeError) as exc:  # e.g. an architecture the options do not fit
+            raise ModelLoadFailed(f"the model at {path} failed its warm-up pass: {exc}") from exc
+        return backend
+
+    def _measure(self, spec: ModelSpec, config: dict[str, Any]) -> ModelInfo:
+        """Run a tiny forward pass and read the cache layout off the real arrays."""
+        state = self.new_state()
+        self.prefill(state, [0] * _WARMUP_TOKENS)
+        per_token = window_per_token = fixed = 0
+        window: int | None = None
+        kinds: dict[str, list[int]] = {}
+        for index, layer_cache in enumerate(state.caches):
+            kinds.setdefault(type(layer_cache).__name__, []).append(index)
+            if isinstance(layer_cache, mlx_cache.RotatingKVCache):
+                window = max(window or 0, layer_cache.max_size)
+                window_per_token += kv_bytes_per_token(layer_cache)
+            elif isinstance(layer_cache, (mlx_cache.KVCache, mlx_cache.QuantizedKVCache)):
+                per_token += kv_bytes_per_token(layer_cache)
+            else:
+                fixed += int(layer_cache.nbytes)
+        strategy, reason = reuse_strategy(kinds, window)
+        context = _int_option(spec, "context_length") or context_length_of(config)
+        eos = effective_eos_ids(self._tokenizer, self._path, config)
+        log.info(
+            "model %r: context %d tokens, generation ends on token ids %s (%s)",
+            spec.name,
+            context,
+            sorted(eos),
+            ", ".join(repr(self._tokenizer.decode([t])) for t in sorted(eos)),
+        )
+        return ModelInfo(
+            context_length=context,
+            vocab_size=int(config.get("vocab_size", 0)),
+            eos_token_ids=eos,
+            reuse=strategy,
+            reuse_reason=reason,
+            bytes_per_token=per_token,
+            window_tokens=window,
+            window_bytes_per_token=window_per_token,
+            fixed_state_bytes=fixed,
+            alloc_step=mlx_cache.KVCache.step,
+        )
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    # ------------------------------------------------------------------ tokens
+
+    @property
+    def chat_tokenizer(self) -> Any:
+        return self._tokenizer  # mlx-lm's wrapper: encode() and the model's chat template
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids)))
+
+    # ------------------------------------------------------------------ states
+
+    def new_state(self) -> MlxState:
+        caches = mlx_cache.make_prompt_cache(self._model)
+        if self._kv_bits is not None:
+            caches = [
+                mlx_cache.QuantizedKVCache(group_size=self._kv_group, bits=self._kv_bits)
+                if type(c) is mlx_cache.KVCache
+                else c
+                for c in caches
+            ]
+        return MlxState(caches)
+
+    def can_trim(self, state: SequenceState) -> bool:
+        """Whether every layer of ``state`` can be cut back (a rotating cache until it wraps)."""
+        return all(c.is_trimmable() for c in own_state(state).caches)
+
+    def copy_state(
+        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+    ) -> MlxState:
+        source = own_state(state)
+        if not 0 <= length <= source.n_tokens:
+            raise CannotTrim(f"cannot copy {length} tokens of a {source.n_tokens}-token state")
+        drop = source.n_tokens - length
+        logits = source.logits if drop == 0 else None
+        if snapshot is not None:
+            if not isinstance(snapshot, MlxSnapshot) or snapshot.n_tokens != length:
+                raise CannotTrim(f"the snapshot does not hold {length} tokens of this state")
+            caches = [
+                copy_layer(snapshot.layers[i], 0) if i in snapshot.layers else copy_layer(c, drop)
+                for i, c in enumerate(source.caches)
+            ]
+            return MlxState(caches, length, logits)
+        if drop and not self.can_trim(source):
+            raise CannotTrim(
+                "a layer of this cache cannot be trimmed (sliding window or recurrent)"
+            )
+        return MlxState([copy_layer(c, drop) for c in source.caches], length, logits)
+
+    def snapshot(self, state: SequenceState) -> MlxSnapshot:
+        """Copy the sliding-window and recurrent layers; full-attention KV is trimmed later."""
+        source = own_state(state)
+        layers = {
+            i: snapshot_layer(c)
+            for i, c in enumerate(source.caches)
+            if type(c) not in TRIMMABLE_LAYERS
+        }
+        mx.eval([c.state for c in layers.values() if not c.empty()])
+        return MlxSnapshot(layers, source.n_tokens)
+
+    def prefill(self, state: SequenceState, token_ids: Sequence[int]) -> None:
+        own = own_state(state)
+        if not token_ids:
+            return
+        logits = self._model(mx.array([list(token_ids)]), cache=own.caches)
+        own.logits = logits[0, -1].astype(mx.float32)
+        mx.eval(own.logits, [c.state for c in own.caches])
+        own.n_tokens += len(token_ids)
+
+    def logits(self, state: SequenceState) -> mx.array:
+        own = own_state(state)
+        if own.logits is None:
+            raise RuntimeError("logits() before any prefill")
+        return own.logits
+
+    @property
+    def model(self) -> Any:
+        """The mlx-lm model, for the decode batch that runs it over many sequences."""
+        return self._model
+
+    def open_batch(self) -> DecodeBatchHandle | None:
+        from runtime.backends.mlx.batch import DecodeBatch  # the batch module is loaded on demand
+
+        return DecodeBatch(self) if DecodeBatch.supports(self) else None
+
+    def state_nbytes(self, state: SequenceState) -> int:
+        return sum(int(c.nbytes) for c in own_state(state).caches if not c.empty())
+
+    def close(self) -> None:
+        """Drop the model and return MLX's cached buffers to the system.
+
+        The thread's MLX streams are left alone: the thread's owner clears them before the
+        thread exits (``runtime.kernel.actor.release_thread_resources``).
+        """
+        self._model = None
+        self._tokenizer = None
+        gc.collect()
+        mx.clear_cache()
+
+
+# ---------------------------------------------------------------------- helpers
+
+
+def _int_option(spec: ModelSpec, name: str) -> int | None:
+    value = spec.options.get(name)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise InvalidModelSpec(f"option {name!r} must be an integer (got {value!r})")
+    return value
+
+
+def _placeholder_info() -> ModelInfo:
+    return ModelInfo(
+        context_length=1,
+        vocab_size=0,
+        eos_token_ids=frozenset(),
+        reuse=ReuseStrategy.NONE,
+        reuse_reason="loading",
+        bytes_per_token=0,
+    )
