@@ -1,7 +1,8 @@
 """Model options (``ModelSpec.options``): one typed vocabulary per backend kind, decoded at load.
 
 A typo, a wrong type or an option that cannot apply is an ``InvalidModelSpec`` naming the option,
-raised by ``Runtime.load_model`` before anything is loaded.
+raised by ``Runtime.load_model`` before anything is loaded; ``mlxrt`` converts ``KEY=VALUE``
+text by the option's declared type.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ import pytest
 
 from runtime.api import Runtime
 from runtime.backends import simulated
-from runtime.backends.model_source import prepare_model
+from runtime.backends.model_source import PreparedModel, prepare_model
 from runtime.backends.options import (
     MlxOptions,
     OptionValue,
     SimulatedModelOptions,
     decode_options,
 )
-from runtime.backends.simulated import RealClock, SimulatedBackend
+from runtime.backends.simulated import RealClock, SimulatedBackend, greedy_continuation
+from runtime.cli import main, model_specs, prepare_specs
 from runtime.config import RuntimeConfig
 from runtime.errors import InvalidModelSpec
 from runtime.messages import CommandFailed, Generate, ModelLoaded, ModelSpec
@@ -42,6 +44,84 @@ def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int)
         prompt_tokens=tokens,
         max_tokens=n,
     )
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+@pytest.mark.parametrize("text", ["False", "false", "0"])
+def test_batching_false_on_the_command_line_turns_batching_off(text: str) -> None:
+    # "False" used to arrive as the string "False" (and "0" as the integer 0): batching stayed on.
+    [spec] = model_specs(
+        ["m"], "simulated", [f"batching={text}", f"decode_s_per_token={PER_TOKEN}"]
+    )
+    assert spec.options["batching"] is False
+    sim = simulate(spec)
+    first, second = tuple(range(10, 20)), tuple(range(30, 60))
+    sim.send(generate("a", 1, first, 30))
+    sim.send(generate("b", 2, second, 30))
+    sim.run_until_quiescent()
+    assert sim.emitted_tokens("a", 1) == greedy_continuation(first, 30)
+    assert sim.emitted_tokens("b", 2) == greedy_continuation(second, 30)
+    counters = sim.core("engine:m#1").counters.snapshot()  # type: ignore[union-attr]
+    assert counters.get("batch_steps", 0) == 0 and counters["decoded_tokens"] > 0
+
+
+def test_command_line_values_take_each_options_declared_type() -> None:
+    [spec] = model_specs(
+        ["a=/models/a"],
+        "mlx",
+        ["kv_bits=4", "max_batch=3", "batching=true", "weights=float32", "context_length=null"],
+    )
+    assert spec.options == {
+        "kv_bits": 4,
+        "max_batch": 3,
+        "batching": True,
+        "weights": "float32",
+        "context_length": None,
+    }
+    [sim] = model_specs(["s"], "simulated", ["prefill_s_per_token=1e-3", "load_s=2"])
+    assert sim.options == {"prefill_s_per_token": 0.001, "load_s": 2.0}
+
+
+@pytest.mark.parametrize(
+    ("option", "named", "accepted"),
+    [
+        ("max_batch=lots", "'max_batch'", "an integer"),
+        ("batching=maybe", "'batching'", "true or false"),
+        ("kv_bits=5", "'kv_bits'", "4 or 8"),
+        ("kv_bit=4", "'kv_bit'", "kv_bits"),
+    ],
+)
+def test_a_command_line_option_that_does_not_convert_names_the_option(
+    option: str, named: str, accepted: str
+) -> None:
+    with pytest.raises(InvalidModelSpec, match=named) as caught:
+        model_specs(["a=/models/a"], "mlx", [option])
+    assert accepted in caught.value.message
+
+
+def test_serve_refuses_an_unknown_option_before_starting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--backend", "simulated", "--model", "m", "--model-option", "batchin=0"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "'batchin'" in err and "batching" in err
+
+
+def test_prepared_specs_drop_the_weights_their_directory_already_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CLI converts a .gguf once and hands the engines its directory: the weights option was
+    # used up by the conversion, and on a directory it would now be refused.
+    monkeypatch.setattr("runtime.cli.prepare_model", lambda spec, progress: PreparedModel(tmp_path))
+    spec = ModelSpec(name="g", path="/x/model.gguf", options={"weights": "float32", "kv_bits": 8})
+    [prepared] = prepare_specs((spec,), quiet=True)
+    assert prepared.path == str(tmp_path)
+    assert prepared.options == {"kv_bits": 8}
+    assert prepare_model(prepared).path == tmp_path
 
 
 # ---------------------------------------------------------------------- the host API

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS, cache_root, fetch_model
 from runtime.backends.options import MlxOptions, options_as
 from runtime.errors import InvalidModelSpec, ModelLoadFailed
@@ -75,6 +77,15 @@ def prepare_model(
         converted.path,
         f"{gguf_file.name}: {converted.describe()} ({why}); {how} {converted.path}",
     )
+
+
+def prepared_spec(spec: ModelSpec, prepared: PreparedModel) -> ModelSpec:
+    """``spec`` loading ``prepared``'s directory instead of fetching and converting again.
+
+    ``weights`` is dropped: the conversion used it up, and on a directory it is refused.
+    """
+    options = {key: value for key, value in spec.options.items() if key != "weights"}
+    return msgspec.structs.replace(spec, path=str(prepared.path), options=options)
 
 
 def _refuse_weights(spec: ModelSpec, weights: str | None, what: str) -> None:
