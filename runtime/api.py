@@ -23,6 +23,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from actors.standing import standing_actors
 from runtime.backends.loader import make_backend_loader
+from runtime.backends.options import decode_options
 from runtime.config import RuntimeConfig
 from runtime.errors import InvalidRequest, MlxRuntimeError, RuntimeClosed, error_for_code
 from runtime.kernel.actor import ActorSystem
@@ -268,8 +269,10 @@ class Runtime:
     async def load_model(self, spec: ModelSpec) -> ModelLoaded:
         """Load a model; raises ``ModelAlreadyLoaded``, ``ModelLoadFailed`` or ``InvalidModelSpec``.
 
-        The reply says which prefix-reuse path the model uses and its KV bytes per token.
+        The reply says which prefix-reuse path the model uses and its KV bytes per token. A spec
+        whose options do not decode (an unknown name, a wrong type) raises before anything loads.
         """
+        decode_options(spec)
         reply = await self._ask(LoadModel(spec=spec))
         return _expect(reply, ModelLoaded)
 

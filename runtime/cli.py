@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import logging
 import os
 import sys
@@ -16,8 +15,9 @@ import anyio
 import msgspec
 
 from runtime.api import Runtime
-from runtime.backends.model_source import prepare_model
+from runtime.backends.model_source import prepare_model, prepared_spec
 from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS
+from runtime.backends.options import OptionValue, option_from_text
 from runtime.config import RuntimeConfig
 from runtime.errors import MlxRuntimeError
 from runtime.messages import ChatMessage, ModelSpec, TokensEmitted
@@ -37,7 +37,7 @@ def prepare_specs(specs: tuple[ModelSpec, ...], *, quiet: bool) -> tuple[ModelSp
                 prepared = prepare_model(spec, progress)
                 if prepared.note and not quiet:
                     print(f"{spec.name}: {prepared.note}", file=sys.stderr)
-                spec = msgspec.structs.replace(spec, path=str(prepared.path))
+                spec = prepared_spec(spec, prepared)
             prepared_specs.append(spec)
     return tuple(prepared_specs)
 
@@ -77,19 +77,18 @@ def model_specs(values: list[str], backend: str, options: list[str]) -> tuple[Mo
     """``--model`` arguments as specs: ``PATH`` (served under a name derived from it) or
     ``NAME=PATH``; PATH is an mlx-lm directory, a .gguf file or a known model; a simulated model
     needs only ``NAME``. No values: the default model. ``KEY=VALUE`` options go to every model,
-    their values read as JSON when they parse (``kv_bits=4``).
+    each value converted to the type the backend declares for it (``kv_bits=4`` is 4,
+    ``batching=False`` is False).
 
-    Raises ``ValueError`` with a sentence for a malformed option or a malformed or repeated name.
+    Raises ``ValueError`` with a sentence for a malformed option or a malformed or repeated name,
+    ``InvalidModelSpec`` (a ``ValueError``) for an unknown option or a value of the wrong type.
     """
-    parsed: dict[str, str | int | float | bool | None] = {}
+    texts: dict[str, str] = {}
     for option in options:
         key, equals, text = option.partition("=")
         if not key or not equals:
             raise ValueError(f"--model-option {option!r}: write KEY=VALUE")
-        try:
-            parsed[key] = json.loads(text)
-        except json.JSONDecodeError:
-            parsed[key] = text
+        texts[key] = text
     specs: list[ModelSpec] = []
     for value in values or ([DEFAULT_MODEL] if backend == "mlx" else []):
         name, equals, path = value.partition("=")
@@ -102,7 +101,11 @@ def model_specs(values: list[str], backend: str, options: list[str]) -> tuple[Mo
             )
         if any(spec.name == name for spec in specs):
             raise ValueError(f"--model {name!r} is given twice; each model needs its own name")
-        specs.append(ModelSpec(name=name, path=path or None, backend=backend, options=parsed))
+        spec = ModelSpec(name=name, path=path or None, backend=backend)
+        parsed: dict[str, OptionValue] = {
+            key: option_from_text(spec, key, text) for key, text in texts.items()
+        }
+        specs.append(msgspec.structs.replace(spec, options=parsed))
     return tuple(specs)
 
 

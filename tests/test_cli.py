@@ -9,12 +9,12 @@ from runtime.cli import main, model_specs
 
 
 def test_serve_arguments_become_model_specs() -> None:
-    specs = model_specs(["a=/models/a", "b=/models/b"], "mlx", ["kv_bits=4", "note=plain text"])
+    specs = model_specs(["a=/models/a", "b=/models/b"], "mlx", ["kv_bits=4", "weights=float32"])
     assert [(s.name, s.path, s.backend) for s in specs] == [
         ("a", "/models/a", "mlx"),
         ("b", "/models/b", "mlx"),
     ]
-    assert specs[0].options == {"kv_bits": 4, "note": "plain text"}
+    assert specs[0].options == {"kv_bits": 4, "weights": "float32"}
     [simulated] = model_specs(["sim"], "simulated", [])
     assert simulated.path is None
     with pytest.raises(ValueError, match="NAME=PATH"):

@@ -32,9 +32,9 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from actors.engine.checkpoints import WORD_SCAN_TOKENS
-from actors.engine.jobs import DEFAULT_CHECKPOINT_EVERY
 from runtime.api import Runtime
 from runtime.backends.model_source import prepare_model
+from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY
 from runtime.config import RuntimeConfig
 from runtime.messages import (
     ChatMessage,

@@ -34,11 +34,11 @@ from dataclasses import dataclass, field
 from actors.engine.jobs import BatchWork, Job
 from actors.engine.sequence import Phase, Sequence
 from runtime.backends.contract import DecodeBatchHandle, ModelInfo
+from runtime.backends.options import EngineOptions
 from runtime.kernel.core import KV_KEEPER, Context
 from runtime.kernel.stats import Counters
-from runtime.messages import Holder, HolderKind, ModelSpec, Release, Reserve
+from runtime.messages import Holder, HolderKind, Release, Reserve
 
-DEFAULT_MAX_BATCH = 8
 # Reported from the start, so a dashboard sees zeros rather than missing names.
 PADDING_COUNTERS = (
     "batch_padding_asks",
@@ -99,11 +99,10 @@ def padding_tokens(offsets: Collection[int]) -> int:
 class BatchScheduler:
     """Membership of an engine's decode batch and its padding reservation (see module doc)."""
 
-    def __init__(self, spec: ModelSpec, epoch: int, counters: Counters) -> None:
-        self.enabled = spec.options.get("batching", True) is not False
-        max_batch = spec.options.get("max_batch", DEFAULT_MAX_BATCH)
-        self._max_batch = max_batch if isinstance(max_batch, int) else DEFAULT_MAX_BATCH
-        self._model = spec.name
+    def __init__(self, model: str, options: EngineOptions, epoch: int, counters: Counters) -> None:
+        self.enabled = options.batching
+        self._max_batch = options.max_batch
+        self._model = model
         self._epoch = epoch
         self._counters = counters
         for name in PADDING_COUNTERS:

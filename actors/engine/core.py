@@ -17,7 +17,6 @@ from collections.abc import Callable
 from actors.engine.batch import BatchScheduler
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import (
-    DEFAULT_CHECKPOINT_EVERY,
     Job,
     JobKind,
     StepPlan,
@@ -28,10 +27,12 @@ from actors.engine.jobs import (
 )
 from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
 from runtime.backends.contract import Backend, BackendLoader, DecodeBatchHandle
+from runtime.backends.options import EngineOptions, decode_options
 from runtime.errors import (
     BackendError,
     ContextLengthExceeded,
     EngineCrashed,
+    InvalidModelSpec,
     InvalidRequest,
     MlxRuntimeError,
     ModelLoadFailed,
@@ -82,9 +83,6 @@ from runtime.text.stop_strings import StopStringMatcher
 log = logging.getLogger("mlx_actor_runtime.engine")
 
 
-DEFAULT_MAX_CONCURRENT = 32  # sequences past the admission gate at once; others wait FIFO
-
-
 class EngineCore:
     """State and decisions of one engine (see module docstring)."""
 
@@ -102,10 +100,14 @@ class EngineCore:
         self._load_backend = load_backend
         self._reservation_timeout_s = reservation_timeout_s
         self._default_max_tokens = default_max_tokens
-        every = spec.options.get("checkpoint_every_tokens", DEFAULT_CHECKPOINT_EVERY)
+        spec_error: InvalidModelSpec | None = None
+        try:
+            options: EngineOptions = decode_options(spec)
+        except InvalidModelSpec as error:  # reported at start as the failed load; nothing runs
+            options, spec_error = EngineOptions(), error
         self._plan = StepPlan(
             chunk_tokens=max(1, spec.prefill_chunk_tokens),
-            checkpoint_every=every if isinstance(every, int) else DEFAULT_CHECKPOINT_EVERY,
+            checkpoint_every=options.checkpoint_every_tokens,
         )
         self._backend: Backend | None = None
         self._sequences: dict[int, Sequence] = {}
@@ -116,19 +118,19 @@ class EngineCore:
         self._drain_requester: Address | None = None
         self._closed = False
         self._last_served = 0
-        self._load_error: BaseException | None = None
-        max_concurrent = spec.options.get("max_concurrent", DEFAULT_MAX_CONCURRENT)
-        self._max_concurrent = (
-            max_concurrent if isinstance(max_concurrent, int) else DEFAULT_MAX_CONCURRENT
-        )
+        self._load_error: BaseException | None = spec_error
+        self._max_concurrent = options.max_concurrent  # past the admission gate; others wait FIFO
         self._admission_queue: deque[Sequence] = deque()
         self.counters = Counters()
         self._entries = EntryStore(spec.name, epoch, self.counters)
-        self._batches = BatchScheduler(spec, epoch, self.counters)
+        self._batches = BatchScheduler(spec.name, options, epoch, self.counters)
 
     # ------------------------------------------------------------------ lifecycle
 
     def on_start(self, ctx: Context) -> None:
+        if self._load_error is not None:  # the spec's options did not decode
+            self._loaded(ctx)
+            return
         job = Job(JobKind.LOAD)
         self._submit(ctx, job, lambda: run_load(job, self._load_backend, self._spec))
 

@@ -22,6 +22,7 @@ from runtime.backends.contract import (
     SequenceState,
     Snapshot,
 )
+from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY
 from runtime.messages import ModelSpec, TokenLogprob
 from runtime.text.chat import PreparedPrompt, prepare_chat
 
@@ -29,9 +30,6 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
     from actors.engine.entries import RestoreSource
-
-# Snapshot spacing during long prefills of non-trimmable caches (ModelSpec option to override).
-DEFAULT_CHECKPOINT_EVERY = 512
 
 
 class JobKind(enum.Enum):

@@ -19,14 +19,6 @@ from runtime.text.chat import ChatTokenizer
 if TYPE_CHECKING:  # logits are MLX arrays; the contract itself needs no MLX to import
     import mlx.core as mx
 
-# ModelSpec options the engine reads (every backend ignores them).
-ENGINE_OPTIONS = frozenset({"checkpoint_every_tokens", "batching", "max_batch", "max_concurrent"})
-
-
-def backend_options(options: dict[str, str | int | float | bool | None]) -> dict[str, object]:
-    """A spec's options minus the engine's own: what a backend parses."""
-    return {k: v for k, v in options.items() if k not in ENGINE_OPTIONS}
-
 
 class ReuseStrategy(enum.StrEnum):
     """Which prefix-reuse path a model's cache allows, decided once per load."""

@@ -1,13 +1,11 @@
-"""Backend kinds a ``ModelSpec`` can name, and the loader the engines use."""
+"""The loader the engines use: a backend of the kind a ``ModelSpec`` names."""
 
 from __future__ import annotations
 
 from runtime.backends.contract import Backend, BackendLoader
+from runtime.backends.options import SimulatedModelOptions, options_type
 from runtime.backends.simulated import ComputeClock, RealClock, SimulatedBackend
-from runtime.errors import InvalidModelSpec
 from runtime.messages import ModelSpec
-
-BACKEND_KINDS = ("mlx", "simulated")
 
 
 def make_backend_loader(clock: ComputeClock | None = None) -> BackendLoader:
@@ -15,14 +13,10 @@ def make_backend_loader(clock: ComputeClock | None = None) -> BackendLoader:
     sim_clock = clock or RealClock()
 
     def load(spec: ModelSpec) -> Backend:
-        if spec.backend == "simulated":
+        if options_type(spec) is SimulatedModelOptions:  # InvalidModelSpec for an unknown kind
             return SimulatedBackend.load(spec, sim_clock)
-        if spec.backend == "mlx":
-            from runtime.backends.mlx.backend import MlxBackend
+        from runtime.backends.mlx.backend import MlxBackend
 
-            return MlxBackend.load(spec)
-        raise InvalidModelSpec(
-            f"unknown backend {spec.backend!r} for model {spec.name!r}; use one of {BACKEND_KINDS}"
-        )
+        return MlxBackend.load(spec)
 
     return load

@@ -11,7 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
+
 from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS, cache_root, fetch_model
+from runtime.backends.options import MlxOptions, options_as
 from runtime.errors import InvalidModelSpec, ModelLoadFailed
 from runtime.messages import ModelSpec
 from runtime.progress import Progress, no_progress
@@ -35,11 +38,15 @@ def converted_models_dir() -> Path:
     return cache_root() / "converted"
 
 
-def prepare_model(spec: ModelSpec, progress: Progress = no_progress) -> PreparedModel:
+def prepare_model(
+    spec: ModelSpec, progress: Progress = no_progress, *, options: MlxOptions | None = None
+) -> PreparedModel:
     """Fetch and convert what ``spec.path`` names, as needed; a cache hit does no work.
 
-    Raises ``InvalidModelSpec`` (no path, bad ``weights`` option), ``ModelFetchFailed``,
-    ``UnsupportedModelFormat`` or ``ModelLoadFailed`` with a sentence saying what to do.
+    ``options``: ``spec``'s, where the caller has decoded them already. Raises
+    ``InvalidModelSpec`` (no path, bad options, ``weights`` for a model that is not converted),
+    ``ModelFetchFailed``, ``UnsupportedModelFormat`` or ``ModelLoadFailed`` with a sentence
+    saying what to do.
     """
     from runtime.backends.mlx.gguf.convert import choose_weights, convert_gguf
 
@@ -48,17 +55,17 @@ def prepare_model(spec: ModelSpec, progress: Progress = no_progress) -> Prepared
             f"model {spec.name!r} needs a path: an mlx-lm model directory, a .gguf file, or a "
             f"known model ({', '.join(KNOWN_MODELS)})"
         )
-    requested = spec.options.get("weights")
-    if requested is not None and not isinstance(requested, str):
-        raise InvalidModelSpec(f"option 'weights' must be a string (got {requested!r})")
+    requested = (options or options_as(spec, MlxOptions)).weights
     known = KNOWN_MODELS.get(spec.path)
     if known is not None:
         gguf_file, sha256 = fetch_model(known, progress=progress), known.sha256
     else:
         path = Path(spec.path).expanduser()
         if path.is_dir():
+            _refuse_weights(spec, requested, "an mlx-lm model directory")
             return PreparedModel(path)
         if path.suffix.lower() != ".gguf":
+            _refuse_weights(spec, requested, "a Hugging Face repo")
             return PreparedModel(_hub_cache_path(spec.path))
         gguf_file, sha256 = path, None
     weights, why = choose_weights(requested)
@@ -70,6 +77,25 @@ def prepare_model(spec: ModelSpec, progress: Progress = no_progress) -> Prepared
         converted.path,
         f"{gguf_file.name}: {converted.describe()} ({why}); {how} {converted.path}",
     )
+
+
+def prepared_spec(spec: ModelSpec, prepared: PreparedModel) -> ModelSpec:
+    """``spec`` loading ``prepared``'s directory instead of fetching and converting again.
+
+    ``weights`` is dropped: the conversion used it up, and on a directory it is refused.
+    """
+    options = {key: value for key, value in spec.options.items() if key != "weights"}
+    return msgspec.structs.replace(spec, path=str(prepared.path), options=options)
+
+
+def _refuse_weights(spec: ModelSpec, weights: str | None, what: str) -> None:
+    # Loaded as its files are: a weights option would be a silent no-op, so say so.
+    if weights is not None:
+        raise InvalidModelSpec(
+            f"option 'weights' of model {spec.name!r} applies only to a .gguf file or a known "
+            f"model (it picks the format they are converted to); {spec.path!r} is {what}, "
+            "loaded as it is: drop the option"
+        )
 
 
 def _hub_cache_path(repo: str) -> Path:

@@ -6,7 +6,9 @@ is the oracle for prefix reuse. Compute "costs" time through a ``ComputeClock``:
 production thread executor, virtual seconds in the simulator. Faults are data, so they can travel in
 a ``ModelSpec`` and be replayed.
 
-Public: hosts load ``ModelSpec(name=..., backend="simulated", options={...})`` in their tests.
+Public: hosts load ``ModelSpec(name=..., backend="simulated", options={...})`` in their tests;
+the options are ``SimulatedModelOptions`` (defined with the other kinds' in
+``runtime.backends.options``, importable from here too).
 
 Loading a simulated model imports no MLX. Its logits are MLX arrays, though, so that the engine's
 one sampler (``runtime.text.sampling``, MLX code) treats them as a real model's: the first
@@ -21,17 +23,14 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-import msgspec
-
 from runtime.backends.contract import (
     CannotTrim,
     ModelInfo,
     ReuseStrategy,
     SequenceState,
     Snapshot,
-    backend_options,
 )
-from runtime.errors import InvalidModelSpec
+from runtime.backends.options import SimulatedModelOptions, options_as
 from runtime.messages import ModelSpec
 
 if TYPE_CHECKING:
@@ -62,24 +61,6 @@ class RealClock:
 
 class SimulatedFault(RuntimeError):
     """Raised by the simulated backend where its options inject a fault."""
-
-
-class SimulatedModelOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Options of a simulated model (``ModelSpec.options``)."""
-
-    # False: behaves like a hybrid model's caches: the per-token KV still trims, but a recurrent
-    # state of ``fixed_state_bytes`` does not, so reuse short of the whole state needs a snapshot.
-    trimmable: bool = True
-    context_length: int = 4096
-    bytes_per_token: int = 1024
-    fixed_state_bytes: int = 0
-    prefill_s_per_token: float = 0.0
-    decode_s_per_token: float = 0.0
-    load_s: float = 0.0
-    eos_every: int = 0  # >0: the prefix hash emits EOS about once every this many tokens
-    fail_load: bool = False
-    fail_prefill_call: int = 0  # >0: the n-th prefill call (1-based, per load) raises
-    fail_sample_call: int = 0  # >0: the n-th sample call raises
 
 
 class SimulatedState:
@@ -160,10 +141,7 @@ class SimulatedBackend:
     @classmethod
     def load(cls, spec: ModelSpec, clock: ComputeClock) -> SimulatedBackend:
         """Build from a spec; raises ``InvalidModelSpec`` (bad options) or ``SimulatedFault``."""
-        try:
-            options = msgspec.convert(backend_options(spec.options), SimulatedModelOptions)
-        except msgspec.ValidationError as exc:
-            raise InvalidModelSpec(f"simulated model {spec.name!r}: {exc}") from exc
+        options = options_as(spec, SimulatedModelOptions)
         clock.spend(options.load_s)
         if options.fail_load:
             raise SimulatedFault(f"simulated load failure for {spec.name!r}")

@@ -42,7 +42,8 @@ from runtime.backends.mlx.state import (
     snapshot_layer,
 )
 from runtime.backends.model_source import prepare_model
-from runtime.errors import InvalidModelSpec, ModelLoadFailed
+from runtime.backends.options import MlxOptions, options_as
+from runtime.errors import ModelLoadFailed
 from runtime.messages import ModelSpec
 
 _WARMUP_TOKENS = 4
@@ -64,16 +65,15 @@ class MlxBackend:
 
     @classmethod
     def load(cls, spec: ModelSpec) -> MlxBackend:
-        """Load ``spec.path``; raises ``ModelLoadFailed`` naming what is missing."""
+        """Load ``spec.path``; raises ``InvalidModelSpec`` (bad options) or ``ModelLoadFailed``
+        naming what is missing."""
         from mlx_lm.utils import load as mlx_load
 
-        prepared = prepare_model(spec)
+        options = options_as(spec, MlxOptions)
+        prepared = prepare_model(spec, options=options)
         path = prepared.path
         if prepared.note:
             log.info("model %r: %s", spec.name, prepared.note)
-        kv_bits = _int_option(spec, "kv_bits")
-        if kv_bits not in (None, 4, 8):
-            raise InvalidModelSpec(f"kv_bits must be 4 or 8 (got {kv_bits})")
         try:
             loaded = mlx_load(str(path), return_config=True)
             model, tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], loaded)
@@ -85,15 +85,15 @@ class MlxBackend:
                 "half-precision weights) to float32, which MLX's CPU kernels run ~40x faster",
                 spec.name,
             )
-        backend = cls(model, tokenizer, _placeholder_info(), kv_bits)
+        backend = cls(model, tokenizer, _placeholder_info(), options.kv_bits)
         backend._path = path
         try:
-            backend._info = backend._measure(spec, config)
+            backend._info = backend._measure(spec.name, options, config)
         except (ValueError, TypeError) as exc:  # e.g. an architecture the options do not fit
             raise ModelLoadFailed(f"the model at {path} failed its warm-up pass: {exc}") from exc
         return backend
 
-    def _measure(self, spec: ModelSpec, config: dict[str, Any]) -> ModelInfo:
+    def _measure(self, name: str, options: MlxOptions, config: dict[str, Any]) -> ModelInfo:
         """Run a tiny forward pass and read the cache layout off the real arrays."""
         state = self.new_state()
         self.prefill(state, [0] * _WARMUP_TOKENS)
@@ -110,11 +110,11 @@ class MlxBackend:
             else:
                 fixed += int(layer_cache.nbytes)
         strategy, reason = reuse_strategy(kinds, window)
-        context = _int_option(spec, "context_length") or context_length_of(config)
+        context = options.context_length or context_length_of(config)
         eos = effective_eos_ids(self._tokenizer, self._path, config)
         log.info(
             "model %r: context %d tokens, generation ends on token ids %s (%s)",
-            spec.name,
+            name,
             context,
             sorted(eos),
             ", ".join(repr(self._tokenizer.decode([t])) for t in sorted(eos)),
@@ -239,15 +239,6 @@ class MlxBackend:
 
 
 # ---------------------------------------------------------------------- helpers
-
-
-def _int_option(spec: ModelSpec, name: str) -> int | None:
-    value = spec.options.get(name)
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidModelSpec(f"option {name!r} must be an integer (got {value!r})")
-    return value
 
 
 def _placeholder_info() -> ModelInfo:

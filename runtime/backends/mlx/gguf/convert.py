@@ -20,7 +20,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, get_args
 
 import numpy as np
 
@@ -37,10 +37,10 @@ from runtime.backends.mlx.gguf.tensors import (
     quantize_dense,
 )
 from runtime.backends.mlx.gguf.tokenizer import write_tokenizer
+from runtime.backends.options import WeightFormat
 from runtime.errors import InvalidModelSpec, ModelLoadFailed
 from runtime.progress import Progress, no_progress
 
-WeightFormat = Literal["float32", "bfloat16", "float16", "quantized"]
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 IMPORTER_VERSION = 1  # bump when the output of a conversion changes
 STAMP = "gguf_import.json"

@@ -1,0 +1,146 @@
+"""The vocabulary of model options: what ``ModelSpec.options`` may say, per backend kind.
+
+``ModelSpec.options`` stays a plain dict on the wire; code reads these typed structs instead,
+each reader decoding once as a model loads: ``Runtime.load_model`` before anything is admitted,
+the engine as it starts, the backend as it loads. Every kind's struct extends ``EngineOptions``,
+the options the engine reads whatever the backend, so any one decode checks every name and type a
+spec carries. A typo, a wrong type or an unknown backend is an ``InvalidModelSpec`` that names
+the option and says what is accepted; ``option_from_text`` types command-line text the same way.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import typing
+from typing import Any, Literal, TypeVar
+
+import msgspec
+
+from runtime.errors import InvalidModelSpec
+from runtime.messages import ModelSpec
+
+OptionValue = str | int | float | bool | None  # what a ``ModelSpec.options`` value may be
+
+DEFAULT_CHECKPOINT_EVERY = 512
+DEFAULT_MAX_BATCH = 8
+DEFAULT_MAX_CONCURRENT = 32
+
+# How a .gguf file's weights are stored once converted (docs/models.md); "auto" picks by device.
+WeightFormat = Literal["float32", "bfloat16", "float16", "quantized"]
+WeightsOption = Literal["auto", WeightFormat]
+
+
+class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options the engine reads, whatever the backend."""
+
+    # Snapshot spacing during long prefills of non-trimmable caches (0: none).
+    checkpoint_every_tokens: int = DEFAULT_CHECKPOINT_EVERY
+    batching: bool = True  # False: every stream stays on the B=1 fast path
+    max_batch: int = DEFAULT_MAX_BATCH  # most sequences in one decode batch
+    max_concurrent: int = DEFAULT_MAX_CONCURRENT  # sequences past the admission gate at once
+
+
+class MlxOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of an mlx-lm model (``backend="mlx"``)."""
+
+    kv_bits: Literal[4, 8] | None = None  # quantized KV for full-attention layers
+    context_length: int | None = None  # None (or 0): the model's own config decides
+    # Only for a .gguf file or a known model: the format they are converted to.
+    weights: WeightsOption | None = None
+
+
+class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of a simulated model (``backend="simulated"``)."""
+
+    # False: behaves like a hybrid model's caches: the per-token KV still trims, but a recurrent
+    # state of ``fixed_state_bytes`` does not, so reuse short of the whole state needs a snapshot.
+    trimmable: bool = True
+    context_length: int = 4096
+    bytes_per_token: int = 1024
+    fixed_state_bytes: int = 0
+    prefill_s_per_token: float = 0.0
+    decode_s_per_token: float = 0.0
+    load_s: float = 0.0
+    eos_every: int = 0  # >0: the prefix hash emits EOS about once every this many tokens
+    fail_load: bool = False
+    fail_prefill_call: int = 0  # >0: the n-th prefill call (1-based, per load) raises
+    fail_sample_call: int = 0  # >0: the n-th sample call raises
+
+
+ModelOptions = MlxOptions | SimulatedModelOptions
+OPTIONS_BY_BACKEND: dict[str, type[ModelOptions]] = {
+    "mlx": MlxOptions,
+    "simulated": SimulatedModelOptions,
+}
+BACKEND_KINDS = tuple(OPTIONS_BY_BACKEND)
+
+OptionsT = TypeVar("OptionsT", bound=EngineOptions)
+
+
+def decode_options(spec: ModelSpec) -> ModelOptions:
+    """``spec.options`` as its backend kind's struct; raises ``InvalidModelSpec``."""
+    return options_as(spec, options_type(spec))
+
+
+def options_as(spec: ModelSpec, kind: type[OptionsT]) -> OptionsT:
+    """``spec.options`` as ``kind``; raises ``InvalidModelSpec`` naming a bad option."""
+    fields = _fields(kind)
+    # One option at a time, so that the error names the option (msgspec's names a path).
+    values = {
+        key: _convert(spec, fields, key, value, strict=True) for key, value in spec.options.items()
+    }
+    return kind(**values)
+
+
+def option_from_text(spec: ModelSpec, key: str, text: str) -> OptionValue:
+    """A ``KEY=VALUE`` option typed as ``spec``'s backend declares it (``"False"`` is False,
+    ``"4"`` is 4, ``"null"`` is None); raises ``InvalidModelSpec`` naming the option."""
+    value = _convert(spec, _fields(options_type(spec)), key, text, strict=False)
+    return typing.cast(OptionValue, value)  # every option's type is one of OptionValue's
+
+
+def options_type(spec: ModelSpec) -> type[ModelOptions]:
+    """The options struct of ``spec``'s backend kind; raises ``InvalidModelSpec`` for none."""
+    kind = OPTIONS_BY_BACKEND.get(spec.backend)
+    if kind is None:
+        raise InvalidModelSpec(
+            f"unknown backend {spec.backend!r} for model {spec.name!r}; use one of {BACKEND_KINDS}"
+        )
+    return kind
+
+
+@functools.cache
+def _fields(kind: type[EngineOptions]) -> dict[str, Any]:
+    return {f.name: f.type for f in msgspec.structs.fields(kind)}
+
+
+def _convert(
+    spec: ModelSpec, fields: dict[str, Any], key: str, value: object, *, strict: bool
+) -> Any:
+    if key not in fields:
+        raise InvalidModelSpec(
+            f"unknown option {key!r} for model {spec.name!r} (backend {spec.backend!r}); "
+            f"known: {', '.join(sorted(fields))}"
+        )
+    try:
+        return msgspec.convert(value, fields[key], strict=strict)
+    except msgspec.ValidationError:
+        raise InvalidModelSpec(
+            f"option {key!r} of model {spec.name!r} (backend {spec.backend!r}) must be "
+            f"{accepted(fields[key])} (got {value!r})"
+        ) from None
+
+
+def accepted(annotation: Any) -> str:
+    """What a value of this option type may be, said to a person ("4 or 8, or null")."""
+    origin = typing.get_origin(annotation)
+    if origin is Literal:
+        choices = [repr(arg) for arg in typing.get_args(annotation)]
+        return " or ".join(choices) if len(choices) < 3 else f"one of {', '.join(choices)}"
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        said = ", or ".join(accepted(arg) for arg in args if arg is not type(None))
+        return f"{said}, or null" if type(None) in args else said
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    return names.get(annotation, getattr(annotation, "__name__", str(annotation)))

@@ -1,0 +1,222 @@
+"""Model options (``ModelSpec.options``): one typed vocabulary per backend kind, decoded at load.
+
+A typo, a wrong type or an option that cannot apply is an ``InvalidModelSpec`` naming the option,
+raised by ``Runtime.load_model`` before anything is loaded; ``mlxrt`` converts ``KEY=VALUE``
+text by the option's declared type.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from runtime.api import Runtime
+from runtime.backends import simulated
+from runtime.backends.model_source import PreparedModel, prepare_model
+from runtime.backends.options import (
+    MlxOptions,
+    OptionValue,
+    SimulatedModelOptions,
+    decode_options,
+)
+from runtime.backends.simulated import RealClock, SimulatedBackend, greedy_continuation
+from runtime.cli import main, model_specs, prepare_specs
+from runtime.config import RuntimeConfig
+from runtime.errors import InvalidModelSpec
+from runtime.messages import CommandFailed, Generate, ModelLoaded, ModelSpec
+from runtime.testing.simulator import Simulator
+
+PER_TOKEN = 0.001
+
+
+def simulate(spec: ModelSpec) -> Simulator:
+    sim = Simulator(seed=0, config=RuntimeConfig(kv_budget_bytes=64 << 20))
+    assert isinstance(sim.load(spec), ModelLoaded)
+    return sim
+
+
+def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int) -> Generate:
+    return Generate(
+        request_id=request_id,
+        incarnation=incarnation,
+        model="m",
+        prompt_tokens=tokens,
+        max_tokens=n,
+    )
+
+
+# ---------------------------------------------------------------------- the command line
+
+
+@pytest.mark.parametrize("text", ["False", "false", "0"])
+def test_batching_false_on_the_command_line_turns_batching_off(text: str) -> None:
+    # "False" used to arrive as the string "False" (and "0" as the integer 0): batching stayed on.
+    [spec] = model_specs(
+        ["m"], "simulated", [f"batching={text}", f"decode_s_per_token={PER_TOKEN}"]
+    )
+    assert spec.options["batching"] is False
+    sim = simulate(spec)
+    first, second = tuple(range(10, 20)), tuple(range(30, 60))
+    sim.send(generate("a", 1, first, 30))
+    sim.send(generate("b", 2, second, 30))
+    sim.run_until_quiescent()
+    assert sim.emitted_tokens("a", 1) == greedy_continuation(first, 30)
+    assert sim.emitted_tokens("b", 2) == greedy_continuation(second, 30)
+    counters = sim.core("engine:m#1").counters.snapshot()  # type: ignore[union-attr]
+    assert counters.get("batch_steps", 0) == 0 and counters["decoded_tokens"] > 0
+
+
+def test_command_line_values_take_each_options_declared_type() -> None:
+    [spec] = model_specs(
+        ["a=/models/a"],
+        "mlx",
+        ["kv_bits=4", "max_batch=3", "batching=true", "weights=float32", "context_length=null"],
+    )
+    assert spec.options == {
+        "kv_bits": 4,
+        "max_batch": 3,
+        "batching": True,
+        "weights": "float32",
+        "context_length": None,
+    }
+    [sim] = model_specs(["s"], "simulated", ["prefill_s_per_token=1e-3", "load_s=2"])
+    assert sim.options == {"prefill_s_per_token": 0.001, "load_s": 2.0}
+
+
+@pytest.mark.parametrize(
+    ("option", "named", "accepted"),
+    [
+        ("max_batch=lots", "'max_batch'", "an integer"),
+        ("batching=maybe", "'batching'", "true or false"),
+        ("kv_bits=5", "'kv_bits'", "4 or 8"),
+        ("kv_bit=4", "'kv_bit'", "kv_bits"),
+    ],
+)
+def test_a_command_line_option_that_does_not_convert_names_the_option(
+    option: str, named: str, accepted: str
+) -> None:
+    with pytest.raises(InvalidModelSpec, match=named) as caught:
+        model_specs(["a=/models/a"], "mlx", [option])
+    assert accepted in caught.value.message
+
+
+def test_serve_refuses_an_unknown_option_before_starting(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["serve", "--backend", "simulated", "--model", "m", "--model-option", "batchin=0"])
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert "'batchin'" in err and "batching" in err
+
+
+def test_prepared_specs_drop_the_weights_their_directory_already_holds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CLI converts a .gguf once and hands the engines its directory: the weights option was
+    # used up by the conversion, and on a directory it would now be refused.
+    monkeypatch.setattr("runtime.cli.prepare_model", lambda spec, progress: PreparedModel(tmp_path))
+    spec = ModelSpec(name="g", path="/x/model.gguf", options={"weights": "float32", "kv_bits": 8})
+    [prepared] = prepare_specs((spec,), quiet=True)
+    assert prepared.path == str(tmp_path)
+    assert prepared.options == {"kv_bits": 8}
+    assert prepare_model(prepared).path == tmp_path
+
+
+# ---------------------------------------------------------------------- the host API
+
+
+@pytest.mark.anyio
+async def test_a_misspelt_mlx_option_is_refused_by_load_model(tmp_path: Path) -> None:
+    # kv_bit=4 used to be dropped silently: the model loaded with full-precision KV.
+    spec = ModelSpec(name="q", path=str(tmp_path / "absent"), options={"kv_bit": 4})
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 20)) as rt:
+        with pytest.raises(InvalidModelSpec, match="'kv_bit'") as caught:
+            await rt.load_model(spec)
+    assert "kv_bits" in caught.value.message and "mlx" in caught.value.message
+
+
+@pytest.mark.anyio
+async def test_weights_on_an_mlx_directory_is_refused_by_load_model(tmp_path: Path) -> None:
+    # weights used to be ignored for a directory: the model loaded as its files were.
+    spec = ModelSpec(name="d", path=str(tmp_path), options={"weights": "quantized"})
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 20)) as rt:
+        with pytest.raises(InvalidModelSpec, match="'weights'") as caught:
+            await rt.load_model(spec)
+    assert ".gguf" in caught.value.message
+
+
+def test_weights_on_an_mlx_directory_is_refused_when_preparing(tmp_path: Path) -> None:
+    with pytest.raises(InvalidModelSpec, match="directory"):
+        prepare_model(ModelSpec(name="d", path=str(tmp_path), options={"weights": "float32"}))
+
+
+@pytest.mark.anyio
+async def test_a_refused_spec_loads_nothing(tmp_path: Path) -> None:
+    bad = ModelSpec(name="m", backend="simulated", options={"max_batch": "4"})
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 20)) as rt:
+        with pytest.raises(InvalidModelSpec, match="'max_batch'"):
+            await rt.load_model(bad)
+        # The name is free: nothing was admitted under it.
+        loaded = await rt.load_model(ModelSpec(name="m", backend="simulated"))
+    assert loaded.model == "m"
+
+
+def test_an_engine_refuses_bad_options_sent_past_the_host_api() -> None:
+    # A LoadModel that skipped Runtime.load_model (the simulator sends it as is) still fails typed.
+    sim = Simulator(seed=0, config=RuntimeConfig(kv_budget_bytes=1 << 20))
+    reply = sim.load(ModelSpec(name="m", backend="simulated", options={"trimable": False}))
+    assert isinstance(reply, CommandFailed) and reply.code == InvalidModelSpec.code
+    assert "'trimable'" in reply.message and "trimmable" in reply.message
+
+
+# ---------------------------------------------------------------------- the vocabulary
+
+
+def test_each_backend_decodes_its_own_options_and_the_engines() -> None:
+    mlx = decode_options(ModelSpec(name="m", options={"kv_bits": 8, "max_batch": 2}))
+    assert isinstance(mlx, MlxOptions)
+    assert (mlx.kv_bits, mlx.max_batch, mlx.batching, mlx.weights) == (8, 2, True, None)
+    sim = decode_options(
+        ModelSpec(name="s", backend="simulated", options={"trimmable": False, "load_s": 1})
+    )
+    assert isinstance(sim, SimulatedModelOptions)
+    assert (sim.trimmable, sim.load_s, sim.max_concurrent) == (False, 1.0, 32)
+    # The simulated options stay importable where hosts' tests found them.
+    assert simulated.SimulatedModelOptions is SimulatedModelOptions
+
+
+@pytest.mark.parametrize(
+    ("backend", "options", "named", "accepted"),
+    [
+        ("mlx", {"kv_bits": 5}, "'kv_bits'", "4 or 8, or null"),
+        ("mlx", {"context_length": "8192"}, "'context_length'", "an integer, or null"),
+        ("mlx", {"weights": "int3"}, "'weights'", "one of 'auto', 'float32'"),
+        ("mlx", {"trimmable": False}, "'trimmable'", "known: batching"),
+        ("simulated", {"max_batch": True}, "'max_batch'", "an integer"),  # a bool is no count
+        ("simulated", {"batching": "False"}, "'batching'", "true or false"),
+        ("simulated", {"kv_bits": 4}, "'kv_bits'", "known: batching"),
+    ],
+)
+def test_a_bad_option_names_itself_and_what_is_accepted(
+    backend: str, options: dict[str, OptionValue], named: str, accepted: str
+) -> None:
+    spec = ModelSpec(name="m", backend=backend, options=options)
+    with pytest.raises(InvalidModelSpec, match=named) as caught:
+        decode_options(spec)
+    assert accepted in caught.value.message and f"'{backend}'" in caught.value.message
+
+
+def test_an_unknown_backend_is_an_invalid_spec() -> None:
+    with pytest.raises(InvalidModelSpec, match=r"'onnx'.*mlx"):
+        decode_options(ModelSpec(name="m", backend="onnx"))
+
+
+def test_the_simulated_backend_decodes_its_options_at_load() -> None:
+    spec = ModelSpec(name="m", backend="simulated", options={"bytes_per_token": 8})
+    assert SimulatedBackend.load(spec, RealClock()).info.bytes_per_token == 8
+    with pytest.raises(InvalidModelSpec, match="'bytes_per_tokn'"):
+        SimulatedBackend.load(
+            ModelSpec(name="m", backend="simulated", options={"bytes_per_tokn": 8}), RealClock()
+        )
