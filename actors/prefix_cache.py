@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 from actors.token_trie import TokenTrie
 from runtime.kernel.core import Address, Context, engine_address
+from runtime.kernel.stats import Counters
 from runtime.messages import (
     Commit,
     Committed,
@@ -140,7 +141,7 @@ class PrefixCacheCore:
         self._namespace_resets: Counter[tuple[str, str]] = Counter()
         self._invalidated_epochs: set[tuple[str, int]] = set()
         self._total_bytes = 0
-        self._counters: Counter[str] = Counter()
+        self.counters = Counters(_COUNTER_NAMES)
 
     # ------------------------------------------------------------------ read-only accessors
 
@@ -193,7 +194,7 @@ class PrefixCacheCore:
                     ctx.count_dead_letter("unpin_unknown_entry")
                 else:
                     entry.pinned = False
-                    self._counters["unpinned"] += 1
+                    self.counters.inc("unpinned")
             case Evict(nbytes=nbytes, include_pinned=include_pinned):
                 self._evict(nbytes, include_pinned, ctx)
             case InvalidateEpoch(model=model, epoch=epoch):
@@ -215,12 +216,12 @@ class PrefixCacheCore:
     # ------------------------------------------------------------------ handlers
 
     def _lookup(self, request: Lookup, sender: Address, ctx: Context) -> None:
-        self._counters["lookups"] += 1
+        self.counters.inc("lookups")
         trie = self._tries.get((request.model, request.epoch, request.namespace))
         match = trie.best_match(request.tokens) if trie is not None else None
         entry_id = lease_id = None
         if match is None:
-            self._counters["misses"] += 1
+            self.counters.inc("misses")
         else:
             entry = self._entries[EntryKey(request.model, request.epoch, match.entry_id)]
             entry_id, lease_id = match.entry_id, self._next_lease_id
@@ -228,8 +229,8 @@ class PrefixCacheCore:
             self._leases[lease_id] = _Lease(entry.key, request.sequence_id)
             entry.leases.add(lease_id)
             self._touch(entry)
-            self._counters[_HIT_COUNTERS[match.path]] += 1
-            self._counters["tokens_reused"] += match.matched
+            self.counters.inc(_HIT_COUNTERS[match.path])
+            self.counters.inc("tokens_reused", match.matched)
         result = LookupResult(
             sequence_id=request.sequence_id,
             epoch=request.epoch,
@@ -263,8 +264,8 @@ class PrefixCacheCore:
         elif trie is not None and trie.find(commit.tokens, commit.trimmable) is not None:
             refusal = "refused_duplicate"
         if refusal is not None:
-            self._counters["commits_refused"] += 1
-            self._counters[refusal] += 1
+            self.counters.inc("commits_refused")
+            self.counters.inc(refusal)
             return Committed(entry_id=commit.entry_id, accepted=False)
 
         if trie is None:
@@ -294,18 +295,18 @@ class PrefixCacheCore:
         self._recency_clock += 1
         trie.insert(entry.tokens, entry.trimmable, key.entry_id, self._recency_clock, entry.points)
         self._lru[key] = None
-        self._counters["commits"] += 1
-        self._counters["superseded"] += len(superseded)
+        self.counters.inc("commits")
+        self.counters.inc("superseded", len(superseded))
         return Committed(entry_id=commit.entry_id, accepted=True, superseded=tuple(superseded))
 
     def _release_lease(self, lease_id: int, ctx: Context) -> None:
         lease = self._leases.pop(lease_id, None)
         if lease is None:
             # Unknown, already released, or its epoch was invalidated: nothing to undo.
-            self._counters["unknown_lease_releases"] += 1
+            self.counters.inc("unknown_lease_releases")
             ctx.count_dead_letter("prefix_unknown_lease")
             return
-        self._counters["lease_releases"] += 1
+        self.counters.inc("lease_releases")
         entry = self._entries[lease.key]
         entry.leases.discard(lease_id)
         if entry.doomed and not entry.leases:
@@ -313,7 +314,7 @@ class PrefixCacheCore:
             self._send_drops([entry.key], ctx)
 
     def _evict(self, nbytes: int, include_pinned: bool, ctx: Context) -> None:
-        self._counters["evict_requests"] += 1
+        self.counters.inc("evict_requests")
         freed = 0
         evicted: list[EntryKey] = []
         for key in list(self._lru):
@@ -326,9 +327,9 @@ class PrefixCacheCore:
             evicted.append(key)
             freed += entry.nbytes
         if freed < nbytes:
-            self._counters["evict_shortfalls"] += 1
-        self._counters["evictions"] += len(evicted)
-        self._counters["evicted_bytes"] += freed
+            self.counters.inc("evict_shortfalls")
+        self.counters.inc("evictions", len(evicted))
+        self.counters.inc("evicted_bytes", freed)
         self._send_drops(evicted, ctx)
 
     def _invalidate_epoch(self, model: str, epoch: int) -> None:
@@ -337,8 +338,8 @@ class PrefixCacheCore:
         doomed_epoch = [e for e in self._entries.values() if e.key[:2] == (model, epoch)]
         for entry in doomed_epoch:
             self._forget(entry)
-        self._counters["invalidations"] += 1
-        self._counters["invalidated_entries"] += len(doomed_epoch)
+        self.counters.inc("invalidations")
+        self.counters.inc("invalidated_entries", len(doomed_epoch))
 
     def _reset(self, model: str, namespace: str | None, ctx: Context) -> int:
         if namespace is None:
@@ -357,21 +358,20 @@ class PrefixCacheCore:
             else:
                 self._forget(entry)
                 dropped.append(entry.key)
-        self._counters["resets"] += 1
-        self._counters["reset_entries"] += no_longer_findable
+        self.counters.inc("resets")
+        self.counters.inc("reset_entries", no_longer_findable)
         self._send_drops(dropped, ctx)
         return no_longer_findable
 
     def statistics(self) -> Stats:
         """Counters and gauges now (an immutable snapshot; also the reply to ``GetStats``)."""
-        counters = {name: self._counters[name] for name in _COUNTER_NAMES}
         gauges = {
             "entries": len(self._entries),
             "bytes": self._total_bytes,
             "leases": len(self._leases),
             "doomed": sum(1 for e in self._entries.values() if e.doomed),
         }
-        return Stats(actor="prefix", counters=counters, gauges=gauges)
+        return Stats(actor="prefix", counters=self.counters.snapshot(), gauges=gauges)
 
     # ------------------------------------------------------------------ bookkeeping
 
