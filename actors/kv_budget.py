@@ -56,7 +56,7 @@ import itertools
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, assert_never
 
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge, MlxRuntimeError
 from runtime.kernel.core import PREFIX_CACHE, Address, Context
@@ -66,6 +66,7 @@ from runtime.messages import (
     Evict,
     GetStats,
     Holder,
+    KVInbox,
     Message,
     Release,
     ReleaseEpoch,
@@ -170,30 +171,45 @@ class KVBudgetCore:
     # ------------------------------------------------------------------ actor interface
 
     def handle(self, message: Message, sender: Address, ctx: Context) -> None:
-        """Apply one inbox message; never raises on bad input (it is refused or counted)."""
+        """Apply one message; never raises on bad input (it is refused or counted), and one
+        outside ``KVInbox`` is counted ``unexpected_message``."""
+        if isinstance(message, KVInbox):
+            self._receive(message, sender, ctx)
+        else:
+            self._count_dropped("unexpected_message", ctx)
+
+    def _receive(self, message: KVInbox, sender: Address, ctx: Context) -> None:
         match message:
+            case Reserve(holder=holder) if self._is_retired(holder):
+                self._count_dropped("stale_epoch", ctx)  # its epoch's teardown has released all
             case Reserve():
                 self._reserve(message, sender, ctx)
-            case Release(holder=holder, nbytes=None):
-                self._release(holder, ctx)
-            case Release(holder=holder, nbytes=int(nbytes)):
-                self._release_part(holder, nbytes, ctx)
+            case Release(holder=holder, nbytes=nbytes):
+                if nbytes is None:
+                    self._release(holder, ctx)
+                else:
+                    self._release_part(holder, nbytes, ctx)
             case Transfer():
                 self._transfer(message, ctx)
             case ReleaseEpoch(model=model, epoch=epoch):
                 self._release_epoch(model, epoch, ctx)
                 ctx.send(sender, EpochReleased(model=model, epoch=epoch))
+            case ReservationExpired(holder=holder, ticket=ticket) if not self._still_waits(
+                holder, ticket
+            ):
+                self._count_dropped("stale_timer", ctx)  # granted or dropped before its deadline
             case ReservationExpired(holder=holder, ticket=ticket):
                 self._expire(holder, ticket, ctx)
-            case ReservationPressure(ticket=ticket):
-                if ticket in self._waiting:
-                    self.counters.inc("evict_pinned_requests")
-                    shortfall = self._queued_bytes() - self.free_bytes
-                    ctx.send(self._prefix_cache, Evict(nbytes=shortfall, include_pinned=True))
+            case ReservationPressure(ticket=ticket) if ticket not in self._waiting:
+                pass  # answered already: nothing to press for
+            case ReservationPressure():
+                self.counters.inc("evict_pinned_requests")
+                shortfall = self._queued_bytes() - self.free_bytes
+                ctx.send(self._prefix_cache, Evict(nbytes=shortfall, include_pinned=True))
             case GetStats():
                 ctx.send(sender, self.statistics())
             case _:
-                self._count_dropped("unexpected_message", ctx)
+                assert_never(message)
 
     def on_start(self, ctx: Context) -> None:
         """Nothing to set up: the budget is fixed at construction."""
@@ -206,9 +222,6 @@ class KVBudgetCore:
     def _reserve(self, request: Reserve, sender: Address, ctx: Context) -> None:
         holder, nbytes = request.holder, request.nbytes
         timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
-        if self._is_retired(holder):
-            self._count_dropped("stale_epoch", ctx)
-            return
         if nbytes < 0 or not (timeout_s >= 0 and math.isfinite(timeout_s)):
             self.counters.inc("refused_invalid")
             text = (
@@ -299,12 +312,12 @@ class KVBudgetCore:
         self._grant_waiting(ctx)
         self._ask_eviction_again(ctx)
 
-    def _expire(self, holder: Holder, ticket: int, ctx: Context) -> None:
+    def _still_waits(self, holder: Holder, ticket: int) -> bool:
         waiting = self._waiting.get(ticket)
-        if waiting is None or waiting.holder != holder:
-            self._count_dropped("stale_timer", ctx)
-            return
-        del self._waiting[ticket]
+        return waiting is not None and waiting.holder == holder
+
+    def _expire(self, holder: Holder, ticket: int, ctx: Context) -> None:
+        waiting = self._waiting.pop(ticket)
         self.counters.inc("refused_timeout")
         text = (
             f"{_describe(holder)} waited {waiting.timeout_s:g}s for {waiting.nbytes} bytes of KV "
