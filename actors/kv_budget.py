@@ -54,18 +54,19 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, assert_never
 
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge, MlxRuntimeError
 from runtime.kernel.core import PREFIX_CACHE, Address, Context
+from runtime.kernel.stats import Counters
 from runtime.messages import (
     EpochReleased,
     Evict,
     GetStats,
     Holder,
+    KVInbox,
     Message,
     Release,
     ReleaseEpoch,
@@ -134,7 +135,7 @@ class KVBudgetCore:
         self._waiting: dict[int, _Waiting] = {}
         self._tickets = itertools.count(1)
         self._retired_epochs: dict[str, int] = {}
-        self._counters: Counter[str] = Counter(dict.fromkeys(_COUNTER_NAMES, 0))
+        self.counters = Counters(_COUNTER_NAMES)
 
     # ------------------------------------------------------------------ read-only views
 
@@ -170,30 +171,45 @@ class KVBudgetCore:
     # ------------------------------------------------------------------ actor interface
 
     def handle(self, message: Message, sender: Address, ctx: Context) -> None:
-        """Apply one inbox message; never raises on bad input (it is refused or counted)."""
+        """Apply one message; never raises on bad input (it is refused or counted), and one
+        outside ``KVInbox`` is counted ``unexpected_message``."""
+        if isinstance(message, KVInbox):
+            self._receive(message, sender, ctx)
+        else:
+            self._count_dropped("unexpected_message", ctx)
+
+    def _receive(self, message: KVInbox, sender: Address, ctx: Context) -> None:
         match message:
+            case Reserve(holder=holder) if self._is_retired(holder):
+                self._count_dropped("stale_epoch", ctx)  # its epoch's teardown has released all
             case Reserve():
                 self._reserve(message, sender, ctx)
-            case Release(holder=holder, nbytes=None):
-                self._release(holder, ctx)
-            case Release(holder=holder, nbytes=int(nbytes)):
-                self._release_part(holder, nbytes, ctx)
+            case Release(holder=holder, nbytes=nbytes):
+                if nbytes is None:
+                    self._release(holder, ctx)
+                else:
+                    self._release_part(holder, nbytes, ctx)
             case Transfer():
                 self._transfer(message, ctx)
             case ReleaseEpoch(model=model, epoch=epoch):
                 self._release_epoch(model, epoch, ctx)
                 ctx.send(sender, EpochReleased(model=model, epoch=epoch))
+            case ReservationExpired(holder=holder, ticket=ticket) if not self._still_waits(
+                holder, ticket
+            ):
+                self._count_dropped("stale_timer", ctx)  # granted or dropped before its deadline
             case ReservationExpired(holder=holder, ticket=ticket):
                 self._expire(holder, ticket, ctx)
-            case ReservationPressure(ticket=ticket):
-                if ticket in self._waiting:
-                    self._counters["evict_pinned_requests"] += 1
-                    shortfall = self._queued_bytes() - self.free_bytes
-                    ctx.send(self._prefix_cache, Evict(nbytes=shortfall, include_pinned=True))
+            case ReservationPressure(ticket=ticket) if ticket not in self._waiting:
+                pass  # answered already: nothing to press for
+            case ReservationPressure():
+                self.counters.inc("evict_pinned_requests")
+                shortfall = self._queued_bytes() - self.free_bytes
+                ctx.send(self._prefix_cache, Evict(nbytes=shortfall, include_pinned=True))
             case GetStats():
                 ctx.send(sender, self.statistics())
             case _:
-                self._count_dropped("unexpected_message", ctx)
+                assert_never(message)
 
     def on_start(self, ctx: Context) -> None:
         """Nothing to set up: the budget is fixed at construction."""
@@ -206,18 +222,15 @@ class KVBudgetCore:
     def _reserve(self, request: Reserve, sender: Address, ctx: Context) -> None:
         holder, nbytes = request.holder, request.nbytes
         timeout_s = self._default_timeout_s if request.timeout_s is None else request.timeout_s
-        if self._is_retired(holder):
-            self._count_dropped("stale_epoch", ctx)
-            return
         if nbytes < 0 or not (timeout_s >= 0 and math.isfinite(timeout_s)):
-            self._counters["refused_invalid"] += 1
+            self.counters.inc("refused_invalid")
             text = (
                 f"nbytes={nbytes} and timeout_s={timeout_s} must be finite and >= 0 (caller bug)."
             )
             self._refuse(sender, holder, nbytes, InvalidRequest, text, ctx)
             return
         if nbytes > self._budget_bytes:
-            self._counters["refused_too_large"] += 1
+            self.counters.inc("refused_too_large")
             text = (
                 f"{_describe(holder)} needs {nbytes} bytes of KV cache but the whole budget is "
                 f"{self._budget_bytes} bytes; shorten the prompt or max_tokens, or raise the "
@@ -229,15 +242,15 @@ class KVBudgetCore:
             self._grant(holder, nbytes, sender, ctx)
             return
         if timeout_s == 0:  # "only if it fits now": never queue, never evict for it
-            self._counters["refused_no_wait"] += 1
+            self.counters.inc("refused_no_wait")
             text = f"{_describe(holder)} asked for {nbytes} bytes only if free now; they are not."
             self._refuse(sender, holder, nbytes, KVBudgetExhausted, text, ctx)
             return
         ticket = next(self._tickets)
         deadline = ctx.now() + timeout_s
         self._waiting[ticket] = _Waiting(ticket, holder, nbytes, deadline, timeout_s, sender)
-        self._counters["queued"] += 1
-        self._counters["evict_requests"] += 1
+        self.counters.inc("queued")
+        self.counters.inc("evict_requests")
         # Ask for the whole queue's shortfall: everything ahead must be served before this one.
         ctx.send(self._prefix_cache, Evict(nbytes=self._queued_bytes() - self.free_bytes))
         ctx.send_later(timeout_s, ReservationExpired(holder=holder, ticket=ticket))
@@ -267,7 +280,7 @@ class KVBudgetCore:
             self._count_dropped("release_short", ctx)
         self._holdings[holder] = held - freed
         self._reserved_bytes -= freed
-        self._counters["released_partial"] += 1
+        self.counters.inc("released_partial")
         self._grant_waiting(ctx)
         self._ask_eviction_again(ctx)
 
@@ -289,7 +302,7 @@ class KVBudgetCore:
             self._count_dropped("transfer_short", ctx)
         self._holdings[source] = held - moved
         self._holdings[target] = self._holdings.get(target, 0) + moved
-        self._counters["transfers"] += 1
+        self.counters.inc("transfers")
 
     def _release_epoch(self, model: str, epoch: int, ctx: Context) -> None:
         self._retired_epochs[model] = max(epoch, self._retired_epochs.get(model, epoch))
@@ -299,13 +312,13 @@ class KVBudgetCore:
         self._grant_waiting(ctx)
         self._ask_eviction_again(ctx)
 
-    def _expire(self, holder: Holder, ticket: int, ctx: Context) -> None:
+    def _still_waits(self, holder: Holder, ticket: int) -> bool:
         waiting = self._waiting.get(ticket)
-        if waiting is None or waiting.holder != holder:
-            self._count_dropped("stale_timer", ctx)
-            return
-        del self._waiting[ticket]
-        self._counters["refused_timeout"] += 1
+        return waiting is not None and waiting.holder == holder
+
+    def _expire(self, holder: Holder, ticket: int, ctx: Context) -> None:
+        waiting = self._waiting.pop(ticket)
+        self.counters.inc("refused_timeout")
         text = (
             f"{_describe(holder)} waited {waiting.timeout_s:g}s for {waiting.nbytes} bytes of KV "
             f"cache ({self.free_bytes} of {self._budget_bytes} free, {len(self._waiting)} still "
@@ -320,13 +333,13 @@ class KVBudgetCore:
     def _grant(self, holder: Holder, nbytes: int, requester: Address, ctx: Context) -> None:
         self._holdings[holder] = self._holdings.get(holder, 0) + nbytes
         self._reserved_bytes += nbytes
-        self._counters["granted"] += 1
+        self.counters.inc("granted")
         ctx.send(requester, Reserved(holder=holder, nbytes=nbytes))
 
     def _ask_eviction_again(self, ctx: Context) -> None:
         """Entries cached since the last ask (a finished request's state) may be evictable now."""
         if self._waiting:
-            self._counters["evict_requests"] += 1
+            self.counters.inc("evict_requests")
             ctx.send(self._prefix_cache, Evict(nbytes=self._queued_bytes() - self.free_bytes))
 
     def _grant_waiting(self, ctx: Context) -> None:
@@ -339,7 +352,7 @@ class KVBudgetCore:
 
     def _release_holding(self, holder: Holder) -> None:
         self._reserved_bytes -= self._holdings.pop(holder)
-        self._counters["released"] += 1
+        self.counters.inc("released")
 
     def _drop_waiting(self, doomed: Callable[[_Waiting], bool], ctx: Context) -> int:
         tickets = [w.ticket for w in self._waiting.values() if doomed(w)]
@@ -370,7 +383,7 @@ class KVBudgetCore:
         return sum(w.nbytes for w in self._waiting.values())
 
     def _count_dropped(self, reason: str, ctx: Context) -> None:
-        self._counters[reason] += 1
+        self.counters.inc(reason)
         ctx.count_dead_letter(reason)
 
     def statistics(self) -> Stats:
@@ -383,4 +396,4 @@ class KVBudgetCore:
             "queued_bytes": self._queued_bytes(),
             "holders": len(self._holdings),
         }
-        return Stats(actor="kv", counters=dict(self._counters), gauges=gauges)
+        return Stats(actor="kv", counters=self.counters.snapshot(), gauges=gauges)

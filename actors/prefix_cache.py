@@ -9,17 +9,18 @@ one tenant's namespace never serves another's prompt, and state of one model loa
 another load. A ``Lookup`` hit takes a lease; a leased entry is never evicted, superseded or
 changed. ``ResetPrefixes`` bumps a per-(model, namespace) generation so state computed before a
 reset can never be committed after it; leased entries in scope become *doomed*: no longer found,
-dropped when their last lease is released.
+dropped when their last lease is released. The entries, their tries, LRU order and leases are kept
+by ``actors.prefix_index.PrefixIndex``; this module decides what happens to them.
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
-from typing import NamedTuple
+from collections import Counter
+from typing import assert_never
 
-from actors.token_trie import TokenTrie
+from actors.prefix_index import Entry, EntryKey, EntrySnapshot, PrefixIndex
 from runtime.kernel.core import Address, Context, engine_address
+from runtime.kernel.stats import Counters
 from runtime.messages import (
     Commit,
     Committed,
@@ -31,13 +32,15 @@ from runtime.messages import (
     LookupResult,
     Message,
     PrefixesReset,
+    PrefixInbox,
     ReleaseLease,
     ResetPrefixes,
     ReusePath,
     Stats,
-    TokenIds,
     Unpin,
 )
+
+__all__ = ["EntryKey", "EntrySnapshot", "PrefixCacheCore"]
 
 # Present in every Stats reply, even while zero, so dashboards see a stable set of names.
 _COUNTER_NAMES = (
@@ -68,56 +71,6 @@ _COUNTER_NAMES = (
 )
 
 
-class EntryKey(NamedTuple):
-    """Identifies an entry: engines allocate ids unique per (model, epoch) only."""
-
-    model: str
-    epoch: int
-    entry_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class EntrySnapshot:
-    """Read-only view of one entry's metadata (for tests and diagnostics)."""
-
-    entry_id: int
-    model: str
-    epoch: int
-    namespace: str
-    tokens: TokenIds
-    nbytes: int
-    trimmable: bool
-    pinned: bool
-    leases: int
-    doomed: bool
-    points: tuple[int, ...] = ()
-
-
-@dataclass(slots=True)
-class _Entry:
-    key: EntryKey
-    namespace: str
-    tokens: TokenIds
-    nbytes: int
-    trimmable: bool
-    pinned: bool
-    points: tuple[int, ...] = ()  # shorter token counts it is also restorable at
-    leases: set[int] = field(default_factory=set)
-    doomed: bool = False
-
-    @property
-    def partition(self) -> _Partition:
-        return (self.key.model, self.key.epoch, self.namespace)
-
-
-@dataclass(frozen=True, slots=True)
-class _Lease:
-    key: EntryKey
-    sequence_id: int
-
-
-_Partition = tuple[str, int, str]  # (model, epoch, namespace)
-
 _HIT_COUNTERS = {
     ReusePath.EXACT: "hits_exact",
     ReusePath.TRIM: "hits_trim",
@@ -129,48 +82,26 @@ class PrefixCacheCore:
     """Synchronous core of the prefix-cache manager actor (inbox: ``PrefixInbox``)."""
 
     def __init__(self) -> None:
-        self._entries: dict[EntryKey, _Entry] = {}
-        # Findable (not doomed) entries, least recently used first: the eviction order.
-        self._lru: OrderedDict[EntryKey, None] = OrderedDict()
-        self._tries: dict[_Partition, TokenTrie] = {}
-        self._leases: dict[int, _Lease] = {}
-        self._next_lease_id = 1
-        self._recency_clock = 0
+        self._index = PrefixIndex()
         self._model_resets: Counter[str] = Counter()
         self._namespace_resets: Counter[tuple[str, str]] = Counter()
         self._invalidated_epochs: set[tuple[str, int]] = set()
-        self._total_bytes = 0
-        self._counters: Counter[str] = Counter()
+        self.counters = Counters(_COUNTER_NAMES)
 
     # ------------------------------------------------------------------ read-only accessors
 
     @property
     def total_bytes(self) -> int:
         """Sum of ``nbytes`` over every entry still charged (findable or doomed)."""
-        return self._total_bytes
+        return self._index.total_bytes
 
     def entries(self) -> tuple[EntrySnapshot, ...]:
         """A snapshot of every entry's metadata, doomed ones included."""
-        return tuple(
-            EntrySnapshot(
-                entry_id=e.key.entry_id,
-                model=e.key.model,
-                epoch=e.key.epoch,
-                namespace=e.namespace,
-                tokens=e.tokens,
-                nbytes=e.nbytes,
-                trimmable=e.trimmable,
-                pinned=e.pinned,
-                leases=len(e.leases),
-                doomed=e.doomed,
-                points=e.points,
-            )
-            for e in self._entries.values()
-        )
+        return self._index.snapshots()
 
     def leased_entry_ids(self) -> frozenset[EntryKey]:
         """Keys of the entries that hold at least one lease."""
-        return frozenset(lease.key for lease in self._leases.values())
+        return self._index.leased_keys()
 
     def generation(self, model: str, namespace: str) -> int:
         """How many resets have covered (model, namespace); only ever grows."""
@@ -180,20 +111,30 @@ class PrefixCacheCore:
 
     def handle(self, message: Message, sender: Address, ctx: Context) -> None:
         """Apply one ``PrefixInbox`` message; anything else is counted as a dead letter."""
+        if isinstance(message, PrefixInbox):
+            self._receive(message, sender, ctx)
+        else:
+            ctx.count_dead_letter("prefix_unexpected_message")
+
+    def _receive(self, message: PrefixInbox, sender: Address, ctx: Context) -> None:
         match message:
             case Lookup():
                 self._lookup(message, sender, ctx)
             case Commit():
                 ctx.send(sender, self._commit(message))
+            case ReleaseLease(lease_id=lease_id) if not self._index.has_lease(lease_id):
+                # Unknown, already released, or its epoch was invalidated: nothing to undo.
+                self.counters.inc("unknown_lease_releases")
+                ctx.count_dead_letter("prefix_unknown_lease")
             case ReleaseLease(lease_id=lease_id):
                 self._release_lease(lease_id, ctx)
+            case Unpin(model=model, epoch=epoch, entry_id=entry_id) if (
+                EntryKey(model, epoch, entry_id) not in self._index
+            ):
+                ctx.count_dead_letter("unpin_unknown_entry")
             case Unpin(model=model, epoch=epoch, entry_id=entry_id):
-                entry = self._entries.get(EntryKey(model, epoch, entry_id))
-                if entry is None:
-                    ctx.count_dead_letter("unpin_unknown_entry")
-                else:
-                    entry.pinned = False
-                    self._counters["unpinned"] += 1
+                self._index[EntryKey(model, epoch, entry_id)].pinned = False
+                self.counters.inc("unpinned")
             case Evict(nbytes=nbytes, include_pinned=include_pinned):
                 self._evict(nbytes, include_pinned, ctx)
             case InvalidateEpoch(model=model, epoch=epoch):
@@ -204,7 +145,7 @@ class PrefixCacheCore:
             case GetStats():
                 ctx.send(sender, self.statistics())
             case _:
-                ctx.count_dead_letter("prefix_unexpected_message")
+                assert_never(message)
 
     def on_start(self, ctx: Context) -> None:
         """Nothing to set up: the index starts empty and fills from commits."""
@@ -215,21 +156,18 @@ class PrefixCacheCore:
     # ------------------------------------------------------------------ handlers
 
     def _lookup(self, request: Lookup, sender: Address, ctx: Context) -> None:
-        self._counters["lookups"] += 1
-        trie = self._tries.get((request.model, request.epoch, request.namespace))
-        match = trie.best_match(request.tokens) if trie is not None else None
+        self.counters.inc("lookups")
+        partition = (request.model, request.epoch, request.namespace)
+        match = self._index.best_match(partition, request.tokens)
         entry_id = lease_id = None
         if match is None:
-            self._counters["misses"] += 1
+            self.counters.inc("misses")
         else:
-            entry = self._entries[EntryKey(request.model, request.epoch, match.entry_id)]
-            entry_id, lease_id = match.entry_id, self._next_lease_id
-            self._next_lease_id += 1
-            self._leases[lease_id] = _Lease(entry.key, request.sequence_id)
-            entry.leases.add(lease_id)
-            self._touch(entry)
-            self._counters[_HIT_COUNTERS[match.path]] += 1
-            self._counters["tokens_reused"] += match.matched
+            entry = self._index[EntryKey(request.model, request.epoch, match.entry_id)]
+            entry_id = match.entry_id
+            lease_id = self._index.lease(entry, request.sequence_id)
+            self.counters.inc(_HIT_COUNTERS[match.path])
+            self.counters.inc("tokens_reused", match.matched)
         result = LookupResult(
             sequence_id=request.sequence_id,
             epoch=request.epoch,
@@ -244,7 +182,6 @@ class PrefixCacheCore:
     def _commit(self, commit: Commit) -> Committed:
         key = EntryKey(commit.model, commit.epoch, commit.entry_id)
         partition = (commit.model, commit.epoch, commit.namespace)
-        trie = self._tries.get(partition)
         refusal: str | None = None
         if (commit.model, commit.epoch) in self._invalidated_epochs:
             refusal = "refused_invalidated_epoch"
@@ -253,34 +190,30 @@ class PrefixCacheCore:
         elif (
             not commit.tokens
             or commit.nbytes < 0
-            or key in self._entries
+            or key in self._index
             or (commit.points and commit.trimmable)
             or any(not 0 < p < len(commit.tokens) for p in commit.points)
         ):
             # Engine bugs: a reused entry id would corrupt both entries; a point outside the
             # tokens (or on a trimmable entry) would be restored from a snapshot that is not there.
             refusal = "refused_invalid"
-        elif trie is not None and trie.find(commit.tokens, commit.trimmable) is not None:
+        elif self._index.find(partition, commit.tokens, commit.trimmable) is not None:
             refusal = "refused_duplicate"
         if refusal is not None:
-            self._counters["commits_refused"] += 1
-            self._counters[refusal] += 1
+            self.counters.inc("commits_refused")
+            self.counters.inc(refusal)
             return Committed(entry_id=commit.entry_id, accepted=False)
 
-        if trie is None:
-            trie = self._tries[partition] = TokenTrie()
         superseded: list[int] = []
         if commit.trimmable:
             # A longer trimmable entry serves every prompt a shorter one did, at least as well.
-            for entry_id in trie.strict_prefix_trimmable(commit.tokens):
-                shorter = self._entries[EntryKey(commit.model, commit.epoch, entry_id)]
+            for entry_id in self._index.shorter_trimmable(partition, commit.tokens):
+                shorter = self._index[EntryKey(commit.model, commit.epoch, entry_id)]
                 if not shorter.leases and not shorter.pinned:
-                    self._forget(shorter)
+                    self._index.forget(shorter)
                     superseded.append(entry_id)
-            # _forget may have removed the partition's last entry, and with it the trie.
-            trie = self._tries.setdefault(partition, trie)
 
-        entry = _Entry(
+        entry = Entry(
             key=key,
             namespace=commit.namespace,
             tokens=commit.tokens,
@@ -289,56 +222,45 @@ class PrefixCacheCore:
             pinned=commit.pinned,
             points=tuple(sorted(set(commit.points))),
         )
-        self._entries[key] = entry
-        self._total_bytes += entry.nbytes
-        self._recency_clock += 1
-        trie.insert(entry.tokens, entry.trimmable, key.entry_id, self._recency_clock, entry.points)
-        self._lru[key] = None
-        self._counters["commits"] += 1
-        self._counters["superseded"] += len(superseded)
+        self._index.add(entry)
+        self.counters.inc("commits")
+        self.counters.inc("superseded", len(superseded))
         return Committed(entry_id=commit.entry_id, accepted=True, superseded=tuple(superseded))
 
     def _release_lease(self, lease_id: int, ctx: Context) -> None:
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
-            # Unknown, already released, or its epoch was invalidated: nothing to undo.
-            self._counters["unknown_lease_releases"] += 1
-            ctx.count_dead_letter("prefix_unknown_lease")
-            return
-        self._counters["lease_releases"] += 1
-        entry = self._entries[lease.key]
-        entry.leases.discard(lease_id)
+        self.counters.inc("lease_releases")
+        entry = self._index.release_lease(lease_id)
         if entry.doomed and not entry.leases:
-            self._forget(entry)
+            self._index.forget(entry)
             self._send_drops([entry.key], ctx)
 
     def _evict(self, nbytes: int, include_pinned: bool, ctx: Context) -> None:
-        self._counters["evict_requests"] += 1
+        self.counters.inc("evict_requests")
         freed = 0
         evicted: list[EntryKey] = []
-        for key in list(self._lru):
+        for key in self._index.least_recently_used():
             if freed >= nbytes:
                 break
-            entry = self._entries[key]
+            entry = self._index[key]
             if entry.leases or (entry.pinned and not include_pinned):
                 continue
-            self._forget(entry)
+            self._index.forget(entry)
             evicted.append(key)
             freed += entry.nbytes
         if freed < nbytes:
-            self._counters["evict_shortfalls"] += 1
-        self._counters["evictions"] += len(evicted)
-        self._counters["evicted_bytes"] += freed
+            self.counters.inc("evict_shortfalls")
+        self.counters.inc("evictions", len(evicted))
+        self.counters.inc("evicted_bytes", freed)
         self._send_drops(evicted, ctx)
 
     def _invalidate_epoch(self, model: str, epoch: int) -> None:
         # The draining engine frees its own arrays, so no DropEntries: just forget.
         self._invalidated_epochs.add((model, epoch))
-        doomed_epoch = [e for e in self._entries.values() if e.key[:2] == (model, epoch)]
+        doomed_epoch = [e for e in self._index.all() if e.key[:2] == (model, epoch)]
         for entry in doomed_epoch:
-            self._forget(entry)
-        self._counters["invalidations"] += 1
-        self._counters["invalidated_entries"] += len(doomed_epoch)
+            self._index.forget(entry)
+        self.counters.inc("invalidations")
+        self.counters.inc("invalidated_entries", len(doomed_epoch))
 
     def _reset(self, model: str, namespace: str | None, ctx: Context) -> int:
         if namespace is None:
@@ -347,60 +269,32 @@ class PrefixCacheCore:
             self._namespace_resets[(model, namespace)] += 1
         no_longer_findable = 0
         dropped: list[EntryKey] = []
-        for entry in list(self._entries.values()):
+        for entry in self._index.all():
             in_scope = entry.key.model == model and namespace in (None, entry.namespace)
             if not in_scope or entry.doomed:
                 continue
             no_longer_findable += 1
             if entry.leases:
-                self._doom(entry)
+                self._index.doom(entry)
             else:
-                self._forget(entry)
+                self._index.forget(entry)
                 dropped.append(entry.key)
-        self._counters["resets"] += 1
-        self._counters["reset_entries"] += no_longer_findable
+        self.counters.inc("resets")
+        self.counters.inc("reset_entries", no_longer_findable)
         self._send_drops(dropped, ctx)
         return no_longer_findable
 
     def statistics(self) -> Stats:
         """Counters and gauges now (an immutable snapshot; also the reply to ``GetStats``)."""
-        counters = {name: self._counters[name] for name in _COUNTER_NAMES}
         gauges = {
-            "entries": len(self._entries),
-            "bytes": self._total_bytes,
-            "leases": len(self._leases),
-            "doomed": sum(1 for e in self._entries.values() if e.doomed),
+            "entries": len(self._index),
+            "bytes": self._index.total_bytes,
+            "leases": self._index.lease_count,
+            "doomed": sum(1 for e in self._index.all() if e.doomed),
         }
-        return Stats(actor="prefix", counters=counters, gauges=gauges)
+        return Stats(actor="prefix", counters=self.counters.snapshot(), gauges=gauges)
 
     # ------------------------------------------------------------------ bookkeeping
-
-    def _touch(self, entry: _Entry) -> None:
-        self._recency_clock += 1
-        trie = self._tries[entry.partition]
-        trie.touch(entry.key.entry_id, entry.tokens, entry.trimmable, self._recency_clock)
-        self._lru.move_to_end(entry.key)
-
-    def _doom(self, entry: _Entry) -> None:
-        """Make a leased entry unfindable; it is dropped when its last lease is released."""
-        self._unindex(entry)
-        entry.doomed = True
-
-    def _forget(self, entry: _Entry) -> None:
-        """Remove every trace of an entry (its leases too); the caller tells the engine, or not."""
-        if not entry.doomed:
-            self._unindex(entry)
-        del self._entries[entry.key]
-        for lease_id in entry.leases:
-            del self._leases[lease_id]
-        self._total_bytes -= entry.nbytes
-
-    def _unindex(self, entry: _Entry) -> None:
-        trie = self._tries[entry.partition]
-        trie.remove(entry.key.entry_id, entry.tokens, entry.trimmable)
-        if not len(trie):
-            del self._tries[entry.partition]
-        del self._lru[entry.key]
 
     @staticmethod
     def _send_drops(keys: list[EntryKey], ctx: Context) -> None:

@@ -1,46 +1,41 @@
 """The router actor: the single entry point that owns request identities and model lifecycles.
 
 It validates routing (model loaded, request id not live), maps each request ``(id, incarnation)``
-to ``(engine, sequence id, epoch)``, forwards engine events to the host that sent the request, and
-fences teardown: an unloading model admits nothing, and anything from an epoch other than the
-model's current one is dropped and counted.
+to ``(engine, sequence id, epoch)``, forwards engine events to the host that sent the request (each
+is the host event it means; the router adds the request's identity), and fences teardown: an
+unloading model admits nothing, and anything from an epoch other than the model's current one is
+dropped and counted. The model table itself (loads, unloads, shutdown) is ``ModelLifecycle``.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import assert_never
 
-from runtime.errors import DuplicateRequestId, ModelAlreadyLoaded, ModelNotLoaded, ModelUnloading
-from runtime.kernel.core import PREFIX_CACHE, ActorCore, Address, Context, engine_address
+from actors.model_lifecycle import EngineFactory, ModelLifecycle, not_loaded, not_loaded_text
+from runtime.errors import DuplicateRequestId, ModelNotLoaded
+from runtime.kernel.core import PREFIX_CACHE, Address, Context, engine_address
 from runtime.kernel.stats import Counters
 from runtime.messages import (
     Abort,
     Admit,
     Cancel,
-    Cancelled,
-    CommandFailed,
-    Drain,
     Drained,
     EndSession,
     EngineLoadFailed,
     EngineReady,
-    Failed,
-    Finished,
+    EngineTerminal,
     Generate,
     GetStats,
     LoadModel,
     Message,
-    ModelLoaded,
-    ModelSpec,
-    ModelUnloaded,
     PrefixesReset,
     Prewarm,
     Rejected,
     RequestKind,
     ResetPrefixes,
+    RouterInbox,
     Sampling,
     SequenceCancelled,
     SequenceFailed,
@@ -48,36 +43,12 @@ from runtime.messages import (
     SequenceStarted,
     SessionEnded,
     Shutdown,
-    ShutdownComplete,
-    Started,
     Stats,
-    TokensEmitted,
     TokensProduced,
     UnloadModel,
     Usage,
+    for_request,
 )
-
-EngineFactory = Callable[[ModelSpec, int], ActorCore]
-
-
-class ModelState(enum.Enum):
-    LOADING = enum.auto()
-    READY = enum.auto()
-    UNLOADING = enum.auto()
-
-
-@dataclass
-class _Model:
-    spec: ModelSpec
-    epoch: int
-    state: ModelState
-    loaded: ModelLoaded | None = None
-    load_waiter: Address | None = None
-    unload_waiters: list[Address] = field(default_factory=list)
-
-    @property
-    def address(self) -> Address:
-        return engine_address(self.spec.name, self.epoch)
 
 
 @dataclass(frozen=True)
@@ -94,16 +65,13 @@ class RouterCore:
     """State and decisions of the router (see module docstring)."""
 
     def __init__(self, engine_factory: EngineFactory) -> None:
-        self._engine_factory = engine_factory
-        self._models: dict[str, _Model] = {}
+        self._models = ModelLifecycle(engine_factory)
         self._live_by_request: dict[str, _Live] = {}
         self._live_by_sequence: dict[int, _Live] = {}
         self._next_sequence_id = 1
-        self._next_epoch = 1
         self._reset_waiters: deque[Address] = deque()  # one prefix manager answers in order
         # Engines answer independently of each other; one engine answers its own asks in order.
         self._session_waiters: dict[tuple[Address, str], deque[Address]] = {}
-        self._shutdown_waiters: list[Address] = []
         self.counters = Counters()
 
     def on_start(self, ctx: Context) -> None:
@@ -121,58 +89,81 @@ class RouterCore:
         return {s: (v.request_id, v.incarnation) for s, v in self._live_by_sequence.items()}
 
     def handle(self, message: Message, sender: Address, ctx: Context) -> None:
+        """Apply one message; one outside ``RouterInbox`` is dropped and counted."""
+        if isinstance(message, RouterInbox):
+            self._receive(message, sender, ctx)
+        else:
+            ctx.count_dead_letter("router_unexpected")
+
+    def _receive(self, message: RouterInbox, sender: Address, ctx: Context) -> None:
         match message:
             case Generate() | Prewarm():
                 self._accept(message, sender, ctx)
             case Cancel(request_id=request_id, incarnation=incarnation):
                 self._cancel(request_id, incarnation, ctx)
+            case (
+                SequenceStarted()
+                | TokensProduced()
+                | SequenceFinished()
+                | SequenceCancelled()
+                | SequenceFailed()
+            ) if not self._is_live(message.sequence_id, message.epoch):
+                self.counters.inc("stale_engine_events")
+                ctx.count_dead_letter("stale_engine_event")
             case SequenceStarted() | TokensProduced():
-                self._forward_progress(message, ctx)
+                live = self._live_by_sequence[message.sequence_id]
+                ctx.send(live.host, for_request(message, live.request_id, live.incarnation))
             case SequenceFinished() | SequenceCancelled() | SequenceFailed():
-                self._forward_terminal(message, ctx)
+                self._end_request(message, ctx)
             case LoadModel(spec=spec):
-                self._load(spec, sender, ctx)
+                self._models.load(spec, sender, ctx)
+            case EngineReady() | EngineLoadFailed() if not self._models.is_current(
+                sender, message.epoch
+            ):
+                ctx.count_dead_letter("stale_engine_event")
             case EngineReady() | EngineLoadFailed():
-                self._engine_loaded(message, sender, ctx)
+                self._models.engine_loaded(message, sender, ctx)
             case UnloadModel(model=model):
-                self._unload(model, sender, ctx)
+                self._models.unload(model, sender, ctx)
+            case Drained(epoch=epoch) if not self._models.is_draining(sender, epoch):
+                ctx.count_dead_letter("stale_engine_event")
             case Drained(epoch=epoch):
-                self._drained(epoch, sender, ctx)
+                unloaded = self._models.remove_drained(sender, epoch, ctx)
+                self._fail_orphans(epoch, ctx)
+                self._models.announce_unloaded(unloaded, ctx)
             case ResetPrefixes(model=model):
-                if self._ready(model) is None:
-                    ctx.send(sender, _not_loaded(model))
+                if self._models.ready(model) is None:
+                    ctx.send(sender, not_loaded(model))
                     return
                 self._reset_waiters.append(sender)
                 ctx.send(PREFIX_CACHE, message)
+            case PrefixesReset() if sender != PREFIX_CACHE or not self._reset_waiters:
+                self._unmatched_reply(message, ctx)
             case PrefixesReset():
-                if sender != PREFIX_CACHE or not self._reset_waiters:
-                    self._unmatched_reply(message, ctx)
-                    return
                 ctx.send(self._reset_waiters.popleft(), message)
             case EndSession(model=model, session=session):
-                ready = self._ready(model)
+                ready = self._models.ready(model)
                 if ready is None:
-                    ctx.send(sender, _not_loaded(model))
+                    ctx.send(sender, not_loaded(model))
                     return
                 self._session_waiters.setdefault((ready.address, session), deque()).append(sender)
                 ctx.send(ready.address, message)
+            case SessionEnded() if not self._session_waiters.get((sender, message.session)):
+                self._unmatched_reply(message, ctx)
             case SessionEnded():
                 self._session_ended(message, sender, ctx)
             case GetStats():
                 ctx.send(sender, self.statistics())
             case Shutdown():
-                self._shutdown(sender, ctx)
+                self._models.shutdown(sender, ctx)
             case _:
-                ctx.count_dead_letter("router_unexpected")
+                assert_never(message)
 
     # ------------------------------------------------------------------ command replies
 
     def _session_ended(self, reply: SessionEnded, engine: Address, ctx: Context) -> None:
         key = (engine, reply.session)
-        waiters = self._session_waiters.get(key)
-        if not waiters:
-            self._unmatched_reply(reply, ctx)
-            return
+        waiters = self._session_waiters[key]
         asker = waiters.popleft()
         if not waiters:
             del self._session_waiters[key]
@@ -186,9 +177,9 @@ class RouterCore:
     # ------------------------------------------------------------------ requests
 
     def _accept(self, request: Generate | Prewarm, host: Address, ctx: Context) -> None:
-        model = self._ready(request.model)
+        model = self._models.ready(request.model)
         if model is None:
-            self._reject(request, host, ctx, ModelNotLoaded.code, _not_loaded_text(request.model))
+            self._reject(request, host, ctx, ModelNotLoaded.code, not_loaded_text(request.model))
             return
         if request.request_id in self._live_by_request:
             text = (
@@ -251,170 +242,22 @@ class RouterCore:
             Abort(sequence_id=live.sequence_id, epoch=live.epoch),
         )
 
-    def _live_for(self, sequence_id: int, epoch: int) -> _Live | None:
+    def _is_live(self, sequence_id: int, epoch: int) -> bool:
         live = self._live_by_sequence.get(sequence_id)
-        if live is None or live.epoch != epoch:
-            self.counters.inc("stale_engine_events")
-            return None
-        return live
+        return live is not None and live.epoch == epoch
 
-    def _forward_progress(self, event: SequenceStarted | TokensProduced, ctx: Context) -> None:
-        live = self._live_for(event.sequence_id, event.epoch)
-        if live is None:
-            ctx.count_dead_letter("stale_engine_event")
-            return
-        request_id, incarnation = live.request_id, live.incarnation
-        if isinstance(event, SequenceStarted):
-            out: Message = Started(
-                request_id=request_id,
-                incarnation=incarnation,
-                sequence_id=event.sequence_id,
-                epoch=event.epoch,
-                prompt_tokens=event.prompt_tokens,
-                cached_tokens=event.cached_tokens,
-                path=event.path,
-                dropped_turns=event.dropped_turns,
-            )
-        else:
-            out = TokensEmitted(
-                request_id=request_id,
-                incarnation=incarnation,
-                token_ids=event.token_ids,
-                text=event.text,
-                logprobs=event.logprobs,
-            )
-        ctx.send(live.host, out)
-
-    def _forward_terminal(
-        self, event: SequenceFinished | SequenceCancelled | SequenceFailed, ctx: Context
-    ) -> None:
-        live = self._live_for(event.sequence_id, event.epoch)
-        if live is None:
-            ctx.count_dead_letter("stale_engine_event")
-            return
-        del self._live_by_sequence[live.sequence_id]
+    def _end_request(self, event: EngineTerminal, ctx: Context) -> None:
+        live = self._live_by_sequence.pop(event.sequence_id)
         del self._live_by_request[live.request_id]
-        request_id, incarnation = live.request_id, live.incarnation
-        out: Message
-        match event:
-            case SequenceFinished(reason=reason, usage=usage, stop=stop):
-                out = Finished(
-                    request_id=request_id,
-                    incarnation=incarnation,
-                    reason=reason,
-                    usage=usage,
-                    stop=stop,
-                )
-            case SequenceCancelled(reason=cancel_reason, usage=usage):
-                out = Cancelled(
-                    request_id=request_id,
-                    incarnation=incarnation,
-                    reason=cancel_reason,
-                    usage=usage,
-                )
-            case SequenceFailed(code=code, message=text, retryable=retryable, usage=usage):
-                out = Failed(
-                    request_id=request_id,
-                    incarnation=incarnation,
-                    code=code,
-                    message=text,
-                    retryable=retryable,
-                    usage=usage,
-                )
-        self.counters.inc(f"terminal_{type(out).__name__.lower()}")
-        ctx.send(live.host, out)
+        terminal = for_request(event, live.request_id, live.incarnation)
+        self.counters.inc(f"terminal_{type(terminal).__name__.lower()}")
+        ctx.send(live.host, terminal)
 
-    # ------------------------------------------------------------------ model lifecycle
-
-    def _ready(self, name: str) -> _Model | None:
-        model = self._models.get(name)
-        return model if model is not None and model.state is ModelState.READY else None
-
-    def _load(self, spec: ModelSpec, asker: Address, ctx: Context) -> None:
-        if spec.name in self._models or self._shutdown_waiters:
-            text = f"model {spec.name!r} is already loaded or loading; unload it first"
-            ctx.send(asker, CommandFailed(code=ModelAlreadyLoaded.code, message=text))
-            return
-        model = _Model(spec=spec, epoch=self._next_epoch, state=ModelState.LOADING)
-        self._next_epoch += 1
-        model.load_waiter = asker
-        self._models[spec.name] = model
-        ctx.spawn(model.address, self._engine_factory(spec, model.epoch))
-
-    def _engine_loaded(
-        self, event: EngineReady | EngineLoadFailed, engine: Address, ctx: Context
-    ) -> None:
-        model = self._model_at(engine, event.epoch)
-        if model is None:
-            ctx.count_dead_letter("stale_engine_event")
-            return
-        waiter, model.load_waiter = model.load_waiter, None
-        if isinstance(event, EngineLoadFailed):
-            del self._models[model.spec.name]
-            ctx.stop(engine)
-            failure = CommandFailed(code=event.code, message=event.message)
-            if waiter is not None:
-                ctx.send(waiter, failure)
-            for asker in model.unload_waiters:  # nothing was loaded: the unload is done
-                ctx.send(asker, ModelUnloaded(model=model.spec.name, epoch=model.epoch))
-            self._maybe_shutdown_complete(ctx)
-            return
-        model.loaded = ModelLoaded(
-            model=model.spec.name,
-            epoch=model.epoch,
-            reuse_path=event.reuse_path,
-            bytes_per_token=event.bytes_per_token,
-            context_length=event.context_length,
-        )
-        if model.state is ModelState.LOADING:
-            model.state = ModelState.READY
-        if waiter is not None:
-            ctx.send(waiter, model.loaded)
-
-    def _model_at(self, engine: Address, epoch: int) -> _Model | None:
-        for model in self._models.values():
-            if model.epoch == epoch and model.address == engine:
-                return model
-        return None
-
-    def _unload(self, name: str, asker: Address | None, ctx: Context) -> None:
-        model = self._models.get(name)
-        if model is None:
-            if asker is not None:
-                ctx.send(asker, _not_loaded(name))
-            return
-        if asker is not None:
-            model.unload_waiters.append(asker)
-        if model.state is not ModelState.UNLOADING:
-            model.state = ModelState.UNLOADING  # admits nothing from now on
-            ctx.send(model.address, Drain(epoch=model.epoch))
-
-    def _drained(self, epoch: int, engine: Address, ctx: Context) -> None:
-        model = self._model_at(engine, epoch)
-        if model is None or model.state is not ModelState.UNLOADING:
-            ctx.count_dead_letter("stale_engine_event")
-            return
-        del self._models[model.spec.name]
-        ctx.stop(engine)
-        self._fail_orphans(model, ctx)
-        for asker in model.unload_waiters:
-            ctx.send(asker, ModelUnloaded(model=model.spec.name, epoch=epoch))
-        if model.load_waiter is not None:
-            failure = CommandFailed(code=ModelUnloading.code, message="unloaded while loading")
-            ctx.send(model.load_waiter, failure)
-        self._maybe_shutdown_complete(ctx)
-
-    def _maybe_shutdown_complete(self, ctx: Context) -> None:
-        if self._shutdown_waiters and not self._models:
-            for asker in self._shutdown_waiters:
-                ctx.send(asker, ShutdownComplete())
-            self._shutdown_waiters.clear()
-
-    def _fail_orphans(self, model: _Model, ctx: Context) -> None:
+    def _fail_orphans(self, epoch: int, ctx: Context) -> None:
         """Defensive: an engine reports every terminal before ``Drained``; count any it did not."""
-        for live in [v for v in self._live_by_sequence.values() if v.epoch == model.epoch]:
+        for live in [v for v in self._live_by_sequence.values() if v.epoch == epoch]:
             self.counters.inc("orphaned_requests")
-            self._forward_terminal(
+            self._end_request(
                 SequenceCancelled(
                     sequence_id=live.sequence_id,
                     epoch=live.epoch,
@@ -423,19 +266,3 @@ class RouterCore:
                 ),
                 ctx,
             )
-
-    def _shutdown(self, asker: Address, ctx: Context) -> None:
-        if not self._models:
-            ctx.send(asker, ShutdownComplete())
-            return
-        self._shutdown_waiters.append(asker)
-        for name in list(self._models):
-            self._unload(name, asker=None, ctx=ctx)
-
-
-def _not_loaded_text(name: str) -> str:
-    return f"model {name!r} is not loaded; call load_model first (or check the name)"
-
-
-def _not_loaded(name: str) -> CommandFailed:
-    return CommandFailed(code=ModelNotLoaded.code, message=_not_loaded_text(name))

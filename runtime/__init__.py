@@ -1,0 +1,190 @@
+"""mlx-actor-runtime: an actor-model LLM inference runtime on MLX.
+
+What a host uses is importable from here: ``from runtime import Runtime, RuntimeConfig, ModelSpec``
+(docs/api.md, "Imports"). The names load on first use (PEP 562): ``runtime.api`` imports the
+actors, which import ``runtime`` modules, so an eager import here would make ``import actors.x``
+circular, and a host that imports one message module should not pay for the whole runtime.
+Nothing here imports MLX; a model load does, and only for the MLX backend.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from runtime.api import Completion, GenerationStream, Runtime, RuntimeStats
+    from runtime.backends.model_source import PreparedModel, default_model_spec, prepare_model
+    from runtime.config import RuntimeConfig
+    from runtime.errors import (
+        ActorStopped,
+        BackendError,
+        ContextLengthExceeded,
+        DuplicateRequestId,
+        EngineCrashed,
+        InvalidModelSpec,
+        InvalidRequest,
+        KVBudgetExhausted,
+        KVRequestTooLarge,
+        MlxRuntimeError,
+        ModelAlreadyLoaded,
+        ModelFetchFailed,
+        ModelLoadFailed,
+        ModelNotLoaded,
+        ModelUnloading,
+        RuntimeClosed,
+        SupervisionEscalated,
+        UnsupportedModelFormat,
+        error_for_code,
+    )
+    from runtime.kernel.supervision import RestartPolicy
+    from runtime.messages import (
+        Cancelled,
+        ChatMessage,
+        ChatOptions,
+        Failed,
+        Finished,
+        FinishReason,
+        HostEvent,
+        ModelLoaded,
+        ModelSpec,
+        ModelUnloaded,
+        PrefixesReset,
+        Rejected,
+        ReusePath,
+        Sampling,
+        SessionEnded,
+        Started,
+        Stats,
+        TokenLogprob,
+        TokensEmitted,
+        Usage,
+    )
+    from runtime.progress import Progress, tqdm_progress
+    from runtime.text.coalesce import CoalescePolicy
+
+__all__ = [
+    # the runtime and its configuration
+    "Runtime",
+    "RuntimeConfig",
+    "RestartPolicy",
+    "CoalescePolicy",
+    "GenerationStream",
+    "Completion",
+    "RuntimeStats",
+    "Stats",
+    # what to load
+    "ModelSpec",
+    "default_model_spec",
+    "prepare_model",
+    "PreparedModel",
+    "Progress",
+    "tqdm_progress",
+    # what to ask
+    "Sampling",
+    "ChatMessage",
+    "ChatOptions",
+    # what comes back
+    "HostEvent",
+    "Started",
+    "TokensEmitted",
+    "Finished",
+    "Cancelled",
+    "Failed",
+    "Rejected",
+    "FinishReason",
+    "ReusePath",
+    "Usage",
+    "TokenLogprob",
+    "ModelLoaded",
+    "ModelUnloaded",
+    "PrefixesReset",
+    "SessionEnded",
+    # errors
+    "MlxRuntimeError",
+    "InvalidRequest",
+    "ContextLengthExceeded",
+    "InvalidModelSpec",
+    "ModelNotLoaded",
+    "ModelAlreadyLoaded",
+    "DuplicateRequestId",
+    "ModelLoadFailed",
+    "ModelFetchFailed",
+    "UnsupportedModelFormat",
+    "KVBudgetExhausted",
+    "KVRequestTooLarge",
+    "BackendError",
+    "EngineCrashed",
+    "ModelUnloading",
+    "ActorStopped",
+    "RuntimeClosed",
+    "SupervisionEscalated",
+    "error_for_code",
+]
+
+# Where each exported name lives; tests/test_imports.py checks this matches ``__all__``.
+_HOMES: dict[str, tuple[str, ...]] = {
+    "runtime.api": ("Runtime", "GenerationStream", "Completion", "RuntimeStats"),
+    "runtime.config": ("RuntimeConfig",),
+    "runtime.kernel.supervision": ("RestartPolicy",),
+    "runtime.text.coalesce": ("CoalescePolicy",),
+    "runtime.backends.model_source": ("default_model_spec", "prepare_model", "PreparedModel"),
+    "runtime.progress": ("Progress", "tqdm_progress"),
+    "runtime.messages": (
+        "Stats",
+        "ModelSpec",
+        "Sampling",
+        "ChatMessage",
+        "ChatOptions",
+        "HostEvent",
+        "Started",
+        "TokensEmitted",
+        "Finished",
+        "Cancelled",
+        "Failed",
+        "Rejected",
+        "FinishReason",
+        "ReusePath",
+        "Usage",
+        "TokenLogprob",
+        "ModelLoaded",
+        "ModelUnloaded",
+        "PrefixesReset",
+        "SessionEnded",
+    ),
+    "runtime.errors": (
+        "MlxRuntimeError",
+        "InvalidRequest",
+        "ContextLengthExceeded",
+        "InvalidModelSpec",
+        "ModelNotLoaded",
+        "ModelAlreadyLoaded",
+        "DuplicateRequestId",
+        "ModelLoadFailed",
+        "ModelFetchFailed",
+        "UnsupportedModelFormat",
+        "KVBudgetExhausted",
+        "KVRequestTooLarge",
+        "BackendError",
+        "EngineCrashed",
+        "ModelUnloading",
+        "ActorStopped",
+        "RuntimeClosed",
+        "SupervisionEscalated",
+        "error_for_code",
+    ),
+}
+_HOME_OF = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str) -> object:
+    module = _HOME_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module 'runtime' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})

@@ -11,8 +11,9 @@ Request lifecycle (host → router → engine → router → host)
     ``Reserved``), looks up the prefix cache (``Lookup`` → ``LookupResult``), prefills in chunks,
     decodes → ``SequenceStarted``, ``TokensProduced``…, exactly one of ``SequenceFinished`` /
     ``SequenceCancelled`` / ``SequenceFailed`` → router → host ``Started``, ``TokensEmitted``…,
-    exactly one of ``Finished`` / ``Cancelled`` / ``Failed``. A request the router will not accept
-    gets ``Rejected`` (and no other event).
+    exactly one of ``Finished`` / ``Cancelled`` / ``Failed``. Each engine event is the host event
+    it means less the request's identity, which the router adds (``for_request``). A request the
+    router will not accept gets ``Rejected`` (and no other event).
 
 Cancellation
     ``Cancel(request_id, incarnation)`` → router → ``Abort(sequence_id, epoch)`` → engine sets that
@@ -415,6 +416,8 @@ class EngineLoadFailed(Message, frozen=True):
 
 
 class SequenceStarted(Message, frozen=True):
+    """Engine → router: the host's ``Started`` for sequence ``sequence_id`` (``for_request``)."""
+
     sequence_id: int
     epoch: int
     prompt_tokens: int
@@ -424,6 +427,8 @@ class SequenceStarted(Message, frozen=True):
 
 
 class TokensProduced(Message, frozen=True):
+    """Engine → router: the host's ``TokensEmitted`` for sequence ``sequence_id``."""
+
     sequence_id: int
     epoch: int
     token_ids: TokenIds
@@ -432,6 +437,8 @@ class TokensProduced(Message, frozen=True):
 
 
 class SequenceFinished(Message, frozen=True):
+    """Engine → router: the host's ``Finished`` for sequence ``sequence_id``."""
+
     sequence_id: int
     epoch: int
     reason: FinishReason
@@ -440,6 +447,8 @@ class SequenceFinished(Message, frozen=True):
 
 
 class SequenceCancelled(Message, frozen=True):
+    """Engine → router: the host's ``Cancelled`` for sequence ``sequence_id``."""
+
     sequence_id: int
     epoch: int
     usage: Usage
@@ -447,6 +456,8 @@ class SequenceCancelled(Message, frozen=True):
 
 
 class SequenceFailed(Message, frozen=True):
+    """Engine → router: the host's ``Failed`` for sequence ``sequence_id``."""
+
     sequence_id: int
     epoch: int
     code: str
@@ -718,6 +729,10 @@ PrefixInbox = (
 
 HostEvent = Started | TokensEmitted | Finished | Cancelled | Failed | Rejected
 TerminalEvent = Finished | Cancelled | Failed
+RequestEvent = Started | TokensEmitted | TerminalEvent  # what an accepted request hears
+
+EngineTerminal = SequenceFinished | SequenceCancelled | SequenceFailed
+EngineEvent = SequenceStarted | TokensProduced | EngineTerminal
 
 CommandReply = (
     SessionEnded
@@ -728,6 +743,35 @@ CommandReply = (
     | ShutdownComplete
     | Stats
 )
+
+# --------------------------------------------------------------------------- engine → host events
+
+# Each engine event is the host event it means, less the request's identity (only the router knows
+# it) and plus the sequence's (which routes it). tests/test_messages.py checks the fields agree.
+_HOST_EVENT: dict[type[EngineEvent], type[RequestEvent]] = {
+    SequenceStarted: Started,
+    TokensProduced: TokensEmitted,
+    SequenceFinished: Finished,
+    SequenceCancelled: Cancelled,
+    SequenceFailed: Failed,
+}
+_REQUEST_IDENTITY = ("request_id", "incarnation")
+
+
+def for_request(event: EngineEvent, request_id: str, incarnation: int) -> RequestEvent:
+    """The host event that ``event`` means, for request ``(request_id, incarnation)``.
+
+    Every other field is the engine event's own value, so the two cannot drift apart field by
+    field; ``Started`` keeps the sequence id and epoch, the others drop them.
+    """
+    host_event = _HOST_EVENT[type(event)]
+    fields = {
+        name: getattr(event, name)
+        for name in host_event.__struct_fields__
+        if name not in _REQUEST_IDENTITY
+    }
+    return host_event(request_id=request_id, incarnation=incarnation, **fields)
+
 
 AnyMessage = RouterInbox | EngineInbox | KVInbox | PrefixInbox | HostEvent | CommandReply
 

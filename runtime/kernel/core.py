@@ -72,7 +72,11 @@ class ActorCore(Protocol):
         """Called once before the first message (engines start loading their model here)."""
         ...
 
-    def handle(self, message: Message, sender: Address, ctx: Context) -> None: ...
+    def handle(self, message: Message, sender: Address, ctx: Context) -> None:
+        """Apply one message. Transports deliver any ``Message``: a core narrows it once to its
+        inbox union (``RouterInbox``...), matches that to ``assert_never``, and counts the rest
+        as dead letters."""
+        ...
 
     def on_stop(self, ctx: Context) -> None:
         """Called once when the actor stops (after its last message), to release what it holds."""

@@ -3,13 +3,18 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 
 
 class Counters:
-    """Monotonic event counts (a counter may be adjusted down only to correct itself)."""
+    """Monotonic event counts (a counter may be adjusted down only to correct itself).
 
-    def __init__(self) -> None:
-        self._counts: Counter[str] = Counter()
+    ``declared`` names are reported from the start, even while zero, so a reader (a dashboard, a
+    test) sees a stable set of keys; any other name appears once it is first counted.
+    """
+
+    def __init__(self, declared: Iterable[str] = ()) -> None:
+        self._counts: Counter[str] = Counter(dict.fromkeys(declared, 0))
 
     def inc(self, name: str, amount: int = 1) -> None:
         self._counts[name] += amount
@@ -18,5 +23,5 @@ class Counters:
         return self._counts[name]
 
     def snapshot(self) -> dict[str, int]:
-        """A copy, so a reader never sees later changes."""
+        """A copy (declared names first, in order), so a reader never sees later changes."""
         return dict(self._counts)

@@ -1,0 +1,178 @@
+"""The router's model table: each model's load, its epoch and state, and who waits on it.
+
+A model is ``LOADING`` (its engine spawned, not yet warm), ``READY`` (admits requests) or
+``UNLOADING`` (admits nothing; its engine drains). Every load gets a new epoch and so a new engine
+address: mail for an old load never reaches a new one. Load, unload and shutdown askers are
+answered here; the router keeps the requests, and fails those an unloaded engine left behind.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from runtime.errors import ModelAlreadyLoaded, ModelNotLoaded, ModelUnloading
+from runtime.kernel.core import ActorCore, Address, Context, engine_address
+from runtime.messages import (
+    CommandFailed,
+    Drain,
+    EngineLoadFailed,
+    EngineReady,
+    ModelLoaded,
+    ModelSpec,
+    ModelUnloaded,
+    ShutdownComplete,
+)
+
+EngineFactory = Callable[[ModelSpec, int], ActorCore]
+
+
+class ModelState(enum.Enum):
+    LOADING = enum.auto()
+    READY = enum.auto()
+    UNLOADING = enum.auto()
+
+
+@dataclass
+class Model:
+    """One load of a model and the askers waiting on it."""
+
+    spec: ModelSpec
+    epoch: int
+    state: ModelState
+    loaded: ModelLoaded | None = None
+    load_waiter: Address | None = None
+    unload_waiters: list[Address] = field(default_factory=list)
+
+    @property
+    def address(self) -> Address:
+        return engine_address(self.spec.name, self.epoch)
+
+
+class ModelLifecycle:
+    """Loads, unloads and shutdown of the router's models (see module docstring)."""
+
+    def __init__(self, engine_factory: EngineFactory) -> None:
+        self._engine_factory = engine_factory
+        self._models: dict[str, Model] = {}
+        self._next_epoch = 1
+        self._shutdown_waiters: list[Address] = []
+
+    def __len__(self) -> int:
+        return len(self._models)
+
+    def ready(self, name: str) -> Model | None:
+        """The model called ``name`` if it admits requests now."""
+        model = self._models.get(name)
+        return model if model is not None and model.state is ModelState.READY else None
+
+    def is_current(self, engine: Address, epoch: int) -> bool:
+        """Whether ``engine`` at ``epoch`` is a load still in the table (not a stale one)."""
+        return self._at(engine, epoch) is not None
+
+    def is_draining(self, engine: Address, epoch: int) -> bool:
+        """Whether ``engine`` at ``epoch`` was asked to drain and has not reported it yet."""
+        model = self._at(engine, epoch)
+        return model is not None and model.state is ModelState.UNLOADING
+
+    def load(self, spec: ModelSpec, asker: Address, ctx: Context) -> None:
+        if spec.name in self._models or self._shutdown_waiters:
+            text = f"model {spec.name!r} is already loaded or loading; unload it first"
+            ctx.send(asker, CommandFailed(code=ModelAlreadyLoaded.code, message=text))
+            return
+        model = Model(spec=spec, epoch=self._next_epoch, state=ModelState.LOADING)
+        self._next_epoch += 1
+        model.load_waiter = asker
+        self._models[spec.name] = model
+        ctx.spawn(model.address, self._engine_factory(spec, model.epoch))
+
+    def engine_loaded(
+        self, event: EngineReady | EngineLoadFailed, engine: Address, ctx: Context
+    ) -> None:
+        """Answer the load's asker; ``engine`` at ``event.epoch`` must be current."""
+        model = self._current(engine, event.epoch)
+        waiter, model.load_waiter = model.load_waiter, None
+        if isinstance(event, EngineLoadFailed):
+            del self._models[model.spec.name]
+            ctx.stop(engine)
+            failure = CommandFailed(code=event.code, message=event.message)
+            if waiter is not None:
+                ctx.send(waiter, failure)
+            for asker in model.unload_waiters:  # nothing was loaded: the unload is done
+                ctx.send(asker, ModelUnloaded(model=model.spec.name, epoch=model.epoch))
+            self._maybe_shutdown_complete(ctx)
+            return
+        model.loaded = ModelLoaded(
+            model=model.spec.name,
+            epoch=model.epoch,
+            reuse_path=event.reuse_path,
+            bytes_per_token=event.bytes_per_token,
+            context_length=event.context_length,
+        )
+        if model.state is ModelState.LOADING:
+            model.state = ModelState.READY
+        if waiter is not None:
+            ctx.send(waiter, model.loaded)
+
+    def unload(self, name: str, asker: Address | None, ctx: Context) -> None:
+        model = self._models.get(name)
+        if model is None:
+            if asker is not None:
+                ctx.send(asker, not_loaded(name))
+            return
+        if asker is not None:
+            model.unload_waiters.append(asker)
+        if model.state is not ModelState.UNLOADING:
+            model.state = ModelState.UNLOADING  # admits nothing from now on
+            ctx.send(model.address, Drain(epoch=model.epoch))
+
+    def remove_drained(self, engine: Address, epoch: int, ctx: Context) -> Model:
+        """Forget a model whose engine drained and stop that engine; it must be draining."""
+        model = self._current(engine, epoch)
+        del self._models[model.spec.name]
+        ctx.stop(engine)
+        return model
+
+    def announce_unloaded(self, model: Model, ctx: Context) -> None:
+        """Answer whoever waited on a model that ``remove_drained`` took out of the table."""
+        for asker in model.unload_waiters:
+            ctx.send(asker, ModelUnloaded(model=model.spec.name, epoch=model.epoch))
+        if model.load_waiter is not None:
+            failure = CommandFailed(code=ModelUnloading.code, message="unloaded while loading")
+            ctx.send(model.load_waiter, failure)
+        self._maybe_shutdown_complete(ctx)
+
+    def shutdown(self, asker: Address, ctx: Context) -> None:
+        if not self._models:
+            ctx.send(asker, ShutdownComplete())
+            return
+        self._shutdown_waiters.append(asker)
+        for name in list(self._models):
+            self.unload(name, asker=None, ctx=ctx)
+
+    def _maybe_shutdown_complete(self, ctx: Context) -> None:
+        if self._shutdown_waiters and not self._models:
+            for asker in self._shutdown_waiters:
+                ctx.send(asker, ShutdownComplete())
+            self._shutdown_waiters.clear()
+
+    def _at(self, engine: Address, epoch: int) -> Model | None:
+        for model in self._models.values():
+            if model.epoch == epoch and model.address == engine:
+                return model
+        return None
+
+    def _current(self, engine: Address, epoch: int) -> Model:
+        model = self._at(engine, epoch)
+        if model is None:  # the router's stale-epoch arm filters these out first
+            raise LookupError(f"no current model at {engine!r} epoch {epoch}")
+        return model
+
+
+def not_loaded_text(name: str) -> str:
+    return f"model {name!r} is not loaded; call load_model first (or check the name)"
+
+
+def not_loaded(name: str) -> CommandFailed:
+    return CommandFailed(code=ModelNotLoaded.code, message=not_loaded_text(name))
