@@ -61,6 +61,20 @@ async def test_ask_gets_the_reply_and_stop_handles_earlier_mail_first() -> None:
         assert system.dead_letters["no_actor:Stats"] == 5
 
 
+async def test_wait_progress_returns_once_a_message_was_handled_and_once_an_actor_stopped() -> None:
+    async with anyio.create_task_group() as tg:
+        system = ActorSystem(tg)
+        echo = Echo()
+        system.spawn("echo", echo)
+        with anyio.fail_after(5):
+            system.tell("echo", GetStats(), sender="nobody")
+            await system.wait_progress()
+            assert (echo.handled, echo.stopped) == (1, False)
+            system.stop("echo")
+            await system.wait_progress()
+            assert echo.stopped and system.addresses() == []
+
+
 async def test_a_crash_within_intensity_is_recovered() -> None:
     async with anyio.create_task_group() as tg:
         system = ActorSystem(tg)
