@@ -116,7 +116,7 @@ def _core_at(sim: Simulator, address: Address, kind: type[_Core]) -> _Core:
     return core
 
 
-# --------------------------------------------------------------------------- the production transport
+# --------------------------------------------------------------------------- production transport
 
 
 class Progressing(Protocol):
@@ -128,7 +128,7 @@ class Progressing(Protocol):
 async def wait_until(
     runtime: Progressing,
     predicate: Callable[[], bool],
-    timeout: float = 10.0,
+    timeout: float = 10.0,  # noqa: ASYNC109 - its own deadline, so the error names the wait
     *,
     what: str | None = None,
 ) -> None:
