@@ -16,6 +16,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import anyio
+import msgspec
 
 from actors.engine.core import EngineCore
 from actors.kv_budget import KVBudgetCore
@@ -66,7 +67,7 @@ def make_sim(
     """
     config = RuntimeConfig(kv_budget_bytes=budget)
     if reservation_timeout_s is not None:
-        config = RuntimeConfig(kv_budget_bytes=budget, reservation_timeout_s=reservation_timeout_s)
+        config = msgspec.structs.replace(config, reservation_timeout_s=reservation_timeout_s)
     sim = Simulator(seed=seed, config=config)
     for spec in specs:
         reply = sim.load(spec)
