@@ -16,7 +16,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from actors.kv_budget import KVBudgetCore, QueuedReservation
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge
-from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Address
+from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Address, engine_address
 from runtime.messages import (
     EpochReleased,
     Evict,
@@ -232,8 +232,9 @@ class KVBudgetMachine(RuleBasedStateMachine):
         for holder in [h for h in self.holdings if (h.model, h.epoch) == (model, epoch)]:
             del self.holdings[holder]
         self.model_grant_waiting()
-        self.deliver(ReleaseEpoch(model=model, epoch=epoch), f"engine:{model}#{epoch}")
-        assert self.epochs_released[-1] == (f"engine:{model}#{epoch}", model, epoch)
+        engine = engine_address(model, epoch)
+        self.deliver(ReleaseEpoch(model=model, epoch=epoch), engine)
+        assert self.epochs_released[-1] == (engine, model, epoch)
 
     @rule(seconds=st.integers(1, 40).map(float))
     def advance_time(self, seconds: float) -> None:

@@ -9,7 +9,6 @@ from __future__ import annotations
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from actors.engine.core import EngineCore
 from runtime.backends.simulated import SimulatedBatch, greedy_continuation
 from runtime.config import RuntimeConfig
 from runtime.messages import (
@@ -23,7 +22,6 @@ from runtime.messages import (
     HolderKind,
     Message,
     ModelLoaded,
-    ModelSpec,
     ModelUnloaded,
     Prewarm,
     Rejected,
@@ -31,6 +29,7 @@ from runtime.messages import (
     Started,
     UnloadModel,
 )
+from runtime.testing.harness import engines, kv_keeper, prefix_cache, sim_spec
 from runtime.testing.simulator import Simulator
 
 BYTES_PER_TOKEN = 100
@@ -46,20 +45,16 @@ class RuntimeMachine(RuleBasedStateMachine):
         config = RuntimeConfig(kv_budget_bytes=BUDGET, reservation_timeout_s=0.05)
         self.sim = Simulator(seed=seed, config=config)
         self.sim.check_every_step(self.batch_padding_is_reserved)
-        self.spec = ModelSpec(
-            name="m",
-            backend="simulated",
-            prefill_chunk_tokens=3,
-            options={
-                "trimmable": trimmable,
-                "bytes_per_token": BYTES_PER_TOKEN,
-                # Non-trimmable: each checkpoint snapshot costs this (every 4 tokens and len - 1),
-                # so snapshots compete for the budget and join their final entries as points.
-                "fixed_state_bytes": 150,
-                "checkpoint_every_tokens": 4,
-                "prefill_s_per_token": 0.001,
-                "decode_s_per_token": 0.002,
-            },
+        self.spec = sim_spec(
+            chunk=3,
+            trimmable=trimmable,
+            bytes_per_token=BYTES_PER_TOKEN,
+            # Non-trimmable: each checkpoint snapshot costs this (every 4 tokens and len - 1),
+            # so snapshots compete for the budget and join their final entries as points.
+            fixed_state_bytes=150,
+            checkpoint_every_tokens=4,
+            prefill_s_per_token=0.001,
+            decode_s_per_token=0.002,
         )
         self.incarnation = 0
         self.sent: dict[tuple[str, int], Generate | Prewarm] = {}
@@ -153,23 +148,20 @@ class RuntimeMachine(RuleBasedStateMachine):
 
     @invariant()
     def kv_never_over_budget(self) -> None:
-        kv = self.sim.core("kv")
-        assert 0 <= kv.reserved_bytes <= kv.budget_bytes  # type: ignore[union-attr]
-        assert kv.reserved_bytes + kv.free_bytes == kv.budget_bytes  # type: ignore[union-attr]
+        kv = kv_keeper(self.sim)
+        assert 0 <= kv.reserved_bytes <= kv.budget_bytes
+        assert kv.reserved_bytes + kv.free_bytes == kv.budget_bytes
 
     def batch_padding_is_reserved(self) -> None:
         """Checked after every simulator step: a batch's real padding is always paid for."""
-        kv = self.sim.core("kv")
-        for address in self.sim.addresses():
-            engine = self.sim.core(address)
-            if not isinstance(engine, EngineCore):
-                continue
+        kv = kv_keeper(self.sim)
+        for engine in engines(self.sim):
             batch = engine.decode_batch
             assert batch is None or isinstance(batch, SimulatedBatch)
             padding = 0 if batch is None else batch.padding_tokens
             held = sum(
                 nbytes
-                for holder, nbytes in kv.holdings().items()  # type: ignore[union-attr]
+                for holder, nbytes in kv.holdings().items()
                 if holder.kind is HolderKind.BATCH_PADDING and holder.epoch == engine.epoch
             )
             # The join waited for the grant; the give-back comes after the rows left.
@@ -212,9 +204,9 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.sim.run_until_quiescent()
         for key in self.sent:
             assert self.sim.terminal(*key) is not None, f"{key} never ended"
-        kv, prefix = self.sim.core("kv"), self.sim.core("prefix")
+        kv, prefix = kv_keeper(self.sim), prefix_cache(self.sim)
         # Quiescent: every reserved byte belongs to a cached prefix entry; nothing leaked.
-        assert kv.reserved_bytes == prefix.total_bytes, (kv.holdings(), prefix.entries())  # type: ignore[union-attr]
+        assert kv.reserved_bytes == prefix.total_bytes, (kv.holdings(), prefix.entries())
 
 
 def _first(events: list[Message], kind: type[Started]) -> Started | None:

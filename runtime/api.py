@@ -413,6 +413,14 @@ class Runtime:
                 actors[address] = statistics()
         return RuntimeStats(actors=actors, dead_letters=dict(system.dead_letters))
 
+    async def wait_progress(self) -> None:
+        """Wait until an actor next handles a message or stops; raises ``RuntimeClosed``.
+
+        ``stats()`` changes only then: a test or monitor waiting for a condition on it checks,
+        awaits this, and checks again (``runtime.testing.harness.wait_until``), never spinning.
+        """
+        await self._require_system().wait_progress()
+
     # ------------------------------------------------------------------ plumbing
 
     def _require_system(self) -> ActorSystem:

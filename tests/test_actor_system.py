@@ -13,6 +13,7 @@ from runtime.kernel.actor import ActorSystem
 from runtime.kernel.core import Address, Context
 from runtime.kernel.supervision import RestartPolicy, RestartTracker
 from runtime.messages import GetStats, Message, Stats
+from runtime.testing.harness import wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -54,11 +55,23 @@ async def test_ask_gets_the_reply_and_stop_handles_earlier_mail_first() -> None:
         system.stop("echo")
         with pytest.raises(ActorStopped):
             await system.ask("echo", GetStats())
-        with anyio.fail_after(5):
-            while not echo.stopped:
-                await anyio.wait_all_tasks_blocked()
+        await wait_until(system, lambda: echo.stopped, timeout=5)
         assert echo.handled == 6 and echo.stopped
         assert system.dead_letters["no_actor:Stats"] == 5
+
+
+async def test_wait_progress_returns_once_a_message_was_handled_and_once_an_actor_stopped() -> None:
+    async with anyio.create_task_group() as tg:
+        system = ActorSystem(tg)
+        echo = Echo()
+        system.spawn("echo", echo)
+        with anyio.fail_after(5):
+            system.tell("echo", GetStats(), sender="nobody")
+            await system.wait_progress()
+            assert (echo.handled, echo.stopped) == (1, False)
+            system.stop("echo")
+            await system.wait_progress()
+            assert echo.stopped and system.addresses() == []
 
 
 async def test_a_crash_within_intensity_is_recovered() -> None:
@@ -142,8 +155,7 @@ async def test_the_host_edge_waits_while_a_mailbox_is_full_until_one_message_is_
             assert witness.handled == 0
             gate.go.set()
             await sent.wait()
-            while witness.handled < 3:
-                await anyio.wait_all_tasks_blocked()
+            await wait_until(system, lambda: witness.handled == 3)
         # The send went through once the first message was taken, before the second was.
         assert witness.done_when_taken == [False, True, True]
         system.stop("echo")

@@ -9,11 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from actors.engine.core import EngineCore
-from actors.kv_budget import KVBudgetCore
-from actors.prefix_cache import PrefixCacheCore
 from runtime.backends.simulated import SimulatedBatch, greedy_continuation
-from runtime.config import RuntimeConfig
 from runtime.messages import (
     Cancel,
     Failed,
@@ -21,35 +17,34 @@ from runtime.messages import (
     Generate,
     Holder,
     HolderKind,
-    ModelLoaded,
-    ModelSpec,
     ModelUnloaded,
     Reserve,
     UnloadModel,
 )
+from runtime.testing.harness import (
+    DEFAULT_BUDGET,
+    ModelOption,
+    engine,
+    engine_address_of,
+    engines,
+    kv_keeper,
+    make_sim,
+    prefix_cache,
+    sim_spec,
+)
 from runtime.testing.simulator import Simulator
 
-ENGINE = "engine:m#1"
 BPT = 1000  # bytes per token of full-attention KV (alloc_step 1: reservations are exact)
 PER_TOKEN = 0.001
 LONG = tuple(range(100, 160))  # 60 tokens
 SHORT = (1, 2, 3, 4, 5)
 
 
-def make_sim(budget: int = 64 << 20, seed: int = 0, **options: str | int | float) -> Simulator:
-    sim = Simulator(seed=seed, config=RuntimeConfig(kv_budget_bytes=budget))
-    spec = ModelSpec(
-        name="m",
-        backend="simulated",
-        prefill_chunk_tokens=16,
-        options={
-            "bytes_per_token": BPT,
-            "prefill_s_per_token": PER_TOKEN,
-            "decode_s_per_token": PER_TOKEN,
-            **options,
-        },
-    )
-    assert isinstance(sim.load(spec), ModelLoaded)
+def checked_sim(budget: int = DEFAULT_BUDGET, **options: ModelOption) -> Simulator:
+    """Model "m" loaded (16-token chunks, BPT, PER_TOKEN), the padding checked after every step."""
+    timing = {"prefill_s_per_token": PER_TOKEN, "decode_s_per_token": PER_TOKEN}
+    model = sim_spec(chunk=16, bytes_per_token=BPT, **timing, **options)
+    sim = make_sim(model, budget=budget)
     sim.check_every_step(lambda: assert_padding_is_paid_for(sim))
     return sim
 
@@ -60,29 +55,17 @@ def generate(request_id: str, tokens: tuple[int, ...], n: int) -> Generate:
     )
 
 
-def engine(sim: Simulator) -> EngineCore:
-    core = sim.core(ENGINE)
-    assert isinstance(core, EngineCore)
-    return core
-
-
-def kv(sim: Simulator) -> KVBudgetCore:
-    core = sim.core("kv")
-    assert isinstance(core, KVBudgetCore)
-    return core
-
-
 def counters(sim: Simulator) -> Counter[str]:
     return Counter(engine(sim).counters.snapshot())
 
 
 def padding_holdings(sim: Simulator) -> dict[Holder, int]:
-    holdings = kv(sim).holdings()
+    holdings = kv_keeper(sim).holdings()
     return {h: n for h, n in holdings.items() if h.kind is HolderKind.BATCH_PADDING}
 
 
 def batch(sim: Simulator) -> SimulatedBatch | None:
-    if ENGINE not in sim.addresses():
+    if not engines(sim):
         return None
     handle = engine(sim).decode_batch
     assert handle is None or isinstance(handle, SimulatedBatch)
@@ -102,7 +85,7 @@ def real_padding(sim: Simulator) -> int:
 def assert_padding_is_paid_for(sim: Simulator) -> None:
     """After every step: the batch's real padding never exceeds what the keeper granted it."""
     assert sum(padding_holdings(sim).values()) >= BPT * real_padding(sim)
-    assert kv(sim).reserved_bytes <= kv(sim).budget_bytes
+    assert kv_keeper(sim).reserved_bytes <= kv_keeper(sim).budget_bytes
 
 
 def settle(sim: Simulator) -> None:
@@ -111,14 +94,12 @@ def settle(sim: Simulator) -> None:
 
 
 def assert_quiescent_and_clean(sim: Simulator) -> None:
-    prefix = sim.core("prefix")
-    assert isinstance(prefix, PrefixCacheCore)
     assert padding_holdings(sim) == {}
-    assert kv(sim).reserved_bytes == prefix.total_bytes
+    assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes
 
 
 def test_a_short_sequence_joining_long_ones_reserves_exactly_the_padding() -> None:
-    sim = make_sim()
+    sim = checked_sim()
     sim.send(generate("a", LONG, 40))
     sim.send(generate("b", LONG[::-1], 40))  # same length: a batch of these has no padding
     sim.run_until(lambda: rows(sim) == 2)
@@ -145,7 +126,7 @@ def test_a_short_sequence_joining_long_ones_reserves_exactly_the_padding() -> No
 
 
 def test_padding_shrinks_as_rows_leave_and_is_released_when_the_batch_drains() -> None:
-    sim = make_sim()
+    sim = checked_sim()
     sim.send(generate("long", LONG, 40))
     sim.run_until(lambda: len(sim.emitted_tokens("long", 1)) >= 5)
     sim.send(generate("mid", LONG[:30], 12))
@@ -161,7 +142,7 @@ def test_padding_shrinks_as_rows_leave_and_is_released_when_the_batch_drains() -
     two = real_padding(sim)
     assert 0 < two < three
     assert sum(padding_holdings(sim).values()) == BPT * two
-    assert kv(sim).statistics().counters["released_partial"] == 1
+    assert kv_keeper(sim).statistics().counters["released_partial"] == 1
 
     sim.run_until(lambda: rows(sim) == 0)  # "mid" ended; "long" went back to the fast path
     settle(sim)
@@ -172,7 +153,7 @@ def test_padding_shrinks_as_rows_leave_and_is_released_when_the_batch_drains() -
 
 
 def test_aborting_the_longest_member_gives_its_padding_back() -> None:
-    sim = make_sim()
+    sim = checked_sim()
     sim.send(generate("long", LONG, 60))
     sim.run_until(lambda: len(sim.emitted_tokens("long", 1)) >= 3)
     sim.send(generate("s1", SHORT, 40))
@@ -199,7 +180,7 @@ def test_aborting_the_longest_member_gives_its_padding_back() -> None:
 def test_under_a_tight_budget_the_newcomer_decodes_alone_and_outputs_stay_exact() -> None:
     # Every sequence's own reservation fits; the short one's padding (about 60 tokens) does not.
     own = (2 * (len(LONG) + 40) + len(SHORT) + 30) * BPT
-    sim = make_sim(budget=own + 20 * BPT)
+    sim = checked_sim(budget=own + 20 * BPT)
     sim.send(generate("a", LONG, 40))
     sim.send(generate("b", LONG[::-1], 40))
     sim.run_until(lambda: rows(sim) == 2)
@@ -219,12 +200,12 @@ def test_under_a_tight_budget_the_newcomer_decodes_alone_and_outputs_stay_exact(
     assert seen["batch_padding_granted"] == 0 and seen["batch_joins"] == 2
     # It asked again only after the membership changed (a and b leaving), not at every step.
     assert seen["batch_padding_asks"] == seen["batch_padding_refused"] <= 3
-    assert kv(sim).statistics().counters["refused_no_wait"] == seen["batch_padding_asks"]
+    assert kv_keeper(sim).statistics().counters["refused_no_wait"] == seen["batch_padding_asks"]
     assert_quiescent_and_clean(sim)
 
 
 def test_a_stale_reply_about_an_earlier_batch_is_released_and_counted() -> None:
-    sim = make_sim()
+    sim = checked_sim()
     sim.send(generate("long", LONG, 20))
     sim.run_until(lambda: len(sim.emitted_tokens("long", 1)) >= 3)
     sim.send(generate("short", SHORT, 5))
@@ -232,15 +213,16 @@ def test_a_stale_reply_about_an_earlier_batch_is_released_and_counted() -> None:
     [old] = padding_holdings(sim)
     sim.run_until_quiescent()
     assert padding_holdings(sim) == {}
+    address = engine_address_of(sim)
 
     # A grant for that batch's holder arrives after the batch ended (as a late reply would).
-    sim.deliver("kv", Reserve(holder=old, nbytes=7 * BPT, timeout_s=0.0), ENGINE)
+    sim.deliver("kv", Reserve(holder=old, nbytes=7 * BPT, timeout_s=0.0), address)
     sim.run_until_idle()
-    assert kv(sim).holding(old) == 0 and old not in kv(sim).holdings()
+    assert kv_keeper(sim).holding(old) == 0 and old not in kv_keeper(sim).holdings()
     assert counters(sim)["batch_padding_stale"] == 1
     assert sim.dead_letters["stale_padding_reply"] == 1
     # A refusal about it changes nothing either.
-    sim.deliver("kv", Reserve(holder=old, nbytes=1 << 40, timeout_s=0.0), ENGINE)
+    sim.deliver("kv", Reserve(holder=old, nbytes=1 << 40, timeout_s=0.0), address)
     sim.run_until_idle()
     assert counters(sim)["batch_padding_stale"] == 2
     assert_quiescent_and_clean(sim)
@@ -248,7 +230,7 @@ def test_a_stale_reply_about_an_earlier_batch_is_released_and_counted() -> None:
 
 def test_a_failed_batch_step_releases_the_padding() -> None:
     # The 8th sample call falls inside a batch step of these two (see test_batching's fixture).
-    sim = make_sim(fail_sample_call=8)
+    sim = checked_sim(fail_sample_call=8)
     sim.send(generate("long", LONG, 10))
     sim.run_until(lambda: len(sim.emitted_tokens("long", 1)) >= 1)
     sim.send(generate("short", SHORT, 10))
@@ -257,12 +239,12 @@ def test_a_failed_batch_step_releases_the_padding() -> None:
         failed = sim.terminal(request_id, 1)
         assert isinstance(failed, Failed) and "batched decode step failed" in failed.message
     assert counters(sim)["batch_padding_granted"] == 1
-    assert kv(sim).reserved_bytes == 0
+    assert kv_keeper(sim).reserved_bytes == 0
     assert_quiescent_and_clean(sim)
 
 
 def test_unloading_while_batched_frees_the_padding_with_everything_else() -> None:
-    sim = make_sim()
+    sim = checked_sim()
     sim.send(generate("long", LONG, 40))
     sim.run_until(lambda: len(sim.emitted_tokens("long", 1)) >= 3)
     sim.send(generate("short", SHORT, 40))
@@ -271,4 +253,4 @@ def test_unloading_while_batched_frees_the_padding_with_everything_else() -> Non
     assert padding_holdings(sim) != {}
 
     assert sim.ask(UnloadModel(model="m")) == ModelUnloaded(model="m", epoch=1)
-    assert kv(sim).holdings() == {} and kv(sim).reserved_bytes == 0
+    assert kv_keeper(sim).holdings() == {} and kv_keeper(sim).reserved_bytes == 0

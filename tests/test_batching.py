@@ -5,31 +5,23 @@ from __future__ import annotations
 import pytest
 
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
-from runtime.messages import (
-    Cancel,
-    Cancelled,
-    Finished,
-    FinishReason,
-    Generate,
-    ModelLoaded,
-    ModelSpec,
+from runtime.messages import Cancel, Cancelled, Finished, FinishReason, Generate, ModelSpec
+from runtime.testing.harness import (
+    ModelOption,
+    engine,
+    kv_keeper,
+    make_sim,
+    prefix_cache,
+    sim_spec,
 )
 from runtime.testing.simulator import Simulator
 
 PER_TOKEN = 0.001
 
 
-def make_sim(seed: int = 0, **options: object) -> Simulator:
-    sim = Simulator(seed=seed, config=RuntimeConfig(kv_budget_bytes=64 << 20))
-    spec = ModelSpec(
-        name="m",
-        backend="simulated",
-        prefill_chunk_tokens=8,
-        options={"prefill_s_per_token": PER_TOKEN, "decode_s_per_token": PER_TOKEN, **options},
-    )
-    assert isinstance(sim.load(spec), ModelLoaded)
-    return sim
+def spec(**options: ModelOption) -> ModelSpec:
+    """Model "m": 8-token chunks, every token costs PER_TOKEN of virtual time."""
+    return sim_spec(chunk=8, prefill_s_per_token=PER_TOKEN, decode_s_per_token=PER_TOKEN, **options)
 
 
 def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int) -> Generate:
@@ -43,12 +35,12 @@ def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int)
 
 
 def counters(sim: Simulator) -> dict[str, int]:
-    return sim.core("engine:m#1").counters.snapshot()  # type: ignore[union-attr]
+    return engine(sim).counters.snapshot()
 
 
 @pytest.mark.parametrize("seed", range(5))
 def test_a_running_stream_moves_into_the_batch_and_outputs_stay_exact(seed: int) -> None:
-    sim = make_sim(seed)
+    sim = make_sim(spec(), seed=seed)
     first, second = tuple(range(10, 20)), tuple(range(30, 60))
     sim.send(generate("a", 1, first, 40))
     sim.advance(0.02)  # "a" decodes alone on the fast path
@@ -63,16 +55,16 @@ def test_a_running_stream_moves_into_the_batch_and_outputs_stay_exact(seed: int)
     # "b" finished first; "a" went back to the fast path for its last tokens.
     assert after["batch_leaves"] == 2
     assert after["decoded_tokens"] > alone["decoded_tokens"]
-    assert sim.core("kv").reserved_bytes == sim.core("prefix").total_bytes  # type: ignore[union-attr]
+    assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes
 
 
 def test_an_abort_removes_one_row_without_disturbing_the_others() -> None:
-    sim = make_sim()
+    sim = make_sim(spec())
     prompts = [tuple(range(i * 10, i * 10 + 6)) for i in range(1, 5)]
     for index, prompt in enumerate(prompts):
         sim.send(generate(f"r{index}", index + 1, prompt, 30))
     sim.advance(0.05)
-    assert sim.core("engine:m#1").statistics().gauges["batch_size"] >= 3  # type: ignore[union-attr]
+    assert engine(sim).statistics().gauges["batch_size"] >= 3
     sim.send(Cancel(request_id="r1", incarnation=2))
     sim.run_until_quiescent()
     cancelled = sim.terminal("r1", 2)
@@ -83,11 +75,11 @@ def test_an_abort_removes_one_row_without_disturbing_the_others() -> None:
         terminal = sim.terminal(f"r{index}", index + 1)
         assert isinstance(terminal, Finished) and terminal.reason is FinishReason.LENGTH
         assert sim.emitted_tokens(f"r{index}", index + 1) == greedy_continuation(prompts[index], 30)
-    assert sim.core("kv").reserved_bytes == sim.core("prefix").total_bytes  # type: ignore[union-attr]
+    assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes
 
 
 def test_a_long_prefill_interleaves_with_the_batch_steps() -> None:
-    sim = make_sim()
+    sim = make_sim(spec())
     sim.send(generate("a", 1, (1, 2, 3), 60))
     sim.send(generate("b", 2, (4, 5, 6), 60))
     sim.advance(0.02)
@@ -104,14 +96,14 @@ def test_a_long_prefill_interleaves_with_the_batch_steps() -> None:
 
 
 def test_the_admission_gate_runs_at_most_max_concurrent_and_the_rest_wait_in_order() -> None:
-    sim = make_sim(max_concurrent=2)
+    sim = make_sim(spec(max_concurrent=2))
     prompts = [tuple(range(i * 10, i * 10 + 5)) for i in range(1, 6)]
     for index, prompt in enumerate(prompts):
         sim.send(generate(f"r{index}", index + 1, prompt, 6))
     sim.advance(0.005)
-    engine = sim.core("engine:m#1")
-    assert engine.statistics().gauges["sequences"] == 5  # type: ignore[union-attr]
-    assert engine.counters["admission_waits"] == 3  # type: ignore[union-attr]
+    core = engine(sim)
+    assert core.statistics().gauges["sequences"] == 5
+    assert core.counters["admission_waits"] == 3
     sim.send(Cancel(request_id="r3", incarnation=4))  # cancelled while it waits at the gate
     sim.run_until_quiescent()
     cancelled = sim.terminal("r3", 4)

@@ -14,10 +14,8 @@ from collections.abc import Callable, Sequence
 import pytest
 
 from actors.engine.checkpoints import plan_checkpoints
-from actors.kv_budget import KVBudgetCore, QueuedReservation
-from actors.prefix_cache import PrefixCacheCore
+from actors.kv_budget import QueuedReservation
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
 from runtime.kernel.core import Address
 from runtime.messages import (
     Abort,
@@ -33,7 +31,6 @@ from runtime.messages import (
     Lookup,
     LookupResult,
     Message,
-    ModelLoaded,
     ModelSpec,
     ModelUnloaded,
     Rejected,
@@ -43,9 +40,19 @@ from runtime.messages import (
     UnloadModel,
     Usage,
 )
+from runtime.testing.harness import (
+    DEFAULT_BUDGET,
+    ModelOption,
+    engine,
+    engine_address_of,
+    kv_keeper,
+    make_sim,
+    prefix_cache,
+    router,
+    sim_spec,
+)
 from runtime.testing.simulator import Simulator
 
-ENGINE: Address = "engine:m#1"  # the first load of model "m" is epoch 1
 BPT = 1024  # bytes_per_token of every model here (alloc_step 1)
 FIXED = 512  # a non-trimmable model's untrimmable state: what each of its snapshots holds
 EVERY = 8
@@ -62,26 +69,14 @@ END_STATE = len(PROMPT) + MAX_TOKENS - 1
 # --------------------------------------------------------------------------- helpers
 
 
-Options = dict[str, str | int | float | bool | None]
+def spec(chunk: int = CHUNK, **options: ModelOption) -> ModelSpec:
+    """Model "m" with BPT bytes per token."""
+    return sim_spec(chunk=chunk, bytes_per_token=BPT, **options)
 
 
-def make_sim(
-    options: Options, budget: int = 64 << 20, chunk: int = CHUNK, seed: int = 0
-) -> Simulator:
-    sim = Simulator(seed=seed, config=RuntimeConfig(kv_budget_bytes=budget))
-    spec = ModelSpec(
-        name="m",
-        backend="simulated",
-        prefill_chunk_tokens=chunk,
-        options={"bytes_per_token": BPT, **options},
-    )
-    assert isinstance(sim.load(spec), ModelLoaded)
-    return sim
-
-
-def checkpoint_sim(budget: int = 64 << 20) -> Simulator:
-    options: Options = {"trimmable": False, "checkpoint_every_tokens": EVERY}
-    return make_sim({**options, "fixed_state_bytes": FIXED}, budget)
+def checkpoint_sim(budget: int = DEFAULT_BUDGET) -> Simulator:
+    model = spec(trimmable=False, checkpoint_every_tokens=EVERY, fixed_state_bytes=FIXED)
+    return make_sim(model, budget=budget)
 
 
 def generate(request_id: str, prompt: tuple[int, ...], n: int, incarnation: int = 1) -> Generate:
@@ -107,29 +102,13 @@ def started(sim: Simulator, request_id: str, incarnation: int = 1) -> list[Start
     return [e for e in sim.events(request_id, incarnation) if isinstance(e, Started)]
 
 
-def kv(sim: Simulator) -> KVBudgetCore:
-    core = sim.core("kv")
-    assert isinstance(core, KVBudgetCore)
-    return core
-
-
-def prefix(sim: Simulator) -> PrefixCacheCore:
-    core = sim.core("prefix")
-    assert isinstance(core, PrefixCacheCore)
-    return core
-
-
 def engine_counters(sim: Simulator) -> Counter[str]:
     """The engine's counters; one never incremented reads 0."""
-    core = sim.core(ENGINE)
-    assert core is not None
-    return Counter(core.counters.snapshot())  # type: ignore[attr-defined]
+    return Counter(engine(sim).counters.snapshot())
 
 
 def engine_gauges(sim: Simulator) -> dict[str, int]:
-    core = sim.core(ENGINE)
-    assert core is not None
-    return dict(core.statistics().gauges)  # type: ignore[attr-defined]
+    return dict(engine(sim).statistics().gauges)
 
 
 def sequence_holder(sequence_id: int) -> Holder:
@@ -177,7 +156,7 @@ def test_checkpoints_of_a_non_trimmable_prefill_become_points_of_its_final_entry
     assert emitted(sim, "a") == out
     # One entry: the final state, restorable whole and at every snapshot. Each snapshot holds only
     # the untrimmable state (FIXED bytes); the per-token KV is stored once, in the final state.
-    [entry] = prefix(sim).entries()
+    [entry] = prefix_cache(sim).entries()
     assert entry.tokens == (PROMPT + tuple(out))[:END_STATE]
     assert entry.points == tuple(PLANNED)
     total = END_STATE * BPT + FIXED + len(PLANNED) * FIXED
@@ -185,10 +164,10 @@ def test_checkpoints_of_a_non_trimmable_prefill_become_points_of_its_final_entry
     assert entry.entry_id == len(PLANNED) + 1  # the snapshots' reservations used ids 1-4
     assert not (entry.trimmable or entry.leases or entry.doomed)
     # The entry's bytes are reserved in the keeper under its own holder, and nothing else is.
-    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == total
+    assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes == total
     holder = Holder(model="m", epoch=1, kind=HolderKind.PREFIX_ENTRY, id=entry.entry_id)
-    assert kv(sim).holdings() == {holder: total}
-    assert kv(sim).queued() == ()
+    assert kv_keeper(sim).holdings() == {holder: total}
+    assert kv_keeper(sim).queued() == ()
     counters = engine_counters(sim)
     assert counters["snapshots_taken"] == len(PLANNED)
     assert counters["snapshots_refused"] == 0
@@ -229,20 +208,20 @@ def test_a_later_prompt_restores_at_a_point_of_the_final_entry(
     after = engine_counters(sim)
     assert after["prefilled_tokens"] - before["prefilled_tokens"] == len(prompt) - cached
     assert after["fallback_trim_refused"] == 0
-    assert prefix(sim).total_bytes == kv(sim).reserved_bytes
+    assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes
 
 
 def test_default_checkpoint_spacing_snapshots_a_long_non_trimmable_prompt() -> None:
     """No option: snapshots every 512 tokens (DEFAULT_CHECKPOINT_EVERY), plus len - 1."""
-    sim = make_sim({"trimmable": False, "fixed_state_bytes": FIXED}, chunk=64)
+    sim = make_sim(spec(chunk=64, trimmable=False, fixed_state_bytes=FIXED))
     prompt = tuple(97 + i % 26 for i in range(1030))  # letters only: no word-boundary point
     sim.send(generate("a", prompt, 2))
     sim.run_until_quiescent()
 
     assert emitted(sim, "a") == greedy_continuation(prompt, 2)
-    [entry] = prefix(sim).entries()
+    [entry] = prefix_cache(sim).entries()
     assert (len(entry.tokens), entry.points) == (1031, (512, 1024, 1029))
-    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == 1031 * BPT + 4 * FIXED
+    assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes == 1031 * BPT + 4 * FIXED
     assert engine_counters(sim)["snapshots_taken"] == 3
 
 
@@ -261,7 +240,7 @@ def test_a_snapshot_that_does_not_fit_now_is_skipped_without_queueing_or_evictin
     sim = checkpoint_sim(budget)
     sim.send(generate("a", PROMPT, MAX_TOKENS))
     sim.run_until_idle()
-    assert kv(sim).queued() == ()  # the snapshots never wait, not even for a moment
+    assert kv_keeper(sim).queued() == ()  # the snapshots never wait, not even for a moment
     sim.run_until_quiescent()
 
     terminal = sim.terminal("a", 1)
@@ -270,16 +249,16 @@ def test_a_snapshot_that_does_not_fit_now_is_skipped_without_queueing_or_evictin
     counters = engine_counters(sim)
     assert counters["snapshots_taken"] == len(PLANNED)
     assert counters["snapshots_refused"] == refused
-    [entry] = prefix(sim).entries()
+    [entry] = prefix_cache(sim).entries()
     assert entry.points == kept  # the sequence's own end state is moved, not reserved
     total = END_STATE * BPT + FIXED + len(kept) * FIXED
-    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == total
-    assert kv(sim).queued() == ()
-    kv_counters = kv(sim).statistics().counters
+    assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes == total
+    assert kv_keeper(sim).queued() == ()
+    kv_counters = kv_keeper(sim).statistics().counters
     assert kv_counters["refused_no_wait"] == refused
     assert kv_counters["queued"] == 0
     assert kv_counters["evict_requests"] == 0
-    prefix_counters = prefix(sim).statistics().counters
+    prefix_counters = prefix_cache(sim).statistics().counters
     assert prefix_counters["evict_requests"] == 0
     assert prefix_counters["evictions"] == 0
     gauges = engine_gauges(sim)
@@ -306,13 +285,14 @@ def test_a_hit_that_cannot_be_restored_starts_cold(counter: str, entry_tokens: i
     sim = checkpoint_sim()
     sim.send(generate("warm", PROMPT, MAX_TOKENS))
     sim.run_until_quiescent()
-    by_length = {len(e.tokens): e.entry_id for e in prefix(sim).entries()}
+    by_length = {len(e.tokens): e.entry_id for e in prefix_cache(sim).entries()}
     entry_id = 999 if entry_tokens is None else by_length[entry_tokens]
     assert entry_id == (999 if entry_tokens is None else len(PLANNED) + 1)
 
     # The prompt shares 20 tokens with PROMPT (so also the 8- and 16-token points).
     prompt = (*PROMPT[:20], *range(200, 210))
     crafted: list[LookupResult] = []
+    address = engine_address_of(sim)
 
     def answer_first(to: Address, message: Message, sender: Address) -> bool:
         # Answer the engine's Lookup before the prefix manager does; its real answer, which
@@ -328,7 +308,7 @@ def test_a_hit_that_cannot_be_restored_starts_cold(counter: str, entry_tokens: i
                 generation=0,
             )
             crafted.append(result)
-            sim.deliver(ENGINE, result, "prefix")
+            sim.deliver(address, result, "prefix")
         return False
 
     intercept(sim, answer_first)
@@ -364,17 +344,18 @@ def test_a_hit_that_cannot_be_restored_starts_cold(counter: str, entry_tokens: i
     assert after["prefilled_tokens"] - before["prefilled_tokens"] == 30  # all of it, cold
     # The real (checkpoint) hit came second: its lease was released, nothing stays leased.
     assert sim.dead_letters["stale_lookup_result"] == 1
-    assert prefix(sim).statistics().counters["hits_checkpoint"] == 1
-    assert prefix(sim).leased_entry_ids() == frozenset()
-    assert prefix(sim).total_bytes == kv(sim).reserved_bytes
+    assert prefix_cache(sim).statistics().counters["hits_checkpoint"] == 1
+    assert prefix_cache(sim).leased_entry_ids() == frozenset()
+    assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes
 
 
 def test_a_refused_trim_does_not_make_the_cached_prompt_tokens_counter_negative() -> None:
     sim = checkpoint_sim()
     sim.send(generate("warm", PROMPT, MAX_TOKENS))
     sim.run_until_quiescent()
-    [entry] = prefix(sim).entries()
+    [entry] = prefix_cache(sim).entries()
     entry_id = entry.entry_id
+    address = engine_address_of(sim)
 
     def answer_first(to: Address, message: Message, sender: Address) -> bool:
         if to == "prefix" and isinstance(message, Lookup):
@@ -387,7 +368,7 @@ def test_a_refused_trim_does_not_make_the_cached_prompt_tokens_counter_negative(
                 lease_id=None,
                 generation=0,
             )
-            sim.deliver(ENGINE, result, "prefix")
+            sim.deliver(address, result, "prefix")
             return True  # the prefix manager never sees this Lookup
         return False
 
@@ -405,9 +386,10 @@ def test_a_refused_trim_does_not_make_the_cached_prompt_tokens_counter_negative(
 DECODE_S = 1.0
 
 
-def timed_sim(budget: int = 64 << 20, seed: int = 0, **options: int) -> Simulator:
+def timed_sim(budget: int = DEFAULT_BUDGET, seed: int = 0, **options: int) -> Simulator:
     """Prefill is free and each decode step takes DECODE_S, so steps end on whole seconds."""
-    return make_sim({"decode_s_per_token": DECODE_S, **options}, budget, chunk=16, seed=seed)
+    model = spec(chunk=16, decode_s_per_token=DECODE_S, **options)
+    return make_sim(model, budget=budget, seed=seed)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -418,12 +400,13 @@ def test_an_abort_racing_the_last_decode_step_gives_one_terminal(
     n = 4
     prompt = (1, 2, 3, 4, 5)
     sim = timed_sim(seed=seed)
+    address = engine_address_of(sim)
     raced: list[Message] = []
 
     def race(to: Address, message: Message, sender: Address) -> bool:
         # The ComputeDone that arrives once n - 1 tokens are out is the last step's: put the
         # router's Abort into the engine's mailbox just before it, or just after it.
-        if to != ENGINE or not isinstance(message, ComputeDone) or raced:
+        if to != address or not isinstance(message, ComputeDone) or raced:
             return False
         if len(emitted(sim, "a")) != n - 1:
             return False
@@ -467,9 +450,9 @@ def test_an_abort_racing_the_last_decode_step_gives_one_terminal(
     # Either way the cached state holds the prompt and n - 1 tokens (the last step fed the
     # pending token n - 1 and sampled token n, which is never fed).
     kept = len(prompt) + n - 1
-    assert [len(e.tokens) for e in prefix(sim).entries()] == [kept]
-    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == kept * BPT
-    assert sim.core("router").live_sequences() == {}  # type: ignore[union-attr]
+    assert [len(e.tokens) for e in prefix_cache(sim).entries()] == [kept]
+    assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes == kept * BPT
+    assert router(sim).live_sequences() == {}
 
 
 def test_a_cancel_while_the_reservation_waits_drops_it_from_the_keeper() -> None:
@@ -479,13 +462,13 @@ def test_a_cancel_while_the_reservation_waits_drops_it_from_the_keeper() -> None
     sim.run_until_idle()
     sim.send(generate("b", (6, 7, 8, 9, 10), 10))
     sim.run_until_idle()
-    assert kv(sim).queued() == (QueuedReservation(sequence_holder(2), 15 * BPT, 30.0),)
+    assert kv_keeper(sim).queued() == (QueuedReservation(sequence_holder(2), 15 * BPT, 30.0),)
     sim.advance(1.5)  # A is decoding; B still waits
-    assert kv(sim).queued() == (QueuedReservation(sequence_holder(2), 15 * BPT, 30.0),)
+    assert kv_keeper(sim).queued() == (QueuedReservation(sequence_holder(2), 15 * BPT, 30.0),)
 
     sim.send(Cancel(request_id="b", incarnation=1))
     sim.run_until_idle()
-    assert kv(sim).queued() == ()
+    assert kv_keeper(sim).queued() == ()
     assert terminals(sim, "b") == [
         Cancelled(
             request_id="b",
@@ -500,15 +483,17 @@ def test_a_cancel_while_the_reservation_waits_drops_it_from_the_keeper() -> None
     a_end = sim.terminal("a", 1)
     assert isinstance(a_end, Finished) and a_end.usage.completion_tokens == 10
     assert len(terminals(sim, "a")) == 1
-    kv_counters = kv(sim).statistics().counters
+    kv_counters = kv_keeper(sim).statistics().counters
     assert kv_counters["queued"] == 1
     assert kv_counters["dropped_waiting"] == 1
     assert kv_counters["granted"] == 1  # A only: B was never granted, not even after A ended
     assert kv_counters["stale_timer"] == 1  # B's deadline fired for a ticket already dropped
     assert kv_counters["refused_timeout"] == 0
     assert sim.dead_letters["stale_reservation_reply"] == 0
-    assert kv(sim).holding(sequence_holder(2)) == 0
-    assert prefix(sim).total_bytes == kv(sim).reserved_bytes == 14 * BPT  # A's end state only
+    assert kv_keeper(sim).holding(sequence_holder(2)) == 0
+    assert (
+        prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes == 14 * BPT
+    )  # A's end state only
 
 
 @pytest.mark.parametrize("failing_call", [1, 3])
@@ -532,9 +517,9 @@ def test_a_backend_fault_in_sampling_fails_once_with_the_tokens_made_before_it(
     assert [type(e) for e in sim.events("a", 1)] == [Started, *[TokensEmitted] * made, Failed]
     assert engine_counters(sim)["failed_backend_error"] == 1
     # A state that saw an error is never cached; everything it held is released.
-    assert prefix(sim).entries() == ()
-    assert kv(sim).reserved_bytes == 0
-    assert kv(sim).holdings() == {}
+    assert prefix_cache(sim).entries() == ()
+    assert kv_keeper(sim).reserved_bytes == 0
+    assert kv_keeper(sim).holdings() == {}
 
 
 # --------------------------------------------------------------------------- 5. unload
@@ -542,12 +527,13 @@ def test_a_backend_fault_in_sampling_fails_once_with_the_tokens_made_before_it(
 
 def test_unload_cancels_a_request_queued_for_kv_and_frees_everything() -> None:
     sim = timed_sim(budget=20 * BPT)
+    address = engine_address_of(sim)
     sim.send(generate("a", (1, 2, 3, 4, 5), 10))
     sim.run_until_idle()
     sim.send(generate("b", (6, 7, 8, 9, 10), 10))
     sim.advance(2.5)  # A's steps ended at t=0, 1 and 2 (three tokens); the fourth is in flight
     assert len(emitted(sim, "a")) == 3
-    assert kv(sim).queued() == (QueuedReservation(sequence_holder(2), 15 * BPT, 30.0),)
+    assert kv_keeper(sim).queued() == (QueuedReservation(sequence_holder(2), 15 * BPT, 30.0),)
 
     reply = sim.ask(UnloadModel(model="m"))
     assert reply == ModelUnloaded(model="m", epoch=1)
@@ -568,13 +554,13 @@ def test_unload_cancels_a_request_queued_for_kv_and_frees_everything() -> None:
         )
     ]
     # Both terminals were out, and the memory free, by the time the unload was answered.
-    assert kv(sim).reserved_bytes == 0
-    assert kv(sim).queued() == ()
-    assert kv(sim).holdings() == {}
-    assert prefix(sim).total_bytes == 0
-    assert ENGINE not in sim.addresses()
+    assert kv_keeper(sim).reserved_bytes == 0
+    assert kv_keeper(sim).queued() == ()
+    assert kv_keeper(sim).holdings() == {}
+    assert prefix_cache(sim).total_bytes == 0
+    assert address not in sim.addresses()
     sim.run_until_quiescent()
     assert len(terminals(sim, "a")) == len(terminals(sim, "b")) == 1
-    assert kv(sim).statistics().counters["granted"] == 1  # B was never granted
-    assert kv(sim).reserved_bytes == 0
-    assert sim.core("router").counters["orphaned_requests"] == 0  # type: ignore[union-attr]
+    assert kv_keeper(sim).statistics().counters["granted"] == 1  # B was never granted
+    assert kv_keeper(sim).reserved_bytes == 0
+    assert router(sim).counters["orphaned_requests"] == 0

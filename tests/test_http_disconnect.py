@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import socket
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
 import anyio
 import anyio.lowlevel
@@ -15,16 +15,18 @@ import uvicorn
 
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
+from runtime.kernel.core import engine_address
 from runtime.messages import ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
+from runtime.testing.harness import ModelOption, sim_spec, wait_until
 
 pytestmark = pytest.mark.anyio
 
 CHUNK = 8
 
 
-def sim_model(**options: object) -> ModelSpec:
-    return ModelSpec(name="m", backend="simulated", prefill_chunk_tokens=CHUNK, options=options)  # type: ignore[arg-type]
+def sim_model(**options: ModelOption) -> ModelSpec:
+    return sim_spec(chunk=CHUNK, **options)
 
 
 @contextlib.asynccontextmanager
@@ -41,7 +43,7 @@ async def live_server(model: ModelSpec) -> AsyncIterator[tuple[httpx.AsyncClient
         port = listener.getsockname()[1]
         async with anyio.create_task_group() as tg:
             tg.start_soon(uvicorn_server.serve, [listener])
-            await wait_until(lambda: uvicorn_server.started)
+            await wait_until_started(uvicorn_server)
             try:
                 async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
                     yield client, server.runtime
@@ -49,14 +51,16 @@ async def live_server(model: ModelSpec) -> AsyncIterator[tuple[httpx.AsyncClient
                 uvicorn_server.should_exit = True
 
 
-async def wait_until(condition: Callable[[], bool]) -> None:
+async def wait_until_started(server: uvicorn.Server) -> None:
+    """Yield until uvicorn is serving: it sets a flag and nothing one could wait on."""
     with anyio.fail_after(10):
-        while not condition():
+        while not server.started:
             await anyio.lowlevel.checkpoint()
 
 
 def engine_counter(rt: Runtime, name: str) -> int:
-    return rt.stats().actors["engine:m#1"].counters.get(name, 0)
+    # The server's lifespan loaded the one model on a fresh runtime: its first epoch.
+    return rt.stats().actors[engine_address("m", 1)].counters.get(name, 0)
 
 
 def only_prefix_entries_hold_kv(rt: Runtime) -> bool:
@@ -72,8 +76,8 @@ async def test_a_client_gone_mid_stream_cancels_its_request_and_frees_its_kv() -
             async for line in response.aiter_lines():
                 if line.startswith("data: "):
                     break  # leaving the block closes the connection mid-stream
-        await wait_until(lambda: engine_counter(rt, "cancelled") == 1)
-        await wait_until(lambda: only_prefix_entries_hold_kv(rt))
+        await wait_until(rt, lambda: engine_counter(rt, "cancelled") == 1)
+        await wait_until(rt, lambda: only_prefix_entries_hold_kv(rt))
         assert engine_counter(rt, "finished") == 0
         assert rt.stats().actors["router"].gauges["live_requests"] == 0
         body.update(stream=False, max_tokens=2)
@@ -87,9 +91,9 @@ async def test_a_client_gone_mid_prefill_cancels_a_non_streaming_request() -> No
     async with live_server(sim_model(prefill_s_per_token=0.002)) as (client, rt):
         async with anyio.create_task_group() as tg:
             tg.start_soon(functools.partial(client.post, "/v1/completions", json=body))
-            await wait_until(lambda: engine_counter(rt, "prefilled_tokens") > 0)
+            await wait_until(rt, lambda: engine_counter(rt, "prefilled_tokens") > 0)
             tg.cancel_scope.cancel()  # the client gives up: its connection closes
-        await wait_until(lambda: engine_counter(rt, "cancelled") == 1)
+        await wait_until(rt, lambda: engine_counter(rt, "cancelled") == 1)
         assert engine_counter(rt, "prefilled_tokens") < prompt_tokens
-        await wait_until(lambda: only_prefix_entries_hold_kv(rt))
+        await wait_until(rt, lambda: only_prefix_entries_hold_kv(rt))
         assert rt.stats().actors["router"].gauges["live_requests"] == 0

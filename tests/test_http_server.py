@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 import httpx
 import pytest
 
@@ -16,6 +15,7 @@ from runtime.backends.simulated import greedy_continuation
 from runtime.config import RuntimeConfig
 from runtime.messages import ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
+from runtime.testing.harness import ModelOption, sim_spec, wait_until
 
 pytestmark = pytest.mark.anyio
 
@@ -23,10 +23,8 @@ CHUNK = 8
 Json = dict[str, Any]
 
 
-def sim_model(name: str = "m", **options: object) -> ModelSpec:
-    return ModelSpec(
-        name=name, backend="simulated", prefill_chunk_tokens=CHUNK, options=dict(options)
-    )
+def sim_model(name: str = "m", **options: ModelOption) -> ModelSpec:
+    return sim_spec(name, chunk=CHUNK, **options)
 
 
 @contextlib.asynccontextmanager
@@ -42,10 +40,8 @@ async def serving(
             yield client, server
 
 
-async def wait_until(condition: Callable[[], bool]) -> None:
-    with anyio.fail_after(10):
-        while not condition():
-            await anyio.lowlevel.checkpoint()
+def kv_reserved(server: OpenAIServer) -> int:
+    return server.runtime.stats().actors["kv"].gauges["reserved"]
 
 
 def expected(prompt: str, n: int) -> str:
@@ -418,7 +414,7 @@ async def test_kv_refusals_map_to_400_and_503_with_retry_after() -> None:
         assert "retry-after" not in too_big.headers
 
         tg.start_soon(lambda: complete(client, prompt="y" * 10, max_tokens=80))  # holds 9,000 B
-        await wait_until(lambda: server.runtime.stats().actors["kv"].gauges["reserved"] > 0)
+        await wait_until(server.runtime, lambda: kv_reserved(server) > 0)
         for stream in (False, True):
             starved = await complete(client, prompt="z" * 10, max_tokens=20, stream=stream)
             assert starved.status_code == 503
@@ -460,7 +456,7 @@ async def test_a_request_drained_by_an_unload_is_503_model_unloading() -> None:
             responses.append(await complete(client, prompt="long", max_tokens=2000))
 
         tg.start_soon(long_request)
-        await wait_until(lambda: server.runtime.stats().actors["kv"].gauges["reserved"] > 0)
+        await wait_until(server.runtime, lambda: kv_reserved(server) > 0)
         await server.runtime.unload_model("m")
     [response] = responses
     assert response.status_code == 503

@@ -7,7 +7,7 @@ import pytest
 from actors.kv_budget import KVBudgetCore, QueuedReservation
 from runtime.backends.mlx.memory import default_kv_budget_bytes
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge
-from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Address
+from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Address, engine_address
 from runtime.messages import (
     EpochReleased,
     Evict,
@@ -27,8 +27,8 @@ from runtime.messages import (
 )
 from runtime.testing.recording import RecordingContext
 
-ENGINE: Address = "engine:m#1"
-OTHER_ENGINE: Address = "engine:m#2"
+ENGINE: Address = engine_address("m", 1)
+OTHER_ENGINE: Address = engine_address("m", 2)  # the next load of the same model
 
 
 def seq(seq_id: int, *, model: str = "m", epoch: int = 1) -> Holder:
@@ -503,16 +503,16 @@ def test_release_epoch_frees_that_epoch_only_and_drops_its_waiting(
     reserve(keeper, ctx, seq(1, epoch=1), 300)
     reserve(keeper, ctx, entry(2, epoch=1), 200)
     reserve(keeper, ctx, seq(1, epoch=2), 100, sender=OTHER_ENGINE)
-    reserve(keeper, ctx, seq(1, model="other", epoch=1), 350, sender="engine:other#1")
+    reserve(keeper, ctx, seq(1, model="other", epoch=1), 350, sender=engine_address("other", 1))
     reserve(keeper, ctx, seq(3, epoch=1), 400)
     reserve(keeper, ctx, seq(2, epoch=2), 500, sender=OTHER_ENGINE)
     ctx.take_sent()
 
-    keeper.handle(ReleaseEpoch(model="m", epoch=1), "engine:m#1", ctx)
+    keeper.handle(ReleaseEpoch(model="m", epoch=1), ENGINE, ctx)
 
     assert ctx.take_sent() == [
         (OTHER_ENGINE, Reserved(holder=seq(2, epoch=2), nbytes=500)),
-        ("engine:m#1", EpochReleased(model="m", epoch=1)),
+        (ENGINE, EpochReleased(model="m", epoch=1)),
     ]
     assert keeper.holdings() == {
         seq(1, epoch=2): 100,
@@ -526,8 +526,8 @@ def test_release_epoch_frees_that_epoch_only_and_drops_its_waiting(
 def test_after_release_epoch_that_epoch_can_no_longer_reserve(
     keeper: KVBudgetCore, ctx: RecordingContext
 ) -> None:
-    keeper.handle(ReleaseEpoch(model="m", epoch=2), "engine:m#2", ctx)
-    assert ctx.take_sent() == [("engine:m#2", EpochReleased(model="m", epoch=2))]
+    keeper.handle(ReleaseEpoch(model="m", epoch=2), OTHER_ENGINE, ctx)
+    assert ctx.take_sent() == [(OTHER_ENGINE, EpochReleased(model="m", epoch=2))]
 
     reserve(keeper, ctx, seq(1, epoch=1), 100)
     reserve(keeper, ctx, seq(1, epoch=2), 100)

@@ -7,8 +7,6 @@ import random
 import anyio
 import pytest
 
-from actors.engine.core import EngineCore
-from actors.kv_budget import KVBudgetCore
 from runtime.api import Runtime
 from runtime.backends.mlx.batch import DecodeBatch
 from runtime.config import RuntimeConfig
@@ -21,6 +19,7 @@ from runtime.messages import (
     Sampling,
     TokensEmitted,
 )
+from runtime.testing.harness import engine, engine_stats, kv_keeper, make_sim
 from runtime.testing.simulator import Simulator
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 
@@ -51,7 +50,7 @@ def same_or_near_tie(batched: list[TokensEmitted], alone: list[TokensEmitted]) -
 async def test_concurrent_streams_match_their_solo_runs(kind: str) -> None:
     spec = ModelSpec(name=kind, path=str(tiny_model_path(kind)), backend="mlx")
     async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
-        await rt.load_model(spec)
+        loaded = await rt.load_model(spec)
         alone = [await run(rt, kind, p) for p in PROMPTS]
         await rt.reset(kind)
         batched: list[list[TokensEmitted]] = [[] for _ in PROMPTS]
@@ -62,7 +61,7 @@ async def test_concurrent_streams_match_their_solo_runs(kind: str) -> None:
         async with anyio.create_task_group() as tg:
             for index in range(len(PROMPTS)):
                 tg.start_soon(one, index)
-        counters = rt.stats().actors[f"engine:{kind}#1"].counters
+        counters = engine_stats(rt, loaded).counters
         assert counters["batch_steps"] > 0 and counters["batch_joins"] >= 2
         for got, want in zip(batched, alone, strict=True):
             same_or_near_tie(got, want)
@@ -70,10 +69,9 @@ async def test_concurrent_streams_match_their_solo_runs(kind: str) -> None:
 
 def test_a_model_mlx_lm_cannot_batch_decodes_concurrent_streams_one_by_one() -> None:
     # kv_bits: mlx-lm has no batched quantized cache, so the engine never opens a batch for it.
-    sim = Simulator(seed=0, config=RuntimeConfig(kv_budget_bytes=1 << 28))
     path = str(tiny_model_path("llama"))
     spec = ModelSpec(name="q", path=path, backend="mlx", options={"kv_bits": 8})
-    assert isinstance(sim.load(spec), ModelLoaded)
+    sim = make_sim(spec, budget=1 << 28)
     for index, prompt in enumerate(PROMPTS):
         sim.send(Generate(request_id=f"r{index}", incarnation=1, model="q", prompt=prompt,
                           max_tokens=6))  # fmt: skip
@@ -81,7 +79,7 @@ def test_a_model_mlx_lm_cannot_batch_decodes_concurrent_streams_one_by_one() -> 
     for index in range(len(PROMPTS)):
         finished = sim.terminal(f"r{index}", 1)
         assert isinstance(finished, Finished) and finished.usage.completion_tokens == 6
-    counters = sim.core("engine:q#1").counters  # type: ignore[union-attr]
+    counters = engine(sim, "q").counters
     assert counters["batch_steps"] == 0 and counters["decoded_tokens"] > 0
 
 
@@ -93,12 +91,11 @@ def test_the_padding_reservation_covers_what_the_real_batch_holds_beyond_its_mem
     spec = ModelSpec(name=kind, path=str(tiny_model_path(kind)), backend="mlx")
     loaded = sim.load(spec)
     assert isinstance(loaded, ModelLoaded)
-    engine, kv = sim.core(f"engine:{kind}#1"), sim.core("kv")
-    assert isinstance(engine, EngineCore) and isinstance(kv, KVBudgetCore)
+    core, kv = engine(sim, kind), kv_keeper(sim)
     beyond: list[tuple[int, int, int]] = []  # (bytes beyond the members', padding held, spare)
 
     def measure() -> None:
-        batch = engine.decode_batch
+        batch = core.decode_batch
         if not isinstance(batch, DecodeBatch) or len(batch) < 2:
             return
         held = kv.holdings()

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 
 import anyio
 import anyio.from_thread
-import anyio.lowlevel
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -27,8 +26,16 @@ from hypothesis import strategies as st
 from runtime.api import Runtime
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.config import RuntimeConfig
-from runtime.messages import Cancelled, Finished, FinishReason, ModelSpec, Started, TokensEmitted
-from runtime.testing.harness import common_prefix_length
+from runtime.messages import (
+    Cancelled,
+    Finished,
+    FinishReason,
+    ModelLoaded,
+    ModelSpec,
+    Started,
+    TokensEmitted,
+)
+from runtime.testing.harness import common_prefix_length, engine_stats, wait_until
 from runtime.testing.tiny_models import SLIDING_WINDOW, TinyModelKind, tiny_model_path
 
 pytestmark = pytest.mark.anyio
@@ -98,20 +105,18 @@ class Harness:
     rt: Runtime
     warm: str = WARM
     cold_name: str = COLD
-    epochs: dict[str, int] = field(default_factory=dict)
+    loaded: dict[str, ModelLoaded] = field(default_factory=dict)
 
     @classmethod
     async def start(cls, rt: Runtime, kind: TinyModelKind, suffix: str = "") -> Harness:
         harness = cls(rt, WARM + suffix, COLD + suffix)
         for name in (harness.warm, harness.cold_name):
-            loaded = await rt.load_model(spec(kind, name))
-            harness.epochs[name] = loaded.epoch
+            harness.loaded[name] = await rt.load_model(spec(kind, name))
         return harness
 
     def prefilled_total(self, name: str | None = None) -> int:
         name = name or self.warm
-        engine = self.rt.stats().actors[f"engine:{name}#{self.epochs[name]}"]
-        return engine.counters.get("prefilled_tokens", 0)
+        return engine_stats(self.rt, self.loaded[name]).counters.get("prefilled_tokens", 0)
 
     async def generate(self, prompt: Sequence[int], name: str | None = None) -> Run:
         name = name or self.warm
@@ -148,10 +153,7 @@ class Harness:
                 if isinstance(event, Started):
                     started = event
                     # Let a few chunks run (past the sliding window), then abort mid-prefill.
-                    with anyio.fail_after(10):
-                        # Polling: the engine's counters are the only view of prefill progress.
-                        while self.prefilled_total() - before < 3 * CHUNK:
-                            await anyio.lowlevel.checkpoint()
+                    await wait_until(self.rt, lambda: self.prefilled_total() - before >= 3 * CHUNK)
                     if not by_id:
                         break
                     assert await self.rt.cancel("doomed")

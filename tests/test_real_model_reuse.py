@@ -27,7 +27,6 @@ from typing import Any
 
 import anyio
 import anyio.from_thread
-import anyio.lowlevel
 import pytest
 from mlx_lm.utils import load_tokenizer
 
@@ -47,7 +46,7 @@ from runtime.messages import (
     Started,
     TokensEmitted,
 )
-from runtime.testing.harness import common_prefix_length
+from runtime.testing.harness import common_prefix_length, engine_stats, wait_until
 from runtime.text.chat import prepare_chat
 
 pytestmark = pytest.mark.real_model
@@ -241,12 +240,10 @@ class RealModel:
         return f"{purpose}-{next(self._namespaces)}"
 
     def prefilled_total(self) -> int:
-        engine = self.rt.stats().actors[f"engine:{self.name}#{self.loaded.epoch}"]
-        return engine.counters.get("prefilled_tokens", 0)
+        return self.engine_counter("prefilled_tokens")
 
     def engine_counter(self, name: str) -> int:
-        engine = self.rt.stats().actors[f"engine:{self.name}#{self.loaded.epoch}"]
-        return engine.counters.get(name, 0)
+        return engine_stats(self.rt, self.loaded).counters.get(name, 0)
 
     def request(self, prompt: Prompt) -> dict[str, Any]:
         if isinstance(prompt, str):
@@ -347,10 +344,11 @@ class Walk:
                 if isinstance(event, Started):
                     assert event.cached_tokens == reused, label
                     assert event.path in paths, label
-                    with anyio.fail_after(60):
-                        # Polling: the engine's counter is the only view of prefill progress.
-                        while self.real.prefilled_total() - before < prefilled_at_least:
-                            await anyio.lowlevel.checkpoint()
+                    await wait_until(
+                        self.real.rt,
+                        lambda: self.real.prefilled_total() - before >= prefilled_at_least,
+                        timeout=60,
+                    )
                     break  # leaving the block cancels it and waits for Cancelled
         stopped_at = reused + self.real.prefilled_total() - before
         assert prefilled_at_least <= stopped_at < len(tokens), "the abort missed the prefill"

@@ -49,11 +49,10 @@ def ctx() -> RecordingContext:
 def router(ctx: RecordingContext) -> RouterCore:
     """A router with models "a" (epoch 1) and "b" (epoch 2) ready."""
     router = RouterCore(engine_factory=idle_engine)
-    for name, engine in (("a", ENGINE_A), ("b", ENGINE_B)):
+    for name, epoch in (("a", 1), ("b", 2)):
         router.handle(LoadModel(spec=ModelSpec(name=name, backend="simulated")), "host:load", ctx)
-        epoch = int(engine.rsplit("#", 1)[1])
         ready = EngineReady(epoch=epoch, reuse_path="trim", bytes_per_token=1, context_length=64)
-        router.handle(ready, engine, ctx)
+        router.handle(ready, engine_address(name, epoch), ctx)
     assert [type(m) for _, m in ctx.take_sent()] == [ModelLoaded, ModelLoaded]
     return router
 

@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import anyio
-import anyio.lowlevel
 import pytest
 
 from runtime.api import Runtime
@@ -18,6 +15,7 @@ from runtime.errors import (
     ModelLoadFailed,
     ModelNotLoaded,
 )
+from runtime.kernel.core import engine_address
 from runtime.messages import (
     Cancelled,
     ChatMessage,
@@ -31,6 +29,7 @@ from runtime.messages import (
     Started,
     TokensEmitted,
 )
+from runtime.testing.harness import ModelOption, engine_stats, sim_spec, wait_until
 from runtime.text.coalesce import CoalescePolicy
 
 pytestmark = pytest.mark.anyio
@@ -38,21 +37,12 @@ pytestmark = pytest.mark.anyio
 CHUNK = 8
 
 
-def sim_model(name: str = "m", **options: object) -> ModelSpec:
-    return ModelSpec(
-        name=name, backend="simulated", prefill_chunk_tokens=CHUNK, options=dict(options)
-    )
+def sim_model(name: str = "m", **options: ModelOption) -> ModelSpec:
+    return sim_spec(name, chunk=CHUNK, **options)
 
 
 def config(**overrides: object) -> RuntimeConfig:
     return RuntimeConfig(**{"kv_budget_bytes": 64 << 20, **overrides})  # type: ignore[arg-type]
-
-
-async def wait_until(condition: Callable[[], bool]) -> None:
-    """Yield to the loop until ``condition`` holds (compute results arrive between checkpoints)."""
-    with anyio.fail_after(10):
-        while not condition():
-            await anyio.lowlevel.checkpoint()
 
 
 def expected(prompt: str, n: int) -> str:
@@ -101,7 +91,7 @@ async def test_non_trimmable_model_reuses_whole_checkpoints_only() -> None:
 async def test_breaking_out_mid_prefill_stops_the_engine_within_one_chunk() -> None:
     spec = sim_model(prefill_s_per_token=0.002)  # 400 tokens: 0.8 s if it ran to the end
     async with Runtime(config()) as rt:
-        await rt.load_model(spec)
+        loaded = await rt.load_model(spec)
         async with rt.generate("m", "x" * 400, max_tokens=4) as stream:
             async for event in stream:
                 assert isinstance(event, Started)
@@ -109,7 +99,7 @@ async def test_breaking_out_mid_prefill_stops_the_engine_within_one_chunk() -> N
         with anyio.fail_after(5):
             short = await rt.complete("m", "hi", max_tokens=1)
         assert isinstance(short.terminal, Finished)
-        engine = rt.stats().actors["engine:m#1"].counters
+        engine = engine_stats(rt, loaded).counters
         aborted_prefill = engine["prefilled_tokens"] - 2
         assert aborted_prefill <= 2 * CHUNK  # the chunk running at the cancel, at most one more
         assert engine["cancelled"] == 1
@@ -181,12 +171,12 @@ async def test_context_overflow_fails_with_a_clear_error() -> None:
 
 async def test_prewarm_then_generate_reuses_all_but_the_last_token() -> None:
     async with Runtime(config()) as rt:
-        await rt.load_model(sim_model())
+        loaded = await rt.load_model(sim_model())
         warm = await rt.prewarm("m", "a system prompt and a question")
         assert isinstance(warm, Finished) and warm.reason is FinishReason.PREWARMED
         again = await rt.prewarm("m", "a system prompt and a question")
         assert isinstance(again, Finished)  # already warm: a cheap no-op
-        engine = rt.stats().actors["engine:m#1"].counters
+        engine = engine_stats(rt, loaded).counters
         assert engine["prewarms_already_warm"] == 1
         result = await rt.complete("m", "a system prompt and a question", max_tokens=3)
         assert result.started is not None and result.started.path is ReusePath.EXACT
@@ -197,21 +187,21 @@ async def test_prewarm_then_generate_reuses_all_but_the_last_token() -> None:
 async def test_generate_supersedes_a_diverging_prewarm_and_adopts_an_extended_one() -> None:
     slow = sim_model(prefill_s_per_token=0.002)
     async with Runtime(config()) as rt, anyio.create_task_group() as tg:
-        await rt.load_model(slow)
+        loaded = await rt.load_model(slow)
         outcomes: dict[str, object] = {}
 
         async def warm(key: str, prompt: str) -> None:
             outcomes[key] = await rt.prewarm("m", prompt, session="s")
 
         def prefilled() -> int:
-            return rt.stats().actors["engine:m#1"].counters.get("prefilled_tokens", 0)
+            return engine_stats(rt, loaded).counters.get("prefilled_tokens", 0)
 
         tg.start_soon(warm, "diverged", "z" * 200)
-        await wait_until(lambda: prefilled() > 0)  # the warmup is prefilling
+        await wait_until(rt, lambda: prefilled() > 0)  # the warmup is prefilling
         await rt.complete("m", "y" * 20, max_tokens=1, session="s")
         before = prefilled()
         tg.start_soon(warm, "extended", "w" * 200)
-        await wait_until(lambda: prefilled() > before)
+        await wait_until(rt, lambda: prefilled() > before)
         result = await rt.complete("m", "w" * 200 + "?", max_tokens=2, session="s")
     diverged, extended = outcomes["diverged"], outcomes["extended"]
     assert isinstance(diverged, Cancelled) and diverged.reason == "superseded"
@@ -222,7 +212,7 @@ async def test_generate_supersedes_a_diverging_prewarm_and_adopts_an_extended_on
 
 async def test_unload_drains_in_flight_requests_and_frees_all_kv() -> None:
     async with Runtime(config()) as rt:
-        await rt.load_model(sim_model(decode_s_per_token=0.005))
+        loaded = await rt.load_model(sim_model(decode_s_per_token=0.005))
         async with rt.generate("m", "long reply", max_tokens=500) as stream:
             await stream.__anext__()
             unloaded = await rt.unload_model("m")
@@ -231,7 +221,7 @@ async def test_unload_drains_in_flight_requests_and_frees_all_kv() -> None:
         assert [e.reason for e in ends] == ["model_unloaded"]
         stats = rt.stats()
         assert stats.actors["kv"].gauges["reserved"] == 0
-        assert "engine:m#1" not in stats.actors
+        assert engine_address("m", loaded.epoch) not in stats.actors
         with pytest.raises(ModelNotLoaded):
             await rt.complete("m", "x")
         reloaded = await rt.load_model(sim_model())

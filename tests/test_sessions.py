@@ -2,29 +2,20 @@
 
 from __future__ import annotations
 
-from runtime.config import RuntimeConfig
 from runtime.messages import (
     ChatMessage,
     EndSession,
     Evict,
     Finished,
     Generate,
-    ModelLoaded,
-    ModelSpec,
     SessionEnded,
     Started,
 )
+from runtime.testing.harness import kv_keeper, make_sim, prefix_cache, sim_spec
 from runtime.testing.simulator import Simulator
 
 SYSTEM = ChatMessage(role="system", content="You are a careful assistant.")
 RENDERED_SYSTEM = len("system: You are a careful assistant.\n")
-
-
-def make_sim(budget: int = 64 << 20, **options: object) -> Simulator:
-    sim = Simulator(config=RuntimeConfig(kv_budget_bytes=budget, reservation_timeout_s=1.0))
-    spec = ModelSpec(name="m", backend="simulated", prefill_chunk_tokens=16, options=dict(options))
-    assert isinstance(sim.load(spec), ModelLoaded)
-    return sim
 
 
 def chat(request_id: str, incarnation: int, system: ChatMessage, text: str) -> Generate:
@@ -39,11 +30,11 @@ def chat(request_id: str, incarnation: int, system: ChatMessage, text: str) -> G
 
 
 def pinned(sim: Simulator) -> list[int]:
-    return [len(e.tokens) for e in sim.core("prefix").entries() if e.pinned]  # type: ignore[union-attr]
+    return [len(e.tokens) for e in prefix_cache(sim).entries() if e.pinned]
 
 
 def test_the_instructions_prefix_is_pinned_reused_and_replaced_when_it_changes() -> None:
-    sim = make_sim(trimmable=False)
+    sim = make_sim(sim_spec(chunk=16, trimmable=False), reservation_timeout_s=1.0)
     sim.send(chat("a", 1, SYSTEM, "first question"))
     sim.run_until_quiescent()
     assert pinned(sim) == [RENDERED_SYSTEM]
@@ -63,7 +54,8 @@ def test_the_instructions_prefix_is_pinned_reused_and_replaced_when_it_changes()
 
 def test_a_pinned_prefix_survives_ordinary_eviction_but_never_starves_a_reservation() -> None:
     # Budget: the pinned prefix plus one running request, but not two of them.
-    sim = make_sim(budget=120 * 1024, bytes_per_token=1024)
+    model = sim_spec(chunk=16, bytes_per_token=1024)
+    sim = make_sim(model, budget=120 * 1024, reservation_timeout_s=1.0)
     sim.send(chat("a", 1, SYSTEM, "q"))
     sim.run_until_quiescent()
     assert pinned(sim) == [RENDERED_SYSTEM]
@@ -76,4 +68,4 @@ def test_a_pinned_prefix_survives_ordinary_eviction_but_never_starves_a_reservat
     sim.run_until_quiescent()
     assert isinstance(sim.terminal("big", 2), Finished)
     assert pinned(sim) == []
-    assert sim.core("kv").statistics().counters["evict_pinned_requests"] >= 1  # type: ignore[union-attr]
+    assert kv_keeper(sim).statistics().counters["evict_pinned_requests"] >= 1

@@ -3,36 +3,39 @@
 from __future__ import annotations
 
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.kernel.core import engine_address
 from runtime.messages import (
     Abort,
     Cancel,
     Cancelled,
     Finished,
     Generate,
-    ModelLoaded,
     ModelSpec,
     SequenceFinished,
     Started,
     UnloadModel,
     Usage,
 )
-from runtime.testing.simulator import Simulator
+from runtime.testing.harness import (
+    ModelOption,
+    engine,
+    engine_address_of,
+    kv_keeper,
+    make_sim,
+    prefix_cache,
+    router,
+    sim_spec,
+)
 
 PER_TOKEN = 0.001
 CHUNK = 16
 
 
-def make_sim(seed: int = 0, **options: object) -> Simulator:
-    sim = Simulator(seed=seed, config=RuntimeConfig(kv_budget_bytes=64 << 20))
-    spec = ModelSpec(
-        name="m",
-        backend="simulated",
-        prefill_chunk_tokens=CHUNK,
-        options={"prefill_s_per_token": PER_TOKEN, "decode_s_per_token": PER_TOKEN, **options},
+def spec(**options: ModelOption) -> ModelSpec:
+    """Model "m": CHUNK-token chunks, every token costs PER_TOKEN of virtual time."""
+    return sim_spec(
+        chunk=CHUNK, prefill_s_per_token=PER_TOKEN, decode_s_per_token=PER_TOKEN, **options
     )
-    assert isinstance(sim.load(spec), ModelLoaded)
-    return sim
 
 
 def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int = 4) -> Generate:
@@ -46,7 +49,7 @@ def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int 
 
 
 def run_program(seed: int) -> list[str]:
-    sim = make_sim(seed)
+    sim = make_sim(spec(), seed=seed)
     for i in range(4):
         sim.send(generate(f"r{i}", i + 1, tuple(range(10 + i)), n=3))
     sim.advance(0.004)
@@ -61,7 +64,7 @@ def test_same_seed_same_trace() -> None:
 
 
 def test_cancel_mid_prefill_stops_at_the_next_chunk_boundary() -> None:
-    sim = make_sim()
+    sim = make_sim(spec())
     prompt = tuple(range(50, 250))  # 200 tokens: 12.5 chunks
     sim.send(generate("a", 1, prompt))
     sim.advance(CHUNK * PER_TOKEN * 3.5)  # inside the fourth chunk
@@ -70,8 +73,7 @@ def test_cancel_mid_prefill_stops_at_the_next_chunk_boundary() -> None:
     terminal = sim.terminal("a", 1)
     assert isinstance(terminal, Cancelled) and terminal.reason == "cancelled"
     assert terminal.usage == Usage(prompt_tokens=200, cached_prompt_tokens=0, completion_tokens=0)
-    engine = sim.core("engine:m#1")
-    assert engine.counters["prefilled_tokens"] == 4 * CHUNK  # type: ignore[union-attr]
+    assert engine(sim).counters["prefilled_tokens"] == 4 * CHUNK
     # The aborted prefill is kept: the keystroke that extends the prompt resumes from it.
     sim.send(generate("b", 2, (*prompt, 7, 8)))
     sim.run_until_quiescent()
@@ -81,7 +83,7 @@ def test_cancel_mid_prefill_stops_at_the_next_chunk_boundary() -> None:
 
 
 def test_a_cancel_for_an_earlier_incarnation_never_hits_a_reused_id() -> None:
-    sim = make_sim()
+    sim = make_sim(spec())
     sim.send(generate("same", 1, (1, 2, 3), n=2))
     sim.run_until_quiescent()
     assert isinstance(sim.terminal("same", 1), Finished)
@@ -91,33 +93,34 @@ def test_a_cancel_for_an_earlier_incarnation_never_hits_a_reused_id() -> None:
     sim.run_until_quiescent()
     terminal = sim.terminal("same", 2)
     assert isinstance(terminal, Finished) and terminal.usage.completion_tokens == 6
-    assert sim.core("router").counters["cancels_noop"] == 1  # type: ignore[union-attr]
+    assert router(sim).counters["cancels_noop"] == 1
 
 
 def test_an_abort_after_the_last_step_is_a_counted_noop() -> None:
-    sim = make_sim()
+    sim = make_sim(spec())
     sim.send(generate("a", 1, (1, 2, 3), n=2))
     sim.run_until_quiescent()
-    sim.deliver("engine:m#1", Abort(sequence_id=1, epoch=1), "router")
+    sim.deliver(engine_address_of(sim), Abort(sequence_id=1, epoch=1), "router")
     sim.run_until_quiescent()
     assert [type(e) for e in sim.events("a", 1)].count(Finished) == 1
-    assert sim.core("engine:m#1").counters["aborts_noop"] == 1  # type: ignore[union-attr]
+    assert engine(sim).counters["aborts_noop"] == 1
 
 
 def test_stale_epoch_messages_are_dropped_and_counted() -> None:
-    sim = make_sim()
+    sim = make_sim(spec())
     sim.send(generate("a", 1, (1, 2, 3), n=30))
     sim.advance(0.01)
     stale = SequenceFinished(sequence_id=1, epoch=0, reason="stop", usage=Usage())  # type: ignore[arg-type]
-    sim.deliver("router", stale, "engine:m#0")
+    sim.deliver("router", stale, engine_address("m", 0))
     sim.run_until_quiescent()
     terminal = sim.terminal("a", 1)
     assert isinstance(terminal, Finished) and terminal.usage.completion_tokens == 30
-    assert sim.core("router").counters["stale_engine_events"] == 1  # type: ignore[union-attr]
+    assert router(sim).counters["stale_engine_events"] == 1
 
 
 def test_unload_waits_for_the_step_in_flight_and_releases_everything() -> None:
-    sim = make_sim()
+    sim = make_sim(spec())
+    address = engine_address_of(sim)
     sim.send(generate("a", 1, tuple(range(100)), n=5))
     sim.advance(0.005)
     reply = sim.ask(UnloadModel(model="m"))
@@ -125,22 +128,16 @@ def test_unload_waits_for_the_step_in_flight_and_releases_everything() -> None:
     terminal = sim.terminal("a", 1)
     assert isinstance(terminal, Cancelled) and terminal.reason == "model_unloaded"
     assert sim.host_messages.index(terminal) >= 0
-    assert sim.core("kv").reserved_bytes == 0  # type: ignore[union-attr]
-    assert sim.core("prefix").total_bytes == 0  # type: ignore[union-attr]
-    assert "engine:m#1" not in sim.addresses()
+    assert kv_keeper(sim).reserved_bytes == 0
+    assert prefix_cache(sim).total_bytes == 0
+    assert address not in sim.addresses()
 
 
 def test_a_waiting_reservation_is_served_once_a_finished_request_leaves_an_evictable_entry() -> (
     None
 ):
-    config = RuntimeConfig(kv_budget_bytes=10_000, reservation_timeout_s=30.0)
-    sim = Simulator(config=config)
-    spec = ModelSpec(
-        name="m",
-        backend="simulated",
-        options={"bytes_per_token": 100, "decode_s_per_token": PER_TOKEN},
-    )
-    assert isinstance(sim.load(spec), ModelLoaded)
+    model = sim_spec(bytes_per_token=100, decode_s_per_token=PER_TOKEN)
+    sim = make_sim(model, budget=10_000, reservation_timeout_s=30.0)
     sim.send(generate("hog", 1, tuple(range(10)), n=60))  # 7,000 of 10,000 bytes
     sim.advance(0.005)
     sim.send(generate("next", 2, tuple(range(20, 30)), n=30))  # 4,000: waits

@@ -108,6 +108,7 @@ class ActorSystem:
         self._loop = asyncio.get_running_loop()
         self._next_ask = 0
         self._timers: set[anyio.CancelScope] = set()
+        self._progress: anyio.Event | None = None  # made only while someone waits
         self.dead_letters: Counter[str] = Counter()
 
     # ------------------------------------------------------------------ actors
@@ -150,6 +151,21 @@ class ActorSystem:
 
     def unregister_sink(self, address: Address) -> None:
         self._sinks.pop(address, None)
+
+    async def wait_progress(self) -> None:
+        """Wait until an actor next finishes handling a message, or stops.
+
+        What actors hold changes only then, so a caller watching their state checks, waits here,
+        and checks again instead of polling.
+        """
+        if self._progress is None:
+            self._progress = anyio.Event()
+        await self._progress.wait()
+
+    def _progressed(self) -> None:
+        progress, self._progress = self._progress, None
+        if progress is not None:
+            progress.set()
 
     # ------------------------------------------------------------------ delivery
 
@@ -264,6 +280,7 @@ class ActorSystem:
                         actor.core.handle(item.message, item.sender, ctx)
                     except Exception as exc:
                         self._supervise(actor, ctx, tracker, exc)
+                    self._progressed()
         finally:
             with anyio.CancelScope(shield=True):
                 await self._shut_down(actor, ctx)
@@ -294,6 +311,7 @@ class ActorSystem:
         for waiting in actor.pending_asks.values():
             waiting.set()  # wakes the asker with no reply: it raises ActorStopped
         actor.send.close()
+        self._progressed()
 
 
 def release_thread_resources() -> None:
