@@ -13,7 +13,7 @@ import importlib
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from runtime.api import Completion, GenerationStream, Runtime, RuntimeStats
+    from runtime.api import Runtime, RuntimeStats
     from runtime.backends.model_source import PreparedModel, default_model_spec, prepare_model
     from runtime.config import RuntimeConfig
     from runtime.errors import (
@@ -61,6 +61,7 @@ if TYPE_CHECKING:
         Usage,
     )
     from runtime.progress import Progress, tqdm_progress
+    from runtime.streams import Completion, GenerationStream
     from runtime.text.coalesce import CoalescePolicy
 
 __all__ = [
@@ -124,7 +125,8 @@ __all__ = [
 
 # Where each exported name lives; tests/test_imports.py checks this matches ``__all__``.
 _HOMES: dict[str, tuple[str, ...]] = {
-    "runtime.api": ("Runtime", "GenerationStream", "Completion", "RuntimeStats"),
+    "runtime.api": ("Runtime", "RuntimeStats"),
+    "runtime.streams": ("GenerationStream", "Completion"),
     "runtime.config": ("RuntimeConfig",),
     "runtime.kernel.supervision": ("RestartPolicy",),
     "runtime.text.coalesce": ("CoalescePolicy",),

@@ -10,16 +10,14 @@ import contextlib
 import itertools
 import logging
 import math
-import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from types import TracebackType
 from typing import TypeVar
 
 import anyio
 import msgspec
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from actors.standing import standing_actors
 from runtime.backends.loader import make_backend_loader
@@ -27,9 +25,8 @@ from runtime.backends.options import decode_options
 from runtime.config import RuntimeConfig
 from runtime.errors import InvalidRequest, MlxRuntimeError, RuntimeClosed, error_for_code
 from runtime.kernel.actor import ActorSystem
-from runtime.kernel.core import ROUTER, Address
+from runtime.kernel.core import ROUTER
 from runtime.messages import (
-    Cancel,
     Cancelled,
     ChatMessage,
     ChatOptions,
@@ -38,7 +35,6 @@ from runtime.messages import (
     Failed,
     Finished,
     Generate,
-    HostEvent,
     LoadModel,
     Message,
     ModelLoaded,
@@ -46,7 +42,6 @@ from runtime.messages import (
     ModelUnloaded,
     PrefixesReset,
     Prewarm,
-    Rejected,
     ResetPrefixes,
     Sampling,
     SessionEnded,
@@ -55,15 +50,12 @@ from runtime.messages import (
     Stats,
     TokensEmitted,
     UnloadModel,
-    Usage,
 )
-from runtime.text.coalesce import Chunk, CoalescePolicy, Coalescer
+from runtime.streams import HOST, TERMINALS, Completion, GenerationStream, HostStreams
+from runtime.text.coalesce import CoalescePolicy
 from runtime.validation import validate_request
 
-HOST: Address = "host"
 _T = TypeVar("_T")
-TERMINALS = (Finished, Cancelled, Failed)
-CLOSE_WAIT_S = 10.0  # a safety net only: an engine answers an abort within one step
 SHUTDOWN_WAIT_S = 30.0  # leaving the Runtime waits this long for models to unload, then stops all
 
 log = logging.getLogger("mlx_actor_runtime.api")
@@ -76,126 +68,6 @@ class RuntimeStats(msgspec.Struct, frozen=True, kw_only=True):
     dead_letters: dict[str, int]
 
 
-class Completion(msgspec.Struct, frozen=True, kw_only=True):
-    """What ``Runtime.complete`` returns: the whole output and how the request ended."""
-
-    text: str
-    token_ids: tuple[int, ...]
-    started: Started | None
-    terminal: Finished | Cancelled | Failed
-
-    @property
-    def usage(self) -> Usage:
-        return self.terminal.usage
-
-
-class GenerationStream:
-    """The events of one request. Use as ``async with rt.generate(...) as stream``.
-
-    Leaving the block before the terminal event (``break``, an exception, or cancellation of the
-    consuming task) cancels the request at once; nothing waits for garbage collection.
-    """
-
-    def __init__(
-        self, runtime: Runtime, request: Generate | Prewarm, coalesce: CoalescePolicy
-    ) -> None:
-        self._runtime = runtime
-        self.request = request
-        self._receive: MemoryObjectReceiveStream[HostEvent] | None = None
-        self._terminal: HostEvent | None = None
-        self._coalescer = Coalescer(coalesce)
-        self._held: HostEvent | None = None  # a non-token event waiting behind a flushed chunk
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
-
-    async def __aenter__(self) -> GenerationStream:
-        self._receive = await self._runtime._submit(self.request)
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        await self.aclose()
-
-    async def aclose(self) -> None:
-        """Cancel the request unless it already ended, and wait (shielded) for its end.
-
-        The wait is one prefill chunk or decode step at most; afterwards the request id is free.
-        """
-        if self._receive is None:
-            return
-        if self._terminal is None and not isinstance(self._held, (*TERMINALS, Rejected)):
-            self._runtime._tell(Cancel(request_id=self.request_id, incarnation=self._incarnation))
-            with anyio.CancelScope(shield=True), anyio.move_on_after(CLOSE_WAIT_S):
-                async for event in self._receive:
-                    if isinstance(event, (*TERMINALS, Rejected)):
-                        break
-        self._runtime._forget(self.request)
-        self._receive.close()
-
-    @property
-    def _incarnation(self) -> int:
-        return self.request.incarnation
-
-    def __aiter__(self) -> AsyncIterator[HostEvent]:
-        return self
-
-    async def __anext__(self) -> HostEvent:
-        if self._receive is None:
-            raise RuntimeError("use `async with rt.generate(...) as stream:` to iterate events")
-        if self._terminal is not None:
-            raise StopAsyncIteration
-        if self._held is not None:
-            event, self._held = self._held, None
-        else:
-            event = await self._next_coalesced(self._receive)
-        if isinstance(event, Rejected):
-            self._terminal = event
-            raise error_for_code(event.code, event.message)
-        if isinstance(event, TERMINALS):
-            self._terminal = event
-        return event
-
-    async def _next_coalesced(self, receive: MemoryObjectReceiveStream[HostEvent]) -> HostEvent:
-        """The next event, with token events merged by the coalescing policy (size or age)."""
-        while True:
-            deadline = self._coalescer.next_deadline()
-            wait = math.inf if deadline is None else max(0.0, deadline - time.monotonic())
-            with anyio.move_on_after(wait):
-                try:
-                    event = await receive.receive()
-                except (anyio.EndOfStream, anyio.ClosedResourceError):
-                    raise StopAsyncIteration from None
-                if isinstance(event, TokensEmitted) and not self._coalescer.policy.enabled:
-                    return event  # one event per token, logprobs and all
-                if not isinstance(event, TokensEmitted):
-                    chunk = self._coalescer.flush()  # never let a token trail a later event
-                    if chunk is None:
-                        return event
-                    self._held = event
-                    return self._as_event(chunk)
-                chunk = self._coalescer.add(event.text, event.token_ids, time.monotonic())
-                if chunk is not None:
-                    return self._as_event(chunk)
-                continue
-            chunk = self._coalescer.due(time.monotonic())
-            if chunk is not None:
-                return self._as_event(chunk)
-
-    def _as_event(self, chunk: Chunk) -> TokensEmitted:
-        return TokensEmitted(
-            request_id=self.request_id,
-            incarnation=self._incarnation,
-            token_ids=chunk.token_ids,
-            text=chunk.text,
-        )
-
-
 class Runtime:
     """An embedded inference runtime. ``async with Runtime(config) as rt: ...``."""
 
@@ -203,10 +75,8 @@ class Runtime:
         self.config = config or RuntimeConfig()
         self._system: ActorSystem | None = None
         self._stack: contextlib.AsyncExitStack | None = None
-        self._streams: dict[tuple[str, int], MemoryObjectSendStream[HostEvent]] = {}
-        self._live_incarnation: dict[str, int] = {}
         self._incarnations = itertools.count(1)
-        self.unrouted_events: Counter[str] = Counter()
+        self._streams = HostStreams(self._require_system)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -214,7 +84,7 @@ class Runtime:
         stack = contextlib.AsyncExitStack()
         task_group = await stack.enter_async_context(anyio.create_task_group())
         system = ActorSystem(task_group, child_policy=self.config.engine_restart)
-        system.register_sink(HOST, self._on_event)
+        system.register_sink(HOST, self._streams.deliver)
         for address, core in standing_actors(
             kv_budget_bytes=self.config.resolved_kv_budget_bytes(),
             load_backend=make_backend_loader(),
@@ -334,7 +204,7 @@ class Runtime:
         policy = coalesce or self.config.coalesce
         if request.sampling.logprobs:  # one event per token, so each carries its logprobs
             policy = CoalescePolicy(enabled=False)
-        return GenerationStream(self, request, policy)
+        return GenerationStream(self._streams, request, policy)
 
     async def complete(self, model: str, prompt: str | None = None, **kwargs: object) -> Completion:
         """Run ``generate`` to its end and collect the output."""
@@ -389,7 +259,9 @@ class Runtime:
             session=session,
         )
         validate_request(request)
-        async with GenerationStream(self, request, CoalescePolicy(enabled=False)) as stream:
+        async with GenerationStream(
+            self._streams, request, CoalescePolicy(enabled=False)
+        ) as stream:
             async for event in stream:
                 if isinstance(event, TERMINALS):
                     return event
@@ -397,11 +269,7 @@ class Runtime:
 
     async def cancel(self, request_id: str) -> bool:
         """Cancel the live request with this id; False (a no-op) if none is live."""
-        incarnation = self._live_incarnation.get(request_id)
-        if incarnation is None:
-            return False
-        self._tell(Cancel(request_id=request_id, incarnation=incarnation))
-        return True
+        return self._streams.cancel_live(request_id)
 
     def stats(self) -> RuntimeStats:
         """Counters of every actor now (read between messages, on the loop: a consistent view)."""
@@ -431,44 +299,10 @@ class Runtime:
     async def _ask(self, message: Message) -> Message:
         return await self._require_system().ask(ROUTER, message)
 
-    def _tell(self, message: Message) -> None:
-        if self._system is not None:
-            self._system.tell(ROUTER, message, sender=HOST)
-
-    async def _submit(self, request: Generate | Prewarm) -> MemoryObjectReceiveStream[HostEvent]:
-        system = self._require_system()
-        key = (request.request_id, request.incarnation)
-        send, receive = anyio.create_memory_object_stream[HostEvent](math.inf)
-        self._streams[key] = send
-        self._live_incarnation[request.request_id] = request.incarnation
-        try:
-            await system.tell_external(ROUTER, request, sender=HOST)
-        except BaseException:
-            # Cancelled (or refused) while waiting for mailbox space: never submitted, so no
-            # terminal will ever come to unregister it.
-            self._forget(request)
-            receive.close()
-            raise
-        return receive
-
-    def _forget(self, request: Generate | Prewarm) -> None:
-        send = self._streams.pop((request.request_id, request.incarnation), None)
-        if send is not None:
-            send.close()
-        if self._live_incarnation.get(request.request_id) == request.incarnation:
-            del self._live_incarnation[request.request_id]
-
-    def _on_event(self, message: Message, _sender: Address) -> None:
-        key = (getattr(message, "request_id", ""), getattr(message, "incarnation", -1))
-        send = self._streams.get(key)
-        if send is None:
-            self.unrouted_events[type(message).__name__] += 1
-            return
-        send.send_nowait(message)  # type: ignore[arg-type]
-        if isinstance(message, (*TERMINALS, Rejected)):
-            if self._live_incarnation.get(key[0]) == key[1]:
-                del self._live_incarnation[key[0]]
-            send.close()
+    @property
+    def unrouted_events(self) -> Counter[str]:
+        """Host events that reached no stream (their request had already ended), by type."""
+        return self._streams.unrouted
 
 
 def _expect(reply: Message, kind: type[_T]) -> _T:

@@ -7,7 +7,9 @@ import pytest
 
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
+from runtime.kernel.core import ROUTER
 from runtime.messages import Cancel, Finished, ModelSpec
+from runtime.streams import HOST
 
 pytestmark = pytest.mark.anyio
 
@@ -17,8 +19,9 @@ async def test_a_request_cancelled_while_waiting_for_mailbox_space_is_forgotten(
     async with Runtime(config) as rt:
         await rt.load_model(ModelSpec(name="m", backend="simulated"))
         # The router takes the first at once; the second fills its one-message mailbox.
-        rt._tell(Cancel(request_id="filler-1", incarnation=0))
-        rt._tell(Cancel(request_id="filler-2", incarnation=0))
+        system = rt._require_system()
+        system.tell(ROUTER, Cancel(request_id="filler-1", incarnation=0), sender=HOST)
+        system.tell(ROUTER, Cancel(request_id="filler-2", incarnation=0), sender=HOST)
         with anyio.CancelScope() as scope:
             scope.cancel()  # e.g. an HTTP client that went away while its request waited
             async with rt.generate("m", "hi", request_id="r", max_tokens=2):

@@ -18,7 +18,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("text", ("runtime.text",)),
     ("backends", ("runtime.backends",)),
     ("actors", ("actors",)),
-    ("face", ("runtime.config", "runtime.validation", "runtime.api")),
+    ("face", ("runtime.config", "runtime.validation", "runtime.streams", "runtime.api")),
     ("server", ("runtime.server",)),
     ("entry points", ("runtime.cli", "runtime.demo", "runtime")),
     ("test support", ("runtime.testing",)),

@@ -23,7 +23,6 @@ import msgspec
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
-from runtime.api import GenerationStream
 from runtime.errors import MlxRuntimeError, ModelNotLoaded, RuntimeClosed
 from runtime.messages import Cancelled, Failed, Finished, Rejected, Started, TokensEmitted
 from runtime.server.errors import (
@@ -36,6 +35,7 @@ from runtime.server.errors import (
 )
 from runtime.server.render import Render
 from runtime.server.schema import Chunk, encoder
+from runtime.streams import GenerationStream
 
 log = logging.getLogger("mlx_actor_runtime.server")
 
