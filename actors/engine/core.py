@@ -10,7 +10,6 @@ prefix-cache manager only indexes them, and the KV keeper only counts their byte
 from __future__ import annotations
 
 import logging
-import random
 from collections import deque
 from collections.abc import Callable
 
@@ -219,27 +218,9 @@ class EngineCore:
         if admit.epoch != self.epoch or self._draining:
             ctx.count_dead_letter("admit_to_stale_engine")
             return
-        seq = Sequence(
-            sequence_id=admit.sequence_id,
-            model=self.model,
-            epoch=self.epoch,
-            kind=admit.kind,
-            session=admit.session,
-            namespace=admit.namespace,
-            sampling=admit.sampling,
-            max_tokens=admit.max_tokens or 0,  # 0: fixed once the prompt length is known
-            stop_token_ids=frozenset(admit.stop_token_ids),
-            stop_strings=admit.stop,
-            prompt_text=admit.prompt,
-            tokens=admit.prompt_tokens,
-            messages=admit.messages,
-            chat=admit.chat,
-            supersede=admit.supersede,
-            # Unseeded requests draw from OS entropy; a seed makes the output repeatable.
-            rng=random.Random(admit.sampling.seed),
-        )
+        seq = Sequence.admitted(admit, self.model)
         self._sequences[seq.sequence_id] = seq
-        self.counters.inc(f"admitted_{admit.kind}")
+        self.counters.inc(f"admitted_{seq.kind}")
         if seq.tokens is not None and self._backend is not None:
             self._tokenized(seq, ctx)
 

@@ -100,16 +100,17 @@ def run_tokenize(job: Job, seqs: list[Sequence], backend: Backend) -> None:
     """Tokenize prompts, rendering chat messages through the one shared preparation path."""
     for seq in seqs:
         try:
-            if seq.messages is None:
-                job.results[seq.sequence_id] = backend.encode(seq.prompt_text or "")
+            request = seq.request
+            if request.messages is None:
+                job.results[seq.sequence_id] = backend.encode(request.prompt or "")
                 continue
             # The window and the context check use the request's own max_tokens (a prewarm
             # passes the one its generate will use), so both render the same tokens.
             reply_room = seq.max_tokens or 1
             prepared = prepare_chat(
                 backend.chat_tokenizer,
-                seq.messages,
-                seq.chat,
+                request.messages,
+                request.chat,
                 min(reply_room, backend.info.context_length - 1),
                 backend.info.context_length,
             )
