@@ -366,22 +366,17 @@ class Stats(Message, frozen=True):
 
 
 class Admit(Message, frozen=True):
-    """Router → engine: run a new sequence for a request."""
+    """Router → engine: run a new sequence for ``request``, the ``Generate`` or ``Prewarm`` as the
+    host sent it.
+
+    Beside it only what the router decided: the ``sequence_id`` (never reused), the engine's
+    ``epoch``, and the resolved ``session`` (the request's own, else ``"{model}/{namespace}"``).
+    """
 
     sequence_id: int
     epoch: int
-    kind: RequestKind
-    prompt: str | None
-    prompt_tokens: TokenIds | None
-    messages: tuple[ChatMessage, ...] | None
-    chat: ChatOptions
-    sampling: Sampling
-    max_tokens: int | None
-    stop: tuple[str, ...]
-    stop_token_ids: TokenIds
-    namespace: str
     session: str
-    supersede: bool = False
+    request: Generate | Prewarm
 
 
 class Abort(Message, frozen=True):

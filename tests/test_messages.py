@@ -53,7 +53,6 @@ from runtime.messages import (
     Release,
     ReleaseEpoch,
     ReleaseLease,
-    RequestKind,
     ReservationExpired,
     ReservationPressure,
     ReservationRefused,
@@ -156,17 +155,15 @@ BUILDERS: dict[type[Message], Callable[[], Message]] = {
     Admit: lambda: Admit(
         sequence_id=17,
         epoch=3,
-        kind=RequestKind.PREWARM,
-        prompt=None,
-        prompt_tokens=None,
-        messages=(ChatMessage(role="user", content="hi"),),
-        chat=ChatOptions(history_budget_tokens=100),
-        sampling=SAMPLING,
-        max_tokens=None,
-        stop=("\n\n",),
-        stop_token_ids=(2,),
-        namespace="tenant-a",
         session="m/tenant-a",
+        request=Prewarm(
+            request_id="r2",
+            incarnation=5,
+            model="m",
+            messages=(ChatMessage(role="user", content="hi"),),
+            chat=ChatOptions(history_budget_tokens=100),
+            namespace="tenant-a",
+        ),
     ),
     Abort: lambda: Abort(sequence_id=17, epoch=3, reason="superseded"),
     Drain: lambda: Drain(epoch=3),
@@ -285,6 +282,19 @@ def test_enum_and_nested_values_come_back_typed() -> None:
     assert isinstance(generate, Generate)
     assert generate.sampling == SAMPLING
     assert isinstance(generate.prompt_tokens, tuple)
+
+
+@pytest.mark.parametrize("request_type", [Generate, Prewarm], ids=_ids)
+def test_admit_carries_the_request_it_came_from_with_its_type(
+    request_type: type[Generate | Prewarm],
+) -> None:
+    request = BUILDERS[request_type]()
+    assert isinstance(request, Generate | Prewarm)
+    admit = Admit(sequence_id=17, epoch=3, session="s", request=request)
+    decoded = decode(encode(admit))
+    assert isinstance(decoded, Admit)
+    assert type(decoded.request) is request_type
+    assert decoded.request == request
 
 
 @pytest.mark.parametrize("cls", TYPES, ids=_ids)

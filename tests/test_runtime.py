@@ -274,7 +274,7 @@ async def test_an_engine_crash_fails_its_live_requests_once_and_the_engine_recov
 ) -> None:
     from actors.engine.core import EngineCore
 
-    original = EngineCore._announce_start
+    original = EngineCore.prefill_advanced
     crashes = []
 
     def crash_once(self: EngineCore, seq: object, ctx: object) -> None:
@@ -283,7 +283,7 @@ async def test_an_engine_crash_fails_its_live_requests_once_and_the_engine_recov
             raise RuntimeError("injected bug")
         original(self, seq, ctx)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(EngineCore, "_announce_start", crash_once)
+    monkeypatch.setattr(EngineCore, "prefill_advanced", crash_once)
     async with Runtime(config()) as rt:
         await rt.load_model(sim_model())
         broken = await rt.complete("m", "first", max_tokens=2)

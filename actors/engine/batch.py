@@ -31,7 +31,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from actors.engine.jobs import BatchWork, Job
+from actors.engine.jobs import BatchJob, BatchWork, StepJob
 from actors.engine.sequence import Phase, Sequence
 from runtime.backends.contract import DecodeBatchHandle, ModelInfo
 from runtime.backends.options import EngineOptions
@@ -64,7 +64,7 @@ class BatchStepDone:
 
     # Sequences whose state came back out; None: aborted while it waited for this step.
     returned: list[tuple[Sequence, Leaving | None]] = field(default_factory=list)
-    stepped: list[tuple[Sequence, Job]] = field(default_factory=list)  # members and their token
+    stepped: list[tuple[Sequence, StepJob]] = field(default_factory=list)  # members and their token
     failed: list[Sequence] = field(default_factory=list)  # live members of a batch that raised
     orphaned: list[Sequence] = field(default_factory=list)  # ended; their state went with it
 
@@ -266,9 +266,8 @@ class BatchScheduler:
 
     # ------------------------------------------------------------------ after a step
 
-    def done(self, job: Job, ctx: Context) -> BatchStepDone:
+    def done(self, job: BatchJob, ctx: Context) -> BatchStepDone:
         """Record who left and joined in ``job``; report what the engine must act on."""
-        assert job.work is not None
         self.handle = job.batch
         self._stepping = False
         self._counters.inc("batch_steps", 1 if job.stepped else 0)

@@ -1,13 +1,13 @@
 """The engine's compute jobs: the only code that runs on its compute thread.
 
-A job touches the backend, its own ``Job`` record and the one sequence state it was given, and
-never raises: errors are handed back in the record, which the engine reads on the event loop after
-``ComputeDone`` arrives (the executor's hand-off orders the two).
+A job touches the backend, its own record and the one sequence state it was given, and never
+raises: errors are handed back in the record, which the engine reads on the event loop after
+``ComputeDone`` arrives (the executor's hand-off orders the two). Each kind of job has its own
+record type, so a job carries only its own fields; ``Job`` is their union.
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -32,14 +32,6 @@ if TYPE_CHECKING:
     from actors.engine.entries import RestoreSource
 
 
-class JobKind(enum.Enum):
-    LOAD = enum.auto()
-    TOKENIZE = enum.auto()
-    STEP = enum.auto()
-    BATCH = enum.auto()
-    CLOSE = enum.auto()
-
-
 @dataclass
 class BatchWork:
     """One batched decode step: who leaves first, who joins, who was already in."""
@@ -50,16 +42,32 @@ class BatchWork:
 
 
 @dataclass
-class Job:
-    """A unit of compute and the result the compute thread leaves for the loop."""
+class LoadJob:
+    """Load the model, and ask once whether it can batch."""
 
-    kind: JobKind
-    seq: Sequence | None = None
-    prefilled: int = 0
     backend: Backend | None = None
     batchable: bool = False
+    error: BaseException | None = None
+
+
+@dataclass
+class TokenizeJob:
+    """Tokenize the prompts of the sequences admitted so far, by sequence id."""
+
+    results: dict[int, list[int]] = field(default_factory=dict)
+    prepared: dict[int, PreparedPrompt] = field(default_factory=dict)  # chat prompts only
+    failures: dict[int, BaseException] = field(default_factory=dict)
+
+
+@dataclass
+class StepJob:
+    """One restore, prefill chunk or decode step of ``seq`` (or its row of a batch step)."""
+
+    seq: Sequence
+    prefilled: int = 0
     token: int | None = None
     text: str = ""
+    logprob: TokenLogprob | None = None
     state: SequenceState | None = None
     error: BaseException | None = None
     skipped: bool = False  # the abort flag was already set when the job started
@@ -67,16 +75,26 @@ class Job:
     pin_copy: SequenceState | None = None  # the session's instructions prefix, whole
     snapshot: Snapshot | None = None  # a checkpoint's untrimmable layers
     checkpoints: list[int] | None = None
-    results: dict[int, list[int]] = field(default_factory=dict)
-    prepared: dict[int, PreparedPrompt] = field(default_factory=dict)
-    failures: dict[int, BaseException] = field(default_factory=dict)
-    logprob: TokenLogprob | None = None
-    # batch steps
-    work: BatchWork | None = None
+
+
+@dataclass
+class BatchJob:
+    """One step of the decode batch: ``work`` says who leaves, joins and steps."""
+
+    work: BatchWork
     batch: DecodeBatchHandle | None = None
     left: dict[int, SequenceState] = field(default_factory=dict)
     joined: dict[int, int] = field(default_factory=dict)
-    stepped: dict[int, Job] = field(default_factory=dict)
+    stepped: dict[int, StepJob] = field(default_factory=dict)
+    error: BaseException | None = None
+
+
+@dataclass
+class CloseJob:
+    """Close the backend: compute has stopped for good."""
+
+
+Job = LoadJob | TokenizeJob | StepJob | BatchJob | CloseJob
 
 
 @dataclass(frozen=True)
@@ -87,7 +105,7 @@ class StepPlan:
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
 
 
-def run_load(job: Job, load_backend: Callable[[ModelSpec], Backend], spec: ModelSpec) -> None:
+def run_load(job: LoadJob, load_backend: Callable[[ModelSpec], Backend], spec: ModelSpec) -> None:
     try:
         job.backend = load_backend(spec)
         # Asked once: a model mlx-lm cannot batch (kv_bits, chunked caches) stays on B=1 for good.
@@ -96,20 +114,21 @@ def run_load(job: Job, load_backend: Callable[[ModelSpec], Backend], spec: Model
         job.error = exc
 
 
-def run_tokenize(job: Job, seqs: list[Sequence], backend: Backend) -> None:
+def run_tokenize(job: TokenizeJob, seqs: list[Sequence], backend: Backend) -> None:
     """Tokenize prompts, rendering chat messages through the one shared preparation path."""
     for seq in seqs:
         try:
-            if seq.messages is None:
-                job.results[seq.sequence_id] = backend.encode(seq.prompt_text or "")
+            request = seq.request
+            if request.messages is None:
+                job.results[seq.sequence_id] = backend.encode(request.prompt or "")
                 continue
             # The window and the context check use the request's own max_tokens (a prewarm
             # passes the one its generate will use), so both render the same tokens.
             reply_room = seq.max_tokens or 1
             prepared = prepare_chat(
                 backend.chat_tokenizer,
-                seq.messages,
-                seq.chat,
+                request.messages,
+                request.chat,
                 min(reply_room, backend.info.context_length - 1),
                 backend.info.context_length,
             )
@@ -120,7 +139,7 @@ def run_tokenize(job: Job, seqs: list[Sequence], backend: Backend) -> None:
 
 
 def run_step(
-    job: Job,
+    job: StepJob,
     seq: Sequence,
     backend: Backend,
     plan: StepPlan,
@@ -142,7 +161,7 @@ def run_step(
 
 
 def _restore(
-    job: Job,
+    job: StepJob,
     seq: Sequence,
     backend: Backend,
     plan: StepPlan,
@@ -174,7 +193,7 @@ def _restore(
     return state
 
 
-def _prefill_chunk(job: Job, seq: Sequence, backend: Backend, plan: StepPlan) -> None:
+def _prefill_chunk(job: StepJob, seq: Sequence, backend: Backend, plan: StepPlan) -> None:
     assert seq.state is not None
     assert seq.tokens is not None
     start = seq.state.length
@@ -190,7 +209,7 @@ def _prefill_chunk(job: Job, seq: Sequence, backend: Backend, plan: StepPlan) ->
             job.snapshot = backend.snapshot(seq.state)
 
 
-def _decode_step(job: Job, seq: Sequence, backend: Backend) -> None:
+def _decode_step(job: StepJob, seq: Sequence, backend: Backend) -> None:
     """Feed the last emitted token (if any), then sample the next one and its text."""
     assert seq.state is not None
     if seq.pending_token is not None:
@@ -199,7 +218,7 @@ def _decode_step(job: Job, seq: Sequence, backend: Backend) -> None:
     sample_into(job, seq, backend, backend.logits(seq.state))
 
 
-def sample_into(job: Job, seq: Sequence, backend: Backend, logits: mx.array) -> None:
+def sample_into(job: StepJob, seq: Sequence, backend: Backend, logits: mx.array) -> None:
     """Pick ``seq``'s next token from ``logits``, with its text (and logprob when asked)."""
     assert seq.detokenizer is not None
     if seq.sampler is None:
@@ -221,7 +240,7 @@ def sample_into(job: Job, seq: Sequence, backend: Backend, logits: mx.array) -> 
         job.text += seq.detokenizer.flush()  # the stream ends: release any held-back bytes
 
 
-def run_batch(job: Job, work: BatchWork, backend: Backend, batch: DecodeBatchHandle | None) -> None:
+def run_batch(job: BatchJob, backend: Backend, batch: DecodeBatchHandle | None) -> None:
     """Leave, join, then one forward pass for every member; a member aborted meanwhile leaves."""
     try:
         if batch is None:
@@ -229,6 +248,7 @@ def run_batch(job: Job, work: BatchWork, backend: Backend, batch: DecodeBatchHan
             if batch is None:
                 raise RuntimeError("this model's caches cannot be batched")
         job.batch = batch
+        work = job.work
         for seq in work.leavers:
             assert seq.batch_slot is not None
             job.left[seq.sequence_id] = batch.leave(seq.batch_slot)
@@ -251,7 +271,7 @@ def run_batch(job: Job, work: BatchWork, backend: Backend, batch: DecodeBatchHan
         tokens = {slot: seq.pending_token for slot, seq in slots.items()}
         logits = batch.step({slot: t for slot, t in tokens.items() if t is not None})
         for slot, seq in slots.items():
-            step = Job(JobKind.STEP, seq=seq, prefilled=1)
+            step = StepJob(seq, prefilled=1)
             sample_into(step, seq, backend, logits[slot])
             job.stepped[seq.sequence_id] = step
     except BaseException as exc:

@@ -10,10 +10,11 @@ from typing import TYPE_CHECKING
 
 from runtime.backends.contract import SequenceState
 from runtime.messages import (
-    ChatMessage,
-    ChatOptions,
+    Admit,
+    Generate,
     Holder,
     HolderKind,
+    Prewarm,
     RequestKind,
     ReusePath,
     Sampling,
@@ -41,29 +42,24 @@ class Phase(enum.Enum):
 COMPUTE_PHASES = frozenset({Phase.RESTORING, Phase.PREFILLING, Phase.DECODING})
 
 
+_PREWARM_SAMPLING = Sampling()  # a prewarm never samples: the defaults keep its fields total
+
+
 @dataclass(eq=False)
 class Sequence:
     """Mutable per-sequence bookkeeping, owned by the engine core (the loop thread).
 
-    Only ``state`` is touched by the compute thread, and only while ``in_compute`` is set.
+    What the request asked for is read through the frozen ``admit``, never copied. Only ``state``
+    is touched by the compute thread, and only while ``in_compute`` is set.
     """
 
-    sequence_id: int
+    admit: Admit
     model: str
-    epoch: int
-    kind: RequestKind
-    session: str
-    namespace: str
-    sampling: Sampling
-    max_tokens: int
-    stop_token_ids: frozenset[int]
-    stop_strings: tuple[str, ...]
-    prompt_text: str | None
-    tokens: TokenIds | None
-    messages: tuple[ChatMessage, ...] | None = None
-    chat: ChatOptions = field(default_factory=ChatOptions)
+    max_tokens: int  # 0 until the prompt length is known, when the request set no maximum
+    stop_token_ids: frozenset[int]  # the request's, plus the model's EOS once tokenized
+    tokens: TokenIds | None  # the prompt's, once given or tokenized
+    rng: random.Random
     dropped_turns: int = 0
-    supersede: bool = False  # a generate that aborts its session's older generates
     instructions_tokens: int = 0  # leading tokens that render the system messages alone
     pin_at: int = 0  # >0: snapshot here and pin it as the session's instructions prefix
     phase: Phase = Phase.TOKENIZING
@@ -92,7 +88,66 @@ class Sequence:
     stop_matcher: StopStringMatcher | None = None
     sampler: TokenSampler | None = None  # built on the compute thread at the first decode step
     batch_slot: int | None = None  # its row in the engine's decode batch, while batched
-    rng: random.Random = field(default_factory=random.Random)
+
+    @classmethod
+    def admitted(cls, admit: Admit, model: str) -> Sequence:
+        """A new sequence of engine ``model`` for ``admit``, before its prompt is tokenized."""
+        request = admit.request
+        generate = request if isinstance(request, Generate) else None
+        return cls(
+            admit=admit,
+            model=model,
+            max_tokens=request.max_tokens or 0,
+            stop_token_ids=frozenset(generate.stop_token_ids if generate else ()),
+            tokens=request.prompt_tokens,
+            # Unseeded requests draw from OS entropy; a seed makes the output repeatable.
+            rng=random.Random(generate.sampling.seed if generate else None),
+        )
+
+    # ------------------------------------------------------------------ the request, read through
+
+    @property
+    def request(self) -> Generate | Prewarm:
+        return self.admit.request
+
+    @property
+    def sequence_id(self) -> int:
+        return self.admit.sequence_id
+
+    @property
+    def epoch(self) -> int:
+        return self.admit.epoch
+
+    @property
+    def session(self) -> str:
+        return self.admit.session
+
+    @property
+    def namespace(self) -> str:
+        return self.admit.request.namespace
+
+    @property
+    def kind(self) -> RequestKind:
+        generate = isinstance(self.admit.request, Generate)
+        return RequestKind.GENERATE if generate else RequestKind.PREWARM
+
+    @property
+    def sampling(self) -> Sampling:
+        request = self.admit.request
+        return request.sampling if isinstance(request, Generate) else _PREWARM_SAMPLING
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        request = self.admit.request
+        return request.stop if isinstance(request, Generate) else ()
+
+    @property
+    def supersede(self) -> bool:
+        """Whether this is a generate that aborts its session's older generates (a keystroke)."""
+        request = self.admit.request
+        return isinstance(request, Generate) and request.supersede
+
+    # ------------------------------------------------------------------ the engine's view
 
     @property
     def holder(self) -> Holder:

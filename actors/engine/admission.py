@@ -1,0 +1,357 @@
+"""A new sequence's way from ``Admit`` to its first compute job.
+
+1. ``admit``: the sequence is made from the request. It waits for its prompt's tokens: a tokenize
+   job (``tokenized``), unless the request gave them and the model is loaded.
+2. Once tokenized: an empty prompt, or one that with ``max_tokens`` overflows the context, fails;
+   the session's instructions prefix is planned for pinning; a generate supersedes its session's
+   older sequences or adopts the prewarm it extends (``plan_supersede``, a plan the admission then
+   carries out); a prewarm with nothing to prefill is done at once.
+3. The admission gate: at most ``max_concurrent`` sequences are past it; the others wait FIFO.
+4. ``Reserve`` its KV (prompt plus ``max_tokens``), then ``Lookup`` the prefix cache; the sequence
+   then restores (``RESTORING``) and the engine core's pump takes it from there. A generate that
+   adopted a prewarm skips the lookup: once reserved it resumes where the prewarm was.
+
+Endings are the core's: admission asks for them through ``SequenceEnds``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Protocol, assert_never
+
+from actors.engine.entries import EntryStore
+from actors.engine.jobs import TokenizeJob
+from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
+from runtime.backends.contract import ModelInfo
+from runtime.errors import ContextLengthExceeded, InvalidRequest, MlxRuntimeError
+from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Context
+from runtime.kernel.stats import Counters
+from runtime.messages import (
+    Admit,
+    FinishReason,
+    Holder,
+    HolderKind,
+    Lookup,
+    LookupResult,
+    Release,
+    ReleaseLease,
+    RequestKind,
+    Reserve,
+    ReusePath,
+)
+
+log = logging.getLogger("mlx_actor_runtime.engine")
+
+
+class SequenceEnds(Protocol):
+    """What admission asks of the engine core that owns it: to end a sequence, or to go on with a
+    prefill whose step came back while the generate that adopted it waited for its KV."""
+
+    def finish(self, seq: Sequence, ctx: Context, reason: FinishReason) -> None: ...
+
+    def fail(self, seq: Sequence, ctx: Context, error: MlxRuntimeError) -> None: ...
+
+    def abort(self, seq: Sequence, reason: str, ctx: Context) -> None: ...
+
+    def prefill_advanced(self, seq: Sequence, ctx: Context) -> None: ...
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    max_concurrent: int  # sequences past the admission gate at once
+    reservation_timeout_s: float  # how long a sequence's Reserve may queue at the keeper
+    default_max_tokens: int  # cap for a generate that set no max_tokens ("the rest of the context")
+    chunk_tokens: int  # prefill chunk size: a windowed cache holds a chunk beyond its window
+
+
+# --------------------------------------------------------------------------- supersede / adopt
+
+
+@dataclass(frozen=True)
+class Adopt:
+    """The generate takes over this prewarm: its state, lease, snapshots and in-flight job."""
+
+    prewarm: Sequence
+
+
+@dataclass(frozen=True)
+class Supersede:
+    """This older sequence of the generate's session is aborted (reason ``"superseded"``)."""
+
+    older: Sequence
+
+
+@dataclass(frozen=True)
+class SupersedePlan:
+    """What a new generate does to its session's other sequences, step by step in their order."""
+
+    steps: tuple[Adopt | Supersede, ...] = ()
+
+    @property
+    def adopted(self) -> Sequence | None:
+        return next((step.prewarm for step in self.steps if isinstance(step, Adopt)), None)
+
+    @property
+    def superseded(self) -> tuple[Sequence, ...]:
+        return tuple(step.older for step in self.steps if isinstance(step, Supersede))
+
+
+def plan_supersede(generate: Sequence, others: Iterable[Sequence]) -> SupersedePlan:
+    """What ``generate``, its prompt tokenized, does to ``others`` (docs/protocols.md).
+
+    Only live (not aborted, not ended) sequences of its session are touched. An older generate is
+    superseded if ``generate.supersede`` is set, else left alone. A prewarm whose prefill target
+    prefixes the generate's prompt and that is computing (restoring, prefilling, decoding) is
+    adopted, the first such one only; every other prewarm is superseded.
+    """
+    assert generate.tokens is not None
+    steps: list[Adopt | Supersede] = []
+    may_adopt = generate.resume_phase is None  # not already adopting one
+    for other in others:
+        if other is generate or other.session != generate.session:
+            continue
+        if other.abort.is_set() or other.phase is Phase.DONE:
+            continue
+        if other.kind is RequestKind.GENERATE:
+            if generate.supersede:
+                steps.append(Supersede(other))
+            continue
+        target = other.tokens[: other.prefill_target] if other.tokens else None
+        extends = target is not None and generate.tokens[: len(target)] == target
+        if extends and other.phase in COMPUTE_PHASES and may_adopt:
+            steps.append(Adopt(other))
+            may_adopt = False
+        else:
+            steps.append(Supersede(other))
+    return SupersedePlan(tuple(steps))
+
+
+# --------------------------------------------------------------------------- admission
+
+
+class Admission:
+    """The admission steps of one engine (see module docstring).
+
+    ``sequences`` is the engine's own table of live sequences, shared: admission adds to it and
+    reads it; the core removes what ends.
+    """
+
+    def __init__(
+        self,
+        limits: AdmissionLimits,
+        model: str,
+        sequences: dict[int, Sequence],
+        entries: EntryStore,
+        counters: Counters,
+        *,
+        ends: SequenceEnds,
+    ) -> None:
+        self._limits = limits
+        self._model = model
+        self._sequences = sequences
+        self._entries = entries
+        self._counters = counters
+        self._ends = ends
+        self._info: ModelInfo | None = None
+        self._waiting: deque[Sequence] = deque()  # at the gate, FIFO
+
+    def admit(self, admit: Admit, ctx: Context) -> None:
+        """A new sequence for ``admit`` (of this engine's epoch, which is not draining)."""
+        seq = Sequence.admitted(admit, self._model)
+        self._sequences[seq.sequence_id] = seq
+        self._counters.inc(f"admitted_{seq.kind}")
+        if seq.tokens is not None and self._info is not None:
+            self._tokenized(seq, ctx)
+
+    def loaded(self, info: ModelInfo, ctx: Context) -> None:
+        """The model is in: sequences that came with their tokens go on."""
+        self._info = info
+        for seq in list(self._sequences.values()):
+            if seq.tokens is not None and seq.phase is Phase.TOKENIZING:
+                self._tokenized(seq, ctx)
+
+    def tokenized(self, job: TokenizeJob, ctx: Context) -> None:
+        """A tokenize job came back; each of its sequences still waiting for tokens goes on."""
+        # Only the sequences this job tokenized: others admitted meanwhile wait for the next one.
+        for seq_id in [*job.results, *job.failures]:
+            seq = self._sequences.get(seq_id)
+            if seq is None or seq.phase is not Phase.TOKENIZING or seq.tokens is not None:
+                continue
+            failure = job.failures.get(seq.sequence_id)
+            tokens = job.results.get(seq.sequence_id)
+            if isinstance(failure, MlxRuntimeError):  # bad chat input, context overflow
+                self._ends.fail(seq, ctx, failure)
+            elif tokens is None:
+                error = InvalidRequest(f"the prompt could not be tokenized: {failure!r}")
+                self._ends.fail(seq, ctx, error)
+            else:
+                prepared = job.prepared.get(seq.sequence_id)
+                if prepared is not None:
+                    seq.instructions_tokens = prepared.instructions_tokens
+                    seq.dropped_turns = prepared.dropped_turns
+                seq.tokens = tuple(tokens)
+                self._tokenized(seq, ctx)
+
+    def _tokenized(self, seq: Sequence, ctx: Context) -> None:
+        assert seq.tokens is not None
+        assert self._info is not None
+        info = self._info
+        if not seq.tokens:
+            error = InvalidRequest(
+                "the prompt is empty after tokenization; send at least one token"
+            )
+            self._ends.fail(seq, ctx, error)
+            return
+        if seq.kind is RequestKind.GENERATE and seq.max_tokens == 0:  # "the rest of the context"
+            room = info.context_length - len(seq.tokens)
+            seq.max_tokens = max(1, min(room, self._limits.default_max_tokens))
+        wanted = _tokens_to_reserve(seq)
+        if wanted > info.context_length:
+            error = ContextLengthExceeded(
+                f"prompt ({len(seq.tokens)} tokens) plus max_tokens ({seq.max_tokens}) exceeds "
+                f"the model's context of {info.context_length} tokens; shorten the prompt or "
+                "lower max_tokens"
+            )
+            self._ends.fail(seq, ctx, error)
+            return
+        seq.stop_token_ids = seq.stop_token_ids | info.eos_token_ids
+        self._entries.plan_pin(seq, ctx)
+        if seq.kind is RequestKind.GENERATE:
+            self._supersede(seq, ctx)
+        elif seq.prefill_target == 0:
+            self._ends.finish(seq, ctx, FinishReason.PREWARMED)
+            return
+        if self._running() >= self._limits.max_concurrent:  # the gate: wait for a slot
+            seq.phase = Phase.WAITING
+            self._waiting.append(seq)
+            self._counters.inc("admission_waits")
+            return
+        self._reserve(seq, ctx)
+
+    # ------------------------------------------------------------------ supersede / adopt
+
+    def _supersede(self, seq: Sequence, ctx: Context) -> None:
+        for step in plan_supersede(seq, list(self._sequences.values())).steps:
+            match step:
+                case Adopt(prewarm=prewarm):
+                    self._adopt(seq, prewarm, ctx)
+                case Supersede(older=older):
+                    self._ends.abort(older, "superseded", ctx)
+                    generate = older.kind is RequestKind.GENERATE
+                    self._counters.inc(
+                        "generates_superseded" if generate else "prewarms_superseded"
+                    )
+                case _:
+                    assert_never(step)
+
+    def _adopt(self, seq: Sequence, prewarm: Sequence, ctx: Context) -> None:
+        seq.state, prewarm.state = prewarm.state, None
+        seq.lease_id, prewarm.lease_id = prewarm.lease_id, None
+        seq.checkpoints, prewarm.checkpoints = prewarm.checkpoints, []
+        seq.snapshot_ids, prewarm.snapshot_ids = prewarm.snapshot_ids, []
+        seq.generation = prewarm.generation
+        seq.restore_entry, seq.restore_length = prewarm.restore_entry, prewarm.restore_length
+        seq.in_compute, prewarm.in_compute = prewarm.in_compute, False
+        seq.resume_phase = prewarm.phase
+        seq.path = ReusePath.ADOPTED
+        prewarm.adopted_by = seq
+        self._counters.inc("prewarms_adopted")
+        self._ends.finish(prewarm, ctx, FinishReason.ADOPTED)
+
+    # ------------------------------------------------------------------ the gate and the KV
+
+    def _running(self) -> int:
+        """Sequences past the admission gate (reserving, looking up, computing)."""
+        waiting = (Phase.TOKENIZING, Phase.WAITING)
+        return sum(1 for s in self._sequences.values() if s.phase not in waiting)
+
+    def admit_waiting(self, ctx: Context) -> None:
+        """Let sequences through the gate while it has room (after a sequence ended)."""
+        while self._waiting and self._running() < self._limits.max_concurrent:
+            seq = self._waiting.popleft()
+            if seq.phase is Phase.WAITING:  # not cancelled while it waited
+                self._reserve(seq, ctx)
+
+    def _reserve(self, seq: Sequence, ctx: Context) -> None:
+        assert self._info is not None
+        seq.phase = Phase.RESERVING
+        ctx.send(
+            KV_KEEPER,
+            Reserve(
+                holder=seq.holder,
+                nbytes=self._info.kv_bytes(_tokens_to_reserve(seq), self._limits.chunk_tokens),
+                timeout_s=self._limits.reservation_timeout_s,
+            ),
+        )
+
+    def reserved(self, holder: Holder, ctx: Context) -> None:
+        """The keeper granted a sequence's KV: look up the prefix cache, or resume an adoption."""
+        seq = self._sequences.get(holder.id)
+        if (
+            holder.kind is not HolderKind.SEQUENCE
+            or seq is None
+            or seq.phase is not Phase.RESERVING
+        ):
+            ctx.send(KV_KEEPER, Release(holder=holder))  # its sequence ended while it waited
+            ctx.count_dead_letter("stale_reservation_reply")
+            return
+        seq.reserved = True
+        if seq.resume_phase is not None:
+            seq.phase = seq.resume_phase
+            if seq.phase is Phase.PREFILLING and not seq.in_compute:
+                self._ends.prefill_advanced(seq, ctx)
+            return
+        seq.phase = Phase.LOOKING_UP
+        assert seq.tokens is not None
+        ctx.send(
+            PREFIX_CACHE,
+            Lookup(
+                model=self._model,
+                epoch=seq.epoch,
+                namespace=seq.namespace,
+                tokens=seq.tokens,
+                sequence_id=seq.sequence_id,
+            ),
+        )
+
+    def looked_up(self, result: LookupResult, ctx: Context) -> None:
+        """The prefix cache answered: restore from its hit (leased), or from nothing."""
+        seq = self._sequences.get(result.sequence_id)
+        if seq is None or result.epoch != seq.epoch or seq.phase is not Phase.LOOKING_UP:
+            if result.lease_id is not None:
+                ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=result.lease_id))
+            ctx.count_dead_letter("stale_lookup_result")
+            return
+        seq.lease_id, seq.generation = result.lease_id, result.generation
+        entry_id, matched, path = result.entry_id, result.matched, result.path
+        if entry_id is not None and entry_id not in self._entries:
+            self._counters.inc("fallback_entry_missing")
+            entry_id, matched, path = None, 0, ReusePath.MISS
+            if seq.lease_id is not None:  # nothing of it is used: let it be evicted
+                ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
+                seq.lease_id = None
+        if seq.kind is RequestKind.PREWARM and matched >= seq.prefill_target:
+            self._counters.inc("prewarms_already_warm")
+            self._ends.finish(seq, ctx, FinishReason.PREWARMED)
+            return
+        seq.restore_entry, seq.restore_length = entry_id, matched
+        seq.cached_tokens, seq.path = matched, path
+        seq.phase = Phase.RESTORING
+
+    def restore_fell_back(self, seq: Sequence, reason: str, ctx: Context) -> None:
+        """The restore could not use the lookup's hit (``reason``): the prompt is prefilled cold."""
+        self._counters.inc(f"fallback_{reason}")  # before Started: nothing was counted as reused
+        log.debug("sequence %d: reuse fell back to a cold prefill (%s)", seq.sequence_id, reason)
+        seq.cached_tokens, seq.path = 0, ReusePath.MISS
+        if seq.lease_id is not None:
+            ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
+            seq.lease_id = None
+
+
+def _tokens_to_reserve(seq: Sequence) -> int:
+    """A generate's prompt and its replies' room; a prewarm's prompt."""
+    assert seq.tokens is not None
+    return len(seq.tokens) + (seq.max_tokens if seq.kind is RequestKind.GENERATE else 0)

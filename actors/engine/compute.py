@@ -1,0 +1,105 @@
+"""The engine's one compute slot: which job runs next, and the jobs handed to its executor.
+
+Tokenizing goes first: every prompt waiting for its tokens, in one job. Then a step of the decode
+batch (planned by ``BatchScheduler``) and single steps (a restore, a prefill chunk, or a decode
+step of a sequence outside the batch) take turns; single steps go round-robin by sequence id. A
+job runs on the executor (``ctx.compute``); its ``ComputeDone`` names it by id, and ``done`` hands
+the record back to the engine core, which acts on what the job left in it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from actors.engine.batch import BatchScheduler
+from actors.engine.entries import EntryStore
+from actors.engine.jobs import (
+    BatchJob,
+    Job,
+    StepJob,
+    StepPlan,
+    TokenizeJob,
+    run_batch,
+    run_step,
+    run_tokenize,
+)
+from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
+from runtime.backends.contract import Backend
+from runtime.kernel.core import Context
+from runtime.messages import ComputeDone
+
+
+class ComputeSlot:
+    """Jobs in flight by id (one at a time) and the choice of the next one (module docstring).
+
+    Reads the engine's ``sequences``; marks the ones it hands to a job ``in_compute``.
+    """
+
+    def __init__(
+        self,
+        plan: StepPlan,
+        sequences: dict[int, Sequence],
+        batches: BatchScheduler,
+        entries: EntryStore,
+    ) -> None:
+        self._plan = plan
+        self._sequences = sequences
+        self._batches = batches
+        self._entries = entries
+        self._jobs: dict[int, Job] = {}
+        self._next_job_id = 1
+        self._last_served = 0  # sequence id of the last single step: the round-robin's place
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._jobs)
+
+    def submit(self, ctx: Context, job: Job, work: Callable[[], None]) -> None:
+        """Run ``work`` (which fills ``job``) on the executor; ``ComputeDone`` follows."""
+        job_id = self._next_job_id
+        self._next_job_id += 1
+        self._jobs[job_id] = job
+        ctx.compute(work, ComputeDone(job_id=job_id))
+
+    def done(self, job_id: int) -> Job:
+        """The record of the job that ``ComputeDone(job_id)`` reports; the slot is free again."""
+        return self._jobs.pop(job_id)
+
+    def start_next(self, backend: Backend, ctx: Context) -> bool:
+        """Start the next job for the sequences, if any is ready (False: nothing to run)."""
+        waiting = [s for s in self._sequences.values() if s.phase is Phase.TOKENIZING]
+        if waiting:
+            tokenize = TokenizeJob()
+            self.submit(ctx, tokenize, lambda: run_tokenize(tokenize, waiting, backend))
+            return True
+        work = self._batches.work(self._sequences.values(), ctx)
+        batched = set() if work is None else {id(s) for s in (*work.joiners, *work.members)}
+        ready = sorted(
+            (
+                s
+                for s in self._sequences.values()
+                if s.phase in COMPUTE_PHASES
+                and s.batch_slot is None
+                and id(s) not in batched
+                and not self._batches.holds_back(s)  # priced for a join: its length must hold
+            ),
+            key=lambda s: (s.sequence_id <= self._last_served, s.sequence_id),
+        )
+        batch_now = self._batches.takes_turn(work, bool(ready))
+        if work is not None and batch_now:
+            for seq in (*work.leavers, *work.joiners, *work.members):
+                seq.in_compute = True
+            job = BatchJob(work)
+            batch = self._batches.handle
+            self.submit(ctx, job, lambda: run_batch(job, backend, batch))
+            return True
+        if ready:
+            seq = ready[0]
+            self._last_served = seq.sequence_id
+            seq.in_compute = True
+            step = StepJob(seq)
+            # Leased: never dropped meanwhile.
+            source = self._entries.restore_source(seq.restore_entry, seq.restore_length)
+            self.submit(ctx, step, lambda: run_step(step, seq, backend, self._plan, source))
+            return True
+        return False

@@ -1,0 +1,140 @@
+"""What the router hears of a sequence: its start, its tokens and text, and its one terminal event.
+
+A decode step's token is taken here: an EOS or stop token ends the sequence unseen, a completed
+stop string ends it with the text before the string, ``max_tokens`` ends it after the token; any
+other token is shown with its text. ``take_token`` decides and returns an ``Emission``; the engine
+core sends it (``emit``) and carries out the ending it names: no ending happens here, only the
+terminal events are built here (``finished``, ``cancelled``, ``failed``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from collections.abc import Sequence as Tokens
+from dataclasses import dataclass
+
+from actors.engine.sequence import Phase, Sequence
+from runtime.kernel.core import ROUTER, Context
+from runtime.kernel.stats import Counters
+from runtime.messages import (
+    FinishReason,
+    ReusePath,
+    SequenceCancelled,
+    SequenceFailed,
+    SequenceFinished,
+    SequenceStarted,
+    TokenIds,
+    TokenLogprob,
+    TokensProduced,
+)
+from runtime.text.detokenizer import IncrementalDetokenizer
+from runtime.text.stop_strings import StopStringMatcher
+
+log = logging.getLogger("mlx_actor_runtime.engine")
+
+
+@dataclass(frozen=True)
+class Emission:
+    """What one decode step shows the client, and the ending it brings (``finish`` None: none)."""
+
+    token_ids: TokenIds
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+    finish: FinishReason | None = None
+    stop: str | None = None  # the stop string that ended it
+
+
+def announce_start(seq: Sequence, counters: Counters, ctx: Context) -> None:
+    """Tell the router how the prompt state was obtained, once that is final (after restore)."""
+    assert seq.tokens is not None
+    assert seq.state is not None
+    if seq.started_sent:
+        return
+    seq.started_sent = True
+    if seq.path is ReusePath.ADOPTED:
+        seq.cached_tokens = seq.state.length  # what the prewarm had computed when it ended
+    counters.inc(f"path_{seq.path}")
+    log.debug("sequence %d: %s, %d of %d prompt tokens reused", seq.sequence_id, seq.path,
+              seq.cached_tokens, len(seq.tokens))  # fmt: skip
+    counters.inc("cached_prompt_tokens", seq.cached_tokens)
+    ctx.send(
+        ROUTER,
+        SequenceStarted(
+            sequence_id=seq.sequence_id,
+            epoch=seq.epoch,
+            prompt_tokens=len(seq.tokens),
+            cached_tokens=seq.cached_tokens,
+            path=seq.path,
+            dropped_turns=seq.dropped_turns,
+        ),
+    )
+
+
+def start_decoding(seq: Sequence, decode: Callable[[Tokens[int]], str]) -> None:
+    """The prompt is in: from now on each step samples a token, whose text is built here."""
+    seq.phase = Phase.DECODING
+    seq.detokenizer = IncrementalDetokenizer(decode)
+    if seq.stop_strings:
+        seq.stop_matcher = StopStringMatcher(seq.stop_strings)
+
+
+def take_token(seq: Sequence, token: int, text: str, logprob: TokenLogprob | None) -> Emission:
+    """Record the token a decode step sampled (``text``: its detokenized text) and say what the
+    client sees of it and whether it ends the sequence."""
+    matcher = seq.stop_matcher
+    if token in seq.stop_token_ids:  # EOS or a stop token: not emitted, not counted
+        tail, stop = text, None
+        if matcher is not None:  # the last text may itself complete a stop string
+            ended = matcher.feed(text)
+            tail = ended.text if ended.stopped else ended.text + matcher.flush()
+            stop = ended.stop
+        return Emission((), tail, finish=FinishReason.STOP, stop=stop)
+    seq.generated.append(token)
+    seq.pending_token = token
+    result = matcher.feed(text) if matcher else None
+    logprobs = () if logprob is None else (logprob,)
+    if result is not None and result.stopped:
+        return Emission((token,), result.text, logprobs, FinishReason.STOP, result.stop)
+    shown = text if result is None else result.text
+    last = len(seq.generated) >= seq.max_tokens
+    if last and matcher is not None:
+        shown += matcher.flush()
+    return Emission((token,), shown, logprobs, FinishReason.LENGTH if last else None)
+
+
+def emit(seq: Sequence, emission: Emission, ctx: Context) -> None:
+    """Send the tokens and text of ``emission`` to the router, unless there are none."""
+    if not emission.token_ids and not emission.text:
+        return
+    produced = TokensProduced(
+        sequence_id=seq.sequence_id,
+        epoch=seq.epoch,
+        token_ids=emission.token_ids,
+        text=emission.text,
+        logprobs=emission.logprobs,
+    )
+    ctx.send(ROUTER, produced)
+
+
+def finished(seq: Sequence, reason: FinishReason, stop: str | None = None) -> SequenceFinished:
+    return SequenceFinished(
+        sequence_id=seq.sequence_id, epoch=seq.epoch, reason=reason, usage=seq.usage(), stop=stop
+    )
+
+
+def cancelled(seq: Sequence) -> SequenceCancelled:
+    return SequenceCancelled(
+        sequence_id=seq.sequence_id, epoch=seq.epoch, usage=seq.usage(), reason=seq.abort_reason
+    )
+
+
+def failed(seq: Sequence, code: str, text: str, retryable: bool) -> SequenceFailed:
+    return SequenceFailed(
+        sequence_id=seq.sequence_id,
+        epoch=seq.epoch,
+        code=code,
+        message=text,
+        retryable=retryable,
+        usage=seq.usage(),
+    )
