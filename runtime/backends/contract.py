@@ -112,7 +112,7 @@ class CannotTrim(Exception):
 
 
 class Backend(Protocol):
-    """What an engine needs from a model. Implementations: ``mlx_backend``, ``simulated``."""
+    """What an engine needs from a model. Implementations: ``mlx.backend``, ``simulated``."""
 
     @property
     def info(self) -> ModelInfo: ...
