@@ -20,6 +20,7 @@ from actors.engine import emission
 from actors.engine.admission import Admission, AdmissionLimits
 from actors.engine.batch import BatchScheduler
 from actors.engine.compute import ComputeSlot
+from actors.engine.endings import Endings
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import (
     BatchJob,
@@ -63,9 +64,7 @@ from runtime.messages import (
     LookupResult,
     Message,
     ModelSpec,
-    Release,
     ReleaseEpoch,
-    ReleaseLease,
     RequestKind,
     ReservationRefused,
     Reserved,
@@ -119,8 +118,15 @@ class EngineCore:
             self._plan.chunk_tokens,
         )
         self._compute = ComputeSlot(self._plan, self._sequences, self._batches, self._entries)
+        self._ends = Endings(
+            self._sequences,
+            self._entries,
+            self._batches,
+            self.counters,
+            slot_freed=lambda ctx: self._admission.admit_waiting(ctx),
+        )
         self._admission = Admission(
-            limits, spec.name, self._sequences, self._entries, self.counters, ends=self
+            limits, spec.name, self._sequences, self._entries, self.counters, ends=self._ends
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -148,7 +154,7 @@ class EngineCore:
                 seq.crash_message = message
                 seq.abort.set()
             else:
-                self.fail(seq, ctx, EngineCrashed(message))
+                self._ends.fail(seq, ctx, EngineCrashed(message))
 
     def statistics(self) -> Stats:
         gauges = {
@@ -187,7 +193,7 @@ class EngineCore:
             case Abort(sequence_id=sequence_id, epoch=epoch, reason=reason) if (
                 epoch == self.epoch and sequence_id in self._sequences
             ):
-                self.abort(self._sequences[sequence_id], reason, ctx)
+                self._ends.abort(self._sequences[sequence_id], reason, ctx)
             case Abort():  # the sequence already ended, or belongs to another load
                 ctx.count_dead_letter("abort_unknown_sequence")
                 self.counters.inc("aborts_noop")
@@ -198,14 +204,14 @@ class EngineCore:
                     self._entries.reserved(holder.id, ctx)
                 elif holder.kind is HolderKind.BATCH_PADDING:
                     self._batches.reserved(holder, nbytes, ctx)
-                else:
-                    self._admission.reserved(holder, ctx)
+                elif (adopter := self._admission.reserved(holder, ctx)) is not None:
+                    self.prefill_advanced(adopter, ctx)
             case ReservationRefused(holder=holder, code=code, message=text, retryable=retry):
                 seq = self._sequences.get(holder.id)
                 if holder.kind is HolderKind.BATCH_PADDING:
                     self._batches.refused(holder, ctx)
                 elif holder.kind is HolderKind.SEQUENCE and seq and seq.phase is Phase.RESERVING:
-                    self._fail(seq, ctx, code, text, retry)
+                    self._ends.fail_with(seq, ctx, code, text, retry)
                 elif holder.kind is HolderKind.PREFIX_ENTRY and self._entries.refused(holder.id):
                     pass  # no room for that snapshot: skipped
                 else:
@@ -287,16 +293,16 @@ class EngineCore:
         if seq.phase is Phase.DONE:
             return
         if seq.crash_message is not None:
-            self.fail(seq, ctx, EngineCrashed(seq.crash_message))
+            self._ends.fail(seq, ctx, EngineCrashed(seq.crash_message))
             return
         if seq.abort.is_set() or job.skipped:
-            self._finish_cancelled(seq, ctx)
+            self._ends.finish_cancelled(seq, ctx)
             return
         if isinstance(job.error, MlxRuntimeError):  # e.g. a logit bias outside the vocabulary
-            self.fail(seq, ctx, job.error)
+            self._ends.fail(seq, ctx, job.error)
             return
         if job.error is not None:
-            self.fail(seq, ctx, BackendError(f"model step failed: {job.error!r}"))
+            self._ends.fail(seq, ctx, BackendError(f"model step failed: {job.error!r}"))
             return
         if seq.phase is Phase.RESERVING:  # adopted mid-step; it resumes once reserved
             if seq.resume_phase is Phase.RESTORING:
@@ -311,7 +317,7 @@ class EngineCore:
             shown = emission.take_token(seq, job.token, job.text, job.logprob)
             emission.emit(seq, shown, ctx)
             if shown.finish is not None:
-                self.finish(seq, ctx, shown.finish, stop=shown.stop)
+                self._ends.finish(seq, ctx, shown.finish, stop=shown.stop)
 
     def prefill_advanced(self, seq: Sequence, ctx: Context) -> None:
         """A prefill chunk (or the restore before it) landed: announce the start once, and once
@@ -321,7 +327,7 @@ class EngineCore:
         if seq.state.length < seq.prefill_target:
             return
         if seq.kind is RequestKind.PREWARM:
-            self.finish(seq, ctx, FinishReason.PREWARMED)
+            self._ends.finish(seq, ctx, FinishReason.PREWARMED)
             return
         assert self._backend is not None
         emission.start_decoding(seq, self._backend.decode)
@@ -330,17 +336,15 @@ class EngineCore:
         done = self._batches.done(job, ctx)
         for seq, leaving in done.returned:
             if leaving is None:  # aborted while it waited for this step
-                self._finish_cancelled(seq, ctx)
+                self._ends.finish_cancelled(seq, ctx)
             elif not leaving.resume:
-                if leaving.detach:
-                    self._detach(seq, ctx)
-                self._release_holdings(seq, ctx)
+                self._ends.returned_from_batch(seq, leaving.detach, ctx)
         if job.error is not None:
             error = BackendError(f"batched decode step failed: {job.error!r}")
             for seq in done.failed:
-                self.fail(seq, ctx, error)
+                self._ends.fail(seq, ctx, error)
             for seq in done.orphaned:
-                self._release_holdings(seq, ctx)
+                self._ends.release_holdings(seq, ctx)
         for seq, step in done.stepped:
             self._step_done(step, seq, ctx)
         for seq in self._sequences.values():
@@ -356,6 +360,7 @@ class EngineCore:
             return
         info = job.backend.info
         self._batches.loaded(info, job.batchable)
+        self._ends.loaded(job.backend)
         log.info("model %s (epoch %d): prefix reuse path %s: %s",
                  self.model, self.epoch, info.reuse, info.reuse_reason)  # fmt: skip
         ctx.send(
@@ -376,75 +381,15 @@ class EngineCore:
         ctx.send(KV_KEEPER, ReleaseEpoch(model=self.model, epoch=self.epoch))
         # Drained waits for EpochReleased: "unloaded" must mean the memory is free.
 
-    # ------------------------------------------------------------------ endings
-
-    def abort(self, seq: Sequence, reason: str, ctx: Context) -> None:
-        """Stop ``seq``: at once if it is not computing, else when its job comes back."""
-        if seq.abort.is_set():
-            return
-        seq.abort_reason = reason
-        seq.abort.set()
-        if not seq.in_compute:
-            self._finish_cancelled(seq, ctx)
-
-    def finish(
-        self, seq: Sequence, ctx: Context, reason: FinishReason, stop: str | None = None
-    ) -> None:
-        self._end(seq, ctx, detach=reason is not FinishReason.ADOPTED)
-        self.counters.inc(f"finished_{reason}")
-        ctx.send(ROUTER, emission.finished(seq, reason, stop))
-
-    def _finish_cancelled(self, seq: Sequence, ctx: Context) -> None:
-        # An aborted prefill is not wasted: its cache is kept (unless the model is going away).
-        self._end(seq, ctx, detach=not self._draining)
-        self.counters.inc("cancelled")
-        ctx.send(ROUTER, emission.cancelled(seq))
-
-    def fail(self, seq: Sequence, ctx: Context, error: MlxRuntimeError) -> None:
-        self._fail(seq, ctx, error.code, error.message, error.retryable)
-
-    def _fail(self, seq: Sequence, ctx: Context, code: str, text: str, retry: bool) -> None:
-        seq.state = None  # a state that saw an error is never reused
-        self._end(seq, ctx, detach=False)
-        self.counters.inc(f"failed_{code}")
-        ctx.send(ROUTER, emission.failed(seq, code, text, retry))
-
-    def _end(self, seq: Sequence, ctx: Context, detach: bool) -> None:
-        """After this nothing acts on the sequence; what it holds is released (a batched one's
-        once its state is back out of the batch)."""
-        seq.phase = Phase.DONE
-        self._sequences.pop(seq.sequence_id, None)
-        self._batches.ended(seq)
-        self._admission.admit_waiting(ctx)
-        if seq.batch_slot is not None:
-            self._batches.leave_later(seq, detach)
-            return
-        if detach:
-            self._detach(seq, ctx)
-        seq.state = None
-        self._release_holdings(seq, ctx)
-
-    def _detach(self, seq: Sequence, ctx: Context) -> None:
-        if self._backend is None:
-            seq.state = None
-            return
-        self._entries.detach(seq, self._backend, ctx)
-
-    def _release_holdings(self, seq: Sequence, ctx: Context) -> None:
-        self._entries.discard_snapshots(seq, ctx)
-        if seq.lease_id is not None:
-            ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
-            seq.lease_id = None
-        ctx.send(KV_KEEPER, Release(holder=seq.holder))
-
     # ------------------------------------------------------------------ teardown
 
     def _drain(self, requester: Address, ctx: Context) -> None:
         if self._draining:
             return
         self._draining = True
+        self._ends.unloading()
         self._drain_requester = requester
         for seq in list(self._sequences.values()):
-            self.abort(seq, "model_unloaded", ctx)
+            self._ends.abort(seq, "model_unloaded", ctx)
         if self._closed and not self._compute.busy:  # the load had failed: nothing to stop
             self._closed_down(ctx)
