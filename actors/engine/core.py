@@ -6,9 +6,11 @@ decode batch that ``BatchScheduler`` plans), so a sequence's abort flag is seen 
 or step boundary. Prefix entries' states live here; the prefix-cache manager only indexes them,
 and the KV keeper only counts their bytes.
 
-The core handles the mailbox, runs the pump, acts on what each job leaves and ends sequences. A new
-sequence's way up to its first compute job is ``Admission``'s (admission.py); what a decode step
-shows the client and whether it ends the sequence is decided in emission.py.
+The core handles the mailbox, loads and closes the model, drains, runs the pump and hands each
+finished job to the part that acts on it. A new sequence's way up to its first compute job is
+``Admission``'s (admission.py); what a step or batch step leaves is acted on by ``StepOutcomes``
+(outcomes.py); what a decode step shows the client and whether it ends the sequence is decided in
+emission.py; how a sequence ends and what it releases is ``Endings``' (endings.py).
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ from __future__ import annotations
 import logging
 from typing import assert_never
 
-from actors.engine import emission
 from actors.engine.admission import Admission, AdmissionLimits
 from actors.engine.batch import BatchScheduler
 from actors.engine.compute import ComputeSlot
@@ -32,11 +33,11 @@ from actors.engine.jobs import (
     TokenizeJob,
     run_load,
 )
+from actors.engine.outcomes import StepOutcomes
 from actors.engine.sequence import Phase, Sequence
 from runtime.backends.contract import Backend, BackendLoader, DecodeBatchHandle
 from runtime.backends.options import EngineOptions, decode_options
 from runtime.errors import (
-    BackendError,
     EngineCrashed,
     InvalidModelSpec,
     MlxRuntimeError,
@@ -57,7 +58,6 @@ from runtime.messages import (
     EngineLoadFailed,
     EngineReady,
     EpochReleased,
-    FinishReason,
     GetStats,
     HolderKind,
     InvalidateEpoch,
@@ -65,7 +65,6 @@ from runtime.messages import (
     Message,
     ModelSpec,
     ReleaseEpoch,
-    RequestKind,
     ReservationRefused,
     Reserved,
     SessionEnded,
@@ -78,8 +77,8 @@ log = logging.getLogger("mlx_actor_runtime.engine")
 class EngineCore:
     """State and decisions of one engine (see module docstring).
 
-    ``finish``, ``fail``, ``abort`` and ``prefill_advanced`` are also what ``Admission`` asks of
-    it (``SequenceEnds``).
+    It owns the table of live sequences, shared with the parts it is made of: ``Admission``,
+    ``ComputeSlot``, ``StepOutcomes`` and ``Endings``.
     """
 
     def __init__(
@@ -127,6 +126,14 @@ class EngineCore:
         )
         self._admission = Admission(
             limits, spec.name, self._sequences, self._entries, self.counters, ends=self._ends
+        )
+        self._outcomes = StepOutcomes(
+            self._sequences,
+            self._entries,
+            self._batches,
+            self._admission,
+            self._ends,
+            self.counters,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -205,7 +212,7 @@ class EngineCore:
                 elif holder.kind is HolderKind.BATCH_PADDING:
                     self._batches.reserved(holder, nbytes, ctx)
                 elif (adopter := self._admission.reserved(holder, ctx)) is not None:
-                    self.prefill_advanced(adopter, ctx)
+                    self._outcomes.prefill_advanced(adopter, ctx)
             case ReservationRefused(holder=holder, code=code, message=text, retryable=retry):
                 seq = self._sequences.get(holder.id)
                 if holder.kind is HolderKind.BATCH_PADDING:
@@ -255,7 +262,7 @@ class EngineCore:
             self._batches.handle = None
             self._compute.submit(ctx, CloseJob(), backend.close)
 
-    # ------------------------------------------------------------------ job outcomes
+    # ------------------------------------------------------------------ finished jobs
 
     def _job_done(self, job: Job, ctx: Context) -> None:
         match job:
@@ -266,89 +273,11 @@ class EngineCore:
             case CloseJob():
                 self._closed_down(ctx)
             case StepJob():
-                self._step_done(job, job.seq.live_successor(), ctx)
+                self._outcomes.step_done(job, job.seq.live_successor(), ctx)
             case BatchJob():
-                self._batch_done(job, ctx)
+                self._outcomes.batch_done(job, ctx)
             case _:
                 assert_never(job)
-
-    def _step_done(self, job: StepJob, seq: Sequence, ctx: Context) -> None:
-        seq.in_compute = False
-        self.counters.inc(
-            "decoded_tokens" if seq.phase is Phase.DECODING else "prefilled_tokens", job.prefilled
-        )
-        if job.fallback is not None:
-            self._admission.restore_fell_back(seq, job.fallback, ctx)
-        if job.state is not None:
-            seq.state = job.state
-        if job.checkpoints is not None:
-            seq.checkpoints = job.checkpoints
-        if job.pin_copy is not None or job.snapshot is not None:
-            seq.checkpoints.pop(0)  # the chunk landed on it: one of the two was taken there
-        if job.pin_copy is not None:
-            assert self._backend is not None
-            self._entries.pin_copy(seq, job.pin_copy, self._backend, ctx)
-        if job.snapshot is not None:
-            self._entries.snapshot(seq, job.snapshot, ctx)
-        if seq.phase is Phase.DONE:
-            return
-        if seq.crash_message is not None:
-            self._ends.fail(seq, ctx, EngineCrashed(seq.crash_message))
-            return
-        if seq.abort.is_set() or job.skipped:
-            self._ends.finish_cancelled(seq, ctx)
-            return
-        if isinstance(job.error, MlxRuntimeError):  # e.g. a logit bias outside the vocabulary
-            self._ends.fail(seq, ctx, job.error)
-            return
-        if job.error is not None:
-            self._ends.fail(seq, ctx, BackendError(f"model step failed: {job.error!r}"))
-            return
-        if seq.phase is Phase.RESERVING:  # adopted mid-step; it resumes once reserved
-            if seq.resume_phase is Phase.RESTORING:
-                seq.resume_phase = Phase.PREFILLING
-            return
-        if seq.phase is Phase.RESTORING:
-            seq.phase = Phase.PREFILLING
-        if seq.phase is Phase.PREFILLING:
-            self.prefill_advanced(seq, ctx)
-        elif seq.phase is Phase.DECODING:
-            assert job.token is not None
-            shown = emission.take_token(seq, job.token, job.text, job.logprob)
-            emission.emit(seq, shown, ctx)
-            if shown.finish is not None:
-                self._ends.finish(seq, ctx, shown.finish, stop=shown.stop)
-
-    def prefill_advanced(self, seq: Sequence, ctx: Context) -> None:
-        """A prefill chunk (or the restore before it) landed: announce the start once, and once
-        the prompt is in, a prewarm is done and a generate starts decoding."""
-        emission.announce_start(seq, self.counters, ctx)
-        assert seq.state is not None
-        if seq.state.length < seq.prefill_target:
-            return
-        if seq.kind is RequestKind.PREWARM:
-            self._ends.finish(seq, ctx, FinishReason.PREWARMED)
-            return
-        assert self._backend is not None
-        emission.start_decoding(seq, self._backend.decode)
-
-    def _batch_done(self, job: BatchJob, ctx: Context) -> None:
-        done = self._batches.done(job, ctx)
-        for seq, leaving in done.returned:
-            if leaving is None:  # aborted while it waited for this step
-                self._ends.finish_cancelled(seq, ctx)
-            elif not leaving.resume:
-                self._ends.returned_from_batch(seq, leaving.detach, ctx)
-        if job.error is not None:
-            error = BackendError(f"batched decode step failed: {job.error!r}")
-            for seq in done.failed:
-                self._ends.fail(seq, ctx, error)
-            for seq in done.orphaned:
-                self._ends.release_holdings(seq, ctx)
-        for seq, step in done.stepped:
-            self._step_done(step, seq, ctx)
-        for seq in self._sequences.values():
-            seq.in_compute = False  # joiners that were aborted before joining, or never got in
 
     def _loaded(self, job: LoadJob, ctx: Context) -> None:
         self._backend = job.backend
@@ -361,6 +290,7 @@ class EngineCore:
         info = job.backend.info
         self._batches.loaded(info, job.batchable)
         self._ends.loaded(job.backend)
+        self._outcomes.loaded(job.backend)
         log.info("model %s (epoch %d): prefix reuse path %s: %s",
                  self.model, self.epoch, info.reuse, info.reuse_reason)  # fmt: skip
         ctx.send(
