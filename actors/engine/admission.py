@@ -133,7 +133,7 @@ class Admission:
     """The admission steps of one engine (see module docstring).
 
     ``sequences`` is the engine's own table of live sequences, shared: admission adds to it and
-    reads it; the core removes what ends.
+    reads it; ``Endings`` removes what ends.
     """
 
     def __init__(

@@ -8,7 +8,7 @@ decode batch, once its state is back out (``returned_from_batch``). A finished s
 and a cancelled one's unless the model is going away, is first committed to the prefix cache
 (``EntryStore.detach``); a failed one's never is.
 
-The engine core and ``Admission`` both end sequences through one ``Endings``.
+The engine core, ``Admission`` and ``StepOutcomes`` all end sequences through one ``Endings``.
 """
 
 from __future__ import annotations
