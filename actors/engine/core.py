@@ -36,7 +36,7 @@ from actors.engine.jobs import (
 from actors.engine.outcomes import StepOutcomes
 from actors.engine.sequence import Phase, Sequence
 from runtime.backends.contract import Backend, BackendLoader, DecodeBatchHandle
-from runtime.backends.options import EngineOptions, decode_options
+from runtime.backends.options import EngineOptions, ModelOptions, decode_options
 from runtime.errors import (
     EngineCrashed,
     InvalidModelSpec,
@@ -93,11 +93,13 @@ class EngineCore:
         self.epoch = epoch
         self._spec = spec
         self._load_backend = load_backend
-        self._spec_error: InvalidModelSpec | None = None
+        # Decoded once here; the backend loads with these (run_load), never decoding them again.
+        self._options: ModelOptions | InvalidModelSpec
         try:
-            options: EngineOptions = decode_options(spec)
+            self._options = decode_options(spec)
         except InvalidModelSpec as error:  # reported at start as the failed load; nothing runs
-            options, self._spec_error = EngineOptions(), error
+            self._options = error
+        options = self._options if isinstance(self._options, EngineOptions) else EngineOptions()
         self._plan = StepPlan(
             chunk_tokens=max(1, spec.prefill_chunk_tokens),
             checkpoint_every=options.checkpoint_every_tokens,
@@ -139,11 +141,14 @@ class EngineCore:
     # ------------------------------------------------------------------ lifecycle
 
     def on_start(self, ctx: Context) -> None:
-        if self._spec_error is not None:  # the spec's options did not decode
-            self._loaded(LoadJob(error=self._spec_error), ctx)
+        options = self._options
+        if isinstance(options, InvalidModelSpec):  # the spec's options did not decode
+            self._loaded(LoadJob(error=options), ctx)
             return
         job = LoadJob()
-        self._compute.submit(ctx, job, lambda: run_load(job, self._load_backend, self._spec))
+        self._compute.submit(
+            ctx, job, lambda: run_load(job, self._load_backend, self._spec, options)
+        )
 
     def on_stop(self, ctx: Context) -> None:
         self._sequences.clear()
