@@ -8,11 +8,13 @@ text by the option's declared type.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from runtime.api import Runtime
 from runtime.backends import simulated
+from runtime.backends.loader import make_backend_loader
 from runtime.backends.model_source import PreparedModel, prepare_model
 from runtime.backends.options import (
     MlxOptions,
@@ -220,3 +222,31 @@ def test_the_simulated_backend_decodes_its_options_at_load() -> None:
         SimulatedBackend.load(
             ModelSpec(name="m", backend="simulated", options={"bytes_per_tokn": 8}), RealClock()
         )
+
+
+def test_a_load_decodes_the_options_once_in_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The simulator sends LoadModel as is (no host-edge decode): the engine's is the only one.
+    from runtime.backends import options
+
+    converted: list[str] = []
+    convert = options._convert
+
+    def counting(
+        spec: ModelSpec, fields: dict[str, Any], key: str, value: object, *, strict: bool
+    ) -> Any:
+        converted.append(key)
+        return convert(spec, fields, key, value, strict=strict)
+
+    monkeypatch.setattr(options, "_convert", counting)
+    simulate(ModelSpec(name="m", backend="simulated", options={"bytes_per_token": 8}))
+    assert converted == ["bytes_per_token"]
+
+
+def test_the_loader_hands_each_kind_its_struct_and_refuses_another_kinds() -> None:
+    load = make_backend_loader(RealClock())
+    spec = ModelSpec(name="m", backend="simulated")  # the struct, not spec.options, is read
+    assert load(spec, SimulatedModelOptions(bytes_per_token=8)).info.bytes_per_token == 8
+    with pytest.raises(InvalidModelSpec, match="SimulatedModelOptions, not MlxOptions"):
+        load(spec, MlxOptions())
+    with pytest.raises(InvalidModelSpec, match="MlxOptions, not SimulatedModelOptions"):
+        load(ModelSpec(name="m", path="/nowhere"), SimulatedModelOptions())

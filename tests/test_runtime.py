@@ -272,18 +272,18 @@ async def test_backend_fault_fails_one_request_and_the_runtime_goes_on() -> None
 async def test_an_engine_crash_fails_its_live_requests_once_and_the_engine_recovers(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from actors.engine.core import EngineCore
+    from actors.engine.outcomes import StepOutcomes
 
-    original = EngineCore.prefill_advanced
+    original = StepOutcomes.prefill_advanced
     crashes = []
 
-    def crash_once(self: EngineCore, seq: object, ctx: object) -> None:
+    def crash_once(self: StepOutcomes, seq: object, ctx: object) -> None:
         if not crashes:
             crashes.append(seq)
             raise RuntimeError("injected bug")
         original(self, seq, ctx)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(EngineCore, "prefill_advanced", crash_once)
+    monkeypatch.setattr(StepOutcomes, "prefill_advanced", crash_once)
     async with Runtime(config()) as rt:
         await rt.load_model(sim_model())
         broken = await rt.complete("m", "first", max_tokens=2)

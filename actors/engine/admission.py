@@ -11,7 +11,7 @@
    then restores (``RESTORING``) and the engine core's pump takes it from there. A generate that
    adopted a prewarm skips the lookup: once reserved it resumes where the prewarm was.
 
-Endings are the core's: admission asks for them through ``SequenceEnds``.
+Admission ends sequences through ``SequenceEnds`` (the engine's ``Endings``, endings.py).
 """
 
 from __future__ import annotations
@@ -47,16 +47,13 @@ log = logging.getLogger("mlx_actor_runtime.engine")
 
 
 class SequenceEnds(Protocol):
-    """What admission asks of the engine core that owns it: to end a sequence, or to go on with a
-    prefill whose step came back while the generate that adopted it waited for its KV."""
+    """What admission asks of the engine's ``Endings``: to end a sequence."""
 
     def finish(self, seq: Sequence, ctx: Context, reason: FinishReason) -> None: ...
 
     def fail(self, seq: Sequence, ctx: Context, error: MlxRuntimeError) -> None: ...
 
     def abort(self, seq: Sequence, reason: str, ctx: Context) -> None: ...
-
-    def prefill_advanced(self, seq: Sequence, ctx: Context) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -136,7 +133,7 @@ class Admission:
     """The admission steps of one engine (see module docstring).
 
     ``sequences`` is the engine's own table of live sequences, shared: admission adds to it and
-    reads it; the core removes what ends.
+    reads it; ``Endings`` removes what ends.
     """
 
     def __init__(
@@ -287,8 +284,12 @@ class Admission:
             ),
         )
 
-    def reserved(self, holder: Holder, ctx: Context) -> None:
-        """The keeper granted a sequence's KV: look up the prefix cache, or resume an adoption."""
+    def reserved(self, holder: Holder, ctx: Context) -> Sequence | None:
+        """The keeper granted a sequence's KV: look up the prefix cache, or resume an adoption.
+
+        Returns the adopting generate whose prefill goes on now (the prewarm's step came back
+        while it waited for its KV), for the core to advance; else None.
+        """
         seq = self._sequences.get(holder.id)
         if (
             holder.kind is not HolderKind.SEQUENCE
@@ -297,13 +298,12 @@ class Admission:
         ):
             ctx.send(KV_KEEPER, Release(holder=holder))  # its sequence ended while it waited
             ctx.count_dead_letter("stale_reservation_reply")
-            return
+            return None
         seq.reserved = True
         if seq.resume_phase is not None:
             seq.phase = seq.resume_phase
-            if seq.phase is Phase.PREFILLING and not seq.in_compute:
-                self._ends.prefill_advanced(seq, ctx)
-            return
+            advanced = seq.phase is Phase.PREFILLING and not seq.in_compute
+            return seq if advanced else None
         seq.phase = Phase.LOOKING_UP
         assert seq.tokens is not None
         ctx.send(
@@ -316,6 +316,7 @@ class Admission:
                 sequence_id=seq.sequence_id,
             ),
         )
+        return None
 
     def looked_up(self, result: LookupResult, ctx: Context) -> None:
         """The prefix cache answered: restore from its hit (leased), or from nothing."""

@@ -4,7 +4,7 @@ Tokenizing goes first: every prompt waiting for its tokens, in one job. Then a s
 batch (planned by ``BatchScheduler``) and single steps (a restore, a prefill chunk, or a decode
 step of a sequence outside the batch) take turns; single steps go round-robin by sequence id. A
 job runs on the executor (``ctx.compute``); its ``ComputeDone`` names it by id, and ``done`` hands
-the record back to the engine core, which acts on what the job left in it.
+the record back to the engine core, which hands it to the part that acts on what it left.
 """
 
 from __future__ import annotations

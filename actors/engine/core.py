@@ -6,9 +6,11 @@ decode batch that ``BatchScheduler`` plans), so a sequence's abort flag is seen 
 or step boundary. Prefix entries' states live here; the prefix-cache manager only indexes them,
 and the KV keeper only counts their bytes.
 
-The core handles the mailbox, runs the pump, acts on what each job leaves and ends sequences. A new
-sequence's way up to its first compute job is ``Admission``'s (admission.py); what a decode step
-shows the client and whether it ends the sequence is decided in emission.py.
+The core handles the mailbox, loads and closes the model, drains, runs the pump and hands each
+finished job to the part that acts on it. A new sequence's way up to its first compute job is
+``Admission``'s (admission.py); what a step or batch step leaves is acted on by ``StepOutcomes``
+(outcomes.py); what a decode step shows the client and whether it ends the sequence is decided in
+emission.py; how a sequence ends and what it releases is ``Endings``' (endings.py).
 """
 
 from __future__ import annotations
@@ -16,10 +18,10 @@ from __future__ import annotations
 import logging
 from typing import assert_never
 
-from actors.engine import emission
 from actors.engine.admission import Admission, AdmissionLimits
 from actors.engine.batch import BatchScheduler
 from actors.engine.compute import ComputeSlot
+from actors.engine.endings import Endings
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import (
     BatchJob,
@@ -31,11 +33,11 @@ from actors.engine.jobs import (
     TokenizeJob,
     run_load,
 )
+from actors.engine.outcomes import StepOutcomes
 from actors.engine.sequence import Phase, Sequence
 from runtime.backends.contract import Backend, BackendLoader, DecodeBatchHandle
-from runtime.backends.options import EngineOptions, decode_options
+from runtime.backends.options import EngineOptions, ModelOptions, decode_options
 from runtime.errors import (
-    BackendError,
     EngineCrashed,
     InvalidModelSpec,
     MlxRuntimeError,
@@ -56,17 +58,13 @@ from runtime.messages import (
     EngineLoadFailed,
     EngineReady,
     EpochReleased,
-    FinishReason,
     GetStats,
     HolderKind,
     InvalidateEpoch,
     LookupResult,
     Message,
     ModelSpec,
-    Release,
     ReleaseEpoch,
-    ReleaseLease,
-    RequestKind,
     ReservationRefused,
     Reserved,
     SessionEnded,
@@ -79,8 +77,8 @@ log = logging.getLogger("mlx_actor_runtime.engine")
 class EngineCore:
     """State and decisions of one engine (see module docstring).
 
-    ``finish``, ``fail``, ``abort`` and ``prefill_advanced`` are also what ``Admission`` asks of
-    it (``SequenceEnds``).
+    It owns the table of live sequences, shared with the parts it is made of: ``Admission``,
+    ``ComputeSlot``, ``StepOutcomes`` and ``Endings``.
     """
 
     def __init__(
@@ -95,11 +93,13 @@ class EngineCore:
         self.epoch = epoch
         self._spec = spec
         self._load_backend = load_backend
-        self._spec_error: InvalidModelSpec | None = None
+        # Decoded once here; the backend loads with these (run_load), never decoding them again.
+        self._options: ModelOptions | InvalidModelSpec
         try:
-            options: EngineOptions = decode_options(spec)
+            self._options = decode_options(spec)
         except InvalidModelSpec as error:  # reported at start as the failed load; nothing runs
-            options, self._spec_error = EngineOptions(), error
+            self._options = error
+        options = self._options if isinstance(self._options, EngineOptions) else EngineOptions()
         self._plan = StepPlan(
             chunk_tokens=max(1, spec.prefill_chunk_tokens),
             checkpoint_every=options.checkpoint_every_tokens,
@@ -119,18 +119,36 @@ class EngineCore:
             self._plan.chunk_tokens,
         )
         self._compute = ComputeSlot(self._plan, self._sequences, self._batches, self._entries)
+        self._ends = Endings(
+            self._sequences,
+            self._entries,
+            self._batches,
+            self.counters,
+            slot_freed=lambda ctx: self._admission.admit_waiting(ctx),
+        )
         self._admission = Admission(
-            limits, spec.name, self._sequences, self._entries, self.counters, ends=self
+            limits, spec.name, self._sequences, self._entries, self.counters, ends=self._ends
+        )
+        self._outcomes = StepOutcomes(
+            self._sequences,
+            self._entries,
+            self._batches,
+            self._admission,
+            self._ends,
+            self.counters,
         )
 
     # ------------------------------------------------------------------ lifecycle
 
     def on_start(self, ctx: Context) -> None:
-        if self._spec_error is not None:  # the spec's options did not decode
-            self._loaded(LoadJob(error=self._spec_error), ctx)
+        options = self._options
+        if isinstance(options, InvalidModelSpec):  # the spec's options did not decode
+            self._loaded(LoadJob(error=options), ctx)
             return
         job = LoadJob()
-        self._compute.submit(ctx, job, lambda: run_load(job, self._load_backend, self._spec))
+        self._compute.submit(
+            ctx, job, lambda: run_load(job, self._load_backend, self._spec, options)
+        )
 
     def on_stop(self, ctx: Context) -> None:
         self._sequences.clear()
@@ -148,7 +166,7 @@ class EngineCore:
                 seq.crash_message = message
                 seq.abort.set()
             else:
-                self.fail(seq, ctx, EngineCrashed(message))
+                self._ends.fail(seq, ctx, EngineCrashed(message))
 
     def statistics(self) -> Stats:
         gauges = {
@@ -187,7 +205,7 @@ class EngineCore:
             case Abort(sequence_id=sequence_id, epoch=epoch, reason=reason) if (
                 epoch == self.epoch and sequence_id in self._sequences
             ):
-                self.abort(self._sequences[sequence_id], reason, ctx)
+                self._ends.abort(self._sequences[sequence_id], reason, ctx)
             case Abort():  # the sequence already ended, or belongs to another load
                 ctx.count_dead_letter("abort_unknown_sequence")
                 self.counters.inc("aborts_noop")
@@ -198,14 +216,14 @@ class EngineCore:
                     self._entries.reserved(holder.id, ctx)
                 elif holder.kind is HolderKind.BATCH_PADDING:
                     self._batches.reserved(holder, nbytes, ctx)
-                else:
-                    self._admission.reserved(holder, ctx)
+                elif (adopter := self._admission.reserved(holder, ctx)) is not None:
+                    self._outcomes.prefill_advanced(adopter, ctx)
             case ReservationRefused(holder=holder, code=code, message=text, retryable=retry):
                 seq = self._sequences.get(holder.id)
                 if holder.kind is HolderKind.BATCH_PADDING:
                     self._batches.refused(holder, ctx)
                 elif holder.kind is HolderKind.SEQUENCE and seq and seq.phase is Phase.RESERVING:
-                    self._fail(seq, ctx, code, text, retry)
+                    self._ends.fail_with(seq, ctx, code, text, retry)
                 elif holder.kind is HolderKind.PREFIX_ENTRY and self._entries.refused(holder.id):
                     pass  # no room for that snapshot: skipped
                 else:
@@ -249,7 +267,7 @@ class EngineCore:
             self._batches.handle = None
             self._compute.submit(ctx, CloseJob(), backend.close)
 
-    # ------------------------------------------------------------------ job outcomes
+    # ------------------------------------------------------------------ finished jobs
 
     def _job_done(self, job: Job, ctx: Context) -> None:
         match job:
@@ -260,91 +278,11 @@ class EngineCore:
             case CloseJob():
                 self._closed_down(ctx)
             case StepJob():
-                self._step_done(job, job.seq.live_successor(), ctx)
+                self._outcomes.step_done(job, job.seq.live_successor(), ctx)
             case BatchJob():
-                self._batch_done(job, ctx)
+                self._outcomes.batch_done(job, ctx)
             case _:
                 assert_never(job)
-
-    def _step_done(self, job: StepJob, seq: Sequence, ctx: Context) -> None:
-        seq.in_compute = False
-        self.counters.inc(
-            "decoded_tokens" if seq.phase is Phase.DECODING else "prefilled_tokens", job.prefilled
-        )
-        if job.fallback is not None:
-            self._admission.restore_fell_back(seq, job.fallback, ctx)
-        if job.state is not None:
-            seq.state = job.state
-        if job.checkpoints is not None:
-            seq.checkpoints = job.checkpoints
-        if job.pin_copy is not None or job.snapshot is not None:
-            seq.checkpoints.pop(0)  # the chunk landed on it: one of the two was taken there
-        if job.pin_copy is not None:
-            assert self._backend is not None
-            self._entries.pin_copy(seq, job.pin_copy, self._backend, ctx)
-        if job.snapshot is not None:
-            self._entries.snapshot(seq, job.snapshot, ctx)
-        if seq.phase is Phase.DONE:
-            return
-        if seq.crash_message is not None:
-            self.fail(seq, ctx, EngineCrashed(seq.crash_message))
-            return
-        if seq.abort.is_set() or job.skipped:
-            self._finish_cancelled(seq, ctx)
-            return
-        if isinstance(job.error, MlxRuntimeError):  # e.g. a logit bias outside the vocabulary
-            self.fail(seq, ctx, job.error)
-            return
-        if job.error is not None:
-            self.fail(seq, ctx, BackendError(f"model step failed: {job.error!r}"))
-            return
-        if seq.phase is Phase.RESERVING:  # adopted mid-step; it resumes once reserved
-            if seq.resume_phase is Phase.RESTORING:
-                seq.resume_phase = Phase.PREFILLING
-            return
-        if seq.phase is Phase.RESTORING:
-            seq.phase = Phase.PREFILLING
-        if seq.phase is Phase.PREFILLING:
-            self.prefill_advanced(seq, ctx)
-        elif seq.phase is Phase.DECODING:
-            assert job.token is not None
-            shown = emission.take_token(seq, job.token, job.text, job.logprob)
-            emission.emit(seq, shown, ctx)
-            if shown.finish is not None:
-                self.finish(seq, ctx, shown.finish, stop=shown.stop)
-
-    def prefill_advanced(self, seq: Sequence, ctx: Context) -> None:
-        """A prefill chunk (or the restore before it) landed: announce the start once, and once
-        the prompt is in, a prewarm is done and a generate starts decoding."""
-        emission.announce_start(seq, self.counters, ctx)
-        assert seq.state is not None
-        if seq.state.length < seq.prefill_target:
-            return
-        if seq.kind is RequestKind.PREWARM:
-            self.finish(seq, ctx, FinishReason.PREWARMED)
-            return
-        assert self._backend is not None
-        emission.start_decoding(seq, self._backend.decode)
-
-    def _batch_done(self, job: BatchJob, ctx: Context) -> None:
-        done = self._batches.done(job, ctx)
-        for seq, leaving in done.returned:
-            if leaving is None:  # aborted while it waited for this step
-                self._finish_cancelled(seq, ctx)
-            elif not leaving.resume:
-                if leaving.detach:
-                    self._detach(seq, ctx)
-                self._release_holdings(seq, ctx)
-        if job.error is not None:
-            error = BackendError(f"batched decode step failed: {job.error!r}")
-            for seq in done.failed:
-                self.fail(seq, ctx, error)
-            for seq in done.orphaned:
-                self._release_holdings(seq, ctx)
-        for seq, step in done.stepped:
-            self._step_done(step, seq, ctx)
-        for seq in self._sequences.values():
-            seq.in_compute = False  # joiners that were aborted before joining, or never got in
 
     def _loaded(self, job: LoadJob, ctx: Context) -> None:
         self._backend = job.backend
@@ -356,6 +294,8 @@ class EngineCore:
             return
         info = job.backend.info
         self._batches.loaded(info, job.batchable)
+        self._ends.loaded(job.backend)
+        self._outcomes.loaded(job.backend)
         log.info("model %s (epoch %d): prefix reuse path %s: %s",
                  self.model, self.epoch, info.reuse, info.reuse_reason)  # fmt: skip
         ctx.send(
@@ -376,75 +316,15 @@ class EngineCore:
         ctx.send(KV_KEEPER, ReleaseEpoch(model=self.model, epoch=self.epoch))
         # Drained waits for EpochReleased: "unloaded" must mean the memory is free.
 
-    # ------------------------------------------------------------------ endings
-
-    def abort(self, seq: Sequence, reason: str, ctx: Context) -> None:
-        """Stop ``seq``: at once if it is not computing, else when its job comes back."""
-        if seq.abort.is_set():
-            return
-        seq.abort_reason = reason
-        seq.abort.set()
-        if not seq.in_compute:
-            self._finish_cancelled(seq, ctx)
-
-    def finish(
-        self, seq: Sequence, ctx: Context, reason: FinishReason, stop: str | None = None
-    ) -> None:
-        self._end(seq, ctx, detach=reason is not FinishReason.ADOPTED)
-        self.counters.inc(f"finished_{reason}")
-        ctx.send(ROUTER, emission.finished(seq, reason, stop))
-
-    def _finish_cancelled(self, seq: Sequence, ctx: Context) -> None:
-        # An aborted prefill is not wasted: its cache is kept (unless the model is going away).
-        self._end(seq, ctx, detach=not self._draining)
-        self.counters.inc("cancelled")
-        ctx.send(ROUTER, emission.cancelled(seq))
-
-    def fail(self, seq: Sequence, ctx: Context, error: MlxRuntimeError) -> None:
-        self._fail(seq, ctx, error.code, error.message, error.retryable)
-
-    def _fail(self, seq: Sequence, ctx: Context, code: str, text: str, retry: bool) -> None:
-        seq.state = None  # a state that saw an error is never reused
-        self._end(seq, ctx, detach=False)
-        self.counters.inc(f"failed_{code}")
-        ctx.send(ROUTER, emission.failed(seq, code, text, retry))
-
-    def _end(self, seq: Sequence, ctx: Context, detach: bool) -> None:
-        """After this nothing acts on the sequence; what it holds is released (a batched one's
-        once its state is back out of the batch)."""
-        seq.phase = Phase.DONE
-        self._sequences.pop(seq.sequence_id, None)
-        self._batches.ended(seq)
-        self._admission.admit_waiting(ctx)
-        if seq.batch_slot is not None:
-            self._batches.leave_later(seq, detach)
-            return
-        if detach:
-            self._detach(seq, ctx)
-        seq.state = None
-        self._release_holdings(seq, ctx)
-
-    def _detach(self, seq: Sequence, ctx: Context) -> None:
-        if self._backend is None:
-            seq.state = None
-            return
-        self._entries.detach(seq, self._backend, ctx)
-
-    def _release_holdings(self, seq: Sequence, ctx: Context) -> None:
-        self._entries.discard_snapshots(seq, ctx)
-        if seq.lease_id is not None:
-            ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
-            seq.lease_id = None
-        ctx.send(KV_KEEPER, Release(holder=seq.holder))
-
     # ------------------------------------------------------------------ teardown
 
     def _drain(self, requester: Address, ctx: Context) -> None:
         if self._draining:
             return
         self._draining = True
+        self._ends.unloading()
         self._drain_requester = requester
         for seq in list(self._sequences.values()):
-            self.abort(seq, "model_unloaded", ctx)
+            self._ends.abort(seq, "model_unloaded", ctx)
         if self._closed and not self._compute.busy:  # the load had failed: nothing to stop
             self._closed_down(ctx)

@@ -2,9 +2,10 @@
 
 A decode step's token is taken here: an EOS or stop token ends the sequence unseen, a completed
 stop string ends it with the text before the string, ``max_tokens`` ends it after the token; any
-other token is shown with its text. ``take_token`` decides and returns an ``Emission``; the engine
-core sends it (``emit``) and carries out the ending it names: no ending happens here, only the
-terminal events are built here (``finished``, ``cancelled``, ``failed``).
+other token is shown with its text. ``take_token`` decides and returns an ``Emission``; the step's
+outcome (outcomes.py) sends it (``emit``) and has ``Endings`` carry out the ending it names: no
+ending happens here, only the terminal events are built here (``finished``, ``cancelled``,
+``failed``).
 """
 
 from __future__ import annotations

@@ -16,13 +16,14 @@ from actors.engine.checkpoints import plan_checkpoints
 from actors.engine.sequence import Phase, Sequence
 from runtime.backends.contract import (
     Backend,
+    BackendLoader,
     CannotTrim,
     DecodeBatchHandle,
     ReuseStrategy,
     SequenceState,
     Snapshot,
 )
-from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY
+from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY, ModelOptions
 from runtime.messages import ModelSpec, TokenLogprob
 from runtime.text.chat import PreparedPrompt, prepare_chat
 
@@ -105,9 +106,12 @@ class StepPlan:
     checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
 
 
-def run_load(job: LoadJob, load_backend: Callable[[ModelSpec], Backend], spec: ModelSpec) -> None:
+def run_load(
+    job: LoadJob, load_backend: BackendLoader, spec: ModelSpec, options: ModelOptions
+) -> None:
+    """Load the model with the options the engine decoded (the backend does not decode again)."""
     try:
-        job.backend = load_backend(spec)
+        job.backend = load_backend(spec, options)
         # Asked once: a model mlx-lm cannot batch (kv_bits, chunked caches) stays on B=1 for good.
         job.batchable = job.backend.open_batch() is not None
     except BaseException as exc:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from runtime.backends.options import ModelOptions
 from runtime.messages import ModelSpec
 from runtime.text.chat import ChatTokenizer
 
@@ -174,4 +175,5 @@ class Backend(Protocol):
         ...
 
 
-BackendLoader = Callable[[ModelSpec], Backend]
+# Loads a model with the options the engine decoded from its spec (each kind gets its own struct).
+BackendLoader = Callable[[ModelSpec, ModelOptions], Backend]

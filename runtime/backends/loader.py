@@ -1,10 +1,12 @@
-"""The loader the engines use: a backend of the kind a ``ModelSpec`` names."""
+"""The loader the engines use: a backend of the kind a ``ModelSpec`` names, given the options the
+engine decoded (the backend does not decode them again)."""
 
 from __future__ import annotations
 
 from runtime.backends.contract import Backend, BackendLoader
-from runtime.backends.options import SimulatedModelOptions, options_type
+from runtime.backends.options import ModelOptions, SimulatedModelOptions, options_type
 from runtime.backends.simulated import ComputeClock, RealClock, SimulatedBackend
+from runtime.errors import InvalidModelSpec
 from runtime.messages import ModelSpec
 
 
@@ -12,11 +14,18 @@ def make_backend_loader(clock: ComputeClock | None = None) -> BackendLoader:
     """A loader for every backend kind; simulated compute spends time on ``clock``."""
     sim_clock = clock or RealClock()
 
-    def load(spec: ModelSpec) -> Backend:
-        if options_type(spec) is SimulatedModelOptions:  # InvalidModelSpec for an unknown kind
-            return SimulatedBackend.load(spec, sim_clock)
+    def load(spec: ModelSpec, options: ModelOptions) -> Backend:
+        """Raises ``InvalidModelSpec`` for an unknown kind, or options of another kind's."""
+        kind = options_type(spec)
+        if type(options) is not kind:
+            raise InvalidModelSpec(
+                f"model {spec.name!r} (backend {spec.backend!r}) takes {kind.__name__}, "
+                f"not {type(options).__name__}"
+            )
+        if isinstance(options, SimulatedModelOptions):
+            return SimulatedBackend.load(spec, sim_clock, options)
         from runtime.backends.mlx.backend import MlxBackend
 
-        return MlxBackend.load(spec)
+        return MlxBackend.load(spec, options)
 
     return load

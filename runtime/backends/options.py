@@ -1,11 +1,13 @@
 """The vocabulary of model options: what ``ModelSpec.options`` may say, per backend kind.
 
-``ModelSpec.options`` stays a plain dict on the wire; code reads these typed structs instead,
-each reader decoding once as a model loads: ``Runtime.load_model`` before anything is admitted,
-the engine as it starts, the backend as it loads. Every kind's struct extends ``EngineOptions``,
-the options the engine reads whatever the backend, so any one decode checks every name and type a
-spec carries. A typo, a wrong type or an unknown backend is an ``InvalidModelSpec`` that names
-the option and says what is accepted; ``option_from_text`` types command-line text the same way.
+``ModelSpec.options`` stays a plain dict on the wire; code reads these typed structs instead.
+``Runtime.load_model`` decodes them to refuse a bad spec before anything is admitted; the engine
+decodes them once as it starts and loads the backend with that struct (``BackendLoader`` takes it),
+so the backend does not decode them again (its ``load`` decodes only when called directly, without
+options). Every kind's struct extends ``EngineOptions``, the options the engine reads whatever the
+backend, so any one decode checks every name and type a spec carries. A typo, a wrong type or an
+unknown backend is an ``InvalidModelSpec`` that names the option and says what is accepted;
+``option_from_text`` types command-line text the same way.
 """
 
 from __future__ import annotations

@@ -139,9 +139,13 @@ class SimulatedBackend:
         )
 
     @classmethod
-    def load(cls, spec: ModelSpec, clock: ComputeClock) -> SimulatedBackend:
-        """Build from a spec; raises ``InvalidModelSpec`` (bad options) or ``SimulatedFault``."""
-        options = options_as(spec, SimulatedModelOptions)
+    def load(
+        cls, spec: ModelSpec, clock: ComputeClock, options: SimulatedModelOptions | None = None
+    ) -> SimulatedBackend:
+        """Build from a spec with its decoded ``options`` (decoded here when not given, as for a
+        direct call); raises ``InvalidModelSpec`` (bad options) or ``SimulatedFault``."""
+        if options is None:
+            options = options_as(spec, SimulatedModelOptions)
         clock.spend(options.load_s)
         if options.fail_load:
             raise SimulatedFault(f"simulated load failure for {spec.name!r}")

@@ -64,12 +64,14 @@ class MlxBackend:
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def load(cls, spec: ModelSpec) -> MlxBackend:
-        """Load ``spec.path``; raises ``InvalidModelSpec`` (bad options) or ``ModelLoadFailed``
-        naming what is missing."""
+    def load(cls, spec: ModelSpec, options: MlxOptions | None = None) -> MlxBackend:
+        """Load ``spec.path`` with its decoded ``options`` (decoded here when not given, as for a
+        direct call); raises ``InvalidModelSpec`` (bad options) or ``ModelLoadFailed`` naming
+        what is missing."""
         from mlx_lm.utils import load as mlx_load
 
-        options = options_as(spec, MlxOptions)
+        if options is None:
+            options = options_as(spec, MlxOptions)
         prepared = prepare_model(spec, options=options)
         path = prepared.path
         if prepared.note:

@@ -1,0 +1,127 @@
+"""How a sequence of one engine ends, and what it gives back.
+
+A sequence ends once: finished (``finish``: a reason such as ``length`` or ``stop``, ``prewarmed``,
+``adopted``), cancelled (``abort``, at once or when its running job comes back) or failed
+(``fail``). The router hears the terminal event at once. What the sequence holds (its prefix-cache
+lease, its snapshots' bytes, its KV reservation) is released then, or, for a sequence still in the
+decode batch, once its state is back out (``returned_from_batch``). A finished sequence's cache,
+and a cancelled one's unless the model is going away, is first committed to the prefix cache
+(``EntryStore.detach``); a failed one's never is.
+
+The engine core, ``Admission`` and ``StepOutcomes`` all end sequences through one ``Endings``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from actors.engine import emission
+from actors.engine.batch import BatchScheduler
+from actors.engine.entries import EntryStore
+from actors.engine.sequence import Phase, Sequence
+from runtime.backends.contract import Backend
+from runtime.errors import MlxRuntimeError
+from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Context
+from runtime.kernel.stats import Counters
+from runtime.messages import FinishReason, Release, ReleaseLease
+
+
+class Endings:
+    """The endings of one engine's sequences (see module docstring).
+
+    ``sequences`` is the engine's table of live sequences, shared: an ending removes from it.
+    ``slot_freed`` runs after every ending, so that the admission gate lets a waiting sequence in
+    (a callable: the admission that owns the gate is built after the endings it asks for).
+    """
+
+    def __init__(
+        self,
+        sequences: dict[int, Sequence],
+        entries: EntryStore,
+        batches: BatchScheduler,
+        counters: Counters,
+        slot_freed: Callable[[Context], None],
+    ) -> None:
+        self._sequences = sequences
+        self._entries = entries
+        self._batches = batches
+        self._counters = counters
+        self._slot_freed = slot_freed
+        self._backend: Backend | None = None
+        self._unloading = False
+
+    def loaded(self, backend: Backend) -> None:
+        """The model is in: an ended sequence's cache can become a prefix entry."""
+        self._backend = backend
+
+    def unloading(self) -> None:
+        """The model is going away: a cancelled sequence's cache is no longer kept."""
+        self._unloading = True
+
+    def abort(self, seq: Sequence, reason: str, ctx: Context) -> None:
+        """Stop ``seq``: at once if it is not computing, else when its job comes back."""
+        if seq.abort.is_set():
+            return
+        seq.abort_reason = reason
+        seq.abort.set()
+        if not seq.in_compute:
+            self.finish_cancelled(seq, ctx)
+
+    def finish(
+        self, seq: Sequence, ctx: Context, reason: FinishReason, stop: str | None = None
+    ) -> None:
+        self._end(seq, ctx, detach=reason is not FinishReason.ADOPTED)
+        self._counters.inc(f"finished_{reason}")
+        ctx.send(ROUTER, emission.finished(seq, reason, stop))
+
+    def finish_cancelled(self, seq: Sequence, ctx: Context) -> None:
+        """An aborted sequence whose job (if any) came back ends as cancelled."""
+        # An aborted prefill is not wasted: its cache is kept (unless the model is going away).
+        self._end(seq, ctx, detach=not self._unloading)
+        self._counters.inc("cancelled")
+        ctx.send(ROUTER, emission.cancelled(seq))
+
+    def fail(self, seq: Sequence, ctx: Context, error: MlxRuntimeError) -> None:
+        self.fail_with(seq, ctx, error.code, error.message, error.retryable)
+
+    def fail_with(self, seq: Sequence, ctx: Context, code: str, text: str, retry: bool) -> None:
+        """``fail`` for an error that arrived as a message's fields (a refused reservation)."""
+        seq.state = None  # a state that saw an error is never reused
+        self._end(seq, ctx, detach=False)
+        self._counters.inc(f"failed_{code}")
+        ctx.send(ROUTER, emission.failed(seq, code, text, retry))
+
+    def _end(self, seq: Sequence, ctx: Context, detach: bool) -> None:
+        """After this nothing acts on the sequence; what it holds is released (a batched one's
+        once its state is back out of the batch)."""
+        seq.phase = Phase.DONE
+        self._sequences.pop(seq.sequence_id, None)
+        self._batches.ended(seq)
+        self._slot_freed(ctx)
+        if seq.batch_slot is not None:
+            self._batches.leave_later(seq, detach)
+            return
+        if detach:
+            self._detach(seq, ctx)
+        seq.state = None
+        self.release_holdings(seq, ctx)
+
+    def returned_from_batch(self, seq: Sequence, detach: bool, ctx: Context) -> None:
+        """A sequence that ended while batched is back out: commit its state if asked, release."""
+        if detach:
+            self._detach(seq, ctx)
+        self.release_holdings(seq, ctx)
+
+    def _detach(self, seq: Sequence, ctx: Context) -> None:
+        if self._backend is None:
+            seq.state = None
+            return
+        self._entries.detach(seq, self._backend, ctx)
+
+    def release_holdings(self, seq: Sequence, ctx: Context) -> None:
+        """Give back the sequence's snapshots, its prefix-cache lease and its KV reservation."""
+        self._entries.discard_snapshots(seq, ctx)
+        if seq.lease_id is not None:
+            ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
+            seq.lease_id = None
+        ctx.send(KV_KEEPER, Release(holder=seq.holder))

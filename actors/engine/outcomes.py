@@ -1,0 +1,133 @@
+"""What the engine does with a step job's or a batch step's result, back on the event loop.
+
+A step (a restore, a prefill chunk, a decode step, or one row of a batch step) leaves its new state,
+its checkpoints and snapshots, and a token or an error in its ``StepJob``. Once the state is taken
+in, the sequence goes on: ended already (nothing more), crashed or aborted meanwhile, failed, its
+prefill advanced (``prefill_advanced``: the start announced; once the prompt is in, a prewarm is
+done and a generate starts decoding) or its token shown (emission.py says whether it ends it). A
+batch step first settles the sequences whose state came back out of the batch, then each row's
+step as above. Endings go through ``Endings``.
+"""
+
+from __future__ import annotations
+
+from actors.engine import emission
+from actors.engine.admission import Admission
+from actors.engine.batch import BatchScheduler
+from actors.engine.endings import Endings
+from actors.engine.entries import EntryStore
+from actors.engine.jobs import BatchJob, StepJob
+from actors.engine.sequence import Phase, Sequence
+from runtime.backends.contract import Backend
+from runtime.errors import BackendError, EngineCrashed, MlxRuntimeError
+from runtime.kernel.core import Context
+from runtime.kernel.stats import Counters
+from runtime.messages import FinishReason, RequestKind
+
+
+class StepOutcomes:
+    """Acts on what one engine's step and batch jobs leave (see module docstring).
+
+    ``sequences`` is the engine's table of live sequences, read only.
+    """
+
+    def __init__(
+        self,
+        sequences: dict[int, Sequence],
+        entries: EntryStore,
+        batches: BatchScheduler,
+        admission: Admission,
+        ends: Endings,
+        counters: Counters,
+    ) -> None:
+        self._sequences = sequences
+        self._entries = entries
+        self._batches = batches
+        self._admission = admission
+        self._ends = ends
+        self._counters = counters
+        self._backend: Backend | None = None
+
+    def loaded(self, backend: Backend) -> None:
+        """The model is in: steps can come back (pinned copies and decoding need the backend)."""
+        self._backend = backend
+
+    def step_done(self, job: StepJob, seq: Sequence, ctx: Context) -> None:
+        """``seq``'s step came back (``seq`` owns its work now: the job's, or its adopter)."""
+        seq.in_compute = False
+        self._counters.inc(
+            "decoded_tokens" if seq.phase is Phase.DECODING else "prefilled_tokens", job.prefilled
+        )
+        if job.fallback is not None:
+            self._admission.restore_fell_back(seq, job.fallback, ctx)
+        if job.state is not None:
+            seq.state = job.state
+        if job.checkpoints is not None:
+            seq.checkpoints = job.checkpoints
+        if job.pin_copy is not None or job.snapshot is not None:
+            seq.checkpoints.pop(0)  # the chunk landed on it: one of the two was taken there
+        if job.pin_copy is not None:
+            assert self._backend is not None
+            self._entries.pin_copy(seq, job.pin_copy, self._backend, ctx)
+        if job.snapshot is not None:
+            self._entries.snapshot(seq, job.snapshot, ctx)
+        if seq.phase is Phase.DONE:
+            return
+        if seq.crash_message is not None:
+            self._ends.fail(seq, ctx, EngineCrashed(seq.crash_message))
+            return
+        if seq.abort.is_set() or job.skipped:
+            self._ends.finish_cancelled(seq, ctx)
+            return
+        if isinstance(job.error, MlxRuntimeError):  # e.g. a logit bias outside the vocabulary
+            self._ends.fail(seq, ctx, job.error)
+            return
+        if job.error is not None:
+            self._ends.fail(seq, ctx, BackendError(f"model step failed: {job.error!r}"))
+            return
+        if seq.phase is Phase.RESERVING:  # adopted mid-step; it resumes once reserved
+            if seq.resume_phase is Phase.RESTORING:
+                seq.resume_phase = Phase.PREFILLING
+            return
+        if seq.phase is Phase.RESTORING:
+            seq.phase = Phase.PREFILLING
+        if seq.phase is Phase.PREFILLING:
+            self.prefill_advanced(seq, ctx)
+        elif seq.phase is Phase.DECODING:
+            assert job.token is not None
+            shown = emission.take_token(seq, job.token, job.text, job.logprob)
+            emission.emit(seq, shown, ctx)
+            if shown.finish is not None:
+                self._ends.finish(seq, ctx, shown.finish, stop=shown.stop)
+
+    def prefill_advanced(self, seq: Sequence, ctx: Context) -> None:
+        """A prefill chunk (or the restore before it) landed: announce the start once, and once
+        the prompt is in, a prewarm is done and a generate starts decoding."""
+        emission.announce_start(seq, self._counters, ctx)
+        assert seq.state is not None
+        if seq.state.length < seq.prefill_target:
+            return
+        if seq.kind is RequestKind.PREWARM:
+            self._ends.finish(seq, ctx, FinishReason.PREWARMED)
+            return
+        assert self._backend is not None
+        emission.start_decoding(seq, self._backend.decode)
+
+    def batch_done(self, job: BatchJob, ctx: Context) -> None:
+        """A batch step came back: settle who left, then act on each row's step."""
+        done = self._batches.done(job, ctx)
+        for seq, leaving in done.returned:
+            if leaving is None:  # aborted while it waited for this step
+                self._ends.finish_cancelled(seq, ctx)
+            elif not leaving.resume:
+                self._ends.returned_from_batch(seq, leaving.detach, ctx)
+        if job.error is not None:
+            error = BackendError(f"batched decode step failed: {job.error!r}")
+            for seq in done.failed:
+                self._ends.fail(seq, ctx, error)
+            for seq in done.orphaned:
+                self._ends.release_holdings(seq, ctx)
+        for seq, step in done.stepped:
+            self.step_done(step, seq, ctx)
+        for seq in self._sequences.values():
+            seq.in_compute = False  # joiners that were aborted before joining, or never got in
