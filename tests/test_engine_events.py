@@ -7,7 +7,7 @@ import msgspec
 import pytest
 
 from actors.router import RouterCore
-from runtime.kernel.core import ROUTER, ActorCore, Address, Context, engine_address
+from runtime.kernel.core import ROUTER, engine_address
 from runtime.messages import (
     Admit,
     Cancelled,
@@ -35,7 +35,7 @@ from runtime.messages import (
     encode,
     for_request,
 )
-from runtime.testing.recording import RecordingContext
+from runtime.testing.recording import RecordingContext, idle_engine
 
 USAGE = Usage(prompt_tokens=12, cached_prompt_tokens=8, completion_tokens=3)
 LOGPROB = TokenLogprob(token=104, logprob=-0.5, top=((104, -0.5), (105, -1.5)))
@@ -112,23 +112,6 @@ def test_for_request_builds_the_host_event_byte_for_byte(
     assert type(host_event) is type(expected)
     assert host_event == expected
     assert encode(host_event) == encode(expected)
-
-
-class IdleEngine:
-    """Stands in for an engine: the recording context never starts what it is asked to spawn."""
-
-    def on_start(self, ctx: Context) -> None:
-        pass
-
-    def handle(self, message: Message, sender: Address, ctx: Context) -> None:
-        pass
-
-    def on_stop(self, ctx: Context) -> None:
-        pass
-
-
-def idle_engine(spec: ModelSpec, epoch: int) -> ActorCore:
-    return IdleEngine()
 
 
 ENGINE = engine_address("m", 1)

@@ -26,16 +26,11 @@ from runtime.backends.simulated import RealClock, SimulatedBackend, greedy_conti
 from runtime.cli import main, model_specs, prepare_specs
 from runtime.config import RuntimeConfig
 from runtime.errors import InvalidModelSpec
-from runtime.messages import CommandFailed, Generate, ModelLoaded, ModelSpec
+from runtime.messages import CommandFailed, Generate, ModelSpec
+from runtime.testing.harness import make_sim
 from runtime.testing.simulator import Simulator
 
 PER_TOKEN = 0.001
-
-
-def simulate(spec: ModelSpec) -> Simulator:
-    sim = Simulator(seed=0, config=RuntimeConfig(kv_budget_bytes=64 << 20))
-    assert isinstance(sim.load(spec), ModelLoaded)
-    return sim
 
 
 def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int) -> Generate:
@@ -58,7 +53,7 @@ def test_batching_false_on_the_command_line_turns_batching_off(text: str) -> Non
         ["m"], "simulated", [f"batching={text}", f"decode_s_per_token={PER_TOKEN}"]
     )
     assert spec.options["batching"] is False
-    sim = simulate(spec)
+    sim = make_sim(spec)
     first, second = tuple(range(10, 20)), tuple(range(30, 60))
     sim.send(generate("a", 1, first, 30))
     sim.send(generate("b", 2, second, 30))
@@ -238,7 +233,7 @@ def test_a_load_decodes_the_options_once_in_the_engine(monkeypatch: pytest.Monke
         return convert(spec, fields, key, value, strict=strict)
 
     monkeypatch.setattr(options, "_convert", counting)
-    simulate(ModelSpec(name="m", backend="simulated", options={"bytes_per_token": 8}))
+    make_sim(ModelSpec(name="m", backend="simulated", options={"bytes_per_token": 8}))
     assert converted == ["bytes_per_token"]
 
 

@@ -5,39 +5,21 @@ from __future__ import annotations
 import pytest
 
 from actors.router import RouterCore
-from runtime.kernel.core import PREFIX_CACHE, ROUTER, ActorCore, Address, Context, engine_address
+from runtime.kernel.core import PREFIX_CACHE, ROUTER, Address, engine_address
 from runtime.messages import (
     EndSession,
     EngineReady,
     LoadModel,
-    Message,
     ModelLoaded,
     ModelSpec,
     PrefixesReset,
     ResetPrefixes,
     SessionEnded,
 )
-from runtime.testing.recording import RecordingContext
+from runtime.testing.recording import RecordingContext, idle_engine
 
 ENGINE_A = engine_address("a", 1)
 ENGINE_B = engine_address("b", 2)
-
-
-class IdleEngine:
-    """Stands in for an engine: the recording context never starts what it is asked to spawn."""
-
-    def on_start(self, ctx: Context) -> None:
-        pass
-
-    def handle(self, message: Message, sender: Address, ctx: Context) -> None:
-        pass
-
-    def on_stop(self, ctx: Context) -> None:
-        pass
-
-
-def idle_engine(spec: ModelSpec, epoch: int) -> ActorCore:
-    return IdleEngine()
 
 
 @pytest.fixture

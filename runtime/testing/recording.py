@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 
-from runtime.kernel.core import ActorCore, Address
-from runtime.messages import Message
+from runtime.kernel.core import ActorCore, Address, Context
+from runtime.messages import Message, ModelSpec
 
 
 class RecordingContext:
@@ -57,3 +57,21 @@ class RecordingContext:
         due = sorted((t for t in self.timers if t[0] <= self.clock), key=lambda t: t[0])
         self.timers = [t for t in self.timers if t[0] > self.clock]
         return [message for _, message in due]
+
+
+class IdleEngine:
+    """Stands in for an engine when a test drives the router alone: it does nothing, ever."""
+
+    def on_start(self, ctx: Context) -> None:
+        pass
+
+    def handle(self, message: Message, sender: Address, ctx: Context) -> None:
+        pass
+
+    def on_stop(self, ctx: Context) -> None:
+        pass
+
+
+def idle_engine(spec: ModelSpec, epoch: int) -> ActorCore:
+    """An engine factory for ``RouterCore`` whose engines are ``IdleEngine``s."""
+    return IdleEngine()
