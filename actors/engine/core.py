@@ -125,6 +125,7 @@ class EngineCore:
             self._batches,
             self.counters,
             slot_freed=lambda ctx: self._admission.admit_waiting(ctx),
+            backend=lambda: self._backend,
         )
         self._admission = Admission(
             limits, spec.name, self._sequences, self._entries, self.counters, ends=self._ends
@@ -136,6 +137,7 @@ class EngineCore:
             self._admission,
             self._ends,
             self.counters,
+            backend=lambda: self._backend,
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -294,8 +296,6 @@ class EngineCore:
             return
         info = job.backend.info
         self._batches.loaded(info, job.batchable)
-        self._ends.loaded(job.backend)
-        self._outcomes.loaded(job.backend)
         log.info("model %s (epoch %d): prefix reuse path %s: %s",
                  self.model, self.epoch, info.reuse, info.reuse_reason)  # fmt: skip
         ctx.send(

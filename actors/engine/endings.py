@@ -32,6 +32,7 @@ class Endings:
     ``sequences`` is the engine's table of live sequences, shared: an ending removes from it.
     ``slot_freed`` runs after every ending, so that the admission gate lets a waiting sequence in
     (a callable: the admission that owns the gate is built after the endings it asks for).
+    ``backend`` is the engine's loaded backend, None before the load and after the close.
     """
 
     def __init__(
@@ -41,18 +42,15 @@ class Endings:
         batches: BatchScheduler,
         counters: Counters,
         slot_freed: Callable[[Context], None],
+        backend: Callable[[], Backend | None],
     ) -> None:
         self._sequences = sequences
         self._entries = entries
         self._batches = batches
         self._counters = counters
         self._slot_freed = slot_freed
-        self._backend: Backend | None = None
-        self._unloading = False
-
-    def loaded(self, backend: Backend) -> None:
-        """The model is in: an ended sequence's cache can become a prefix entry."""
         self._backend = backend
+        self._unloading = False
 
     def unloading(self) -> None:
         """The model is going away: a cancelled sequence's cache is no longer kept."""
@@ -113,10 +111,11 @@ class Endings:
         self.release_holdings(seq, ctx)
 
     def _detach(self, seq: Sequence, ctx: Context) -> None:
-        if self._backend is None:
+        backend = self._backend()
+        if backend is None:
             seq.state = None
             return
-        self._entries.detach(seq, self._backend, ctx)
+        self._entries.detach(seq, backend, ctx)
 
     def release_holdings(self, seq: Sequence, ctx: Context) -> None:
         """Give back the sequence's snapshots, its prefix-cache lease and its KV reservation."""

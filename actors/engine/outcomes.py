@@ -11,6 +11,8 @@ step as above. Endings go through ``Endings``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from actors.engine import emission
 from actors.engine.admission import Admission
 from actors.engine.batch import BatchScheduler
@@ -39,6 +41,7 @@ class StepOutcomes:
         admission: Admission,
         ends: Endings,
         counters: Counters,
+        backend: Callable[[], Backend | None],
     ) -> None:
         self._sequences = sequences
         self._entries = entries
@@ -46,11 +49,7 @@ class StepOutcomes:
         self._admission = admission
         self._ends = ends
         self._counters = counters
-        self._backend: Backend | None = None
-
-    def loaded(self, backend: Backend) -> None:
-        """The model is in: steps can come back (pinned copies and decoding need the backend)."""
-        self._backend = backend
+        self._backend = backend  # the engine's; steps come back only while it is loaded
 
     def step_done(self, job: StepJob, seq: Sequence, ctx: Context) -> None:
         """``seq``'s step came back (``seq`` owns its work now: the job's, or its adopter)."""
@@ -67,8 +66,9 @@ class StepOutcomes:
         if job.pin_copy is not None or job.snapshot is not None:
             seq.checkpoints.pop(0)  # the chunk landed on it: one of the two was taken there
         if job.pin_copy is not None:
-            assert self._backend is not None
-            self._entries.pin_copy(seq, job.pin_copy, self._backend, ctx)
+            backend = self._backend()
+            assert backend is not None
+            self._entries.pin_copy(seq, job.pin_copy, backend, ctx)
         if job.snapshot is not None:
             self._entries.snapshot(seq, job.snapshot, ctx)
         if seq.phase is Phase.DONE:
@@ -110,8 +110,9 @@ class StepOutcomes:
         if seq.kind is RequestKind.PREWARM:
             self._ends.finish(seq, ctx, FinishReason.PREWARMED)
             return
-        assert self._backend is not None
-        emission.start_decoding(seq, self._backend.decode)
+        backend = self._backend()
+        assert backend is not None
+        emission.start_decoding(seq, backend.decode)
 
     def batch_done(self, job: BatchJob, ctx: Context) -> None:
         """A batch step came back: settle who left, then act on each row's step."""
