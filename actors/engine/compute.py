@@ -97,7 +97,8 @@ class ComputeSlot:
             seq = ready[0]
             self._last_served = seq.sequence_id
             seq.in_compute = True
-            step = StepJob(seq)
+            chunk = self._plan.chunk_tokens if seq.phase is Phase.PREFILLING else 0
+            step = StepJob(seq, chunk_tokens=chunk)
             # Leased: never dropped meanwhile.
             source = self._entries.restore_source(seq.restore_entry, seq.restore_length)
             self.submit(ctx, step, lambda: run_step(step, seq, backend, self._plan, source))

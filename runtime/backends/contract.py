@@ -154,8 +154,23 @@ class Backend(Protocol):
         """A copy of ``state``'s untrimmable layers at its current length (see ``Snapshot``)."""
         ...
 
-    def prefill(self, state: SequenceState, token_ids: Sequence[int]) -> None:
-        """Run ``token_ids`` through the model, extending ``state`` and keeping the last logits."""
+    def prefill(
+        self,
+        state: SequenceState,
+        token_ids: Sequence[int],
+        *,
+        logits: bool = True,
+        snapshot_at: Sequence[int] = (),
+    ) -> Sequence[Snapshot]:
+        """Run ``token_ids`` through the model, extending ``state``; snapshots at ``snapshot_at``.
+
+        With ``logits`` the logits after the last token are kept for ``logits()``; without, none
+        are computed (a chunk that more of the prompt follows: projecting every position onto the
+        vocabulary can cost as much as the rest of the model). ``snapshot_at`` are sorted lengths
+        after the state's length and at most its new length; the snapshot at each (as ``snapshot``
+        would have taken it there) is returned in that order. The backend ends its passes where it
+        must to reach them; the engine never cuts a chunk for a snapshot.
+        """
         ...
 
     def logits(self, state: SequenceState) -> mx.array:

@@ -66,11 +66,13 @@ class SimulatedFault(RuntimeError):
 class SimulatedState:
     """Tokens consumed so far plus the rolling hash after each one (so trims are exact)."""
 
-    __slots__ = ("hashes", "tokens")
+    __slots__ = ("has_logits", "hashes", "tokens")
 
     def __init__(self, tokens: list[int] | None = None, hashes: list[int] | None = None) -> None:
         self.tokens: list[int] = tokens or []
         self.hashes: list[int] = hashes or []
+        # False after a prefill that kept no logits: sampling then is an engine bug (the contract).
+        self.has_logits = True
 
     @property
     def length(self) -> int:
@@ -186,16 +188,30 @@ class SimulatedBackend:
                 raise ValueError("a snapshot was paired with a state it was not taken from")
         elif length < state.length and not self._options.trimmable:
             raise CannotTrim("this simulated cache is not trimmable")
-        return SimulatedState(state.tokens[:length], state.hashes[:length])
+        copy = SimulatedState(state.tokens[:length], state.hashes[:length])
+        copy.has_logits = state.has_logits and length == state.length  # as MLX's copies keep them
+        return copy
 
     def snapshot(self, state: SequenceState) -> SimulatedSnapshot:
-        state = _own(state)
-        prefix_hash = state.hashes[-1] if state.hashes else 0
-        nbytes = 0 if self._options.trimmable else self._options.fixed_state_bytes
-        return SimulatedSnapshot(state.length, prefix_hash, nbytes)
+        return self._snapshot(_own(state), _own(state).length)
 
-    def prefill(self, state: SequenceState, token_ids: Sequence[int]) -> None:
+    def _snapshot(self, state: SimulatedState, length: int) -> SimulatedSnapshot:
+        prefix_hash = state.hashes[length - 1] if length else 0
+        nbytes = 0 if self._options.trimmable else self._options.fixed_state_bytes
+        return SimulatedSnapshot(length, prefix_hash, nbytes)
+
+    def prefill(
+        self,
+        state: SequenceState,
+        token_ids: Sequence[int],
+        *,
+        logits: bool = True,
+        snapshot_at: Sequence[int] = (),
+    ) -> list[SimulatedSnapshot]:
         state = _own(state)
+        start, end = state.length, state.length + len(token_ids)
+        if any(not start < p <= end for p in snapshot_at):
+            raise ValueError(f"snapshot points {list(snapshot_at)} outside ({start}, {end}]")
         with self._lock:
             self._prefill_calls += 1
             if self._prefill_calls == self._options.fail_prefill_call:
@@ -209,6 +225,8 @@ class SimulatedBackend:
                 h = extend_hash(h, token)
                 state.tokens.append(token)
                 state.hashes.append(h)
+            state.has_logits = logits
+        return [self._snapshot(state, p) for p in snapshot_at]
 
     def logits(self, state: SequenceState) -> mx.array:
         """A peak at the greedy next token over pseudo-random noise seeded by the prefix hash.
@@ -217,6 +235,8 @@ class SimulatedBackend:
         logits exactly as on a real model's.
         """
         state = _own(state)
+        if not state.has_logits:
+            raise RuntimeError("logits() after a prefill that kept none")
         return self.logits_after(state.hashes[-1] if state.hashes else 0)
 
     def logits_after(self, h: int) -> mx.array:
