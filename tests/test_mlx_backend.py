@@ -270,6 +270,33 @@ def test_restoring_at_a_snapshot_continues_like_a_cold_prefill(
         backend.copy_state(entry, 44, snapshots[45])
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_snapshots_inside_a_chunk_restore_like_cold_prefills(
+    backends: dict[str, MlxBackend], kind: str
+) -> None:
+    """The engine hands a chunk's checkpoints to prefill: a sliding window reaches back inside
+    the chunk, a recurrent state ends its passes there; the long last chunk's final token (kept
+    logits) runs apart."""
+    backend = backends[kind]
+    prompt = tokens(115, seed=14)
+    entry = backend.new_state()
+    inside = {(0, 30): [20], (30, 115): [45, 100, 114]}  # 85 tokens: the last one runs apart
+    snapshots = {}
+    for (start, end), points in inside.items():
+        last = end == len(prompt)
+        taken = backend.prefill(entry, prompt[start:end], logits=last, snapshot_at=points)
+        assert [s.length for s in taken] == points
+        snapshots.update(zip(points, taken, strict=True))
+    assert greedy(backend, entry, 4) == greedy(backend, prefilled(backend, prompt), 4)
+    for k, snapshot in snapshots.items():
+        second = prompt[:k] + tokens(12, seed=15)
+        copy = backend.copy_state(entry, k, snapshot)
+        backend.prefill(copy, second[k:])
+        assert greedy(backend, copy, 6) == greedy(backend, prefilled(backend, second), 6), k
+    with pytest.raises(RuntimeError):  # a chunk that kept no logits has none to sample
+        backend.logits(prefilled(backend, prompt[:20], logits=False))
+
+
 # ---------------------------------------------------------------------- teardown
 
 
