@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from runtime.backends.contract import CannotTrim, ReuseStrategy
+from runtime.backends.contract import CannotTrim, PrefillInterrupted, ReuseStrategy
 from runtime.backends.mlx.backend import MlxBackend, MlxState
 from runtime.errors import ModelLoadFailed
 from runtime.messages import ModelSpec
@@ -284,7 +285,11 @@ def test_snapshots_inside_a_chunk_restore_like_cold_prefills(
     snapshots = {}
     for (start, end), points in inside.items():
         last = end == len(prompt)
-        taken = backend.prefill(entry, prompt[start:end], logits=last, snapshot_at=points)
+        # With a stop flag never set, as the engine passes its abort flag: the layers are hooked.
+        stop = threading.Event()
+        taken = backend.prefill(
+            entry, prompt[start:end], logits=last, snapshot_at=points, stop=stop
+        )
         assert [s.length for s in taken] == points
         snapshots.update(zip(points, taken, strict=True))
     assert greedy(backend, entry, 4) == greedy(backend, prefilled(backend, prompt), 4)
@@ -295,6 +300,40 @@ def test_snapshots_inside_a_chunk_restore_like_cold_prefills(
         assert greedy(backend, copy, 6) == greedy(backend, prefilled(backend, second), 6), k
     with pytest.raises(RuntimeError):  # a chunk that kept no logits has none to sample
         backend.logits(prefilled(backend, prompt[:20], logits=False))
+
+
+class _StopAfter(threading.Event):
+    """Reads as set from its ``checks``-th look on: an abort landing inside a forward pass."""
+
+    def __init__(self, checks: int) -> None:
+        super().__init__()
+        self.left, self.seen = checks, 0
+
+    def is_set(self) -> bool:
+        self.seen += 1
+        return self.seen >= self.left
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("checks", [1, 2, 3])
+def test_an_interrupted_prefill_leaves_the_state_as_before(
+    backends: dict[str, MlxBackend], kind: str, checks: int
+) -> None:
+    backend = backends[kind]
+    prompt = tokens(120, seed=16)  # past the sliding window, with a last token run apart
+    state = prefilled(backend, prompt[:50], logits=False)
+    stop = _StopAfter(checks)
+    with pytest.raises(PrefillInterrupted):
+        backend.prefill(state, prompt[50:], snapshot_at=[60, 119], stop=stop)
+    assert stop.seen == checks  # it stopped at the first check that found the flag set
+    assert state.length == 50
+    backend.prefill(state, prompt[50:])
+    assert greedy(backend, state, 6) == greedy(backend, prefilled(backend, prompt), 6)
+    # Not stopped: the hooks are gone once the call returns, and the state is the same.
+    again = prefilled(backend, prompt[:50], logits=False)
+    backend.prefill(again, prompt[50:], stop=threading.Event())
+    assert not any("update_and_fetch" in vars(c) for c in again.caches)
+    assert greedy(backend, again, 6) == greedy(backend, prefilled(backend, prompt), 6)
 
 
 # ---------------------------------------------------------------------- teardown

@@ -19,6 +19,7 @@ from runtime.backends.contract import (
     BackendLoader,
     CannotTrim,
     DecodeBatchHandle,
+    PrefillInterrupted,
     ReuseStrategy,
     SequenceState,
     Snapshot,
@@ -207,7 +208,13 @@ def _prefill_chunk(job: StepJob, seq: Sequence, backend: Backend) -> None:
     points = [p for p in seq.checkpoints if p <= end]
     # Logits only once the whole prompt is in: a generate samples from them next.
     logits = end == len(seq.tokens) and seq.kind is RequestKind.GENERATE
-    taken = backend.prefill(seq.state, seq.tokens[start:end], logits=logits, snapshot_at=points)
+    try:
+        taken = backend.prefill(
+            seq.state, seq.tokens[start:end], logits=logits, snapshot_at=points, stop=seq.abort
+        )
+    except PrefillInterrupted:  # aborted meanwhile: the state is as before the chunk
+        job.skipped = True
+        return
     job.prefilled, job.passed = end - start, len(points)
     for point, snapshot in zip(points, taken, strict=True):
         if point == seq.pin_at:  # the instructions prefix: the whole state there, its own entry

@@ -18,6 +18,8 @@ from runtime.messages import ModelSpec
 from runtime.text.chat import ChatTokenizer
 
 if TYPE_CHECKING:  # logits are MLX arrays; the contract itself needs no MLX to import
+    import threading
+
     import mlx.core as mx
 
 
@@ -112,6 +114,10 @@ class CannotTrim(Exception):
     """Raised by ``copy_state`` when a state cannot be cut back to the requested length."""
 
 
+class PrefillInterrupted(Exception):
+    """Raised by ``prefill`` that gave up once its ``stop`` was set; the state is as before."""
+
+
 class Backend(Protocol):
     """What an engine needs from a model. Implementations: ``mlx.backend``, ``simulated``."""
 
@@ -161,6 +167,7 @@ class Backend(Protocol):
         *,
         logits: bool = True,
         snapshot_at: Sequence[int] = (),
+        stop: threading.Event | None = None,
     ) -> Sequence[Snapshot]:
         """Run ``token_ids`` through the model, extending ``state``; snapshots at ``snapshot_at``.
 
@@ -169,7 +176,9 @@ class Backend(Protocol):
         vocabulary can cost as much as the rest of the model). ``snapshot_at`` are sorted lengths
         after the state's length and at most its new length; the snapshot at each (as ``snapshot``
         would have taken it there) is returned in that order. The backend ends its passes where it
-        must to reach them; the engine never cuts a chunk for a snapshot.
+        must to reach them; the engine never cuts a chunk for a snapshot. Once ``stop`` is set
+        (the sequence's abort flag) the backend may give up inside the call: it then raises
+        ``PrefillInterrupted`` with ``state`` as it was before the call.
         """
         ...
 

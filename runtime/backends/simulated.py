@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 from runtime.backends.contract import (
     CannotTrim,
     ModelInfo,
+    PrefillInterrupted,
     ReuseStrategy,
     SequenceState,
     Snapshot,
@@ -207,6 +208,7 @@ class SimulatedBackend:
         *,
         logits: bool = True,
         snapshot_at: Sequence[int] = (),
+        stop: threading.Event | None = None,
     ) -> list[SimulatedSnapshot]:
         state = _own(state)
         start, end = state.length, state.length + len(token_ids)
@@ -219,7 +221,13 @@ class SimulatedBackend:
             cost = self._options.prefill_s_per_token
             if len(token_ids) == 1:
                 cost = self._options.decode_s_per_token or cost
-            self._clock.spend(cost * len(token_ids))
+            if stop is None or len(token_ids) == 1:
+                self._clock.spend(cost * len(token_ids))
+            else:  # token by token, giving up (state untouched) once stopped, as MLX's layers do
+                for _ in token_ids:
+                    if stop.is_set():
+                        raise PrefillInterrupted("the sequence was aborted during this prefill")
+                    self._clock.spend(cost)
             h = state.hashes[-1] if state.hashes else 0
             for token in token_ids:
                 h = extend_hash(h, token)

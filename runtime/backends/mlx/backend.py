@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -21,6 +22,7 @@ from runtime.backends.contract import (
     CannotTrim,
     DecodeBatchHandle,
     ModelInfo,
+    PrefillInterrupted,
     ReuseStrategy,
     SequenceState,
     Snapshot,
@@ -33,6 +35,7 @@ from runtime.backends.mlx.facts import (
     reuse_strategy,
     widen_half_quantized,
 )
+from runtime.backends.mlx.interrupt import can_interrupt, interruptible
 from runtime.backends.mlx.state import (
     TRIMMABLE_LAYERS,
     MlxSnapshot,
@@ -218,6 +221,7 @@ class MlxBackend:
         *,
         logits: bool = True,
         snapshot_at: Sequence[int] = (),
+        stop: threading.Event | None = None,
     ) -> list[MlxSnapshot]:
         own = own_state(state)
         if not token_ids:
@@ -231,13 +235,36 @@ class MlxBackend:
         cuts = set() if self._reaches_back else set(snapshot_at)
         if logits and len(ids) >= _LAST_TOKEN_APART:
             cuts.add(end - 1)
+        stops = [*sorted(c for c in cuts if start < c < end), end]
+        if stop is None or not can_interrupt(own.caches, len(ids)):
+            return self._passes(own, ids, stops, logits, snapshot_at)
+        before = own.logits
+        try:
+            with interruptible(own.caches, stop):
+                return self._passes(own, ids, stops, logits, snapshot_at)
+        except PrefillInterrupted:
+            own.n_tokens, own.logits = start, before
+            raise
+
+    def _passes(
+        self,
+        own: MlxState,
+        ids: list[int],
+        stops: list[int],
+        logits: bool,
+        snapshot_at: Sequence[int],
+    ) -> list[MlxSnapshot]:
+        """One model call per stretch of ``ids`` ending at each of ``stops``, evaluated once."""
+        start = own.n_tokens
         snapshots: list[MlxSnapshot] = []
         out: mx.array | None = None
-        for stop in [*sorted(c for c in cuts if start < c < end), end]:
-            piece = mx.array([ids[own.n_tokens - start : stop - start]])
+        for until in stops:
+            piece = mx.array([ids[own.n_tokens - start : until - start]])
             out = self._model(piece, cache=own.caches)
-            passed, own.n_tokens = own.n_tokens, stop
-            snapshots += [self._snapshot(own, stop - p) for p in snapshot_at if passed < p <= stop]
+            passed, own.n_tokens = own.n_tokens, until
+            snapshots += [
+                self._snapshot(own, until - p) for p in snapshot_at if passed < p <= until
+            ]
         assert out is not None
         own.logits = out[0, -1].astype(mx.float32) if logits else None
         # One evaluation for every pass: the snapshots' slices of earlier rings are computed

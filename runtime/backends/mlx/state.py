@@ -53,13 +53,21 @@ class MlxSnapshot:
 TRIMMABLE_LAYERS = (mlx_cache.KVCache, mlx_cache.QuantizedKVCache)
 
 
+def clone_layer(layer_cache: Any) -> Any:
+    """A shallow copy of one layer's cache object, without the per-call hook a pass may have put
+    on the original (``interrupt.py``): a snapshot taken mid-call must not update the original."""
+    clone = copy.copy(layer_cache)
+    vars(clone).pop("update_and_fetch", None)
+    return clone
+
+
 def copy_layer(layer_cache: Any, drop: int) -> Any:
     """An independent copy of one layer's cache minus its last ``drop`` tokens.
 
     New array objects are made by slicing, so in-place cache updates of the copy never reach the
     original (prefix entries are shared and must not change).
     """
-    clone = copy.copy(layer_cache)
+    clone = clone_layer(layer_cache)
     if isinstance(layer_cache, mlx_cache.RotatingKVCache):
         keys, values = layer_cache.keys, layer_cache.values
         if keys is not None and values is not None:
@@ -120,7 +128,7 @@ def snapshot_layer(layer_cache: Any, back: int = 0) -> Any:
         if back > 0 and end < min(point, window):
             raise CannotTrim(f"the ring no longer holds a window before token {point}")
         if back > 0 or end > window:
-            clone = copy.copy(layer_cache)
+            clone = clone_layer(layer_cache)
             # mx.array(...) copies: a slice alone would keep the whole ring's buffer alive.
             clone.keys = mx.array(keys[..., max(0, end - window) : end, :])
             clone.values = mx.array(values[..., max(0, end - window) : end, :])

@@ -1,0 +1,76 @@
+"""A prefill pass that gives up between layers once its sequence is aborted.
+
+MLX evaluates a forward pass as one graph, so an abort used to wait for the whole chunk. Here each
+attention layer's cache update first evaluates the layer's keys and values (so every layer before
+it has run) and checks the abort flag; once it is set the pass stops and every cache is put back as
+it was before the call. That bounds an abort's wait by one layer instead of one chunk, so chunks
+can stay long enough to run efficiently.
+
+The caches are put back from shallow copies taken before the call: mlx-lm's updates either write
+past the old length (``KVCache``, ``QuantizedKVCache``), make new arrays (a multi-token
+``RotatingKVCache`` update, ``ArraysCache``), or write into the ring in place (a one-token
+``RotatingKVCache`` update), so a call must feed more than one token, and its caches must all be of
+these kinds, to be interruptible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+from runtime.backends.contract import PrefillInterrupted
+from runtime.backends.mlx.state import clone_layer
+
+_RESTORABLE = (
+    mlx_cache.KVCache,
+    mlx_cache.QuantizedKVCache,
+    mlx_cache.RotatingKVCache,
+    mlx_cache.ArraysCache,
+)
+
+
+def can_interrupt(caches: list[Any], tokens: int) -> bool:
+    """Whether a call feeding ``tokens`` to these caches can be stopped and undone."""
+    return tokens > 1 and all(type(c) in _RESTORABLE for c in caches)
+
+
+@contextlib.contextmanager
+def interruptible(caches: list[Any], stop: threading.Event) -> Iterator[None]:
+    """Run the block's passes over ``caches``, stopping between layers once ``stop`` is set.
+
+    Raises ``PrefillInterrupted`` with ``caches`` restored in place to their state before the block.
+    """
+    hooked, saved = list(caches), [_shallow_copy(c) for c in caches]
+    for layer_cache in hooked:
+        if hasattr(layer_cache, "update_and_fetch"):  # per instance: copies drop it (clone_layer)
+            layer_cache.update_and_fetch = _checked(layer_cache.update_and_fetch, stop)
+    try:
+        yield
+    except PrefillInterrupted:
+        caches[:] = saved
+        raise
+    finally:
+        for layer_cache in hooked:
+            layer_cache.__dict__.pop("update_and_fetch", None)
+
+
+def _checked(update: Callable[[mx.array, mx.array], Any], stop: threading.Event) -> Any:
+    def update_and_fetch(keys: mx.array, values: mx.array) -> Any:
+        mx.eval(keys, values)  # runs every layer before this one
+        if stop.is_set():
+            raise PrefillInterrupted("the sequence was aborted during this prefill pass")
+        return update(keys, values)
+
+    return update_and_fetch
+
+
+def _shallow_copy(layer_cache: Any) -> Any:
+    clone = clone_layer(layer_cache)
+    if isinstance(layer_cache, mlx_cache.ArraysCache):
+        clone.cache = list(layer_cache.cache)  # its layers assign into this list
+    return clone
