@@ -20,6 +20,7 @@ from typing import assert_never
 
 from actors.engine.admission import Admission, AdmissionLimits
 from actors.engine.batch import BatchScheduler
+from actors.engine.chunking import ChunkSizer
 from actors.engine.compute import ComputeSlot
 from actors.engine.endings import Endings
 from actors.engine.entries import EntryStore
@@ -118,7 +119,10 @@ class EngineCore:
             default_max_tokens,
             self._plan.chunk_tokens,
         )
-        self._compute = ComputeSlot(self._plan, self._sequences, self._batches, self._entries)
+        self._sizer = ChunkSizer(self._plan.chunk_tokens, options.prefill_chunk_ms / 1000)
+        self._compute = ComputeSlot(
+            self._plan, self._sizer, self._sequences, self._batches, self._entries
+        )
         self._ends = Endings(
             self._sequences,
             self._entries,
@@ -212,7 +216,7 @@ class EngineCore:
                 ctx.count_dead_letter("abort_unknown_sequence")
                 self.counters.inc("aborts_noop")
             case ComputeDone(job_id=job_id):
-                self._job_done(self._compute.done(job_id), ctx)
+                self._job_done(self._compute.done(job_id, ctx), ctx)
             case Reserved(holder=holder, nbytes=nbytes):
                 if holder.kind is HolderKind.PREFIX_ENTRY:
                     self._entries.reserved(holder.id, ctx)
@@ -296,6 +300,7 @@ class EngineCore:
             return
         info = job.backend.info
         self._batches.loaded(info, job.batchable)
+        self._sizer.loaded(info.pass_s)
         log.info("model %s (epoch %d): prefix reuse path %s: %s",
                  self.model, self.epoch, info.reuse, info.reuse_reason)  # fmt: skip
         ctx.send(

@@ -44,6 +44,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     window_bytes_per_token: int = 0
     fixed_state_bytes: int = 0  # recurrent state, independent of length
     alloc_step: int = 1  # KV caches grow in steps of this many tokens (mlx-lm: 256)
+    # Seconds of a one-token pass that keeps no logits, measured at load: the fixed cost every
+    # prefill pass pays (reading the weights, launching each layer), whatever its length.
+    pass_s: float = 0.0
 
     def kv_bytes(self, n_tokens: int, chunk_tokens: int = 1) -> int:
         """Bytes of cache a sequence of ``n_tokens`` needs, from the model's real layout.

@@ -139,6 +139,7 @@ class SimulatedBackend:
             ),
             bytes_per_token=options.bytes_per_token,
             fixed_state_bytes=options.fixed_state_bytes,
+            pass_s=options.decode_s_per_token or options.prefill_s_per_token,  # a 1-token prefill
         )
 
     @classmethod

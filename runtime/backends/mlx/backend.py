@@ -11,6 +11,7 @@ from __future__ import annotations
 import gc
 import logging
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -51,6 +52,7 @@ from runtime.errors import ModelLoadFailed
 from runtime.messages import ModelSpec
 
 _WARMUP_TOKENS = 4
+_TIMED_PASSES = 5  # the fastest of these is the fixed cost of a pass (noise only adds to it)
 # A prefill that keeps logits runs its last token as a pass of its own from this many tokens on:
 # one more pass then costs less than projecting the other positions onto the vocabulary
 # (measured on CPU, float32: from ~32-64 tokens on Gemma 3 270M's 262k vocabulary, ~128 on
@@ -108,7 +110,7 @@ class MlxBackend:
     def _measure(self, name: str, options: MlxOptions, config: dict[str, Any]) -> ModelInfo:
         """Run a tiny forward pass and read the cache layout off the real arrays."""
         state = self.new_state()
-        self.prefill(state, [0] * _WARMUP_TOKENS)
+        self.prefill(state, [0] * _WARMUP_TOKENS)  # also loads the weights: the timing follows
         per_token = window_per_token = fixed = 0
         window: int | None = None
         kinds: dict[str, list[int]] = {}
@@ -123,6 +125,7 @@ class MlxBackend:
                 fixed += int(layer_cache.nbytes)
         strategy, reason = reuse_strategy(kinds, window)
         self._reaches_back = all(reaches_back(c) for c in state.caches)
+        pass_s = min(self._timed_pass(state) for _ in range(_TIMED_PASSES))  # layout read first
         context = options.context_length or context_length_of(config)
         eos = effective_eos_ids(self._tokenizer, self._path, config)
         log.info(
@@ -143,7 +146,13 @@ class MlxBackend:
             window_bytes_per_token=window_per_token,
             fixed_state_bytes=fixed,
             alloc_step=mlx_cache.KVCache.step,
+            pass_s=pass_s,
         )
+
+    def _timed_pass(self, state: MlxState) -> float:
+        start = time.perf_counter()
+        self.prefill(state, [0], logits=False)
+        return time.perf_counter() - start
 
     @property
     def info(self) -> ModelInfo:
