@@ -1,4 +1,5 @@
-"""Measurements: one JSON object per line, plus the human table printed at the end."""
+"""Measurements: one JSON object per line (after a first ``{"meta": ...}`` line describing the run),
+plus the human table printed at the end."""
 
 from __future__ import annotations
 
@@ -21,6 +22,10 @@ SCENARIOS = (
     "abandon.after/idle",
     "abandon.cancelled_requests",
     "decode.tokens_per_s",
+    "hop.message_us_p50",
+    "hop.message_us_p90",
+    "hop.token_us",
+    "hop.token_compute_us",
     "skipped",
 )
 
@@ -74,6 +79,11 @@ class Sink:
     def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
         self.items: list[Measurement] = []
+
+    def meta(self, meta: dict[str, Any]) -> None:
+        """The run's environment, written once before the first measurement."""
+        self._stream.write(json.dumps({"meta": meta}) + "\n")
+        self._stream.flush()
 
     def add(self, item: Measurement) -> Measurement:
         self.items.append(item)
