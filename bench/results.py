@@ -28,6 +28,10 @@ SCENARIOS = (
     "hop.token_compute_us",
     "skipped",
 )
+# Units a runtime/other ratio means something for, and which side of 1 is better for the runtime.
+LOWER_IS_BETTER = ("us", "ms", "s")
+HIGHER_IS_BETTER = ("tok/s",)
+VERSUS = ("mlx-lm", "mlx_lm.server")  # the systems the runtime is compared with
 
 
 @dataclass(frozen=True)
@@ -69,8 +73,19 @@ def decode_rate(
 def ratio(
     system: str, model: str, scenario: str, num: float | None, den: float | None
 ) -> Measurement:
-    value = round(num / den, 2) if num is not None and den else None
-    return Measurement(system, model, scenario, value, "x")
+    return Measurement(system, model, scenario, divide(num, den), "x")
+
+
+def divide(num: float | None, den: float | None) -> float | None:
+    """``num / den`` to two places, or None when either is missing (or ``den`` is 0)."""
+    return round(num / den, 2) if num is not None and den else None
+
+
+def versus(ours: Measurement | None, other: Measurement | None) -> float | None:
+    """The runtime's value over another system's, for times and rates only."""
+    if ours is None or other is None or ours.unit not in (*LOWER_IS_BETTER, *HIGHER_IS_BETTER):
+        return None
+    return divide(ours.value, other.value)
 
 
 class Sink:
@@ -104,7 +119,10 @@ def _jsonable(item: Measurement) -> dict[str, Any]:
 
 
 def format_table(items: Sequence[Measurement]) -> str:
-    """Rows: model x scenario; columns: the three systems. Notes are listed below the grid."""
+    """Rows: model x scenario; columns: the three systems, then the runtime over each other system.
+
+    Notes are listed below the grid.
+    """
     rows: dict[tuple[str, str], dict[str, Measurement]] = {}
     units: dict[tuple[str, str], str] = {}
     notes: list[str] = []
@@ -115,14 +133,28 @@ def format_table(items: Sequence[Measurement]) -> str:
         if item.note:
             notes.append(f"[{item.system} {item.model} {item.scenario}] {item.note}")
     fmt: Callable[[Measurement | None], str] = _cell
-    header = f"{'model':8} {'scenario':34} {'unit':6}" + "".join(f"{s:>15}" for s in SYSTEMS)
-    lines = [header, "-" * len(header)]
+    columns = [*SYSTEMS, *(f"runtime/{other}" for other in VERSUS)]
+    widths = [max(15, len(c) + 2) for c in columns]
     models = list(dict.fromkeys(model for model, _ in rows))
+    mw = max(8, *(len(m) for m in models)) if models else 8
+    header = f"{'model':{mw}} {'scenario':34} {'unit':6}" + "".join(
+        f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)
+    )
+    lines = [header, "-" * len(header)]
     order = sorted(rows, key=lambda k: (models.index(k[0]), _rank(k[1])))
     for model, scenario in order:
         by_system = rows[(model, scenario)]
-        cells = "".join(f"{fmt(by_system.get(s)):>15}" for s in SYSTEMS)
-        lines.append(f"{model:8} {scenario:34} {units[(model, scenario)]:6}{cells}")
+        ours = by_system.get("runtime")
+        cells = [fmt(by_system.get(s)) for s in SYSTEMS]
+        cells += [_ratio_cell(versus(ours, by_system.get(other))) for other in VERSUS]
+        lines.append(
+            f"{model:{mw}} {scenario:34} {units[(model, scenario)]:6}"
+            + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
+        )
+    lines.append(
+        f"runtime/X: below 1 is better for the runtime in {', '.join(LOWER_IS_BETTER)}, "
+        f"above 1 in {', '.join(HIGHER_IS_BETTER)}; '-': a side not measured, or no ratio"
+    )
     if notes:
         lines += ["", "notes:", *(f"  {n}" for n in dict.fromkeys(notes))]
     return "\n".join(lines)
@@ -140,3 +172,7 @@ def _cell(item: Measurement | None) -> str:
     if item.unit in ("tokens", "count"):
         return f"{item.value:.0f}"
     return f"{item.value:.2f}" if abs(item.value) < 100 else f"{item.value:.1f}"
+
+
+def _ratio_cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
