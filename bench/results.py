@@ -118,6 +118,50 @@ def _jsonable(item: Measurement) -> dict[str, Any]:
     return data
 
 
+def read(lines: Iterable[str]) -> tuple[dict[str, Any], list[Measurement]]:
+    """A bench's JSON lines back: the meta line (empty if the run wrote none), the measurements."""
+    meta: dict[str, Any] = {}
+    items = []
+    for line in lines:
+        if not line.strip():
+            continue
+        data = json.loads(line)
+        if "meta" in data:
+            meta = data["meta"]
+        else:
+            items.append(Measurement(**data))
+    return meta, items
+
+
+class ResultSet:
+    """Measurements by system, model and scenario (a later row replaces an earlier one)."""
+
+    def __init__(self, items: Iterable[Measurement]) -> None:
+        self.items = list(items)
+        self._by = {(i.system, i.model, i.scenario): i for i in self.items}
+
+    def get(self, system: str, model: str, scenario: str) -> Measurement | None:
+        return self._by.get((system, model, scenario))
+
+    def value(self, system: str, model: str, scenario: str) -> float | None:
+        item = self.get(system, model, scenario)
+        return None if item is None else item.value
+
+    def versus(self, model: str, scenario: str, other: str) -> float | None:
+        """The runtime's value over ``other``'s (times and rates only)."""
+        return versus(self.get("runtime", model, scenario), self.get(other, model, scenario))
+
+    def models(self, preferred: Sequence[str] = ()) -> list[str]:
+        """Models with a measurement: those in ``preferred`` first, in its order."""
+        present = dict.fromkeys(i.model for i in self.items)
+        return [m for m in preferred if m in present] + [m for m in present if m not in preferred]
+
+    def scenarios(self, model: str) -> list[str]:
+        """Scenarios measured on ``model``, in ``SCENARIOS`` order, then in the run's order."""
+        measured = dict.fromkeys(i.scenario for i in self.items if i.model == model)
+        return sorted(measured, key=_rank)
+
+
 def format_table(items: Sequence[Measurement]) -> str:
     """Rows: model x scenario; columns: the three systems, then the runtime over each other system.
 
@@ -132,7 +176,7 @@ def format_table(items: Sequence[Measurement]) -> str:
         units[key] = item.unit
         if item.note:
             notes.append(f"[{item.system} {item.model} {item.scenario}] {item.note}")
-    fmt: Callable[[Measurement | None], str] = _cell
+    fmt: Callable[[Measurement | None], str] = format_value
     columns = [*SYSTEMS, *(f"runtime/{other}" for other in VERSUS)]
     widths = [max(15, len(c) + 2) for c in columns]
     models = list(dict.fromkeys(model for model, _ in rows))
@@ -146,7 +190,7 @@ def format_table(items: Sequence[Measurement]) -> str:
         by_system = rows[(model, scenario)]
         ours = by_system.get("runtime")
         cells = [fmt(by_system.get(s)) for s in SYSTEMS]
-        cells += [_ratio_cell(versus(ours, by_system.get(other))) for other in VERSUS]
+        cells += [format_ratio(versus(ours, by_system.get(other))) for other in VERSUS]
         lines.append(
             f"{model:{mw}} {scenario:34} {units[(model, scenario)]:6}"
             + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
@@ -164,7 +208,7 @@ def _rank(scenario: str) -> int:
     return SCENARIOS.index(scenario) if scenario in SCENARIOS else len(SCENARIOS)
 
 
-def _cell(item: Measurement | None) -> str:
+def format_value(item: Measurement | None) -> str:
     if item is None:
         return "-"
     if item.value is None:
@@ -174,5 +218,5 @@ def _cell(item: Measurement | None) -> str:
     return f"{item.value:.2f}" if abs(item.value) < 100 else f"{item.value:.1f}"
 
 
-def _ratio_cell(value: float | None) -> str:
+def format_ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
