@@ -64,7 +64,11 @@ FIGURES = (
 
 
 def write_plots(results: ResultSet, models: Sequence[str], out: Path) -> list[Path]:
-    """Every figure of ``FIGURES`` as a PNG in ``out``; a panel with no data says so."""
+    """Every figure of ``FIGURES`` as a PNG in ``out``.
+
+    A group of bars no model measured is left out of its figure, and a panel with no data says
+    "not measured", so an empty slot is never read as a zero.
+    """
     out.mkdir(parents=True, exist_ok=True)
     return [_draw(figure, results, models, out / figure.name) for figure in FIGURES]
 
@@ -77,6 +81,12 @@ def _draw(figure: Figure, results: ResultSet, models: Sequence[str], path: Path)
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
+    measured = tuple(
+        (label, scenario)
+        for label, scenario in figure.groups
+        if any(results.value(s, m, scenario) is not None for s in SYSTEMS for m in models)
+    )
+    groups = measured or figure.groups
     panels = list(models) or ["(no model)"]
     rows = math.ceil(len(panels) / COLUMNS)
     cols = min(len(panels), COLUMNS)
@@ -84,7 +94,7 @@ def _draw(figure: Figure, results: ResultSet, models: Sequence[str], path: Path)
         rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False, layout="constrained"
     )
     for ax, model in zip(axes.flat, panels, strict=False):
-        _panel(ax, figure, results, model)
+        _panel(ax, figure, groups, results, model)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
     handles = [Rectangle((0, 0), 1, 1, color=COLORS[s]) for s in SYSTEMS]
@@ -95,12 +105,20 @@ def _draw(figure: Figure, results: ResultSet, models: Sequence[str], path: Path)
     return path
 
 
-def _panel(ax: Axes, figure: Figure, results: ResultSet, model: str) -> None:
+def _panel(
+    ax: Axes,
+    figure: Figure,
+    groups: Sequence[tuple[str, str]],
+    results: ResultSet,
+    model: str,
+) -> None:
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
     ax.set_title(model)
     width = 0.8 / len(SYSTEMS)
     drawn = False
     for i, system in enumerate(SYSTEMS):
-        for g, (_, scenario) in enumerate(figure.groups):
+        for g, (_, scenario) in enumerate(groups):
             value = results.value(system, model, scenario)
             if value is None or (figure.log and value <= 0):
                 continue
@@ -108,14 +126,16 @@ def _panel(ax: Axes, figure: Figure, results: ResultSet, model: str) -> None:
             ax.bar(x, value, width, color=COLORS[system])
             ax.annotate(_short(value), (x, value), ha="center", va="bottom", fontsize=7)
             drawn = True
-    ax.set_xticks(range(len(figure.groups)), [label for label, _ in figure.groups], fontsize=8)
-    ax.set_xlim(-0.5, len(figure.groups) - 0.5)
+    ax.set_xticks(range(len(groups)), [label for label, _ in groups], fontsize=8)
+    ax.set_xlim(-0.5, len(groups) - 0.5)
     ax.set_ylabel(figure.unit)
     if not drawn:
         ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
         ax.set_yticks([])
     elif figure.log:
         ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 100, not 10^2
+        ax.yaxis.set_minor_formatter(NullFormatter())
 
 
 def _short(value: float) -> str:
