@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import goals
-from bench.goals import RAW, SERVER, Goal, show
+from bench.goals import RAW, SERVER, Goal, judged, show
 from bench.markdown import table
 from bench.results import ResultSet
 
@@ -44,13 +44,6 @@ HEADLINES = (
 )
 
 
-def judged(goal: Goal, results: ResultSet, model: str) -> str:
-    """``met (0.98x)``, ``not met (1.20x)`` or ``not measured``."""
-    value = goal.measure(results, model)
-    verdict = goal.judge(value)
-    return verdict if value is None else f"{verdict} ({show(value, goal.unit)})"
-
-
 def block(meta: dict[str, Any], results: ResultSet, source: str) -> str:
     """The markdown between the markers (markers excluded)."""
     machine = meta.get("machine", {})
@@ -67,7 +60,6 @@ def block(meta: dict[str, Any], results: ResultSet, source: str) -> str:
                     "; ".join(judged(g, results, model) for g in line.goals) or "-",
                 ]
             )
-    hop = judged(goals.HOP, results, "simulated")
     intro = (
         "Runtime over raw mlx-lm and over `mlx_lm.server` on the real models (times: below 1 is "
         f"better for the runtime; tok/s: above 1), from a {meta.get('mode', '?')} bench run on "
@@ -84,7 +76,7 @@ def block(meta: dict[str, Any], results: ResultSet, source: str) -> str:
                 rows,
             ),
             "",
-            f"Actor message hop p50 under uvloop, {goals.HOP.text}: {hop}.",
+            goals.hop_verdict(results),
         ]
     )
 

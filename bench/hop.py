@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import anyio
 
-from bench.results import Measurement
+from bench.results import OVERHEAD_MODEL, Measurement
 from runtime.api import Runtime
 from runtime.backends.simulated import RealClock, SimulatedBackend
 from runtime.config import RuntimeConfig
@@ -35,7 +35,7 @@ from runtime.messages import Message, ModelSpec, Sampling, TokensEmitted
 from runtime.text.coalesce import CoalescePolicy
 
 SYSTEM = "runtime"
-MODEL = "simulated"  # neither scenario runs a model; the token one runs the simulated backend
+MODEL = OVERHEAD_MODEL
 UVLOOP = {"use_uvloop": True}
 KV_BUDGET_BYTES = 64 << 20  # given, so that the config need not ask MLX for the machine's memory
 

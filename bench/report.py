@@ -17,12 +17,11 @@ from typing import Any
 from bench import goals, headline, plots
 from bench.goals import STREAMS, show
 from bench.markdown import table
-from bench.results import SYSTEMS, VERSUS, ResultSet, format_value, read
+from bench.results import OVERHEAD_MODEL, SYSTEMS, VERSUS, ResultSet, format_value, read
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = Path(__file__).with_name("performance_template.md")
 MODELS = ("llama", "sliding", "hybrid", "smollm2", "gemma3")  # the tiny kinds, then the real ones
-OVERHEAD_MODEL = "simulated"  # the hop scenarios' rows
 NOT_MEASURED = "not measured"
 ABSENT = "—"  # a cell of the all-results tables that the run did not measure
 
@@ -45,7 +44,7 @@ SUMMARY = (
 
 def render(meta: dict[str, Any], results: ResultSet, source: str) -> str:
     """The whole of performance.md."""
-    models = [m for m in results.models(MODELS) if m != OVERHEAD_MODEL]
+    models = _models(results)
     fields = {
         "source": f"From `{source}`: a {meta.get('mode', '?')} run of {meta.get('date', '?')}.",
         "machine": _machine(meta),
@@ -56,6 +55,11 @@ def render(meta: dict[str, Any], results: ResultSet, source: str) -> str:
         "results": "\n\n".join(_model_results(results, m) for m in models) or NOT_MEASURED,
     }
     return string.Template(TEMPLATE.read_text(encoding="utf-8")).substitute(fields)
+
+
+def _models(results: ResultSet) -> list[str]:
+    """The models measured, known ones in ``MODELS`` order (the hop rows have their own table)."""
+    return [m for m in results.models(MODELS) if m != OVERHEAD_MODEL]
 
 
 def _machine(meta: dict[str, Any]) -> str:
@@ -80,19 +84,12 @@ def _machine(meta: dict[str, Any]) -> str:
 
 def _goals(results: ResultSet, models: Sequence[str]) -> str:
     """One row per goal, one column per model: the value and whether it meets the goal."""
-    rows = []
-    for goal in goals.GOALS:
-        if goal is goals.HOP:
-            continue
-        cells = [headline.judged(goal, results, m) for m in models]
-        rows.append([f"`{goal.scenario}`", goal.text, *cells])
-    hop = headline.judged(goals.HOP, results, OVERHEAD_MODEL)
-    return "\n\n".join(
-        [
-            table(["scenario", "goal", *models], rows) if models else NOT_MEASURED,
-            f"Actor message hop p50 under uvloop (no model), {goals.HOP.text}: {hop}.",
-        ]
-    )
+    rows = [
+        [f"`{goal.scenario}`", goal.text, *(goals.judged(goal, results, m) for m in models)]
+        for goal in goals.MODEL_GOALS
+    ]
+    per_model = table(["scenario", "goal", *models], rows) if models else NOT_MEASURED
+    return f"{per_model}\n\n{goals.hop_verdict(results)}"
 
 
 def _summary(results: ResultSet, models: Sequence[str]) -> str:
@@ -194,8 +191,7 @@ def write(results_path: Path, out: Path, readme: Path | None) -> list[Path]:
     source = _relative(kept)
     page = out / "performance.md"
     page.write_text(render(meta, results, source), encoding="utf-8")
-    models = [m for m in results.models(MODELS) if m != OVERHEAD_MODEL]
-    written = [page, kept, *plots.write_plots(results, models, perf)]
+    written = [page, kept, *plots.write_plots(results, _models(results), perf)]
     if readme is not None:
         headline.rewrite(readme, headline.block(meta, results, source))
         written.append(readme)

@@ -10,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 SYSTEMS = ("runtime", "mlx-lm", "mlx_lm.server")
+OVERHEAD_MODEL = "simulated"  # the model of the hop.* rows: they run no model, or a simulated one
 SCENARIOS = (
     "turn2.cold_ttft",
     "turn2.warm_ttft",
