@@ -145,7 +145,6 @@ def test_a_readme_without_markers_is_refused(run: Path, tmp_path: Path) -> None:
 def test_a_report_writes_the_page_plots_readme_and_the_run_they_came_from(
     run: Path, tmp_path: Path
 ) -> None:
-    pytest.importorskip("matplotlib")  # the bench extra's; the page and README do not need it
     readme = tmp_path / "README.md"
     readme.write_text(README, encoding="utf-8")
     docs = tmp_path / "docs"
