@@ -81,7 +81,7 @@ def periodic_count(start: int, target: int, spacing: int) -> int:
     """How many multiples of ``spacing`` lie strictly between ``start`` and ``target``."""
     if spacing <= 0 or target <= start:
         return 0
-    return max(0, (target - 1) // spacing - start // spacing)
+    return (target - 1) // spacing - start // spacing
 
 
 def plan_checkpoints(
@@ -112,5 +112,5 @@ def plan_checkpoints(
         if len(kept) + len(periodic) <= rule.most:
             kept |= periodic
             break
-        spacing *= 2  # the multiples of a wider power-of-two spacing are multiples of this one
+        spacing *= 2  # twice as wide: its points are still multiples of the denser spacing
     return sorted(kept)
