@@ -175,6 +175,12 @@ class EngineCore:
             "sequences": len(self._sequences),
             **self._entries.gauges(),
             "pending_snapshots": sum(len(s.snapshots) for s in self._sequences.values()),
+            # Of live sequences' granted reservations, what is held for snapshots (taken, or room).
+            "sequence_snapshot_bytes": sum(
+                s.snapshot_room + sum(taken.nbytes for taken in s.snapshots)
+                for s in self._sequences.values()
+                if s.reserved
+            ),
             "batch_size": len(self._batches),
             "batch_padding_bytes": self._batches.padding_bytes,
         }
