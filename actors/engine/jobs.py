@@ -19,11 +19,10 @@ from runtime.backends.contract import (
     BackendLoader,
     CannotTrim,
     DecodeBatchHandle,
-    ReuseStrategy,
     SequenceState,
     Snapshot,
 )
-from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY, ModelOptions
+from runtime.backends.options import ModelOptions
 from runtime.messages import ModelSpec, TokenLogprob
 from runtime.text.chat import PreparedPrompt, prepare_chat
 
@@ -100,10 +99,9 @@ Job = LoadJob | TokenizeJob | StepJob | BatchJob | CloseJob
 
 @dataclass(frozen=True)
 class StepPlan:
-    """How an engine cuts prefills: chunk size, and snapshot spacing for non-trimmable caches."""
+    """How an engine cuts prefills: chunk size (checkpoints are per sequence: its rule)."""
 
     chunk_tokens: int
-    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
 
 
 def run_load(
@@ -155,7 +153,7 @@ def run_step(
         return
     try:
         if seq.phase is Phase.RESTORING:
-            job.state = _restore(job, seq, backend, plan, restore_source)
+            job.state = _restore(job, seq, backend, restore_source)
         elif seq.phase is Phase.PREFILLING:
             _prefill_chunk(job, seq, backend, plan)
         else:
@@ -165,11 +163,7 @@ def run_step(
 
 
 def _restore(
-    job: StepJob,
-    seq: Sequence,
-    backend: Backend,
-    plan: StepPlan,
-    source: RestoreSource | None,
+    job: StepJob, seq: Sequence, backend: Backend, source: RestoreSource | None
 ) -> SequenceState:
     if seq.state is not None:  # adopted from a prewarm
         state = seq.state
@@ -182,13 +176,14 @@ def _restore(
             job.fallback = "trim_refused"
             state = backend.new_state()
     points: list[int] = []
-    if backend.info.reuse is ReuseStrategy.CHECKPOINT and seq.tokens is not None:
+    if seq.checkpoint_rule is not None and seq.tokens is not None:
         points = plan_checkpoints(
             seq.tokens,
             state.length,
             seq.prefill_target,
-            plan.checkpoint_every,
             backend.decode,
+            seq.checkpoint_rule,
+            message_ends=seq.message_ends,
             instructions_end=seq.instructions_tokens,
         )
     if state.length < seq.pin_at < seq.prefill_target and seq.pin_at not in points:

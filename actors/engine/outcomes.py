@@ -70,7 +70,7 @@ class StepOutcomes:
             assert backend is not None
             self._entries.pin_copy(seq, job.pin_copy, backend, ctx)
         if job.snapshot is not None:
-            self._entries.snapshot(seq, job.snapshot, ctx)
+            self._entries.snapshot(seq, job.snapshot)
         if seq.phase is Phase.DONE:
             return
         if seq.crash_message is not None:

@@ -36,7 +36,8 @@ WeightsOption = Literal["auto", WeightFormat]
 class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options the engine reads, whatever the backend."""
 
-    # Snapshot spacing during long prefills of non-trimmable caches (0: none).
+    # The widest snapshot spacing in prefills of non-trimmable caches; cheap snapshots space
+    # closer (actors/engine/checkpoints.py). 0: no periodic snapshots.
     checkpoint_every_tokens: int = DEFAULT_CHECKPOINT_EVERY
     batching: bool = True  # False: every stream stays on the B=1 fast path
     max_batch: int = DEFAULT_MAX_BATCH  # most sequences in one decode batch
