@@ -6,10 +6,15 @@
 #   make lint          ruff check, ruff format --check, mypy --strict
 #   make test          lint, then pytest with the Hypothesis `ci` profile
 #   make test-nightly  pytest with the Hypothesis `nightly` profile
-#   make bench         run benchmarks (python -m bench), if there are any
+#   make bench         the full benchmark (python -m bench) into bench/results/latest.jsonl, then
+#                      its report: docs/performance.md, docs/perf/ (plots, the JSON kept) and
+#                      README's headline block
+#   make bench-quick   the same with --quick; its report goes to bench/results/quick/ (docs and
+#                      README untouched)
 #
 # Variables: PYTHON (interpreter used to create the venv), PYTEST_ARGS (extra
-# pytest arguments), BLAS_PRELOAD=0 (do not preload OpenBLAS).
+# pytest arguments), BLAS_PRELOAD=0 (do not preload OpenBLAS), BENCH_ARGS (extra
+# python -m bench arguments, e.g. --models smollm2).
 
 SHELL := /bin/sh
 .DEFAULT_GOAL := test
@@ -19,6 +24,8 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 PYTEST_ARGS ?=
+BENCH_ARGS ?=
+BENCH_OUT := bench/results
 # Nightly runs ~40x more examples than CI, so pyproject's per-test timeout is too short.
 NIGHTLY_TIMEOUT ?= 3600
 
@@ -43,7 +50,7 @@ WITH_BLAS :=
 BLAS_NOTE := BLAS: MLX built-in (no OpenBLAS preload; on Debian/Ubuntu install libopenblas0-pthread)
 endif
 
-.PHONY: venv run lint test test-nightly bench
+.PHONY: venv run lint test test-nightly bench bench-quick
 
 venv: $(VENV)/.installed
 
@@ -73,10 +80,19 @@ test-nightly: venv
 	@echo "$(BLAS_NOTE)"
 	$(WITH_BLAS) $(PYTEST) --hypothesis-profile=nightly --timeout=$(NIGHTLY_TIMEOUT) $(PYTEST_ARGS)
 
-bench: venv
+# The bench extra (matplotlib for the report's plots, the profilers) on top of the test one.
+$(VENV)/.installed-bench: $(VENV)/.installed pyproject.toml
+	$(PY) -m pip install --disable-pip-version-check -e '.[test,bench]'
+	touch $@
+
+bench: $(VENV)/.installed-bench
 	@echo "$(BLAS_NOTE)"
-ifneq ($(wildcard bench/__main__.py),)
-	$(WITH_BLAS) $(PY) -m bench
-else
-	@echo "bench: no bench/__main__.py yet, nothing to run"
-endif
+	mkdir -p $(BENCH_OUT)
+	$(WITH_BLAS) $(PY) -m bench --json $(BENCH_OUT)/latest.jsonl $(BENCH_ARGS)
+	$(PY) -m bench.report $(BENCH_OUT)/latest.jsonl
+
+bench-quick: $(VENV)/.installed-bench
+	@echo "$(BLAS_NOTE)"
+	mkdir -p $(BENCH_OUT)
+	$(WITH_BLAS) $(PY) -m bench --quick --json $(BENCH_OUT)/quick.jsonl $(BENCH_ARGS)
+	$(PY) -m bench.report $(BENCH_OUT)/quick.jsonl --out $(BENCH_OUT)/quick --readme ''

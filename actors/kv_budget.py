@@ -15,7 +15,7 @@ Policy
         whole queue's shortfall, and a timer fires at the deadline (``timeout_s``, default
         ``default_timeout_s``); half-way there it asks again, now letting pinned entries go.
         ``timeout_s=0`` means "only if it fits now": refused at once
-        (retryable), never queued, never evicting for it (checkpoint snapshots use this). A
+        (retryable), never queued, never evicting for it (batch padding and pinned copies). A
         holder may reserve more than once; its amounts add up.
     ``Release(holder)``
         Frees all of the holder's bytes and silently drops its waiting reservations (counted).

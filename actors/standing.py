@@ -26,7 +26,9 @@ def standing_actors(
     """The standing actors with their addresses; engines load their model with ``load_backend``."""
 
     def engine_factory(spec: ModelSpec, epoch: int) -> ActorCore:
-        return EngineCore(spec, epoch, load_backend, reservation_timeout_s, default_max_tokens)
+        return EngineCore(
+            spec, epoch, load_backend, kv_budget_bytes, reservation_timeout_s, default_max_tokens
+        )
 
     return [
         (KV_KEEPER, KVBudgetCore(kv_budget_bytes, default_timeout_s=reservation_timeout_s)),

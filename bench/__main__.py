@@ -12,12 +12,13 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from bench import batching, checkpoints, generation, ours, raw_mlx, server
+from bench import batching, checkpoints, environment, generation, hop, ours, raw_mlx, server
 from bench.results import Sink, format_table
 from bench.workload import QUICK, Sizes, build_workload
 
 KINDS = ("llama", "sliding", "hybrid")
-SCENARIO_GROUPS = ("existing", "generation", "checkpoints", "batching")
+SCENARIO_GROUPS = ("existing", "generation", "checkpoints", "batching", "hop")
+MODEL_FREE_GROUPS = {"hop"}
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -37,7 +38,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "(gen.*: one-stream decode, 4 concurrent, inter-token latency, coalescing; runtime "
         "and mlx-lm only), checkpoints (ckpt.*: memory of a long prompt's checkpoints, runtime "
         "vs deep copies of mlx-lm's prompt cache), batching (batch.*: decode tokens/s of one "
-        "sequence alone vs four in a DecodeBatch, backend level)",
+        "sequence alone vs four in a DecodeBatch, backend level), hop (hop.*: the actor message "
+        "hop and the runtime's cost per streamed token, no model)",
     )
     args = parser.parse_args(argv)
     args.scenarios = {s for s in args.scenarios.split(",") if s}
@@ -64,7 +66,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             out = stack.enter_context(open(args.json, "w", encoding="utf-8"))
         sink = Sink(out)
-        for kind in args.models:
+        sink.meta(environment.describe("quick" if args.quick else "full"))
+        if "hop" in args.scenarios and "runtime" in args.systems:
+            _log("hop: actor message hop and per-token cost (runtime, simulated backend)")
+            sink.extend(hop.measure(hop.HOP_QUICK if args.quick else hop.HopSizes()))
+        models = args.models if args.scenarios - MODEL_FREE_GROUPS else []
+        for kind in models:
             path = tiny_model_path(kind)
             model, tokenizer = load_tiny_model(kind)
             _log(f"{kind}: {path}")

@@ -6,7 +6,8 @@ and restore the full-attention layers by cutting back the final state (reuse.md)
 what mlx-lm gives a host: ``copy.deepcopy`` of the whole prompt cache at each checkpoint (how
 ``mlx_lm.server`` keeps prompt caches), at the same token counts.
 
-- ``ckpt.points``: checkpoints the runtime kept for the prompt (every ``every`` tokens, len - 1).
+- ``ckpt.points``: checkpoints the runtime kept for the prompt (every ``spacing`` tokens, at most
+  ``EVERY`` apart, and len - 1; see actors/engine/checkpoints.py).
 - ``ckpt.bytes``: bytes of those checkpoints, beyond the final state itself (MiB).
 - ``ckpt.whole/ours``: the baseline's bytes over ours (how many times less memory ours use).
 """
@@ -21,10 +22,11 @@ import anyio
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from actors.engine.checkpoints import plan_checkpoints
+from actors.engine.checkpoints import CheckpointPolicy, plan_checkpoints
 from bench.prompts import encode, make_text
 from bench.results import Measurement, ratio
 from runtime.api import Runtime
+from runtime.backends.mlx.backend import MlxBackend
 from runtime.config import RuntimeConfig
 from runtime.messages import Finished, ModelSpec
 
@@ -32,6 +34,7 @@ PROMPT_TOKENS = 1536  # the tiny models' context is 2048
 EVERY = 256
 CHUNK = 256
 MIB = 1 << 20
+BUDGET = 4 << 30
 
 
 async def _ours(path: Path, name: str, prompt: list[int]) -> tuple[int, int, int]:
@@ -43,7 +46,7 @@ async def _ours(path: Path, name: str, prompt: list[int]) -> tuple[int, int, int
         prefill_chunk_tokens=CHUNK,
         options={"checkpoint_every_tokens": EVERY},
     )
-    async with Runtime(RuntimeConfig(kv_budget_bytes=4 << 30)) as rt:
+    async with Runtime(RuntimeConfig(kv_budget_bytes=BUDGET)) as rt:
         await rt.load_model(spec)
         result = await rt.complete(name, prompt_tokens=tuple(prompt), max_tokens=1)
         if not isinstance(result.terminal, Finished):
@@ -77,7 +80,13 @@ def measure(path: Path, model: Any, tokenizer: Any, name: str) -> list[Measureme
         note = "every layer trims: no checkpoints"
         return [Measurement("runtime", name, "ckpt.points", 0, "count", note=note)]
     # The very points the engine planned (same function, same inputs).
-    points = plan_checkpoints(prompt, 0, len(prompt), EVERY, tokenizer.decode)
+    # The engine's rule for this model (its measured layout, the budget) and the same planner.
+    spec = ModelSpec(name=name, path=str(path), backend="mlx")
+    info = MlxBackend.load(spec).info
+    free = BUDGET - info.kv_bytes(len(prompt) + 1, CHUNK)
+    rule = CheckpointPolicy(EVERY, BUDGET).rule(info, len(prompt), 0, free)
+    assert rule is not None, "a model that checkpoints has a rule"
+    points = plan_checkpoints(prompt, 0, len(prompt), tokenizer.decode, rule)
     assert (n_points, pending) == (len(points), 0), "the runtime kept other points"
     whole = _whole_copies(model, prompt, points)
     return [

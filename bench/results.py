@@ -1,4 +1,5 @@
-"""Measurements: one JSON object per line, plus the human table printed at the end."""
+"""Measurements: one JSON object per line (after a first ``{"meta": ...}`` line describing the run),
+plus the human table printed at the end."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 SYSTEMS = ("runtime", "mlx-lm", "mlx_lm.server")
+OVERHEAD_MODEL = "simulated"  # the model of the hop.* rows: they run no model, or a simulated one
 SCENARIOS = (
     "turn2.cold_ttft",
     "turn2.warm_ttft",
@@ -21,8 +23,16 @@ SCENARIOS = (
     "abandon.after/idle",
     "abandon.cancelled_requests",
     "decode.tokens_per_s",
+    "hop.message_us_p50",
+    "hop.message_us_p90",
+    "hop.token_us",
+    "hop.token_compute_us",
     "skipped",
 )
+# Units a runtime/other ratio means something for, and which side of 1 is better for the runtime.
+LOWER_IS_BETTER = ("us", "ms", "s")
+HIGHER_IS_BETTER = ("tok/s",)
+VERSUS = ("mlx-lm", "mlx_lm.server")  # the systems the runtime is compared with
 
 
 @dataclass(frozen=True)
@@ -64,8 +74,19 @@ def decode_rate(
 def ratio(
     system: str, model: str, scenario: str, num: float | None, den: float | None
 ) -> Measurement:
-    value = round(num / den, 2) if num is not None and den else None
-    return Measurement(system, model, scenario, value, "x")
+    return Measurement(system, model, scenario, divide(num, den), "x")
+
+
+def divide(num: float | None, den: float | None) -> float | None:
+    """``num / den`` to two places, or None when either is missing (or ``den`` is 0)."""
+    return round(num / den, 2) if num is not None and den else None
+
+
+def versus(ours: Measurement | None, other: Measurement | None) -> float | None:
+    """The runtime's value over another system's, for times and rates only."""
+    if ours is None or other is None or ours.unit not in (*LOWER_IS_BETTER, *HIGHER_IS_BETTER):
+        return None
+    return divide(ours.value, other.value)
 
 
 class Sink:
@@ -74,6 +95,11 @@ class Sink:
     def __init__(self, stream: IO[str]) -> None:
         self._stream = stream
         self.items: list[Measurement] = []
+
+    def meta(self, meta: dict[str, Any]) -> None:
+        """The run's environment, written once before the first measurement."""
+        self._stream.write(json.dumps({"meta": meta}) + "\n")
+        self._stream.flush()
 
     def add(self, item: Measurement) -> Measurement:
         self.items.append(item)
@@ -93,8 +119,55 @@ def _jsonable(item: Measurement) -> dict[str, Any]:
     return data
 
 
+def read(lines: Iterable[str]) -> tuple[dict[str, Any], list[Measurement]]:
+    """A bench's JSON lines back: the meta line (empty if the run wrote none), the measurements."""
+    meta: dict[str, Any] = {}
+    items = []
+    for line in lines:
+        if not line.strip():
+            continue
+        data = json.loads(line)
+        if "meta" in data:
+            meta = data["meta"]
+        else:
+            items.append(Measurement(**data))
+    return meta, items
+
+
+class ResultSet:
+    """Measurements by system, model and scenario (a later row replaces an earlier one)."""
+
+    def __init__(self, items: Iterable[Measurement]) -> None:
+        self.items = list(items)
+        self._by = {(i.system, i.model, i.scenario): i for i in self.items}
+
+    def get(self, system: str, model: str, scenario: str) -> Measurement | None:
+        return self._by.get((system, model, scenario))
+
+    def value(self, system: str, model: str, scenario: str) -> float | None:
+        item = self.get(system, model, scenario)
+        return None if item is None else item.value
+
+    def versus(self, model: str, scenario: str, other: str) -> float | None:
+        """The runtime's value over ``other``'s (times and rates only)."""
+        return versus(self.get("runtime", model, scenario), self.get(other, model, scenario))
+
+    def models(self, preferred: Sequence[str] = ()) -> list[str]:
+        """Models with a measurement: those in ``preferred`` first, in its order."""
+        present = dict.fromkeys(i.model for i in self.items)
+        return [m for m in preferred if m in present] + [m for m in present if m not in preferred]
+
+    def scenarios(self, model: str) -> list[str]:
+        """Scenarios measured on ``model``, in ``SCENARIOS`` order, then in the run's order."""
+        measured = dict.fromkeys(i.scenario for i in self.items if i.model == model)
+        return sorted(measured, key=_rank)
+
+
 def format_table(items: Sequence[Measurement]) -> str:
-    """Rows: model x scenario; columns: the three systems. Notes are listed below the grid."""
+    """Rows: model x scenario; columns: the three systems, then the runtime over each other system.
+
+    Notes are listed below the grid.
+    """
     rows: dict[tuple[str, str], dict[str, Measurement]] = {}
     units: dict[tuple[str, str], str] = {}
     notes: list[str] = []
@@ -104,15 +177,29 @@ def format_table(items: Sequence[Measurement]) -> str:
         units[key] = item.unit
         if item.note:
             notes.append(f"[{item.system} {item.model} {item.scenario}] {item.note}")
-    fmt: Callable[[Measurement | None], str] = _cell
-    header = f"{'model':8} {'scenario':34} {'unit':6}" + "".join(f"{s:>15}" for s in SYSTEMS)
-    lines = [header, "-" * len(header)]
+    fmt: Callable[[Measurement | None], str] = format_value
+    columns = [*SYSTEMS, *(f"runtime/{other}" for other in VERSUS)]
+    widths = [max(15, len(c) + 2) for c in columns]
     models = list(dict.fromkeys(model for model, _ in rows))
+    mw = max(8, *(len(m) for m in models)) if models else 8
+    header = f"{'model':{mw}} {'scenario':34} {'unit':6}" + "".join(
+        f"{c:>{w}}" for c, w in zip(columns, widths, strict=True)
+    )
+    lines = [header, "-" * len(header)]
     order = sorted(rows, key=lambda k: (models.index(k[0]), _rank(k[1])))
     for model, scenario in order:
         by_system = rows[(model, scenario)]
-        cells = "".join(f"{fmt(by_system.get(s)):>15}" for s in SYSTEMS)
-        lines.append(f"{model:8} {scenario:34} {units[(model, scenario)]:6}{cells}")
+        ours = by_system.get("runtime")
+        cells = [fmt(by_system.get(s)) for s in SYSTEMS]
+        cells += [format_ratio(versus(ours, by_system.get(other))) for other in VERSUS]
+        lines.append(
+            f"{model:{mw}} {scenario:34} {units[(model, scenario)]:6}"
+            + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
+        )
+    lines.append(
+        f"runtime/X: below 1 is better for the runtime in {', '.join(LOWER_IS_BETTER)}, "
+        f"above 1 in {', '.join(HIGHER_IS_BETTER)}; '-': a side not measured, or no ratio"
+    )
     if notes:
         lines += ["", "notes:", *(f"  {n}" for n in dict.fromkeys(notes))]
     return "\n".join(lines)
@@ -122,7 +209,7 @@ def _rank(scenario: str) -> int:
     return SCENARIOS.index(scenario) if scenario in SCENARIOS else len(SCENARIOS)
 
 
-def _cell(item: Measurement | None) -> str:
+def format_value(item: Measurement | None) -> str:
     if item is None:
         return "-"
     if item.value is None:
@@ -130,3 +217,7 @@ def _cell(item: Measurement | None) -> str:
     if item.unit in ("tokens", "count"):
         return f"{item.value:.0f}"
     return f"{item.value:.2f}" if abs(item.value) < 100 else f"{item.value:.1f}"
+
+
+def format_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"

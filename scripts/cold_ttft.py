@@ -43,10 +43,9 @@ def _stream_generate_ttft(model: Any, tokenizer: Any, prompt: str) -> float:
     raise RuntimeError("stream_generate yielded nothing")
 
 
-async def _main(args: argparse.Namespace, port: int) -> None:
+async def _main(args: argparse.Namespace, path: Path, port: int) -> None:
     from mlx_lm import load
 
-    path = Path(args.model).expanduser()
     model, tokenizer = load(str(path))
     systems = set(args.systems.split(","))
     options: dict[str, str | int | float | bool | None] = {}
@@ -64,16 +63,16 @@ async def _main(args: argparse.Namespace, port: int) -> None:
             await complete(port, warm, 1)
         for round_ in range(args.rounds):
             prompt = make_text(tokenizer, args.tokens, 1000 + round_)
-            runs: list[tuple[str, Callable[[], Any]]] = [
-                ("runtime", lambda: _runtime_ttft(rt, "m", prompt)),
-                ("stream_generate", lambda: _stream_generate_ttft(model, tokenizer, prompt)),
+            runs: list[tuple[str, Callable[[str], Any]]] = [
+                ("runtime", lambda text: _runtime_ttft(rt, "m", text)),
+                ("stream_generate", lambda text: _stream_generate_ttft(model, tokenizer, text)),
             ]
             if port:
-                runs.append(("server", lambda: _server_ttft(port, prompt)))
+                runs.append(("server", lambda text: _server_ttft(port, text)))
             for system, run in runs if round_ % 2 == 0 else runs[::-1]:
                 if system not in systems:
                     continue
-                result = run()
+                result = run(prompt)
                 ttft = await result if asyncio.iscoroutine(result) else result
                 times[system].append(ttft)
                 print(f"round {round_} {system}: {ttft:.3f}s", flush=True)
@@ -90,12 +89,13 @@ async def _server_ttft(port: int, prompt: str) -> float:
 
 
 def main(args: argparse.Namespace) -> None:
+    path = Path(args.model).expanduser()
     # The server starts first, outside the event loop: running_server polls it with asyncio.run.
     if "server" not in args.systems.split(","):
-        asyncio.run(_main(args, 0))
+        asyncio.run(_main(args, path, 0))
         return
-    with running_server(Path(args.model).expanduser()) as port:
-        asyncio.run(_main(args, port))
+    with running_server(path) as port:
+        asyncio.run(_main(args, path, port))
 
 
 if __name__ == "__main__":

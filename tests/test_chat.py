@@ -9,7 +9,7 @@ import pytest
 
 from runtime.errors import ContextLengthExceeded, InvalidRequest
 from runtime.testing.tiny_models import tiny_model_path
-from runtime.text.chat import ChatMessage, ChatOptions, PreparedPrompt, prepare_chat
+from runtime.text.chat import MESSAGE_ENDS, ChatMessage, ChatOptions, PreparedPrompt, prepare_chat
 
 BIG_CONTEXT = 2048
 DEFAULT = ChatOptions()
@@ -164,6 +164,59 @@ def test_instructions_tokens_is_zero_when_not_a_prefix() -> None:
     assert prepared.text == "[system]S[user]U[bot]"
     assert prepared.tokens == tuple(map(ord, prepared.text))  # the template wrote any BOS
     assert prepared.instructions_tokens == 0
+
+
+# --------------------------------------------------------------------------- message ends
+
+
+def test_message_ends_are_the_token_counts_of_each_earlier_message_closed(tok: Any) -> None:
+    messages = [system("Be brief."), user("Hello there"), bot("Hi."), user("What is 2 + 2?")]
+    prepared = prepare(tok, messages)
+    closed = [
+        tok.encode(reference(tok, messages[:count], generation_prompt=False))
+        for count in range(1, len(messages))
+    ]
+    assert prepared.message_ends == tuple(len(prefix) for prefix in closed)
+    assert all(list(prepared.tokens[: len(prefix)]) == prefix for prefix in closed)
+    assert prepared.message_ends[0] == prepared.instructions_tokens
+    # Editing the last message keeps every token up to the end of the one before it.
+    edited = prepare(tok, [*messages[:-1], user("What is 3 + 3?")])
+    end = prepared.message_ends[-1]
+    assert edited.tokens[:end] == prepared.tokens[:end]
+    assert edited.message_ends == prepared.message_ends
+
+
+def test_message_ends_cover_the_latest_messages_only(tok: Any) -> None:
+    messages = conversation(12)
+    prepared = prepare(tok, messages)
+    assert len(messages) - 1 > MESSAGE_ENDS == len(prepared.message_ends)
+    first = len(messages) - MESSAGE_ENDS
+    closed = tok.encode(reference(tok, messages[:first], generation_prompt=False))
+    assert prepared.message_ends[0] == len(closed)
+    assert list(prepared.message_ends) == sorted(prepared.message_ends)
+
+
+class _SystemAloneMarked:
+    """A template that marks a system-only conversation, so its rendering is no prompt prefix."""
+
+    has_chat_template = True
+
+    def apply_chat_template(
+        self, messages: list[dict[str, str]], add_generation_prompt: bool, tokenize: bool
+    ) -> str:
+        body = "".join(f"[{m['role']}]{m['content']}" for m in messages)
+        marked = "ONLY" if all(m["role"] == "system" for m in messages) else ""
+        return marked + body + ("[bot]" if add_generation_prompt else "")
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [0] * add_special_tokens + [ord(c) for c in text]
+
+
+def test_message_ends_leave_out_a_rendering_that_is_not_a_prefix() -> None:
+    messages = [system("S"), user("U"), bot("B"), user("V")]
+    prepared = prepare_chat(_SystemAloneMarked(), messages, DEFAULT, 4, 100)
+    assert prepared.text == "[system]S[user]U[assistant]B[user]V[bot]"
+    assert prepared.message_ends == (len("[system]S[user]U"), len("[system]S[user]U[assistant]B"))
 
 
 # --------------------------------------------------------------------------- history window
@@ -346,6 +399,9 @@ def test_template_less_tokenizer_gets_the_fallback_format() -> None:
     assert prepared.text == text
     assert prepared.tokens == (BOS_ID, *map(ord, text))
     assert prepared.instructions_tokens == 1 + len("system: S\ndeveloper: D\n")
+    lines = ("system: S\n", "developer: D\n", "user: hi\n", "assistant: yo\n")
+    # The first piece is tokenized as the prompt is (BOS first), the later ones without a BOS.
+    assert prepared.message_ends == tuple(1 + len("".join(lines[:n])) for n in range(1, 5))
 
 
 def test_template_less_fallback_continues_a_prefill_and_windows() -> None:

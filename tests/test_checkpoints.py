@@ -1,33 +1,137 @@
-"""Where non-trimmable caches are snapshotted."""
+"""Where non-trimmable caches are snapshotted, and how densely."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from actors.engine.checkpoints import plan_checkpoints
+import pytest
+
+from actors.engine.checkpoints import (
+    BUDGET_SHARE,
+    MAX_POINTS,
+    CheckpointPolicy,
+    CheckpointRule,
+    plan_checkpoints,
+)
+from runtime.backends.contract import ModelInfo, ReuseStrategy
+
+ANY = CheckpointRule(spacing=0, most=MAX_POINTS)
+GIB = 1 << 30
 
 
 def decode(ids: Sequence[int]) -> str:
     return "".join(" w" if t == 0 else "x" for t in ids)  # token 0 starts a word
 
 
+def info(
+    bytes_per_token: int,
+    window: int | None = None,
+    window_bytes_per_token: int = 0,
+    fixed: int = 0,
+    reuse: ReuseStrategy = ReuseStrategy.CHECKPOINT,
+) -> ModelInfo:
+    return ModelInfo(
+        context_length=32768,
+        vocab_size=512,
+        eos_token_ids=frozenset(),
+        reuse=reuse,
+        reuse_reason="test",
+        bytes_per_token=bytes_per_token,
+        window_tokens=window,
+        window_bytes_per_token=window_bytes_per_token,
+        fixed_state_bytes=fixed,
+    )
+
+
+# The layouts measured at load (reuse.md): tiny sliding and hybrid, and Gemma 3 270M in float32.
+TINY_SLIDING = info(1024, window=32, window_bytes_per_token=1024)
+TINY_HYBRID = info(1024, fixed=38912)
+GEMMA3_270M = info(6144, window=512, window_bytes_per_token=30720)
+
+
 def test_end_of_prompt_minus_one_and_the_last_word_boundary() -> None:
     tokens = [5, 0, 5, 5, 0, 5, 5]  # words start at 1 and 4
-    assert plan_checkpoints(tokens, start=0, target=7, every=0, decode=decode) == [4, 6]
+    assert plan_checkpoints(tokens, 0, 7, decode, ANY) == [4, 6]
 
 
-def test_every_k_tokens_and_nothing_at_or_before_the_cached_start() -> None:
+def test_every_spacing_tokens_and_nothing_at_or_before_the_cached_start() -> None:
     tokens = [5] * 20
-    assert plan_checkpoints(tokens, start=8, target=20, every=4, decode=decode) == [12, 16, 19]
+    rule = CheckpointRule(spacing=4, most=MAX_POINTS)
+    assert plan_checkpoints(tokens, 8, 20, decode, rule) == [12, 16, 19]
 
 
 def test_a_prewarm_target_excludes_its_own_end() -> None:
     tokens = [5, 5, 0, 5, 5]
     # A prewarm prefills len - 1 tokens and commits that state itself.
-    assert plan_checkpoints(tokens, start=0, target=4, every=0, decode=decode) == [2]
+    assert plan_checkpoints(tokens, 0, 4, decode, ANY) == [2]
 
 
-def test_the_end_of_the_instructions_is_a_checkpoint_when_known() -> None:
+def test_the_end_of_the_instructions_and_of_each_message_are_checkpoints() -> None:
     tokens = [5] * 30
-    plan = plan_checkpoints(tokens, start=0, target=30, every=0, decode=decode, instructions_end=12)
-    assert plan == [12, 29]
+    plan = plan_checkpoints(
+        tokens, 0, 30, decode, ANY, message_ends=(12, 20, 26), instructions_end=12
+    )
+    assert plan == [12, 20, 26, 29]
+
+
+def test_a_capped_plan_keeps_the_preferred_points_and_widens_the_spacing() -> None:
+    tokens = [5] * 100
+
+    def plan(most: int) -> list[int]:
+        rule = CheckpointRule(spacing=8, most=most)
+        ends = (10, 50, 70, 90)
+        return plan_checkpoints(
+            tokens, 0, 100, decode, rule, message_ends=ends, instructions_end=10
+        )
+
+    # End - 1, the instructions, message ends; one left for multiples of 8: 64 (spacing 64).
+    assert plan(6) == [10, 50, 64, 70, 90, 99]
+    # Fewer still: the earliest message end goes, and every periodic point.
+    assert plan(4) == [10, 70, 90, 99]
+
+
+@pytest.mark.parametrize(
+    ("layout", "spacing"),
+    [
+        # A snapshot is one 32-token window (32 KiB): the KV of 32 tokens; the floor is 64.
+        pytest.param(TINY_SLIDING, 64, id="tiny-sliding"),
+        # The recurrent state is 38 KiB, 38 tokens of full-attention KV: the floor again.
+        pytest.param(TINY_HYBRID, 64, id="tiny-hybrid"),
+        # 15 window layers of 512 tokens are 15 MiB, the KV of 2,560 tokens: the option wins.
+        pytest.param(GEMMA3_270M, 512, id="gemma3-270m"),
+    ],
+)
+def test_the_spacing_weighs_a_snapshot_against_the_full_attention_kv(
+    layout: ModelInfo, spacing: int
+) -> None:
+    assert CheckpointPolicy(widest=512, budget_bytes=GIB).spacing(layout) == spacing
+
+
+def test_the_spacing_is_a_power_of_two_never_wider_than_the_option() -> None:
+    layout = info(1024, fixed=100 * 1024)  # a snapshot is the KV of 100 tokens
+    assert CheckpointPolicy(widest=512, budget_bytes=GIB).spacing(layout) == 128
+    assert CheckpointPolicy(widest=96, budget_bytes=GIB).spacing(layout) == 96
+    assert CheckpointPolicy(widest=0, budget_bytes=GIB).spacing(layout) == 0
+
+
+def test_a_model_without_full_attention_uses_the_option() -> None:
+    recurrent_only = info(0, fixed=1 << 20)
+    assert CheckpointPolicy(widest=512, budget_bytes=GIB).spacing(recurrent_only) == 512
+
+
+def test_the_rule_caps_the_snapshots_by_count_and_by_budget_share() -> None:
+    policy = CheckpointPolicy(widest=512, budget_bytes=GIB)
+    # 4,000 tokens at spacing 64 want 62 periodic points: the count cap.
+    assert policy.rule(TINY_SLIDING, 4000, 0, GIB) == CheckpointRule(64, MAX_POINTS)
+    # A short prompt wants only its own: 3 anchors, 2 message ends, 4 multiples of 64.
+    assert policy.rule(TINY_SLIDING, 300, 2, GIB) == CheckpointRule(64, 9)
+    # Gemma's 15 MiB snapshots: 1/32 of 1 GiB affords two.
+    assert GIB // BUDGET_SHARE // GEMMA3_270M.snapshot_bytes == 2
+    assert policy.rule(GEMMA3_270M, 4000, 0, GIB) == CheckpointRule(512, 2)
+    # What is left of the budget after the sequence's own KV caps it too.
+    assert policy.rule(TINY_SLIDING, 4000, 0, 3 * 32768 + 1) == CheckpointRule(64, 3)
+
+
+def test_a_trimmable_cache_has_no_rule() -> None:
+    llama = info(2048, reuse=ReuseStrategy.TRIM)
+    assert CheckpointPolicy(widest=512, budget_bytes=GIB).rule(llama, 4000, 3, GIB) is None

@@ -1,6 +1,7 @@
 """Engine paths on the deterministic simulator that no other test drives directly.
 
-Checkpoint snapshots of a non-trimmable cache (taken, and refused when the budget is full), the
+Checkpoint snapshots of a non-trimmable cache (taken, reserved with their sequence, dropped when
+its reservation has no room for them), the
 cold fallback after a lookup hit that cannot be restored, and exactly-one-terminal races (an abort
 against the last decode step, a cancel or an unload while the KV reservation waits in the queue, a
 backend fault in sampling). Virtual time only: nothing sleeps.
@@ -13,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
-from actors.engine.checkpoints import plan_checkpoints
+from actors.engine.checkpoints import CheckpointRule, plan_checkpoints
 from actors.kv_budget import QueuedReservation
 from runtime.backends.simulated import greedy_continuation
 from runtime.kernel.core import Address
@@ -34,6 +35,7 @@ from runtime.messages import (
     ModelSpec,
     ModelUnloaded,
     Rejected,
+    Reserve,
     ReusePath,
     Started,
     TokensEmitted,
@@ -136,7 +138,8 @@ def test_the_snapshot_plan_of_the_prompt_is_the_one_these_tests_expect() -> None
     def decode(ids: Sequence[int]) -> str:  # as the simulated backend decodes
         return bytes(ids).decode("utf-8", errors="replace")
 
-    assert plan_checkpoints(PROMPT, 0, len(PROMPT), EVERY, decode) == PLANNED
+    rule = CheckpointRule(spacing=EVERY, most=len(PLANNED))
+    assert plan_checkpoints(PROMPT, 0, len(PROMPT), decode, rule) == PLANNED
 
 
 def test_checkpoints_of_a_non_trimmable_prefill_become_points_of_its_final_entry() -> None:
@@ -161,7 +164,7 @@ def test_checkpoints_of_a_non_trimmable_prefill_become_points_of_its_final_entry
     assert entry.points == tuple(PLANNED)
     total = END_STATE * BPT + FIXED + len(PLANNED) * FIXED
     assert entry.nbytes == total
-    assert entry.entry_id == len(PLANNED) + 1  # the snapshots' reservations used ids 1-4
+    assert entry.entry_id == 1  # the snapshots' bytes came with the sequence's reservation
     assert not (entry.trimmable or entry.leases or entry.doomed)
     # The entry's bytes are reserved in the keeper under its own holder, and nothing else is.
     assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes == total
@@ -211,8 +214,9 @@ def test_a_later_prompt_restores_at_a_point_of_the_final_entry(
     assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes
 
 
-def test_default_checkpoint_spacing_snapshots_a_long_non_trimmable_prompt() -> None:
-    """No option: snapshots every 512 tokens (DEFAULT_CHECKPOINT_EVERY), plus len - 1."""
+def test_a_cheap_snapshot_checkpoints_a_long_prompt_every_64_tokens_by_default() -> None:
+    """No option: a snapshot (FIXED bytes) costs less than the KV of one token (BPT bytes), so the
+    spacing is the floor, MIN_SPACING (64), not checkpoint_every_tokens (512)."""
     sim = make_sim(spec(chunk=64, trimmable=False, fixed_state_bytes=FIXED))
     prompt = tuple(97 + i % 26 for i in range(1030))  # letters only: no word-boundary point
     sim.send(generate("a", prompt, 2))
@@ -220,53 +224,82 @@ def test_default_checkpoint_spacing_snapshots_a_long_non_trimmable_prompt() -> N
 
     assert emitted(sim, "a") == greedy_continuation(prompt, 2)
     [entry] = prefix_cache(sim).entries()
-    assert (len(entry.tokens), entry.points) == (1031, (512, 1024, 1029))
-    assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes == 1031 * BPT + 4 * FIXED
-    assert engine_counters(sim)["snapshots_taken"] == 3
+    assert (len(entry.tokens), entry.points) == (1031, (*range(64, 1030, 64), 1029))
+    total = 1031 * BPT + FIXED + 17 * FIXED
+    assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes == total
+    assert engine_counters(sim)["snapshots_taken"] == 17
 
 
 @pytest.mark.parametrize(
-    ("spare_snapshots", "kept", "refused"),
+    ("spare_snapshots", "kept"),
     [
-        pytest.param(0, (), 4, id="no-room-for-any"),
-        pytest.param(1, (8,), 3, id="room-for-the-first"),
+        pytest.param(0, (), id="no-room-for-any"),
+        pytest.param(1, (29,), id="room-for-the-end-of-the-prompt"),
+        # One periodic point: the spacing doubles until one multiple is left below the target.
+        pytest.param(2, (16, 29), id="room-for-one-periodic-too"),
     ],
 )
-def test_a_snapshot_that_does_not_fit_now_is_skipped_without_queueing_or_evicting(
-    spare_snapshots: int, kept: tuple[int, ...], refused: int
+def test_a_budget_with_little_room_checkpoints_less_but_still_runs_the_request(
+    spare_snapshots: int, kept: tuple[int, ...]
 ) -> None:
-    # The sequence reserves prompt + max_tokens and fits exactly; room for spare snapshots is left.
+    # The sequence's KV (prompt + max_tokens, and the fixed state) fits with this much to spare.
     budget = (len(PROMPT) + MAX_TOKENS) * BPT + FIXED + spare_snapshots * FIXED
     sim = checkpoint_sim(budget)
     sim.send(generate("a", PROMPT, MAX_TOKENS))
-    sim.run_until_idle()
-    assert kv_keeper(sim).queued() == ()  # the snapshots never wait, not even for a moment
     sim.run_until_quiescent()
 
     terminal = sim.terminal("a", 1)
     assert isinstance(terminal, Finished) and terminal.reason is FinishReason.LENGTH
     assert emitted(sim, "a") == greedy_continuation(PROMPT, MAX_TOKENS)
     counters = engine_counters(sim)
-    assert counters["snapshots_taken"] == len(PLANNED)
-    assert counters["snapshots_refused"] == refused
+    # Only the points the room affords are planned, the end of the prompt first.
+    assert (counters["snapshots_taken"], counters["snapshots_refused"]) == (len(kept), 0)
     [entry] = prefix_cache(sim).entries()
-    assert entry.points == kept  # the sequence's own end state is moved, not reserved
+    assert entry.points == kept
     total = END_STATE * BPT + FIXED + len(kept) * FIXED
     assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes == total
-    assert kv_keeper(sim).queued() == ()
-    kv_counters = kv_keeper(sim).statistics().counters
-    assert kv_counters["refused_no_wait"] == refused
-    assert kv_counters["queued"] == 0
-    assert kv_counters["evict_requests"] == 0
-    prefix_counters = prefix_cache(sim).statistics().counters
-    assert prefix_counters["evict_requests"] == 0
-    assert prefix_counters["evictions"] == 0
+    assert kv_keeper(sim).statistics().counters["queued"] == 0
     gauges = engine_gauges(sim)
     assert (gauges["entries"], gauges["entry_points"], gauges["pending_snapshots"]) == (
         1,
         len(kept),
-        0,  # refused snapshots were let go
+        0,
     )
+
+
+def test_snapshot_bytes_are_reserved_with_the_sequence_and_evict_like_any_other() -> None:
+    """A prompt's reservation holds its KV and room for its planned snapshots, so a full prefix
+    cache gives way to the snapshots as it does to the KV (no snapshot asks on its own)."""
+    first = tuple(range(300, 330))
+    need = END_STATE * BPT + FIXED + len(PLANNED) * FIXED  # one prompt's entry, points included
+    # Room for one entry only, and 1/32 of it still affords the 4 snapshots of a prompt.
+    budget = 70_000
+    assert need < budget < 2 * need and budget // 32 // FIXED == len(PLANNED)
+    sim = checkpoint_sim(budget)
+    asked: list[tuple[HolderKind, int]] = []
+
+    def record(to: Address, message: Message, sender: Address) -> bool:
+        if to == "kv" and isinstance(message, Reserve):
+            asked.append((message.holder.kind, message.nbytes))
+        return False
+
+    intercept(sim, record)
+    sim.send(generate("a", first, MAX_TOKENS))
+    sim.run_until_quiescent()
+    [old] = prefix_cache(sim).entries()
+    assert old.points == tuple(PLANNED)
+    sim.send(generate("b", PROMPT, MAX_TOKENS))
+    sim.run_until_quiescent()
+
+    reserved = (len(PROMPT) + MAX_TOKENS) * BPT + FIXED + len(PLANNED) * FIXED
+    assert asked == [(HolderKind.SEQUENCE, reserved)] * 2
+    assert emitted(sim, "b") == greedy_continuation(PROMPT, MAX_TOKENS)
+    [entry] = prefix_cache(sim).entries()
+    assert (entry.tokens[: len(PROMPT)], entry.points) == (PROMPT, tuple(PLANNED))
+    assert prefix_cache(sim).statistics().counters["evictions"] == 1  # the first prompt's
+    counters = engine_counters(sim)
+    assert (counters["snapshots_taken"], counters["snapshots_refused"]) == (2 * len(PLANNED), 0)
+    assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes == need
 
 
 # --------------------------------------------------------------------------- 3. fallback
@@ -287,7 +320,7 @@ def test_a_hit_that_cannot_be_restored_starts_cold(counter: str, entry_tokens: i
     sim.run_until_quiescent()
     by_length = {len(e.tokens): e.entry_id for e in prefix_cache(sim).entries()}
     entry_id = 999 if entry_tokens is None else by_length[entry_tokens]
-    assert entry_id == (999 if entry_tokens is None else len(PLANNED) + 1)
+    assert entry_id == (999 if entry_tokens is None else 1)
 
     # The prompt shares 20 tokens with PROMPT (so also the 8- and 16-token points).
     prompt = (*PROMPT[:20], *range(200, 210))

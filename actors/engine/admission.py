@@ -7,7 +7,8 @@
    older sequences or adopts the prewarm it extends (``plan_supersede``, a plan the admission then
    carries out); a prewarm with nothing to prefill is done at once.
 3. The admission gate: at most ``max_concurrent`` sequences are past it; the others wait FIFO.
-4. ``Reserve`` its KV (prompt plus ``max_tokens``), then ``Lookup`` the prefix cache; the sequence
+4. ``Reserve`` its KV (prompt plus ``max_tokens``, and room for the checkpoint snapshots of its
+   prefill when the cache cannot be trimmed), then ``Lookup`` the prefix cache; the sequence
    then restores (``RESTORING``) and the engine core's pump takes it from there. A generate that
    adopted a prewarm skips the lookup: once reserved it resumes where the prewarm was.
 
@@ -22,6 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, assert_never
 
+from actors.engine.checkpoints import CheckpointPolicy
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import TokenizeJob
 from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
@@ -62,6 +64,7 @@ class AdmissionLimits:
     reservation_timeout_s: float  # how long a sequence's Reserve may queue at the keeper
     default_max_tokens: int  # cap for a generate that set no max_tokens ("the rest of the context")
     chunk_tokens: int  # prefill chunk size: a windowed cache holds a chunk beyond its window
+    checkpoints: CheckpointPolicy  # where prefills of an untrimmable cache snapshot, and how much
 
 
 # --------------------------------------------------------------------------- supersede / adopt
@@ -188,6 +191,7 @@ class Admission:
                 prepared = job.prepared.get(seq.sequence_id)
                 if prepared is not None:
                     seq.instructions_tokens = prepared.instructions_tokens
+                    seq.message_ends = prepared.message_ends
                     seq.dropped_turns = prepared.dropped_turns
                 seq.tokens = tuple(tokens)
                 self._tokenized(seq, ctx)
@@ -248,7 +252,7 @@ class Admission:
         seq.state, prewarm.state = prewarm.state, None
         seq.lease_id, prewarm.lease_id = prewarm.lease_id, None
         seq.checkpoints, prewarm.checkpoints = prewarm.checkpoints, []
-        seq.snapshot_ids, prewarm.snapshot_ids = prewarm.snapshot_ids, []
+        seq.snapshots, prewarm.snapshots = prewarm.snapshots, []
         seq.generation = prewarm.generation
         seq.restore_entry, seq.restore_length = prewarm.restore_entry, prewarm.restore_length
         seq.in_compute, prewarm.in_compute = prewarm.in_compute, False
@@ -273,16 +277,34 @@ class Admission:
                 self._reserve(seq, ctx)
 
     def _reserve(self, seq: Sequence, ctx: Context) -> None:
+        """Ask for the sequence's KV, with room for the snapshots its prefill may take."""
         assert self._info is not None
         seq.phase = Phase.RESERVING
+        kv = self._info.kv_bytes(_tokens_to_reserve(seq), self._limits.chunk_tokens)
         ctx.send(
             KV_KEEPER,
             Reserve(
                 holder=seq.holder,
-                nbytes=self._info.kv_bytes(_tokens_to_reserve(seq), self._limits.chunk_tokens),
+                nbytes=kv + self._plan_snapshots(seq, kv),
                 timeout_s=self._limits.reservation_timeout_s,
             ),
         )
+
+    def _plan_snapshots(self, seq: Sequence, kv: int) -> int:
+        """Set the sequence's checkpoint rule; the bytes its snapshots need (adopted ones too)."""
+        assert self._info is not None
+        policy = self._limits.checkpoints
+        held = sum(taken.nbytes for taken in seq.snapshots)  # taken by a prewarm it adopted
+        if kv + held > policy.budget_bytes:
+            seq.snapshots.clear()  # the request must fit the budget; its snapshots need not
+            held = 0
+        free = policy.budget_bytes - kv - held
+        seq.checkpoint_rule = policy.rule(
+            self._info, seq.prefill_target, len(seq.message_ends), free
+        )
+        most = 0 if seq.checkpoint_rule is None else seq.checkpoint_rule.most
+        seq.snapshot_room = most * self._info.snapshot_bytes
+        return held + seq.snapshot_room
 
     def reserved(self, holder: Holder, ctx: Context) -> Sequence | None:
         """The keeper granted a sequence's KV: look up the prefix cache, or resume an adoption.

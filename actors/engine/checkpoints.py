@@ -1,15 +1,26 @@
 """Where to snapshot a sequence whose cache cannot be trimmed (sliding-window or recurrent layers).
 
 Such a cache can only be reused whole, so the engine snapshots it at the token counts a later
-prompt is most likely to share with this one:
+prompt is most likely to share with this one, in this order of preference:
 
-- the end of the prompt minus one token (the same prompt again: one token left to run);
-- the last word boundary before the end (a person typing re-tokenizes the last word, so the next
-  prompt rarely extends this one's tokens exactly);
-- every ``every`` tokens of a long prefill (an edit in the middle of a long document reuses all
-  before it);
-- the end of the instructions (system/developer messages) when a chat prompt says where it is, so
-  another conversation with the same instructions reuses them.
+1. the end of the prompt minus one token (the same prompt again: one token left to run);
+2. the last word boundary before the end (a person typing re-tokenizes the last word, so the next
+   prompt rarely extends this one's tokens exactly);
+3. the end of the instructions (system/developer messages), so another conversation with the
+   same instructions reuses them;
+4. the end of each chat message but the last, latest first (editing or regenerating a message
+   reuses every message before it);
+5. every ``spacing`` tokens (an edit anywhere in a long prompt reuses all before the multiple of
+   ``spacing`` below it).
+
+The spacing follows from what a snapshot costs: at most one window per sliding layer plus the
+recurrent state (``ModelInfo.snapshot_bytes``), whatever the prompt's length. It is the smallest
+power of two, at least ``MIN_SPACING``, whose tokens add at least a snapshot's bytes of
+full-attention KV, so periodic checkpoints at most double what a prompt's full-attention KV costs;
+and it is never wider than the model's ``checkpoint_every_tokens``. A prefill takes at most
+``MAX_POINTS`` snapshots and at most ``1 / BUDGET_SHARE`` of the KV budget in them; past that the
+periodic spacing doubles (its points stay multiples of the denser spacing) and the least
+preferred of the other points go.
 
 The end of a generation and the point where an aborted prefill stopped are snapshotted by the
 engine itself, as the sequence's own final state.
@@ -18,28 +29,88 @@ engine itself, as the sequence's own final state.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from runtime.backends.contract import ModelInfo, ReuseStrategy
 
 WORD_SCAN_TOKENS = 32  # how far back to look for the last word boundary
+MIN_SPACING = 64  # on a recurrent state each checkpoint ends a pass: at most 4 per 256 tokens
+MAX_POINTS = 32  # snapshots of one prefill, so a long prompt cannot flood the prefix cache
+BUDGET_SHARE = 32  # one prefill's snapshots take at most 1/32 of the KV budget
+_ANCHORS = 3  # points 1-3 above: at most one each
+
+
+@dataclass(frozen=True)
+class CheckpointRule:
+    """How one prefill is checkpointed: the periodic spacing (0: none) and the most snapshots."""
+
+    spacing: int
+    most: int
+
+
+@dataclass(frozen=True)
+class CheckpointPolicy:
+    """An engine's checkpoint rules: its model's ``checkpoint_every_tokens`` and the KV budget."""
+
+    widest: int  # the periodic spacing never exceeds this (0: no periodic checkpoints)
+    budget_bytes: int
+
+    def spacing(self, info: ModelInfo) -> int:
+        """The periodic spacing on this model (see the module docstring)."""
+        if self.widest <= 0 or info.bytes_per_token <= 0:  # no full-attention KV to weigh against
+            return max(self.widest, 0)
+        tokens = max(MIN_SPACING, -(-info.snapshot_bytes // info.bytes_per_token))
+        return min(self.widest, 1 << (tokens - 1).bit_length())
+
+    def rule(
+        self, info: ModelInfo, target: int, message_ends: int, free_bytes: int
+    ) -> CheckpointRule | None:
+        """The rule of a prefill of ``target`` tokens with ``message_ends`` known message ends,
+        whose snapshots fit in ``free_bytes``; None when the model's cache trims instead."""
+        if info.reuse is not ReuseStrategy.CHECKPOINT:
+            return None
+        spacing = self.spacing(info)
+        most = min(MAX_POINTS, _ANCHORS + message_ends + periodic_count(0, target, spacing))
+        if info.snapshot_bytes > 0:
+            affordable = min(self.budget_bytes // BUDGET_SHARE, max(free_bytes, 0))
+            most = min(most, affordable // info.snapshot_bytes)
+        return CheckpointRule(spacing, most)
+
+
+def periodic_count(start: int, target: int, spacing: int) -> int:
+    """How many multiples of ``spacing`` lie strictly between ``start`` and ``target``."""
+    if spacing <= 0 or target <= start:
+        return 0
+    return (target - 1) // spacing - start // spacing
 
 
 def plan_checkpoints(
     tokens: Sequence[int],
     start: int,
     target: int,
-    every: int,
     decode: Callable[[Sequence[int]], str],
+    rule: CheckpointRule,
+    *,
+    message_ends: Sequence[int] = (),
     instructions_end: int = 0,
 ) -> list[int]:
-    """Sorted token counts strictly between ``start`` (cached) and ``target`` to snapshot at."""
-    points: set[int] = set()
+    """Sorted token counts strictly between ``start`` (cached) and ``target`` to snapshot at:
+    at most ``rule.most``, the preferred ones first (see the module docstring)."""
     end_of_prompt = len(tokens) - 1
-    points.add(end_of_prompt)
+    preferred = [end_of_prompt]
     for index in range(end_of_prompt, max(start, end_of_prompt - WORD_SCAN_TOKENS), -1):
         if decode([tokens[index]])[:1].isspace():
-            points.add(index)  # the state just before the last word began
+            preferred.append(index)  # the state just before the last word began
             break
-    if every > 0:
-        points.update(range(every, target, every))
-    if instructions_end > 0:
-        points.add(instructions_end)
-    return sorted(p for p in points if start < p < target)
+    preferred.append(instructions_end)
+    preferred.extend(reversed(message_ends))
+    kept = set(list(dict.fromkeys(p for p in preferred if start < p < target))[: rule.most])
+    spacing = rule.spacing
+    while spacing > 0:
+        first = (start // spacing + 1) * spacing
+        periodic = set(range(first, target, spacing)) - kept
+        if len(kept) + len(periodic) <= rule.most:
+            kept |= periodic
+            break
+        spacing *= 2  # twice as wide: its points are still multiples of the denser spacing
+    return sorted(kept)

@@ -20,7 +20,6 @@ from actors.engine.jobs import (
     BatchJob,
     Job,
     StepJob,
-    StepPlan,
     TokenizeJob,
     run_batch,
     run_step,
@@ -40,13 +39,11 @@ class ComputeSlot:
 
     def __init__(
         self,
-        plan: StepPlan,
         sizer: ChunkSizer,
         sequences: dict[int, Sequence],
         batches: BatchScheduler,
         entries: EntryStore,
     ) -> None:
-        self._plan = plan
         self._sizer = sizer
         self._sequences = sequences
         self._batches = batches
@@ -109,6 +106,6 @@ class ComputeSlot:
             step = StepJob(seq, chunk_tokens=chunk)
             # Leased: never dropped meanwhile.
             source = self._entries.restore_source(seq.restore_entry, seq.restore_length)
-            self.submit(ctx, step, lambda: run_step(step, seq, backend, self._plan, source))
+            self.submit(ctx, step, lambda: run_step(step, seq, backend, source))
             return True
         return False

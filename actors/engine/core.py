@@ -20,6 +20,7 @@ from typing import assert_never
 
 from actors.engine.admission import Admission, AdmissionLimits
 from actors.engine.batch import BatchScheduler
+from actors.engine.checkpoints import CheckpointPolicy
 from actors.engine.chunking import ChunkSizer
 from actors.engine.compute import ComputeSlot
 from actors.engine.endings import Endings
@@ -30,7 +31,6 @@ from actors.engine.jobs import (
     Job,
     LoadJob,
     StepJob,
-    StepPlan,
     TokenizeJob,
     run_load,
 )
@@ -87,6 +87,7 @@ class EngineCore:
         spec: ModelSpec,
         epoch: int,
         load_backend: BackendLoader,
+        kv_budget_bytes: int,
         reservation_timeout_s: float = 30.0,
         default_max_tokens: int = 4096,
     ) -> None:
@@ -101,10 +102,7 @@ class EngineCore:
         except InvalidModelSpec as error:  # reported at start as the failed load; nothing runs
             self._options = error
         options = self._options if isinstance(self._options, EngineOptions) else EngineOptions()
-        self._plan = StepPlan(
-            chunk_tokens=max(1, spec.prefill_chunk_tokens),
-            checkpoint_every=options.checkpoint_every_tokens,
-        )
+        chunk_tokens = max(1, spec.prefill_chunk_tokens)  # the most a chunk holds (KV is priced)
         self._backend: Backend | None = None
         self._sequences: dict[int, Sequence] = {}
         self._draining = False
@@ -117,12 +115,11 @@ class EngineCore:
             options.max_concurrent,  # past the admission gate; others wait FIFO
             reservation_timeout_s,
             default_max_tokens,
-            self._plan.chunk_tokens,
+            chunk_tokens,
+            CheckpointPolicy(options.checkpoint_every_tokens, kv_budget_bytes),
         )
-        self._sizer = ChunkSizer(self._plan.chunk_tokens, options.prefill_chunk_ms / 1000)
-        self._compute = ComputeSlot(
-            self._plan, self._sizer, self._sequences, self._batches, self._entries
-        )
+        self._sizer = ChunkSizer(chunk_tokens, options.prefill_chunk_ms / 1000)
+        self._compute = ComputeSlot(self._sizer, self._sequences, self._batches, self._entries)
         self._ends = Endings(
             self._sequences,
             self._entries,
@@ -178,6 +175,13 @@ class EngineCore:
         gauges = {
             "sequences": len(self._sequences),
             **self._entries.gauges(),
+            "pending_snapshots": sum(len(s.snapshots) for s in self._sequences.values()),
+            # Of live sequences' granted reservations, what is held for snapshots (taken, or room).
+            "sequence_snapshot_bytes": sum(
+                s.snapshot_room + sum(taken.nbytes for taken in s.snapshots)
+                for s in self._sequences.values()
+                if s.reserved
+            ),
             "batch_size": len(self._batches),
             "batch_padding_bytes": self._batches.padding_bytes,
         }
@@ -231,7 +235,7 @@ class EngineCore:
                 elif holder.kind is HolderKind.SEQUENCE and seq and seq.phase is Phase.RESERVING:
                     self._ends.fail_with(seq, ctx, code, text, retry)
                 elif holder.kind is HolderKind.PREFIX_ENTRY and self._entries.refused(holder.id):
-                    pass  # no room for that snapshot: skipped
+                    pass  # no room for that pinned copy: skipped
                 else:
                     ctx.count_dead_letter("stale_reservation_reply")
             case LookupResult():

@@ -3,7 +3,7 @@
 A sequence ends once: finished (``finish``: a reason such as ``length`` or ``stop``, ``prewarmed``,
 ``adopted``), cancelled (``abort``, at once or when its running job comes back) or failed
 (``fail``). The router hears the terminal event at once. What the sequence holds (its prefix-cache
-lease, its snapshots' bytes, its KV reservation) is released then, or, for a sequence still in the
+lease, its KV reservation, snapshots included) is released then, or, for a sequence still in the
 decode batch, once its state is back out (``returned_from_batch``). A finished sequence's cache,
 and a cancelled one's unless the model is going away, is first committed to the prefix cache
 (``EntryStore.detach``); a failed one's never is.
@@ -118,8 +118,8 @@ class Endings:
         self._entries.detach(seq, backend, ctx)
 
     def release_holdings(self, seq: Sequence, ctx: Context) -> None:
-        """Give back the sequence's snapshots, its prefix-cache lease and its KV reservation."""
-        self._entries.discard_snapshots(seq, ctx)
+        """Give back the sequence's prefix-cache lease and its KV reservation (snapshots too)."""
+        seq.snapshots.clear()  # those not in an entry: their bytes go back with the reservation
         if seq.lease_id is not None:
             ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
             seq.lease_id = None

@@ -9,10 +9,11 @@ only those layers (``Backend.snapshot``), taken while the sequence prefills. The
 of the entry the sequence's final state turns into: that entry is restorable at each point, its
 trimmable layers cut back and its untrimmable ones copied from the point's snapshot. So the
 full-attention KV a hybrid model's checkpoints need is stored once, in the final state, instead
-of once per checkpoint. A snapshot is extra memory: it asks for its own reservation, only if free
-now (``Reserve(timeout_s=0)``), moved to the entry when the entry is made; one not granted by then
-(or whose sequence leaves no entry) is given back. A session's pinned instructions prefix is a
-whole copy instead, committed at once as its own entry, since it must outlive the conversation.
+of once per checkpoint. A snapshot's bytes are part of its sequence's reservation (admission
+reserves room for the planned checkpoints with the KV), so they queue and evict like any other
+bytes; one that finds no room left is dropped, and room not used goes back with the reservation.
+A session's pinned instructions prefix is a whole copy instead, committed as its own entry once
+its own reservation is granted, since it must outlive the conversation.
 """
 
 from __future__ import annotations
@@ -39,14 +40,6 @@ class _Entry:
     points: dict[int, Snapshot] = field(default_factory=dict)  # restorable at these lengths too
 
 
-@dataclass
-class _Snapshot:
-    """A checkpoint snapshot of a live sequence, held until its final state becomes an entry."""
-
-    snapshot: Snapshot
-    granted: bool = False  # its reservation: asked for at once, granted only if free then
-
-
 class RestoreSource(NamedTuple):
     """What a lookup hit restores from: an entry's state, and its snapshot at the hit's length."""
 
@@ -62,7 +55,6 @@ class EntryStore:
         self._epoch = epoch
         self._counters = counters
         self._entries: dict[int, _Entry] = {}
-        self._snapshots: dict[int, _Snapshot] = {}  # by id; ids shared with entries (holders)
         self._next_id = 1
         self._pins: dict[SessionKey, tuple[TokenIds, int]] = {}  # -> (tokens, entry id)
 
@@ -84,13 +76,11 @@ class EntryStore:
             "entry_point_bytes": sum(
                 p.nbytes for e in self._entries.values() for p in e.points.values()
             ),
-            "pending_snapshots": len(self._snapshots),
             "pins": len(self._pins),
         }
 
     def clear(self) -> None:
         self._entries.clear()
-        self._snapshots.clear()
         self._pins.clear()
 
     def holder(self, entry_id: int) -> Holder:
@@ -103,54 +93,35 @@ class EntryStore:
     def detach(self, seq: Sequence, backend: Backend, ctx: Context) -> None:
         """Turn the sequence's cache into an entry keyed by exactly the tokens it holds.
 
-        On a cache that cannot be trimmed, the sequence's granted snapshots become the entry's
-        points; the caller gives back the others (``discard_snapshots``).
+        On a cache that cannot be trimmed, the sequence's snapshots become the entry's points.
         """
         state, seq.state = seq.state, None
         if state is None or state.length == 0 or not seq.reserved:
             return
         entry_id, commit = self._new(seq, state, backend)
-        entry, target = self._entries[entry_id], self.holder(entry_id)
-        # The sequence's own reservation already covers this state: move it to the entry.
-        ctx.send(KV_KEEPER, Transfer(source=seq.holder, target=target, nbytes=commit.nbytes))
+        entry = self._entries[entry_id]
         if not commit.trimmable:  # a trimmable entry serves every prefix without snapshots
-            for snapshot_id in seq.snapshot_ids:
-                taken = self._snapshots.get(snapshot_id)
-                if taken is None or not taken.granted:
-                    continue  # refused, or its grant is still on the way: given back later
-                if not 0 < taken.snapshot.length < state.length:
-                    continue
-                del self._snapshots[snapshot_id]
-                entry.points[taken.snapshot.length] = taken.snapshot
-                entry.nbytes += taken.snapshot.nbytes
-                source = self.holder(snapshot_id)
-                ctx.send(
-                    KV_KEEPER, Transfer(source=source, target=target, nbytes=taken.snapshot.nbytes)
-                )
-                ctx.send(KV_KEEPER, Release(holder=source))  # empty now: close its account
+            for taken in seq.snapshots:
+                if 0 < taken.length < state.length:
+                    entry.points[taken.length] = taken
+            entry.nbytes += sum(p.nbytes for p in entry.points.values())
             commit = msgspec.structs.replace(
                 commit, nbytes=entry.nbytes, points=tuple(sorted(entry.points))
             )
+        # The sequence's reservation already covers this state and its snapshots: move them.
+        target = self.holder(entry_id)
+        ctx.send(KV_KEEPER, Transfer(source=seq.holder, target=target, nbytes=entry.nbytes))
         ctx.send(PREFIX_CACHE, commit)
         self._counters.inc("entries_committed")
 
-    def snapshot(self, seq: Sequence, snapshot: Snapshot, ctx: Context) -> None:
-        """A checkpoint of ``seq``'s untrimmable layers: asks, only if free now, for its bytes."""
-        snapshot_id = self._allocate_id()
-        self._snapshots[snapshot_id] = _Snapshot(snapshot)
-        seq.snapshot_ids.append(snapshot_id)
-        holder = self.holder(snapshot_id)
-        ctx.send(KV_KEEPER, Reserve(holder=holder, nbytes=snapshot.nbytes, timeout_s=0.0))
+    def snapshot(self, seq: Sequence, snapshot: Snapshot) -> None:
+        """A checkpoint of ``seq``'s untrimmable layers: kept if its reservation has room left."""
         self._counters.inc("snapshots_taken")
-
-    def discard_snapshots(self, seq: Sequence, ctx: Context) -> None:
-        """Give back the snapshots of an ended sequence that did not join an entry."""
-        for snapshot_id in seq.snapshot_ids:
-            taken = self._snapshots.pop(snapshot_id, None)
-            if taken is not None and taken.granted:
-                ctx.send(KV_KEEPER, Release(holder=self.holder(snapshot_id)))
-            # Not granted yet: the late grant finds no snapshot and is given back (``reserved``).
-        seq.snapshot_ids.clear()
+        if not seq.reserved or snapshot.nbytes > seq.snapshot_room:
+            self._counters.inc("snapshots_refused")  # e.g. taken by a prewarm adopted meanwhile
+            return
+        seq.snapshot_room -= snapshot.nbytes
+        seq.snapshots.append(snapshot)
 
     def pin_copy(self, seq: Sequence, state: SequenceState, backend: Backend, ctx: Context) -> None:
         """The session's instructions prefix: a whole copy, pinned once its bytes are granted."""
@@ -167,11 +138,7 @@ class EntryStore:
         self._counters.inc("snapshots_taken")
 
     def reserved(self, entry_id: int, ctx: Context) -> None:
-        """A snapshot's reservation was granted: keep it (or give the bytes back)."""
-        taken = self._snapshots.get(entry_id)
-        if taken is not None:
-            taken.granted = True
-            return
+        """A pinned copy's reservation was granted: commit it (or give the bytes back)."""
         entry = self._entries.get(entry_id)
         if entry is None or entry.pending is None:
             ctx.send(KV_KEEPER, Release(holder=self.holder(entry_id)))
@@ -181,9 +148,8 @@ class EntryStore:
         self._counters.inc("entries_committed")
 
     def refused(self, entry_id: int) -> bool:
-        """No room for this snapshot: forget it. False if it was not ours."""
-        ours = self._snapshots.pop(entry_id, None) or self._entries.pop(entry_id, None)
-        if ours is None:
+        """No room for this pinned copy: forget it. False if it was not ours."""
+        if self._entries.pop(entry_id, None) is None:
             return False
         self._forget_pins((entry_id,))
         self._counters.inc("snapshots_refused")

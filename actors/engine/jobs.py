@@ -20,11 +20,10 @@ from runtime.backends.contract import (
     CannotTrim,
     DecodeBatchHandle,
     PrefillInterrupted,
-    ReuseStrategy,
     SequenceState,
     Snapshot,
 )
-from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY, ModelOptions
+from runtime.backends.options import ModelOptions
 from runtime.messages import ModelSpec, RequestKind, TokenLogprob
 from runtime.text.chat import PreparedPrompt, prepare_chat
 
@@ -101,14 +100,6 @@ class CloseJob:
 Job = LoadJob | TokenizeJob | StepJob | BatchJob | CloseJob
 
 
-@dataclass(frozen=True)
-class StepPlan:
-    """How an engine cuts prefills: chunk size, and snapshot spacing for non-trimmable caches."""
-
-    chunk_tokens: int
-    checkpoint_every: int = DEFAULT_CHECKPOINT_EVERY
-
-
 def run_load(
     job: LoadJob, load_backend: BackendLoader, spec: ModelSpec, options: ModelOptions
 ) -> None:
@@ -149,7 +140,6 @@ def run_step(
     job: StepJob,
     seq: Sequence,
     backend: Backend,
-    plan: StepPlan,
     restore_source: RestoreSource | None,
 ) -> None:
     """One restore, prefill chunk or decode step of ``seq``, unless its abort flag is set."""
@@ -158,7 +148,7 @@ def run_step(
         return
     try:
         if seq.phase is Phase.RESTORING:
-            job.state = _restore(job, seq, backend, plan, restore_source)
+            job.state = _restore(job, seq, backend, restore_source)
         elif seq.phase is Phase.PREFILLING:
             _prefill_chunk(job, seq, backend)
         else:
@@ -168,11 +158,7 @@ def run_step(
 
 
 def _restore(
-    job: StepJob,
-    seq: Sequence,
-    backend: Backend,
-    plan: StepPlan,
-    source: RestoreSource | None,
+    job: StepJob, seq: Sequence, backend: Backend, source: RestoreSource | None
 ) -> SequenceState:
     if seq.state is not None:  # adopted from a prewarm
         state = seq.state
@@ -185,13 +171,14 @@ def _restore(
             job.fallback = "trim_refused"
             state = backend.new_state()
     points: list[int] = []
-    if backend.info.reuse is ReuseStrategy.CHECKPOINT and seq.tokens is not None:
+    if seq.checkpoint_rule is not None and seq.tokens is not None:
         points = plan_checkpoints(
             seq.tokens,
             state.length,
             seq.prefill_target,
-            plan.checkpoint_every,
             backend.decode,
+            seq.checkpoint_rule,
+            message_ends=seq.message_ends,
             instructions_end=seq.instructions_tokens,
         )
     if state.length < seq.pin_at < seq.prefill_target and seq.pin_at not in points:

@@ -69,7 +69,7 @@ class StepOutcomes:
             assert backend is not None
             self._entries.pin_copy(seq, job.pin_copy, backend, ctx)
         for snapshot in job.snapshots:
-            self._entries.snapshot(seq, snapshot, ctx)
+            self._entries.snapshot(seq, snapshot)
         if seq.phase is Phase.DONE:
             return
         if seq.crash_message is not None:

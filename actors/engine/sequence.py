@@ -8,7 +8,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from runtime.backends.contract import SequenceState
+from actors.engine.checkpoints import CheckpointRule
+from runtime.backends.contract import SequenceState, Snapshot
 from runtime.messages import (
     Admit,
     Generate,
@@ -61,6 +62,7 @@ class Sequence:
     rng: random.Random
     dropped_turns: int = 0
     instructions_tokens: int = 0  # leading tokens that render the system messages alone
+    message_ends: tuple[int, ...] = ()  # token counts where chat messages end (checkpoints)
     pin_at: int = 0  # >0: snapshot here and pin it as the session's instructions prefix
     phase: Phase = Phase.TOKENIZING
     # Set once, by the loop, when the sequence must stop; the compute thread checks it per step.
@@ -75,9 +77,12 @@ class Sequence:
     restore_entry: int | None = None
     restore_length: int = 0
     path: ReusePath = ReusePath.MISS
+    checkpoint_rule: CheckpointRule | None = None  # None: the cache trims, no checkpoints
     checkpoints: list[int] = field(default_factory=list)  # token counts to snapshot at
-    # Ids of the snapshots taken so far (EntryStore): they join the entry its final state becomes.
-    snapshot_ids: list[int] = field(default_factory=list)
+    # Bytes of its KV reservation still free for snapshots (reserved with it, for them).
+    snapshot_room: int = 0
+    # Snapshots taken so far, covered by its reservation: points of the entry it leaves.
+    snapshots: list[Snapshot] = field(default_factory=list)
     started_sent: bool = False
     cached_tokens: int = 0
     resume_phase: Phase | None = None  # set when adopting a prewarm: where to continue

@@ -48,6 +48,12 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     # prefill pass pays (reading the weights, launching each layer), whatever its length.
     pass_s: float = 0.0
 
+    @property
+    def snapshot_bytes(self) -> int:
+        """The most one ``Snapshot`` holds, whatever the length: a window per sliding layer and
+        the recurrent state (full-attention layers are cut back instead of copied)."""
+        return (self.window_tokens or 0) * self.window_bytes_per_token + self.fixed_state_bytes
+
     def kv_bytes(self, n_tokens: int, chunk_tokens: int = 1) -> int:
         """Bytes of cache a sequence of ``n_tokens`` needs, from the model's real layout.
 

@@ -37,7 +37,8 @@ WeightsOption = Literal["auto", WeightFormat]
 class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options the engine reads, whatever the backend."""
 
-    # Snapshot spacing during long prefills of non-trimmable caches (0: none).
+    # The widest snapshot spacing in prefills of non-trimmable caches; cheap snapshots space
+    # closer (actors/engine/checkpoints.py). 0: no periodic snapshots.
     checkpoint_every_tokens: int = DEFAULT_CHECKPOINT_EVERY
     # Time a prefill chunk aims at: a decode-batch step or another request waits about this long
     # behind it (an abort less: a pass gives up between layers). A chunk never takes less than

@@ -20,6 +20,9 @@ Steps, in order:
    are never dropped.
 5. Check the context: prompt plus ``max_tokens`` above ``context_length`` raises
    ``ContextLengthExceeded``. Without a window nothing is ever dropped: the client owns its context.
+6. Locate the message ends: where the instructions end, and where each of the latest messages but
+   the final one ends, in prompt tokens (the engine checkpoints a cache that cannot be trimmed
+   there, so an edit of a later message reuses all before it).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ __all__ = [
 
 ROLES: Final[frozenset[str]] = frozenset(("system", "developer", "user", "assistant", "tool"))
 INSTRUCTION_ROLES: Final[frozenset[str]] = frozenset(("system", "developer"))
+# Message ends located per prompt: edits land near the end, and each end costs a template render.
+MESSAGE_ENDS: Final = 16
 
 # A closed block; reasoning before a lone closing tag (templates that open it in the generation
 # prompt); an opening tag never closed (a turn cut off by max_tokens).
@@ -57,13 +62,17 @@ class PreparedPrompt(msgspec.Struct, frozen=True, kw_only=True):
 
     ``instructions_tokens`` is how many leading ``tokens`` render the leading system/developer
     messages alone (0 when there are none or they are not a token prefix); the runtime pins that
-    prefix in the prefix cache. ``dropped_turns`` counts the turns the history window removed.
+    prefix in the prefix cache. ``message_ends`` are the token counts, ascending, at which each of
+    the latest ``MESSAGE_ENDS`` messages but the final one ends (a message whose end is not a
+    token boundary of the prompt is left out). ``dropped_turns`` counts the turns the history
+    window removed.
     """
 
     tokens: tuple[int, ...]
     text: str
     instructions_tokens: int
     dropped_turns: int
+    message_ends: tuple[int, ...] = ()
 
 
 class ChatTokenizer(Protocol):
@@ -88,11 +97,11 @@ def prepare_chat(
     renderer = _Renderer(tokenizer, options.add_generation_prompt)
     msgs = messages if options.keep_reasoning else _strip_earlier_reasoning(messages)
     if options.history_budget_tokens is None:
-        text, tokens = renderer.prompt(msgs)
-        dropped = 0
+        kept, dropped = msgs, 0
+        text, tokens = renderer.prompt(kept)
     else:
         budget = min(options.history_budget_tokens, context_length - max_tokens)
-        text, tokens, dropped = _window(renderer, msgs, budget)
+        kept, text, tokens, dropped = _window(renderer, msgs, budget)
     over = len(tokens) + max_tokens - context_length
     if over > 0:
         after = f" after dropping {dropped} earlier turns" if dropped else ""
@@ -106,6 +115,7 @@ def prepare_chat(
         text=text,
         instructions_tokens=_instructions_tokens(renderer, msgs, tokens),
         dropped_turns=dropped,
+        message_ends=_message_ends(renderer, kept, text, tokens),
     )
 
 
@@ -191,8 +201,12 @@ class _Renderer:
     def encode(self, text: str) -> list[int]:
         # The template already wrote BOS and friends; the fallback format relies on the tokenizer.
         if self._templated:
-            return [int(t) for t in self._tokenizer.encode(text, add_special_tokens=False)]
+            return self.encode_continuation(text)
         return [int(t) for t in self._tokenizer.encode(text)]
+
+    def encode_continuation(self, text: str) -> list[int]:
+        """Text that follows other text in the prompt: no BOS of its own."""
+        return [int(t) for t in self._tokenizer.encode(text, add_special_tokens=False)]
 
 
 def _has_chat_template(tokenizer: object) -> bool:
@@ -218,31 +232,33 @@ def _turns(messages: Sequence[ChatMessage]) -> list[list[int]]:
 
 def _window(
     renderer: _Renderer, messages: Sequence[ChatMessage], budget: int
-) -> tuple[str, list[int], int]:
-    """The prompt without the fewest oldest turns that makes it fit ``budget`` tokens.
+) -> tuple[list[ChatMessage], str, list[int], int]:
+    """The messages without the fewest oldest turns that makes them fit ``budget`` tokens, their
+    prompt text and tokens, and how many turns were dropped.
 
     When even the latest turn alone does not fit, returns that smallest prompt; the caller's
     context check decides whether it is refused.
     """
     turns = _turns(messages)
-    tried: dict[int, tuple[str, list[int]]] = {}
+    tried: dict[int, tuple[list[ChatMessage], str, list[int]]] = {}
 
-    def without_oldest(drop: int) -> tuple[str, list[int]]:
+    def without_oldest(drop: int) -> tuple[list[ChatMessage], str, list[int]]:
         if drop not in tried:
             gone = {i for turn in turns[:drop] for i in turn}
-            tried[drop] = renderer.prompt([m for i, m in enumerate(messages) if i not in gone])
+            kept = [m for i, m in enumerate(messages) if i not in gone]
+            tried[drop] = (kept, *renderer.prompt(kept))
         return tried[drop]
 
     most = max(len(turns) - 1, 0)
-    if len(without_oldest(0)[1]) <= budget:
+    if len(without_oldest(0)[2]) <= budget:
         return (*without_oldest(0), 0)
-    if len(without_oldest(most)[1]) > budget:
+    if len(without_oldest(most)[2]) > budget:
         return (*without_oldest(most), most)
     # Fewer messages never render to more tokens, so the fitting drop counts are a suffix range.
     fits, overflows = most, 0
     while fits - overflows > 1:
         middle = (fits + overflows) // 2
-        if len(without_oldest(middle)[1]) <= budget:
+        if len(without_oldest(middle)[2]) <= budget:
             fits = middle
         else:
             overflows = middle
@@ -264,3 +280,34 @@ def _instructions_tokens(
     if len(prefix) <= len(tokens) and tokens[: len(prefix)] == prefix:
         return len(prefix)
     return 0
+
+
+def _message_ends(
+    renderer: _Renderer, messages: Sequence[ChatMessage], text: str, tokens: list[int]
+) -> tuple[int, ...]:
+    """Token counts at which the latest ``MESSAGE_ENDS`` messages but the final one end.
+
+    Each end is where the closed rendering of the messages up to it stops, when that rendering
+    is a text prefix of the prompt and its tokens are the prompt's up to there. Only the text
+    since the previous end is tokenized (its tokens must continue the prompt's), so a long
+    conversation is tokenized about once, not once per message.
+    """
+    ends: list[int] = []
+    rendered = ""
+    for count in range(max(1, len(messages) - MESSAGE_ENDS), len(messages)):
+        try:
+            prefix = renderer.render(messages[:count], generation_prompt=False)
+        except InvalidRequest:
+            continue  # some templates refuse a conversation that ends here
+        if len(prefix) <= len(rendered) or not text.startswith(prefix):
+            continue  # the template renders these messages differently when more follow
+        start = ends[-1] if ends else 0
+        if rendered:
+            piece = renderer.encode_continuation(prefix[len(rendered) :])
+        else:
+            piece = renderer.encode(prefix)
+        end = start + len(piece)
+        if end < len(tokens) and tokens[start:end] == piece:
+            ends.append(end)
+            rendered = prefix
+    return tuple(ends)

@@ -1,0 +1,88 @@
+"""The performance goals of issue 10, and whether a run meets them.
+
+A goal bounds either the runtime's own value of a scenario (the actor hop, abandon's after/idle)
+or its ratio to another system on the same model and scenario (runtime / mlx_lm.server).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from bench.results import OVERHEAD_MODEL, ResultSet
+
+RAW = "mlx-lm"
+SERVER = "mlx_lm.server"
+STREAMS = (1, 2, 4, 8)  # the concurrency scenarios' stream counts
+
+Verdict = Literal["met", "not met", "not measured"]
+
+
+@dataclass(frozen=True)
+class Goal:
+    """``scenario``'s runtime value, or its ratio to ``versus``, at most or at least ``limit``."""
+
+    scenario: str
+    limit: float
+    at_most: bool
+    versus: str | None = None
+    unit: str = "x"
+
+    @property
+    def subject(self) -> str:
+        return f"runtime/{self.versus}" if self.versus else f"`{self.scenario}`"
+
+    @property
+    def text(self) -> str:
+        """The goal as the issue states it, e.g. ``runtime/mlx_lm.server ≤ 1.00x``."""
+        return f"{self.subject} {'≤' if self.at_most else '≥'} {show(self.limit, self.unit)}"
+
+    def measure(self, results: ResultSet, model: str) -> float | None:
+        if self.versus is None:
+            return results.value("runtime", model, self.scenario)
+        return results.versus(model, self.scenario, self.versus)
+
+    def judge(self, value: float | None) -> Verdict:
+        if value is None:
+            return "not measured"
+        met = value <= self.limit if self.at_most else value >= self.limit
+        return "met" if met else "not met"
+
+
+def judged(goal: Goal, results: ResultSet, model: str) -> str:
+    """``met (0.98x)``, ``not met (1.20x)`` or ``not measured``."""
+    value = goal.measure(results, model)
+    verdict = goal.judge(value)
+    return verdict if value is None else f"{verdict} ({show(value, goal.unit)})"
+
+
+def show(value: float | None, unit: str) -> str:
+    """A goal's value for a reader: ratios as ``1.05x``, others with their unit."""
+    if value is None:
+        return "not measured"
+    return f"{value:.2f}x" if unit == "x" else f"{value:g} {unit}"
+
+
+COLD_VS_RAW = Goal("turn2.cold_ttft", 1.05, at_most=True, versus=RAW)
+COLD_VS_SERVER = Goal("turn2.cold_ttft", 1.0, at_most=True, versus=SERVER)
+DECODE_VS_RAW = Goal("decode.tokens_per_s", 0.97, at_most=False, versus=RAW)
+WARM_VS_SERVER = Goal("turn2.warm_ttft", 1.0, at_most=True, versus=SERVER)
+ABANDON = Goal("abandon.after/idle", 1.5, at_most=True)
+CONCURRENCY = {
+    n: Goal(f"concurrency.{n}.tok_s", 1.0, at_most=False, versus=SERVER) for n in STREAMS
+}
+MODEL_GOALS = (  # judged on each model
+    COLD_VS_RAW,
+    COLD_VS_SERVER,
+    WARM_VS_SERVER,
+    DECODE_VS_RAW,
+    ABANDON,
+    *CONCURRENCY.values(),
+)
+HOP = Goal("hop.message_us_p50", 10.0, at_most=True, unit="us")
+
+
+def hop_verdict(results: ResultSet) -> str:
+    """The one goal without a model: the actor hop, on the rows ``--scenarios hop`` writes."""
+    verdict = judged(HOP, results, OVERHEAD_MODEL)
+    return f"Actor message hop p50 under uvloop, {HOP.text}: {verdict}."

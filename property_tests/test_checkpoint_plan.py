@@ -1,0 +1,118 @@
+"""Checkpoint planning, checked without an engine (actors/engine/checkpoints.py, docs/reuse.md).
+
+``CheckpointPolicy.rule`` and ``plan_checkpoints`` are pure. Layouts, budgets, prompts (token 0
+starts a word), cached starts, message ends and rules are drawn; the rules:
+
+- the plan is sorted, without repeats, strictly inside (start, target);
+- it never holds more than ``rule.most`` points, so the snapshots fit the room admission reserved
+  (``rule.most`` snapshots of at most ``snapshot_bytes`` each);
+- every point that is not an anchor (end of prompt minus one, the last word boundary, the end of
+  the instructions) or a message end is a multiple of the rule's spacing;
+- the spacing widens only when it must: a multiple of the spacing is left out only when the plan
+  could not have held it with all the others;
+- the end of the prompt minus one, when inside and ``most`` allows one point, is always planned;
+- a rule's snapshots take at most 1/``BUDGET_SHARE`` of the budget and the bytes left free, its
+  spacing is at most the option and weighs a snapshot against the full-attention KV it spans.
+
+Settings come from the active Hypothesis profile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from actors.engine.checkpoints import (
+    BUDGET_SHARE,
+    MAX_POINTS,
+    MIN_SPACING,
+    WORD_SCAN_TOKENS,
+    CheckpointPolicy,
+    CheckpointRule,
+    plan_checkpoints,
+)
+from runtime.backends.contract import ModelInfo, ReuseStrategy
+
+
+def decode(ids: Sequence[int]) -> str:
+    return "".join(" w" if t == 0 else "x" for t in ids)  # token 0 starts a word
+
+
+@st.composite
+def prompts(draw: st.DrawFn) -> tuple[list[int], int, int, tuple[int, ...], int]:
+    """Tokens, a cached start, a target (all, or all but one), message ends, instructions end."""
+    tokens = draw(st.lists(st.integers(0, 3), min_size=1, max_size=600))
+    target = len(tokens) - draw(st.integers(0, min(1, len(tokens) - 1)))
+    start = draw(st.integers(0, target))
+    ends = tuple(sorted(draw(st.sets(st.integers(1, len(tokens)), max_size=20))))
+    instructions = draw(st.sampled_from((0, *ends[:1])))
+    return tokens, start, target, ends, instructions
+
+
+rules = st.builds(CheckpointRule, spacing=st.integers(0, 200), most=st.integers(0, 40))
+
+
+@given(prompt=prompts(), rule=rules)
+def test_a_plan_stays_inside_its_bounds_and_widens_only_when_it_must(
+    prompt: tuple[list[int], int, int, tuple[int, ...], int], rule: CheckpointRule
+) -> None:
+    tokens, start, target, ends, instructions = prompt
+    plan = plan_checkpoints(
+        tokens, start, target, decode, rule, message_ends=ends, instructions_end=instructions
+    )
+
+    assert plan == sorted(set(plan))
+    assert all(start < p < target for p in plan)
+    assert len(plan) <= rule.most
+    end = len(tokens) - 1
+    words = [i for i in range(end, max(start, end - WORD_SCAN_TOKENS), -1) if tokens[i] == 0]
+    anchors = {end, instructions, *ends, *words[:1]}
+    periodic = [p for p in plan if p not in anchors]
+    assert all(rule.spacing > 0 and p % rule.spacing == 0 for p in periodic)
+    if rule.spacing > 0:
+        multiples = range((start // rule.spacing + 1) * rule.spacing, target, rule.spacing)
+        missing = [m for m in multiples if m not in plan]
+        assert not missing or len(plan) + len(missing) > rule.most
+    if start < end < target and rule.most > 0:
+        assert end in plan
+
+
+layouts = st.builds(
+    ModelInfo,
+    context_length=st.just(1 << 20),
+    vocab_size=st.just(512),
+    eos_token_ids=st.just(frozenset()),
+    reuse=st.just(ReuseStrategy.CHECKPOINT),
+    reuse_reason=st.just("drawn"),
+    bytes_per_token=st.integers(0, 1 << 16),
+    window_tokens=st.none() | st.integers(1, 4096),
+    window_bytes_per_token=st.integers(0, 1 << 16),
+    fixed_state_bytes=st.integers(0, 1 << 26),
+)
+
+
+@given(
+    layout=layouts,
+    widest=st.integers(0, 4096),
+    budget=st.integers(0, 1 << 36),
+    target=st.integers(0, 1 << 17),
+    message_ends=st.integers(0, 20),
+    free=st.integers(-(1 << 30), 1 << 36),
+)
+def test_a_rule_fits_its_budget_and_weighs_snapshots_against_the_kv(
+    layout: ModelInfo, widest: int, budget: int, target: int, message_ends: int, free: int
+) -> None:
+    policy = CheckpointPolicy(widest=widest, budget_bytes=budget)
+    rule = policy.rule(layout, target, message_ends, free)
+
+    assert rule is not None
+    assert 0 <= rule.most <= MAX_POINTS
+    if layout.snapshot_bytes > 0:
+        assert rule.most * layout.snapshot_bytes <= min(budget // BUDGET_SHARE, max(free, 0))
+    assert 0 <= rule.spacing <= max(widest, 0)
+    if widest > 0 and layout.bytes_per_token > 0 and rule.spacing < widest:
+        assert rule.spacing >= MIN_SPACING
+        assert rule.spacing * layout.bytes_per_token >= layout.snapshot_bytes
+        assert rule.spacing & (rule.spacing - 1) == 0  # a power of two
