@@ -52,7 +52,7 @@ from runtime.errors import ModelLoadFailed
 from runtime.messages import ModelSpec
 
 _WARMUP_TOKENS = 4
-_TIMED_PASSES = 5  # the fastest of these is the fixed cost of a pass (noise only adds to it)
+_TIMED_PASSES = 8  # the fastest of these is the fixed cost of a pass (noise only adds to it)
 # A prefill that keeps logits runs its last token as a pass of its own from this many tokens on:
 # one more pass then costs less than projecting the other positions onto the vocabulary
 # (measured on CPU, float32: from ~32-64 tokens on Gemma 3 270M's 262k vocabulary, ~128 on
