@@ -34,15 +34,24 @@ def test_a_chunk_takes_as_many_tokens_as_the_measured_rate_fits_in_the_budget() 
 def test_a_long_chunk_weighs_more_than_a_short_one() -> None:
     sizer = ChunkSizer(cap=1024, budget_s=0.1)
     sizer.observe(256, 0.256)  # 1 ms a token
-    sizer.observe(8, 0.024)  # a short chunk is mostly its pass's fixed cost: 3 ms a token
+    sizer.observe(8, 0.024)  # 3 ms a token
     assert 75 <= sizer.tokens() < 100  # not the 33 that the short chunk alone would give
+
+
+def test_a_pass_s_fixed_cost_is_not_counted_as_the_rate() -> None:
+    sizer = ChunkSizer(cap=1024, budget_s=0.5)
+    sizer.loaded(pass_s=1 / 16)
+    sizer.observe(16, 1 / 16 + 16 / 256)  # half of it the pass's fixed cost
+    assert sizer.tokens() == 112  # (0.5 - 1/16) * 256, not 0.5 / (0.125 / 16) = 64
+    sizer.observe(4, 0.05)  # faster than a pass (noise): no rate to learn from it
+    assert sizer.tokens() == 112
 
 
 def test_a_chunk_takes_at_least_a_few_passes_time_and_stays_within_its_bounds() -> None:
     sizer = ChunkSizer(cap=1024, budget_s=0.01)
     sizer.loaded(pass_s=0.005)
-    sizer.observe(100, 0.1)
-    assert sizer.tokens() == int(PASSES_PER_CHUNK * 0.005 / 0.001)  # the floor, not the budget
+    sizer.observe(100, 0.105)  # a pass and 1 ms a token
+    assert sizer.tokens() == (PASSES_PER_CHUNK - 1) * 5  # the floor's time, not the budget's
     sizer.observe(10, 100.0)  # absurdly slow
     assert sizer.tokens() == MIN_CHUNK_TOKENS
     small = ChunkSizer(cap=8, budget_s=0.001)

@@ -3,19 +3,21 @@
 A chunk is what a decode-batch step or another sequence's work waits behind, so it aims to take
 ``budget_s`` (``EngineOptions.prefill_chunk_ms``). (An abort waits less: a pass gives up between
 layers, ``runtime/backends/mlx/interrupt.py``.) Its size follows the model's prefill rate, measured
-from the chunks the engine runs (seconds per token, the recent chunks weighing most and a long
-chunk more than a short one), so a lone request prefills in as few chunks as the budget allows.
+from the chunks the engine runs, so a lone request prefills in as few chunks as the budget allows.
 
-Every pass has a fixed cost about that of a one-token pass (``ModelInfo.pass_s``, measured at
-load), paid again by each chunk. So a chunk takes at least ``PASSES_PER_CHUNK`` such passes' time
-whatever the budget, keeping that cost near 1/8 of the prefill; on a slow model the floor, not the
-budget, sets the chunk. Measured: Gemma 3 270M's 500-token cold TTFT was within 1% at 8 and 16
-passes (0.4 s and 0.8 s chunks, taking turns in one run), while on the 4-layer tiny llama a short
-request right after an abandoned prefill (an abort waits for one layer of the chunk in flight) took
-3.3x its idle TTFT at 16 passes and 1.5x at 8. A chunk is never more than ``cap`` tokens
-(``ModelSpec.prefill_chunk_tokens``: a sliding-window layer's KV reservation is priced with it)
-nor fewer than ``MIN_CHUNK_TOKENS`` (or the cap, if smaller). Until a chunk has been measured it
-is the cap; a budget of 0 keeps it there.
+A chunk of n tokens takes about a + b·n: every pass has a fixed cost a, about that of a one-token
+pass (``ModelInfo.pass_s``, measured at load), and b is learned from the chunks' times less a
+(the recent chunks weighing most; a short chunk, mostly fixed cost, would otherwise make the rate
+look slow and the next chunks too small). A chunk takes at least ``PASSES_PER_CHUNK`` passes' time
+whatever the budget, keeping a near 1/8 of the prefill; on a slow model that floor, not the
+budget, sets the chunk. Measured, taking turns in one run on a loaded 2-core CPU: Gemma 3 270M's
+500-token cold TTFT was 1.00x and 1.06x (two runs) at 8 passes (~0.4 s chunks) what it was at 16,
+while on the 4-layer tiny llama a short request right after an abandoned prefill (an abort waits
+for one layer of the chunk in flight) took 3.3x its idle TTFT at 16 passes and 1.5x at 8.
+
+A chunk is never more than ``cap`` tokens (``ModelSpec.prefill_chunk_tokens``: a sliding-window
+layer's KV reservation is priced with it) nor fewer than ``MIN_CHUNK_TOKENS`` (or the cap, if
+smaller). Until a chunk has been measured it is the cap; a budget of 0 keeps it there.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ class ChunkSizer:
         self._budget_s = budget_s
         self._floor = min(MIN_CHUNK_TOKENS, self._cap)
         self._pass_s = 0.0
-        self._seconds = 0.0  # decayed sums of the chunks measured
+        self._seconds = 0.0  # decayed sums of the chunks measured (their time less a pass's)
         self._tokens = 0.0
 
     def loaded(self, pass_s: float) -> None:
@@ -42,8 +44,8 @@ class ChunkSizer:
 
     def observe(self, tokens: int, seconds: float) -> None:
         """A chunk of ``tokens`` took ``seconds`` (from its submission to its result)."""
-        if tokens > 0 and seconds > 0:
-            self._seconds = self._seconds * DECAY + seconds
+        if tokens > 0 and seconds > self._pass_s:  # a faster one says nothing about the rate
+            self._seconds = self._seconds * DECAY + seconds - self._pass_s
             self._tokens = self._tokens * DECAY + tokens
 
     def tokens(self) -> int:
@@ -51,5 +53,5 @@ class ChunkSizer:
         if self._budget_s <= 0 or self._seconds <= 0:
             return self._cap
         target_s = max(self._budget_s, PASSES_PER_CHUNK * self._pass_s)
-        fit = int(target_s * self._tokens / self._seconds)
+        fit = int((target_s - self._pass_s) * self._tokens / self._seconds)
         return max(self._floor, min(self._cap, fit))
