@@ -6,7 +6,7 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from actors.engine.chunking import MIN_CHUNK_TOKENS, PASSES_PER_CHUNK, ChunkSizer
+from actors.engine.chunking import MAX_PASSES, MIN_CHUNK_TOKENS, MIN_PASSES, ChunkSizer
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
 from runtime.messages import Cancel, Cancelled, Finished, Generate, Started
@@ -40,18 +40,29 @@ def test_a_long_chunk_weighs_more_than_a_short_one() -> None:
 
 def test_a_pass_s_fixed_cost_is_not_counted_as_the_rate() -> None:
     sizer = ChunkSizer(cap=1024, budget_s=0.5)
-    sizer.loaded(pass_s=1 / 16)
+    sizer.loaded(pass_s=1 / 16, stop_checks=4)  # the floor: 8 passes, the budget
     sizer.observe(16, 1 / 16 + 16 / 256)  # half of it the pass's fixed cost
     assert sizer.tokens() == 112  # (0.5 - 1/16) * 256, not 0.5 / (0.125 / 16) = 64
     sizer.observe(4, 0.05)  # faster than a pass (noise): no rate to learn from it
     assert sizer.tokens() == 112
 
 
+def test_a_model_with_few_stop_checks_takes_shorter_chunks() -> None:
+    # An abort waits for one stop check (an attention layer): two passes' time per check.
+    def floor(stop_checks: int) -> int:
+        sizer = ChunkSizer(cap=1024, budget_s=0.001)
+        sizer.loaded(pass_s=0.005, stop_checks=stop_checks)
+        sizer.observe(100, 0.105)
+        return sizer.tokens() // 5 + 1  # in passes
+
+    assert [floor(n) for n in (1, 4, 6, 18, 0)] == [MIN_PASSES, 8, 12, MAX_PASSES, MAX_PASSES]
+
+
 def test_a_chunk_takes_at_least_a_few_passes_time_and_stays_within_its_bounds() -> None:
     sizer = ChunkSizer(cap=1024, budget_s=0.01)
-    sizer.loaded(pass_s=0.005)
+    sizer.loaded(pass_s=0.005, stop_checks=0)
     sizer.observe(100, 0.105)  # a pass and 1 ms a token
-    assert sizer.tokens() == (PASSES_PER_CHUNK - 1) * 5  # the floor's time, not the budget's
+    assert sizer.tokens() == (MAX_PASSES - 1) * 5  # the floor's time, not the budget's
     sizer.observe(10, 100.0)  # absurdly slow
     assert sizer.tokens() == MIN_CHUNK_TOKENS
     small = ChunkSizer(cap=8, budget_s=0.001)

@@ -87,6 +87,9 @@ def test_info_reports_the_reuse_path_and_model_facts(
         assert info.window_bytes_per_token > 0
     if kind == "hybrid":
         assert info.fixed_state_bytes > 0
+    assert info.pass_s > 0
+    # An interruptible pass checks at each attention layer (hybrid: 2 of its 4 are recurrent).
+    assert info.stop_checks == (2 if kind == "hybrid" else 4)
 
 
 # ---------------------------------------------------------------------- KV estimate

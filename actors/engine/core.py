@@ -304,7 +304,7 @@ class EngineCore:
             return
         info = job.backend.info
         self._batches.loaded(info, job.batchable)
-        self._sizer.loaded(info.pass_s)
+        self._sizer.loaded(info.pass_s, info.stop_checks)
         log.info("model %s (epoch %d): prefix reuse path %s: %s",
                  self.model, self.epoch, info.reuse, info.reuse_reason)  # fmt: skip
         ctx.send(

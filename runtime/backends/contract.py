@@ -47,6 +47,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     # Seconds of a one-token pass that keeps no logits, measured at load: the fixed cost every
     # prefill pass pays (reading the weights, launching each layer), whatever its length.
     pass_s: float = 0.0
+    # How many evenly spread points of a prefill pass check its stop flag (one per attention
+    # layer on MLX, when every cache can be put back); 0: none, or not reported.
+    stop_checks: int = 0
 
     @property
     def snapshot_bytes(self) -> int:

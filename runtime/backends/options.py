@@ -42,8 +42,8 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     checkpoint_every_tokens: int = DEFAULT_CHECKPOINT_EVERY
     # Time a prefill chunk aims at: a decode-batch step or another request waits about this long
     # behind it (an abort less: a pass gives up between layers). A chunk never takes less than
-    # 8 one-token passes' time, so on most models that floor decides and the 10 ms default only
-    # bounds fast ones (actors/engine/chunking.py). 0: every chunk takes
+    # 8 to 16 one-token passes' time, so on most models that floor decides and the 10 ms default
+    # only bounds fast ones (actors/engine/chunking.py). 0: every chunk takes
     # ModelSpec.prefill_chunk_tokens, which also caps them.
     prefill_chunk_ms: float = DEFAULT_PREFILL_CHUNK_MS
     batching: bool = True  # False: every stream stays on the B=1 fast path

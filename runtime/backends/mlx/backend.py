@@ -36,7 +36,7 @@ from runtime.backends.mlx.facts import (
     reuse_strategy,
     widen_half_quantized,
 )
-from runtime.backends.mlx.interrupt import can_interrupt, interruptible
+from runtime.backends.mlx.interrupt import can_interrupt, interruptible, stop_checks
 from runtime.backends.mlx.state import (
     TRIMMABLE_LAYERS,
     MlxSnapshot,
@@ -147,6 +147,7 @@ class MlxBackend:
             fixed_state_bytes=fixed,
             alloc_step=mlx_cache.KVCache.step,
             pass_s=pass_s,
+            stop_checks=stop_checks(state.caches),
         )
 
     def _timed_pass(self, state: MlxState) -> float:

@@ -39,6 +39,13 @@ def can_interrupt(caches: list[Any], tokens: int) -> bool:
     return tokens > 1 and all(type(c) in _RESTORABLE for c in caches)
 
 
+def stop_checks(caches: list[Any]) -> int:
+    """How many times an interruptible pass over these caches checks its stop flag (0: never)."""
+    if not can_interrupt(caches, 2):
+        return 0
+    return sum(1 for c in caches if hasattr(c, "update_and_fetch"))
+
+
 @contextlib.contextmanager
 def interruptible(caches: list[Any], stop: threading.Event) -> Iterator[None]:
     """Run the block's passes over ``caches``, stopping between layers once ``stop`` is set.
