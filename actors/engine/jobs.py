@@ -71,7 +71,7 @@ class StepJob:
     logprob: TokenLogprob | None = None
     state: SequenceState | None = None
     error: BaseException | None = None
-    skipped: bool = False  # the abort flag was already set when the job started
+    skipped: bool = False  # the abort flag stopped it: before it began, or mid-chunk (undone)
     fallback: str | None = None
     chunk_tokens: int = 0  # a prefill chunk's most tokens (set by the loop when it submits one)
     pin_copy: SequenceState | None = None  # the session's instructions prefix, whole

@@ -246,7 +246,7 @@ class MlxBackend:
         if logits and len(ids) >= _LAST_TOKEN_APART:
             cuts.add(end - 1)
         stops = [*sorted(c for c in cuts if start < c < end), end]
-        if stop is None or not can_interrupt(own.caches, len(ids)):
+        if stop is None or not can_interrupt(own.caches, stops[0] - start):
             return self._passes(own, ids, stops, logits, snapshot_at)
         before = own.logits
         try:

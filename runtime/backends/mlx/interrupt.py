@@ -3,14 +3,15 @@
 MLX evaluates a forward pass as one graph, so an abort used to wait for the whole chunk. Here each
 attention layer's cache update first evaluates the layer's keys and values (so every layer before
 it has run) and checks the abort flag; once it is set the pass stops and every cache is put back as
-it was before the call. That bounds an abort's wait by one layer instead of one chunk, so chunks
-can stay long enough to run efficiently.
+it was before the call. That bounds an abort's wait by the work from one attention layer to the
+next instead of a whole chunk, so chunks can stay long enough to run efficiently.
 
 The caches are put back from shallow copies taken before the call: mlx-lm's updates either write
 past the old length (``KVCache``, ``QuantizedKVCache``), make new arrays (a multi-token
 ``RotatingKVCache`` update, ``ArraysCache``), or write into the ring in place (a one-token
-``RotatingKVCache`` update), so a call must feed more than one token, and its caches must all be of
-these kinds, to be interruptible.
+``RotatingKVCache`` update: harmless after a multi-token one, whose ring is already new). So a
+call whose first pass feeds more than one token, over caches all of these kinds, is
+interruptible.
 """
 
 from __future__ import annotations
@@ -34,9 +35,10 @@ _RESTORABLE = (
 )
 
 
-def can_interrupt(caches: list[Any], tokens: int) -> bool:
-    """Whether a call feeding ``tokens`` to these caches can be stopped and undone."""
-    return tokens > 1 and all(type(c) in _RESTORABLE for c in caches)
+def can_interrupt(caches: list[Any], first_pass_tokens: int) -> bool:
+    """Whether a call over these caches whose first pass feeds ``first_pass_tokens`` can be
+    stopped and undone."""
+    return first_pass_tokens > 1 and all(type(c) in _RESTORABLE for c in caches)
 
 
 def stop_checks(caches: list[Any]) -> int:
