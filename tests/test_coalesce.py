@@ -11,8 +11,24 @@ from runtime.text.coalesce import Chunk, CoalescePolicy, Coalescer
 POLICY = CoalescePolicy(max_chars=8, max_age_s=0.05)
 
 
-def test_buffer_is_flushed_when_it_reaches_max_chars() -> None:
+def started(policy: CoalescePolicy = POLICY) -> Coalescer:
+    """A coalescer past its stream's first text (which it sends at once, for the TTFT)."""
+    coalescer = Coalescer(policy)
+    assert coalescer.add(">", [0], now=0.0) == Chunk(">", (0,))
+    assert coalescer.next_deadline() is None
+    return coalescer
+
+
+def test_the_first_text_is_sent_at_once_then_text_is_buffered() -> None:
     coalescer = Coalescer(POLICY)
+
+    assert coalescer.add("", [1], now=0.0) is None  # no text yet: nothing a client can show
+    assert coalescer.add("Hi", [2], now=0.001) == Chunk("Hi", (1, 2))
+    assert coalescer.add("!", [3], now=0.002) is None
+
+
+def test_buffer_is_flushed_when_it_reaches_max_chars() -> None:
+    coalescer = started()
 
     assert coalescer.add("Hel", [1], now=0.0) is None
     assert coalescer.add("lo ", [2], now=0.01) is None
@@ -24,7 +40,7 @@ def test_buffer_is_flushed_when_it_reaches_max_chars() -> None:
 
 
 def test_text_that_would_overflow_starts_the_next_chunk() -> None:
-    coalescer = Coalescer(POLICY)
+    coalescer = started()
     coalescer.add("Hello", [1], now=0.0)
 
     chunk = coalescer.add(" world", [2], now=0.01)
@@ -34,7 +50,7 @@ def test_text_that_would_overflow_starts_the_next_chunk() -> None:
 
 
 def test_single_add_longer_than_max_chars_is_sent_whole_with_what_preceded_it() -> None:
-    coalescer = Coalescer(POLICY)
+    coalescer = started()
     coalescer.add("a", [1], now=0.0)
 
     chunk = coalescer.add("0123456789", [2], now=0.01)
@@ -44,7 +60,7 @@ def test_single_add_longer_than_max_chars_is_sent_whole_with_what_preceded_it() 
 
 
 def test_age_flush_happens_from_the_timer_without_a_new_token() -> None:
-    coalescer = Coalescer(POLICY)
+    coalescer = started()
     assert coalescer.next_deadline() is None
     coalescer.add("Hi", [1], now=1.0)
     coalescer.add("!", [2], now=1.03)  # a later token does not push the deadline back
@@ -60,14 +76,14 @@ def test_age_flush_happens_from_the_timer_without_a_new_token() -> None:
 
 
 def test_token_arriving_after_the_deadline_is_sent_with_the_overdue_text() -> None:
-    coalescer = Coalescer(POLICY)
+    coalescer = started()
     coalescer.add("a", [1], now=0.0)
 
     assert coalescer.add("b", [2], now=0.2) == Chunk("ab", (1, 2))
 
 
 def test_flush_before_a_non_token_event_empties_the_buffer() -> None:
-    coalescer = Coalescer(POLICY)
+    coalescer = started()
     coalescer.add("par", [1], now=0.0)
     coalescer.add("tial", [2], now=0.001)
 
@@ -89,7 +105,7 @@ def test_disabled_policy_gives_one_chunk_per_token() -> None:
 
 def test_tokens_without_text_are_kept_and_start_the_clock() -> None:
     # A token that ends mid-character decodes to "" but its id must still reach the client.
-    coalescer = Coalescer(POLICY)
+    coalescer = started()
 
     assert coalescer.add("", [7], now=0.0) is None
     assert coalescer.next_deadline() == pytest.approx(0.05)
@@ -98,7 +114,7 @@ def test_tokens_without_text_are_kept_and_start_the_clock() -> None:
 
 
 def test_chunks_keep_all_text_and_ids_in_order_without_duplicates() -> None:
-    coalescer = Coalescer(POLICY)
+    coalescer = started()
     pieces = ["The", " quick", " brown", " fox", " jumps", "!"]
     chunks: list[Chunk] = []
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import random
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from runtime.backends.contract import CannotTrim, ReuseStrategy
+from runtime.backends.contract import CannotTrim, PrefillInterrupted, ReuseStrategy
 from runtime.backends.mlx.backend import MlxBackend, MlxState
 from runtime.errors import ModelLoadFailed
 from runtime.messages import ModelSpec
@@ -39,11 +40,13 @@ def tokens(n: int, seed: int = 0) -> list[int]:
     return [rng.randrange(5, 500) for _ in range(n)]
 
 
-def prefilled(backend: MlxBackend, ids: Sequence[int], chunk: int | None = None) -> MlxState:
+def prefilled(
+    backend: MlxBackend, ids: Sequence[int], chunk: int | None = None, logits: bool = True
+) -> MlxState:
     state = backend.new_state()
     step = chunk or max(len(ids), 1)
     for start in range(0, len(ids), step):
-        backend.prefill(state, ids[start : start + step])
+        backend.prefill(state, ids[start : start + step], logits=logits)
     return state
 
 
@@ -84,6 +87,9 @@ def test_info_reports_the_reuse_path_and_model_facts(
         assert info.window_bytes_per_token > 0
     if kind == "hybrid":
         assert info.fixed_state_bytes > 0
+    assert info.pass_s > 0
+    # An interruptible pass checks at each attention layer (hybrid: 2 of its 4 are recurrent).
+    assert info.stop_checks == (2 if kind == "hybrid" else 4)
 
 
 # ---------------------------------------------------------------------- KV estimate
@@ -103,8 +109,10 @@ def _assert_estimate_close(backend: MlxBackend, state: MlxState, n: int, chunk: 
 def test_kv_estimate_matches_the_real_cache_after_one_prefill(
     backends: dict[str, MlxBackend], kind: str, n: int
 ) -> None:
+    # No logits, as a chunk before the prompt's last: the ring then holds window - 1 + chunk
+    # tokens, the most it ever holds (a last token run apart for its logits trims it to a window).
     backend = backends[kind]
-    _assert_estimate_close(backend, prefilled(backend, tokens(n)), n, chunk=n)
+    _assert_estimate_close(backend, prefilled(backend, tokens(n), logits=False), n, chunk=n)
 
 
 @pytest.mark.parametrize("n", [20, 100, 300])
@@ -264,6 +272,71 @@ def test_restoring_at_a_snapshot_continues_like_a_cold_prefill(
     assert greedy(backend, entry, 4) == greedy(backend, prefilled(backend, first), 4)
     with pytest.raises(CannotTrim):  # a snapshot restores only the length it was taken at
         backend.copy_state(entry, 44, snapshots[45])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_snapshots_inside_a_chunk_restore_like_cold_prefills(
+    backends: dict[str, MlxBackend], kind: str
+) -> None:
+    """The engine hands a chunk's checkpoints to prefill: a sliding window reaches back inside
+    the chunk, a recurrent state ends its passes there; the long last chunk's final token (kept
+    logits) runs apart."""
+    backend = backends[kind]
+    prompt = tokens(115, seed=14)
+    entry = backend.new_state()
+    inside = {(0, 30): [20], (30, 115): [45, 100, 114]}  # 85 tokens: the last one runs apart
+    snapshots = {}
+    for (start, end), points in inside.items():
+        last = end == len(prompt)
+        # With a stop flag never set, as the engine passes its abort flag: the layers are hooked.
+        stop = threading.Event()
+        taken = backend.prefill(
+            entry, prompt[start:end], logits=last, snapshot_at=points, stop=stop
+        )
+        assert [s.length for s in taken] == points
+        snapshots.update(zip(points, taken, strict=True))
+    assert greedy(backend, entry, 4) == greedy(backend, prefilled(backend, prompt), 4)
+    for k, snapshot in snapshots.items():
+        second = prompt[:k] + tokens(12, seed=15)
+        copy = backend.copy_state(entry, k, snapshot)
+        backend.prefill(copy, second[k:])
+        assert greedy(backend, copy, 6) == greedy(backend, prefilled(backend, second), 6), k
+    with pytest.raises(RuntimeError):  # a chunk that kept no logits has none to sample
+        backend.logits(prefilled(backend, prompt[:20], logits=False))
+
+
+class _StopAfter(threading.Event):
+    """Reads as set from its ``checks``-th look on: an abort landing inside a forward pass."""
+
+    def __init__(self, checks: int) -> None:
+        super().__init__()
+        self.left, self.seen = checks, 0
+
+    def is_set(self) -> bool:
+        self.seen += 1
+        return self.seen >= self.left
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("checks", [1, 2, 3])
+def test_an_interrupted_prefill_leaves_the_state_as_before(
+    backends: dict[str, MlxBackend], kind: str, checks: int
+) -> None:
+    backend = backends[kind]
+    prompt = tokens(120, seed=16)  # past the sliding window, with a last token run apart
+    state = prefilled(backend, prompt[:50], logits=False)
+    stop = _StopAfter(checks)
+    with pytest.raises(PrefillInterrupted):
+        backend.prefill(state, prompt[50:], snapshot_at=[60, 119], stop=stop)
+    assert stop.seen == checks  # it stopped at the first check that found the flag set
+    assert state.length == 50
+    backend.prefill(state, prompt[50:])
+    assert greedy(backend, state, 6) == greedy(backend, prefilled(backend, prompt), 6)
+    # Not stopped: the hooks are gone once the call returns, and the state is the same.
+    again = prefilled(backend, prompt[:50], logits=False)
+    backend.prefill(again, prompt[50:], stop=threading.Event())
+    assert not any("update_and_fetch" in vars(c) for c in again.caches)
+    assert greedy(backend, again, 6) == greedy(backend, prefilled(backend, prompt), 6)
 
 
 # ---------------------------------------------------------------------- teardown

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from runtime.backends.contract import ModelInfo, ReuseStrategy
 
 WORD_SCAN_TOKENS = 32  # how far back to look for the last word boundary
-MIN_SPACING = 64  # each checkpoint cuts a prefill chunk: at most 4 cuts per default 256-token chunk
+MIN_SPACING = 64  # on a recurrent state each checkpoint ends a pass: at most 4 per 256 tokens
 MAX_POINTS = 32  # snapshots of one prefill, so a long prompt cannot flood the prefix cache
 BUDGET_SHARE = 32  # one prefill's snapshots take at most 1/32 of the KV budget
 _ANCHORS = 3  # points 1-3 above: at most one each

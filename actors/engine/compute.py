@@ -4,7 +4,9 @@ Tokenizing goes first: every prompt waiting for its tokens, in one job. Then a s
 batch (planned by ``BatchScheduler``) and single steps (a restore, a prefill chunk, or a decode
 step of a sequence outside the batch) take turns; single steps go round-robin by sequence id. A
 job runs on the executor (``ctx.compute``); its ``ComputeDone`` names it by id, and ``done`` hands
-the record back to the engine core, which hands it to the part that acts on what it left.
+the record back to the engine core, which hands it to the part that acts on what it left. A prefill
+chunk's size comes from the ``ChunkSizer``, which learns the model's rate from the chunks timed
+here (submission to result, on the context's clock: virtual in the simulator).
 """
 
 from __future__ import annotations
@@ -12,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from actors.engine.batch import BatchScheduler
+from actors.engine.chunking import ChunkSizer
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import (
     BatchJob,
     Job,
     StepJob,
-    StepPlan,
     TokenizeJob,
     run_batch,
     run_step,
@@ -37,16 +39,16 @@ class ComputeSlot:
 
     def __init__(
         self,
-        plan: StepPlan,
+        sizer: ChunkSizer,
         sequences: dict[int, Sequence],
         batches: BatchScheduler,
         entries: EntryStore,
     ) -> None:
-        self._plan = plan
+        self._sizer = sizer
         self._sequences = sequences
         self._batches = batches
         self._entries = entries
-        self._jobs: dict[int, Job] = {}
+        self._jobs: dict[int, tuple[Job, float]] = {}  # by id: the job and when it was submitted
         self._next_job_id = 1
         self._last_served = 0  # sequence id of the last single step: the round-robin's place
 
@@ -58,12 +60,15 @@ class ComputeSlot:
         """Run ``work`` (which fills ``job``) on the executor; ``ComputeDone`` follows."""
         job_id = self._next_job_id
         self._next_job_id += 1
-        self._jobs[job_id] = job
+        self._jobs[job_id] = (job, ctx.now())
         ctx.compute(work, ComputeDone(job_id=job_id))
 
-    def done(self, job_id: int) -> Job:
+    def done(self, job_id: int, ctx: Context) -> Job:
         """The record of the job that ``ComputeDone(job_id)`` reports; the slot is free again."""
-        return self._jobs.pop(job_id)
+        job, submitted = self._jobs.pop(job_id)
+        if isinstance(job, StepJob) and job.chunk_tokens and job.error is None:
+            self._sizer.observe(job.prefilled, ctx.now() - submitted)
+        return job
 
     def start_next(self, backend: Backend, ctx: Context) -> bool:
         """Start the next job for the sequences, if any is ready (False: nothing to run)."""
@@ -97,9 +102,10 @@ class ComputeSlot:
             seq = ready[0]
             self._last_served = seq.sequence_id
             seq.in_compute = True
-            step = StepJob(seq)
+            chunk = self._sizer.tokens() if seq.phase is Phase.PREFILLING else 0
+            step = StepJob(seq, chunk_tokens=chunk)
             # Leased: never dropped meanwhile.
             source = self._entries.restore_source(seq.restore_entry, seq.restore_length)
-            self.submit(ctx, step, lambda: run_step(step, seq, backend, self._plan, source))
+            self.submit(ctx, step, lambda: run_step(step, seq, backend, source))
             return True
         return False

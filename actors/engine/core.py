@@ -21,6 +21,7 @@ from typing import assert_never
 from actors.engine.admission import Admission, AdmissionLimits
 from actors.engine.batch import BatchScheduler
 from actors.engine.checkpoints import CheckpointPolicy
+from actors.engine.chunking import ChunkSizer
 from actors.engine.compute import ComputeSlot
 from actors.engine.endings import Endings
 from actors.engine.entries import EntryStore
@@ -30,7 +31,6 @@ from actors.engine.jobs import (
     Job,
     LoadJob,
     StepJob,
-    StepPlan,
     TokenizeJob,
     run_load,
 )
@@ -102,7 +102,7 @@ class EngineCore:
         except InvalidModelSpec as error:  # reported at start as the failed load; nothing runs
             self._options = error
         options = self._options if isinstance(self._options, EngineOptions) else EngineOptions()
-        self._plan = StepPlan(chunk_tokens=max(1, spec.prefill_chunk_tokens))
+        chunk_tokens = max(1, spec.prefill_chunk_tokens)  # the most a chunk holds (KV is priced)
         self._backend: Backend | None = None
         self._sequences: dict[int, Sequence] = {}
         self._draining = False
@@ -115,10 +115,11 @@ class EngineCore:
             options.max_concurrent,  # past the admission gate; others wait FIFO
             reservation_timeout_s,
             default_max_tokens,
-            self._plan.chunk_tokens,
+            chunk_tokens,
             CheckpointPolicy(options.checkpoint_every_tokens, kv_budget_bytes),
         )
-        self._compute = ComputeSlot(self._plan, self._sequences, self._batches, self._entries)
+        self._sizer = ChunkSizer(chunk_tokens, options.prefill_chunk_ms / 1000)
+        self._compute = ComputeSlot(self._sizer, self._sequences, self._batches, self._entries)
         self._ends = Endings(
             self._sequences,
             self._entries,
@@ -219,7 +220,7 @@ class EngineCore:
                 ctx.count_dead_letter("abort_unknown_sequence")
                 self.counters.inc("aborts_noop")
             case ComputeDone(job_id=job_id):
-                self._job_done(self._compute.done(job_id), ctx)
+                self._job_done(self._compute.done(job_id, ctx), ctx)
             case Reserved(holder=holder, nbytes=nbytes):
                 if holder.kind is HolderKind.PREFIX_ENTRY:
                     self._entries.reserved(holder.id, ctx)
@@ -303,6 +304,7 @@ class EngineCore:
             return
         info = job.backend.info
         self._batches.loaded(info, job.batchable)
+        self._sizer.loaded(info.pass_s, info.stop_checks)
         log.info("model %s (epoch %d): prefix reuse path %s: %s",
                  self.model, self.epoch, info.reuse, info.reuse_reason)  # fmt: skip
         ctx.send(

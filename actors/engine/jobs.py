@@ -19,11 +19,12 @@ from runtime.backends.contract import (
     BackendLoader,
     CannotTrim,
     DecodeBatchHandle,
+    PrefillInterrupted,
     SequenceState,
     Snapshot,
 )
 from runtime.backends.options import ModelOptions
-from runtime.messages import ModelSpec, TokenLogprob
+from runtime.messages import ModelSpec, RequestKind, TokenLogprob
 from runtime.text.chat import PreparedPrompt, prepare_chat
 
 if TYPE_CHECKING:
@@ -70,11 +71,13 @@ class StepJob:
     logprob: TokenLogprob | None = None
     state: SequenceState | None = None
     error: BaseException | None = None
-    skipped: bool = False  # the abort flag was already set when the job started
+    skipped: bool = False  # the abort flag stopped it: before it began, or mid-chunk (undone)
     fallback: str | None = None
+    chunk_tokens: int = 0  # a prefill chunk's most tokens (set by the loop when it submits one)
     pin_copy: SequenceState | None = None  # the session's instructions prefix, whole
-    snapshot: Snapshot | None = None  # a checkpoint's untrimmable layers
+    snapshots: list[Snapshot] = field(default_factory=list)  # checkpoints' untrimmable layers
     checkpoints: list[int] | None = None
+    passed: int = 0  # checkpoints (pin included) the chunk went past: each left one of the two
 
 
 @dataclass
@@ -95,13 +98,6 @@ class CloseJob:
 
 
 Job = LoadJob | TokenizeJob | StepJob | BatchJob | CloseJob
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """How an engine cuts prefills: chunk size (checkpoints are per sequence: its rule)."""
-
-    chunk_tokens: int
 
 
 def run_load(
@@ -144,7 +140,6 @@ def run_step(
     job: StepJob,
     seq: Sequence,
     backend: Backend,
-    plan: StepPlan,
     restore_source: RestoreSource | None,
 ) -> None:
     """One restore, prefill chunk or decode step of ``seq``, unless its abort flag is set."""
@@ -155,7 +150,7 @@ def run_step(
         if seq.phase is Phase.RESTORING:
             job.state = _restore(job, seq, backend, restore_source)
         elif seq.phase is Phase.PREFILLING:
-            _prefill_chunk(job, seq, backend, plan)
+            _prefill_chunk(job, seq, backend)
         else:
             _decode_step(job, seq, backend)
     except BaseException as exc:
@@ -192,20 +187,27 @@ def _restore(
     return state
 
 
-def _prefill_chunk(job: StepJob, seq: Sequence, backend: Backend, plan: StepPlan) -> None:
+def _prefill_chunk(job: StepJob, seq: Sequence, backend: Backend) -> None:
     assert seq.state is not None
     assert seq.tokens is not None
     start = seq.state.length
-    end = min(start + plan.chunk_tokens, seq.prefill_target)
-    if seq.checkpoints:  # land exactly on the next checkpoint
-        end = min(end, seq.checkpoints[0])
-    backend.prefill(seq.state, seq.tokens[start:end])
-    job.prefilled = end - start
-    if seq.checkpoints and end == seq.checkpoints[0]:
-        if end == seq.pin_at:
-            job.pin_copy = backend.copy_state(seq.state, end)
+    end = min(start + job.chunk_tokens, seq.prefill_target)
+    points = [p for p in seq.checkpoints if p <= end]
+    # Logits only once the whole prompt is in: a generate samples from them next.
+    logits = end == len(seq.tokens) and seq.kind is RequestKind.GENERATE
+    try:
+        taken = backend.prefill(
+            seq.state, seq.tokens[start:end], logits=logits, snapshot_at=points, stop=seq.abort
+        )
+    except PrefillInterrupted:  # aborted meanwhile: the state is as before the chunk
+        job.skipped = True
+        return
+    job.prefilled, job.passed = end - start, len(points)
+    for point, snapshot in zip(points, taken, strict=True):
+        if point == seq.pin_at:  # the instructions prefix: the whole state there, its own entry
+            job.pin_copy = backend.copy_state(seq.state, point, snapshot)
         else:
-            job.snapshot = backend.snapshot(seq.state)
+            job.snapshots.append(snapshot)
 
 
 def _decode_step(job: StepJob, seq: Sequence, backend: Backend) -> None:

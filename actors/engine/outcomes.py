@@ -63,14 +63,13 @@ class StepOutcomes:
             seq.state = job.state
         if job.checkpoints is not None:
             seq.checkpoints = job.checkpoints
-        if job.pin_copy is not None or job.snapshot is not None:
-            seq.checkpoints.pop(0)  # the chunk landed on it: one of the two was taken there
+        del seq.checkpoints[: job.passed]  # the chunk went past them: each left one of the two
         if job.pin_copy is not None:
             backend = self._backend()
             assert backend is not None
             self._entries.pin_copy(seq, job.pin_copy, backend, ctx)
-        if job.snapshot is not None:
-            self._entries.snapshot(seq, job.snapshot)
+        for snapshot in job.snapshots:
+            self._entries.snapshot(seq, snapshot)
         if seq.phase is Phase.DONE:
             return
         if seq.crash_message is not None:

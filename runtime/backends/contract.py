@@ -18,6 +18,8 @@ from runtime.messages import ModelSpec
 from runtime.text.chat import ChatTokenizer
 
 if TYPE_CHECKING:  # logits are MLX arrays; the contract itself needs no MLX to import
+    import threading
+
     import mlx.core as mx
 
 
@@ -42,6 +44,12 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     window_bytes_per_token: int = 0
     fixed_state_bytes: int = 0  # recurrent state, independent of length
     alloc_step: int = 1  # KV caches grow in steps of this many tokens (mlx-lm: 256)
+    # Seconds of a one-token pass that keeps no logits, measured at load: the fixed cost every
+    # prefill pass pays (reading the weights, launching each layer), whatever its length.
+    pass_s: float = 0.0
+    # How many evenly spread points of a prefill pass check its stop flag (one per attention
+    # layer on MLX, when every cache can be put back); 0: none, or not reported.
+    stop_checks: int = 0
 
     @property
     def snapshot_bytes(self) -> int:
@@ -118,6 +126,10 @@ class CannotTrim(Exception):
     """Raised by ``copy_state`` when a state cannot be cut back to the requested length."""
 
 
+class PrefillInterrupted(Exception):
+    """Raised by ``prefill`` that gave up once its ``stop`` was set; the state is as before."""
+
+
 class Backend(Protocol):
     """What an engine needs from a model. Implementations: ``mlx.backend``, ``simulated``."""
 
@@ -160,8 +172,26 @@ class Backend(Protocol):
         """A copy of ``state``'s untrimmable layers at its current length (see ``Snapshot``)."""
         ...
 
-    def prefill(self, state: SequenceState, token_ids: Sequence[int]) -> None:
-        """Run ``token_ids`` through the model, extending ``state`` and keeping the last logits."""
+    def prefill(
+        self,
+        state: SequenceState,
+        token_ids: Sequence[int],
+        *,
+        logits: bool = True,
+        snapshot_at: Sequence[int] = (),
+        stop: threading.Event | None = None,
+    ) -> Sequence[Snapshot]:
+        """Run ``token_ids`` through the model, extending ``state``; snapshots at ``snapshot_at``.
+
+        With ``logits`` the logits after the last token are kept for ``logits()``; without, none
+        are computed (a chunk that more of the prompt follows: projecting every position onto the
+        vocabulary can cost as much as the rest of the model). ``snapshot_at`` are sorted lengths
+        after the state's length and at most its new length; the snapshot at each (as ``snapshot``
+        would have taken it there) is returned in that order. The backend ends its passes where it
+        must to reach them; the engine never cuts a chunk for a snapshot. Once ``stop`` is set
+        (the sequence's abort flag) the backend may give up inside the call: it then raises
+        ``PrefillInterrupted`` with ``state`` as it was before the call.
+        """
         ...
 
     def logits(self, state: SequenceState) -> mx.array:

@@ -25,6 +25,7 @@ from runtime.messages import ModelSpec
 OptionValue = str | int | float | bool | None  # what a ``ModelSpec.options`` value may be
 
 DEFAULT_CHECKPOINT_EVERY = 512
+DEFAULT_PREFILL_CHUNK_MS = 10.0
 DEFAULT_MAX_BATCH = 8
 DEFAULT_MAX_CONCURRENT = 32
 
@@ -39,6 +40,12 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # The widest snapshot spacing in prefills of non-trimmable caches; cheap snapshots space
     # closer (actors/engine/checkpoints.py). 0: no periodic snapshots.
     checkpoint_every_tokens: int = DEFAULT_CHECKPOINT_EVERY
+    # Time a prefill chunk aims at: a decode-batch step or another request waits about this long
+    # behind it (an abort less: a pass gives up between layers). A chunk never takes less than
+    # 8 to 16 one-token passes' time, so on most models that floor decides and the 10 ms default
+    # only bounds fast ones (actors/engine/chunking.py). 0: every chunk takes
+    # ModelSpec.prefill_chunk_tokens, which also caps them.
+    prefill_chunk_ms: float = DEFAULT_PREFILL_CHUNK_MS
     batching: bool = True  # False: every stream stays on the B=1 fast path
     max_batch: int = DEFAULT_MAX_BATCH  # most sequences in one decode batch
     max_concurrent: int = DEFAULT_MAX_CONCURRENT  # sequences past the admission gate at once

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 from runtime.backends.contract import (
     CannotTrim,
     ModelInfo,
+    PrefillInterrupted,
     ReuseStrategy,
     SequenceState,
     Snapshot,
@@ -66,11 +67,13 @@ class SimulatedFault(RuntimeError):
 class SimulatedState:
     """Tokens consumed so far plus the rolling hash after each one (so trims are exact)."""
 
-    __slots__ = ("hashes", "tokens")
+    __slots__ = ("has_logits", "hashes", "tokens")
 
     def __init__(self, tokens: list[int] | None = None, hashes: list[int] | None = None) -> None:
         self.tokens: list[int] = tokens or []
         self.hashes: list[int] = hashes or []
+        # False after a prefill that kept no logits: sampling then is an engine bug (the contract).
+        self.has_logits = True
 
     @property
     def length(self) -> int:
@@ -136,6 +139,7 @@ class SimulatedBackend:
             ),
             bytes_per_token=options.bytes_per_token,
             fixed_state_bytes=options.fixed_state_bytes,
+            pass_s=options.decode_s_per_token or options.prefill_s_per_token,  # a 1-token prefill
         )
 
     @classmethod
@@ -186,16 +190,31 @@ class SimulatedBackend:
                 raise ValueError("a snapshot was paired with a state it was not taken from")
         elif length < state.length and not self._options.trimmable:
             raise CannotTrim("this simulated cache is not trimmable")
-        return SimulatedState(state.tokens[:length], state.hashes[:length])
+        copy = SimulatedState(state.tokens[:length], state.hashes[:length])
+        copy.has_logits = state.has_logits and length == state.length  # as MLX's copies keep them
+        return copy
 
     def snapshot(self, state: SequenceState) -> SimulatedSnapshot:
-        state = _own(state)
-        prefix_hash = state.hashes[-1] if state.hashes else 0
-        nbytes = 0 if self._options.trimmable else self._options.fixed_state_bytes
-        return SimulatedSnapshot(state.length, prefix_hash, nbytes)
+        return self._snapshot(_own(state), _own(state).length)
 
-    def prefill(self, state: SequenceState, token_ids: Sequence[int]) -> None:
+    def _snapshot(self, state: SimulatedState, length: int) -> SimulatedSnapshot:
+        prefix_hash = state.hashes[length - 1] if length else 0
+        nbytes = 0 if self._options.trimmable else self._options.fixed_state_bytes
+        return SimulatedSnapshot(length, prefix_hash, nbytes)
+
+    def prefill(
+        self,
+        state: SequenceState,
+        token_ids: Sequence[int],
+        *,
+        logits: bool = True,
+        snapshot_at: Sequence[int] = (),
+        stop: threading.Event | None = None,
+    ) -> list[SimulatedSnapshot]:
         state = _own(state)
+        start, end = state.length, state.length + len(token_ids)
+        if any(not start < p <= end for p in snapshot_at):
+            raise ValueError(f"snapshot points {list(snapshot_at)} outside ({start}, {end}]")
         with self._lock:
             self._prefill_calls += 1
             if self._prefill_calls == self._options.fail_prefill_call:
@@ -203,12 +222,20 @@ class SimulatedBackend:
             cost = self._options.prefill_s_per_token
             if len(token_ids) == 1:
                 cost = self._options.decode_s_per_token or cost
-            self._clock.spend(cost * len(token_ids))
+            if stop is None or len(token_ids) == 1:
+                self._clock.spend(cost * len(token_ids))
+            else:  # token by token, giving up (state untouched) once stopped, as MLX's layers do
+                for _ in token_ids:
+                    if stop.is_set():
+                        raise PrefillInterrupted("the sequence was aborted during this prefill")
+                    self._clock.spend(cost)
             h = state.hashes[-1] if state.hashes else 0
             for token in token_ids:
                 h = extend_hash(h, token)
                 state.tokens.append(token)
                 state.hashes.append(h)
+            state.has_logits = logits
+        return [self._snapshot(state, p) for p in snapshot_at]
 
     def logits(self, state: SequenceState) -> mx.array:
         """A peak at the greedy next token over pseudo-random noise seeded by the prefix hash.
@@ -217,6 +244,8 @@ class SimulatedBackend:
         logits exactly as on a real model's.
         """
         state = _own(state)
+        if not state.has_logits:
+            raise RuntimeError("logits() after a prefill that kept none")
         return self.logits_after(state.hashes[-1] if state.hashes else 0)
 
     def logits_after(self, h: int) -> mx.array:

@@ -1,7 +1,8 @@
 """Token coalescing: batch streamed tokens into fewer, larger chunks.
 
 One event per token costs a message, a JSON frame and a syscall each; a client reading text wants
-words, not tokens. ``Coalescer`` buffers text until it reaches ``max_chars`` or its oldest text is
+words, not tokens. ``Coalescer`` sends a stream's first text at once (the time to the first token
+is what a client waits on), then buffers text until it reaches ``max_chars`` or its oldest text is
 ``max_age_s`` old. It holds no timer and no event loop: the caller passes ``now`` and asks
 ``next_deadline`` when to call ``due``, so the host API and the HTTP layer drive it with their own
 clocks and tests drive it with plain numbers.
@@ -56,6 +57,7 @@ class Coalescer:
         self._token_ids: list[int] = []
         self._chars = 0
         self._deadline: float | None = None  # set when the buffer stops being empty
+        self._first_sent = False  # whether a chunk with text went out: until then, no waiting
 
     @property
     def policy(self) -> CoalescePolicy:
@@ -65,6 +67,9 @@ class Coalescer:
         """Buffer one token's text; return a chunk when one is full or the buffer is overdue."""
         if not self._policy.enabled:
             return Chunk(text, tuple(token_ids))
+        if not self._first_sent and text:
+            self._append(text, token_ids, now)
+            return self.flush()
         max_chars = self._policy.max_chars
         if self._chars and self._chars + len(text) > max_chars and len(text) < max_chars:
             # Send what fits now and start the next chunk with this text, which fits on its own.
@@ -91,6 +96,7 @@ class Coalescer:
         if self._deadline is None:
             return None
         chunk = Chunk("".join(self._texts), tuple(self._token_ids))
+        self._first_sent = self._first_sent or bool(chunk.text)
         self._texts.clear()
         self._token_ids.clear()
         self._chars = 0

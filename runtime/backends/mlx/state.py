@@ -53,13 +53,21 @@ class MlxSnapshot:
 TRIMMABLE_LAYERS = (mlx_cache.KVCache, mlx_cache.QuantizedKVCache)
 
 
+def clone_layer(layer_cache: Any) -> Any:
+    """A shallow copy of one layer's cache object, without the per-call hook a pass may have put
+    on the original (``interrupt.py``): a snapshot taken mid-call must not update the original."""
+    clone = copy.copy(layer_cache)
+    vars(clone).pop("update_and_fetch", None)
+    return clone
+
+
 def copy_layer(layer_cache: Any, drop: int) -> Any:
     """An independent copy of one layer's cache minus its last ``drop`` tokens.
 
     New array objects are made by slicing, so in-place cache updates of the copy never reach the
     original (prefix entries are shared and must not change).
     """
-    clone = copy.copy(layer_cache)
+    clone = clone_layer(layer_cache)
     if isinstance(layer_cache, mlx_cache.RotatingKVCache):
         keys, values = layer_cache.keys, layer_cache.values
         if keys is not None and values is not None:
@@ -96,29 +104,47 @@ def copy_layer(layer_cache: Any, drop: int) -> Any:
     raise CannotTrim(f"no copy rule for cache type {type(layer_cache).__name__}")
 
 
-def snapshot_layer(layer_cache: Any) -> Any:
-    """An independent copy of an untrimmable layer, holding no more than later updates read.
+def snapshot_layer(layer_cache: Any, back: int = 0) -> Any:
+    """An independent copy of an untrimmable layer as it was ``back`` tokens ago, holding no more
+    than later updates read; raises ``CannotTrim`` if the layer no longer holds that point.
 
-    After a multi-token update a sliding-window ring holds window - 1 + chunk tokens in temporal
-    order, but every later update reads only the last window - 1 of them (mlx-lm's
-    ``RotatingKVCache``), so the snapshot keeps the last ``max_size`` tokens: a window, not a
-    window plus a prefill chunk.
+    After a multi-token update a sliding-window ring holds, in temporal order, up to window - 1
+    tokens before the update plus the update's own, but every later update reads only the last
+    window - 1 of them and a one-token update rotates over a full window (mlx-lm's
+    ``RotatingKVCache``). So the snapshot keeps the last ``max_size`` tokens up to its point: a
+    window, not a window plus a prefill chunk. Such a ring still holds every point of the update
+    that made it, which is what lets a snapshot reach back inside a chunk.
     """
     keys, values = getattr(layer_cache, "keys", None), getattr(layer_cache, "values", None)
     if (
         isinstance(layer_cache, mlx_cache.RotatingKVCache)
         and keys is not None
         and values is not None
+        and layer_cache.keep == 0
+        and layer_cache._idx == int(keys.shape[2])  # in temporal order (a multi-token update)
     ):
-        size, window = int(keys.shape[2]), layer_cache.max_size
-        if layer_cache.keep == 0 and size > window and layer_cache._idx == size:
-            clone = copy.copy(layer_cache)
+        window, end = layer_cache.max_size, int(keys.shape[2]) - back
+        point = layer_cache.offset - back
+        if back > 0 and end < min(point, window):
+            raise CannotTrim(f"the ring no longer holds a window before token {point}")
+        if back > 0 or end > window:
+            clone = clone_layer(layer_cache)
             # mx.array(...) copies: a slice alone would keep the whole ring's buffer alive.
-            clone.keys = mx.array(keys[..., size - window :, :])
-            clone.values = mx.array(values[..., size - window :, :])
-            clone._idx = window
+            clone.keys = mx.array(keys[..., max(0, end - window) : end, :])
+            clone.values = mx.array(values[..., max(0, end - window) : end, :])
+            clone.offset = point
+            clone._idx = min(end, window)
             return clone
+    if back > 0:
+        raise CannotTrim(f"a {type(layer_cache).__name__} holds only its latest state")
     return copy_layer(layer_cache, 0)
+
+
+def reaches_back(layer_cache: Any) -> bool:
+    """Whether ``snapshot_layer`` can reach back inside this layer's last multi-token update."""
+    if isinstance(layer_cache, TRIMMABLE_LAYERS):
+        return True
+    return isinstance(layer_cache, mlx_cache.RotatingKVCache) and layer_cache.keep == 0
 
 
 def own_state(state: SequenceState) -> MlxState:

@@ -1,0 +1,85 @@
+"""A prefill pass that gives up between layers once its sequence is aborted.
+
+MLX evaluates a forward pass as one graph, so an abort used to wait for the whole chunk. Here each
+attention layer's cache update first evaluates the layer's keys and values (so every layer before
+it has run) and checks the abort flag; once it is set the pass stops and every cache is put back as
+it was before the call. That bounds an abort's wait by the work from one attention layer to the
+next instead of a whole chunk, so chunks can stay long enough to run efficiently.
+
+The caches are put back from shallow copies taken before the call: mlx-lm's updates either write
+past the old length (``KVCache``, ``QuantizedKVCache``), make new arrays (a multi-token
+``RotatingKVCache`` update, ``ArraysCache``), or write into the ring in place (a one-token
+``RotatingKVCache`` update: harmless after a multi-token one, whose ring is already new). So a
+call whose first pass feeds more than one token, over caches all of these kinds, is
+interruptible.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+from runtime.backends.contract import PrefillInterrupted
+from runtime.backends.mlx.state import clone_layer
+
+_RESTORABLE = (
+    mlx_cache.KVCache,
+    mlx_cache.QuantizedKVCache,
+    mlx_cache.RotatingKVCache,
+    mlx_cache.ArraysCache,
+)
+
+
+def can_interrupt(caches: list[Any], first_pass_tokens: int) -> bool:
+    """Whether a call over these caches whose first pass feeds ``first_pass_tokens`` can be
+    stopped and undone."""
+    return first_pass_tokens > 1 and all(type(c) in _RESTORABLE for c in caches)
+
+
+def stop_checks(caches: list[Any]) -> int:
+    """How many times an interruptible pass over these caches checks its stop flag (0: never)."""
+    if not can_interrupt(caches, 2):
+        return 0
+    return sum(1 for c in caches if hasattr(c, "update_and_fetch"))
+
+
+@contextlib.contextmanager
+def interruptible(caches: list[Any], stop: threading.Event) -> Iterator[None]:
+    """Run the block's passes over ``caches``, stopping between layers once ``stop`` is set.
+
+    Raises ``PrefillInterrupted`` with ``caches`` restored in place to their state before the block.
+    """
+    hooked, saved = list(caches), [_shallow_copy(c) for c in caches]
+    for layer_cache in hooked:
+        if hasattr(layer_cache, "update_and_fetch"):  # per instance: copies drop it (clone_layer)
+            layer_cache.update_and_fetch = _checked(layer_cache.update_and_fetch, stop)
+    try:
+        yield
+    except PrefillInterrupted:
+        caches[:] = saved
+        raise
+    finally:
+        for layer_cache in hooked:
+            layer_cache.__dict__.pop("update_and_fetch", None)
+
+
+def _checked(update: Callable[[mx.array, mx.array], Any], stop: threading.Event) -> Any:
+    def update_and_fetch(keys: mx.array, values: mx.array) -> Any:
+        mx.eval(keys, values)  # runs every layer before this one
+        if stop.is_set():
+            raise PrefillInterrupted("the sequence was aborted during this prefill pass")
+        return update(keys, values)
+
+    return update_and_fetch
+
+
+def _shallow_copy(layer_cache: Any) -> Any:
+    clone = clone_layer(layer_cache)
+    if isinstance(layer_cache, mlx_cache.ArraysCache):
+        clone.cache = list(layer_cache.cache)  # its layers assign into this list
+    return clone
