@@ -12,12 +12,18 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from bench import batching, checkpoints, generation, ours, raw_mlx, server
+from bench import batching, checkpoints, generation, ours, over_http, raw_mlx, server
 from bench.models import MODELS, load_bench_model
 from bench.results import Sink, format_table
 from bench.workload import SIZES, build_workload
 
-SCENARIO_GROUPS = ("existing", "generation", "checkpoints", "batching")
+SCENARIO_GROUPS = (
+    "existing",
+    "generation",
+    "checkpoints",
+    "batching",
+    *over_http.GROUPS,
+)
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -44,7 +50,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "(gen.*: one-stream decode, 4 concurrent, inter-token latency, coalescing; runtime "
         "and mlx-lm only), checkpoints (ckpt.*: memory of a long prompt's checkpoints, runtime "
         "vs deep copies of mlx-lm's prompt cache), batching (batch.*: decode tokens/s of one "
-        "sequence alone vs four in a DecodeBatch, backend level)",
+        "sequence alone vs four in a DecodeBatch, backend level); over HTTP, mlxrt serve vs "
+        "mlx_lm.server: concurrency (1/2/4/8 streams at once), keystroke (a completion per "
+        "keystroke, each superseding the last), prewarm (TTFT after a prewarm vs cold)",
     )
     args = parser.parse_args(argv)
     args.scenarios = {s for s in args.scenarios.split(",") if s}
@@ -85,6 +93,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _log(f"{kind}: backend-level batching (B=1 loop vs a DecodeBatch of four)")
                 batch_sizes = batching.BATCH_SIZES.pick(loaded, args.quick)
                 sink.extend(batching.measure(path, tokenizer, kind, batch_sizes))
+            http_groups = [group for group in over_http.GROUPS if group in args.scenarios]
+            if http_groups:
+                _log(f"{kind}: {', '.join(http_groups)} (mlxrt serve vs mlx_lm.server, over HTTP)")
+                sink.extend(over_http.measure(loaded, http_groups, args.systems, args.quick))
             if "existing" not in args.scenarios:
                 continue
             work = build_workload(tokenizer, SIZES.pick(loaded, args.quick))

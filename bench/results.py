@@ -21,6 +21,17 @@ SCENARIOS = (
     "abandon.after/idle",
     "abandon.cancelled_requests",
     "decode.tokens_per_s",
+    *(
+        f"concurrency.{n}.{what}"
+        for n in (1, 2, 4, 8)
+        for what in ("tok_s", "ttft_p50", "ttft_max")
+    ),
+    "prewarm.cold_ttft",
+    "prewarm.after_ttft",
+    "prewarm.cold/after",
+    "keystroke.latency_p50",
+    "keystroke.latency_p90",
+    "keystroke.cached_fraction",
     "skipped",
 )
 
