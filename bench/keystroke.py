@@ -1,9 +1,9 @@
 """Editor autocomplete (``--scenarios keystroke``): a completion at every keystroke, over HTTP.
 
 A person edits a Python file (``bench.code_sample``, ~500 tokens when opened). Every keystroke (a
-few characters typed, a typo then its backspace, once a comment inserted in the middle of the
-file) sends the file as it stands for a short completion that replaces the previous one: the
-client closes the previous stream, unread, before it sends the next. The HTTP API has no
+few characters typed, a two-character typo then its erasure, once a comment inserted in the
+middle of the file) sends the file as it stands for a short completion that replaces the previous
+one: the client closes the previous stream, unread, before it sends the next. The HTTP API has no
 ``supersede`` field (``Runtime.generate`` has), so closing the connection is how an HTTP client
 supersedes, on both servers; ours also gets a ``session`` per typing session (docs/http.md).
 
@@ -41,8 +41,11 @@ from bench.prompts import encode
 from bench.results import Measurement
 
 READ_EVERY = 8  # a burst of typing ends, and its suggestion is read, every 8th keystroke
-TYPO_EVERY = 9  # a wrong character at the middle of every 9 keystrokes, erased by the next
-TYPOS = ("x", "j", "qq", "w")
+TYPO_EVERY = 9  # a typo in every 9 keystrokes, erased by the next (a double backspace)
+# Two characters that never merge into one token with the text before them: erasing a one-token
+# typo makes a prompt equal to the dropped typo request's prompt minus its last token, which kills
+# mlx_lm.server 0.32.2's generation thread ("empty prompt"; docs/performance.md).
+TYPOS = ("x;", "j]", "q(", "w#")
 PAUSE_S = (0.03, 0.08)
 MIDDLE_EDIT = "    # Entries stay in use order: the first one is the next to evict.\n"
 
@@ -157,7 +160,7 @@ async def measure(servers: Sequence[Server], model: BenchModel, quick: bool) -> 
     """Every system's typing sessions, the systems taking turns to go first.
 
     A server that fails a request keeps its rows, with no value and the reason; the others go on.
-    Run this group last: a server may not survive it (mlx_lm.server 0.32 may not, see the note).
+    Run this group last: a server that fails here may be dead for whatever comes after.
     """
     sizes = SIZES.pick(model, quick)
     results = {server.system: Typed() for server in servers}

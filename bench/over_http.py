@@ -19,7 +19,8 @@ from bench.results import Measurement
 from bench.serving import ServerCommand, ServerUnavailable, mlx_lm_server, mlxrt_serve, running
 
 Group = Callable[[Sequence[Server], BenchModel, bool], Awaitable[list[Measurement]]]
-# In this order: keystroke last, as a server may not survive it (keystroke.measure).
+# In this order: keystroke last, as it drops streams mid-request, the pattern likeliest to break
+# a server (it broke mlx_lm.server 0.32.2, see keystroke.TYPOS), which would fail the groups after.
 GROUPS: dict[str, Group] = {
     "concurrency": concurrency.measure,
     "prewarm": prewarm.measure,
