@@ -86,18 +86,19 @@ async def measure(servers: Sequence[Server], model: BenchModel, quick: bool) -> 
                 f"{how}N streamed completions sent together, {sizes.prompt_tokens}-token "
                 f"prompts, max_tokens {sizes.max_tokens}, median of {sizes.repetitions}"
             )
-        rows += [
-            Measurement(
-                system, model.name, f"concurrency.{n}.tok_s", median(level.tok_s), "tok/s",
-                level.tok_s, note,
-            ),
-            Measurement(
-                system, model.name, f"concurrency.{n}.ttft_p50", median(level.ttft_p50), "ms",
-                level.ttft_p50,
-            ),
-            Measurement(
-                system, model.name, f"concurrency.{n}.ttft_max", median(level.ttft_max), "ms",
-                level.ttft_max,
-            ),
-        ]  # fmt: skip
+        for what, samples, unit in (
+            ("tok_s", level.tok_s, "tok/s"),
+            ("ttft_p50", level.ttft_p50, "ms"),
+            ("ttft_max", level.ttft_max, "ms"),
+        ):
+            scenario = f"concurrency.{n}.{what}"
+            value = _rounded_median(samples)
+            rows.append(Measurement(system, model.name, scenario, value, unit, samples, note))
+            note = ""  # once per system and model
     return rows
+
+
+def _rounded_median(values: Sequence[float]) -> float | None:
+    """The median, rounded like the samples (an even count averages two of them)."""
+    value = median(values)
+    return None if value is None else round(value, 3)
