@@ -1,4 +1,4 @@
-"""``python -m bench``: our runtime vs raw mlx-lm vs ``mlx_lm.server`` on the same tiny models.
+"""``python -m bench``: our runtime vs raw mlx-lm vs ``mlx_lm.server`` on the same models.
 
 Prints one JSON object per measurement (to stdout, or to ``--json PATH``), then a table.
 """
@@ -12,19 +12,43 @@ import time
 from collections.abc import Sequence
 from typing import IO
 
-from bench import batching, checkpoints, environment, generation, hop, ours, raw_mlx, server
+from bench import (
+    batching,
+    checkpoints,
+    environment,
+    generation,
+    hop,
+    ours,
+    over_http,
+    raw_mlx,
+    server,
+)
+from bench.models import MODELS, load_bench_model
 from bench.results import Sink, format_table
-from bench.workload import QUICK, Sizes, build_workload
+from bench.workload import SIZES, build_workload
 
-KINDS = ("llama", "sliding", "hybrid")
-SCENARIO_GROUPS = ("existing", "generation", "checkpoints", "batching", "hop")
+SCENARIO_GROUPS = (
+    "existing",
+    "generation",
+    "checkpoints",
+    "batching",
+    *over_http.GROUPS,
+    "hop",
+)
 MODEL_FREE_GROUPS = {"hop"}
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--models", default=",".join(KINDS), help="comma-separated tiny kinds")
-    parser.add_argument("--quick", action="store_true", help="shorter prompts, 1 repetition")
+    parser.add_argument(
+        "--models",
+        default=",".join(MODELS),
+        help="comma-separated subset of: llama, sliding, hybrid (tiny random-weight models), "
+        "smollm2 (SmolLM2-135M-Instruct), gemma3 (Gemma 3 270M)",
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="a smoke run of every row: small sizes, 1 repetition"
+    )
     parser.add_argument("--json", metavar="PATH", help="write JSON lines here, not to stdout")
     parser.add_argument(
         "--systems",
@@ -38,8 +62,10 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "(gen.*: one-stream decode, 4 concurrent, inter-token latency, coalescing; runtime "
         "and mlx-lm only), checkpoints (ckpt.*: memory of a long prompt's checkpoints, runtime "
         "vs deep copies of mlx-lm's prompt cache), batching (batch.*: decode tokens/s of one "
-        "sequence alone vs four in a DecodeBatch, backend level), hop (hop.*: the actor message "
-        "hop and the runtime's cost per streamed token, no model)",
+        "sequence alone vs four in a DecodeBatch, backend level); over HTTP, mlxrt serve vs "
+        "mlx_lm.server: concurrency (1/2/4/8 streams at once), keystroke (a completion per "
+        "keystroke, each superseding the last), prewarm (TTFT after a prewarm vs cold); hop "
+        "(hop.*: the actor message hop and the runtime's cost per streamed token, no model)",
     )
     args = parser.parse_args(argv)
     args.scenarios = {s for s in args.scenarios.split(",") if s}
@@ -47,19 +73,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     if unknown_groups:
         parser.error(f"unknown scenarios {sorted(unknown_groups)}; choose from {SCENARIO_GROUPS}")
     args.models = [m for m in args.models.split(",") if m]
-    unknown = set(args.models) - set(KINDS)
+    unknown = set(args.models) - set(MODELS)
     if unknown:
-        parser.error(f"unknown model kinds {sorted(unknown)}; choose from {KINDS}")
+        parser.error(f"unknown models {sorted(unknown)}; choose from {MODELS}")
     args.systems = set(args.systems.split(","))
     return args
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     from runtime.kernel.actor import release_thread_resources
-    from runtime.testing.tiny_models import load_tiny_model, tiny_model_path
 
     args = _parse(argv)
-    sizes = QUICK if args.quick else Sizes()
     began = time.perf_counter()
     with contextlib.ExitStack() as stack:
         out: IO[str] = sys.stdout
@@ -72,23 +96,28 @@ def main(argv: Sequence[str] | None = None) -> int:
             sink.extend(hop.measure(hop.HOP_QUICK if args.quick else hop.HopSizes()))
         models = args.models if args.scenarios - MODEL_FREE_GROUPS else []
         for kind in models:
-            path = tiny_model_path(kind)
-            model, tokenizer = load_tiny_model(kind)
-            _log(f"{kind}: {path}")
+            loaded = load_bench_model(kind)
+            path, model, tokenizer = loaded.path, loaded.model, loaded.tokenizer
+            _log(f"{kind}: {path}" + (f" ({loaded.note})" if loaded.note else ""))
             if "generation" in args.scenarios and "runtime" in args.systems:
                 _log(f"{kind}: generation (runtime, backend level, mlx-lm stream_generate)")
-                gen_sizes = generation.GEN_QUICK if args.quick else generation.GenSizes()
+                gen_sizes = generation.GEN_SIZES.pick(loaded, args.quick)
                 sink.extend(generation.measure(path, model, tokenizer, kind, gen_sizes))
             if "checkpoints" in args.scenarios and "runtime" in args.systems:
                 _log(f"{kind}: checkpoint memory (runtime vs mlx-lm whole-cache copies)")
-                sink.extend(checkpoints.measure(path, model, tokenizer, kind))
+                ckpt_tokens = checkpoints.PROMPT_TOKENS.pick(loaded, args.quick)
+                sink.extend(checkpoints.measure(path, model, tokenizer, kind, ckpt_tokens))
             if "batching" in args.scenarios and "runtime" in args.systems:
                 _log(f"{kind}: backend-level batching (B=1 loop vs a DecodeBatch of four)")
-                batch_sizes = batching.BATCH_QUICK if args.quick else batching.BatchSizes()
+                batch_sizes = batching.BATCH_SIZES.pick(loaded, args.quick)
                 sink.extend(batching.measure(path, tokenizer, kind, batch_sizes))
+            http_groups = [group for group in over_http.GROUPS if group in args.scenarios]
+            if http_groups:
+                _log(f"{kind}: {', '.join(http_groups)} (mlxrt serve vs mlx_lm.server, over HTTP)")
+                sink.extend(over_http.measure(loaded, http_groups, args.systems, args.quick))
             if "existing" not in args.scenarios:
                 continue
-            work = build_workload(tokenizer, sizes)
+            work = build_workload(tokenizer, SIZES.pick(loaded, args.quick))
             if "mlx-lm" in args.systems:
                 _log(f"{kind}: raw mlx-lm")
                 sink.extend(raw_mlx.measure(model, kind, work))
@@ -98,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "mlx_lm.server" in args.systems:
                 _log(f"{kind}: mlx_lm.server")
                 sink.extend(server.measure(path, kind, work))
-    mode = "quick" if args.quick else f"median of {sizes.repetitions}"
+    mode = "quick" if args.quick else "full"
     print(f"\n# bench ({mode}; {time.perf_counter() - began:.0f}s)", file=sys.stderr)
     print(format_table(sink.items), file=sys.stdout if args.json else sys.stderr)
     release_thread_resources()  # raw mlx-lm ran on this thread: MLX needs its streams cleared
@@ -106,7 +135,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _log(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from typing import Any
 
 import mlx.core as mx
 
+from bench.models import Scaled
 from bench.prompts import encode, make_text
 from bench.results import Measurement, median, ratio
 from runtime.backends.mlx.backend import MlxBackend, MlxState
@@ -36,7 +37,12 @@ class BatchSizes:
     width: int = 4
 
 
-BATCH_QUICK = BatchSizes(repetitions=1)
+BATCH_SIZES = Scaled(
+    tiny=BatchSizes(),
+    tiny_quick=BatchSizes(repetitions=1),
+    real=BatchSizes(repetitions=3, steps=16),
+    real_quick=BatchSizes(repetitions=1, prompt_tokens=16, steps=4),
+)
 
 
 def _greedy(logits: mx.array) -> int:
@@ -80,10 +86,7 @@ def _batched(backend: MlxBackend, prompts: Sequence[Sequence[int]], steps: int) 
     return rate
 
 
-def measure(
-    path: Path, tokenizer: Any, name: str, sizes: BatchSizes | None = None
-) -> list[Measurement]:
-    sizes = sizes or BatchSizes()
+def measure(path: Path, tokenizer: Any, name: str, sizes: BatchSizes) -> list[Measurement]:
     backend = MlxBackend.load(ModelSpec(name=name, backend="mlx", path=str(path)))
     try:
         reason = DecodeBatch.unsupported_reason(backend)

@@ -23,6 +23,7 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from actors.engine.checkpoints import CheckpointPolicy, plan_checkpoints
+from bench.models import Scaled
 from bench.prompts import encode, make_text
 from bench.results import Measurement, ratio
 from runtime.api import Runtime
@@ -30,7 +31,8 @@ from runtime.backends.mlx.backend import MlxBackend
 from runtime.config import RuntimeConfig
 from runtime.messages import Finished, ModelSpec
 
-PROMPT_TOKENS = 1536  # the tiny models' context is 2048
+# Prompt tokens (the tiny models' context is 2048); a quick run on a real model keeps two points.
+PROMPT_TOKENS = Scaled(tiny=1536, tiny_quick=1536, real=1536, real_quick=300)
 EVERY = 256
 CHUNK = 256
 MIB = 1 << 20
@@ -73,8 +75,10 @@ def _whole_copies(model: Any, prompt: list[int], points: list[int]) -> int:
     return copies
 
 
-def measure(path: Path, model: Any, tokenizer: Any, name: str) -> list[Measurement]:
-    prompt = encode(tokenizer, make_text(tokenizer, PROMPT_TOKENS, seed=7))[:PROMPT_TOKENS]
+def measure(
+    path: Path, model: Any, tokenizer: Any, name: str, prompt_tokens: int
+) -> list[Measurement]:
+    prompt = encode(tokenizer, make_text(tokenizer, prompt_tokens, seed=7))[:prompt_tokens]
     n_points, ours, pending = anyio.run(_ours, path, name, prompt)
     if n_points == 0:  # trimmable: reuse cuts the one entry back, no checkpoint exists
         note = "every layer trims: no checkpoints"

@@ -27,6 +27,7 @@ import anyio
 import mlx.core as mx
 from mlx_lm.generate import stream_generate
 
+from bench.models import Scaled
 from bench.prompts import encode, make_text
 from bench.results import Measurement, median, ratio, timed
 from runtime.api import Runtime
@@ -58,7 +59,30 @@ class GenSizes:
     coalesce_tokens: int = 200
 
 
-GEN_QUICK = GenSizes(repetitions=1)
+GEN_SIZES = Scaled(
+    tiny=GenSizes(),
+    tiny_quick=GenSizes(repetitions=1),
+    real=GenSizes(
+        repetitions=3,
+        one_steps=32,
+        four_tokens=16,
+        itl_a_tokens=60,
+        itl_a_lead_tokens=10,
+        itl_b_prompt_tokens=400,
+        coalesce_tokens=48,
+    ),
+    real_quick=GenSizes(
+        repetitions=1,
+        one_steps=4,
+        four_prompt_tokens=16,
+        four_tokens=4,
+        itl_a_prompt_tokens=16,
+        itl_a_tokens=12,
+        itl_a_lead_tokens=2,
+        itl_b_prompt_tokens=96,
+        coalesce_tokens=8,
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -458,10 +482,9 @@ async def _measure_runtime(
 
 
 def measure(
-    path: Path, model: Any, tokenizer: Any, name: str, sizes: GenSizes | None = None
+    path: Path, model: Any, tokenizer: Any, name: str, sizes: GenSizes
 ) -> list[Measurement]:
-    """Every generation scenario for one tiny model: backend level first, then the runtime."""
-    sizes = sizes or GenSizes()
+    """Every generation scenario for one model: backend level first, then the runtime."""
     prompts = build_prompts(tokenizer, sizes)
     rows = measure_backend(path, model, tokenizer, name, prompts, sizes)
     runtime_rows = asyncio.run(_measure_runtime(path, name, prompts, sizes))

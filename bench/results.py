@@ -27,6 +27,17 @@ SCENARIOS = (
     "hop.message_us_p90",
     "hop.token_us",
     "hop.token_compute_us",
+    *(
+        f"concurrency.{n}.{what}"
+        for n in (1, 2, 4, 8)
+        for what in ("tok_s", "ttft_p50", "ttft_max")
+    ),
+    "prewarm.cold_ttft",
+    "prewarm.after_ttft",
+    "prewarm.cold/after",
+    "keystroke.latency_p50",
+    "keystroke.latency_p90",
+    "keystroke.cached_fraction",
     "skipped",
 )
 # Units a runtime/other ratio means something for, and which side of 1 is better for the runtime.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from bench.models import Scaled
 from bench.prompts import encode, make_text
 
 
@@ -24,7 +25,12 @@ class Sizes:
     abandon_fraction: float = 0.2
 
 
-QUICK = Sizes(conversation_tokens=300, long_tokens=800, repetitions=1)
+SIZES = Scaled(
+    tiny=Sizes(),
+    tiny_quick=Sizes(conversation_tokens=300, long_tokens=800, repetitions=1),
+    real=Sizes(conversation_tokens=400, long_tokens=1000, decode_tokens=32, repetitions=3),
+    real_quick=Sizes(conversation_tokens=64, long_tokens=200, decode_tokens=8, repetitions=1),
+)
 
 
 @dataclass(frozen=True)
