@@ -2,9 +2,15 @@
 
 Tokenizing goes first: every prompt waiting for its tokens, in one job. Then a step of the decode
 batch (planned by ``BatchScheduler``) and single steps (a restore, a prefill chunk, or a decode
-step of a sequence outside the batch) take turns; single steps go round-robin by sequence id. A
-job runs on the executor (``ctx.compute``); its ``ComputeDone`` names it by id, and ``done`` hands
-the record back to the engine core, which hands it to the part that acts on what it left.
+step of a sequence outside the batch, ``decode.run_decode``) take turns; single steps go
+round-robin by sequence id. A job runs on the executor (``ctx.compute``, one at a time, in order);
+its ``ComputeDone`` names it by id, and ``done`` hands the record back to the engine core, which
+hands it to the part that acts on what it left.
+
+A lone decoding stream on a pipelined backend keeps one more decode step queued behind its running
+one (``top_up``), so its next token computes while the loop shows the last one, without waiting
+for the loop to hand the executor more work. Only while nothing else is ready to run: anything
+else waits for at most that one queued step.
 """
 
 from __future__ import annotations
@@ -12,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from actors.engine.batch import BatchScheduler
+from actors.engine.decode import run_batch, run_decode
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import (
     BatchJob,
@@ -19,7 +26,6 @@ from actors.engine.jobs import (
     StepJob,
     StepPlan,
     TokenizeJob,
-    run_batch,
     run_step,
     run_tokenize,
 )
@@ -53,6 +59,10 @@ class ComputeSlot:
     @property
     def busy(self) -> bool:
         return bool(self._jobs)
+
+    def holds(self, seq: Sequence) -> bool:
+        """Whether a step of ``seq`` is in flight (queued or running)."""
+        return any(isinstance(j, StepJob) and j.seq is seq for j in self._jobs.values())
 
     def submit(self, ctx: Context, job: Job, work: Callable[[], None]) -> None:
         """Run ``work`` (which fills ``job``) on the executor; ``ComputeDone`` follows."""
@@ -98,8 +108,38 @@ class ComputeSlot:
             self._last_served = seq.sequence_id
             seq.in_compute = True
             step = StepJob(seq)
+            if seq.phase is Phase.DECODING:
+                self.submit(ctx, step, lambda: run_decode(step, seq, backend))
+                self.top_up(backend, ctx)
+                return True
             # Leased: never dropped meanwhile.
             source = self._entries.restore_source(seq.restore_entry, seq.restore_length)
             self.submit(ctx, step, lambda: run_step(step, seq, backend, self._plan, source))
             return True
         return False
+
+    def top_up(self, backend: Backend, ctx: Context) -> None:
+        """Queue a lone stream's next decode step behind its running one (module docstring)."""
+        if not backend.pipelined or len(self._jobs) != 1:
+            return
+        (running,) = self._jobs.values()
+        if not isinstance(running, StepJob):
+            return
+        seq, sampling = running.seq, running.seq.sampling
+        if (
+            seq.phase is not Phase.DECODING
+            or seq.batch_slot is not None
+            or seq.abort.is_set()
+            # DRY reads every token first (TokenSampler.needs_read_history): nothing to queue on.
+            or (sampling.dry_multiplier > 0.0 and sampling.penalty_context > 0)
+            or len(self._batches)
+            or self._batches.has_leaving
+            or any(s is not seq and s.phase in _SCHEDULED for s in self._sequences.values())
+        ):
+            return
+        step = StepJob(seq, queued=True)
+        self.submit(ctx, step, lambda: run_decode(step, seq, backend))
+
+
+# Phases with work for the compute slot: any sequence in them keeps a stream from queueing ahead.
+_SCHEDULED = COMPUTE_PHASES | {Phase.TOKENIZING}

@@ -258,8 +258,12 @@ class EngineCore:
     # ------------------------------------------------------------------ compute
 
     def _pump(self, ctx: Context) -> None:
-        """Start the next compute job if the executor is free; once drained, close the model."""
-        if self._compute.busy or self._closed or self._backend is None:
+        """Start the next compute job if the executor is free (or queue a lone stream's next
+        decode step behind its running one); once drained, close the model."""
+        if self._closed or self._backend is None:
+            return
+        if self._compute.busy:
+            self._compute.top_up(self._backend, ctx)
             return
         if self._compute.start_next(self._backend, ctx):
             return
@@ -280,7 +284,8 @@ class EngineCore:
             case CloseJob():
                 self._closed_down(ctx)
             case StepJob():
-                self._outcomes.step_done(job, job.seq.live_successor(), ctx)
+                seq = job.seq.live_successor()
+                self._outcomes.step_done(job, seq, ctx, still_queued=self._compute.holds(seq))
             case BatchJob():
                 self._outcomes.batch_done(job, ctx)
             case _:

@@ -212,7 +212,7 @@ class EntryStore:
             epoch=self._epoch,
             namespace=seq.namespace,
             entry_id=entry_id,
-            tokens=seq.all_tokens[: state.length],
+            tokens=seq.cache_tokens[: state.length],
             nbytes=nbytes,
             trimmable=backend.can_trim(state),
             generation=seq.generation,
