@@ -35,7 +35,7 @@ from actors.engine.jobs import (
 )
 from actors.engine.outcomes import StepOutcomes
 from actors.engine.sequence import Phase, Sequence
-from runtime.backends.contract import Backend, BackendLoader, DecodeBatchHandle
+from runtime.backends.contract import Backend, BackendLoader, DecodeBatchHandle, SequenceState
 from runtime.backends.options import EngineOptions, ModelOptions, decode_options
 from runtime.errors import (
     EngineCrashed,
@@ -187,6 +187,14 @@ class EngineCore:
     def decode_batch(self) -> DecodeBatchHandle | None:
         """The decode batch, if one was opened (tests compare its real rows with the budget)."""
         return self._batches.handle
+
+    def sequence(self, sequence_id: int) -> Sequence | None:
+        """A live sequence, read only (tests check what it holds and when it emits)."""
+        return self._sequences.get(sequence_id)
+
+    def entry_state(self, entry_id: int) -> SequenceState | None:
+        """The cached state of prefix entry ``entry_id``, read only (tests match it to its key)."""
+        return self._entries.state(entry_id)
 
     # ------------------------------------------------------------------ messages
 

@@ -76,6 +76,11 @@ class EntryStore:
             return None
         return RestoreSource(entry.state, entry.points.get(length))
 
+    def state(self, entry_id: int) -> SequenceState | None:
+        """Entry ``entry_id``'s state, or None if it is not held here."""
+        entry = self._entries.get(entry_id)
+        return None if entry is None else entry.state
+
     def gauges(self) -> dict[str, int]:
         return {
             "entries": len(self._entries),
