@@ -59,7 +59,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.sim = Simulator(seed=seed, config=config)
         self.watched: weakref.WeakSet[EngineCore] = weakref.WeakSet()  # token sends checked
         self.sim.check_every_step(self.batch_padding_is_reserved)
-        self.sim.check_every_step(self.watch_new_engines)
+        self.sim.check_every_step(self.no_token_after_an_abort)
         self.sim.check_every_step(self.caches_stay_within_their_reservation)
         self.spec = sim_spec(
             chunk=3,
@@ -186,7 +186,7 @@ class RuntimeMachine(RuleBasedStateMachine):
             # The join waited for the grant; the give-back comes after the rows left.
             assert held >= BYTES_PER_TOKEN * padding, (held, padding)
 
-    def watch_new_engines(self) -> None:
+    def no_token_after_an_abort(self) -> None:
         """Checked from an engine's start on: it never sends a token of a sequence whose abort
         flag is set, or that has ended (a cancel lands before the next emitted token)."""
         for engine in engines(self.sim):
