@@ -1,16 +1,22 @@
 """The whole runtime on the simulator, against the protocol's invariants (docs/protocols.md).
 
-Hypothesis picks the simulator's seed (so which actor runs next) and a program of host actions;
-after every step the invariants are checked. A failure shrinks to a short program and replays.
+Hypothesis picks the simulator's seed (so which actor runs next), whether decode steps are
+pipelined (as on MLX: a step is built on a token before it is read, and a lone stream keeps one
+step queued) and a program of host actions; after every step the invariants are checked. A failure
+shrinks to a short program and replays.
 """
 
 from __future__ import annotations
 
+import weakref
+
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from runtime.backends.simulated import SimulatedBatch, greedy_continuation
+from actors.engine.core import EngineCore
+from runtime.backends.simulated import SimulatedBatch, SimulatedState, greedy_continuation
 from runtime.config import RuntimeConfig
+from runtime.kernel.core import Address, Context
 from runtime.messages import (
     Cancel,
     Cancelled,
@@ -27,6 +33,7 @@ from runtime.messages import (
     Rejected,
     ResetPrefixes,
     Started,
+    TokensProduced,
     UnloadModel,
 )
 from runtime.testing.harness import engines, kv_keeper, prefix_cache, sim_spec
@@ -40,11 +47,20 @@ prompts = st.lists(st.sampled_from([97, 98, 99]), min_size=1, max_size=12).map(t
 
 
 class RuntimeMachine(RuleBasedStateMachine):
-    @initialize(seed=st.integers(0, 2**16), trimmable=st.booleans())
-    def start(self, seed: int, trimmable: bool) -> None:
+    @initialize(
+        seed=st.integers(0, 2**16),
+        trimmable=st.booleans(),
+        pipelined=st.booleans(),
+        # 2: about every other token ends on an EOS, which a pipelined step has fed already.
+        eos_every=st.sampled_from([0, 2]),
+    )
+    def start(self, seed: int, trimmable: bool, pipelined: bool, eos_every: int) -> None:
         config = RuntimeConfig(kv_budget_bytes=BUDGET, reservation_timeout_s=0.05)
         self.sim = Simulator(seed=seed, config=config)
+        self.watched: weakref.WeakSet[EngineCore] = weakref.WeakSet()  # token sends checked
         self.sim.check_every_step(self.batch_padding_is_reserved)
+        self.sim.check_every_step(self.no_token_after_an_abort)
+        self.sim.check_every_step(self.caches_stay_within_their_reservation)
         self.spec = sim_spec(
             chunk=3,
             trimmable=trimmable,
@@ -55,7 +71,10 @@ class RuntimeMachine(RuleBasedStateMachine):
             checkpoint_every_tokens=4,
             prefill_s_per_token=0.001,
             decode_s_per_token=0.002,
+            pipelined=pipelined,
+            eos_every=eos_every,
         )
+        self.eos_every = eos_every
         self.incarnation = 0
         self.sent: dict[tuple[str, int], Generate | Prewarm] = {}
         self.cancelled_by_host: set[tuple[str, int]] = set()
@@ -167,6 +186,39 @@ class RuntimeMachine(RuleBasedStateMachine):
             # The join waited for the grant; the give-back comes after the rows left.
             assert held >= BYTES_PER_TOKEN * padding, (held, padding)
 
+    def no_token_after_an_abort(self) -> None:
+        """Checked from an engine's start on: it never sends a token of a sequence whose abort
+        flag is set, or that has ended (a cancel lands before the next emitted token)."""
+        for engine in engines(self.sim):
+            if engine not in self.watched:
+                self.watched.add(engine)
+                _check_token_sends(engine)
+
+    def caches_stay_within_their_reservation(self) -> None:
+        """Checked after every simulator step: a sequence's cache holds at most its prompt and
+        ``max_tokens`` (what it reserved), tokens fed ahead of the client included."""
+        for engine in engines(self.sim):
+            for key in self.sent:
+                started = _first(self.sim.events(*key), Started)
+                seq = None if started is None else engine.sequence(started.sequence_id)
+                if seq is None or seq.state is None or seq.epoch != engine.epoch:
+                    continue
+                assert seq.tokens is not None
+                assert seq.state.length <= len(seq.tokens) + seq.max_tokens, key
+
+    @invariant()
+    def entries_hold_exactly_their_keys(self) -> None:
+        """Every cached state holds exactly the tokens its prefix entry is keyed by, tokens fed
+        ahead and never shown (an EOS, or read after a cancel) included."""
+        by_epoch = {engine.epoch: engine for engine in engines(self.sim)}
+        for entry in prefix_cache(self.sim).entries():
+            engine = by_epoch.get(entry.epoch)
+            state = None if engine is None else engine.entry_state(entry.entry_id)
+            if state is None:  # dropped by the engine, its DropEntries on the way
+                continue
+            assert isinstance(state, SimulatedState)
+            assert tuple(state.tokens) == entry.tokens, (entry, state.tokens)
+
     @invariant()
     def cancel_only_hits_what_it_names(self) -> None:
         for key in self.sent:
@@ -182,7 +234,9 @@ class RuntimeMachine(RuleBasedStateMachine):
                 continue
             assert request.prompt_tokens is not None
             emitted = self.sim.emitted_tokens(*key)
-            expected = greedy_continuation(request.prompt_tokens, request.max_tokens)
+            expected = greedy_continuation(
+                request.prompt_tokens, request.max_tokens, eos_every=self.eos_every
+            )
             assert emitted == expected[: len(emitted)], (key, emitted, expected)
             if isinstance(terminal, Finished) and terminal.reason is FinishReason.LENGTH:
                 assert emitted == expected
@@ -211,6 +265,26 @@ class RuntimeMachine(RuleBasedStateMachine):
 
 def _first(events: list[Message], kind: type[Started]) -> Started | None:
     return next((e for e in events if isinstance(e, kind)), None)
+
+
+def _check_token_sends(engine: EngineCore) -> None:
+    """Wrap ``engine.handle`` so that each token it sends is checked as it is sent."""
+    handle = engine.handle
+
+    def checked(message: Message, sender: Address, ctx: Context) -> None:
+        send = ctx.send
+
+        def send_checked(to: Address, sent: Message) -> None:
+            if isinstance(sent, TokensProduced):
+                seq = engine.sequence(sent.sequence_id)
+                assert seq is not None, f"a token of ended sequence {sent.sequence_id}"
+                assert not seq.abort.is_set(), f"a token after sequence {seq.sequence_id}'s abort"
+            send(to, sent)
+
+        ctx.send = send_checked  # type: ignore[method-assign]
+        handle(message, sender, ctx)
+
+    engine.handle = checked  # type: ignore[method-assign]
 
 
 TestRuntimeMachine = RuntimeMachine.TestCase

@@ -20,7 +20,7 @@ from runtime.api import Runtime
 from runtime.config import RuntimeConfig
 from runtime.messages import ChatMessage, ChatOptions, Finished, ModelSpec, ReusePath
 from runtime.streams import Completion
-from runtime.testing.harness import common_prefix_length
+from runtime.testing.harness import common_prefix_length, wait_until
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 from runtime.text.chat import prepare_chat
 
@@ -79,6 +79,7 @@ async def test_a_prompt_diverging_after_hundreds_of_tokens_reuses_the_checkpoint
     async with Runtime(config()) as rt:
         await start(rt, kind)
         await run(rt, "warm", prompt_tokens=first)
+        await settled(rt)
         reused = await run(rt, "warm", prompt_tokens=second)
 
         assert reused.started is not None
@@ -110,6 +111,7 @@ async def test_editing_the_last_chat_message_reuses_every_message_before_it(
     async with Runtime(config()) as rt:
         await start(rt, kind)
         await run(rt, "warm", messages=asked)
+        await settled(rt)
         reused = await run(rt, "warm", messages=edited)
 
         assert reused.started is not None
@@ -128,6 +130,7 @@ async def test_the_snapshots_bytes_are_part_of_the_entry_and_of_the_kv_budget(
     async with Runtime(config()) as rt:
         await start(rt, kind)
         await run(rt, "warm", prompt_tokens=prompt)
+        await settled(rt)
 
         stats = rt.stats().actors
         engine = next(s for address, s in stats.items() if address.startswith("engine:warm#"))
@@ -141,3 +144,17 @@ async def test_the_snapshots_bytes_are_part_of_the_entry_and_of_the_kv_budget(
         entry_bytes = engine.gauges["entry_bytes"]
         assert stats["prefix"].gauges["bytes"] == entry_bytes
         assert stats["kv"].gauges["reserved"] == entry_bytes
+
+
+async def settled(rt: Runtime) -> None:
+    """Wait until the keeper holds only the prefix cache's bytes: a pipelined stream's last queued
+    decode step may still hold its state when the terminal event arrives, and the entry is
+    committed (and the rest of the reservation released) when that step returns."""
+    await wait_until(
+        rt,
+        lambda: (
+            rt.stats().actors["kv"].gauges["reserved"]
+            == rt.stats().actors["prefix"].gauges["bytes"]
+        ),
+        what="the keeper holding only the prefix cache's bytes",
+    )

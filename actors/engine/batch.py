@@ -81,11 +81,14 @@ class _PaddingAsk:
 
 
 def _joinable(seq: Sequence) -> bool:
-    """Decoding alone with a token to feed: it may join at the next batch step."""
+    """Decoding alone with a token to feed (shown, or drawn and not read): it may join at the
+    next batch step."""
+    decoding = seq.decoding
     return (
         seq.phase is Phase.DECODING
         and seq.batch_slot is None
-        and seq.pending_token is not None
+        and decoding is not None
+        and (decoding.pending is not None or decoding.ahead is not None)
         and not seq.abort.is_set()
     )
 

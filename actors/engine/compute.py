@@ -2,11 +2,17 @@
 
 Tokenizing goes first: every prompt waiting for its tokens, in one job. Then a step of the decode
 batch (planned by ``BatchScheduler``) and single steps (a restore, a prefill chunk, or a decode
-step of a sequence outside the batch) take turns; single steps go round-robin by sequence id. A
-job runs on the executor (``ctx.compute``); its ``ComputeDone`` names it by id, and ``done`` hands
-the record back to the engine core, which hands it to the part that acts on what it left. A prefill
-chunk's size comes from the ``ChunkSizer``, which learns the model's rate from the chunks timed
-here (submission to result, on the context's clock: virtual in the simulator).
+step of a sequence outside the batch, ``decode.run_decode``) take turns; single steps go
+round-robin by sequence id. A job runs on the executor (``ctx.compute``, one at a time, in order);
+its ``ComputeDone`` names it by id, and ``done`` hands the record back to the engine core, which
+hands it to the part that acts on what it left. A prefill chunk's size comes from the
+``ChunkSizer``, which learns the model's rate from the chunks timed here (submission to result, on
+the context's clock: virtual in the simulator).
+
+A lone decoding stream on a pipelined backend keeps one more decode step queued behind its running
+one (``top_up``), so its next token computes while the loop shows the last one, without waiting
+for the loop to hand the executor more work. Only while nothing else is ready to run: anything
+else waits for at most that one queued step.
 """
 
 from __future__ import annotations
@@ -15,13 +21,13 @@ from collections.abc import Callable
 
 from actors.engine.batch import BatchScheduler
 from actors.engine.chunking import ChunkSizer
+from actors.engine.decode import run_batch, run_decode
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import (
     BatchJob,
     Job,
     StepJob,
     TokenizeJob,
-    run_batch,
     run_step,
     run_tokenize,
 )
@@ -55,6 +61,10 @@ class ComputeSlot:
     @property
     def busy(self) -> bool:
         return bool(self._jobs)
+
+    def holds(self, seq: Sequence) -> bool:
+        """Whether a step of ``seq`` is in flight (queued or running)."""
+        return any(isinstance(j, StepJob) and j.seq is seq for j, _ in self._jobs.values())
 
     def submit(self, ctx: Context, job: Job, work: Callable[[], None]) -> None:
         """Run ``work`` (which fills ``job``) on the executor; ``ComputeDone`` follows."""
@@ -102,6 +112,11 @@ class ComputeSlot:
             seq = ready[0]
             self._last_served = seq.sequence_id
             seq.in_compute = True
+            if seq.phase is Phase.DECODING:
+                step = StepJob(seq)
+                self.submit(ctx, step, lambda: run_decode(step, seq, backend))
+                self.top_up(backend, ctx)
+                return True
             chunk = self._sizer.tokens() if seq.phase is Phase.PREFILLING else 0
             step = StepJob(seq, chunk_tokens=chunk)
             # Leased: never dropped meanwhile.
@@ -109,3 +124,29 @@ class ComputeSlot:
             self.submit(ctx, step, lambda: run_step(step, seq, backend, source))
             return True
         return False
+
+    def top_up(self, backend: Backend, ctx: Context) -> None:
+        """Queue a lone stream's next decode step behind its running one (module docstring)."""
+        if not backend.pipelined or len(self._jobs) != 1:
+            return
+        ((running, _),) = self._jobs.values()
+        if not isinstance(running, StepJob):
+            return
+        seq, sampling = running.seq, running.seq.sampling
+        if (
+            seq.phase is not Phase.DECODING
+            or seq.batch_slot is not None
+            or seq.abort.is_set()
+            # DRY reads every token first (TokenSampler.needs_read_history): nothing to queue on.
+            or (sampling.dry_multiplier > 0.0 and sampling.penalty_context > 0)
+            or len(self._batches)
+            or self._batches.has_leaving
+            or any(s is not seq and s.phase in _SCHEDULED for s in self._sequences.values())
+        ):
+            return
+        step = StepJob(seq, queued=True)
+        self.submit(ctx, step, lambda: run_decode(step, seq, backend))
+
+
+# Phases with work for the compute slot: any sequence in them keeps a stream from queueing ahead.
+_SCHEDULED = COMPUTE_PHASES | {Phase.TOKENIZING}

@@ -36,7 +36,7 @@ from actors.engine.jobs import (
 )
 from actors.engine.outcomes import StepOutcomes
 from actors.engine.sequence import Phase, Sequence
-from runtime.backends.contract import Backend, BackendLoader, DecodeBatchHandle
+from runtime.backends.contract import Backend, BackendLoader, DecodeBatchHandle, SequenceState
 from runtime.backends.options import EngineOptions, ModelOptions, decode_options
 from runtime.errors import (
     EngineCrashed,
@@ -196,6 +196,14 @@ class EngineCore:
         """The decode batch, if one was opened (tests compare its real rows with the budget)."""
         return self._batches.handle
 
+    def sequence(self, sequence_id: int) -> Sequence | None:
+        """A live sequence, read only (tests check what it holds and when it emits)."""
+        return self._sequences.get(sequence_id)
+
+    def entry_state(self, entry_id: int) -> SequenceState | None:
+        """The cached state of prefix entry ``entry_id``, read only (tests match it to its key)."""
+        return self._entries.state(entry_id)
+
     # ------------------------------------------------------------------ messages
 
     def handle(self, message: Message, sender: Address, ctx: Context) -> None:
@@ -266,8 +274,12 @@ class EngineCore:
     # ------------------------------------------------------------------ compute
 
     def _pump(self, ctx: Context) -> None:
-        """Start the next compute job if the executor is free; once drained, close the model."""
-        if self._compute.busy or self._closed or self._backend is None:
+        """Start the next compute job if the executor is free (or queue a lone stream's next
+        decode step behind its running one); once drained, close the model."""
+        if self._closed or self._backend is None:
+            return
+        if self._compute.busy:
+            self._compute.top_up(self._backend, ctx)
             return
         if self._compute.start_next(self._backend, ctx):
             return
@@ -288,7 +300,8 @@ class EngineCore:
             case CloseJob():
                 self._closed_down(ctx)
             case StepJob():
-                self._outcomes.step_done(job, job.seq.live_successor(), ctx)
+                seq = job.seq.live_successor()
+                self._outcomes.step_done(job, seq, ctx, still_queued=self._compute.holds(seq))
             case BatchJob():
                 self._outcomes.batch_done(job, ctx)
             case _:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 
-from actors.engine.sequence import Phase, Sequence
+from actors.engine.sequence import Decoding, Phase, Sequence
 from runtime.kernel.core import ROUTER, Context
 from runtime.kernel.stats import Counters
 from runtime.messages import (
@@ -73,18 +73,24 @@ def announce_start(seq: Sequence, counters: Counters, ctx: Context) -> None:
 
 
 def start_decoding(seq: Sequence, decode: Callable[[Tokens[int]], str]) -> None:
-    """The prompt is in: from now on each step samples a token, whose text is built here."""
+    """The prompt is in: from now on each step samples a token (its text built on the compute
+    thread, ``Decoding``) and the text is matched against the stop strings here."""
+    assert seq.tokens is not None
     seq.phase = Phase.DECODING
-    seq.detokenizer = IncrementalDetokenizer(decode)
+    seq.decoding = Decoding(history=list(seq.tokens), detokenizer=IncrementalDetokenizer(decode))
     if seq.stop_strings:
         seq.stop_matcher = StopStringMatcher(seq.stop_strings)
 
 
-def take_token(seq: Sequence, token: int, text: str, logprob: TokenLogprob | None) -> Emission:
-    """Record the token a decode step sampled (``text``: its detokenized text) and say what the
-    client sees of it and whether it ends the sequence."""
+def take_token(
+    seq: Sequence, token: int, text: str, logprob: TokenLogprob | None, fed: bool = False
+) -> Emission:
+    """Record the token a decode step sampled (``text``: its detokenized text; ``fed``: the cache
+    holds it already) and say what the client sees of it and whether it ends the sequence."""
     matcher = seq.stop_matcher
     if token in seq.stop_token_ids:  # EOS or a stop token: not emitted, not counted
+        if fed:
+            seq.fed_unshown.append(token)
         tail, stop = text, None
         if matcher is not None:  # the last text may itself complete a stop string
             ended = matcher.feed(text)
@@ -92,7 +98,6 @@ def take_token(seq: Sequence, token: int, text: str, logprob: TokenLogprob | Non
             stop = ended.stop
         return Emission((), tail, finish=FinishReason.STOP, stop=stop)
     seq.generated.append(token)
-    seq.pending_token = token
     result = matcher.feed(text) if matcher else None
     logprobs = () if logprob is None else (logprob,)
     if result is not None and result.stopped:

@@ -4,9 +4,9 @@ A sequence ends once: finished (``finish``: a reason such as ``length`` or ``sto
 ``adopted``), cancelled (``abort``, at once or when its running job comes back) or failed
 (``fail``). The router hears the terminal event at once. What the sequence holds (its prefix-cache
 lease, its KV reservation, snapshots included) is released then, or, for a sequence still in the
-decode batch, once its state is back out (``returned_from_batch``). A finished sequence's cache,
-and a cancelled one's unless the model is going away, is first committed to the prefix cache
-(``EntryStore.detach``); a failed one's never is.
+decode batch or with a decode step still queued, once its state is back (``returned``). A finished
+sequence's cache, and a cancelled one's unless the model is going away, is first committed to the
+prefix cache (``EntryStore.detach``); a failed one's never is.
 
 The engine core, ``Admission`` and ``StepOutcomes`` all end sequences through one ``Endings``.
 """
@@ -66,9 +66,15 @@ class Endings:
             self.finish_cancelled(seq, ctx)
 
     def finish(
-        self, seq: Sequence, ctx: Context, reason: FinishReason, stop: str | None = None
+        self,
+        seq: Sequence,
+        ctx: Context,
+        reason: FinishReason,
+        stop: str | None = None,
+        keep: bool = True,
     ) -> None:
-        self._end(seq, ctx, detach=reason is not FinishReason.ADOPTED)
+        """``seq`` ended as ``reason``; its state is committed unless adopted or not ``keep``."""
+        self._end(seq, ctx, detach=keep and reason is not FinishReason.ADOPTED)
         self._counters.inc(f"finished_{reason}")
         ctx.send(ROUTER, emission.finished(seq, reason, stop))
 
@@ -84,14 +90,13 @@ class Endings:
 
     def fail_with(self, seq: Sequence, ctx: Context, code: str, text: str, retry: bool) -> None:
         """``fail`` for an error that arrived as a message's fields (a refused reservation)."""
-        seq.state = None  # a state that saw an error is never reused
-        self._end(seq, ctx, detach=False)
+        self._end(seq, ctx, detach=False)  # a state that saw an error is never reused
         self._counters.inc(f"failed_{code}")
         ctx.send(ROUTER, emission.failed(seq, code, text, retry))
 
     def _end(self, seq: Sequence, ctx: Context, detach: bool) -> None:
         """After this nothing acts on the sequence; what it holds is released (a batched one's
-        once its state is back out of the batch)."""
+        once its state is back out of the batch, one with a step queued once that returns)."""
         seq.phase = Phase.DONE
         self._sequences.pop(seq.sequence_id, None)
         self._batches.ended(seq)
@@ -99,15 +104,18 @@ class Endings:
         if seq.batch_slot is not None:
             self._batches.leave_later(seq, detach)
             return
+        if seq.in_compute:  # a decode step queued behind the last one still holds its state
+            seq.abort.set()  # it does nothing if it has not started
+            seq.detach_later = detach
+            return
+        self.returned(seq, detach, ctx)
+
+    def returned(self, seq: Sequence, detach: bool, ctx: Context) -> None:
+        """An ended sequence's state is back (out of the batch, or from its last step): commit it
+        if asked, then release what it holds."""
         if detach:
             self._detach(seq, ctx)
         seq.state = None
-        self.release_holdings(seq, ctx)
-
-    def returned_from_batch(self, seq: Sequence, detach: bool, ctx: Context) -> None:
-        """A sequence that ended while batched is back out: commit its state if asked, release."""
-        if detach:
-            self._detach(seq, ctx)
         self.release_holdings(seq, ctx)
 
     def _detach(self, seq: Sequence, ctx: Context) -> None:

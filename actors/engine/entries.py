@@ -68,6 +68,11 @@ class EntryStore:
             return None
         return RestoreSource(entry.state, entry.points.get(length))
 
+    def state(self, entry_id: int) -> SequenceState | None:
+        """Entry ``entry_id``'s state, or None if it is not held here."""
+        entry = self._entries.get(entry_id)
+        return None if entry is None else entry.state
+
     def gauges(self) -> dict[str, int]:
         return {
             "entries": len(self._entries),
@@ -178,7 +183,7 @@ class EntryStore:
             epoch=self._epoch,
             namespace=seq.namespace,
             entry_id=entry_id,
-            tokens=seq.all_tokens[: state.length],
+            tokens=seq.cache_tokens[: state.length],
             nbytes=nbytes,
             trimmable=backend.can_trim(state),
             generation=seq.generation,

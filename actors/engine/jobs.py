@@ -1,4 +1,4 @@
-"""The engine's compute jobs: the only code that runs on its compute thread.
+"""The engine's compute jobs (with decode.py: the only code that runs on its compute thread).
 
 A job touches the backend, its own record and the one sequence state it was given, and never
 raises: errors are handed back in the record, which the engine reads on the event loop after
@@ -8,7 +8,6 @@ record type, so a job carries only its own fields; ``Job`` is their union.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -28,8 +27,6 @@ from runtime.messages import ModelSpec, RequestKind, TokenLogprob
 from runtime.text.chat import PreparedPrompt, prepare_chat
 
 if TYPE_CHECKING:
-    import mlx.core as mx
-
     from actors.engine.entries import RestoreSource
 
 
@@ -69,6 +66,9 @@ class StepJob:
     token: int | None = None
     text: str = ""
     logprob: TokenLogprob | None = None
+    fed: bool = False  # ``token`` is in the cache already: the step after it was built
+    ahead_error: BaseException | None = None  # building that step failed (after ``token``)
+    queued: bool = False  # a decode step queued behind the running one of the same sequence
     state: SequenceState | None = None
     error: BaseException | None = None
     skipped: bool = False  # the abort flag stopped it: before it began, or mid-chunk (undone)
@@ -142,17 +142,16 @@ def run_step(
     backend: Backend,
     restore_source: RestoreSource | None,
 ) -> None:
-    """One restore, prefill chunk or decode step of ``seq``, unless its abort flag is set."""
+    """One restore or prefill chunk of ``seq``, unless its abort flag is set (a decode step is
+    ``decode.run_decode``)."""
     if seq.abort.is_set():
         job.skipped = True
         return
     try:
         if seq.phase is Phase.RESTORING:
             job.state = _restore(job, seq, backend, restore_source)
-        elif seq.phase is Phase.PREFILLING:
-            _prefill_chunk(job, seq, backend)
         else:
-            _decode_step(job, seq, backend)
+            _prefill_chunk(job, seq, backend)
     except BaseException as exc:
         job.error = exc
 
@@ -208,84 +207,3 @@ def _prefill_chunk(job: StepJob, seq: Sequence, backend: Backend) -> None:
             job.pin_copy = backend.copy_state(seq.state, point, snapshot)
         else:
             job.snapshots.append(snapshot)
-
-
-def _decode_step(job: StepJob, seq: Sequence, backend: Backend) -> None:
-    """Feed the last emitted token (if any), then sample the next one and its text."""
-    assert seq.state is not None
-    if seq.pending_token is not None:
-        backend.prefill(seq.state, [seq.pending_token])
-        job.prefilled = 1
-    sample_into(job, seq, backend, backend.logits(seq.state))
-
-
-def sample_into(job: StepJob, seq: Sequence, backend: Backend, logits: mx.array) -> None:
-    """Pick ``seq``'s next token from ``logits``, with its text (and logprob when asked)."""
-    assert seq.detokenizer is not None
-    if seq.sampler is None:
-        # Imported at the first sample, not with the engine: it imports mlx-lm (and transformers),
-        # which loading a simulated model does not need.
-        from runtime.text.sampling import TokenSampler
-
-        seq.sampler = TokenSampler(seq.sampling, int(logits.shape[0]), _token_decoder(backend))
-    sampled = seq.sampler.sample(logits, seq.all_tokens, seq.rng)
-    job.token = sampled.token
-    if seq.sampling.logprobs:
-        job.logprob = TokenLogprob(
-            token=sampled.token, logprob=sampled.logprob or 0.0, top=sampled.top_logprobs
-        )
-    ending = job.token in seq.stop_token_ids
-    if not ending:
-        job.text = seq.detokenizer.add(job.token)
-    if ending or seq.on_last_step:
-        job.text += seq.detokenizer.flush()  # the stream ends: release any held-back bytes
-
-
-def run_batch(job: BatchJob, backend: Backend, batch: DecodeBatchHandle | None) -> None:
-    """Leave, join, then one forward pass for every member; a member aborted meanwhile leaves."""
-    try:
-        if batch is None:
-            batch = backend.open_batch()
-            if batch is None:
-                raise RuntimeError("this model's caches cannot be batched")
-        job.batch = batch
-        work = job.work
-        for seq in work.leavers:
-            assert seq.batch_slot is not None
-            job.left[seq.sequence_id] = batch.leave(seq.batch_slot)
-        slots: dict[int, Sequence] = {}
-        for seq in work.members:
-            assert seq.batch_slot is not None
-            if seq.abort.is_set():
-                job.left[seq.sequence_id] = batch.leave(seq.batch_slot)
-            else:
-                slots[seq.batch_slot] = seq
-        for seq in work.joiners:
-            if seq.abort.is_set():
-                continue
-            assert seq.state is not None
-            slot = batch.join(seq.state)
-            job.joined[seq.sequence_id] = slot
-            slots[slot] = seq
-        if not slots:
-            return
-        tokens = {slot: seq.pending_token for slot, seq in slots.items()}
-        logits = batch.step({slot: t for slot, t in tokens.items() if t is not None})
-        for slot, seq in slots.items():
-            step = StepJob(seq, prefilled=1)
-            sample_into(step, seq, backend, logits[slot])
-            job.stepped[seq.sequence_id] = step
-    except BaseException as exc:
-        job.error = exc
-
-
-def _token_decoder(backend: Backend) -> Callable[[int], str]:
-    """One stable callable per backend, so the sampler's sequence-breaker cache is shared."""
-    cached: Callable[[int], str] | None = getattr(backend, "_token_decoder", None)
-    if cached is None:
-
-        def cached(token: int) -> str:
-            return backend.decode([token])
-
-        setattr(backend, "_token_decoder", cached)  # noqa: B010
-    return cached

@@ -51,9 +51,12 @@ class StepOutcomes:
         self._counters = counters
         self._backend = backend  # the engine's; steps come back only while it is loaded
 
-    def step_done(self, job: StepJob, seq: Sequence, ctx: Context) -> None:
-        """``seq``'s step came back (``seq`` owns its work now: the job's, or its adopter)."""
-        seq.in_compute = False
+    def step_done(
+        self, job: StepJob, seq: Sequence, ctx: Context, still_queued: bool = False
+    ) -> None:
+        """``seq``'s step came back (``seq`` owns its work now: the job's, or its adopter);
+        ``still_queued``: another step of it is queued behind this one (compute.py)."""
+        seq.in_compute = still_queued
         self._counters.inc(
             "decoded_tokens" if seq.phase is Phase.DECODING else "prefilled_tokens", job.prefilled
         )
@@ -70,7 +73,12 @@ class StepOutcomes:
             self._entries.pin_copy(seq, job.pin_copy, backend, ctx)
         for snapshot in job.snapshots:
             self._entries.snapshot(seq, snapshot)
+        ends = seq.phase is Phase.DONE or seq.crash_message is not None or seq.abort.is_set()
+        if ends and job.fed and job.token is not None:  # in the cache, and never to be shown
+            seq.fed_unshown.append(job.token)
         if seq.phase is Phase.DONE:
+            if seq.detach_later is not None and not still_queued:
+                self._ends.returned(seq, seq.detach_later, ctx)  # the last step held its state
             return
         if seq.crash_message is not None:
             self._ends.fail(seq, ctx, EngineCrashed(seq.crash_message))
@@ -78,11 +86,8 @@ class StepOutcomes:
         if seq.abort.is_set() or job.skipped:
             self._ends.finish_cancelled(seq, ctx)
             return
-        if isinstance(job.error, MlxRuntimeError):  # e.g. a logit bias outside the vocabulary
-            self._ends.fail(seq, ctx, job.error)
-            return
         if job.error is not None:
-            self._ends.fail(seq, ctx, BackendError(f"model step failed: {job.error!r}"))
+            self._ends.fail(seq, ctx, _step_failed(job.error))
             return
         if seq.phase is Phase.RESERVING:  # adopted mid-step; it resumes once reserved
             if seq.resume_phase is Phase.RESTORING:
@@ -92,12 +97,15 @@ class StepOutcomes:
             seq.phase = Phase.PREFILLING
         if seq.phase is Phase.PREFILLING:
             self.prefill_advanced(seq, ctx)
-        elif seq.phase is Phase.DECODING:
-            assert job.token is not None
-            shown = emission.take_token(seq, job.token, job.text, job.logprob)
+        elif seq.phase is Phase.DECODING and job.token is not None:
+            shown = emission.take_token(seq, job.token, job.text, job.logprob, job.fed)
             emission.emit(seq, shown, ctx)
             if shown.finish is not None:
-                self._ends.finish(seq, ctx, shown.finish, stop=shown.stop)
+                # A state that saw the next step fail is never reused.
+                keep = job.ahead_error is None
+                self._ends.finish(seq, ctx, shown.finish, stop=shown.stop, keep=keep)
+            elif job.ahead_error is not None:
+                self._ends.fail(seq, ctx, _step_failed(job.ahead_error))
 
     def prefill_advanced(self, seq: Sequence, ctx: Context) -> None:
         """A prefill chunk (or the restore before it) landed: announce the start once, and once
@@ -120,7 +128,7 @@ class StepOutcomes:
             if leaving is None:  # aborted while it waited for this step
                 self._ends.finish_cancelled(seq, ctx)
             elif not leaving.resume:
-                self._ends.returned_from_batch(seq, leaving.detach, ctx)
+                self._ends.returned(seq, leaving.detach, ctx)
         if job.error is not None:
             error = BackendError(f"batched decode step failed: {job.error!r}")
             for seq in done.failed:
@@ -131,3 +139,11 @@ class StepOutcomes:
             self.step_done(step, seq, ctx)
         for seq in self._sequences.values():
             seq.in_compute = False  # joiners that were aborted before joining, or never got in
+
+
+def _step_failed(error: BaseException) -> MlxRuntimeError:
+    """What a step's error fails its sequence with: ours as it is (e.g. a logit bias outside the
+    vocabulary), anything else as a backend error."""
+    if isinstance(error, MlxRuntimeError):
+        return error
+    return BackendError(f"model step failed: {error!r}")

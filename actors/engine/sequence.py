@@ -26,7 +26,7 @@ from runtime.text.detokenizer import IncrementalDetokenizer
 from runtime.text.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:
-    from runtime.text.sampling import TokenSampler
+    from runtime.text.sampling import Draw, TokenSampler
 
 
 class Phase(enum.Enum):
@@ -43,6 +43,23 @@ class Phase(enum.Enum):
 COMPUTE_PHASES = frozenset({Phase.RESTORING, Phase.PREFILLING, Phase.DECODING})
 
 
+@dataclass(eq=False)
+class Decoding:
+    """A decoding sequence's compute-thread side: what one decode step leaves for the next (which
+    may run before the loop has seen the one before it: compute.py queues a lone stream's steps).
+
+    Made on the loop when the prompt is in; from then on only decode steps touch it.
+    """
+
+    history: list[int]  # the prompt and every token read so far (the sampler's history)
+    detokenizer: IncrementalDetokenizer
+    read: int = 0  # tokens read so far
+    sampler: TokenSampler | None = None  # built at the first draw
+    ahead: Draw | None = None  # the next token: drawn after the last one was fed, not read yet
+    pending: int | None = None  # the last token read, not fed yet (no step was queued on it)
+    ended: bool = False  # the last token read ends the sequence (EOS, stop token, max_tokens)
+
+
 _PREWARM_SAMPLING = Sampling()  # a prewarm never samples: the defaults keep its fields total
 
 
@@ -50,8 +67,9 @@ _PREWARM_SAMPLING = Sampling()  # a prewarm never samples: the defaults keep its
 class Sequence:
     """Mutable per-sequence bookkeeping, owned by the engine core (the loop thread).
 
-    What the request asked for is read through the frozen ``admit``, never copied. Only ``state``
-    is touched by the compute thread, and only while ``in_compute`` is set.
+    What the request asked for is read through the frozen ``admit``, never copied. Only ``state``,
+    ``decoding`` and ``rng`` are touched by the compute thread, and only while ``in_compute`` is
+    set (the loop reads ``decoding`` between steps, to see who has a token to join a batch with).
     """
 
     admit: Admit
@@ -87,12 +105,14 @@ class Sequence:
     cached_tokens: int = 0
     resume_phase: Phase | None = None  # set when adopting a prewarm: where to continue
     adopted_by: Sequence | None = None
-    generated: list[int] = field(default_factory=list)
-    pending_token: int | None = None  # sampled and emitted, not yet fed to the model
-    detokenizer: IncrementalDetokenizer | None = None
+    generated: list[int] = field(default_factory=list)  # the tokens shown
+    # Fed to the model and never shown (an EOS, or tokens read after an abort or the end landed).
+    fed_unshown: list[int] = field(default_factory=list)
+    decoding: Decoding | None = None  # the compute thread's side, from the first decode step on
     stop_matcher: StopStringMatcher | None = None
-    sampler: TokenSampler | None = None  # built on the compute thread at the first decode step
     batch_slot: int | None = None  # its row in the engine's decode batch, while batched
+    # Ended while a queued step still held its state: committed (True) or dropped when it returns.
+    detach_later: bool | None = None
 
     @classmethod
     def admitted(cls, admit: Admit, model: str) -> Sequence:
@@ -169,14 +189,10 @@ class Sequence:
         return len(self.tokens)
 
     @property
-    def all_tokens(self) -> TokenIds:
+    def cache_tokens(self) -> TokenIds:
+        """The tokens its cache holds, in order (the first ``state.length`` of these)."""
         assert self.tokens is not None
-        return self.tokens + tuple(self.generated)
-
-    @property
-    def on_last_step(self) -> bool:
-        """Whether the token being sampled now is the last one ``max_tokens`` allows."""
-        return len(self.generated) + 1 >= self.max_tokens
+        return self.tokens + tuple(self.generated) + tuple(self.fed_unshown)
 
     def usage(self) -> Usage:
         return Usage(

@@ -8,7 +8,7 @@ never looks inside states: it asks the backend to copy, trim, measure and extend
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
@@ -115,8 +115,9 @@ class DecodeBatchHandle(Protocol):
         """Take a sequence out, as an independent state (its logits included)."""
         ...
 
-    def step(self, tokens: dict[int, int]) -> dict[int, mx.array]:
-        """Feed one token to every member; each member's next logits."""
+    def step(self, tokens: Mapping[int, int | mx.array]) -> dict[int, mx.array]:
+        """Feed one token to every member (a token id, or a scalar array not read yet); each
+        member's next logits, which MLX has not computed yet (see ``Backend.pipelined``)."""
         ...
 
     def __len__(self) -> int: ...
@@ -196,6 +197,18 @@ class Backend(Protocol):
 
     def logits(self, state: SequenceState) -> mx.array:
         """The float32 ``(vocab,)`` logits after the last prefilled token (samplers act on them)."""
+        ...
+
+    @property
+    def pipelined(self) -> bool:
+        """Whether the engine pipelines decode steps here: it builds the step that feeds a drawn
+        token before reading the token (``feed``, ``DecodeBatchHandle.step``), and queues a lone
+        stream's next step behind the running one (MLX: its arrays compute when evaluated)."""
+        ...
+
+    def feed(self, state: SequenceState, token: mx.array) -> mx.array:
+        """``prefill`` of one token given as a scalar array, possibly not read yet (a sampler's
+        draw); returns the next float32 ``(vocab,)`` logits, which MLX has not computed yet."""
         ...
 
     def open_batch(self) -> DecodeBatchHandle | None:

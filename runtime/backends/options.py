@@ -76,6 +76,9 @@ class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unk
     fail_load: bool = False
     fail_prefill_call: int = 0  # >0: the n-th prefill call (1-based, per load) raises
     fail_sample_call: int = 0  # >0: the n-th sample call raises
+    # True: the engine pipelines decode steps as on MLX (Backend.pipelined): a step is built on a
+    # token before it is read, and a lone stream's next step is queued behind the running one.
+    pipelined: bool = False
 
 
 ModelOptions = MlxOptions | SimulatedModelOptions

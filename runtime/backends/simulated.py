@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from runtime.backends.contract import (
@@ -261,6 +261,16 @@ class SimulatedBackend:
             values[next_token_for(h, self._options.eos_every)] = _PEAK_LOGIT
             return mx.array(values, dtype=mx.float32)
 
+    @property
+    def pipelined(self) -> bool:
+        """As the options say. ``feed`` reads its token and computes at once, so a pipelined
+        simulated step is charged when it is built, not when its token is read (as on MLX)."""
+        return self._options.pipelined
+
+    def feed(self, state: SequenceState, token: mx.array) -> mx.array:
+        self.prefill(state, [_read_token(token)])
+        return self.logits(state)
+
     def open_batch(self) -> SimulatedBatch:
         return SimulatedBatch(self)
 
@@ -269,6 +279,11 @@ class SimulatedBackend:
 
     def close(self) -> None:
         pass
+
+
+def _read_token(token: int | mx.array) -> int:
+    """A token id, reading it first if it is a draw's array (the step needs its value now)."""
+    return token if isinstance(token, int) else int(token.item())  # type: ignore[arg-type]
 
 
 def _own(state: SequenceState) -> SimulatedState:
@@ -305,17 +320,18 @@ class SimulatedBatch:
     def leave(self, slot: int) -> SimulatedState:
         return self._rows.pop(slot)
 
-    def step(self, tokens: dict[int, int]) -> dict[int, mx.array]:
+    def step(self, tokens: Mapping[int, int | mx.array]) -> dict[int, mx.array]:
         if set(tokens) != set(self._rows):
             raise ValueError("a batch step needs exactly one token for every member")
         self._backend._clock.spend(self._backend._options.decode_s_per_token)
+        ids = {slot: _read_token(t) for slot, t in tokens.items()}
         hashes = {
             slot: extend_hash(self._rows[slot].hashes[-1] if self._rows[slot].hashes else 0, t)
-            for slot, t in tokens.items()
+            for slot, t in ids.items()
         }
         # One forward pass: a fault leaves every row as it was (no row advances alone).
         logits = {slot: self._backend.logits_after(h) for slot, h in hashes.items()}
-        for slot, token in tokens.items():
+        for slot, token in ids.items():
             self._rows[slot].tokens.append(token)
             self._rows[slot].hashes.append(hashes[slot])
         return logits

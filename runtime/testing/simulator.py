@@ -59,6 +59,13 @@ class VirtualClock:
 
 
 @dataclass(frozen=True)
+class _JobDone:
+    """A compute job ended: ``done`` goes to its actor, and the actor's next queued job starts."""
+
+    done: Message
+
+
+@dataclass(frozen=True)
 class _Envelope:
     message: Message | None  # None: stop the actor
     sender: Address
@@ -111,7 +118,10 @@ class Simulator:
         self.trace: list[str] = []
         self._cores: dict[Address, ActorCore] = {}
         self._mail: dict[Address, deque[_Envelope]] = {}
-        self._timers: list[tuple[float, int, Address, Message]] = []
+        self._timers: list[tuple[float, int, Address, Message | _JobDone]] = []
+        # Compute runs one job at a time per actor, in order, like its executor.
+        self._computing: set[Address] = set()
+        self._compute_queue: dict[Address, deque[tuple[Callable[[], None], Message]]] = {}
         self._order = itertools.count()
         self._asks = 0
         self._replies: dict[Address, list[Message]] = {}
@@ -217,7 +227,10 @@ class Simulator:
         while self._timers and self._timers[0][0] <= until:
             due, _, address, message = heapq.heappop(self._timers)
             self.clock.now = max(self.clock.now, due)
-            self.deliver(address, message, address)
+            if isinstance(message, _JobDone):
+                self._job_done(address, message.done)
+            else:
+                self.deliver(address, message, address)
             self.run_until_idle()
         self.clock.now = until
 
@@ -272,7 +285,22 @@ class Simulator:
             effect()
 
     def run_inline(self, address: Address, job: Callable[[], None], done: Message) -> None:
-        """Run a compute job now; its charged cost decides when ``done`` arrives."""
+        """Run a compute job now, or once the actor's running one ends (its executor runs one at
+        a time, in order); its charged cost decides when ``done`` arrives."""
+        if address in self._computing:
+            self._compute_queue.setdefault(address, deque()).append((job, done))
+            return
+        self._computing.add(address)
         self.clock.take_charged()
         job()
-        self.at(self.clock.now + self.clock.take_charged(), address, done)
+        due = self.clock.now + self.clock.take_charged()
+        heapq.heappush(self._timers, (due, next(self._order), address, _JobDone(done)))
+
+    def _job_done(self, address: Address, done: Message) -> None:
+        """Deliver ``done``; the next queued job starts at once, before the actor handles it."""
+        self._computing.discard(address)
+        self.deliver(address, done, address)
+        queued = self._compute_queue.get(address)
+        if queued:
+            job, next_done = queued.popleft()
+            self.run_inline(address, job, next_done)

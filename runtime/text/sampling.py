@@ -40,6 +40,12 @@ likely the model, as steered by the request's processors, found each token, inst
 for every alternative a filter removed (and greedy decoding, which has no temperature-1 filtered
 distribution, reports the same numbers as sampling would). Alternatives are picked with
 ``mx.argpartition`` (no full sort of the vocabulary) and ordered by log-probability, then token id.
+
+**Draws.** ``draw`` builds the pick as MLX arrays without evaluating them (a ``Draw``), so a caller
+can queue the next model step on the drawn token before reading it, as mlx-lm's ``generate_step``
+does with ``mx.async_eval``; ``Draw.read`` evaluates and returns the ``SampleResult``. The history
+may then end in that unread token (``fed``): the penalties take it as an array. DRY measures
+repeats on the host, so a DRY sampler ``needs_read_history`` and refuses a ``fed`` token.
 """
 
 from __future__ import annotations
@@ -64,7 +70,7 @@ from mlx_lm.sample_utils import (
 from runtime.errors import InvalidRequest
 from runtime.messages import Sampling
 
-__all__ = ["SampleResult", "TokenSampler", "sequence_breaker_ids"]
+__all__ = ["Draw", "SampleResult", "TokenSampler", "sequence_breaker_ids"]
 
 # DRY measures a repeated suffix at most this many tokens beyond ``dry_allowed_length``: it bounds
 # the per-step work (window x this) and the exponent; longer repeats get the same penalty.
@@ -87,6 +93,45 @@ class SampleResult(msgspec.Struct, frozen=True):
     token: int
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
+
+
+class Draw:
+    """A token picked on the device and not read yet: its arrays (the token, and its
+    log-probability and top alternatives when asked for) are evaluated by ``read``.
+
+    ``token`` is a scalar array a model step can be fed before it is read.
+    """
+
+    __slots__ = ("_logprob", "_top", "token")
+
+    def __init__(
+        self, token: mx.array, logprob: mx.array | None, top: tuple[mx.array, mx.array] | None
+    ) -> None:
+        self.token = token
+        self._logprob = logprob
+        self._top = top
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        """What ``read`` evaluates (pass to ``mx.async_eval`` to start it early)."""
+        extra = [] if self._logprob is None else [self._logprob]
+        return [self.token, *extra, *(self._top or ())]
+
+    def start(self) -> None:
+        """Start computing the draw on the device without waiting for it."""
+        mx.async_eval(self.arrays)  # type: ignore[no-untyped-call]
+
+    def read(self) -> SampleResult:
+        """Wait for the draw and return it as host values."""
+        mx.eval(self.arrays)
+        chosen = int(cast(int, self.token.item()))
+        logprob = None if self._logprob is None else float(cast(float, self._logprob.item()))
+        top: tuple[tuple[int, float], ...] = ()
+        if self._top is not None:
+            ids: list[int] = self._top[0].tolist()  # type: ignore[assignment]
+            values: list[float] = self._top[1].tolist()  # type: ignore[assignment]
+            top = tuple(sorted(zip(ids, values, strict=True), key=lambda p: (-p[1], p[0])))
+        return SampleResult(token=chosen, logprob=logprob, top_logprobs=top)
 
 
 @functools.lru_cache(maxsize=8)
@@ -166,12 +211,22 @@ class TokenSampler:
         """True when this sampler takes the argmax (temperature 0) and never uses its ``rng``."""
         return self.sampling.temperature == 0.0
 
+    @property
+    def needs_read_history(self) -> bool:
+        """Whether every token of the history must be read first (DRY scans it on the host), so
+        that the next token cannot be drawn after an unread ``fed`` one."""
+        return self._dry
+
     # ------------------------------------------------------------------ pipeline stages
 
-    def process(self, logits: mx.array, history: Sequence[int]) -> mx.array:
+    def process(
+        self, logits: mx.array, history: Sequence[int], fed: mx.array | None = None
+    ) -> mx.array:
         """Logit bias, then repetition/presence/frequency penalties, then DRY; returns new logits.
 
         ``logits`` is the ``(vocab_size,)`` vector of the last position; it is not modified.
+        ``fed`` is the history's last token when it is still an unread draw (``history`` then
+        holds the tokens before it); raises ``ValueError`` if DRY is on, which needs it read.
         """
         if logits.shape != (self.vocab_size,):
             raise ValueError(
@@ -182,13 +237,18 @@ class TokenSampler:
             ids, values = self._bias
             out = out.at[ids].add(values)
         n = self.sampling.penalty_context
-        if n <= 0 or not history:
+        if n <= 0 or not (history or fed is not None):
             return out
-        window = list(history[-n:])
+        if fed is not None and self._dry:
+            raise ValueError("DRY reads the history on the host: read the fed token first")
+        known = n if fed is None else n - 1  # a fed token takes the window's last place
+        window = list(history[max(0, len(history) - known) :]) if known > 0 else []
         if self._penalties:
             in_vocab = [t for t in window if 0 <= t < self.vocab_size]
-            if in_vocab:
+            if in_vocab or fed is not None:
                 tokens = mx.array(in_vocab, dtype=mx.int32)
+                if fed is not None:  # drawn from these logits' vocabulary, so always in it
+                    tokens = mx.concatenate([tokens, fed.astype(mx.int32).reshape(1)])
                 rows = out[None]  # mlx-lm's processors take (batch, vocab) and may write in place
                 for penalty in self._penalties:
                     rows = penalty(tokens, rows)
@@ -274,8 +334,22 @@ class TokenSampler:
         ``history`` is the prompt plus the tokens generated so far; ``rng`` is the sequence's own
         generator (seeded from ``Sampling.seed`` for reproducible output).
         """
+        return self.draw(logits, history, rng).read()
+
+    def draw(
+        self,
+        logits: mx.array,
+        history: Sequence[int],
+        rng: random.Random,
+        fed: mx.array | None = None,
+    ) -> Draw:
+        """``sample`` without the wait: the pick as unevaluated arrays (see ``Draw``).
+
+        ``fed``: the history's last token, still an unread draw (see ``process``). The host's
+        ``rng`` is drawn from now, so draws made in step order give ``sample``'s tokens.
+        """
         s = self.sampling
-        processed = self.process(logits, history)
+        processed = self.process(logits, history, fed)
         want_lp = s.logprobs
         k = min(s.top_logprobs, self.vocab_size)
         logprobs: mx.array | None = None
@@ -292,22 +366,12 @@ class TokenSampler:
             key = mx.random.key(rng.getrandbits(32))
             token = mx.random.categorical(kept * (1.0 / s.temperature), key=key)
 
-        outputs = [token]
-        if logprobs is not None and want_lp:
-            outputs.append(mx.take(logprobs, token))
+        chosen = None if logprobs is None or not want_lp else mx.take(logprobs, token)
+        top = None
         if logprobs is not None and k > 0:
             top_ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
-            outputs += [top_ids, mx.take(logprobs, top_ids)]
-        mx.eval(outputs)
-
-        chosen = int(cast(int, token.item()))
-        logprob = float(cast(float, outputs[1].item())) if want_lp else None
-        top: tuple[tuple[int, float], ...] = ()
-        if k > 0:
-            ids: list[int] = outputs[-2].tolist()  # type: ignore[assignment]
-            values: list[float] = outputs[-1].tolist()  # type: ignore[assignment]
-            top = tuple(sorted(zip(ids, values, strict=True), key=lambda p: (-p[1], p[0])))
-        return SampleResult(token=chosen, logprob=logprob, top_logprobs=top)
+            top = (top_ids, mx.take(logprobs, top_ids))
+        return Draw(token, chosen, top)
 
 
 def _top_n_sigma(logprobs: mx.array, n: float) -> mx.array:

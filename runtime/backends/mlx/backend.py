@@ -290,6 +290,19 @@ class MlxBackend:
         return own.logits
 
     @property
+    def pipelined(self) -> bool:
+        return True
+
+    def feed(self, state: SequenceState, token: mx.array) -> mx.array:
+        """One decode step on an unread token: the graph only; whoever reads the logits (or a
+        draw made from them) evaluates it, after the step in flight, like mlx-lm's pipeline."""
+        own = own_state(state)
+        logits = self._model(token.astype(mx.int32).reshape(1, 1), cache=own.caches)
+        own.logits = logits[0, -1].astype(mx.float32)
+        own.n_tokens += 1
+        return own.logits
+
+    @property
     def model(self) -> Any:
         """The mlx-lm model, for the decode batch that runs it over many sequences."""
         return self._model

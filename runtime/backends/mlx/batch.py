@@ -42,6 +42,7 @@ Every method runs on the engine's compute thread, like the backend's own.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -173,10 +174,12 @@ class DecodeBatch:
 
     # ------------------------------------------------------------------ decoding
 
-    def step(self, tokens: dict[int, int]) -> dict[int, mx.array]:
+    def step(self, tokens: Mapping[int, int | mx.array]) -> dict[int, mx.array]:
         """Feed each member one token in one forward pass; returns each one's (vocab,) logits.
 
-        ``tokens`` must name every member exactly once: all rows advance together.
+        ``tokens`` must name every member exactly once: all rows advance together. A token is an
+        id or a scalar array not read yet (a draw). Nothing is evaluated here: reading the logits
+        (or draws made from them) computes the step, so the next one can be queued first.
         """
         if set(tokens) != set(self._slots):
             missing = sorted(set(self._slots) - set(tokens))
@@ -186,9 +189,13 @@ class DecodeBatch:
             )
         if not self._slots:
             return {}
-        inputs = mx.array([[tokens[slot]] for slot in self._slots], dtype=mx.int32)
+        fed = [tokens[slot] for slot in self._slots]
+        if all(isinstance(t, int) for t in fed):
+            inputs = mx.array([[t] for t in fed], dtype=mx.int32)
+        else:
+            rows = [mx.array([t]) if isinstance(t, int) else t.reshape(1) for t in fed]
+            inputs = mx.concatenate([r.astype(mx.int32) for r in rows])[:, None]
         logits = self._model(inputs, cache=self._caches)[:, -1, :].astype(mx.float32)
-        mx.eval(logits, [c.state for c in self._caches])
         out: dict[int, mx.array] = {}
         for row, slot in enumerate(self._slots):
             row_logits = logits[row]

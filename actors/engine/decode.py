@@ -1,0 +1,202 @@
+"""Decode steps on the engine's compute thread: one sequence's (the B=1 fast path) and the batch's.
+
+A step picks a sequence's next token as a *draw* (``runtime.text.sampling.Draw``): arrays not
+computed yet. On a pipelined backend (``Backend.pipelined``: MLX) a step also builds the model step
+that feeds the drawn token before reading it, as mlx-lm's ``generate_step`` does, and leaves the
+next draw (``Decoding.ahead``) to the sequence's next step, which starts by computing it. So a step
+computes on the device (without the GIL; MLX's CPU backend does most of it inside the call that
+starts it), then builds the next graph and reads its token on the host: a token is read as soon as
+it is computed, never after the next one, and the event loop shows it while the next step computes.
+For a lone stream the engine queues that next step behind the running one (compute.py), so the
+device does not wait for the loop between tokens.
+
+Nothing is built past an end known in advance (the last token ``max_tokens`` allows), for a sampler
+that must read every token first (DRY), or for an aborted sequence. A sequence whose last token is
+an EOS, or whose end lands while a queued step runs, may hold tokens it never showed
+(``Sequence.fed_unshown``); its prefix entry is keyed with them. If building the next step fails,
+the token read before it is still shown and the failure comes after it (``StepJob.ahead_error``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from actors.engine.jobs import BatchJob, StepJob
+from actors.engine.sequence import Decoding, Sequence
+from runtime.backends.contract import Backend, DecodeBatchHandle
+from runtime.messages import TokenLogprob
+
+if TYPE_CHECKING:
+    import mlx.core as mx
+
+    from runtime.text.sampling import Draw, TokenSampler
+
+
+def run_decode(job: StepJob, seq: Sequence, backend: Backend) -> None:
+    """One token of ``seq`` alone, unless its abort flag is set: compute the draw the last step
+    left (or feed the last token read and draw), build the next step on it, read it."""
+    if seq.abort.is_set():
+        job.skipped = True
+        return
+    decoding = seq.decoding
+    assert decoding is not None
+    if job.queued and (decoding.ended or decoding.ahead is None):
+        return  # the step it was queued behind ended the sequence (or failed)
+    try:
+        _decode(job, seq, decoding, backend)
+    except BaseException as exc:
+        job.error = exc
+        decoding.ended = True  # a step queued behind this one must not go on
+
+
+def _decode(job: StepJob, seq: Sequence, decoding: Decoding, backend: Backend) -> None:
+    assert seq.state is not None
+    draw, decoding.ahead = decoding.ahead, None
+    if draw is None:
+        if decoding.pending is not None:
+            backend.prefill(seq.state, [decoding.pending])
+            job.prefilled = 1
+        logits = backend.logits(seq.state)
+        draw = _sampler(decoding, seq, backend, logits).draw(logits, decoding.history, seq.rng)
+    draw.start()
+    if _may_build_next(seq, decoding, backend):
+        try:
+            logits = backend.feed(seq.state, draw.token)
+            job.prefilled += 1
+            job.fed = True
+            sampler = _sampler(decoding, seq, backend, logits)
+            decoding.ahead = sampler.draw(logits, decoding.history, seq.rng, fed=draw.token)
+        except BaseException as exc:
+            job.ahead_error = exc
+    _read(job, seq, decoding, draw)
+    if job.ahead_error is not None:
+        decoding.ended = True
+
+
+def run_batch(job: BatchJob, backend: Backend, batch: DecodeBatchHandle | None) -> None:
+    """Leave, join, then one forward pass for every member; a member aborted meanwhile leaves.
+
+    A member with a draw left by the last step is fed it unread, reads it once the pass is built,
+    and leaves the draw from this pass to the next step; one with a token read and not fed (a
+    sampler that reads every token first, or a backend that is not pipelined) is fed that token
+    and draws and reads from this pass at once.
+    """
+    try:
+        if batch is None:
+            batch = backend.open_batch()
+            if batch is None:
+                raise RuntimeError("this model's caches cannot be batched")
+        job.batch = batch
+        work = job.work
+        for seq in (*work.members, *work.joiners):
+            if seq.decoding is not None and seq.decoding.ahead is not None:
+                seq.decoding.ahead.start()  # computed first: the last pass's tokens are read below
+        for seq in work.leavers:
+            assert seq.batch_slot is not None
+            job.left[seq.sequence_id] = batch.leave(seq.batch_slot)
+        slots: dict[int, Sequence] = {}
+        for seq in work.members:
+            assert seq.batch_slot is not None
+            if seq.abort.is_set():
+                job.left[seq.sequence_id] = batch.leave(seq.batch_slot)
+            else:
+                slots[seq.batch_slot] = seq
+        for seq in work.joiners:
+            if seq.abort.is_set():
+                continue
+            assert seq.state is not None
+            slot = batch.join(seq.state)
+            job.joined[seq.sequence_id] = slot
+            slots[slot] = seq
+        if slots:
+            _step_batch(job, backend, batch, slots)
+    except BaseException as exc:
+        job.error = exc
+
+
+def _step_batch(
+    job: BatchJob, backend: Backend, batch: DecodeBatchHandle, slots: dict[int, Sequence]
+) -> None:
+    fed: dict[int, int | mx.array] = {}
+    for slot, seq in slots.items():
+        decoding = seq.decoding
+        assert decoding is not None
+        token = decoding.pending if decoding.ahead is None else decoding.ahead.token
+        assert token is not None  # only sequences with a token to feed join (batch.py)
+        fed[slot] = token
+    logits = batch.step(fed)
+    reads: dict[int, Draw] = {}
+    for slot, seq in slots.items():
+        decoding = seq.decoding
+        assert decoding is not None
+        step = StepJob(seq, prefilled=1)
+        row = logits[slot]
+        sampler = _sampler(decoding, seq, backend, row)
+        draw, decoding.ahead = decoding.ahead, None
+        if draw is None:
+            draw = sampler.draw(row, decoding.history, seq.rng)
+        else:
+            step.fed = True
+            if _may_build_next(seq, decoding, backend):
+                decoding.ahead = sampler.draw(row, decoding.history, seq.rng, fed=draw.token)
+        reads[slot] = draw
+        job.stepped[seq.sequence_id] = step
+    for slot, seq in slots.items():
+        assert seq.decoding is not None
+        _read(job.stepped[seq.sequence_id], seq, seq.decoding, reads[slot])
+
+
+def _may_build_next(seq: Sequence, decoding: Decoding, backend: Backend) -> bool:
+    """Whether the step after the token being read may be built before it is read."""
+    assert decoding.sampler is not None
+    return (
+        backend.pipelined
+        and decoding.read + 1 < seq.max_tokens  # the token being read is not the last allowed
+        and not decoding.sampler.needs_read_history
+        and not seq.abort.is_set()
+    )
+
+
+def _read(job: StepJob, seq: Sequence, decoding: Decoding, draw: Draw) -> None:
+    """Wait for ``draw``: the token, its text (and logprob when asked) into ``job``."""
+    sampled = draw.read()
+    token = job.token = sampled.token
+    decoding.history.append(token)
+    decoding.read += 1
+    decoding.pending = None if job.fed else token
+    if seq.sampling.logprobs:
+        job.logprob = TokenLogprob(
+            token=token, logprob=sampled.logprob or 0.0, top=sampled.top_logprobs
+        )
+    ending = token in seq.stop_token_ids
+    last = decoding.read >= seq.max_tokens
+    decoding.ended = ending or last
+    if not ending:
+        job.text = decoding.detokenizer.add(token)
+    if ending or last:
+        job.text += decoding.detokenizer.flush()  # the stream ends: release any held-back bytes
+
+
+def _sampler(decoding: Decoding, seq: Sequence, backend: Backend, logits: mx.array) -> TokenSampler:
+    """``seq``'s sampler, built at its first draw."""
+    if decoding.sampler is None:
+        # Imported at the first sample, not with the engine: it imports mlx-lm (and transformers),
+        # which loading a simulated model does not need.
+        from runtime.text.sampling import TokenSampler
+
+        vocab = int(logits.shape[0])
+        decoding.sampler = TokenSampler(seq.sampling, vocab, _token_decoder(backend))
+    return decoding.sampler
+
+
+def _token_decoder(backend: Backend) -> Callable[[int], str]:
+    """One stable callable per backend, so the sampler's sequence-breaker cache is shared."""
+    cached: Callable[[int], str] | None = getattr(backend, "_token_decoder", None)
+    if cached is None:
+
+        def cached(token: int) -> str:
+            return backend.decode([token])
+
+        setattr(backend, "_token_decoder", cached)  # noqa: B010
+    return cached
