@@ -199,6 +199,19 @@ class ReuseModel:
 # ---------------------------------------------------------------------- harness
 
 
+@dataclass(frozen=True)
+class AnyStopToken:
+    """The stop token a pipelined decode fed before reading it: equal to any of the model's."""
+
+    ids: frozenset[int]
+
+    def __eq__(self, other: object) -> bool:
+        return other in self.ids or other is self
+
+    def __hash__(self) -> int:
+        return hash(self.ids)
+
+
 @dataclass
 class Run:
     tokens: tuple[int, ...]
@@ -308,10 +321,14 @@ class Walk:
         reused, paths = self.model.reusable(tokens)
         run = await self.real.complete(prompt, self.namespace)
         self._check(label, tokens, run.started, run.prefilled, reused, paths)
-        output = (*tokens, *run.tokens)
-        last_unfed = 1 if run.terminal.reason is FinishReason.LENGTH else 0
-        kept = len(output) - last_unfed
-        self.model.commit(output[:kept], self.model.checkpoints(tokens, reused, len(tokens)))
+        output: tuple[object, ...] = (*tokens, *run.tokens)
+        if run.terminal.reason is FinishReason.LENGTH:
+            output = output[:-1]  # the last allowed token is never fed
+        elif run.terminal.stop is None:
+            # MLX decodes pipelined: the next step was built on the stop token before it was read,
+            # so the cache (and the entry's key) holds it, unshown.
+            output = (*output, AnyStopToken(frozenset(self.real.tokenizer.eos_token_ids)))
+        self.model.commit(output, self.model.checkpoints(tokens, reused, len(tokens)))
         if reused == 0:  # a cold run itself: the reference for this prompt
             self.real.cold_outputs.setdefault(tokens, run.tokens)
         assert run.tokens == await self.real.cold(prompt), f"{label}: reused != cold"
