@@ -2,11 +2,13 @@
 
 A sequence ends once: finished (``finish``: a reason such as ``length`` or ``stop``, ``prewarmed``,
 ``adopted``), cancelled (``abort``, at once or when its running job comes back) or failed
-(``fail``). The router hears the terminal event at once. What the sequence holds (its prefix-cache
-lease, its KV reservation, snapshots included) is released then, or, for a sequence still in the
-decode batch or with a decode step still queued, once its state is back (``returned``). A finished
-sequence's cache, and a cancelled one's unless the model is going away, is first committed to the
-prefix cache (``EntryStore.detach``); a failed one's never is.
+(``fail``). What the sequence holds (its prefix-cache lease, its KV reservation, snapshots
+included) is released then, and the router hears the terminal event right after, except in two
+cases. A sequence still in the decode batch sends its terminal at once and is released once its
+state is back out (``returned``). One whose decode step queued behind the last is still running
+ends when that step is back (``settle``): released, then its terminal. A finished sequence's cache,
+and a cancelled one's unless the model is going away, is first committed to the prefix cache
+(``EntryStore.detach``); a failed one's never is.
 
 The engine core, ``Admission`` and ``StepOutcomes`` all end sequences through one ``Endings``.
 """
@@ -18,7 +20,7 @@ from collections.abc import Callable
 from actors.engine import emission
 from actors.engine.batch import BatchScheduler
 from actors.engine.entries import EntryStore
-from actors.engine.sequence import Phase, Sequence
+from actors.engine.sequence import Ending, Phase, Sequence, Terminal
 from runtime.backends.contract import Backend
 from runtime.errors import MlxRuntimeError
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Context
@@ -74,41 +76,49 @@ class Endings:
         keep: bool = True,
     ) -> None:
         """``seq`` ended as ``reason``; its state is committed unless adopted or not ``keep``."""
-        self._end(seq, ctx, detach=keep and reason is not FinishReason.ADOPTED)
         self._counters.inc(f"finished_{reason}")
-        ctx.send(ROUTER, emission.finished(seq, reason, stop))
+        detach = keep and reason is not FinishReason.ADOPTED
+        self._end(seq, ctx, detach, emission.finished(seq, reason, stop))
 
     def finish_cancelled(self, seq: Sequence, ctx: Context) -> None:
         """An aborted sequence whose job (if any) came back ends as cancelled."""
         # An aborted prefill is not wasted: its cache is kept (unless the model is going away).
-        self._end(seq, ctx, detach=not self._unloading)
         self._counters.inc("cancelled")
-        ctx.send(ROUTER, emission.cancelled(seq))
+        self._end(seq, ctx, not self._unloading, emission.cancelled(seq))
 
     def fail(self, seq: Sequence, ctx: Context, error: MlxRuntimeError) -> None:
         self.fail_with(seq, ctx, error.code, error.message, error.retryable)
 
     def fail_with(self, seq: Sequence, ctx: Context, code: str, text: str, retry: bool) -> None:
         """``fail`` for an error that arrived as a message's fields (a refused reservation)."""
-        self._end(seq, ctx, detach=False)  # a state that saw an error is never reused
         self._counters.inc(f"failed_{code}")
-        ctx.send(ROUTER, emission.failed(seq, code, text, retry))
+        # A state that saw an error is never reused.
+        self._end(seq, ctx, False, emission.failed(seq, code, text, retry))
 
-    def _end(self, seq: Sequence, ctx: Context, detach: bool) -> None:
-        """After this nothing acts on the sequence; what it holds is released (a batched one's
-        once its state is back out of the batch, one with a step queued once that returns)."""
+    def _end(self, seq: Sequence, ctx: Context, detach: bool, terminal: Terminal) -> None:
+        """After this nothing acts on the sequence; what it holds is released, then ``terminal``
+        sent (a batched one's release waits for its state to leave the batch)."""
         seq.phase = Phase.DONE
         self._sequences.pop(seq.sequence_id, None)
         self._batches.ended(seq)
         self._slot_freed(ctx)
         if seq.batch_slot is not None:
             self._batches.leave_later(seq, detach)
+            ctx.send(ROUTER, terminal)
             return
         if seq.in_compute:  # a decode step queued behind the last one still holds its state
             seq.abort.set()  # it does nothing if it has not started
-            seq.detach_later = detach
+            # It ends when that step is back, so that its terminal still means all is given back.
+            seq.ending = Ending(detach, terminal)
             return
         self.returned(seq, detach, ctx)
+        ctx.send(ROUTER, terminal)
+
+    def settle(self, seq: Sequence, ending: Ending, ctx: Context) -> None:
+        """The step that held an ended sequence's state is back: give everything back, and only
+        now send its terminal."""
+        self.returned(seq, ending.detach, ctx)
+        ctx.send(ROUTER, ending.terminal)
 
     def returned(self, seq: Sequence, detach: bool, ctx: Context) -> None:
         """An ended sequence's state is back (out of the batch, or from its last step): commit it

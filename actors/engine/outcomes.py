@@ -77,8 +77,8 @@ class StepOutcomes:
         if ends and job.fed and job.token is not None:  # in the cache, and never to be shown
             seq.fed_unshown.append(job.token)
         if seq.phase is Phase.DONE:
-            if seq.detach_later is not None and not still_queued:
-                self._ends.returned(seq, seq.detach_later, ctx)  # the last step held its state
+            if seq.ending is not None and not still_queued:  # this step held its state
+                self._ends.settle(seq, seq.ending, ctx)
             return
         if seq.crash_message is not None:
             self._ends.fail(seq, ctx, EngineCrashed(seq.crash_message))

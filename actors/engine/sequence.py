@@ -6,7 +6,7 @@ import enum
 import random
 import threading
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from actors.engine.checkpoints import CheckpointRule
 from runtime.backends.contract import SequenceState, Snapshot
@@ -19,6 +19,9 @@ from runtime.messages import (
     RequestKind,
     ReusePath,
     Sampling,
+    SequenceCancelled,
+    SequenceFailed,
+    SequenceFinished,
     TokenIds,
     Usage,
 )
@@ -41,6 +44,15 @@ class Phase(enum.Enum):
 
 
 COMPUTE_PHASES = frozenset({Phase.RESTORING, Phase.PREFILLING, Phase.DECODING})
+
+Terminal = SequenceFinished | SequenceCancelled | SequenceFailed
+
+
+class Ending(NamedTuple):
+    """How a sequence ended while a step still held its state: what to do once it is back."""
+
+    detach: bool  # commit the state to the prefix cache
+    terminal: Terminal  # sent once everything is given back
 
 
 @dataclass(eq=False)
@@ -111,8 +123,7 @@ class Sequence:
     decoding: Decoding | None = None  # the compute thread's side, from the first decode step on
     stop_matcher: StopStringMatcher | None = None
     batch_slot: int | None = None  # its row in the engine's decode batch, while batched
-    # Ended while a queued step still held its state: committed (True) or dropped when it returns.
-    detach_later: bool | None = None
+    ending: Ending | None = None  # ended while a queued step held its state: settled on its return
 
     @classmethod
     def admitted(cls, admit: Admit, model: str) -> Sequence:
