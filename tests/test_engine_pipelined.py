@@ -21,6 +21,7 @@ from runtime.messages import (
     Generate,
     Message,
     Sampling,
+    Started,
     TokensEmitted,
 )
 from runtime.testing.harness import (
@@ -104,16 +105,24 @@ def test_pipelined_output_equals_step_by_step(
     assert outputs[0] == outputs[1]
 
 
-def test_an_eos_fed_ahead_stays_in_the_entry_key() -> None:
-    s = sim(True, eos_every=7)
+@pytest.mark.parametrize("trimmable", [True, False], ids=["trimmable", "not-trimmable"])
+def test_an_eos_is_fed_ahead_only_where_it_can_be_cut_back(trimmable: bool) -> None:
+    s = sim(True, eos_every=7, trimmable=trimmable)
     s.send(generate("a", 40))
     s.run_until_quiescent()
     shown = s.emitted_tokens("a", 1)
     assert shown == greedy_continuation(PROMPT, 40, eos_every=7)
     end = s.terminal("a", 1)
     assert isinstance(end, Finished) and end.reason is FinishReason.STOP
-    # The step after the EOS was built on it before it was read: the cache holds it.
-    assert entries_match_their_states(s) == [(*PROMPT, *shown, EOS_TOKEN_ID)]
+    # A step was built on the EOS before it was read only on a cache that trims it back out.
+    eos = (EOS_TOKEN_ID,) if trimmable else ()
+    assert entries_match_their_states(s) == [(*PROMPT, *shown, *eos)]
+    # The next turn, the reply without the EOS, reuses all of it either way.
+    follow = (*PROMPT, *shown, *b" more")
+    s.send(generate("b", 4, prompt=follow))
+    s.run_until_quiescent()
+    started = next(e for e in s.events("b", 1) if isinstance(e, Started))
+    assert started.cached_tokens == len(PROMPT) + len(shown)
 
 
 def test_a_cancel_lands_before_the_next_token_and_the_entry_holds_what_was_fed() -> None:

@@ -132,13 +132,11 @@ class ComputeSlot:
         ((running, _),) = self._jobs.values()
         if not isinstance(running, StepJob):
             return
-        seq, sampling = running.seq, running.seq.sampling
+        seq = running.seq
         if (
             seq.phase is not Phase.DECODING
             or seq.batch_slot is not None
             or seq.abort.is_set()
-            # DRY reads every token first (TokenSampler.needs_read_history): nothing to queue on.
-            or (sampling.dry_multiplier > 0.0 and sampling.penalty_context > 0)
             or len(self._batches)
             or self._batches.has_leaving
             or any(s is not seq and s.phase in _SCHEDULED for s in self._sequences.values())

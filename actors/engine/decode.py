@@ -10,11 +10,16 @@ it is computed, never after the next one, and the event loop shows it while the 
 For a lone stream the engine queues that next step behind the running one (compute.py), so the
 device does not wait for the loop between tokens.
 
-Nothing is built past an end known in advance (the last token ``max_tokens`` allows), for a sampler
-that must read every token first (DRY), or for an aborted sequence. A sequence whose last token is
-an EOS, or whose end lands while a queued step runs, may hold tokens it never showed
-(``Sequence.fed_unshown``); its prefix entry is keyed with them. If building the next step fails,
-the token read before it is still shown and the failure comes after it (``StepJob.ahead_error``).
+The next step is built before the token is read only where the token could be cut back out again:
+on a model whose every layer always trims (``ReuseStrategy.TRIM``). Elsewhere (sliding windows,
+recurrent state) a step fed an EOS would leave a cache no follow-up prompt could reuse whole, so
+such a sequence, like one whose sampler must read every token first (DRY), feeds the token it read
+at the start of its next step (``Decoding.pending``); a step queued behind it does that too. Nothing
+is built past an end known in advance (the last token ``max_tokens`` allows) or for an aborted
+sequence. A sequence may still end holding tokens it never showed (an EOS fed ahead, a token a
+queued step fed as an abort or a stop string landed); its prefix entry is keyed by exactly what its
+cache holds, ``Decoding.history`` (``Sequence.cache_tokens``). If building the next step fails, the
+token read before it is still shown and the failure comes after it (``StepJob.ahead_error``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from typing import TYPE_CHECKING
 
 from actors.engine.jobs import BatchJob, StepJob
 from actors.engine.sequence import Decoding, Sequence
-from runtime.backends.contract import Backend, DecodeBatchHandle
+from runtime.backends.contract import Backend, DecodeBatchHandle, ReuseStrategy
 from runtime.messages import TokenLogprob
 
 if TYPE_CHECKING:
@@ -41,7 +46,7 @@ def run_decode(job: StepJob, seq: Sequence, backend: Backend) -> None:
         return
     decoding = seq.decoding
     assert decoding is not None
-    if job.queued and (decoding.ended or decoding.ahead is None):
+    if job.queued and (decoding.ended or (decoding.ahead is None and decoding.pending is None)):
         return  # the step it was queued behind ended the sequence (or failed)
     try:
         _decode(job, seq, decoding, backend)
@@ -152,6 +157,7 @@ def _may_build_next(seq: Sequence, decoding: Decoding, backend: Backend) -> bool
     assert decoding.sampler is not None
     return (
         backend.pipelined
+        and backend.info.reuse is ReuseStrategy.TRIM  # a token fed ahead can be cut back out
         and decoding.read + 1 < seq.max_tokens  # the token being read is not the last allowed
         and not decoding.sampler.needs_read_history
         and not seq.abort.is_set()

@@ -82,15 +82,11 @@ def start_decoding(seq: Sequence, decode: Callable[[Tokens[int]], str]) -> None:
         seq.stop_matcher = StopStringMatcher(seq.stop_strings)
 
 
-def take_token(
-    seq: Sequence, token: int, text: str, logprob: TokenLogprob | None, fed: bool = False
-) -> Emission:
-    """Record the token a decode step sampled (``text``: its detokenized text; ``fed``: the cache
-    holds it already) and say what the client sees of it and whether it ends the sequence."""
+def take_token(seq: Sequence, token: int, text: str, logprob: TokenLogprob | None) -> Emission:
+    """Record the token a decode step sampled (``text``: its detokenized text) and say what the
+    client sees of it and whether it ends the sequence."""
     matcher = seq.stop_matcher
     if token in seq.stop_token_ids:  # EOS or a stop token: not emitted, not counted
-        if fed:
-            seq.fed_unshown.append(token)
         tail, stop = text, None
         if matcher is not None:  # the last text may itself complete a stop string
             ended = matcher.feed(text)

@@ -73,9 +73,6 @@ class StepOutcomes:
             self._entries.pin_copy(seq, job.pin_copy, backend, ctx)
         for snapshot in job.snapshots:
             self._entries.snapshot(seq, snapshot)
-        ends = seq.phase is Phase.DONE or seq.crash_message is not None or seq.abort.is_set()
-        if ends and job.fed and job.token is not None:  # in the cache, and never to be shown
-            seq.fed_unshown.append(job.token)
         if seq.phase is Phase.DONE:
             if seq.ending is not None and not still_queued:  # this step held its state
                 self._ends.settle(seq, seq.ending, ctx)
@@ -98,7 +95,7 @@ class StepOutcomes:
         if seq.phase is Phase.PREFILLING:
             self.prefill_advanced(seq, ctx)
         elif seq.phase is Phase.DECODING and job.token is not None:
-            shown = emission.take_token(seq, job.token, job.text, job.logprob, job.fed)
+            shown = emission.take_token(seq, job.token, job.text, job.logprob)
             emission.emit(seq, shown, ctx)
             if shown.finish is not None:
                 # A state that saw the next step fail is never reused.

@@ -118,8 +118,6 @@ class Sequence:
     resume_phase: Phase | None = None  # set when adopting a prewarm: where to continue
     adopted_by: Sequence | None = None
     generated: list[int] = field(default_factory=list)  # the tokens shown
-    # Fed to the model and never shown (an EOS, or tokens read after an abort or the end landed).
-    fed_unshown: list[int] = field(default_factory=list)
     decoding: Decoding | None = None  # the compute thread's side, from the first decode step on
     stop_matcher: StopStringMatcher | None = None
     batch_slot: int | None = None  # its row in the engine's decode batch, while batched
@@ -201,9 +199,10 @@ class Sequence:
 
     @property
     def cache_tokens(self) -> TokenIds:
-        """The tokens its cache holds, in order (the first ``state.length`` of these)."""
+        """The tokens its cache holds, in order (the first ``state.length`` of these): the prompt
+        and every token a decode step read, shown or not (an EOS, one read as an abort landed)."""
         assert self.tokens is not None
-        return self.tokens + tuple(self.generated) + tuple(self.fed_unshown)
+        return self.tokens if self.decoding is None else tuple(self.decoding.history)
 
     def usage(self) -> Usage:
         return Usage(
