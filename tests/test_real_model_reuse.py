@@ -324,9 +324,9 @@ class Walk:
         output: tuple[object, ...] = (*tokens, *run.tokens)
         if run.terminal.reason is FinishReason.LENGTH:
             output = output[:-1]  # the last allowed token is never fed
-        elif run.terminal.stop is None:
-            # MLX decodes pipelined: the next step was built on the stop token before it was read,
-            # so the cache (and the entry's key) holds it, unshown.
+        elif run.terminal.stop is None and not self.model.checkpointing:
+            # On a model whose layers all trim, MLX builds the next step on the stop token before
+            # reading it, so the cache (and the entry's key) holds it, unshown.
             output = (*output, AnyStopToken(frozenset(self.real.tokenizer.eos_token_ids)))
         self.model.commit(output, self.model.checkpoints(tokens, reused, len(tokens)))
         if reused == 0:  # a cold run itself: the reference for this prompt
