@@ -32,6 +32,7 @@ from actors.engine.jobs import (
     run_tokenize,
 )
 from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
+from actors.engine.turns import PromptTurns
 from runtime.backends.contract import Backend
 from runtime.kernel.core import Context
 from runtime.messages import ComputeDone
@@ -49,8 +50,10 @@ class ComputeSlot:
         sequences: dict[int, Sequence],
         batches: BatchScheduler,
         entries: EntryStore,
+        turns: PromptTurns,
     ) -> None:
         self._sizer = sizer
+        self._turns = turns
         self._sequences = sequences
         self._batches = batches
         self._entries = entries
@@ -87,6 +90,7 @@ class ComputeSlot:
             tokenize = TokenizeJob()
             self.submit(ctx, tokenize, lambda: run_tokenize(tokenize, waiting, backend))
             return True
+        now = ctx.now()
         work = self._batches.work(self._sequences.values(), ctx)
         batched = set() if work is None else {id(s) for s in (*work.joiners, *work.members)}
         ready = sorted(
@@ -100,30 +104,52 @@ class ComputeSlot:
             ),
             key=lambda s: (s.sequence_id <= self._last_served, s.sequence_id),
         )
-        batch_now = self._batches.takes_turn(work, bool(ready))
+        decoders_wait = work is not None or any(s.phase is Phase.DECODING for s in ready)
+        owed = False
+        if decoders_wait:
+            chunk = self._sizer.tokens()
+            newcomer = self._turns.ahead_of_decoding(ready, self._sequences.values(), chunk, now)
+            if newcomer is not None:
+                self._run_single(newcomer, backend, ctx, ahead_of_decoding=True)
+                return True
+            owed = self._turns.decode_owed(now)
+            if owed:  # decoding waited its limit behind newcomers: it goes first
+                ready.sort(key=lambda s: s.phase is not Phase.DECODING)
+        else:
+            self._turns.decode_ran()
+        batch_now = self._batches.takes_turn(work, bool(ready) and not owed)
         if work is not None and batch_now:
             for seq in (*work.leavers, *work.joiners, *work.members):
                 seq.in_compute = True
             job = BatchJob(work)
             batch = self._batches.handle
             self.submit(ctx, job, lambda: run_batch(job, backend, batch))
+            self._turns.decode_ran()
             return True
         if ready:
-            seq = ready[0]
-            self._last_served = seq.sequence_id
-            seq.in_compute = True
-            if seq.phase is Phase.DECODING:
-                step = StepJob(seq)
-                self.submit(ctx, step, lambda: run_decode(step, seq, backend))
-                self.top_up(backend, ctx)
-                return True
-            chunk = self._sizer.tokens() if seq.phase is Phase.PREFILLING else 0
-            step = StepJob(seq, chunk_tokens=chunk)
-            # Leased: never dropped meanwhile.
-            source = self._entries.restore_source(seq.restore_entry, seq.restore_length)
-            self.submit(ctx, step, lambda: run_step(step, seq, backend, source))
+            self._run_single(ready[0], backend, ctx)
             return True
         return False
+
+    def _run_single(
+        self, seq: Sequence, backend: Backend, ctx: Context, *, ahead_of_decoding: bool = False
+    ) -> None:
+        """A step of one sequence: a decode step, a restore or a prefill chunk. One that goes
+        ahead of the decode work (a newcomer's, turns.py) leaves that work waiting."""
+        self._last_served = seq.sequence_id
+        seq.in_compute = True
+        if seq.phase is Phase.DECODING:
+            step = StepJob(seq, build_ahead=not ahead_of_decoding)
+            self.submit(ctx, step, lambda: run_decode(step, seq, backend))
+            if not ahead_of_decoding:
+                self._turns.decode_ran()
+                self.top_up(backend, ctx)
+            return
+        chunk = self._sizer.tokens() if seq.phase is Phase.PREFILLING else 0
+        step = StepJob(seq, chunk_tokens=chunk)
+        # Leased: never dropped meanwhile.
+        source = self._entries.restore_source(seq.restore_entry, seq.restore_length)
+        self.submit(ctx, step, lambda: run_step(step, seq, backend, source))
 
     def top_up(self, backend: Backend, ctx: Context) -> None:
         """Queue a lone stream's next decode step behind its running one (module docstring)."""

@@ -36,6 +36,7 @@ from actors.engine.jobs import (
 )
 from actors.engine.outcomes import StepOutcomes
 from actors.engine.sequence import Phase, Sequence
+from actors.engine.turns import PromptTurns
 from runtime.backends.contract import Backend, BackendLoader, DecodeBatchHandle, SequenceState
 from runtime.backends.options import EngineOptions, ModelOptions, decode_options
 from runtime.errors import (
@@ -119,7 +120,10 @@ class EngineCore:
             CheckpointPolicy(options.checkpoint_every_tokens, kv_budget_bytes),
         )
         self._sizer = ChunkSizer(chunk_tokens, options.prefill_chunk_ms / 1000)
-        self._compute = ComputeSlot(self._sizer, self._sequences, self._batches, self._entries)
+        turns = PromptTurns(options.decode_stall_ms / 1000, options.max_batch, options.batching)
+        self._compute = ComputeSlot(
+            self._sizer, self._sequences, self._batches, self._entries, turns
+        )
         self._ends = Endings(
             self._sequences,
             self._entries,

@@ -65,7 +65,7 @@ def _decode(job: StepJob, seq: Sequence, decoding: Decoding, backend: Backend) -
         logits = backend.logits(seq.state)
         draw = _sampler(decoding, seq, backend, logits).draw(logits, decoding.history, seq.rng)
     draw.start()
-    if _may_build_next(seq, decoding, backend):
+    if job.build_ahead and _may_build_next(seq, decoding, backend):
         try:
             logits = backend.feed(seq.state, draw.token)
             job.prefilled += 1

@@ -69,6 +69,9 @@ class StepJob:
     fed: bool = False  # ``token`` is in the cache already: the step after it was built
     ahead_error: BaseException | None = None  # building that step failed (after ``token``)
     queued: bool = False  # a decode step queued behind the running one of the same sequence
+    # False: a first draw that went ahead of decode work (turns.py) builds nothing past its token:
+    # the sequence joins the batch next, and a step of its own would only delay the others.
+    build_ahead: bool = True
     state: SequenceState | None = None
     error: BaseException | None = None
     skipped: bool = False  # the abort flag stopped it: before it began, or mid-chunk (undone)

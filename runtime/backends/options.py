@@ -27,6 +27,7 @@ OptionValue = str | int | float | bool | None  # what a ``ModelSpec.options`` va
 DEFAULT_CHECKPOINT_EVERY = 512
 DEFAULT_PREFILL_CHUNK_MS = 10.0
 DEFAULT_MAX_BATCH = 8
+DEFAULT_DECODE_STALL_MS = 1000.0
 DEFAULT_MAX_CONCURRENT = 32
 
 # How a .gguf file's weights are stored once converted (docs/models.md); "auto" picks by device.
@@ -46,6 +47,10 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # only bounds fast ones (actors/engine/chunking.py). 0: every chunk takes
     # ModelSpec.prefill_chunk_tokens, which also caps them.
     prefill_chunk_ms: float = DEFAULT_PREFILL_CHUNK_MS
+    # How long decoding streams may pause while newcomers whose prompts finish in one chunk
+    # prefill ahead of them, so that the next batch step serves those too (actors/engine/turns.py).
+    # 0: newcomers' chunks and decode steps always take turns.
+    decode_stall_ms: float = DEFAULT_DECODE_STALL_MS
     batching: bool = True  # False: every stream stays on the B=1 fast path
     max_batch: int = DEFAULT_MAX_BATCH  # most sequences in one decode batch
     max_concurrent: int = DEFAULT_MAX_CONCURRENT  # sequences past the admission gate at once
