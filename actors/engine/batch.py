@@ -104,7 +104,7 @@ class BatchScheduler:
 
     def __init__(self, model: str, options: EngineOptions, epoch: int, counters: Counters) -> None:
         self.enabled = options.batching
-        self._max_batch = options.max_batch
+        self.max_batch = options.max_batch
         self._model = model
         self._epoch = epoch
         self._counters = counters
@@ -191,7 +191,7 @@ class BatchScheduler:
         ]
         joiners: list[Sequence] = []
         if len(members) + len(joinable) >= 2:
-            joiners = joinable[: max(0, self._max_batch - len(members))]
+            joiners = joinable[: max(0, self.max_batch - len(members))]
             wanted = self._padding_need(members, joiners) - self._held
             if joiners and wanted > 0:
                 if self._ask is None:

@@ -27,15 +27,17 @@ from actors.engine.jobs import (
     BatchJob,
     Job,
     StepJob,
+    TogetherJob,
     TokenizeJob,
     run_step,
+    run_together,
     run_tokenize,
 )
 from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
-from actors.engine.turns import PromptTurns
+from actors.engine.turns import PromptTurns, rows_taken
 from runtime.backends.contract import Backend
 from runtime.kernel.core import Context
-from runtime.messages import ComputeDone
+from runtime.messages import ComputeDone, RequestKind
 
 
 class ComputeSlot:
@@ -110,7 +112,7 @@ class ComputeSlot:
             chunk = self._sizer.tokens()
             newcomer = self._turns.ahead_of_decoding(ready, self._sequences.values(), chunk, now)
             if newcomer is not None:
-                self._run_single(newcomer, backend, ctx, ahead_of_decoding=True)
+                self._run_single(newcomer, backend, ctx, ready, ahead_of_decoding=True)
                 return True
             owed = self._turns.decode_owed(now)
             if owed:  # decoding waited its limit behind newcomers: it goes first
@@ -127,18 +129,25 @@ class ComputeSlot:
             self._turns.decode_ran()
             return True
         if ready:
-            self._run_single(ready[0], backend, ctx)
+            self._run_single(ready[0], backend, ctx, ready)
             return True
         return False
 
     def _run_single(
-        self, seq: Sequence, backend: Backend, ctx: Context, *, ahead_of_decoding: bool = False
+        self,
+        seq: Sequence,
+        backend: Backend,
+        ctx: Context,
+        ready: list[Sequence],
+        *,
+        ahead_of_decoding: bool = False,
     ) -> None:
-        """A step of one sequence: a decode step, a restore or a prefill chunk. One that goes
-        ahead of the decode work (a newcomer's, turns.py) leaves that work waiting."""
+        """A step of one sequence: a decode step, a restore or a prefill chunk; or the fresh
+        prompts of several, ``seq``'s among them, together. One that goes ahead of the decode
+        work (a newcomer's, turns.py) leaves that work waiting."""
         self._last_served = seq.sequence_id
-        seq.in_compute = True
         if seq.phase is Phase.DECODING:
+            seq.in_compute = True
             step = StepJob(seq, build_ahead=not ahead_of_decoding)
             self.submit(ctx, step, lambda: run_decode(step, seq, backend))
             if not ahead_of_decoding:
@@ -146,10 +155,37 @@ class ComputeSlot:
                 self.top_up(backend, ctx)
             return
         chunk = self._sizer.tokens() if seq.phase is Phase.PREFILLING else 0
+        group = self._together(seq, ready, chunk)
+        if len(group) > 1:
+            together = TogetherJob([StepJob(s) for s in group])
+            for member in group:
+                member.in_compute = True
+            self.submit(ctx, together, lambda: run_together(together, backend))
+            return
+        seq.in_compute = True
         step = StepJob(seq, chunk_tokens=chunk)
         # Leased: never dropped meanwhile.
         source = self._entries.restore_source(seq.restore_entry, seq.restore_length)
         self.submit(ctx, step, lambda: run_step(step, seq, backend, source))
+
+    def _together(self, seq: Sequence, ready: list[Sequence], chunk: int) -> list[Sequence]:
+        """``seq`` and the ready sequences whose fresh prompts may be prefilled with it in one
+        batched pass: each a whole prompt within one chunk, as many as the decode batch has rows
+        free for, at most ``TOGETHER_CHUNKS`` chunks' tokens in all (a member's abort waits for
+        the whole pass)."""
+        if not self._batches.enabled or not _fresh_prompt(seq, chunk):
+            return [seq]
+        rows = self._batches.max_batch - rows_taken(self._sequences.values())
+        tokens = TOGETHER_CHUNKS * chunk
+        group = [seq]
+        tokens -= seq.prefill_target
+        for other in ready:
+            if len(group) >= rows:
+                break
+            if other is not seq and _fresh_prompt(other, chunk) and other.prefill_target <= tokens:
+                group.append(other)
+                tokens -= other.prefill_target
+        return group
 
     def top_up(self, backend: Backend, ctx: Context) -> None:
         """Queue a lone stream's next decode step behind its running one (module docstring)."""
@@ -170,6 +206,25 @@ class ComputeSlot:
             return
         step = StepJob(seq, queued=True)
         self.submit(ctx, step, lambda: run_decode(step, seq, backend))
+
+
+# A batched prefill of fresh prompts takes at most this many chunks' tokens.
+TOGETHER_CHUNKS = 4
+
+
+def _fresh_prompt(seq: Sequence, chunk: int) -> bool:
+    """A generate about to prefill its whole prompt, within one chunk, from an empty state, with
+    no snapshot to take on the way (prefill_together takes none)."""
+    return (
+        seq.kind is RequestKind.GENERATE
+        and seq.phase is Phase.PREFILLING
+        and seq.state is not None
+        and seq.state.length == 0
+        and seq.tokens is not None
+        and 2 <= len(seq.tokens) <= chunk
+        and not seq.checkpoints
+        and not 0 < seq.pin_at <= len(seq.tokens)
+    )
 
 
 # Phases with work for the compute slot: any sequence in them keeps a stream from queueing ahead.

@@ -31,6 +31,7 @@ from actors.engine.jobs import (
     Job,
     LoadJob,
     StepJob,
+    TogetherJob,
     TokenizeJob,
     run_load,
 )
@@ -306,6 +307,11 @@ class EngineCore:
             case StepJob():
                 seq = job.seq.live_successor()
                 self._outcomes.step_done(job, seq, ctx, still_queued=self._compute.holds(seq))
+            case TogetherJob():
+                self.counters.inc("prefills_together")
+                for step in job.steps:
+                    seq = step.seq.live_successor()
+                    self._outcomes.step_done(step, seq, ctx)
             case BatchJob():
                 self._outcomes.batch_done(job, ctx)
             case _:

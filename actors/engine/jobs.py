@@ -96,11 +96,20 @@ class BatchJob:
 
 
 @dataclass
+class TogetherJob:
+    """Whole fresh prompts of several generates prefilled in one batched pass
+    (``Backend.prefill_together``): a ``StepJob`` each, as if each had run its prompt as one
+    chunk (compute.py groups them)."""
+
+    steps: list[StepJob]
+
+
+@dataclass
 class CloseJob:
     """Close the backend: compute has stopped for good."""
 
 
-Job = LoadJob | TokenizeJob | StepJob | BatchJob | CloseJob
+Job = LoadJob | TokenizeJob | StepJob | TogetherJob | BatchJob | CloseJob
 
 
 def run_load(
@@ -157,6 +166,32 @@ def run_step(
             _prefill_chunk(job, seq, backend)
     except BaseException as exc:
         job.error = exc
+
+
+def run_together(job: TogetherJob, backend: Backend) -> None:
+    """Prefill the sequences not aborted meanwhile; a failure fails each of them."""
+    live = []
+    for step in job.steps:
+        if step.seq.abort.is_set():
+            step.skipped = True
+        else:
+            live.append(step)
+    if not live:
+        return
+    states, prompts = [], []
+    for step in live:
+        assert step.seq.state is not None
+        assert step.seq.tokens is not None
+        states.append(step.seq.state)
+        prompts.append(step.seq.tokens)
+    try:
+        backend.prefill_together(states, prompts)
+    except BaseException as exc:
+        for step in live:
+            step.error = exc
+        return
+    for step, prompt in zip(live, prompts, strict=True):
+        step.prefilled = len(prompt)
 
 
 def _restore(

@@ -48,8 +48,7 @@ class PromptTurns:
         the next prefill chunk."""
         if self._stall_s <= 0 or self.decode_owed(now):
             return None
-        decoding = sum(1 for s in everyone if s.phase is Phase.DECODING)
-        if decoding >= self._max_batch:  # it could not join: it would only delay the others
+        if rows_taken(everyone) >= self._max_batch:  # it could not join: it would only delay
             return None
         # A first draw first: it ends a time to first token, and takes a moment.
         newcomers = sorted(
@@ -64,6 +63,16 @@ class PromptTurns:
     def decode_ran(self) -> None:
         """Decode work was handed to the executor, or none is waiting: no pause to bound."""
         self._waiting_since = None
+
+
+def rows_taken(everyone: Iterable[Sequence]) -> int:
+    """Decode-batch rows that sequences showing tokens hold or will (a sequence yet to draw its
+    first token is a newcomer: it takes a row once it joins)."""
+    return sum(
+        1
+        for s in everyone
+        if s.phase is Phase.DECODING and s.decoding is not None and s.decoding.read > 0
+    )
 
 
 def _finishes_prompt(seq: Sequence, chunk_tokens: int) -> bool:

@@ -195,6 +195,18 @@ class Backend(Protocol):
         """
         ...
 
+    def prefill_together(
+        self, states: Sequence[SequenceState], prompts: Sequence[Sequence[int]]
+    ) -> None:
+        """Prefill each empty state in ``states`` with its whole prompt (2 tokens or more), in one
+        batched pass where the backend can, keeping the logits after each prompt's last token.
+
+        Only asked of a backend whose ``open_batch`` gave a batch (its caches batch). Costs each
+        prompt less than its own ``prefill`` where a pass reads the weights once for all rows. Not
+        interruptible and takes no snapshots; raises ``ValueError`` for a state that is not empty.
+        """
+        ...
+
     def logits(self, state: SequenceState) -> mx.array:
         """The float32 ``(vocab,)`` logits after the last prefilled token (samplers act on them)."""
         ...

@@ -237,6 +237,15 @@ class SimulatedBackend:
             state.has_logits = logits
         return [self._snapshot(state, p) for p in snapshot_at]
 
+    def prefill_together(
+        self, states: Sequence[SequenceState], prompts: Sequence[Sequence[int]]
+    ) -> None:
+        """One prompt after the other (the virtual clock charges each as ``prefill`` does)."""
+        if any(_own(state).length for state in states) or any(len(p) < 2 for p in prompts):
+            raise ValueError("prefill_together takes empty states and prompts of 2 tokens or more")
+        for state, prompt in zip(states, prompts, strict=True):
+            self.prefill(state, prompt)
+
     def logits(self, state: SequenceState) -> mx.array:
         """A peak at the greedy next token over pseudo-random noise seeded by the prefix hash.
 

@@ -46,6 +46,7 @@ from runtime.backends.mlx.state import (
     reaches_back,
     snapshot_layer,
 )
+from runtime.backends.mlx.together import prefill_together
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
 from runtime.errors import ModelLoadFailed
@@ -282,6 +283,11 @@ class MlxBackend:
         kept = [c.state for s in snapshots for c in s.layers.values() if not c.empty()]
         mx.eval([c.state for c in own.caches], kept, [] if own.logits is None else own.logits)
         return snapshots
+
+    def prefill_together(
+        self, states: Sequence[SequenceState], prompts: Sequence[Sequence[int]]
+    ) -> None:
+        prefill_together(self._model, [own_state(state) for state in states], prompts)
 
     def logits(self, state: SequenceState) -> mx.array:
         own = own_state(state)
