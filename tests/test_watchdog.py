@@ -8,10 +8,13 @@ failed (requests get ``model_failed``) until it is loaded again, and the rest ke
 
 from __future__ import annotations
 
+from actors.engine.watchdog import Watchdog
 from runtime.backends.simulated import greedy_continuation
 from runtime.errors import error_for_code
 from runtime.kernel.supervision import RestartPolicy
 from runtime.messages import (
+    Cancelled,
+    ComputeWatch,
     Failed,
     Finished,
     Generate,
@@ -32,6 +35,7 @@ from runtime.testing.harness import (
     router,
     sim_spec,
 )
+from runtime.testing.recording import RecordingContext
 from runtime.testing.simulator import Simulator
 
 PER_TOKEN = 0.001
@@ -202,3 +206,36 @@ def test_a_model_unloaded_while_it_reloads_is_unloaded() -> None:
     assert engines(sim) == []
     assert_step_timeout(sim, "stuck")
     assert_all_given_back(sim)
+
+
+def test_an_unload_waiting_on_a_stuck_step_ends_once_the_limit_passes() -> None:
+    plan = FaultPlan(Fault(FaultPoint.DECODE, FaultKind.HANG))
+    sim = make_sim(spec(), faults=plan, step_timeout_s=LIMIT_S)
+    sim.send(generate("stuck"))
+    sim.advance(0.5)  # the step hangs; the drain waits for it
+    unloaded = sim.ask(UnloadModel(model="m"))
+    assert isinstance(unloaded, ModelUnloaded) and sim.clock.now >= LIMIT_S
+    cancelled = sim.terminal("stuck", 1)  # drained: the unload's ending, not a failure
+    assert isinstance(cancelled, Cancelled) and cancelled.reason == "model_unloaded"
+    assert engines(sim) == []
+    assert router(sim).counters.snapshot().get("engines_failed", 0) == 0
+    assert_all_given_back(sim)
+
+
+def test_the_watchdog_sets_its_timer_again_for_the_time_left_and_fires_after_the_limit() -> None:
+    ctx = RecordingContext("engine:m#1")
+    dog = Watchdog(10.0)
+    dog.job_submitted(executor_was_idle=True, ctx=ctx)
+    assert ctx.timers == [(10.0, ComputeWatch())]
+    dog.job_submitted(executor_was_idle=False, ctx=ctx)  # queued behind: no second timer
+    ctx.clock = 4.0
+    dog.job_ended(ctx)  # progress at 4 s: the queued job started
+    ctx.clock = 10.0
+    assert not dog.overdue(busy=True, ctx=ctx)
+    assert ctx.timers[1:] == [(14.0, ComputeWatch())]  # 4 s of the limit were left
+    ctx.clock = 14.0
+    assert dog.overdue(busy=True, ctx=ctx)
+    assert not Watchdog(None).overdue(busy=True, ctx=ctx)
+    idle = Watchdog(10.0)
+    idle.job_submitted(executor_was_idle=True, ctx=ctx)
+    assert not idle.overdue(busy=False, ctx=ctx)  # nothing in flight: no timer set again

@@ -39,6 +39,7 @@ from actors.engine.jobs import (
     run_load,
 )
 from actors.engine.outcomes import StepOutcomes
+from actors.engine.retirement import Retirement
 from actors.engine.sequence import Phase, Sequence
 from actors.engine.turns import PromptTurns
 from actors.engine.watchdog import Watchdog
@@ -62,7 +63,6 @@ from runtime.messages import (
     Drained,
     DropEntries,
     EndSession,
-    EngineFailed,
     EngineInbox,
     EngineLoadFailed,
     EngineReady,
@@ -117,9 +117,7 @@ class EngineCore:
         self._draining = False
         self._drain_requester: Address | None = None
         self._closed = False
-        # Set once the engine gave up (a crash, a stuck step): the error its sequences failed with.
-        self._crash_error: MlxRuntimeError | None = None
-        self._epoch_released = False
+        self._retired: Retirement | None = None  # set once it gave up (a crash, a stuck step)
         self.counters = Counters()
         self._entries = EntryStore(spec.name, epoch, self.counters)
         self._batches = BatchScheduler(spec.name, options, epoch, self.counters)
@@ -223,8 +221,8 @@ class EngineCore:
 
     def handle(self, message: Message, sender: Address, ctx: Context) -> None:
         # The transport delivers any message; what is not engine mail is dropped and counted.
-        if self._crash_error is not None:
-            self._after_giving_up(message, sender, ctx)
+        if self._retired is not None:  # only its end is still to report
+            self._retired.handle(message, sender, ctx, self.statistics, self.counters)
             return
         if isinstance(message, EngineInbox):
             self._receive(message, sender, ctx)
@@ -366,9 +364,10 @@ class EngineCore:
         killed), every sequence ends now (``error``, retryable; an aborted one ``Cancelled``),
         its prefix entries are forgotten and its epoch's memory released; once the keeper
         confirms, the router hears ``EngineFailed`` (or ``Drained``, if it asked for a drain)."""
-        if self._crash_error is not None:
+        if self._retired is not None:
             return
-        self._crash_error = error
+        requester = (self._drain_requester or ROUTER) if self._draining else None
+        self._retired = Retirement(self.epoch, error, requester)
         log.error("model %s (epoch %d): the engine gives up: %s", self.model, self.epoch, error)
         ctx.abandon_compute()
         self._ends.abandon_all(self._compute.abandon(), error, ctx)
@@ -376,29 +375,6 @@ class EngineCore:
         self._backend = None  # left to the abandoned thread; no close job can run after it
         self._closed = True
         self._closed_down(ctx)
-
-    def _after_giving_up(self, message: Message, sender: Address, ctx: Context) -> None:
-        """A retired engine only reports its end; anything else is stale (an admit sent before
-        the router heard of it ends with the router's ``EngineFailed`` handling)."""
-        match message:
-            case EpochReleased(epoch=epoch) if epoch == self.epoch:
-                self._epoch_released = True
-                if self._draining:
-                    ctx.send(self._drain_requester or ROUTER, Drained(epoch=self.epoch))
-                    return
-                error = self._crash_error
-                assert error is not None
-                failed = EngineFailed(epoch=self.epoch, code=error.code, message=error.message)
-                ctx.send(ROUTER, failed)
-            case Drain(epoch=epoch) if epoch == self.epoch and not self._draining:
-                self._draining, self._drain_requester = True, sender
-                if self._epoch_released:
-                    ctx.send(sender, Drained(epoch=self.epoch))
-            case GetStats():
-                ctx.send(sender, self.statistics())
-            case _:
-                ctx.count_dead_letter("engine_gave_up")
-                self.counters.inc("stale_messages")
 
     # ------------------------------------------------------------------ teardown
 
