@@ -38,6 +38,7 @@ requests = st.lists(
         st.lists(st.integers(0, 255), min_size=1, max_size=60).map(tuple),
         st.integers(1, 6),  # max_tokens
         st.booleans(),  # cancel it part-way
+        st.sampled_from([0.005, 0.5, 1.5]),  # virtual seconds before the next one
     ),
     min_size=1,
     max_size=5,
@@ -88,20 +89,21 @@ def test_every_request_ends_once_and_everything_is_given_back_under_faults(
     rate: float,
     kinds: list[FaultKind],
     trimmable: bool,
-    sent: list[tuple[tuple[int, ...], int, bool]],
+    sent: list[tuple[tuple[int, ...], int, bool, float]],
 ) -> None:
     sim = make(seed, rate, kinds, trimmable)
-    for i, (prompt, n, cancel) in enumerate(sent):
+    for i, (prompt, n, cancel, pause_s) in enumerate(sent):
         sim.send(generate(f"r{i}", prompt, n))
         sim.advance(0.005)
         if cancel:
             sim.send(Cancel(request_id=f"r{i}", incarnation=1))
+        sim.advance(pause_s)  # later requests may find the model reloading, or failed
     sim.run_until_quiescent()
     assert sim.faults is not None
     event(f"faults injected: {min(len(sim.faults.injected), 3)}+")
 
     # Safety: exactly one terminal each, nothing after it; failures say to retry.
-    for i, (prompt, n, _) in enumerate(sent):
+    for i, (prompt, n, _, _) in enumerate(sent):
         events = sim.events(f"r{i}", 1)
         ends = [e for e in events if isinstance(e, Finished | Cancelled | Failed | Rejected)]
         assert len(ends) == 1 and events[-1] is ends[0], events

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.backends.simulated import greedy_continuation
+from runtime.backends.simulated import SimulatedBatch, greedy_continuation
 from runtime.errors import error_for_code
+from runtime.kernel.core import KV_KEEPER
 from runtime.messages import (
     CommandFailed,
     Failed,
@@ -15,7 +16,15 @@ from runtime.messages import (
     ModelLoaded,
     ModelSpec,
 )
-from runtime.testing.faults import Fault, FaultKind, FaultPlan, FaultPoint, Injection
+from runtime.testing.faults import (
+    Fault,
+    FaultKind,
+    FaultPlan,
+    FaultPoint,
+    FaultyKeeper,
+    Injection,
+    without_faults,
+)
 from runtime.testing.harness import (
     ModelOption,
     engine,
@@ -102,6 +111,7 @@ def test_a_raise_in_a_batch_step_fails_its_members_and_frees_the_padding() -> No
         assert failed(sim, request_id).code == "backend_error"
         assert failed(sim, request_id).retryable
     assert [i.point for i in plan.injected] == [FaultPoint.BATCH_STEP]
+    assert engine(sim).decode_batch is None  # the failed batch was dropped
     assert_served(sim, "c")
     assert_all_given_back(sim)
 
@@ -198,3 +208,15 @@ def test_a_fault_a_point_cannot_do_is_refused() -> None:
         Fault(FaultPoint.LOAD, FaultKind.HANG)
     with pytest.raises(ValueError, match="reserve fault can only be"):
         Fault(FaultPoint.RESERVE, FaultKind.SLOW)
+
+
+def test_without_faults_reads_through_the_wrappers() -> None:
+    plan = FaultPlan()
+    sim = make_sim(spec(), faults=plan)
+    sim.send(generate("a", tuple(range(1, 11)), n=8))
+    sim.send(generate("b", tuple(range(20, 40)), n=8))
+    sim.run_until(lambda: engine(sim).decode_batch is not None)
+    assert isinstance(without_faults(engine(sim).decode_batch), SimulatedBatch)
+    keeper = sim.core(KV_KEEPER)
+    assert isinstance(keeper, FaultyKeeper) and without_faults(keeper) is kv_keeper(sim)
+    assert without_faults(sim) is sim

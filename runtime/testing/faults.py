@@ -366,6 +366,10 @@ class FaultyBatch:
         self._inner = inner
         self._at = at
 
+    @property
+    def inner(self) -> DecodeBatchHandle:
+        return self._inner
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
@@ -417,3 +421,11 @@ class FaultyKeeper:
             ctx.send(sender, refused)
             return
         self.inner.handle(message, sender, ctx)
+
+
+def without_faults(wrapped: object) -> object:
+    """What a fault wrapper wraps (a ``FaultyBackend``, ``FaultyBatch`` or ``FaultyKeeper``), so a
+    test's checks read the simulated object itself; anything else as it is."""
+    if isinstance(wrapped, FaultyBackend | FaultyBatch | FaultyKeeper):
+        return wrapped.inner
+    return wrapped
