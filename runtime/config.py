@@ -16,13 +16,10 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     reservation_timeout_s: float = 30.0
     default_max_tokens: int = 4096  # cap for requests that give no max_tokens
     router_mailbox_capacity: int = 1024
-    # An engine may crash (or overrun step_timeout_s) this often and be restarted, its model
-    # reloaded; beyond it the model is marked failed until it is loaded again.
+    # Per model: crashes (or stuck steps) recovered by reloading it; beyond, it is marked failed.
     engine_restart: RestartPolicy = RestartPolicy()
-    # A compute step (a prefill chunk, a decode or batch step, tokenizing) running longer than
-    # this is taken for a stuck engine: its requests fail (step_timeout) and the model reloads.
-    # It must exceed the longest legitimate step (the first, unmeasured prefill chunk of the
-    # slowest model). None: no watchdog. Loading and closing a model are not watched.
+    # A compute step running longer is a stuck engine (docs/api.md); it must exceed the longest
+    # legitimate step. Loads are not watched. None (or 0): no watchdog.
     step_timeout_s: float | None = 60.0
     coalesce: CoalescePolicy = CoalescePolicy()  # token events merged by size/age for hosts
 
