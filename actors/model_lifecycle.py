@@ -182,9 +182,10 @@ class ModelLifecycle:
         policy = self._restart_policy
         model.state = ModelState.FAILED
         model.failure = (
-            f"model {model.spec.name!r} was taken out of service: its engine failed more than "
-            f"{policy.max_restarts} times within {policy.within_s:g} s (last: {event.message}); "
-            "load it again with load_model once the cause is fixed"
+            f"model {model.spec.name!r} was taken out of service: its engine failed "
+            f"{policy.max_restarts + 1} times within {policy.within_s:g} s, more than "
+            f"RuntimeConfig.engine_restart allows (last: {event.message}); load it again with "
+            "load_model once the cause is fixed"
         )
 
     def unload(self, name: str, asker: Address | None, ctx: Context) -> None:
