@@ -6,7 +6,8 @@ run with faults is repeated exactly from its seed (on the simulator, where compu
 seed's). It can be switched off and on while the runtime runs (``enable``/``disable``), which is
 what a state machine with a safety phase (faults on) and a liveness phase (faults off) needs.
 
-The plan reaches the runtime by wrapping: ``wrap_loader`` wraps any ``BackendLoader`` (simulated or
+The plan reaches the runtime by wrapping (the wrappers and the points they stop at are
+fault_points.py's): ``wrap_loader`` wraps any ``BackendLoader`` (simulated or
 MLX), so every backend it loads consults the plan at each point; ``wrap_keeper`` wraps the KV
 keeper's core, which then refuses reservations where the plan says. ``Simulator(faults=plan)`` does
 both; a ``Runtime`` takes ``load_backend=plan.wrap_loader(make_backend_loader())``.
@@ -33,43 +34,39 @@ import random
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
 
-from runtime.backends.contract import (
-    Backend,
-    BackendLoader,
-    DecodeBatchHandle,
-    ModelInfo,
-    SequenceState,
-    Snapshot,
-)
+from runtime.backends.contract import Backend, BackendLoader
 from runtime.backends.options import ModelOptions
 from runtime.backends.simulated import ComputeClock, RealClock
-from runtime.errors import KVBudgetExhausted
-from runtime.kernel.core import ActorCore, Address, Context
-from runtime.messages import (
-    HolderKind,
-    Message,
-    ModelSpec,
-    ReservationRefused,
-    Reserve,
+from runtime.kernel.core import ActorCore
+from runtime.messages import ModelSpec
+from runtime.testing.fault_points import (
+    FaultPoint,
+    FaultyBackend,
+    FaultyBatch,
+    FaultyKeeper,
+    without_faults,
 )
-from runtime.text.chat import ChatTokenizer
 
-if TYPE_CHECKING:
-    import mlx.core as mx
-
-
-class FaultPoint(enum.StrEnum):
-    LOAD = "load"
-    PREFILL = "prefill"
-    DECODE = "decode"
-    BATCH_STEP = "batch_step"
-    SNAPSHOT = "snapshot"
-    RESERVE = "reserve"
+# The wrappers and points are fault_points.py's; a test needs only this module.
+__all__ = [
+    "KINDS_AT",
+    "Fault",
+    "FaultKind",
+    "FaultPlan",
+    "FaultPoint",
+    "FaultyBackend",
+    "FaultyBatch",
+    "FaultyKeeper",
+    "InjectedFault",
+    "Injection",
+    "without_faults",
+]
 
 
 class FaultKind(enum.StrEnum):
+    """What a fault does at its point (module docstring)."""
+
     RAISE = "raise"
     SLOW = "slow"
     HANG = "hang"
@@ -253,179 +250,14 @@ class FaultPlan:
 
         def load(spec: ModelSpec, options: ModelOptions) -> Backend:
             self.apply(FaultPoint.LOAD, spec.name, spend, hang)
-            return FaultyBackend(loader(spec, options), spec.name, self, spend, hang)
+
+            def at(point: FaultPoint) -> None:
+                self.apply(point, spec.name, spend, hang)
+
+            return FaultyBackend(loader(spec, options), at)
 
         return load
 
     def wrap_keeper(self, keeper: ActorCore) -> ActorCore:
         """The KV keeper's core, refusing sequences' reservations where the plan says."""
-        return FaultyKeeper(keeper, self)
-
-
-class FaultyBackend:
-    """A ``Backend`` that consults a ``FaultPlan`` before the calls the plan's points name;
-    everything else (and anything a test reads of the inner backend) passes through."""
-
-    def __init__(
-        self,
-        inner: Backend,
-        model: str,
-        plan: FaultPlan,
-        clock: ComputeClock,
-        hang: Callable[[], None] | None,
-    ) -> None:
-        self._inner = inner
-        self._model = model
-        self._plan = plan
-        self._clock = clock
-        self._hang = hang
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def _at(self, point: FaultPoint) -> None:
-        self._plan.apply(point, self._model, self._clock, self._hang)
-
-    @property
-    def inner(self) -> Backend:
-        return self._inner
-
-    @property
-    def info(self) -> ModelInfo:
-        return self._inner.info
-
-    @property
-    def chat_tokenizer(self) -> ChatTokenizer:
-        return self._inner.chat_tokenizer
-
-    @property
-    def pipelined(self) -> bool:
-        return self._inner.pipelined
-
-    def encode(self, text: str) -> list[int]:
-        return self._inner.encode(text)
-
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self._inner.decode(token_ids)
-
-    def new_state(self) -> SequenceState:
-        return self._inner.new_state()
-
-    def can_trim(self, state: SequenceState) -> bool:
-        return self._inner.can_trim(state)
-
-    def copy_state(
-        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
-    ) -> SequenceState:
-        return self._inner.copy_state(state, length, snapshot)
-
-    def state_nbytes(self, state: SequenceState) -> int:
-        return self._inner.state_nbytes(state)
-
-    def close(self) -> None:
-        self._inner.close()
-
-    def prefill(
-        self,
-        state: SequenceState,
-        token_ids: Sequence[int],
-        *,
-        logits: bool = True,
-        snapshot_at: Sequence[int] = (),
-        stop: threading.Event | None = None,
-    ) -> Sequence[Snapshot]:
-        if stop is not None:  # a prefill chunk (a decode step feeds its token without a flag)
-            self._at(FaultPoint.PREFILL)
-        if snapshot_at:
-            self._at(FaultPoint.SNAPSHOT)
-        return self._inner.prefill(
-            state, token_ids, logits=logits, snapshot_at=snapshot_at, stop=stop
-        )
-
-    def snapshot(self, state: SequenceState) -> Snapshot:
-        self._at(FaultPoint.SNAPSHOT)
-        return self._inner.snapshot(state)
-
-    def logits(self, state: SequenceState) -> mx.array:
-        self._at(FaultPoint.DECODE)
-        return self._inner.logits(state)
-
-    def feed(self, state: SequenceState, token: mx.array) -> mx.array:
-        self._at(FaultPoint.DECODE)
-        return self._inner.feed(state, token)
-
-    def open_batch(self) -> DecodeBatchHandle | None:
-        batch = self._inner.open_batch()
-        return None if batch is None else FaultyBatch(batch, self._at)
-
-
-class FaultyBatch:
-    """A ``DecodeBatchHandle`` whose steps consult the plan at ``BATCH_STEP``."""
-
-    def __init__(self, inner: DecodeBatchHandle, at: Callable[[FaultPoint], None]) -> None:
-        self._inner = inner
-        self._at = at
-
-    @property
-    def inner(self) -> DecodeBatchHandle:
-        return self._inner
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def __len__(self) -> int:
-        return len(self._inner)
-
-    def join(self, state: SequenceState) -> int:
-        return self._inner.join(state)
-
-    def leave(self, slot: int) -> SequenceState:
-        return self._inner.leave(slot)
-
-    def step(self, tokens: Mapping[int, int | mx.array]) -> dict[int, mx.array]:
-        self._at(FaultPoint.BATCH_STEP)
-        return self._inner.step(tokens)
-
-
-class FaultyKeeper:
-    """The KV keeper's core, refusing a sequence's ``Reserve`` where the plan says ``RESERVE``
-    (answered as the keeper answers a deadline: retryable ``kv_budget_exhausted``)."""
-
-    def __init__(self, inner: ActorCore, plan: FaultPlan) -> None:
-        self.inner = inner
-        self._plan = plan
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)  # statistics() and the tests' read-only views
-
-    def on_start(self, ctx: Context) -> None:
-        self.inner.on_start(ctx)
-
-    def on_stop(self, ctx: Context) -> None:
-        self.inner.on_stop(ctx)
-
-    def handle(self, message: Message, sender: Address, ctx: Context) -> None:
-        if (
-            isinstance(message, Reserve)
-            and message.holder.kind is HolderKind.SEQUENCE
-            and self._plan.check(FaultPoint.RESERVE, message.holder.model) is not None
-        ):
-            text = "injected refusal: the KV budget is exhausted; retry later"
-            refused = ReservationRefused(
-                holder=message.holder,
-                nbytes=message.nbytes,
-                code=KVBudgetExhausted.code,
-                message=text,
-                retryable=KVBudgetExhausted.retryable,
-            )
-            ctx.send(sender, refused)
-            return
-        self.inner.handle(message, sender, ctx)
-
-
-def without_faults(wrapped: object) -> object:
-    """What a fault wrapper wraps (a ``FaultyBackend``, ``FaultyBatch`` or ``FaultyKeeper``), so a
-    test's checks read the simulated object itself; anything else as it is."""
-    if isinstance(wrapped, FaultyBackend | FaultyBatch | FaultyKeeper):
-        return wrapped.inner
-    return wrapped
+        return FaultyKeeper(keeper, lambda model: self.check(FaultPoint.RESERVE, model) is not None)
