@@ -1,9 +1,12 @@
 """The router's model table: each model's load, its epoch and state, and who waits on it.
 
-A model is ``LOADING`` (its engine spawned, not yet warm), ``READY`` (admits requests) or
-``UNLOADING`` (admits nothing; its engine drains). Every load gets a new epoch and so a new engine
-address: mail for an old load never reaches a new one. Load, unload and shutdown askers are
-answered here; the router keeps the requests, and fails those an unloaded engine left behind.
+A model is ``LOADING`` (its engine spawned, not yet warm), ``READY`` (admits requests),
+``UNLOADING`` (admits nothing; its engine drains), ``RESTARTING`` (its engine gave up, after a
+crash or a stuck step, and a new one reloads the model) or ``FAILED`` (it gave up more often than
+the restart intensity allows, or could not be reloaded: out of service until loaded again). Every
+load and every restart gets a new epoch and so a new engine address: mail for an old load never
+reaches a new one. Load, unload and shutdown askers are answered here; the router keeps the
+requests, and fails those an unloaded or failed engine left behind.
 """
 
 from __future__ import annotations
@@ -12,11 +15,19 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from runtime.errors import ModelAlreadyLoaded, ModelNotLoaded, ModelUnloading
+from runtime.errors import (
+    ModelAlreadyLoaded,
+    ModelFailed,
+    ModelNotLoaded,
+    ModelRestarting,
+    ModelUnloading,
+)
 from runtime.kernel.core import ActorCore, Address, Context, engine_address
+from runtime.kernel.supervision import RestartPolicy, RestartTracker
 from runtime.messages import (
     CommandFailed,
     Drain,
+    EngineFailed,
     EngineLoadFailed,
     EngineReady,
     ModelLoaded,
@@ -32,6 +43,8 @@ class ModelState(enum.Enum):
     LOADING = enum.auto()
     READY = enum.auto()
     UNLOADING = enum.auto()
+    RESTARTING = enum.auto()
+    FAILED = enum.auto()
 
 
 @dataclass
@@ -41,9 +54,11 @@ class Model:
     spec: ModelSpec
     epoch: int
     state: ModelState
+    restarts: RestartTracker
     loaded: ModelLoaded | None = None
     load_waiter: Address | None = None
     unload_waiters: list[Address] = field(default_factory=list)
+    failure: str = ""  # why a FAILED model was taken out of service, said to the host
 
     @property
     def address(self) -> Address:
@@ -53,8 +68,9 @@ class Model:
 class ModelLifecycle:
     """Loads, unloads and shutdown of the router's models (see module docstring)."""
 
-    def __init__(self, engine_factory: EngineFactory) -> None:
+    def __init__(self, engine_factory: EngineFactory, restart_policy: RestartPolicy) -> None:
         self._engine_factory = engine_factory
+        self._restart_policy = restart_policy
         self._models: dict[str, Model] = {}
         self._next_epoch = 1
         self._shutdown_waiters: list[Address] = []
@@ -67,6 +83,20 @@ class ModelLifecycle:
         model = self._models.get(name)
         return model if model is not None and model.state is ModelState.READY else None
 
+    def count(self, state: ModelState) -> int:
+        """How many models are in ``state``."""
+        return sum(model.state is state for model in self._models.values())
+
+    def unavailable(self, name: str) -> tuple[str, str]:
+        """Why a request for ``name``, which is not ``ready``, is refused: a code and a sentence."""
+        model = self._models.get(name)
+        if model is not None and model.state is ModelState.RESTARTING:
+            text = f"model {name!r} is restarting after its engine failed; retry shortly"
+            return ModelRestarting.code, text
+        if model is not None and model.state is ModelState.FAILED:
+            return ModelFailed.code, model.failure
+        return ModelNotLoaded.code, not_loaded_text(name)
+
     def is_current(self, engine: Address, epoch: int) -> bool:
         """Whether ``engine`` at ``epoch`` is a load still in the table (not a stale one)."""
         return self._at(engine, epoch) is not None
@@ -77,11 +107,19 @@ class ModelLifecycle:
         return model is not None and model.state is ModelState.UNLOADING
 
     def load(self, spec: ModelSpec, asker: Address, ctx: Context) -> None:
+        failed = self._models.get(spec.name)
+        if failed is not None and failed.state is ModelState.FAILED:
+            del self._models[spec.name]  # loading a failed model again puts it back in service
         if spec.name in self._models or self._shutdown_waiters:
             text = f"model {spec.name!r} is already loaded or loading; unload it first"
             ctx.send(asker, CommandFailed(code=ModelAlreadyLoaded.code, message=text))
             return
-        model = Model(spec=spec, epoch=self._next_epoch, state=ModelState.LOADING)
+        model = Model(
+            spec=spec,
+            epoch=self._next_epoch,
+            state=ModelState.LOADING,
+            restarts=RestartTracker(self._restart_policy),
+        )
         self._next_epoch += 1
         model.load_waiter = asker
         self._models[spec.name] = model
@@ -93,6 +131,14 @@ class ModelLifecycle:
         """Answer the load's asker; ``engine`` at ``event.epoch`` must be current."""
         model = self._current(engine, event.epoch)
         waiter, model.load_waiter = model.load_waiter, None
+        if isinstance(event, EngineLoadFailed) and model.state is ModelState.RESTARTING:
+            ctx.stop(engine)
+            model.state = ModelState.FAILED
+            model.failure = (
+                f"model {model.spec.name!r} could not be reloaded after its engine failed "
+                f"({event.message}); load it again with load_model"
+            )
+            return
         if isinstance(event, EngineLoadFailed):
             del self._models[model.spec.name]
             ctx.stop(engine)
@@ -110,16 +156,49 @@ class ModelLifecycle:
             bytes_per_token=event.bytes_per_token,
             context_length=event.context_length,
         )
-        if model.state is ModelState.LOADING:
+        if model.state in (ModelState.LOADING, ModelState.RESTARTING):
             model.state = ModelState.READY
         if waiter is not None:
             ctx.send(waiter, model.loaded)
+
+    def engine_failed(self, event: EngineFailed, engine: Address, ctx: Context) -> None:
+        """``engine`` (current at ``event.epoch``) gave up; its requests have ended and its
+        memory is back. Reload the model at a new epoch within its restart intensity, else take
+        it out of service (``FAILED``). An unloading one just drains: its ``Drained`` follows."""
+        model = self._current(engine, event.epoch)
+        if model.state is ModelState.UNLOADING:
+            return
+        if model.state is ModelState.LOADING:  # it never became ready: the load failed
+            failed = EngineLoadFailed(epoch=event.epoch, code=event.code, message=event.message)
+            self.engine_loaded(failed, engine, ctx)
+            return
+        ctx.stop(engine)
+        if model.restarts.may_restart(ctx.now()):
+            model.epoch = self._next_epoch
+            self._next_epoch += 1
+            model.state = ModelState.RESTARTING
+            ctx.spawn(model.address, self._engine_factory(model.spec, model.epoch))
+            return
+        policy = self._restart_policy
+        model.state = ModelState.FAILED
+        model.failure = (
+            f"model {model.spec.name!r} was taken out of service: its engine failed "
+            f"{policy.max_restarts + 1} times within {policy.within_s:g} s, more than "
+            f"RuntimeConfig.engine_restart allows (last: {event.message}); load it again with "
+            "load_model once the cause is fixed"
+        )
 
     def unload(self, name: str, asker: Address | None, ctx: Context) -> None:
         model = self._models.get(name)
         if model is None:
             if asker is not None:
                 ctx.send(asker, not_loaded(name))
+            return
+        if model.state is ModelState.FAILED:  # no engine runs: nothing to drain
+            del self._models[name]
+            if asker is not None:
+                ctx.send(asker, ModelUnloaded(model=name, epoch=model.epoch))
+            self._maybe_shutdown_complete(ctx)
             return
         if asker is not None:
             model.unload_waiters.append(asker)

@@ -10,19 +10,22 @@ dropped and counted. The model table itself (loads, unloads, shutdown) is ``Mode
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import assert_never
 
-from actors.model_lifecycle import EngineFactory, ModelLifecycle, not_loaded, not_loaded_text
-from runtime.errors import DuplicateRequestId, ModelNotLoaded
+from actors.model_lifecycle import EngineFactory, ModelLifecycle, ModelState, not_loaded
+from runtime.errors import DuplicateRequestId
 from runtime.kernel.core import PREFIX_CACHE, Address, Context, engine_address
 from runtime.kernel.stats import Counters
+from runtime.kernel.supervision import RestartPolicy
 from runtime.messages import (
     Abort,
     Admit,
     Cancel,
     Drained,
     EndSession,
+    EngineFailed,
     EngineLoadFailed,
     EngineReady,
     EngineTerminal,
@@ -62,8 +65,10 @@ class _Live:
 class RouterCore:
     """State and decisions of the router (see module docstring)."""
 
-    def __init__(self, engine_factory: EngineFactory) -> None:
-        self._models = ModelLifecycle(engine_factory)
+    def __init__(
+        self, engine_factory: EngineFactory, engine_restart: RestartPolicy | None = None
+    ) -> None:
+        self._models = ModelLifecycle(engine_factory, engine_restart or RestartPolicy())
         self._live_by_request: dict[str, _Live] = {}
         self._live_by_sequence: dict[int, _Live] = {}
         self._next_sequence_id = 1
@@ -79,7 +84,12 @@ class RouterCore:
         pass
 
     def statistics(self) -> Stats:
-        gauges = {"live_requests": len(self._live_by_request), "models": len(self._models)}
+        gauges = {
+            "live_requests": len(self._live_by_request),
+            "models": len(self._models),
+            "models_restarting": self._models.count(ModelState.RESTARTING),
+            "models_failed": self._models.count(ModelState.FAILED),
+        }
         return Stats(actor="router", counters=self.counters.snapshot(), gauges=gauges)
 
     def live_sequences(self) -> dict[int, tuple[str, int]]:
@@ -115,10 +125,14 @@ class RouterCore:
                 self._end_request(message, ctx)
             case LoadModel(spec=spec):
                 self._models.load(spec, sender, ctx)
-            case EngineReady() | EngineLoadFailed() if not self._models.is_current(
+            case EngineReady() | EngineLoadFailed() | EngineFailed() if not self._models.is_current(
                 sender, message.epoch
             ):
                 ctx.count_dead_letter("stale_engine_event")
+            case EngineFailed(epoch=epoch, code=code, message=text):
+                self.counters.inc("engines_failed")
+                self._end_orphans(epoch, ctx, lambda live: _failed(live, code, text))
+                self._models.engine_failed(message, sender, ctx)
             case EngineReady() | EngineLoadFailed():
                 self._models.engine_loaded(message, sender, ctx)
             case UnloadModel(model=model):
@@ -127,7 +141,7 @@ class RouterCore:
                 ctx.count_dead_letter("stale_engine_event")
             case Drained(epoch=epoch):
                 unloaded = self._models.remove_drained(sender, epoch, ctx)
-                self._fail_orphans(epoch, ctx)
+                self._end_orphans(epoch, ctx, _unloaded)
                 self._models.announce_unloaded(unloaded, ctx)
             case ResetPrefixes(model=model):
                 if self._models.ready(model) is None:
@@ -177,7 +191,8 @@ class RouterCore:
     def _accept(self, request: Generate | Prewarm, host: Address, ctx: Context) -> None:
         model = self._models.ready(request.model)
         if model is None:
-            self._reject(request, host, ctx, ModelNotLoaded.code, not_loaded_text(request.model))
+            code, text = self._models.unavailable(request.model)
+            self._reject(request, host, ctx, code, text)
             return
         if request.request_id in self._live_by_request:
             text = (
@@ -241,16 +256,28 @@ class RouterCore:
         self.counters.inc(f"terminal_{type(terminal).__name__.lower()}")
         ctx.send(live.host, terminal)
 
-    def _fail_orphans(self, epoch: int, ctx: Context) -> None:
-        """Defensive: an engine reports every terminal before ``Drained``; count any it did not."""
+    def _end_orphans(
+        self, epoch: int, ctx: Context, terminal: Callable[[_Live], EngineTerminal]
+    ) -> None:
+        """End what an engine that drained or gave up left live: after ``Drained``, nothing
+        (counted, defensively); after ``EngineFailed``, the requests admitted after it gave up."""
         for live in [v for v in self._live_by_sequence.values() if v.epoch == epoch]:
             self.counters.inc("orphaned_requests")
-            self._end_request(
-                SequenceCancelled(
-                    sequence_id=live.sequence_id,
-                    epoch=live.epoch,
-                    usage=Usage(),
-                    reason="model_unloaded",
-                ),
-                ctx,
-            )
+            self._end_request(terminal(live), ctx)
+
+
+def _unloaded(live: _Live) -> EngineTerminal:
+    return SequenceCancelled(
+        sequence_id=live.sequence_id, epoch=live.epoch, usage=Usage(), reason="model_unloaded"
+    )
+
+
+def _failed(live: _Live, code: str, text: str) -> EngineTerminal:
+    return SequenceFailed(
+        sequence_id=live.sequence_id,
+        epoch=live.epoch,
+        code=code,
+        message=text,
+        retryable=True,  # the model is reloading (or failed: then the retry says so)
+        usage=Usage(),
+    )

@@ -13,6 +13,7 @@ from actors.prefix_cache import PrefixCacheCore
 from actors.router import RouterCore
 from runtime.backends.contract import BackendLoader
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, ActorCore, Address
+from runtime.kernel.supervision import RestartPolicy
 from runtime.messages import ModelSpec
 
 
@@ -22,16 +23,25 @@ def standing_actors(
     load_backend: BackendLoader,
     reservation_timeout_s: float,
     default_max_tokens: int,
+    step_timeout_s: float | None = None,
+    engine_restart: RestartPolicy | None = None,
 ) -> list[tuple[Address, ActorCore]]:
-    """The standing actors with their addresses; engines load their model with ``load_backend``."""
+    """The standing actors with their addresses; engines load their model with ``load_backend``,
+    and are restarted (their model reloaded) after a crash as ``engine_restart`` allows."""
 
     def engine_factory(spec: ModelSpec, epoch: int) -> ActorCore:
         return EngineCore(
-            spec, epoch, load_backend, kv_budget_bytes, reservation_timeout_s, default_max_tokens
+            spec,
+            epoch,
+            load_backend,
+            kv_budget_bytes,
+            reservation_timeout_s,
+            default_max_tokens,
+            step_timeout_s=step_timeout_s,
         )
 
     return [
         (KV_KEEPER, KVBudgetCore(kv_budget_bytes, default_timeout_s=reservation_timeout_s)),
         (PREFIX_CACHE, PrefixCacheCore()),
-        (ROUTER, RouterCore(engine_factory)),
+        (ROUTER, RouterCore(engine_factory, engine_restart or RestartPolicy())),
     ]

@@ -20,6 +20,7 @@ import anyio
 import msgspec
 
 from actors.standing import standing_actors
+from runtime.backends.contract import BackendLoader
 from runtime.backends.loader import make_backend_loader
 from runtime.backends.options import decode_options
 from runtime.config import RuntimeConfig
@@ -71,8 +72,13 @@ class RuntimeStats(msgspec.Struct, frozen=True, kw_only=True):
 class Runtime:
     """An embedded inference runtime. ``async with Runtime(config) as rt: ...``."""
 
-    def __init__(self, config: RuntimeConfig | None = None) -> None:
+    def __init__(
+        self, config: RuntimeConfig | None = None, *, load_backend: BackendLoader | None = None
+    ) -> None:
+        """``load_backend`` replaces the loader of every backend kind (a test wraps it to inject
+        faults: ``runtime.testing.faults``)."""
         self.config = config or RuntimeConfig()
+        self._load_backend = load_backend
         self._system: ActorSystem | None = None
         self._stack: contextlib.AsyncExitStack | None = None
         self._incarnations = itertools.count(1)
@@ -87,9 +93,11 @@ class Runtime:
         system.register_sink(HOST, self._streams.deliver)
         for address, core in standing_actors(
             kv_budget_bytes=self.config.resolved_kv_budget_bytes(),
-            load_backend=make_backend_loader(),
+            load_backend=self._load_backend or make_backend_loader(),
             reservation_timeout_s=self.config.reservation_timeout_s,
             default_max_tokens=self.config.default_max_tokens,
+            step_timeout_s=self.config.step_timeout_s,
+            engine_restart=self.config.engine_restart,
         ):
             capacity = self.config.router_mailbox_capacity if address == ROUTER else math.inf
             system.spawn(address, core, capacity=capacity)

@@ -16,7 +16,11 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     reservation_timeout_s: float = 30.0
     default_max_tokens: int = 4096  # cap for requests that give no max_tokens
     router_mailbox_capacity: int = 1024
+    # Per model: crashes (or stuck steps) recovered by reloading it; beyond, it is marked failed.
     engine_restart: RestartPolicy = RestartPolicy()
+    # A compute step running longer is a stuck engine (docs/api.md); it must exceed the longest
+    # legitimate step. Loads are not watched. None (or 0): no watchdog.
+    step_timeout_s: float | None = 60.0
     coalesce: CoalescePolicy = CoalescePolicy()  # token events merged by size/age for hosts
 
     def resolved_kv_budget_bytes(self) -> int:

@@ -117,6 +117,27 @@ class EngineCrashed(MlxRuntimeError):
     retryable = True
 
 
+class StepTimedOut(EngineCrashed):
+    """Reported for in-flight requests of an engine whose compute step ran longer than
+    ``RuntimeConfig.step_timeout_s``: the engine was treated as crashed and restarted."""
+
+    code = "step_timeout"
+
+
+class ModelRestarting(MlxRuntimeError):
+    """Reported when a request names a model whose engine crashed and is being reloaded."""
+
+    code = "model_restarting"
+    retryable = True
+
+
+class ModelFailed(MlxRuntimeError):
+    """Reported when a request names a model taken out of service: its engine crashed more often
+    than ``RuntimeConfig.engine_restart`` allows, or could not be reloaded after a crash."""
+
+    code = "model_failed"
+
+
 class ModelUnloading(MlxRuntimeError):
     """Reported for requests drained because their model is being unloaded."""
 
@@ -160,6 +181,9 @@ ERRORS_BY_CODE: dict[str, type[MlxRuntimeError]] = {
         KVRequestTooLarge,
         BackendError,
         EngineCrashed,
+        StepTimedOut,
+        ModelRestarting,
+        ModelFailed,
         ModelUnloading,
         ActorStopped,
         RuntimeClosed,

@@ -410,6 +410,17 @@ class EngineLoadFailed(Message, frozen=True):
     message: str
 
 
+class EngineFailed(Message, frozen=True):
+    """Engine → router: the engine of ``epoch`` crashed (a bug in its handler, or a compute step
+    that overran ``RuntimeConfig.step_timeout_s``). Every sequence of it has ended and every byte of
+    its epoch is back in the budget; the router reloads the model at a new epoch, or, beyond the
+    restart intensity, marks it failed."""
+
+    epoch: int
+    code: str
+    message: str
+
+
 class SequenceStarted(Message, frozen=True):
     """Engine → router: the host's ``Started`` for sequence ``sequence_id`` (``for_request``)."""
 
@@ -669,6 +680,10 @@ class ComputeDone(Message, frozen=True):
     job_id: int
 
 
+class ComputeWatch(Message, frozen=True):
+    """Engine → itself (timer): has the compute step in flight overrun ``step_timeout_s``?"""
+
+
 # --------------------------------------------------------------------------- unions
 
 RouterInbox = (
@@ -683,6 +698,7 @@ RouterInbox = (
     | Shutdown
     | EngineReady
     | EngineLoadFailed
+    | EngineFailed
     | SequenceStarted
     | TokensProduced
     | SequenceFinished
@@ -700,6 +716,7 @@ EngineInbox = (
     | Drain
     | GetStats
     | ComputeDone
+    | ComputeWatch
     | Reserved
     | ReservationRefused
     | LookupResult

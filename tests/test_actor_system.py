@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Awaitable, Callable
 
 import anyio
@@ -12,7 +13,7 @@ from runtime.errors import ActorStopped, SupervisionEscalated
 from runtime.kernel.actor import ActorSystem
 from runtime.kernel.core import Address, Context
 from runtime.kernel.supervision import RestartPolicy, RestartTracker
-from runtime.messages import GetStats, Message, Stats
+from runtime.messages import GetStats, Message, Shutdown, Stats
 from runtime.testing.harness import wait_until
 
 pytestmark = pytest.mark.anyio
@@ -102,6 +103,48 @@ def test_restart_tracker_forgets_old_crashes() -> None:
     assert tracker.may_restart(0) and tracker.may_restart(1)
     assert not tracker.may_restart(2)
     assert tracker.may_restart(30)  # the window moved on
+
+
+class StuckWorker:
+    """Computes a job that blocks until ``release`` is set; on ``Shutdown`` gives it up and
+    computes once more."""
+
+    def __init__(self, release: threading.Event) -> None:
+        self.release = release
+        self.done: list[Message] = []
+        self.stopped = False
+
+    def on_start(self, ctx: Context) -> None:
+        ctx.compute(self.release.wait, GetStats())  # never returns until released
+        ctx.compute(lambda: None, GetStats())  # queued behind it
+
+    def on_stop(self, ctx: Context) -> None:
+        self.stopped = True
+
+    def handle(self, message: Message, sender: Address, ctx: Context) -> None:
+        if isinstance(message, Shutdown):
+            ctx.abandon_compute()
+            ctx.compute(lambda: None, Stats(actor="fresh", counters={}))  # a fresh executor
+        else:
+            self.done.append(message)
+
+
+async def test_abandoned_compute_is_not_waited_for_and_later_jobs_run_on_a_fresh_thread() -> None:
+    release = threading.Event()
+    try:
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tg:
+                system = ActorSystem(tg)
+                worker = StuckWorker(release)
+                system.spawn("worker", worker, computes=True)
+                system.tell("worker", Shutdown(), sender="test")
+                await wait_until(system, lambda: bool(worker.done))
+                assert worker.done == [Stats(actor="fresh", counters={})]
+                system.stop("worker")  # does not wait for the stuck thread
+                await wait_until(system, lambda: worker.stopped)
+                assert system.dead_letters["abandoned_compute:GetStats"] == 1  # the queued one
+    finally:
+        release.set()
 
 
 class GatedTaskGroup:

@@ -24,10 +24,12 @@ from runtime.messages import (
     Commit,
     Committed,
     ComputeDone,
+    ComputeWatch,
     Drain,
     Drained,
     DropEntries,
     EndSession,
+    EngineFailed,
     EngineLoadFailed,
     EngineReady,
     EpochReleased,
@@ -171,6 +173,7 @@ BUILDERS: dict[type[Message], Callable[[], Message]] = {
         epoch=3, reuse_path="checkpoint", bytes_per_token=64, context_length=4096
     ),
     EngineLoadFailed: lambda: EngineLoadFailed(epoch=3, code="model_load_failed", message="gone"),
+    EngineFailed: lambda: EngineFailed(epoch=3, code="step_timeout", message="stuck"),
     SequenceStarted: lambda: SequenceStarted(
         sequence_id=17, epoch=3, prompt_tokens=12, cached_tokens=8, path=ReusePath.ADOPTED
     ),
@@ -239,6 +242,7 @@ BUILDERS: dict[type[Message], Callable[[], Message]] = {
     DropEntries: lambda: DropEntries(epoch=3, entry_ids=(5, 6)),
     # engine internal
     ComputeDone: lambda: ComputeDone(job_id=42),
+    ComputeWatch: lambda: ComputeWatch(),
 }
 
 TYPES = sorted(BUILDERS, key=lambda cls: cls.__name__)

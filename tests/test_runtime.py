@@ -6,6 +6,7 @@ import anyio
 import pytest
 
 from runtime.api import Runtime
+from runtime.backends.loader import make_backend_loader
 from runtime.backends.simulated import greedy_continuation
 from runtime.config import RuntimeConfig
 from runtime.errors import (
@@ -29,6 +30,7 @@ from runtime.messages import (
     Started,
     TokensEmitted,
 )
+from runtime.testing.faults import Fault, FaultKind, FaultPlan, FaultPoint
 from runtime.testing.harness import ModelOption, engine_stats, sim_spec, wait_until
 from runtime.text.coalesce import CoalescePolicy
 
@@ -269,7 +271,7 @@ async def test_backend_fault_fails_one_request_and_the_runtime_goes_on() -> None
         )
 
 
-async def test_an_engine_crash_fails_its_live_requests_once_and_the_engine_recovers(
+async def test_an_engine_crash_fails_its_live_requests_once_and_the_model_reloads(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     from actors.engine.outcomes import StepOutcomes
@@ -289,9 +291,40 @@ async def test_an_engine_crash_fails_its_live_requests_once_and_the_engine_recov
         broken = await rt.complete("m", "first", max_tokens=2)
         assert isinstance(broken.terminal, Failed)
         assert broken.terminal.code == "engine_crashed" and broken.terminal.retryable
+        await wait_until(rt, lambda: model_reloaded(rt))
+        assert engine_address("m", 2) in rt.stats().actors  # a new epoch, its model reloaded
         fine = await rt.complete("m", "second", max_tokens=2)
         assert fine.text == expected("second", 2)
         assert rt.stats().actors["router"].counters["terminal_failed"] == 1
+        assert (
+            rt.stats().actors["kv"].gauges["reserved"]
+            == rt.stats().actors["prefix"].gauges["bytes"]
+        )
+
+
+def model_reloaded(rt: Runtime) -> bool:
+    """The router heard an engine give up, and no model is restarting any more."""
+    router = rt.stats().actors["router"]
+    return router.counters.get("engines_failed") == 1 and router.gauges["models_restarting"] == 0
+
+
+async def test_a_stuck_compute_thread_is_abandoned_and_the_model_reloads() -> None:
+    plan = FaultPlan(Fault(FaultPoint.DECODE, FaultKind.HANG))
+    loader = plan.wrap_loader(make_backend_loader())
+    try:
+        # Leaving the runtime must not wait for the stuck thread (it hangs until released).
+        with anyio.fail_after(10):
+            async with Runtime(config(step_timeout_s=0.2), load_backend=loader) as rt:
+                await rt.load_model(sim_model())
+                stuck = await rt.complete("m", "first", max_tokens=2)
+                assert isinstance(stuck.terminal, Failed)
+                assert stuck.terminal.code == "step_timeout" and stuck.terminal.retryable
+                await wait_until(rt, lambda: model_reloaded(rt))
+                fine = await rt.complete("m", "second", max_tokens=2)
+                assert fine.text == expected("second", 2)
+        assert [i.kind for i in plan.injected] == [FaultKind.HANG]
+    finally:
+        plan.release_hangs()
 
 
 async def test_stop_strings_end_the_reply_and_are_never_emitted() -> None:

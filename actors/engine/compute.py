@@ -25,7 +25,9 @@ from actors.engine.decode import run_batch, run_decode
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import (
     BatchJob,
+    CloseJob,
     Job,
+    LoadJob,
     StepJob,
     TogetherJob,
     TokenizeJob,
@@ -35,7 +37,9 @@ from actors.engine.jobs import (
 )
 from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
 from actors.engine.turns import PromptTurns, rows_taken
+from actors.engine.watchdog import Watchdog
 from runtime.backends.contract import Backend
+from runtime.errors import StepTimedOut
 from runtime.kernel.core import Context
 from runtime.messages import ComputeDone, RequestKind
 
@@ -53,8 +57,10 @@ class ComputeSlot:
         batches: BatchScheduler,
         entries: EntryStore,
         turns: PromptTurns,
+        watchdog: Watchdog,
     ) -> None:
         self._sizer = sizer
+        self._watchdog = watchdog
         self._turns = turns
         self._sequences = sequences
         self._batches = batches
@@ -67,6 +73,29 @@ class ComputeSlot:
     def busy(self) -> bool:
         return bool(self._jobs)
 
+    def overran(self, model: str) -> StepTimedOut:
+        """What the sequences of an engine whose running job overran the limit fail with."""
+        return StepTimedOut(
+            f"a compute step of model {model!r} ran longer than step_timeout_s="
+            f"{self._watchdog.limit_s:g} s; the model is reloaded: retry the request (raise "
+            "RuntimeConfig.step_timeout_s if steps this long are expected)"
+        )
+
+    @property
+    def watched_busy(self) -> bool:
+        """Whether a job the watchdog watches (not a load or a close) is in flight."""
+        return any(not isinstance(job, _UNWATCHED) for job, _ in self._jobs.values())
+
+    def overdue(self, ctx: Context) -> bool:
+        """The watchdog's timer fired: has the running job overrun ``step_timeout_s``?"""
+        return self._watchdog.overdue(self.watched_busy, ctx)
+
+    def abandon(self) -> list[Job]:
+        """Forget every job in flight (the engine gave up on its compute); returns them."""
+        jobs = [job for job, _ in self._jobs.values()]
+        self._jobs.clear()
+        return jobs
+
     def holds(self, seq: Sequence) -> bool:
         """Whether a step of ``seq`` is in flight (queued or running)."""
         return any(isinstance(j, StepJob) and j.seq is seq for j, _ in self._jobs.values())
@@ -75,12 +104,16 @@ class ComputeSlot:
         """Run ``work`` (which fills ``job``) on the executor; ``ComputeDone`` follows."""
         job_id = self._next_job_id
         self._next_job_id += 1
+        idle = not self._jobs
         self._jobs[job_id] = (job, ctx.now())
+        if not isinstance(job, _UNWATCHED):
+            self._watchdog.job_submitted(idle, ctx)
         ctx.compute(work, ComputeDone(job_id=job_id))
 
     def done(self, job_id: int, ctx: Context) -> Job:
         """The record of the job that ``ComputeDone(job_id)`` reports; the slot is free again."""
         job, submitted = self._jobs.pop(job_id)
+        self._watchdog.job_ended(ctx)
         if isinstance(job, StepJob) and job.chunk_tokens and job.error is None:
             self._sizer.observe(job.prefilled, ctx.now() - submitted)
         return job
@@ -226,6 +259,9 @@ def _fresh_prompt(seq: Sequence, chunk: int) -> bool:
         and not 0 < seq.pin_at <= len(seq.tokens)
     )
 
+
+# Loading and closing the model may legitimately take minutes: the watchdog leaves them be.
+_UNWATCHED = (LoadJob, CloseJob)
 
 # Phases with work for the compute slot: any sequence in them keeps a stream from queueing ahead.
 _SCHEDULED = COMPUTE_PHASES | {Phase.TOKENIZING}

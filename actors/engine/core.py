@@ -11,6 +11,10 @@ finished job to the part that acts on it. A new sequence's way up to its first c
 ``Admission``'s (admission.py); what a step or batch step leaves is acted on by ``StepOutcomes``
 (outcomes.py); what a decode step shows the client and whether it ends the sequence is decided in
 emission.py; how a sequence ends and what it releases is ``Endings``' (endings.py).
+
+An engine that crashes (a bug in ``handle``) or whose compute step overruns ``step_timeout_s``
+(watchdog.py) gives up: it abandons its compute, ends every sequence at once, releases its epoch
+and tells the router (``EngineFailed``), which reloads the model at a new epoch.
 """
 
 from __future__ import annotations
@@ -36,8 +40,10 @@ from actors.engine.jobs import (
     run_load,
 )
 from actors.engine.outcomes import StepOutcomes
+from actors.engine.retirement import Retirement
 from actors.engine.sequence import Phase, Sequence
 from actors.engine.turns import PromptTurns
+from actors.engine.watchdog import Watchdog
 from runtime.backends.contract import Backend, BackendLoader, DecodeBatchHandle, SequenceState
 from runtime.backends.options import EngineOptions, ModelOptions, decode_options
 from runtime.errors import (
@@ -53,6 +59,7 @@ from runtime.messages import (
     Admit,
     Committed,
     ComputeDone,
+    ComputeWatch,
     Drain,
     Drained,
     DropEntries,
@@ -92,6 +99,7 @@ class EngineCore:
         kv_budget_bytes: int,
         reservation_timeout_s: float = 30.0,
         default_max_tokens: int = 4096,
+        step_timeout_s: float | None = None,
     ) -> None:
         self.model = spec.name
         self.epoch = epoch
@@ -110,6 +118,7 @@ class EngineCore:
         self._draining = False
         self._drain_requester: Address | None = None
         self._closed = False
+        self._retired: Retirement | None = None  # set once it gave up (a crash, a stuck step)
         self.counters = Counters()
         self._entries = EntryStore(spec.name, epoch, self.counters)
         self._batches = BatchScheduler(spec.name, options, epoch, self.counters)
@@ -123,7 +132,12 @@ class EngineCore:
         self._sizer = ChunkSizer(chunk_tokens, options.prefill_chunk_ms / 1000)
         turns = PromptTurns(options.decode_stall_ms / 1000, options.max_batch, options.batching)
         self._compute = ComputeSlot(
-            self._sizer, self._sequences, self._batches, self._entries, turns
+            self._sizer,
+            self._sequences,
+            self._batches,
+            self._entries,
+            turns,
+            Watchdog(step_timeout_s),
         )
         self._ends = Endings(
             self._sequences,
@@ -163,18 +177,13 @@ class EngineCore:
         self._entries.clear()
 
     def crashed(self, error: BaseException, ctx: Context) -> None:
-        """Supervisor hook after a bug in ``handle``: fail every live sequence, keep the model.
-
-        A sequence whose step is running fails when that step comes back (its state may be
-        half-updated by the handler that crashed, so it is never committed).
-        """
-        message = f"engine crashed: {error!r}"
-        for seq in list(self._sequences.values()):
-            if seq.in_compute:
-                seq.crash_message = message
-                seq.abort.set()
-            else:
-                self._ends.fail(seq, ctx, EngineCrashed(message))
+        """Supervisor hook after a bug in ``handle``: the engine gives up, as after a stuck step
+        (``_give_up``); the router reloads the model at a new epoch."""
+        text = (
+            f"the engine of model {self.model!r} crashed ({error!r}); it is restarted with its "
+            "model reloaded: retry the request"
+        )
+        self._give_up(EngineCrashed(text), ctx)
 
     def statistics(self) -> Stats:
         gauges = {
@@ -213,6 +222,9 @@ class EngineCore:
 
     def handle(self, message: Message, sender: Address, ctx: Context) -> None:
         # The transport delivers any message; what is not engine mail is dropped and counted.
+        if self._retired is not None:  # only its end is still to report
+            self._retired.handle(message, sender, ctx, self.statistics, self.counters)
+            return
         if isinstance(message, EngineInbox):
             self._receive(message, sender, ctx)
         else:
@@ -234,6 +246,9 @@ class EngineCore:
                 self.counters.inc("aborts_noop")
             case ComputeDone(job_id=job_id):
                 self._job_done(self._compute.done(job_id, ctx), ctx)
+            case ComputeWatch():
+                if self._compute.overdue(ctx):
+                    self._give_up(self._compute.overran(self.model), ctx)
             case Reserved(holder=holder, nbytes=nbytes):
                 if holder.kind is HolderKind.PREFIX_ENTRY:
                     self._entries.reserved(holder.id, ctx)
@@ -347,6 +362,25 @@ class EngineCore:
         ctx.send(PREFIX_CACHE, InvalidateEpoch(model=self.model, epoch=self.epoch))
         ctx.send(KV_KEEPER, ReleaseEpoch(model=self.model, epoch=self.epoch))
         # Drained waits for EpochReleased: "unloaded" must mean the memory is free.
+
+    # ------------------------------------------------------------------ giving up
+
+    def _give_up(self, error: MlxRuntimeError, ctx: Context) -> None:
+        """Retire this engine at once: its compute is abandoned (a stuck thread cannot be
+        killed), every sequence ends now (``error``, retryable; an aborted one ``Cancelled``),
+        its prefix entries are forgotten and its epoch's memory released; once the keeper
+        confirms, the router hears ``EngineFailed`` (or ``Drained``, if it asked for a drain)."""
+        if self._retired is not None:
+            return
+        requester = (self._drain_requester or ROUTER) if self._draining else None
+        self._retired = Retirement(self.epoch, error, requester)
+        log.error("model %s (epoch %d): the engine gives up: %s", self.model, self.epoch, error)
+        ctx.abandon_compute()
+        self._ends.abandon_all(self._compute.abandon(), error, ctx)
+        self._batches.handle = None
+        self._backend = None  # left to the abandoned thread; no close job can run after it
+        self._closed = True
+        self._closed_down(ctx)
 
     # ------------------------------------------------------------------ teardown
 

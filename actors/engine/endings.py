@@ -15,11 +15,12 @@ The engine core, ``Admission`` and ``StepOutcomes`` all end sequences through on
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from actors.engine import emission
 from actors.engine.batch import BatchScheduler
 from actors.engine.entries import EntryStore
+from actors.engine.jobs import Job, StepJob
 from actors.engine.sequence import Ending, Phase, Sequence, Terminal
 from runtime.backends.contract import Backend
 from runtime.errors import MlxRuntimeError
@@ -134,6 +135,28 @@ class Endings:
             seq.state = None
             return
         self._entries.detach(seq, backend, ctx)
+
+    def abandon_all(self, jobs: Iterable[Job], error: MlxRuntimeError, ctx: Context) -> None:
+        """The engine gave up (its compute abandoned with ``jobs``): every sequence ends now, an
+        aborted one ``Cancelled`` and the rest failing with ``error``; one that had ended while
+        a job held its state sends its terminal as decided. Nothing is committed or released
+        one by one: the engine releases its whole epoch next."""
+        for job in jobs:
+            held = job.seq if isinstance(job, StepJob) else None
+            if held is not None and held.ending is not None:
+                ctx.send(ROUTER, held.ending.terminal)
+                held.ending = None
+        for seq in list(self._sequences.values()):
+            cancelled = seq.abort.is_set()
+            seq.abort.set()  # a step still running on the abandoned thread gives up at its check
+            seq.phase = Phase.DONE
+            if cancelled:
+                self._counters.inc("cancelled")
+                ctx.send(ROUTER, emission.cancelled(seq))
+            else:
+                self._counters.inc(f"failed_{error.code}")
+                ctx.send(ROUTER, emission.failed(seq, error.code, error.message, error.retryable))
+        self._sequences.clear()
 
     def release_holdings(self, seq: Sequence, ctx: Context) -> None:
         """Give back the sequence's prefix-cache lease and its KV reservation (snapshots too)."""

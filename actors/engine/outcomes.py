@@ -2,7 +2,7 @@
 
 A step (a restore, a prefill chunk, a decode step, or one row of a batch step) leaves its new state,
 its checkpoints and snapshots, and a token or an error in its ``StepJob``. Once the state is taken
-in, the sequence goes on: ended already (nothing more), crashed or aborted meanwhile, failed, its
+in, the sequence goes on: ended already (nothing more), aborted meanwhile, failed, its
 prefill advanced (``prefill_advanced``: the start announced; once the prompt is in, a prewarm is
 done and a generate starts decoding) or its token shown (emission.py says whether it ends it). A
 batch step first settles the sequences whose state came back out of the batch, then each row's
@@ -21,7 +21,7 @@ from actors.engine.entries import EntryStore
 from actors.engine.jobs import BatchJob, StepJob
 from actors.engine.sequence import Phase, Sequence
 from runtime.backends.contract import Backend
-from runtime.errors import BackendError, EngineCrashed, MlxRuntimeError
+from runtime.errors import BackendError, MlxRuntimeError
 from runtime.kernel.core import Context
 from runtime.kernel.stats import Counters
 from runtime.messages import FinishReason, RequestKind
@@ -76,9 +76,6 @@ class StepOutcomes:
         if seq.phase is Phase.DONE:
             if seq.ending is not None and not still_queued:  # this step held its state
                 self._ends.settle(seq, seq.ending, ctx)
-            return
-        if seq.crash_message is not None:
-            self._ends.fail(seq, ctx, EngineCrashed(seq.crash_message))
             return
         if seq.abort.is_set() or job.skipped:
             self._ends.finish_cancelled(seq, ctx)

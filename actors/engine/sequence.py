@@ -98,7 +98,6 @@ class Sequence:
     # Set once, by the loop, when the sequence must stop; the compute thread checks it per step.
     abort: threading.Event = field(default_factory=threading.Event)
     abort_reason: str = "cancelled"
-    crash_message: str | None = None  # set when the engine crashed while this one computed
     state: SequenceState | None = None
     in_compute: bool = False
     reserved: bool = False

@@ -13,6 +13,7 @@ waits while the target's mailbox holds ``capacity`` messages.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import sys
@@ -59,6 +60,7 @@ class _Actor:
     policy: RestartPolicy
     computes: bool
     executor: ThreadPoolExecutor | None = None
+    executor_generation: int = 0  # grows when its compute is abandoned: older jobs' ends drop
     space: anyio.Event | None = None
     pending_asks: dict[Address, anyio.Event] = field(default_factory=dict)
     stopped: bool = False
@@ -92,6 +94,9 @@ class _ActorContext:
 
     def compute(self, job: Callable[[], None], done: Message) -> None:
         self._system.run_compute(self._actor, job, done)
+
+    def abandon_compute(self) -> None:
+        self._system.abandon_compute(self._actor)
 
     def count_dead_letter(self, reason: str) -> None:
         self._system.dead_letters[reason] += 1
@@ -242,15 +247,44 @@ class ActorSystem:
     def run_compute(self, actor: _Actor, job: Callable[[], None], done: Message) -> None:
         if actor.executor is None:
             raise RuntimeError(f"actor {actor.address!r} was not spawned with a compute executor")
-        future = actor.executor.submit(job)
+        generation = actor.executor_generation
+
+        def run() -> None:
+            try:
+                job()
+            finally:
+                if generation != actor.executor_generation:
+                    release_thread_resources()  # abandoned: its thread exits after this job
+
+        future = actor.executor.submit(run)
 
         def finished(fut: Future[None]) -> None:
+            if generation != actor.executor_generation or fut.cancelled():
+                # Abandoned: nobody waits for it any more, and the loop may be gone by now.
+                with contextlib.suppress(RuntimeError):
+                    self._loop.call_soon_threadsafe(self._count_abandoned, done)
+                return
             # A job must hand errors back itself; one escaping it is a bug: crash the actor.
             error = fut.exception()
             message: Message | _Crash = done if error is None else _Crash(error)
             self._loop.call_soon_threadsafe(self._deliver_compute, actor, message)
 
         future.add_done_callback(finished)
+
+    def abandon_compute(self, actor: _Actor) -> None:
+        """Give up ``actor``'s running and queued jobs (``Context.abandon_compute``). A thread
+        stuck in a job cannot be killed: it is left behind; the actor computes on a fresh one."""
+        old = actor.executor
+        if old is None:
+            return
+        actor.executor_generation += 1
+        actor.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=actor.address)
+        old.shutdown(wait=False, cancel_futures=True)
+        log.warning("actor %s: abandoned its compute thread (a job may still run there)",
+                    actor.address)  # fmt: skip
+
+    def _count_abandoned(self, done: Message) -> None:
+        self.dead_letters[f"abandoned_compute:{type(done).__name__}"] += 1
 
     def _deliver_compute(self, actor: _Actor, message: Message | _Crash) -> None:
         if isinstance(message, _Crash):

@@ -60,6 +60,12 @@ class Context(Protocol):
         """
         ...
 
+    def abandon_compute(self) -> None:
+        """Stop waiting for this actor's compute: its running and queued jobs are given up (a
+        thread stuck in one cannot be killed, only left behind), their ``done`` never arrives
+        (counted ``abandoned_compute``), and any later job runs on a fresh executor."""
+        ...
+
     def count_dead_letter(self, reason: str) -> None:
         """Record a message that was dropped on purpose (stale epoch, finished sequence...)."""
         ...

@@ -25,11 +25,14 @@ from runtime.errors import (
     KVRequestTooLarge,
     MlxRuntimeError,
     ModelAlreadyLoaded,
+    ModelFailed,
     ModelFetchFailed,
     ModelLoadFailed,
     ModelNotLoaded,
+    ModelRestarting,
     ModelUnloading,
     RuntimeClosed,
+    StepTimedOut,
     SupervisionEscalated,
     UnsupportedModelFormat,
 )
@@ -56,9 +59,12 @@ STATUS_BY_CODE: dict[str, int] = {
     ModelAlreadyLoaded.code: 409,
     KVBudgetExhausted.code: 503,
     ModelUnloading.code: 503,
+    ModelRestarting.code: 503,  # its engine crashed and is reloading
+    ModelFailed.code: 503,  # out of service until an operator loads it again
     RuntimeClosed.code: 503,  # the server is shutting down
     BackendError.code: 500,
     EngineCrashed.code: 500,
+    StepTimedOut.code: 500,
     ModelLoadFailed.code: 500,
     ModelFetchFailed.code: 503,  # the package index may answer later
     UnsupportedModelFormat.code: 400,

@@ -25,6 +25,7 @@ from actors.router import RouterCore
 from runtime.config import RuntimeConfig
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, engine_address
 from runtime.messages import ModelLoaded, ModelSpec, Stats
+from runtime.testing.faults import FaultPlan, FaultyKeeper
 from runtime.testing.simulator import Simulator
 
 if TYPE_CHECKING:
@@ -59,16 +60,22 @@ def make_sim(
     seed: int = 0,
     budget: int = DEFAULT_BUDGET,
     reservation_timeout_s: float | None = None,
+    faults: FaultPlan | None = None,
+    **config_fields: object,
 ) -> Simulator:
     """A simulator with a KV budget of ``budget`` bytes and each of ``specs`` loaded, in order.
 
-    ``reservation_timeout_s`` None keeps ``RuntimeConfig``'s default. Raises ``RuntimeError``
-    when a model does not load (the reply is in the message).
+    ``reservation_timeout_s`` None keeps ``RuntimeConfig``'s default; ``config_fields`` set other
+    ``RuntimeConfig`` fields (``step_timeout_s``, ``engine_restart``). ``faults``: the plan its
+    backends and KV keeper consult (runtime/testing/faults.py). Raises ``RuntimeError`` when a
+    model does not load (the reply is in the message).
     """
     config = RuntimeConfig(kv_budget_bytes=budget)
     if reservation_timeout_s is not None:
         config = msgspec.structs.replace(config, reservation_timeout_s=reservation_timeout_s)
-    sim = Simulator(seed=seed, config=config)
+    if config_fields:
+        config = msgspec.structs.replace(config, **config_fields)
+    sim = Simulator(seed=seed, config=config, faults=faults)
     for spec in specs:
         reply = sim.load(spec)
         if not isinstance(reply, ModelLoaded):
@@ -77,7 +84,10 @@ def make_sim(
 
 
 def kv_keeper(sim: Simulator) -> KVBudgetCore:
-    """The simulator's KV budget keeper."""
+    """The simulator's KV budget keeper (inside its fault wrapper, when it has one)."""
+    core = sim.core(KV_KEEPER)
+    if isinstance(core, FaultyKeeper):
+        return _core_at_inner(core.inner, KVBudgetCore)
     return _core_at(sim, KV_KEEPER, KVBudgetCore)
 
 
@@ -111,7 +121,10 @@ def engine(sim: Simulator, model: str = "m") -> EngineCore:
 
 
 def _core_at(sim: Simulator, address: Address, kind: type[_Core]) -> _Core:
-    core = sim.core(address)
+    return _core_at_inner(sim.core(address), kind, address)
+
+
+def _core_at_inner(core: object, kind: type[_Core], address: Address = KV_KEEPER) -> _Core:
     if not isinstance(core, kind):
         raise LookupError(f"expected a {kind.__name__} at {address!r}, found {core!r}")
     return core

@@ -20,6 +20,7 @@ class RecordingContext:
         self.spawned: list[tuple[Address, ActorCore]] = []
         self.stopped: list[Address] = []
         self.jobs: list[tuple[Callable[[], None], Message]] = []
+        self.abandoned_jobs = 0  # jobs given up by ``abandon_compute``
         self.dead_letters: Counter[str] = Counter()
 
     @property
@@ -43,6 +44,10 @@ class RecordingContext:
 
     def compute(self, job: Callable[[], None], done: Message) -> None:
         self.jobs.append((job, done))
+
+    def abandon_compute(self) -> None:
+        self.abandoned_jobs += len(self.jobs)
+        self.jobs.clear()
 
     def count_dead_letter(self, reason: str) -> None:
         self.dead_letters[reason] += 1

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from actors.standing import standing_actors
 from runtime.backends.loader import make_backend_loader
 from runtime.config import RuntimeConfig
-from runtime.kernel.core import ROUTER, ActorCore, Address
+from runtime.kernel.core import KV_KEEPER, ROUTER, ActorCore, Address
 from runtime.messages import (
     Cancelled,
     Failed,
@@ -39,6 +39,7 @@ from runtime.messages import (
     Rejected,
     TokensEmitted,
 )
+from runtime.testing.faults import FaultPlan
 
 HOST: Address = "host"
 
@@ -49,20 +50,33 @@ class VirtualClock:
     def __init__(self) -> None:
         self.now = 0.0
         self._charged = 0.0
+        self._hung = False
 
     def spend(self, seconds: float) -> None:
         self._charged += seconds
+
+    def hang(self) -> None:
+        """The running job never returns: its ``done`` is never delivered (a fault plan's hang)."""
+        self._hung = True
 
     def take_charged(self) -> float:
         charged, self._charged = self._charged, 0.0
         return charged
 
+    def take_hung(self) -> bool:
+        hung, self._hung = self._hung, False
+        return hung
+
 
 @dataclass(frozen=True)
 class _JobDone:
-    """A compute job ended: ``done`` goes to its actor, and the actor's next queued job starts."""
+    """A compute job ended: ``done`` goes to its actor, and the actor's next queued job starts.
+
+    ``generation`` is the actor's compute generation when the job started: an abandoned job's end
+    is dropped."""
 
     done: Message
+    generation: int
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,9 @@ class _SimContext:
     def compute(self, job: Callable[[], None], done: Message) -> None:
         self.effects.append(lambda: self._sim.run_inline(self._address, job, done))
 
+    def abandon_compute(self) -> None:
+        self.effects.append(lambda: self._sim.abandon_compute(self._address))
+
     def count_dead_letter(self, reason: str) -> None:
         self._sim.dead_letters[reason] += 1
 
@@ -109,7 +126,9 @@ class _SimContext:
 class Simulator:
     """Drives the runtime's actor cores deterministically. Not thread-safe; no event loop needed."""
 
-    def __init__(self, seed: int = 0, config: RuntimeConfig | None = None) -> None:
+    def __init__(
+        self, seed: int = 0, config: RuntimeConfig | None = None, faults: FaultPlan | None = None
+    ) -> None:
         self.clock = VirtualClock()
         self.rng = random.Random(seed)
         self.config = config or RuntimeConfig(kv_budget_bytes=64 << 20)
@@ -122,17 +141,25 @@ class Simulator:
         # Compute runs one job at a time per actor, in order, like its executor.
         self._computing: set[Address] = set()
         self._compute_queue: dict[Address, deque[tuple[Callable[[], None], Message]]] = {}
+        self._compute_generation: Counter[Address] = Counter()  # grows when abandoned
         self._order = itertools.count()
         self._asks = 0
         self._replies: dict[Address, list[Message]] = {}
         self._step_checks: list[Callable[[], None]] = []
+        self.faults = faults
         loader = make_backend_loader(self.clock)
+        if faults is not None:
+            loader = faults.wrap_loader(loader, self.clock, hang=self.clock.hang)
         for address, core in standing_actors(
             kv_budget_bytes=self.config.resolved_kv_budget_bytes(),
             load_backend=loader,
             reservation_timeout_s=self.config.reservation_timeout_s,
             default_max_tokens=self.config.default_max_tokens,
+            step_timeout_s=self.config.step_timeout_s,
+            engine_restart=self.config.engine_restart,
         ):
+            if faults is not None and address == KV_KEEPER:
+                core = faults.wrap_keeper(core)
             self.spawn(address, core)
 
     # ------------------------------------------------------------------ host side
@@ -228,7 +255,7 @@ class Simulator:
             due, _, address, message = heapq.heappop(self._timers)
             self.clock.now = max(self.clock.now, due)
             if isinstance(message, _JobDone):
-                self._job_done(address, message.done)
+                self._job_done(address, message)
             else:
                 self.deliver(address, message, address)
             self.run_until_idle()
@@ -292,14 +319,28 @@ class Simulator:
             return
         self._computing.add(address)
         self.clock.take_charged()
+        self.clock.take_hung()
         job()
         due = self.clock.now + self.clock.take_charged()
-        heapq.heappush(self._timers, (due, next(self._order), address, _JobDone(done)))
+        if self.clock.take_hung():  # it never returns: the actor's later jobs wait behind it
+            return
+        ended = _JobDone(done, self._compute_generation[address])
+        heapq.heappush(self._timers, (due, next(self._order), address, ended))
 
-    def _job_done(self, address: Address, done: Message) -> None:
-        """Deliver ``done``; the next queued job starts at once, before the actor handles it."""
+    def abandon_compute(self, address: Address) -> None:
+        """Give up the actor's running and queued jobs (``Context.abandon_compute``)."""
+        self._compute_generation[address] += 1
         self._computing.discard(address)
-        self.deliver(address, done, address)
+        for _, done in self._compute_queue.pop(address, deque()):
+            self.dead_letters[f"abandoned_compute:{type(done).__name__}"] += 1
+
+    def _job_done(self, address: Address, ended: _JobDone) -> None:
+        """Deliver ``done``; the next queued job starts at once, before the actor handles it."""
+        if ended.generation != self._compute_generation[address]:
+            self.dead_letters[f"abandoned_compute:{type(ended.done).__name__}"] += 1
+            return
+        self._computing.discard(address)
+        self.deliver(address, ended.done, address)
         queued = self._compute_queue.get(address)
         if queued:
             job, next_done = queued.popleft()
