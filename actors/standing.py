@@ -22,6 +22,7 @@ def standing_actors(
     load_backend: BackendLoader,
     reservation_timeout_s: float,
     default_max_tokens: int,
+    stall_timeout_s: float | None,
 ) -> list[tuple[Address, ActorCore]]:
     """The standing actors with their addresses; engines load their model with ``load_backend``."""
 
@@ -33,5 +34,5 @@ def standing_actors(
     return [
         (KV_KEEPER, KVBudgetCore(kv_budget_bytes, default_timeout_s=reservation_timeout_s)),
         (PREFIX_CACHE, PrefixCacheCore()),
-        (ROUTER, RouterCore(engine_factory)),
+        (ROUTER, RouterCore(engine_factory, stall_timeout_s=stall_timeout_s)),
     ]

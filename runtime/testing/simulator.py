@@ -132,6 +132,7 @@ class Simulator:
             load_backend=loader,
             reservation_timeout_s=self.config.reservation_timeout_s,
             default_max_tokens=self.config.default_max_tokens,
+            stall_timeout_s=self.config.stall_timeout_s,
         ):
             self.spawn(address, core)
 
