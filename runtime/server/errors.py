@@ -29,7 +29,9 @@ from runtime.errors import (
     ModelLoadFailed,
     ModelNotLoaded,
     ModelUnloading,
+    RequestTimedOut,
     RuntimeClosed,
+    StreamStalled,
     SupervisionEscalated,
     UnsupportedModelFormat,
 )
@@ -57,6 +59,8 @@ STATUS_BY_CODE: dict[str, int] = {
     KVBudgetExhausted.code: 503,
     ModelUnloading.code: 503,
     RuntimeClosed.code: 503,  # the server is shutting down
+    RequestTimedOut.code: 504,  # the client's own timeout_s passed
+    StreamStalled.code: 504,  # no token for stall_timeout_s: the engine is stuck or overloaded
     BackendError.code: 500,
     EngineCrashed.code: 500,
     ModelLoadFailed.code: 500,
