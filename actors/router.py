@@ -4,7 +4,9 @@ It validates routing (model loaded, request id not live), maps each request ``(i
 to ``(engine, sequence id, epoch)``, forwards engine events to the host that sent the request (each
 is the host event it means; the router adds the request's identity), and fences teardown: an
 unloading model admits nothing, and anything from an epoch other than the model's current one is
-dropped and counted. The model table itself (loads, unloads, shutdown) is ``ModelLifecycle``.
+dropped and counted. The model table itself (loads, unloads, shutdown) is ``ModelLifecycle``;
+deadlines and the stall guard, which end a request without waiting for its engine, are
+``RequestGuards`` (deadlines.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import assert_never
 
+from actors.deadlines import Expiry, RequestGuards
 from actors.model_lifecycle import EngineFactory, ModelLifecycle, ModelState, not_loaded
 from runtime.errors import DuplicateRequestId
 from runtime.kernel.core import PREFIX_CACHE, Address, Context, engine_address
@@ -25,10 +28,12 @@ from runtime.messages import (
     Cancel,
     Drained,
     EndSession,
+    EngineEvent,
     EngineFailed,
     EngineLoadFailed,
     EngineReady,
     EngineTerminal,
+    Failed,
     Generate,
     GetStats,
     LoadModel,
@@ -36,6 +41,7 @@ from runtime.messages import (
     PrefixesReset,
     Prewarm,
     Rejected,
+    RequestDeadline,
     ResetPrefixes,
     RouterInbox,
     SequenceCancelled,
@@ -44,6 +50,7 @@ from runtime.messages import (
     SequenceStarted,
     SessionEnded,
     Shutdown,
+    StallCheck,
     Stats,
     TokensProduced,
     UnloadModel,
@@ -66,8 +73,13 @@ class RouterCore:
     """State and decisions of the router (see module docstring)."""
 
     def __init__(
-        self, engine_factory: EngineFactory, engine_restart: RestartPolicy | None = None
+        self,
+        engine_factory: EngineFactory,
+        engine_restart: RestartPolicy | None = None,
+        *,
+        stall_timeout_s: float | None = None,
     ) -> None:
+        """``stall_timeout_s``: the stall guard of a generate that sets none (None: off)."""
         self._models = ModelLifecycle(engine_factory, engine_restart or RestartPolicy())
         self._live_by_request: dict[str, _Live] = {}
         self._live_by_sequence: dict[int, _Live] = {}
@@ -76,6 +88,7 @@ class RouterCore:
         # Engines answer independently of each other; one engine answers its own asks in order.
         self._session_waiters: dict[tuple[Address, str], deque[Address]] = {}
         self.counters = Counters()
+        self._guards = RequestGuards(stall_timeout_s, self.counters)
 
     def on_start(self, ctx: Context) -> None:
         pass
@@ -89,6 +102,7 @@ class RouterCore:
             "models": len(self._models),
             "models_restarting": self._models.count(ModelState.RESTARTING),
             "models_failed": self._models.count(ModelState.FAILED),
+            "expired_awaiting_engine": self._guards.expired_awaiting_engine,
         }
         return Stats(actor="router", counters=self.counters.snapshot(), gauges=gauges)
 
@@ -116,13 +130,19 @@ class RouterCore:
                 | SequenceCancelled()
                 | SequenceFailed()
             ) if not self._is_live(message.sequence_id, message.epoch):
-                self.counters.inc("stale_engine_events")
-                ctx.count_dead_letter("stale_engine_event")
+                self._not_live(message, ctx)
             case SequenceStarted() | TokensProduced():
                 live = self._live_by_sequence[message.sequence_id]
+                self._guards.shown(message, ctx)
                 ctx.send(live.host, for_request(message, live.request_id, live.incarnation))
             case SequenceFinished() | SequenceCancelled() | SequenceFailed():
                 self._end_request(message, ctx)
+            case RequestDeadline() | StallCheck() if sender != ctx.self_address:
+                ctx.count_dead_letter("router_unexpected")  # only the router's own timers count
+            case RequestDeadline() | StallCheck():
+                expiry = self._guards.fired(message, ctx)
+                if expiry is not None:
+                    self._expire(message.sequence_id, expiry, ctx)
             case LoadModel(spec=spec):
                 self._models.load(spec, sender, ctx)
             case EngineReady() | EngineLoadFailed() | EngineFailed() if not self._models.is_current(
@@ -132,6 +152,7 @@ class RouterCore:
             case EngineFailed(epoch=epoch, code=code, message=text):
                 self.counters.inc("engines_failed")
                 self._end_orphans(epoch, ctx, lambda live: _failed(live, code, text))
+                self._guards.epoch_drained(epoch)  # a given-up engine answers nothing more
                 self._models.engine_failed(message, sender, ctx)
             case EngineReady() | EngineLoadFailed():
                 self._models.engine_loaded(message, sender, ctx)
@@ -142,6 +163,7 @@ class RouterCore:
             case Drained(epoch=epoch):
                 unloaded = self._models.remove_drained(sender, epoch, ctx)
                 self._end_orphans(epoch, ctx, _unloaded)
+                self._guards.epoch_drained(epoch)
                 self._models.announce_unloaded(unloaded, ctx)
             case ResetPrefixes(model=model):
                 if self._models.ready(model) is None:
@@ -210,6 +232,7 @@ class RouterCore:
         self._live_by_sequence[sequence_id] = live
         is_generate = isinstance(request, Generate)
         self.counters.inc("accepted_generate" if is_generate else "accepted_prewarm")
+        self._guards.accepted(request, sequence_id, model.epoch, ctx)
         ctx.send(
             model.address,
             Admit(
@@ -249,9 +272,37 @@ class RouterCore:
         live = self._live_by_sequence.get(sequence_id)
         return live is not None and live.epoch == epoch
 
+    def _not_live(self, event: EngineEvent, ctx: Context) -> None:
+        if self._guards.absorbs(event, ctx):  # its request already ended on a deadline or stall
+            return
+        self.counters.inc("stale_engine_events")
+        ctx.count_dead_letter("stale_engine_event")
+
+    def _expire(self, sequence_id: int, expiry: Expiry, ctx: Context) -> None:
+        """End a live request now, on its deadline or a stall: the host hears ``Failed`` at once
+        (its engine may be unable to answer); the engine is told to abort the sequence."""
+        live = self._live_by_sequence.pop(sequence_id)
+        del self._live_by_request[live.request_id]
+        error = expiry.error
+        ctx.send(
+            engine_address(live.model, live.epoch),
+            Abort(sequence_id=sequence_id, epoch=live.epoch, reason=error.code),
+        )
+        self.counters.inc("terminal_failed")
+        failed = Failed(
+            request_id=live.request_id,
+            incarnation=live.incarnation,
+            code=error.code,
+            message=error.message,
+            retryable=error.retryable,
+            usage=expiry.usage,
+        )
+        ctx.send(live.host, failed)
+
     def _end_request(self, event: EngineTerminal, ctx: Context) -> None:
         live = self._live_by_sequence.pop(event.sequence_id)
         del self._live_by_request[live.request_id]
+        self._guards.ended(event.sequence_id)
         terminal = for_request(event, live.request_id, live.incarnation)
         self.counters.inc(f"terminal_{type(terminal).__name__.lower()}")
         ctx.send(live.host, terminal)

@@ -23,6 +23,7 @@ def standing_actors(
     load_backend: BackendLoader,
     reservation_timeout_s: float,
     default_max_tokens: int,
+    stall_timeout_s: float | None,
     step_timeout_s: float | None = None,
     engine_restart: RestartPolicy | None = None,
 ) -> list[tuple[Address, ActorCore]]:
@@ -43,5 +44,12 @@ def standing_actors(
     return [
         (KV_KEEPER, KVBudgetCore(kv_budget_bytes, default_timeout_s=reservation_timeout_s)),
         (PREFIX_CACHE, PrefixCacheCore()),
-        (ROUTER, RouterCore(engine_factory, engine_restart or RestartPolicy())),
+        (
+            ROUTER,
+            RouterCore(
+                engine_factory,
+                engine_restart or RestartPolicy(),
+                stall_timeout_s=stall_timeout_s,
+            ),
+        ),
     ]

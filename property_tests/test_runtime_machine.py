@@ -43,6 +43,7 @@ BYTES_PER_TOKEN = 100
 BUDGET = 6_000  # small enough that reservations queue, are evicted for, and time out
 REQUEST_IDS = ("r1", "r2", "r3")
 TERMINALS = (Finished, Cancelled, Failed)
+EXPIRY_CODES = ("request_timeout", "stream_stalled")
 prompts = st.lists(st.sampled_from([97, 98, 99]), min_size=1, max_size=12).map(tuple)
 
 
@@ -77,6 +78,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.eos_every = eos_every
         self.incarnation = 0
         self.sent: dict[tuple[str, int], Generate | Prewarm] = {}
+        self.deadlines: dict[tuple[str, int], float] = {}  # virtual time each must end by
         self.cancelled_by_host: set[tuple[str, int]] = set()
         self.model_loaded = False
         self.unloads: list[tuple[int, int]] = []  # (epoch, host messages seen when it replied)
@@ -103,6 +105,37 @@ class RuntimeMachine(RuleBasedStateMachine):
             max_tokens=max_tokens,
         )
         self.sent[(request_id, request.incarnation)] = request
+        self.sim.send(request)
+
+    @rule(
+        request_id=st.sampled_from(REQUEST_IDS),
+        prompt=prompts,
+        max_tokens=st.integers(1, 6),
+        timeout_s=st.sampled_from([0.001, 0.004, 0.02]),
+        # Tokens come every 0.002 s: 0.001 stalls after the first, 0.05 never does.
+        stall_timeout_s=st.sampled_from([None, 0.001, 0.05]),
+    )
+    def generate_with_deadline(
+        self,
+        request_id: str,
+        prompt: tuple[int, ...],
+        max_tokens: int,
+        timeout_s: float,
+        stall_timeout_s: float | None,
+    ) -> None:
+        request = Generate(
+            request_id=request_id,
+            incarnation=self._next(),
+            model="m",
+            prompt_tokens=prompt,
+            max_tokens=max_tokens,
+            timeout_s=timeout_s,
+            stall_timeout_s=stall_timeout_s,
+        )
+        key = (request_id, request.incarnation)
+        self.sent[key] = request
+        # The router takes it before time moves (the simulator delivers all mail first).
+        self.deadlines[key] = self.sim.clock.now + timeout_s
         self.sim.send(request)
 
     @rule(burst=st.lists(st.tuples(prompts, st.integers(1, 6)), min_size=2, max_size=3))
@@ -164,6 +197,18 @@ class RuntimeMachine(RuleBasedStateMachine):
             assert len(ends) <= 1, (key, events)
             if ends:
                 assert ends[0] == len(events) - 1, (key, events)
+
+    @invariant()
+    def deadlines_are_kept(self) -> None:
+        """A request with ``timeout_s`` has ended once its deadline has passed; one that ended
+        on a deadline or a stall counts exactly the tokens it showed."""
+        for key, due in self.deadlines.items():
+            terminal = self.sim.terminal(*key)
+            if self.sim.clock.now >= due:
+                assert terminal is not None, (key, due, self.sim.clock.now)
+            if isinstance(terminal, Failed) and terminal.code in EXPIRY_CODES:
+                shown = len(self.sim.emitted_tokens(*key))
+                assert terminal.usage.completion_tokens == shown, (key, terminal)
 
     @invariant()
     def kv_never_over_budget(self) -> None:

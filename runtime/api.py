@@ -98,6 +98,7 @@ class Runtime:
             default_max_tokens=self.config.default_max_tokens,
             step_timeout_s=self.config.step_timeout_s,
             engine_restart=self.config.engine_restart,
+            stall_timeout_s=self.config.stall_timeout_s,
         ):
             capacity = self.config.router_mailbox_capacity if address == ROUTER else math.inf
             system.spawn(address, core, capacity=capacity)
@@ -190,8 +191,15 @@ class Runtime:
         request_id: str | None = None,
         coalesce: CoalescePolicy | None = None,
         supersede: bool = False,
+        timeout_s: float | None = None,
+        stall_timeout_s: float | None = None,
     ) -> GenerationStream:
-        """A stream of this request's events; raises ``InvalidRequest`` on malformed input."""
+        """A stream of this request's events; raises ``InvalidRequest`` on malformed input.
+
+        ``timeout_s``: the request ends ``Failed(request_timeout)`` that long after it was
+        accepted, whatever it is doing. ``stall_timeout_s``: it ends ``Failed(stream_stalled)``
+        when no token came for that long after the first (None: ``config.stall_timeout_s``).
+        """
         request = Generate(
             request_id=request_id or uuid.uuid4().hex,
             incarnation=next(self._incarnations),
@@ -207,6 +215,8 @@ class Runtime:
             namespace=namespace,
             session=session,
             supersede=supersede,
+            timeout_s=timeout_s,
+            stall_timeout_s=stall_timeout_s,
         )
         validate_request(request)
         policy = coalesce or self.config.coalesce
@@ -248,11 +258,13 @@ class Runtime:
         namespace: str = "default",
         session: str | None = None,
         request_id: str | None = None,
+        timeout_s: float | None = None,
     ) -> Finished | Cancelled | Failed:
         """Prefill and cache a prompt without sampling; returns how the warmup ended.
 
         ``Finished(reason="prewarmed")`` when cached, ``"adopted"`` when a generate took it over,
-        ``Cancelled(reason="superseded")`` when a diverging generate replaced it.
+        ``Cancelled(reason="superseded")`` when a diverging generate replaced it,
+        ``Failed(request_timeout)`` when ``timeout_s`` passed first (what it had prefilled is kept).
         """
         request = Prewarm(
             request_id=request_id or uuid.uuid4().hex,
@@ -265,6 +277,7 @@ class Runtime:
             max_tokens=max_tokens,
             namespace=namespace,
             session=session,
+            timeout_s=timeout_s,
         )
         validate_request(request)
         async with GenerationStream(

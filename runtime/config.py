@@ -15,6 +15,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_budget_fraction: float = 0.5
     reservation_timeout_s: float = 30.0
     default_max_tokens: int = 4096  # cap for requests that give no max_tokens
+    # A stream with no token for this long after its first ends Failed(stream_stalled); None: off.
+    stall_timeout_s: float | None = 60.0
     router_mailbox_capacity: int = 1024
     # Per model: crashes (or stuck steps) recovered by reloading it; beyond, it is marked failed.
     engine_restart: RestartPolicy = RestartPolicy()

@@ -145,6 +145,26 @@ class ModelUnloading(MlxRuntimeError):
     retryable = True
 
 
+class RequestTimedOut(MlxRuntimeError):
+    """Reported when a request's ``timeout_s`` passed before it ended, in whatever phase it was.
+
+    Retryable: a timeout says the runtime was busy or the request was big, not that it was wrong;
+    whatever prefill it had done is kept as a prefix entry where an abort keeps it, so a retry
+    starts from there.
+    """
+
+    code = "request_timeout"
+    retryable = True
+
+
+class StreamStalled(MlxRuntimeError):
+    """Reported when a generate produced no token for its stall timeout after its first token
+    (``stall_timeout_s``). Retryable: a stuck or overloaded engine is not the request's fault."""
+
+    code = "stream_stalled"
+    retryable = True
+
+
 # --------------------------------------------------------------------------- kernel
 
 
@@ -185,6 +205,8 @@ ERRORS_BY_CODE: dict[str, type[MlxRuntimeError]] = {
         ModelRestarting,
         ModelFailed,
         ModelUnloading,
+        RequestTimedOut,
+        StreamStalled,
         ActorStopped,
         RuntimeClosed,
         SupervisionEscalated,

@@ -15,6 +15,12 @@ Request lifecycle (host → router → engine → router → host)
     it means less the request's identity, which the router adds (``for_request``). A request the
     router will not accept gets ``Rejected`` (and no other event).
 
+Deadlines and the stall guard
+    A request with ``timeout_s``, or a stream with no token for its stall timeout, is ended by the
+    router itself (``RequestDeadline`` / ``StallCheck`` timers): ``Failed(request_timeout |
+    stream_stalled)`` to the host at once, ``Abort`` to the engine, whose later events about that
+    sequence are dropped and counted.
+
 Cancellation
     ``Cancel(request_id, incarnation)`` → router → ``Abort(sequence_id, epoch)`` → engine sets that
     sequence's set-once abort flag; the compute thread sees it at the next chunk or step boundary.
@@ -165,6 +171,9 @@ class Generate(Message, frozen=True):
     ``max_tokens`` None: the rest of the context, capped by the engine's default. ``session``
     groups requests that may supersede each other's prewarms (default: model plus namespace);
     with ``supersede`` this request also aborts the session's older generates (a new keystroke).
+    ``timeout_s``: the request ends ``Failed(request_timeout)`` that long after the router accepted
+    it. ``stall_timeout_s``: it ends ``Failed(stream_stalled)`` when no token came for that long
+    after its first (None: ``RuntimeConfig.stall_timeout_s``).
     """
 
     request_id: str
@@ -181,10 +190,15 @@ class Generate(Message, frozen=True):
     namespace: str = "default"
     session: str | None = None
     supersede: bool = False
+    timeout_s: float | None = None
+    stall_timeout_s: float | None = None
 
 
 class Prewarm(Message, frozen=True):
-    """Prefill a prompt and commit its state to the prefix cache, without sampling."""
+    """Prefill a prompt and commit its state to the prefix cache, without sampling.
+
+    ``timeout_s``: it ends ``Failed(request_timeout)`` that long after the router accepted it.
+    """
 
     request_id: str
     incarnation: int
@@ -196,6 +210,7 @@ class Prewarm(Message, frozen=True):
     max_tokens: int | None = None  # of the generate to come: chat windows then render the same
     namespace: str = "default"
     session: str | None = None
+    timeout_s: float | None = None
 
 
 class Cancel(Message, frozen=True):
@@ -360,6 +375,25 @@ class Stats(Message, frozen=True):
     actor: str
     counters: dict[str, int]
     gauges: dict[str, int] = {}
+
+
+# --------------------------------------------------------------------------- router timers
+
+
+class RequestDeadline(Message, frozen=True):
+    """Router → itself (timer): the request of sequence ``sequence_id`` reached its ``timeout_s``.
+
+    Stale (counted, never acted on) if the request has ended.
+    """
+
+    sequence_id: int
+
+
+class StallCheck(Message, frozen=True):
+    """Router → itself (timer): has the stream of sequence ``sequence_id`` produced a token within
+    its stall timeout? Stale (counted, never acted on) if the request has ended."""
+
+    sequence_id: int
 
 
 # --------------------------------------------------------------------------- router ↔ engine
@@ -707,6 +741,8 @@ RouterInbox = (
     | Drained
     | PrefixesReset
     | SessionEnded
+    | RequestDeadline
+    | StallCheck
 )
 
 EngineInbox = (

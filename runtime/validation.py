@@ -38,6 +38,7 @@ def validate_request(request: Generate | Prewarm) -> None:
             raise InvalidRequest("prompt_tokens must be non-negative integers")
     if request.max_tokens is not None and request.max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be at least 1 (got {request.max_tokens})")
+    validate_timeouts(request)
     if isinstance(request, Generate):
         if request.max_tokens is not None and request.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1 (got {request.max_tokens})")
@@ -132,4 +133,20 @@ def validate_sampling(sampling: Sampling) -> None:
             raise InvalidRequest(
                 f"logit_bias[{token}] must be in [-100, 100] (got {bias}); "
                 "-100 bans a token, 100 all but forces it"
+            )
+
+
+def validate_timeouts(request: Generate | Prewarm) -> None:
+    """``timeout_s`` and ``stall_timeout_s``, when given, are positive finite seconds."""
+    stall = request.stall_timeout_s if isinstance(request, Generate) else None
+    for name, value in (("timeout_s", request.timeout_s), ("stall_timeout_s", stall)):
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise InvalidRequest(f"{name} must be a number of seconds (got {value!r})")
+        if not math.isfinite(value) or value <= 0:
+            absent = "no deadline" if name == "timeout_s" else "the runtime's default"
+            raise InvalidRequest(
+                f"{name} must be a positive, finite number of seconds (got {value!r}); "
+                f"leave it out for {absent}"
             )

@@ -547,3 +547,52 @@ async def test_a_reply_that_ends_at_once_still_streams_its_framing() -> None:
         assert finish["choices"][0]["finish_reason"] == "stop"  # type: ignore[index]
         assert usage["usage"]["completion_tokens"] == 0  # type: ignore[index]
         assert done == "[DONE]"
+
+
+# --------------------------------------------------------------------------- deadlines and stalls
+
+
+async def test_a_deadline_is_504_request_timeout_on_both_endpoints() -> None:
+    slow = sim_model(prefill_s_per_token=0.01)  # a 100-token prompt: 1 s of prefill
+    async with serving(slow) as (client, server):
+        hello = [{"role": "user", "content": "x" * 100}]
+        for response in (
+            await complete(client, prompt="x" * 100, timeout_s=0.05),
+            await complete(client, prompt="y" * 100, timeout_s=0.05, stream=True),
+            await chat(client, messages=hello, timeout_s=0.05),
+        ):
+            assert response.status_code == 504
+            error = error_of(response)
+            assert (error["code"], error["type"]) == ("request_timeout", "server_error")
+            assert "timeout_s of 0.05 s" in error["message"]
+            assert "retry-after" not in response.headers
+        await wait_until(server.runtime, lambda: kv_reserved(server) == prefix_bytes(server))
+
+
+async def test_a_stall_after_the_first_token_ends_the_stream_with_an_sse_error() -> None:
+    async with serving(sim_model(decode_s_per_token=0.3)) as (client, _):
+        stalled = await complete(
+            client, prompt="x", max_tokens=5, stream=True, stall_timeout_s=0.03
+        )
+        assert stalled.status_code == 200
+        *chunks, failure = sse_data(stalled)
+        assert "".join(c["choices"][0]["text"] for c in chunks) == expected("x", 1)  # type: ignore[index]
+        assert failure["error"]["code"] == "stream_stalled"  # type: ignore[index]
+        whole = await complete(client, prompt="x", max_tokens=5, stall_timeout_s=0.03)
+        assert whole.status_code == 504
+        assert error_of(whole)["code"] == "stream_stalled"
+
+
+async def test_a_timeout_that_is_not_positive_seconds_is_400_naming_it() -> None:
+    async with serving() as (client, _):
+        for field, value in (("timeout_s", 0), ("stall_timeout_s", -1)):
+            response = await complete(client, prompt="x", **{field: value})
+            assert response.status_code == 400
+            assert (error_of(response)["code"], error_of(response)["param"]) == (
+                "invalid_request",
+                field,
+            )
+
+
+def prefix_bytes(server: OpenAIServer) -> int:
+    return server.runtime.stats().actors["prefix"].gauges["bytes"]

@@ -504,3 +504,50 @@ async def test_leaving_the_runtime_never_waits_for_pending_deadlines() -> None:
 async def drain(stream: object) -> None:
     async for _ in stream:  # type: ignore[attr-defined]
         pass
+
+
+# --------------------------------------------------------------------------- deadlines and stalls
+
+
+def kv_matches_the_prefix_cache(rt: Runtime) -> bool:
+    """Every reserved byte belongs to a cached prefix entry, and no expired request's engine
+    still holds its sequence."""
+    actors = rt.stats().actors
+    router_gauges = actors["router"].gauges
+    return (
+        actors["kv"].gauges["reserved"] == actors["prefix"].gauges["bytes"]
+        and router_gauges["expired_awaiting_engine"] == 0
+    )
+
+
+async def test_a_deadline_ends_a_generate_with_request_timeout_and_frees_its_kv() -> None:
+    spec = sim_model(prefill_s_per_token=0.002)  # 400 tokens: 0.8 s if it ran to the end
+    async with Runtime(config()) as rt:
+        await rt.load_model(spec)
+        result = await rt.complete("m", "x" * 400, max_tokens=4, timeout_s=0.05)
+        terminal = result.terminal
+        assert isinstance(terminal, Failed)
+        assert (terminal.code, terminal.retryable) == ("request_timeout", True)
+        assert result.token_ids == () and terminal.usage.completion_tokens == 0
+        await wait_until(rt, lambda: kv_matches_the_prefix_cache(rt))
+
+
+async def test_a_stalled_stream_fails_stream_stalled_with_the_tokens_it_showed() -> None:
+    async with Runtime(config(stall_timeout_s=0.03)) as rt:
+        await rt.load_model(sim_model(decode_s_per_token=0.3))  # a token every 0.3 s
+        result = await rt.complete("m", "hi", max_tokens=5)
+        terminal = result.terminal
+        assert isinstance(terminal, Failed) and terminal.code == "stream_stalled"
+        assert terminal.usage.completion_tokens == len(result.token_ids) >= 1
+        assert result.text == expected("hi", len(result.token_ids))
+        await wait_until(rt, lambda: kv_matches_the_prefix_cache(rt))
+
+
+async def test_timeouts_that_are_not_positive_seconds_are_refused_before_any_work() -> None:
+    async with Runtime(config()) as rt:
+        await rt.load_model(sim_model())
+        for kwargs in ({"timeout_s": 0}, {"timeout_s": -1.0}, {"stall_timeout_s": float("inf")}):
+            with pytest.raises(InvalidRequest, match=next(iter(kwargs))):
+                rt.generate("m", "x", **kwargs)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest, match="timeout_s"):
+            await rt.prewarm("m", "x", timeout_s=float("nan"))

@@ -198,6 +198,8 @@ class OpenAIServer:
                 namespace=call.namespace,
                 session=call.session,
                 request_id=render.request_id,
+                timeout_s=call.timeout_s,
+                stall_timeout_s=call.stall_timeout_s,
             )
         except MlxRuntimeError as error:
             raise error_for_runtime(error) from error

@@ -31,8 +31,10 @@ from runtime.errors import (
     ModelNotLoaded,
     ModelRestarting,
     ModelUnloading,
+    RequestTimedOut,
     RuntimeClosed,
     StepTimedOut,
+    StreamStalled,
     SupervisionEscalated,
     UnsupportedModelFormat,
 )
@@ -62,6 +64,8 @@ STATUS_BY_CODE: dict[str, int] = {
     ModelRestarting.code: 503,  # its engine crashed and is reloading
     ModelFailed.code: 503,  # out of service until an operator loads it again
     RuntimeClosed.code: 503,  # the server is shutting down
+    RequestTimedOut.code: 504,  # the client's own timeout_s passed
+    StreamStalled.code: 504,  # no token for stall_timeout_s: the engine is stuck or overloaded
     BackendError.code: 500,
     EngineCrashed.code: 500,
     StepTimedOut.code: 500,

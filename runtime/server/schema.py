@@ -58,6 +58,8 @@ class _GenerationBody(_Body, frozen=True, kw_only=True):
     stop_token_ids: list[int] | None = None
     session: str | None = None
     cache_salt: str | None = None
+    timeout_s: float | None = None  # the request's deadline (runtime error request_timeout)
+    stall_timeout_s: float | None = None  # no token for this long after the first: stalled
 
 
 class CompletionRequest(_GenerationBody, frozen=True, kw_only=True):

@@ -58,6 +58,8 @@ class RuntimeCall(msgspec.Struct, frozen=True, kw_only=True):
     session: str | None
     stream: bool
     include_usage: bool
+    timeout_s: float | None = None
+    stall_timeout_s: float | None = None
 
 
 class PrewarmCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -184,6 +186,8 @@ def _call(
         session=request.session,
         stream=request.stream,
         include_usage=request.stream_options is not None and request.stream_options.include_usage,
+        timeout_s=request.timeout_s,
+        stall_timeout_s=request.stall_timeout_s,
     )
 
 

@@ -157,6 +157,7 @@ class Simulator:
             default_max_tokens=self.config.default_max_tokens,
             step_timeout_s=self.config.step_timeout_s,
             engine_restart=self.config.engine_restart,
+            stall_timeout_s=self.config.stall_timeout_s,
         ):
             if faults is not None and address == KV_KEEPER:
                 core = faults.wrap_keeper(core)

@@ -1,0 +1,192 @@
+"""Per-request deadlines and the stall guard: when the router ends a request its engine has not.
+
+A request with ``timeout_s`` ends ``Failed(request_timeout)`` once that long has passed since the
+router accepted it, in whatever phase it is (tokenizing, at the admission gate, queued for KV,
+prefilling, decoding). A generate's stream ends ``Failed(stream_stalled)`` once no token has come
+for its stall timeout (``Generate.stall_timeout_s``, else ``RuntimeConfig.stall_timeout_s``). The
+stall clock starts at the first token: before it only the deadline bounds the wait, so a long but
+progressing prefill (which reports no progress to the router) is never taken for a stall.
+
+The router ends such a request at once, not when its engine answers: the host hears the failure at
+the deadline even from an engine that cannot answer (a stuck compute step is what a stall guard is
+for). The engine's sequence is aborted through the ordinary abort protocol; what the engine still
+says about it (a token already on its way, its ``SequenceCancelled``) is dropped and counted
+(``events_after_expiry``). The usage reported is what the host was shown: ``Started``'s prompt
+counts (0 before it) and the tokens forwarded.
+
+Timers are ``Context.send_later`` messages to the router itself, so the simulator's virtual clock
+drives them. A request has at most one deadline timer and one stall timer; a stall check that finds
+a token came since it was armed arms the next one for the rest of the window. A timer whose
+request already ended is stale: dropped and counted (``stale_timers``), never acted on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from runtime.errors import MlxRuntimeError, RequestTimedOut, StreamStalled
+from runtime.kernel.core import Context
+from runtime.kernel.stats import Counters
+from runtime.messages import (
+    EngineEvent,
+    EngineTerminal,
+    Generate,
+    Prewarm,
+    RequestDeadline,
+    SequenceStarted,
+    StallCheck,
+    TokensProduced,
+    Usage,
+)
+
+GuardTimer = RequestDeadline | StallCheck
+
+
+@dataclass
+class _Guarded:
+    """What the router needs to end one live request on time, and with the usage it was shown."""
+
+    epoch: int
+    timeout_s: float | None
+    stall_timeout_s: float | None  # None: no stall guard (a prewarm, or switched off)
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    shown_tokens: int = 0
+    last_token_at: float = 0.0
+    shown_at_arming: int | None = None  # tokens shown when the pending stall check was armed
+
+    def usage(self) -> Usage:
+        return Usage(
+            prompt_tokens=self.prompt_tokens,
+            cached_prompt_tokens=self.cached_prompt_tokens,
+            completion_tokens=self.shown_tokens,
+        )
+
+
+@dataclass(frozen=True)
+class Expiry:
+    """A request the router must end now: the typed error and the usage it was shown."""
+
+    error: MlxRuntimeError
+    usage: Usage
+
+
+class RequestGuards:
+    """The deadlines and stall guards of the router's live requests (see module docstring).
+
+    ``stall_timeout_s`` is the runtime's default; None turns the stall guard off unless a
+    request asks for one. The router tells it when a request is accepted, shown something, or
+    ended; it answers a fired timer with an ``Expiry`` or None.
+    """
+
+    def __init__(self, stall_timeout_s: float | None, counters: Counters) -> None:
+        self._default_stall_s = stall_timeout_s
+        self._counters = counters
+        self._guarded: dict[int, _Guarded] = {}  # sequence id → guard, while the request lives
+        self._expired: dict[int, int] = {}  # sequence id → epoch, until the engine's terminal
+
+    @property
+    def expired_awaiting_engine(self) -> int:
+        """Requests ended here whose engine has not yet sent its own terminal."""
+        return len(self._expired)
+
+    def accepted(
+        self, request: Generate | Prewarm, sequence_id: int, epoch: int, ctx: Context
+    ) -> None:
+        """A request was accepted: guard it if it has a deadline or (a generate) a stall guard."""
+        stall_s = None
+        if isinstance(request, Generate):
+            own = request.stall_timeout_s
+            stall_s = self._default_stall_s if own is None else own
+        if request.timeout_s is None and stall_s is None:
+            return
+        self._guarded[sequence_id] = _Guarded(epoch, request.timeout_s, stall_s)
+        if request.timeout_s is not None:
+            ctx.send_later(request.timeout_s, RequestDeadline(sequence_id=sequence_id))
+
+    def shown(self, event: SequenceStarted | TokensProduced, ctx: Context) -> None:
+        """The router forwarded ``event`` to the host: count it; the first token arms the
+        stall guard."""
+        guard = self._guarded.get(event.sequence_id)
+        if guard is None:
+            return
+        if isinstance(event, SequenceStarted):
+            guard.prompt_tokens = event.prompt_tokens
+            guard.cached_prompt_tokens = event.cached_tokens
+            return
+        guard.shown_tokens += len(event.token_ids)
+        guard.last_token_at = ctx.now()
+        if guard.stall_timeout_s is not None and guard.shown_at_arming is None:  # the first
+            self._arm_stall_check(event.sequence_id, guard, guard.stall_timeout_s, ctx)
+
+    def ended(self, sequence_id: int) -> None:
+        """The request ended through its engine: its pending timers become stale."""
+        self._guarded.pop(sequence_id, None)
+
+    def fired(self, timer: GuardTimer, ctx: Context) -> Expiry | None:
+        """A timer came due: the request's ``Expiry``, or None (stale, or the stream moved)."""
+        guard = self._guarded.get(timer.sequence_id)
+        if guard is None:  # the request ended, through its engine or on its other timer
+            self._counters.inc("stale_timers")
+            ctx.count_dead_letter("stale_request_timer")
+            return None
+        if isinstance(timer, RequestDeadline) and guard.timeout_s is not None:
+            error: MlxRuntimeError = RequestTimedOut(
+                f"the request did not finish within its timeout_s of {guard.timeout_s:g} s "
+                f"({_progress(guard)}); retry with a longer timeout_s or a smaller max_tokens"
+            )
+            return self._expire(timer.sequence_id, guard, error)
+        if isinstance(timer, StallCheck) and guard.stall_timeout_s is not None:
+            return self._stall_check(timer.sequence_id, guard, guard.stall_timeout_s, ctx)
+        ctx.count_dead_letter("router_unexpected")  # a timer this request never armed
+        return None
+
+    def _stall_check(
+        self, sequence_id: int, guard: _Guarded, stall_timeout_s: float, ctx: Context
+    ) -> Expiry | None:
+        if guard.shown_tokens != guard.shown_at_arming:
+            # Tokens came since it was armed: the window restarts at the last of them. Deciding
+            # by token counts, not clock readings, keeps a timer that fires early from looping.
+            rest = max(0.0, guard.last_token_at + stall_timeout_s - ctx.now())
+            self._arm_stall_check(sequence_id, guard, rest, ctx)
+            self._counters.inc("stall_checks_passed")
+            return None
+        error = StreamStalled(
+            f"the stream produced no token for {stall_timeout_s:g} s ({_progress(guard)}); "
+            "the engine may be stuck or overloaded: retry, and if it keeps happening check "
+            "the engine's statistics or raise stall_timeout_s"
+        )
+        return self._expire(sequence_id, guard, error)
+
+    def absorbs(self, event: EngineEvent, ctx: Context) -> bool:
+        """Whether ``event`` is about a request ended here (then it is dropped and counted)."""
+        if event.sequence_id not in self._expired:
+            return False
+        if isinstance(event, EngineTerminal):
+            del self._expired[event.sequence_id]  # the engine has let go of it: nothing follows
+        self._counters.inc("events_after_expiry")
+        ctx.count_dead_letter("event_after_expiry")
+        return True
+
+    def epoch_drained(self, epoch: int) -> None:
+        """Defensive: an engine sends every terminal before ``Drained``; forget any it did not."""
+        for sequence_id in [s for s, e in self._expired.items() if e == epoch]:
+            del self._expired[sequence_id]
+
+    def _expire(self, sequence_id: int, guard: _Guarded, error: MlxRuntimeError) -> Expiry:
+        del self._guarded[sequence_id]
+        self._expired[sequence_id] = guard.epoch
+        self._counters.inc(f"expired_{error.code}")
+        return Expiry(error, guard.usage())
+
+    def _arm_stall_check(
+        self, sequence_id: int, guard: _Guarded, delay_s: float, ctx: Context
+    ) -> None:
+        guard.shown_at_arming = guard.shown_tokens
+        ctx.send_later(delay_s, StallCheck(sequence_id=sequence_id))
+
+
+def _progress(guard: _Guarded) -> str:
+    if guard.shown_tokens:
+        return f"after {guard.shown_tokens} generated tokens"
+    return "before its first token"
