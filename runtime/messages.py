@@ -136,8 +136,8 @@ class FinishReason(enum.StrEnum):
 
     STOP = "stop"  # end-of-sequence token or stop string
     LENGTH = "length"  # max_tokens reached
-    PREWARMED = "prewarmed"  # a prewarm finished and committed its state
-    ADOPTED = "adopted"  # a prewarm whose work a generate request took over
+    PREWARMED = "prewarmed"  # a prewarm's state is cached (by itself, or by an identical one)
+    ADOPTED = "adopted"  # a prewarm whose work a request that extends it took over
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -165,6 +165,9 @@ class Generate(Message, frozen=True):
     ``max_tokens`` None: the rest of the context, capped by the engine's default. ``session``
     groups requests that may supersede each other's prewarms (default: model plus namespace);
     with ``supersede`` this request also aborts the session's older generates (a new keystroke).
+    ``anonymous``: the host cannot tell this request's client from others' (the HTTP server's
+    requests without ``session``); it still adopts a prewarm of its session that it extends, but
+    it never supersedes another request, and no request supersedes it.
     """
 
     request_id: str
@@ -181,10 +184,16 @@ class Generate(Message, frozen=True):
     namespace: str = "default"
     session: str | None = None
     supersede: bool = False
+    anonymous: bool = False
 
 
 class Prewarm(Message, frozen=True):
-    """Prefill a prompt and commit its state to the prefix cache, without sampling."""
+    """Prefill a prompt and commit its state to the prefix cache, without sampling.
+
+    A prewarm supersedes its session's older prewarms, or adopts one it extends; identical
+    concurrent prewarms (same tokens and namespace, any session) compute once. ``session`` and
+    ``anonymous`` as for ``Generate``.
+    """
 
     request_id: str
     incarnation: int
@@ -196,6 +205,7 @@ class Prewarm(Message, frozen=True):
     max_tokens: int | None = None  # of the generate to come: chat windows then render the same
     namespace: str = "default"
     session: str | None = None
+    anonymous: bool = False
 
 
 class Cancel(Message, frozen=True):
