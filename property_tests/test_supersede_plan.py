@@ -2,21 +2,22 @@
 
 ``plan_supersede`` is a pure function of the newcomer (a generate or a prewarm, just tokenized) and
 the engine's other sequences. Sequences are drawn over three sessions (two of them in one
-namespace), every phase, aborted or not, anonymous or not, some following an earlier one, with
-prompts from a two-token alphabet so that one prompt often extends or equals another. The rules,
-as protocols.md states them:
+namespace), every phase, aborted or not, anonymous or not, some following an earlier one, some
+admitted after the newcomer, with prompts from a two-token alphabet so that one prompt often
+extends or equals another. The rules, as protocols.md states them:
 
 - a prewarm follows (``Join``) the first live identical prewarm of its namespace that leads (any
   session); a generate never follows;
-- only live (not aborted, not ended) sequences of the newcomer's session are adopted or
-  superseded, each at most once, in the table's order;
+- only live (not aborted, not ended), older (admitted before it) sequences of the newcomer's
+  session are adopted or superseded, each at most once, in the table's order;
 - at most one prewarm is adopted, and only by a newcomer that follows none and adopted none yet:
   the first computing one (restoring, prefilling, decoding) whose prefill target its own extends;
 - the followers of the adopted prewarm are left to end with it; nothing anonymous, and nothing of
   an anonymous newcomer, is superseded; an older generate is superseded exactly when the newcomer
   is a generate with ``supersede`` set; a prewarm identical to a prewarm newcomer is left (the same
   work); every other live prewarm of the session is superseded;
-- so a named newcomer leaves no other named prewarm of its session computing but its leader;
+- so a named newcomer leaves no other older named prewarm of its session computing but its
+  leader;
 - making the plan changes nothing.
 
 Settings come from the active Hypothesis profile.
@@ -50,6 +51,7 @@ class Drawn:
     supersede: bool = False
     anonymous: bool = False
     leader: int | None = None  # index of an earlier drawn sequence it follows
+    newer: bool = False  # admitted after the newcomer (tokenized first all the same)
 
 
 def build(sequence_id: int, drawn: Drawn) -> Sequence:
@@ -82,8 +84,11 @@ def build(sequence_id: int, drawn: Drawn) -> Sequence:
     return seq
 
 
+NEWCOMER_ID = 100  # sequence ids only grow: older sequences have lower ones
+
+
 def build_table(drawn: list[Drawn]) -> list[Sequence]:
-    table = [build(i + 1, d) for i, d in enumerate(drawn)]
+    table = [build(i + 1 + (NEWCOMER_ID if d.newer else 0), d) for i, d in enumerate(drawn)]
     for seq, d in zip(table, drawn, strict=True):
         if d.leader is not None and d.leader < len(table):
             seq.leader = table[d.leader]
@@ -127,6 +132,7 @@ def scenes(draw: st.DrawFn) -> tuple[Drawn, list[Drawn]]:
                 aborted=draw(st.sampled_from([False, False, True])),
                 supersede=draw(st.booleans()),
                 anonymous=draw(st.sampled_from([False, False, True])),
+                newer=draw(st.sampled_from([False, False, False, True])),
                 # Only a prewarm waiting in FOLLOWING has a leader (as in the engine).
                 leader=draw(st.none() | st.integers(min_value=0, max_value=max(i - 1, 0)))
                 if phase is Phase.FOLLOWING
@@ -157,8 +163,10 @@ def prewarm(
     *,
     anonymous: bool = False,
     leader: int | None = None,
+    newer: bool = False,
 ) -> Drawn:
-    return Drawn(RequestKind.PREWARM, session, tokens, phase, anonymous=anonymous, leader=leader)
+    kind = RequestKind.PREWARM
+    return Drawn(kind, session, tokens, phase, anonymous=anonymous, leader=leader, newer=newer)
 
 
 TYPED = Drawn(RequestKind.GENERATE, SESSIONS[0], (1, 2, 1), Phase.TOKENIZING)
@@ -178,11 +186,12 @@ PREFILLING = Phase.PREFILLING
 @example(scene=(FOCUS, [prewarm((1, 2, 1), PREFILLING), prewarm((1, 2, 1), Phase.FOLLOWING)]))
 @example(scene=(TYPED, [prewarm((1, 2), PREFILLING), prewarm((1, 2), Phase.FOLLOWING, leader=0)]))
 @example(scene=(FOCUS, [prewarm((2,), PREFILLING, anonymous=True)]))
+@example(scene=(TYPED, [prewarm((2,), Phase.RESERVING, newer=True)]))  # sent after it: left
 def test_the_plan_follows_the_supersede_adopt_and_join_rules(
     scene: tuple[Drawn, list[Drawn]],
 ) -> None:
     new, drawn = scene
-    newcomer = build(0, new)
+    newcomer = build(NEWCOMER_ID, new)
     table = build_table(drawn)
     before = [(s.phase, s.abort.is_set(), s.adopted_by, s.leader) for s in table]
 
@@ -203,7 +212,11 @@ def test_the_plan_follows_the_supersede_adopt_and_join_rules(
     assert [type(step) for step in plan.steps].count(Join) == (leader is not None)
     assert leader is None or isinstance(plan.steps[0], Join)
 
-    session = [s for s in table if live(s) and s.session == newcomer.session]
+    session = [
+        s
+        for s in table
+        if live(s) and s.session == newcomer.session and s.sequence_id < newcomer.sequence_id
+    ]
     touched = [step.prewarm if isinstance(step, Adopt) else step.older for step in plan.steps
                if not isinstance(step, Join)]  # fmt: skip
     # Only live sequences of its session, each at most once, in the table's order.
@@ -226,7 +239,7 @@ def test_the_plan_follows_the_supersede_adopt_and_join_rules(
             assert not superseded  # the same work: followed, never cut short
         else:
             assert superseded
-    if not newcomer.anonymous:  # at most one named prewarm of the session computes on
+    if not newcomer.anonymous:  # of the older named prewarms of the session, none computes on
         running = [
             s
             for s in session
@@ -245,7 +258,7 @@ def test_the_plan_follows_the_supersede_adopt_and_join_rules(
 @given(scene=scenes())
 def test_a_newcomer_that_already_adopted_adopts_no_other(scene: tuple[Drawn, list[Drawn]]) -> None:
     new, drawn = scene
-    newcomer = build(0, new)
+    newcomer = build(NEWCOMER_ID, new)
     newcomer.resume_phase = Phase.PREFILLING  # as an earlier adoption leaves it
     plan = plan_supersede(newcomer, build_table(drawn))
     assert plan.adopted is None
