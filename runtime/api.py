@@ -182,6 +182,7 @@ class Runtime:
         request_id: str | None = None,
         coalesce: CoalescePolicy | None = None,
         supersede: bool = False,
+        anonymous: bool = False,
     ) -> GenerationStream:
         """A stream of this request's events; raises ``InvalidRequest`` on malformed input."""
         request = Generate(
@@ -199,6 +200,7 @@ class Runtime:
             namespace=namespace,
             session=session,
             supersede=supersede,
+            anonymous=anonymous,
         )
         validate_request(request)
         policy = coalesce or self.config.coalesce
@@ -240,11 +242,13 @@ class Runtime:
         namespace: str = "default",
         session: str | None = None,
         request_id: str | None = None,
+        anonymous: bool = False,
     ) -> Finished | Cancelled | Failed:
         """Prefill and cache a prompt without sampling; returns how the warmup ended.
 
-        ``Finished(reason="prewarmed")`` when cached, ``"adopted"`` when a generate took it over,
-        ``Cancelled(reason="superseded")`` when a diverging generate replaced it.
+        ``Finished(reason="prewarmed")`` when cached (by it, or by an identical prewarm it
+        followed), ``"adopted"`` when a request that extends it took it over,
+        ``Cancelled(reason="superseded")`` when a diverging request of its session replaced it.
         """
         request = Prewarm(
             request_id=request_id or uuid.uuid4().hex,
@@ -257,6 +261,7 @@ class Runtime:
             max_tokens=max_tokens,
             namespace=namespace,
             session=session,
+            anonymous=anonymous,
         )
         validate_request(request)
         async with GenerationStream(
