@@ -150,14 +150,20 @@ class RuntimeMachine(RuleBasedStateMachine):
 
     @rule(
         prompt=prompts,
-        burst=st.lists(st.tuples(st.sampled_from(SHAPES), sessions), min_size=2, max_size=3),
+        burst=st.lists(
+            st.tuples(st.sampled_from(SHAPES), sessions, st.sampled_from([0, 0, 3, 8])),
+            min_size=2,
+            max_size=3,
+        ),
     )
     def prewarm_together(
-        self, prompt: tuple[int, ...], burst: list[tuple[str, tuple[str | None, bool]]]
+        self, prompt: tuple[int, ...], burst: list[tuple[str, tuple[str | None, bool], int]]
     ) -> None:
         # Focus changes: the same prompt again, or one extending, cutting or leaving it, in one
-        # session or across sessions, all in flight at once.
-        for request_id, (shape, session) in zip(REQUEST_IDS, burst, strict=False):
+        # session or across sessions, all in flight at once: each sent at once or a few simulator
+        # steps after the one before (so often while that one prefills, to be adopted).
+        for request_id, (shape, session, steps) in zip(REQUEST_IDS, burst, strict=False):
+            self.deliver(steps)
             self.prewarm(request_id, _shaped(prompt, shape), session)
 
     @precondition(lambda self: bool(self.sent))

@@ -1,7 +1,7 @@
 """What a newly tokenized sequence does to the engine's other sequences: a plan, as data.
 
 A generate or a prewarm, once it has its tokens, may end or take over older work (docs/protocols.md,
-"Prewarm supersede / adopt"):
+"Prewarm supersede / adopt / follow"):
 
 - a prewarm **follows** (``Join``) a live identical prewarm (same tokens, same namespace, any
   session): it computes nothing and ends when that leader does;
