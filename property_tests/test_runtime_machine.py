@@ -2,18 +2,21 @@
 
 Hypothesis picks the simulator's seed (so which actor runs next), whether decode steps are
 pipelined (as on MLX: a step is built on a token before it is read, and a lone stream keeps one
-step queued) and a program of host actions; after every step the invariants are checked. A failure
-shrinks to a short program and replays.
+step queued) and a program of host actions (prewarms in the default session, named sessions or
+anonymous, alone or several at once: the same prompt, one extending or cutting another); after
+every step the invariants are checked. A failure shrinks to a short program and replays.
 """
 
 from __future__ import annotations
 
 import weakref
+from collections import Counter
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from actors.engine.core import EngineCore
+from actors.engine.sequence import COMPUTE_PHASES, Sequence
 from runtime.backends.simulated import SimulatedBatch, SimulatedState, greedy_continuation
 from runtime.config import RuntimeConfig
 from runtime.kernel.core import Address, Context
@@ -31,12 +34,13 @@ from runtime.messages import (
     ModelUnloaded,
     Prewarm,
     Rejected,
+    RequestKind,
     ResetPrefixes,
     Started,
     TokensProduced,
     UnloadModel,
 )
-from runtime.testing.harness import engines, kv_keeper, prefix_cache, sim_spec
+from runtime.testing.harness import engines, kv_keeper, prefix_cache, router, sim_spec
 from runtime.testing.simulator import Simulator
 
 BYTES_PER_TOKEN = 100
@@ -45,6 +49,9 @@ REQUEST_IDS = ("r1", "r2", "r3")
 TERMINALS = (Finished, Cancelled, Failed)
 EXPIRY_CODES = ("request_timeout", "stream_stalled")
 prompts = st.lists(st.sampled_from([97, 98, 99]), min_size=1, max_size=12).map(tuple)
+# (session, anonymous): the default session, named ones, or anonymous (an HTTP client's, no session)
+sessions = st.sampled_from([(None, False), ("s1", False), ("s2", False), (None, True)])
+SHAPES = ("same", "longer", "shorter", "other")
 
 
 class RuntimeMachine(RuleBasedStateMachine):
@@ -62,6 +69,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.sim.check_every_step(self.batch_padding_is_reserved)
         self.sim.check_every_step(self.no_token_after_an_abort)
         self.sim.check_every_step(self.caches_stay_within_their_reservation)
+        self.sim.check_every_step(self.one_prewarm_computes_per_session)
+        self.sim.check_every_step(self.identical_prewarms_compute_once)
         self.spec = sim_spec(
             chunk=3,
             trimmable=trimmable,
@@ -95,14 +104,27 @@ class RuntimeMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ rules
 
-    @rule(request_id=st.sampled_from(REQUEST_IDS), prompt=prompts, max_tokens=st.integers(1, 6))
-    def generate(self, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> None:
+    @rule(
+        request_id=st.sampled_from(REQUEST_IDS),
+        prompt=prompts,
+        max_tokens=st.integers(1, 6),
+        session=sessions,
+    )
+    def generate(
+        self,
+        request_id: str,
+        prompt: tuple[int, ...],
+        max_tokens: int,
+        session: tuple[str | None, bool] = (None, False),
+    ) -> None:
         request = Generate(
             request_id=request_id,
             incarnation=self._next(),
             model="m",
             prompt_tokens=prompt,
             max_tokens=max_tokens,
+            session=session[0],
+            anonymous=session[1],
         )
         self.sent[(request_id, request.incarnation)] = request
         self.sim.send(request)
@@ -144,13 +166,38 @@ class RuntimeMachine(RuleBasedStateMachine):
         for request_id, (prompt, max_tokens) in zip(REQUEST_IDS, burst, strict=False):
             self.generate(request_id, prompt, max_tokens)
 
-    @rule(request_id=st.sampled_from(REQUEST_IDS), prompt=prompts)
-    def prewarm(self, request_id: str, prompt: tuple[int, ...]) -> None:
+    @rule(request_id=st.sampled_from(REQUEST_IDS), prompt=prompts, session=sessions)
+    def prewarm(
+        self, request_id: str, prompt: tuple[int, ...], session: tuple[str | None, bool]
+    ) -> None:
         request = Prewarm(
-            request_id=request_id, incarnation=self._next(), model="m", prompt_tokens=prompt
+            request_id=request_id,
+            incarnation=self._next(),
+            model="m",
+            prompt_tokens=prompt,
+            session=session[0],
+            anonymous=session[1],
         )
         self.sent[(request_id, request.incarnation)] = request
         self.sim.send(request)
+
+    @rule(
+        prompt=prompts,
+        burst=st.lists(
+            st.tuples(st.sampled_from(SHAPES), sessions, st.sampled_from([0, 0, 3, 8])),
+            min_size=2,
+            max_size=3,
+        ),
+    )
+    def prewarm_together(
+        self, prompt: tuple[int, ...], burst: list[tuple[str, tuple[str | None, bool], int]]
+    ) -> None:
+        # Focus changes: the same prompt again, or one extending, cutting or leaving it, in one
+        # session or across sessions, all in flight at once: each sent at once or a few simulator
+        # steps after the one before (so often while that one prefills, to be adopted).
+        for request_id, (shape, session, steps) in zip(REQUEST_IDS, burst, strict=False):
+            self.deliver(steps)
+            self.prewarm(request_id, _shaped(prompt, shape), session)
 
     @precondition(lambda self: bool(self.sent))
     @rule(data=st.data())
@@ -251,6 +298,35 @@ class RuntimeMachine(RuleBasedStateMachine):
                 assert seq.tokens is not None
                 assert seq.state.length <= len(seq.tokens) + seq.max_tokens, key
 
+    def _live_prewarms_computing(self) -> list[Sequence]:
+        """Live prewarms in a compute phase (restoring, prefilling), abort not set."""
+        live = router(self.sim).live_sequences()
+        return [
+            seq
+            for engine in engines(self.sim)
+            for sequence_id in live
+            if (seq := engine.sequence(sequence_id)) is not None
+            and seq.kind is RequestKind.PREWARM
+            and seq.phase in COMPUTE_PHASES
+            and not seq.abort.is_set()
+        ]
+
+    def one_prewarm_computes_per_session(self) -> None:
+        """Checked after every simulator step: in a session, at most one prewarm is computing
+        (a newer one supersedes, adopts or follows the older), anonymous ones aside."""
+        sessions = Counter(
+            (seq.epoch, seq.session) for seq in self._live_prewarms_computing() if not seq.anonymous
+        )
+        assert all(n == 1 for n in sessions.values()), sessions
+
+    def identical_prewarms_compute_once(self) -> None:
+        """Checked after every simulator step: two live prewarms never compute the same tokens
+        (identical concurrent prewarms follow one), whatever their sessions."""
+        work = Counter(
+            (seq.epoch, seq.namespace, seq.tokens) for seq in self._live_prewarms_computing()
+        )
+        assert all(n == 1 for n in work.values()), work
+
     @invariant()
     def entries_hold_exactly_their_keys(self) -> None:
         """Every cached state holds exactly the tokens its prefix entry is keyed by, tokens fed
@@ -306,6 +382,17 @@ class RuntimeMachine(RuleBasedStateMachine):
         kv, prefix = kv_keeper(self.sim), prefix_cache(self.sim)
         # Quiescent: every reserved byte belongs to a cached prefix entry; nothing leaked.
         assert kv.reserved_bytes == prefix.total_bytes, (kv.holdings(), prefix.entries())
+
+
+def _shaped(prompt: tuple[int, ...], shape: str) -> tuple[int, ...]:
+    match shape:
+        case "longer":
+            return (*prompt, 98, 97)
+        case "shorter":
+            return prompt[:-1] or prompt
+        case "other":
+            return (99, *prompt)
+    return prompt
 
 
 def _first(events: list[Message], kind: type[Started]) -> Started | None:

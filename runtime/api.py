@@ -193,6 +193,7 @@ class Runtime:
         supersede: bool = False,
         timeout_s: float | None = None,
         stall_timeout_s: float | None = None,
+        anonymous: bool = False,
     ) -> GenerationStream:
         """A stream of this request's events; raises ``InvalidRequest`` on malformed input.
 
@@ -217,6 +218,7 @@ class Runtime:
             supersede=supersede,
             timeout_s=timeout_s,
             stall_timeout_s=stall_timeout_s,
+            anonymous=anonymous,
         )
         validate_request(request)
         policy = coalesce or self.config.coalesce
@@ -259,11 +261,13 @@ class Runtime:
         session: str | None = None,
         request_id: str | None = None,
         timeout_s: float | None = None,
+        anonymous: bool = False,
     ) -> Finished | Cancelled | Failed:
         """Prefill and cache a prompt without sampling; returns how the warmup ended.
 
-        ``Finished(reason="prewarmed")`` when cached, ``"adopted"`` when a generate took it over,
-        ``Cancelled(reason="superseded")`` when a diverging generate replaced it,
+        ``Finished(reason="prewarmed")`` when cached (by it, or by an identical prewarm it
+        followed), ``"adopted"`` when a request that extends it took it over,
+        ``Cancelled(reason="superseded")`` when a diverging request of its session replaced it,
         ``Failed(request_timeout)`` when ``timeout_s`` passed first (what it had prefilled is kept).
         """
         request = Prewarm(
@@ -278,6 +282,7 @@ class Runtime:
             namespace=namespace,
             session=session,
             timeout_s=timeout_s,
+            anonymous=anonymous,
         )
         validate_request(request)
         async with GenerationStream(

@@ -142,8 +142,8 @@ class FinishReason(enum.StrEnum):
 
     STOP = "stop"  # end-of-sequence token or stop string
     LENGTH = "length"  # max_tokens reached
-    PREWARMED = "prewarmed"  # a prewarm finished and committed its state
-    ADOPTED = "adopted"  # a prewarm whose work a generate request took over
+    PREWARMED = "prewarmed"  # a prewarm's state is cached (by itself, or by an identical one)
+    ADOPTED = "adopted"  # a prewarm whose work a request that extends it took over
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -174,6 +174,9 @@ class Generate(Message, frozen=True):
     ``timeout_s``: the request ends ``Failed(request_timeout)`` that long after the router accepted
     it. ``stall_timeout_s``: it ends ``Failed(stream_stalled)`` when no token came for that long
     after its first (None: ``RuntimeConfig.stall_timeout_s``).
+    ``anonymous``: the host cannot tell this request's client from others' (the HTTP server's
+    requests without ``session``); it still adopts a prewarm of its session that it extends, but
+    it never supersedes another request, and no request supersedes it.
     """
 
     request_id: str
@@ -192,12 +195,16 @@ class Generate(Message, frozen=True):
     supersede: bool = False
     timeout_s: float | None = None
     stall_timeout_s: float | None = None
+    anonymous: bool = False
 
 
 class Prewarm(Message, frozen=True):
     """Prefill a prompt and commit its state to the prefix cache, without sampling.
 
     ``timeout_s``: it ends ``Failed(request_timeout)`` that long after the router accepted it.
+    A prewarm supersedes its session's older prewarms, or adopts one it extends; identical
+    concurrent prewarms (same tokens and namespace, any session) compute once. ``session`` and
+    ``anonymous`` as for ``Generate``.
     """
 
     request_id: str
@@ -211,6 +218,7 @@ class Prewarm(Message, frozen=True):
     namespace: str = "default"
     session: str | None = None
     timeout_s: float | None = None
+    anonymous: bool = False
 
 
 class Cancel(Message, frozen=True):

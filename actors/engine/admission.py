@@ -3,10 +3,13 @@
 1. ``admit``: the sequence is made from the request. It waits for its prompt's tokens: a tokenize
    job (``tokenized``), unless the request gave them and the model is loaded.
 2. Once tokenized: an empty prompt, or one that with ``max_tokens`` overflows the context, fails;
-   the session's instructions prefix is planned for pinning; a generate supersedes its session's
-   older sequences or adopts the prewarm it extends (``plan_supersede``, a plan the admission then
-   carries out); a prewarm with nothing to prefill is done at once.
-3. The admission gate: at most ``max_concurrent`` sequences are past it; the others wait FIFO.
+   the session's instructions prefix is planned for pinning; a prewarm with nothing to prefill is
+   done at once; the sequence supersedes its session's older work, adopts the prewarm it extends,
+   or (a prewarm) follows an identical one and waits for it to end (``plan_supersede``,
+   supersede.py, a plan the admission then carries out). A follower whose leader is cancelled or
+   fails is let go (``let_go``): it goes on by itself.
+3. The admission gate: at most ``max_concurrent`` sequences are past it (followers are not); the
+   others wait FIFO.
 4. ``Reserve`` its KV (prompt plus ``max_tokens``, and room for the checkpoint snapshots of its
    prefill when the cache cannot be trimmed), then ``Lookup`` the prefix cache; the sequence
    then restores (``RESTORING``) and the engine core's pump takes it from there. A generate that
@@ -19,14 +22,14 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Protocol, assert_never
 
 from actors.engine.checkpoints import CheckpointPolicy
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import TokenizeJob
-from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
+from actors.engine.sequence import Phase, Sequence
+from actors.engine.supersede import Adopt, Join, Supersede, identical_leader, plan_supersede
 from runtime.backends.contract import ModelInfo
 from runtime.errors import ContextLengthExceeded, InvalidRequest, MlxRuntimeError
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Context
@@ -65,68 +68,6 @@ class AdmissionLimits:
     default_max_tokens: int  # cap for a generate that set no max_tokens ("the rest of the context")
     chunk_tokens: int  # prefill chunk size: a windowed cache holds a chunk beyond its window
     checkpoints: CheckpointPolicy  # where prefills of an untrimmable cache snapshot, and how much
-
-
-# --------------------------------------------------------------------------- supersede / adopt
-
-
-@dataclass(frozen=True)
-class Adopt:
-    """The generate takes over this prewarm: its state, lease, snapshots and in-flight job."""
-
-    prewarm: Sequence
-
-
-@dataclass(frozen=True)
-class Supersede:
-    """This older sequence of the generate's session is aborted (reason ``"superseded"``)."""
-
-    older: Sequence
-
-
-@dataclass(frozen=True)
-class SupersedePlan:
-    """What a new generate does to its session's other sequences, step by step in their order."""
-
-    steps: tuple[Adopt | Supersede, ...] = ()
-
-    @property
-    def adopted(self) -> Sequence | None:
-        return next((step.prewarm for step in self.steps if isinstance(step, Adopt)), None)
-
-    @property
-    def superseded(self) -> tuple[Sequence, ...]:
-        return tuple(step.older for step in self.steps if isinstance(step, Supersede))
-
-
-def plan_supersede(generate: Sequence, others: Iterable[Sequence]) -> SupersedePlan:
-    """What ``generate``, its prompt tokenized, does to ``others`` (docs/protocols.md).
-
-    Only live (not aborted, not ended) sequences of its session are touched. An older generate is
-    superseded if ``generate.supersede`` is set, else left alone. A prewarm whose prefill target
-    prefixes the generate's prompt and that is computing (restoring, prefilling, decoding) is
-    adopted, the first such one only; every other prewarm is superseded.
-    """
-    assert generate.tokens is not None
-    steps: list[Adopt | Supersede] = []
-    may_adopt = generate.resume_phase is None  # not already adopting one
-    for other in others:
-        if other is generate or other.session != generate.session:
-            continue
-        if other.abort.is_set() or other.phase is Phase.DONE:
-            continue
-        if other.kind is RequestKind.GENERATE:
-            if generate.supersede:
-                steps.append(Supersede(other))
-            continue
-        target = other.tokens[: other.prefill_target] if other.tokens else None
-        extends = target is not None and generate.tokens[: len(target)] == target
-        if extends and other.phase in COMPUTE_PHASES and may_adopt:
-            steps.append(Adopt(other))
-            may_adopt = False
-        else:
-            steps.append(Supersede(other))
-    return SupersedePlan(tuple(steps))
 
 
 # --------------------------------------------------------------------------- admission
@@ -220,12 +161,16 @@ class Admission:
             return
         seq.stop_token_ids = seq.stop_token_ids | info.eos_token_ids
         self._entries.plan_pin(seq, ctx)
-        if seq.kind is RequestKind.GENERATE:
-            self._supersede(seq, ctx)
-        elif seq.prefill_target == 0:
+        if seq.kind is RequestKind.PREWARM and seq.prefill_target == 0:
             self._ends.finish(seq, ctx, FinishReason.PREWARMED)
             return
-        if self._running() >= self._limits.max_concurrent:  # the gate: wait for a slot
+        self._supersede(seq, ctx)
+        if seq.leader is None:
+            self._gate(seq, ctx)
+
+    def _gate(self, seq: Sequence, ctx: Context) -> None:
+        """Through the admission gate to its KV reservation, or wait FIFO for a slot."""
+        if self._running() >= self._limits.max_concurrent:
             seq.phase = Phase.WAITING
             self._waiting.append(seq)
             self._counters.inc("admission_waits")
@@ -235,11 +180,16 @@ class Admission:
     # ------------------------------------------------------------------ supersede / adopt
 
     def _supersede(self, seq: Sequence, ctx: Context) -> None:
+        """Carry out ``plan_supersede``: follow, adopt, supersede (supersede.py)."""
         for step in plan_supersede(seq, list(self._sequences.values())).steps:
             match step:
+                case Join(leader=leader):
+                    self._follow(seq, leader)
                 case Adopt(prewarm=prewarm):
                     self._adopt(seq, prewarm, ctx)
                 case Supersede(older=older):
+                    if older.phase is Phase.DONE:  # ended meanwhile, by an earlier step's ending
+                        continue
                     self._ends.abort(older, "superseded", ctx)
                     generate = older.kind is RequestKind.GENERATE
                     self._counters.inc(
@@ -262,11 +212,28 @@ class Admission:
         self._counters.inc("prewarms_adopted")
         self._ends.finish(prewarm, ctx, FinishReason.ADOPTED)
 
+    def _follow(self, seq: Sequence, leader: Sequence) -> None:
+        seq.leader = leader
+        seq.phase = Phase.FOLLOWING
+        self._counters.inc("prewarms_deduplicated")
+
+    def let_go(self, followers: list[Sequence], ctx: Context) -> None:
+        """Their leader ended without a finish they share (it was cancelled or failed): each goes
+        on by itself, or follows the first of them that does."""
+        for seq in followers:
+            seq.leader = None
+            leader = identical_leader(seq, self._sequences.values())
+            if leader is not None:
+                seq.leader = leader
+            else:
+                self._counters.inc("followers_let_go")
+                self._gate(seq, ctx)
+
     # ------------------------------------------------------------------ the gate and the KV
 
     def _running(self) -> int:
         """Sequences past the admission gate (reserving, looking up, computing)."""
-        waiting = (Phase.TOKENIZING, Phase.WAITING)
+        waiting = (Phase.TOKENIZING, Phase.WAITING, Phase.FOLLOWING)
         return sum(1 for s in self._sequences.values() if s.phase not in waiting)
 
     def admit_waiting(self, ctx: Context) -> None:

@@ -146,6 +146,7 @@ class EngineCore:
             self.counters,
             slot_freed=lambda ctx: self._admission.admit_waiting(ctx),
             backend=lambda: self._backend,
+            let_go=lambda followers, ctx: self._admission.let_go(followers, ctx),
         )
         self._admission = Admission(
             limits, spec.name, self._sequences, self._entries, self.counters, ends=self._ends

@@ -10,6 +10,11 @@ ends when that step is back (``settle``): released, then its terminal. A finishe
 and a cancelled one's unless the model is going away, is first committed to the prefix cache
 (``EntryStore.detach``); a failed one's never is.
 
+A prewarm that follows an identical one (``Sequence.leader``) computes nothing: it finishes as its
+leader finished (prewarmed, or adopted), right after it; if the leader is cancelled or fails, the
+followers are let go (admission's ``let_go``) to go on by themselves, or cancelled too when the
+model is going away.
+
 The engine core, ``Admission`` and ``StepOutcomes`` all end sequences through one ``Endings``.
 """
 
@@ -26,7 +31,7 @@ from runtime.backends.contract import Backend
 from runtime.errors import MlxRuntimeError
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Context
 from runtime.kernel.stats import Counters
-from runtime.messages import FinishReason, Release, ReleaseLease
+from runtime.messages import FinishReason, Release, ReleaseLease, SequenceFinished
 
 
 class Endings:
@@ -36,6 +41,7 @@ class Endings:
     ``slot_freed`` runs after every ending, so that the admission gate lets a waiting sequence in
     (a callable: the admission that owns the gate is built after the endings it asks for).
     ``backend`` is the engine's loaded backend, None before the load and after the close.
+    ``let_go`` hands admission the followers of a leader that ended without a finish they share.
     """
 
     def __init__(
@@ -46,6 +52,7 @@ class Endings:
         counters: Counters,
         slot_freed: Callable[[Context], None],
         backend: Callable[[], Backend | None],
+        let_go: Callable[[list[Sequence], Context], None],
     ) -> None:
         self._sequences = sequences
         self._entries = entries
@@ -53,6 +60,7 @@ class Endings:
         self._counters = counters
         self._slot_freed = slot_freed
         self._backend = backend
+        self._let_go = let_go
         self._unloading = False
 
     def unloading(self) -> None:
@@ -106,14 +114,31 @@ class Endings:
         if seq.batch_slot is not None:
             self._batches.leave_later(seq, detach)
             ctx.send(ROUTER, terminal)
-            return
-        if seq.in_compute:  # a decode step queued behind the last one still holds its state
+        elif seq.in_compute:  # a decode step queued behind the last one still holds its state
             seq.abort.set()  # it does nothing if it has not started
             # It ends when that step is back, so that its terminal still means all is given back.
             seq.ending = Ending(detach, terminal)
+        else:
+            self.returned(seq, detach, ctx)
+            ctx.send(ROUTER, terminal)
+        self._followers_of(seq, terminal, ctx)
+
+    def _followers_of(self, leader: Sequence, terminal: Terminal, ctx: Context) -> None:
+        """The prewarms that follow ``leader`` end as it finished, or go on without it."""
+        followers = [s for s in self._sequences.values() if s.leader is leader]
+        if not followers:
             return
-        self.returned(seq, detach, ctx)
-        ctx.send(ROUTER, terminal)
+        if isinstance(terminal, SequenceFinished):  # its state is cached, or a request took it
+            for seq in followers:
+                # It computed nothing: what the cache now holds for it counts as cached.
+                prewarmed = terminal.reason is FinishReason.PREWARMED
+                seq.cached_tokens = seq.prefill_target if prewarmed else 0
+                self.finish(seq, ctx, terminal.reason, keep=False)
+        elif self._unloading:
+            for seq in followers:
+                self.abort(seq, "model_unloaded", ctx)
+        else:
+            self._let_go(followers, ctx)
 
     def settle(self, seq: Sequence, ending: Ending, ctx: Context) -> None:
         """The step that held an ended sequence's state is back: give everything back, and only

@@ -83,7 +83,7 @@ class StepOutcomes:
         if job.error is not None:
             self._ends.fail(seq, ctx, _step_failed(job.error))
             return
-        if seq.phase is Phase.RESERVING:  # adopted mid-step; it resumes once reserved
+        if seq.phase in (Phase.WAITING, Phase.RESERVING):  # adopted mid-step: resumes once reserved
             if seq.resume_phase is Phase.RESTORING:
                 seq.resume_phase = Phase.PREFILLING
             return

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
 class Phase(enum.Enum):
     TOKENIZING = enum.auto()  # waiting for the compute thread to tokenize the prompt
     WAITING = enum.auto()  # at the admission gate: the engine runs its most sequences
+    FOLLOWING = enum.auto()  # a prewarm waiting for an identical one (its leader) to end
     RESERVING = enum.auto()  # waiting for the KV keeper
     LOOKING_UP = enum.auto()  # waiting for the prefix-cache manager
     RESTORING = enum.auto()  # compute: copy (and trim) a cached state, or make an empty one
@@ -116,6 +117,7 @@ class Sequence:
     cached_tokens: int = 0
     resume_phase: Phase | None = None  # set when adopting a prewarm: where to continue
     adopted_by: Sequence | None = None
+    leader: Sequence | None = None  # the identical prewarm this one follows (Phase.FOLLOWING)
     generated: list[int] = field(default_factory=list)  # the tokens shown
     decoding: Decoding | None = None  # the compute thread's side, from the first decode step on
     stop_matcher: StopStringMatcher | None = None
@@ -179,6 +181,12 @@ class Sequence:
         """Whether this is a generate that aborts its session's older generates (a keystroke)."""
         request = self.admit.request
         return isinstance(request, Generate) and request.supersede
+
+    @property
+    def anonymous(self) -> bool:
+        """Whether its client cannot be told from others': it supersedes nothing, nor is
+        superseded (the HTTP server's requests without a session)."""
+        return self.admit.request.anonymous
 
     # ------------------------------------------------------------------ the engine's view
 

@@ -154,6 +154,7 @@ class OpenAIServer:
                 max_tokens=call.max_tokens,
                 namespace=call.namespace,
                 session=call.session,
+                anonymous=call.session is None,  # as for a generate (_generation)
             )
         except ModelNotLoaded:
             raise model_not_loaded(call.model) from None
@@ -197,6 +198,9 @@ class OpenAIServer:
                 stop_token_ids=call.stop_token_ids,
                 namespace=call.namespace,
                 session=call.session,
+                # Without a session the server cannot tell its clients apart: this request must
+                # not cut another's work short, nor have its own cut short (docs/http.md).
+                anonymous=call.session is None,
                 request_id=render.request_id,
                 timeout_s=call.timeout_s,
                 stall_timeout_s=call.stall_timeout_s,
