@@ -67,6 +67,15 @@ class ModelLifecycle:
         model = self._models.get(name)
         return model if model is not None and model.state is ModelState.READY else None
 
+    def not_ready_text(self, name: str) -> str:
+        """Why a request for ``name`` is refused, for the host to act on."""
+        model = self._models.get(name)
+        if model is None:
+            return not_loaded_text(name)
+        if model.state is ModelState.UNLOADING:
+            return f"model {name!r} is being unloaded; load it again once that ends"
+        return f"model {name!r} is still loading; send the request once load_model returns"
+
     def is_current(self, engine: Address, epoch: int) -> bool:
         """Whether ``engine`` at ``epoch`` is a load still in the table (not a stale one)."""
         return self._at(engine, epoch) is not None

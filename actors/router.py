@@ -13,7 +13,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import assert_never
 
-from actors.model_lifecycle import EngineFactory, ModelLifecycle, not_loaded, not_loaded_text
+from actors.model_lifecycle import EngineFactory, ModelLifecycle, not_loaded
 from runtime.errors import DuplicateRequestId, ModelNotLoaded
 from runtime.kernel.core import PREFIX_CACHE, Address, Context, engine_address
 from runtime.kernel.stats import Counters
@@ -177,7 +177,8 @@ class RouterCore:
     def _accept(self, request: Generate | Prewarm, host: Address, ctx: Context) -> None:
         model = self._models.ready(request.model)
         if model is None:
-            self._reject(request, host, ctx, ModelNotLoaded.code, not_loaded_text(request.model))
+            text = self._models.not_ready_text(request.model)
+            self._reject(request, host, ctx, ModelNotLoaded.code, text)
             return
         if request.request_id in self._live_by_request:
             text = (
