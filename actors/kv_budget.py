@@ -53,6 +53,7 @@ waits, the head does not fit.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ from runtime.messages import (
     Stats,
     Transfer,
 )
+
+log = logging.getLogger("mlx_actor_runtime.kv")
 
 # Always reported, so a dashboard sees a zero rather than a missing key.
 # fmt: off
@@ -232,9 +235,9 @@ class KVBudgetCore:
         if nbytes > self._budget_bytes:
             self.counters.inc("refused_too_large")
             text = (
-                f"{_describe(holder)} needs {nbytes} bytes of KV cache but the whole budget is "
-                f"{self._budget_bytes} bytes; shorten the prompt or max_tokens, or raise the "
-                "KV budget."
+                f"the request needs {nbytes} bytes of KV cache, more than the whole KV budget "
+                f"({self._budget_bytes} bytes); shorten the prompt or lower max_tokens (or give "
+                "the runtime a larger kv_budget_bytes)."
             )
             self._refuse(sender, holder, nbytes, KVRequestTooLarge, text, ctx)
             return
@@ -243,7 +246,7 @@ class KVBudgetCore:
             return
         if timeout_s == 0:  # "only if it fits now": never queue, never evict for it
             self.counters.inc("refused_no_wait")
-            text = f"{_describe(holder)} asked for {nbytes} bytes only if free now; they are not."
+            text = f"{nbytes} bytes of KV cache were asked for only if free now; they are not."
             self._refuse(sender, holder, nbytes, KVBudgetExhausted, text, ctx)
             return
         ticket = next(self._tickets)
@@ -319,10 +322,13 @@ class KVBudgetCore:
     def _expire(self, holder: Holder, ticket: int, ctx: Context) -> None:
         waiting = self._waiting.pop(ticket)
         self.counters.inc("refused_timeout")
+        # Who else holds or waits is other clients' business: the log has it, the message not.
+        log.info("%s waited %gs for %d bytes of KV (%d of %d free, %d still waiting)",
+                 _describe(holder), waiting.timeout_s, waiting.nbytes, self.free_bytes,
+                 self._budget_bytes, len(self._waiting))  # fmt: skip
         text = (
-            f"{_describe(holder)} waited {waiting.timeout_s:g}s for {waiting.nbytes} bytes of KV "
-            f"cache ({self.free_bytes} of {self._budget_bytes} free, {len(self._waiting)} still "
-            "waiting); retry later, or lower concurrency or max_tokens."
+            f"the request waited {waiting.timeout_s:g}s for {waiting.nbytes} bytes of KV cache "
+            "and the server is still busy; retry later, or lower max_tokens."
         )
         self._refuse(waiting.requester, holder, waiting.nbytes, KVBudgetExhausted, text, ctx)
         self._grant_waiting(ctx)

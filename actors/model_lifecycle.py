@@ -95,7 +95,13 @@ class ModelLifecycle:
             return ModelRestarting.code, text
         if model is not None and model.state is ModelState.FAILED:
             return ModelFailed.code, model.failure
-        return ModelNotLoaded.code, not_loaded_text(name)
+        if model is None:
+            return ModelNotLoaded.code, not_loaded_text(name)
+        if model.state is ModelState.UNLOADING:
+            text = f"model {name!r} is being unloaded; load it again once that ends"
+        else:
+            text = f"model {name!r} is still loading; send the request once load_model returns"
+        return ModelNotLoaded.code, text
 
     def is_current(self, engine: Address, epoch: int) -> bool:
         """Whether ``engine`` at ``epoch`` is a load still in the table (not a stale one)."""

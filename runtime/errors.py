@@ -36,6 +36,13 @@ class ContextLengthExceeded(InvalidRequest):
     code = "context_length_exceeded"
 
 
+class MalformedMessage(InvalidRequest):
+    """Raised by ``runtime.messages.decode`` when bytes are not the wire form of a message:
+    not msgpack, an unknown ``type`` tag, a missing, unknown or wrongly typed field."""
+
+    code = "malformed_message"
+
+
 class InvalidModelSpec(InvalidRequest):
     """Raised when a ``ModelSpec`` names an unknown backend or has malformed options."""
 
@@ -192,6 +199,7 @@ ERRORS_BY_CODE: dict[str, type[MlxRuntimeError]] = {
         MlxRuntimeError,
         InvalidRequest,
         ContextLengthExceeded,
+        MalformedMessage,
         InvalidModelSpec,
         ModelNotLoaded,
         ModelAlreadyLoaded,

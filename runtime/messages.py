@@ -50,6 +50,8 @@ from typing import Literal
 
 import msgspec
 
+from runtime.errors import MalformedMessage
+
 TokenIds = tuple[int, ...]
 
 
@@ -845,8 +847,13 @@ def encode(message: Message) -> bytes:
 
 
 def decode(data: bytes) -> AnyMessage:
-    """Inverse of ``encode``; raises ``msgspec.ValidationError`` on anything not in the vocabulary.
+    """Inverse of ``encode``; raises ``MalformedMessage`` on anything not in the vocabulary.
 
     Decodes into the closed union of every message type.
     """
-    return _decoder.decode(data)
+    try:
+        return _decoder.decode(data)
+    except msgspec.DecodeError as error:  # ValidationError included: a tag or field is wrong
+        raise MalformedMessage(
+            f"the bytes are not a runtime message ({error}); send what messages.encode made"
+        ) from error

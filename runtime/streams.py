@@ -51,7 +51,8 @@ class HostStreams:
     def __init__(self, system: Callable[[], ActorSystem]) -> None:
         self._system = system
         self._streams: dict[tuple[str, int], MemoryObjectSendStream[HostEvent]] = {}
-        self._live_incarnation: dict[str, int] = {}
+        # Every incarnation of an id not yet ended: a refused duplicate must not hide the live one.
+        self._open_incarnations: dict[str, set[int]] = {}
         self.unrouted: Counter[str] = Counter()
 
     async def open(self, request: Generate | Prewarm) -> MemoryObjectReceiveStream[HostEvent]:
@@ -60,7 +61,7 @@ class HostStreams:
         key = (request.request_id, request.incarnation)
         send, receive = anyio.create_memory_object_stream[HostEvent](math.inf)
         self._streams[key] = send
-        self._live_incarnation[request.request_id] = request.incarnation
+        self._open_incarnations.setdefault(request.request_id, set()).add(request.incarnation)
         try:
             await system.tell_external(ROUTER, request, sender=HOST)
         except BaseException:
@@ -76,11 +77,15 @@ class HostStreams:
         self._tell(Cancel(request_id=request.request_id, incarnation=request.incarnation))
 
     def cancel_live(self, request_id: str) -> bool:
-        """Cancel the live incarnation of ``request_id``; False if none is live."""
-        incarnation = self._live_incarnation.get(request_id)
-        if incarnation is None:
+        """Cancel the live incarnation of ``request_id``; False if none is live.
+
+        At most one incarnation is live at the router; a cancel for any other is a no-op there.
+        """
+        incarnations = self._open_incarnations.get(request_id)
+        if not incarnations:
             return False
-        self._tell(Cancel(request_id=request_id, incarnation=incarnation))
+        for incarnation in sorted(incarnations):
+            self._tell(Cancel(request_id=request_id, incarnation=incarnation))
         return True
 
     def forget(self, request: Generate | Prewarm) -> None:
@@ -88,8 +93,7 @@ class HostStreams:
         send = self._streams.pop((request.request_id, request.incarnation), None)
         if send is not None:
             send.close()
-        if self._live_incarnation.get(request.request_id) == request.incarnation:
-            del self._live_incarnation[request.request_id]
+        self._ended(request.request_id, request.incarnation)
 
     def deliver(self, message: Message, _sender: Address) -> None:
         """The host sink: hand an event to its request's stream; close it after the terminal."""
@@ -100,9 +104,15 @@ class HostStreams:
             return
         send.send_nowait(message)  # type: ignore[arg-type]
         if isinstance(message, (*TERMINALS, Rejected)):
-            if self._live_incarnation.get(key[0]) == key[1]:
-                del self._live_incarnation[key[0]]
+            self._ended(*key)
             send.close()
+
+    def _ended(self, request_id: str, incarnation: int) -> None:
+        incarnations = self._open_incarnations.get(request_id)
+        if incarnations is not None:
+            incarnations.discard(incarnation)
+            if not incarnations:
+                del self._open_incarnations[request_id]
 
     def _tell(self, message: Message) -> None:
         try:

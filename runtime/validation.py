@@ -3,12 +3,26 @@
 from __future__ import annotations
 
 import math
+from typing import TypeGuard
 
 from runtime.errors import InvalidRequest
 from runtime.messages import Generate, Prewarm, Sampling
 
 MAX_ID_LENGTH = 256
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1000  # each is held back from the stream until it cannot match
+MAX_STOP_TOKEN_IDS = 1024
+# Integers cross the wire as msgpack int64 (docs/protocols.md); seeds take OpenAI's range.
+MAX_WIRE_INT = 2**63 - 1
+MIN_WIRE_INT = -(2**63)
+
+
+def _is_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_token_id(value: object) -> bool:
+    return _is_int(value) and 0 <= value <= MAX_WIRE_INT
 
 
 def validate_request(request: Generate | Prewarm) -> None:
@@ -30,23 +44,56 @@ def validate_request(request: Generate | Prewarm) -> None:
         kind = type(request.prompt).__name__
         raise InvalidRequest(f"prompt must be text, not {kind}; pass token ids as prompt_tokens")
     if request.prompt is not None and not request.prompt:
-        raise InvalidRequest("the prompt is empty; send at least one character")
+        raise InvalidRequest("prompt is empty; send at least one character")
     if request.prompt_tokens is not None:
         if not request.prompt_tokens:
             raise InvalidRequest("prompt_tokens is empty; send at least one token id")
-        if any(not isinstance(t, int) or t < 0 for t in request.prompt_tokens):
-            raise InvalidRequest("prompt_tokens must be non-negative integers")
-    if request.max_tokens is not None and request.max_tokens < 1:
-        raise InvalidRequest(f"max_tokens must be at least 1 (got {request.max_tokens})")
+        if not all(_is_token_id(t) for t in request.prompt_tokens):
+            raise InvalidRequest(
+                "prompt_tokens must be token ids (integers 0 or more); "
+                "to send text, pass it as prompt"
+            )
+    _validate_max_tokens(request.max_tokens)
     validate_timeouts(request)
     if isinstance(request, Generate):
-        if request.max_tokens is not None and request.max_tokens < 1:
-            raise InvalidRequest(f"max_tokens must be at least 1 (got {request.max_tokens})")
-        if any(not isinstance(stop, str) or not stop for stop in request.stop):
-            raise InvalidRequest("stop strings must be non-empty strings")
-        if len(request.stop) > MAX_STOP_STRINGS:
-            raise InvalidRequest(f"at most {MAX_STOP_STRINGS} stop strings are allowed")
+        _validate_stops(request.stop, request.stop_token_ids)
         validate_sampling(request.sampling)
+
+
+def _validate_max_tokens(max_tokens: object) -> None:
+    if max_tokens is None:
+        return
+    if not _is_int(max_tokens):
+        raise InvalidRequest(f"max_tokens must be a whole number of tokens (got {max_tokens!r})")
+    if max_tokens < 1:
+        raise InvalidRequest(f"max_tokens must be at least 1 (got {max_tokens})")
+    if max_tokens > MAX_WIRE_INT:  # past int64 it could not even travel as a message
+        raise InvalidRequest(
+            f"max_tokens must be at most the model's context length (got {max_tokens}); "
+            "leave it out for the rest of the context"
+        )
+
+
+def _validate_stops(stop: tuple[object, ...], stop_token_ids: tuple[object, ...]) -> None:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequest(
+            f"stop: at most {MAX_STOP_STRINGS} stop strings are allowed (got {len(stop)}); "
+            "keep the ones that matter"
+        )
+    if any(not isinstance(s, str) or not s for s in stop):
+        raise InvalidRequest("stop strings must be non-empty strings; remove the empty one")
+    longest = max((len(s) for s in stop if isinstance(s, str)), default=0)
+    if longest > MAX_STOP_STRING_CHARS:
+        raise InvalidRequest(
+            f"stop strings must be at most {MAX_STOP_STRING_CHARS} characters "
+            f"(one has {longest}); shorten it"
+        )
+    if len(stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise InvalidRequest(
+            f"stop_token_ids: at most {MAX_STOP_TOKEN_IDS} are allowed (got {len(stop_token_ids)})"
+        )
+    if not all(_is_token_id(t) for t in stop_token_ids):
+        raise InvalidRequest("stop_token_ids must be token ids (integers 0 or more)")
 
 
 def validate_sampling(sampling: Sampling) -> None:
@@ -107,8 +154,11 @@ def validate_sampling(sampling: Sampling) -> None:
         raise InvalidRequest(
             f"top_logprobs={s.top_logprobs} needs logprobs=true; set logprobs or top_logprobs=0"
         )
-    if s.seed is not None and (isinstance(s.seed, bool) or not isinstance(s.seed, int)):
-        raise InvalidRequest(f"seed must be an integer or null (got {s.seed!r})")
+    if s.seed is not None and (not _is_int(s.seed) or not MIN_WIRE_INT <= s.seed <= MAX_WIRE_INT):
+        raise InvalidRequest(
+            f"seed must be an integer from -2**63 to 2**63 - 1, or null for a random one "
+            f"(got {s.seed!r})"
+        )
 
     if not isinstance(s.dry_sequence_breakers, tuple | list) or not all(
         isinstance(b, str) and b for b in s.dry_sequence_breakers

@@ -92,9 +92,10 @@ def _cancel_latency(budget_ms: float) -> float:
     """Virtual seconds from a cancel inside a long prefill to its ``Cancelled``."""
     spec = sim_spec(chunk=256, prefill_s_per_token=PER_TOKEN, prefill_chunk_ms=budget_ms)
     sim = make_sim(spec)
-    sim.send(_generate("warm", 1, tuple(range(300))))  # its chunks teach the engine the rate
+    # Its chunks teach the engine the rate (ids wrap into the simulated vocabulary of 257).
+    sim.send(_generate("warm", 1, tuple(t % 256 for t in range(300))))
     sim.run_until_quiescent()
-    sim.send(_generate("long", 2, tuple(range(1, 1001))))
+    sim.send(_generate("long", 2, tuple(t % 256 for t in range(1, 1001))))
     sim.advance(0.3)  # into the prefill, 0.044 s into a 256-token chunk of the fixed plan
     cancelled_at = sim.clock.now
     sim.send(Cancel(request_id="long", incarnation=2))

@@ -270,7 +270,7 @@ def test_a_budget_with_little_room_checkpoints_less_but_still_runs_the_request(
 def test_snapshot_bytes_are_reserved_with_the_sequence_and_evict_like_any_other() -> None:
     """A prompt's reservation holds its KV and room for its planned snapshots, so a full prefix
     cache gives way to the snapshots as it does to the KV (no snapshot asks on its own)."""
-    first = tuple(range(300, 330))
+    first = tuple(range(200, 230))
     need = END_STATE * BPT + FIXED + len(PLANNED) * FIXED  # one prompt's entry, points included
     # Room for one entry only, and 1/32 of it still affords the 4 snapshots of a prompt.
     budget = 70_000

@@ -147,6 +147,14 @@ class Admission:
             )
             self._ends.fail(seq, ctx, error)
             return
+        if max(seq.tokens) >= info.vocab_size:  # an embedding lookup past its table is garbage
+            outside = sorted({t for t in seq.tokens if t >= info.vocab_size})
+            error = InvalidRequest(
+                f"prompt_tokens names token ids outside the model's vocabulary of "
+                f"{info.vocab_size} (ids 0 to {info.vocab_size - 1}): {outside[:5]}; remove them"
+            )
+            self._ends.fail(seq, ctx, error)
+            return
         if seq.kind is RequestKind.GENERATE and seq.max_tokens == 0:  # "the rest of the context"
             room = info.context_length - len(seq.tokens)
             seq.max_tokens = max(1, min(room, self._limits.default_max_tokens))

@@ -63,6 +63,7 @@ def prepare_model(
         path = Path(spec.path).expanduser()
         if path.is_dir():
             _refuse_weights(spec, requested, "an mlx-lm model directory")
+            _require_tokenizer(path)
             return PreparedModel(path)
         if path.suffix.lower() != ".gguf":
             _refuse_weights(spec, requested, "a Hugging Face repo")
@@ -86,6 +87,19 @@ def prepared_spec(spec: ModelSpec, prepared: PreparedModel) -> ModelSpec:
     """
     options = {key: value for key, value in spec.options.items() if key != "weights"}
     return msgspec.structs.replace(spec, path=str(prepared.path), options=options)
+
+
+# The files a Hugging Face tokenizer takes its vocabulary from (fast, SentencePiece, BPE...).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "spiece.model", "vocab.json", "vocab.txt")
+
+
+def _require_tokenizer(path: Path) -> None:
+    # Checked here because transformers' own error for it names none of these files.
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        raise ModelLoadFailed(
+            f"the model directory {path} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            "copy the model's tokenizer files next to its weights"
+        )
 
 
 def _refuse_weights(spec: ModelSpec, weights: str | None, what: str) -> None:

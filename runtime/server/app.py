@@ -34,6 +34,7 @@ from runtime.server.errors import (
     error_for_cancelled,
     error_for_failed,
     error_for_runtime,
+    invalid,
     model_not_loaded,
 )
 from runtime.server.generation import GenerationResponse
@@ -46,11 +47,12 @@ _T = TypeVar("_T")
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     """What to serve. ``models`` load at start-up, in order; a larger body than
-    ``max_body_bytes`` is refused with 413."""
+    ``max_body_bytes`` is refused with 413 (the default holds a million-token prompt as JSON
+    token ids; a larger one could only fail the context check, after tokenizing it)."""
 
     models: tuple[ModelSpec, ...]
     runtime: RuntimeConfig = RuntimeConfig()
-    max_body_bytes: int = 32 << 20
+    max_body_bytes: int = 8 << 20
 
 
 class OpenAIServer:
@@ -210,18 +212,42 @@ class OpenAIServer:
         return GenerationResponse(stream, render, streaming=call.stream)
 
     async def _read_body(self, request: Request) -> bytes:
+        _refuse_non_json(request.headers.get("content-type"))
         limit = self.config.max_body_bytes
+        too_large = HttpError(
+            413,
+            f"the request body is over this server's limit of {limit} bytes; send a shorter "
+            "prompt (no model's context needs more)",
+            code="request_too_large",
+        )
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:  # refused before reading any of it
+            raise too_large
         body = bytearray()
         try:
             async for piece in request.stream():
                 body += piece
                 if len(body) > limit:
-                    message = f"the request body is over {limit} bytes; send a smaller one"
-                    raise HttpError(413, message, code="request_too_large")
+                    raise too_large
         except ClientDisconnect:
             # Nobody is left to read the answer; this only keeps the log free of a traceback.
             raise HttpError(400, "the client disconnected", code=None) from None
         return bytes(body)
+
+
+def _refuse_non_json(content_type: str | None) -> None:
+    """A body labelled as something else (a form post, say: curl's default) is refused by its
+    label, so the client hears what to fix rather than a JSON syntax error; an unlabelled body
+    is read as JSON."""
+    media_type = (content_type or "").partition(";")[0].strip().lower()
+    if not media_type or media_type == "application/json" or media_type.endswith("+json"):
+        return
+    raise HttpError(
+        415,
+        f"the request body is labelled {media_type}; send JSON with the header "
+        "Content-Type: application/json",
+        code="unsupported_media_type",
+    )
 
 
 def _decode(body: bytes, decoder: msgspec.json.Decoder[_T]) -> _T:
@@ -229,6 +255,10 @@ def _decode(body: bytes, decoder: msgspec.json.Decoder[_T]) -> _T:
         return decoder.decode(body)
     except msgspec.DecodeError as error:
         raise error_for_body(error) from None
+    except RecursionError:  # arrays nested thousands deep in a field typed Any (tools)
+        raise invalid(
+            None, "the request body nests too deeply; send a flatter JSON object"
+        ) from None
 
 
 def _json(body: object, status: int = 200) -> Response:

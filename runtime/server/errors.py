@@ -23,6 +23,7 @@ from runtime.errors import (
     InvalidRequest,
     KVBudgetExhausted,
     KVRequestTooLarge,
+    MalformedMessage,
     MlxRuntimeError,
     ModelAlreadyLoaded,
     ModelFailed,
@@ -55,6 +56,7 @@ STATUS_BY_CODE: dict[str, int] = {
     InvalidRequest.code: 400,
     ContextLengthExceeded.code: 400,
     InvalidModelSpec.code: 400,
+    MalformedMessage.code: 400,
     KVRequestTooLarge.code: 400,  # it can never fit: the client must ask for less
     ModelNotLoaded.code: 404,
     DuplicateRequestId.code: 409,

@@ -89,11 +89,15 @@ class MlxBackend:
         path = prepared.path
         if prepared.note:
             log.info("model %r: %s", spec.name, prepared.note)
+        # mlx-lm and transformers meet a damaged directory with many kinds of error (a config
+        # that is a list: TypeError; no model_type: KeyError); to the host each means the same.
         try:
             loaded = mlx_load(str(path), return_config=True)
             model, tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], loaded)
-        except (FileNotFoundError, ValueError, OSError) as exc:
-            raise ModelLoadFailed(f"could not load the model at {path}: {exc}") from exc
+        except Exception as exc:
+            raise ModelLoadFailed(
+                f"could not load the model at {path}: {type(exc).__name__}: {exc}"
+            ) from exc
         if mx.default_device() == mx.cpu and widen_half_quantized(model):
             log.info(
                 "model %r: quantized with half-precision scales; widened them (and the other "

@@ -12,6 +12,7 @@ import mlx.core as mx
 
 from runtime.backends.contract import ReuseStrategy
 from runtime.backends.mlx.state import TRIMMABLE_LAYERS
+from runtime.errors import ModelLoadFailed
 
 _DEFAULT_CONTEXT = 4096  # when a config declares no window at all
 
@@ -50,17 +51,28 @@ def effective_eos_ids(tokenizer: Any, path: Path, config: dict[str, Any]) -> fro
     """The tokenizer's EOS, plus generation_config.json's, plus the chat template's turn end.
 
     mlx-lm reads only config.json; a chat model that ends turns with another token would otherwise
-    run on past its answer.
+    run on past its answer. Raises ``ModelLoadFailed`` when generation_config.json is not JSON.
     """
     ids = {int(t) for t in tokenizer.eos_token_ids}
     ids.update(_as_ids(config.get("eos_token_id")))
     generation_config = path / "generation_config.json"
     if generation_config.is_file():
-        ids.update(_as_ids(json.loads(generation_config.read_text()).get("eos_token_id")))
+        ids.update(_as_ids(_json_object(generation_config).get("eos_token_id")))
     if getattr(tokenizer, "chat_template", None):
         vocab = tokenizer.get_vocab()
         ids.update(vocab[t] for t in _TURN_END_TOKENS if t in vocab)
     return frozenset(ids)
+
+
+def _json_object(path: Path) -> dict[str, Any]:
+    """A model file holding one JSON object; raises ``ModelLoadFailed`` naming the file."""
+    try:
+        found = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # UnicodeDecodeError is a ValueError
+        raise ModelLoadFailed(f"{path} is not readable JSON ({exc}); fix or delete it") from exc
+    if not isinstance(found, dict):
+        raise ModelLoadFailed(f"{path} must hold a JSON object; fix or delete it")
+    return found
 
 
 def _as_ids(value: object) -> set[int]:

@@ -123,16 +123,24 @@ def convert_gguf(
 
 
 def _read_stamp(target: Path, *, reused: bool) -> ConvertedModel:
-    stamp = json.loads((target / STAMP).read_text())
-    return ConvertedModel(
-        path=target,
-        architecture=stamp["architecture"],
-        weights=stamp["weights"],
-        source_types=stamp["source_types"],
-        kept_quantized=stamp["kept_quantized"],
-        requantized=stamp["requantized"],
-        reused=reused,
-    )
+    """Raises ``ModelLoadFailed`` when the stamp is not the one ``_build`` writes (edited by
+    hand, or the disk corrupted it)."""
+    try:
+        stamp = json.loads((target / STAMP).read_text())
+        return ConvertedModel(
+            path=target,
+            architecture=stamp["architecture"],
+            weights=stamp["weights"],
+            source_types=stamp["source_types"],
+            kept_quantized=stamp["kept_quantized"],
+            requantized=stamp["requantized"],
+            reused=reused,
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise ModelLoadFailed(
+            f"the converted copy at {target} is damaged ({STAMP}: {exc!r}); delete that "
+            "directory and load the model again to convert it anew"
+        ) from exc
 
 
 def read_metadata(source: Path) -> tuple[Any, dict[str, Any]]:
