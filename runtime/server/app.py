@@ -4,7 +4,7 @@
 configured models (the server accepts requests once they are loaded), and leaves it on shutdown,
 which cancels whatever still runs. Routes: ``GET /v1/models``, ``GET /v1/models/{model}``,
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/prewarm`` (the runtime's own),
-``GET /health``. See docs/http.md.
+``GET /health``, ``GET /metrics`` (Prometheus). See docs/http.md.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from runtime.server.errors import (
     model_not_loaded,
 )
 from runtime.server.generation import GenerationResponse
+from runtime.server.metrics import OTHER_MODEL, ServerMetrics
 from runtime.server.render import ChatRender, CompletionRender, Render
 from runtime.server.translate import RuntimeCall, chat_call, completion_call, prewarm_call
 
@@ -60,6 +61,9 @@ class OpenAIServer:
         self.config = config
         self._runtime: Runtime | None = None
         self._models: dict[str, wire.ModelCard] = {}
+        self.metrics = ServerMetrics(
+            lambda: None if self._runtime is None else self._runtime.stats()
+        )
         self.app = Starlette(
             routes=[
                 Route("/v1/models", self._list_models, methods=["GET"]),
@@ -68,6 +72,7 @@ class OpenAIServer:
                 Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
                 Route("/v1/prewarm", self._prewarm, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
             ],
             lifespan=self._lifespan,
             exception_handlers={HttpError: _on_http_error, HTTPException: _on_route_error},
@@ -91,6 +96,7 @@ class OpenAIServer:
                     loaded.context_length,
                     loaded.reuse_path,
                 )
+                self.metrics.declare_model(spec.name)
                 self._models[spec.name] = wire.ModelCard(
                     id=spec.name, created=int(time.time()), context_length=loaded.context_length
                 )
@@ -117,6 +123,9 @@ class OpenAIServer:
         if self._runtime is None:
             raise error_for_runtime(RuntimeClosed("the server is starting or stopping"))
         return _json({"status": "ok"})
+
+    async def _metrics(self, _request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type=self.metrics.content_type)
 
     async def _completions(self, request: Request) -> Response:
         body = await self._read_body(request)
@@ -157,9 +166,12 @@ class OpenAIServer:
                 anonymous=call.session is None,  # as for a generate (_generation)
             )
         except ModelNotLoaded:
+            self.metrics.prewarms.labels(self._model_label(call.model), "rejected").inc()
             raise model_not_loaded(call.model) from None
         except MlxRuntimeError as error:
+            self.metrics.prewarms.labels(self._model_label(call.model), "rejected").inc()
             raise error_for_runtime(error) from error
+        self.metrics.prewarms.labels(self._model_label(call.model), _prewarm_outcome(ended)).inc()
         match ended:
             case Finished(reason=FinishReason.ADOPTED):
                 status: Literal["prewarmed", "adopted", "superseded"] = "adopted"
@@ -207,7 +219,12 @@ class OpenAIServer:
             )
         except MlxRuntimeError as error:
             raise error_for_runtime(error) from error
-        return GenerationResponse(stream, render, streaming=call.stream)
+        timer = self.metrics.stream_timer(self._model_label(call.model))
+        return GenerationResponse(stream, render, streaming=call.stream, timer=timer)
+
+    def _model_label(self, model: str) -> str:
+        # Clients name the model: an unknown name must not mint a new time series per request.
+        return model if model in self._models else OTHER_MODEL
 
     async def _read_body(self, request: Request) -> bytes:
         limit = self.config.max_body_bytes
@@ -222,6 +239,20 @@ class OpenAIServer:
             # Nobody is left to read the answer; this only keeps the log free of a traceback.
             raise HttpError(400, "the client disconnected", code=None) from None
         return bytes(body)
+
+
+def _prewarm_outcome(ended: Finished | Cancelled | Failed) -> str:
+    match ended:
+        case Finished(reason=FinishReason.ADOPTED):
+            return "adopted"
+        case Finished():
+            return "prewarmed"
+        case Cancelled(reason="superseded"):
+            return "superseded"
+        case Cancelled():
+            return "cancelled"
+        case Failed():
+            return "failed"
 
 
 def _decode(body: bytes, decoder: msgspec.json.Decoder[_T]) -> _T:
