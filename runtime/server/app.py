@@ -195,6 +195,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ plumbing
 
     def _generation(self, call: RuntimeCall, render: Render) -> Response:
+        timer = self.metrics.stream_timer(self._model_label(call.model))
         try:
             stream = self.runtime.generate(
                 call.model,
@@ -218,8 +219,8 @@ class OpenAIServer:
                 stall_timeout_s=call.stall_timeout_s,
             )
         except MlxRuntimeError as error:
+            timer.ended("rejected")
             raise error_for_runtime(error) from error
-        timer = self.metrics.stream_timer(self._model_label(call.model))
         return GenerationResponse(stream, render, streaming=call.stream, timer=timer)
 
     def _model_label(self, model: str) -> str:
