@@ -17,8 +17,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.config import RuntimeConfig
 from runtime.kernel.core import engine_address
-from runtime.messages import ModelSpec, Stats
+from runtime.messages import ModelSpec, Stats, TokensEmitted, Usage
 from runtime.server import OpenAIServer, ServerConfig
+from runtime.server.metrics import ServerMetrics
 from runtime.server.stats_collector import EngineTotals
 from runtime.testing.harness import ModelOption, sim_spec, wait_until
 
@@ -187,3 +188,33 @@ async def test_metrics_before_start_up_show_the_server_side_only() -> None:
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         metrics = await scrape(client)
     assert "mlxrt_requests" in metrics.types and "mlxrt_kv_budget_bytes" not in metrics.types
+
+
+def test_a_stream_timer_splits_a_gap_over_the_tokens_it_brought() -> None:
+    now = [10.0]
+    metrics = ServerMetrics(lambda: None, clock=lambda: now[0])
+    timer = metrics.stream_timer("m")
+
+    def emitted(*token_ids: int) -> TokensEmitted:
+        return TokensEmitted(request_id="r", incarnation=1, token_ids=token_ids, text="")
+
+    now[0] = 12.0
+    timer.tokens_emitted(emitted(1, 2))  # the first token after 2 s, another with it
+    now[0] = 13.0
+    timer.tokens_emitted(emitted(3, 4))  # two tokens after 1 s: 0.5 s each
+    timer.ended("finished", Usage(prompt_tokens=5, cached_prompt_tokens=3, completion_tokens=4))
+    timer.ended("cancelled")  # a stream counts once
+
+    scraped = Scrape(metrics.exposition().decode())
+    assert scraped.value("mlxrt_time_to_first_token_seconds_count", model="m") == 1
+    assert scraped.value("mlxrt_time_to_first_token_seconds_sum", model="m") == 2.0
+    assert scraped.value("mlxrt_inter_token_latency_seconds_count", model="m") == 3
+    assert scraped.value("mlxrt_inter_token_latency_seconds_sum", model="m") == 1.0
+    assert scraped.value("mlxrt_inter_token_latency_seconds_bucket", model="m", le="0.5") == 3
+    assert scraped.value("mlxrt_requests_total", model="m", outcome="finished") == 1
+    assert ("mlxrt_requests_total", (("model", "m"), ("outcome", "cancelled"))) not in (
+        scraped.samples
+    )
+    assert scraped.value("mlxrt_prompt_tokens_total", model="m") == 5
+    assert scraped.value("mlxrt_cached_prompt_tokens_total", model="m") == 3
+    assert scraped.value("mlxrt_completion_tokens_total", model="m") == 4

@@ -166,12 +166,12 @@ class OpenAIServer:
                 anonymous=call.session is None,  # as for a generate (_generation)
             )
         except ModelNotLoaded:
-            self.metrics.prewarms.labels(self._model_label(call.model), "rejected").inc()
+            self.metrics.prewarm_ended(self._model_label(call.model), None)
             raise model_not_loaded(call.model) from None
         except MlxRuntimeError as error:
-            self.metrics.prewarms.labels(self._model_label(call.model), "rejected").inc()
+            self.metrics.prewarm_ended(self._model_label(call.model), None)
             raise error_for_runtime(error) from error
-        self.metrics.prewarms.labels(self._model_label(call.model), _prewarm_outcome(ended)).inc()
+        self.metrics.prewarm_ended(self._model_label(call.model), ended)
         match ended:
             case Finished(reason=FinishReason.ADOPTED):
                 status: Literal["prewarmed", "adopted", "superseded"] = "adopted"
@@ -240,20 +240,6 @@ class OpenAIServer:
             # Nobody is left to read the answer; this only keeps the log free of a traceback.
             raise HttpError(400, "the client disconnected", code=None) from None
         return bytes(body)
-
-
-def _prewarm_outcome(ended: Finished | Cancelled | Failed) -> str:
-    match ended:
-        case Finished(reason=FinishReason.ADOPTED):
-            return "adopted"
-        case Finished():
-            return "prewarmed"
-        case Cancelled(reason="superseded"):
-            return "superseded"
-        case Cancelled():
-            return "cancelled"
-        case Failed():
-            return "failed"
 
 
 def _decode(body: bytes, decoder: msgspec.json.Decoder[_T]) -> _T:

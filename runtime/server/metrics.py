@@ -15,7 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram,
 from prometheus_client import Counter as PromCounter
 
 from runtime.api import RuntimeStats
-from runtime.messages import TokensEmitted, Usage
+from runtime.messages import Cancelled, Failed, Finished, FinishReason, TokensEmitted, Usage
 from runtime.server.stats_collector import RuntimeCollector
 
 Clock = Callable[[], float]
@@ -96,6 +96,10 @@ class ServerMetrics:
         """The whole registry in the text format (reads the runtime's stats now)."""
         return generate_latest(self.registry)
 
+    def prewarm_ended(self, model: str, ended: Finished | Cancelled | Failed | None) -> None:
+        """Count one prewarm of ``model`` by how it ended (None: the runtime refused it)."""
+        self.prewarms.labels(model, _prewarm_outcome(ended)).inc()
+
     def stream_timer(self, model: str) -> StreamTimer:
         """A timer for one generation stream of ``model``, started now."""
         return StreamTimer(self, model)
@@ -118,13 +122,15 @@ class StreamTimer:
         count = len(event.token_ids)
         if count == 0:
             return
+        inter_token = self._metrics.inter_token_latency.labels(self._model)
         if not self._tokens_seen:
             self._tokens_seen = True
             self._metrics.time_to_first_token.labels(self._model).observe(gap)
-            count -= 1  # tokens delivered with the first one have no gap of their own
-            gap = 0.0
+            for _ in range(count - 1):  # they came with the first token: no wait of their own
+                inter_token.observe(0.0)
+            return
         for _ in range(count):
-            self._metrics.inter_token_latency.labels(self._model).observe(gap / count)
+            inter_token.observe(gap / count)
 
     def ended(self, outcome: str, usage: Usage | None = None) -> None:
         """Count the stream once, by the first outcome reported, and its ``usage`` if it has one
@@ -137,3 +143,19 @@ class StreamTimer:
             self._metrics.prompt_tokens.labels(self._model).inc(usage.prompt_tokens)
             self._metrics.cached_prompt_tokens.labels(self._model).inc(usage.cached_prompt_tokens)
             self._metrics.completion_tokens.labels(self._model).inc(usage.completion_tokens)
+
+
+def _prewarm_outcome(ended: Finished | Cancelled | Failed | None) -> str:
+    match ended:
+        case None:
+            return "rejected"
+        case Finished(reason=FinishReason.ADOPTED):
+            return "adopted"
+        case Finished():
+            return "prewarmed"
+        case Cancelled(reason="superseded"):
+            return "superseded"
+        case Cancelled():
+            return "cancelled"
+        case Failed():
+            return "failed"
