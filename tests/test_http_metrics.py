@@ -138,6 +138,7 @@ async def test_requests_tokens_reuse_and_kv_are_exposed_in_prometheus_format() -
     assert metrics.value("mlxrt_prefilled_tokens_total", model="m") == engine["prefilled_tokens"]
     assert metrics.value("mlxrt_decoded_tokens_total", model="m") == engine["decoded_tokens"]
     assert metrics.value("mlxrt_prefix_reuse_total", model="m", path="exact") == 1
+    assert metrics.value("mlxrt_prefix_reuse_total", model="m", path="trim") == 0
     assert metrics.value("mlxrt_prefix_reuse_total", model="m", path="miss") == engine["path_miss"]
     assert metrics.value("mlxrt_aborts_total", model="m") == 2
     assert metrics.value("mlxrt_kv_budget_bytes") == BUDGET

@@ -15,29 +15,25 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from runtime.api import RuntimeStats
-from runtime.messages import Stats
+from runtime.messages import ReusePath, Stats
 
 ENGINE_PREFIX = "engine:"
 EngineStats = tuple[str, Stats]  # an engine's model, and its stats
-# Engine counters shown per model: (metric name without mlxrt_/_total, help, counter names summed).
-_ENGINE_COUNTERS: tuple[tuple[str, str, tuple[str, ...]], ...] = (
+# Engine counters shown per model: (metric name without mlxrt_ and _total, help, engine counter).
+_ENGINE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     (
         "prefilled_tokens",
         "Prompt tokens the engine prefilled (requests and prewarms; cached ones are not).",
-        ("prefilled_tokens",),
+        "prefilled_tokens",
     ),
     (
         "reused_prompt_tokens",
         "Prompt tokens taken from the prefix cache instead of prefilled (requests and prewarms).",
-        ("cached_prompt_tokens",),
+        "cached_prompt_tokens",
     ),
-    ("decoded_tokens", "Tokens the engine fed through decode steps.", ("decoded_tokens",)),
-    ("aborts", "Sequences the engine aborted (cancelled, superseded, expired).", ("cancelled",)),
-    (
-        "admission_waits",
-        "Admissions that waited for a KV reservation.",
-        ("admission_waits",),
-    ),
+    ("decoded_tokens", "Tokens the engine fed through decode steps.", "decoded_tokens"),
+    ("aborts", "Sequences the engine cancelled (superseded, disconnected, ...).", "cancelled"),
+    ("admission_waits", "Admissions that waited for a KV reservation.", "admission_waits"),
 )
 
 
@@ -74,7 +70,11 @@ class EngineTotals:
 
 
 class RuntimeCollector(Collector):
-    """Families made from ``read_stats()`` at each scrape; nothing while it returns None."""
+    """Families made from ``read_stats()`` at each scrape; nothing while it returns None.
+
+    Scrape on the event loop (the ``/metrics`` route does): ``Runtime.stats()`` reads the actors'
+    state between messages, which another thread cannot do safely.
+    """
 
     def __init__(self, read_stats: Callable[[], RuntimeStats | None]) -> None:
         self._read_stats = read_stats
@@ -99,10 +99,10 @@ class RuntimeCollector(Collector):
 def _engine_families(
     totals: dict[str, Counter[str]], live: dict[str, EngineStats]
 ) -> Iterator[Metric]:
-    for name, documentation, summed in _ENGINE_COUNTERS:
+    for name, documentation, counter in _ENGINE_COUNTERS:
         family = CounterMetricFamily(f"mlxrt_{name}", documentation, labels=["model"])
         for model, counts in sorted(totals.items()):
-            family.add_metric([model], sum(counts[c] for c in summed))
+            family.add_metric([model], counts[counter])
         yield family
     reuse = CounterMetricFamily(
         "mlxrt_prefix_reuse",
@@ -110,9 +110,8 @@ def _engine_families(
         labels=["model", "path"],
     )
     for model, counts in sorted(totals.items()):
-        for counter, value in sorted(counts.items()):
-            if counter.startswith("path_"):
-                reuse.add_metric([model, counter.removeprefix("path_")], value)
+        for path in ReusePath:  # every path, at zero until taken: a rate needs a first sample
+            reuse.add_metric([model, path.value], counts[f"path_{path}"])
     yield reuse
     batch = GaugeMetricFamily(
         "mlxrt_batch_size", "Sequences in the model's decode batch now.", labels=["model"]
