@@ -3,7 +3,9 @@
 Modules, one job each: ``app`` (routes, lifespan), ``schema`` (wire format), ``translate``
 (request bodies → ``generate`` arguments), ``render`` (events → bodies and chunks),
 ``generation`` (one request's response: JSON or SSE, cancelled on disconnect), ``errors``
-(runtime codes → HTTP statuses and OpenAI error bodies).
+(runtime codes → HTTP statuses and OpenAI error bodies), ``metrics`` (``GET /metrics``: the
+registry, and what the HTTP layer observes), ``stats_collector`` (``Runtime.stats()`` as
+Prometheus metric families at scrape time).
 """
 
 from runtime.server.app import OpenAIServer, ServerConfig

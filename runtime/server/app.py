@@ -4,7 +4,7 @@
 configured models (the server accepts requests once they are loaded), and leaves it on shutdown,
 which cancels whatever still runs. Routes: ``GET /v1/models``, ``GET /v1/models/{model}``,
 ``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/prewarm`` (the runtime's own),
-``GET /health``. See docs/http.md.
+``GET /health``, ``GET /metrics`` (Prometheus). See docs/http.md.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from runtime.server.errors import (
     model_not_loaded,
 )
 from runtime.server.generation import GenerationResponse
+from runtime.server.metrics import OTHER_MODEL, ServerMetrics
 from runtime.server.render import ChatRender, CompletionRender, Render
 from runtime.server.translate import RuntimeCall, chat_call, completion_call, prewarm_call
 
@@ -62,6 +63,9 @@ class OpenAIServer:
         self.config = config
         self._runtime: Runtime | None = None
         self._models: dict[str, wire.ModelCard] = {}
+        self.metrics = ServerMetrics(
+            lambda: None if self._runtime is None else self._runtime.stats()
+        )
         self.app = Starlette(
             routes=[
                 Route("/v1/models", self._list_models, methods=["GET"]),
@@ -70,6 +74,7 @@ class OpenAIServer:
                 Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
                 Route("/v1/prewarm", self._prewarm, methods=["POST"]),
                 Route("/health", self._health, methods=["GET"]),
+                Route("/metrics", self._metrics, methods=["GET"]),
             ],
             lifespan=self._lifespan,
             exception_handlers={HttpError: _on_http_error, HTTPException: _on_route_error},
@@ -93,6 +98,7 @@ class OpenAIServer:
                     loaded.context_length,
                     loaded.reuse_path,
                 )
+                self.metrics.declare_model(spec.name)
                 self._models[spec.name] = wire.ModelCard(
                     id=spec.name, created=int(time.time()), context_length=loaded.context_length
                 )
@@ -119,6 +125,9 @@ class OpenAIServer:
         if self._runtime is None:
             raise error_for_runtime(RuntimeClosed("the server is starting or stopping"))
         return _json({"status": "ok"})
+
+    async def _metrics(self, _request: Request) -> Response:
+        return Response(self.metrics.exposition(), media_type=self.metrics.content_type)
 
     async def _completions(self, request: Request) -> Response:
         body = await self._read_body(request)
@@ -159,9 +168,12 @@ class OpenAIServer:
                 anonymous=call.session is None,  # as for a generate (_generation)
             )
         except ModelNotLoaded:
+            self.metrics.prewarm_ended(self._model_label(call.model), None)
             raise model_not_loaded(call.model) from None
         except MlxRuntimeError as error:
+            self.metrics.prewarm_ended(self._model_label(call.model), None)
             raise error_for_runtime(error) from error
+        self.metrics.prewarm_ended(self._model_label(call.model), ended)
         match ended:
             case Finished(reason=FinishReason.ADOPTED):
                 status: Literal["prewarmed", "adopted", "superseded"] = "adopted"
@@ -185,6 +197,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ plumbing
 
     def _generation(self, call: RuntimeCall, render: Render) -> Response:
+        timer = self.metrics.stream_timer(self._model_label(call.model))
         try:
             stream = self.runtime.generate(
                 call.model,
@@ -208,8 +221,13 @@ class OpenAIServer:
                 stall_timeout_s=call.stall_timeout_s,
             )
         except MlxRuntimeError as error:
+            timer.ended("rejected")
             raise error_for_runtime(error) from error
-        return GenerationResponse(stream, render, streaming=call.stream)
+        return GenerationResponse(stream, render, streaming=call.stream, timer=timer)
+
+    def _model_label(self, model: str) -> str:
+        # Clients name the model: an unknown name must not mint a new time series per request.
+        return model if model in self._models else OTHER_MODEL
 
     async def _read_body(self, request: Request) -> bytes:
         _refuse_non_json(request.headers.get("content-type"))

@@ -24,7 +24,15 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from runtime.errors import MlxRuntimeError, ModelNotLoaded, RuntimeClosed
-from runtime.messages import Cancelled, Failed, Finished, Rejected, Started, TokensEmitted
+from runtime.messages import (
+    Cancelled,
+    Failed,
+    Finished,
+    Rejected,
+    Started,
+    TokensEmitted,
+    Usage,
+)
 from runtime.server.errors import (
     HttpError,
     error_for_cancelled,
@@ -33,6 +41,7 @@ from runtime.server.errors import (
     error_for_runtime,
     model_not_loaded,
 )
+from runtime.server.metrics import StreamTimer
 from runtime.server.render import Render
 from runtime.server.schema import Chunk, encoder
 from runtime.streams import GenerationStream
@@ -49,13 +58,21 @@ class GenerationResponse(Response):
     A Starlette ``Response`` only so endpoints can return it; it writes its own messages.
     """
 
-    def __init__(self, stream: GenerationStream, render: Render, *, streaming: bool) -> None:
+    def __init__(
+        self,
+        stream: GenerationStream,
+        render: Render,
+        *,
+        streaming: bool,
+        timer: StreamTimer | None = None,
+    ) -> None:
         self.status_code = 200
         self.background = None
         self._stream = stream
         self._render = render
         self._streaming = streaming
         self._headers_sent = False
+        self._timer = timer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         async with anyio.create_task_group() as task_group:
@@ -64,13 +81,14 @@ class GenerationResponse(Response):
                 await self._answer(send)
             except anyio.get_cancelled_exc_class():
                 log.debug("client went away: request %s cancelled", self._stream.request_id)
+                self._record_outcome("disconnected")
                 raise
             task_group.cancel_scope.cancel()
 
     async def _answer(self, send: Send) -> None:
         try:
             async with self._stream as stream:
-                first = await _next_output(stream)
+                first = await self._next_output(stream)
                 if not isinstance(first, TokensEmitted | Finished):
                     await self._send_error(send, self._error_for(first))
                 elif self._streaming:
@@ -78,9 +96,29 @@ class GenerationResponse(Response):
                 else:
                     await self._send_whole(send, stream, first)
         except ModelNotLoaded:
+            self._record_outcome("rejected")
             await self._send_error(send, model_not_loaded(self._render.model))
         except MlxRuntimeError as error:  # rejected otherwise, or the runtime is closing
+            self._record_outcome("rejected")
             await self._send_error(send, error_for_runtime(error))
+
+    async def _next_output(self, stream: GenerationStream) -> Output:
+        """The next text or terminal event, observed by the timer (metrics) on its way."""
+        output = await _next_output(stream)
+        if isinstance(output, TokensEmitted):
+            if self._timer is not None:
+                self._timer.tokens_emitted(output)
+        elif output is None:  # the runtime closed before a terminal came
+            self._record_outcome("failed")
+        elif isinstance(output, Rejected):
+            self._record_outcome("rejected")
+        else:
+            self._record_outcome(type(output).__name__.lower(), output.usage)
+        return output
+
+    def _record_outcome(self, outcome: str, usage: Usage | None = None) -> None:
+        if self._timer is not None:
+            self._timer.ended(outcome, usage)
 
     async def _send_whole(
         self, send: Send, stream: GenerationStream, first: TokensEmitted | Finished
@@ -89,7 +127,7 @@ class GenerationResponse(Response):
         output: Output = first
         while isinstance(output, TokensEmitted):
             emitted.append(output)
-            output = await _next_output(stream)
+            output = await self._next_output(stream)
         if isinstance(output, Finished):
             await self._send_json(send, 200, self._render.whole(emitted, output))
         else:
@@ -105,7 +143,7 @@ class GenerationResponse(Response):
         while isinstance(output, TokensEmitted):
             await _send_chunks(send, [*pending, self._render.chunk(output)])
             pending = []
-            output = await _next_output(stream)
+            output = await self._next_output(stream)
         if isinstance(output, Finished):
             await _send_chunks(send, [*pending, *self._render.closing(output)], last=DONE)
         else:
