@@ -205,12 +205,12 @@ class ChatTerminal:
         settings: ChatSettings,
         *,
         read_line: Callable[[str], str] = input,
-        out: TextIO = sys.stdout,
+        out: TextIO | None = None,
     ) -> None:
         self._portal, self._rt, self._model = portal, rt, model
         self._context_length = context_length
         self._settings = settings
-        self._read_line, self._out = read_line, out
+        self._read_line, self._out = read_line, out or sys.stdout
         self.conversation = Conversation(system=settings.system)
 
     def run(self) -> None:
@@ -307,7 +307,7 @@ def run_chat(
     settings: ChatSettings,
     *,
     read_line: Callable[[str], str] = input,
-    out: TextIO = sys.stdout,
+    out: TextIO | None = None,
 ) -> None:
     """Load ``spec`` (already prepared: fetched and converted) and chat until the user leaves."""
     with contextlib.suppress(ImportError):  # readline: input() gets line editing and history
