@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from runtime.backends.model_store import DEFAULT_MODEL
 from runtime.testing.tiny_models import tiny_model_path
 
 pytestmark = pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")
@@ -142,3 +143,21 @@ def test_ctrl_c_or_ctrl_d_at_the_prompt_ends_the_chat(terminal: Terminal, key: s
     start_chat(terminal, "--backend", "simulated", "--model", "sim")
     terminal.type(key)
     terminal.wait_for(f"the chat ended by {key}", lambda screen: f"{EXITED} 0" in screen)
+
+
+@pytest.mark.real_model
+def test_a_chat_on_the_default_model_in_a_real_terminal(
+    terminal: Terminal, real_gguf: Callable[[str], Path]
+) -> None:
+    real_gguf(DEFAULT_MODEL)  # fetched (or skipped) as every real-model test does
+    start_chat(terminal, "--max-tokens", "48")  # no --model: the default model
+    terminal.type("What is the capital of France?", "Enter")
+    screen = terminal.wait_for_prompt(1)
+    assert "Paris" in text_after(screen, "What is the capital of France?")
+    [(_, first_prompt)] = cached(screen)
+    terminal.type("And of Germany?", "Enter")
+    screen = terminal.wait_for_prompt(2)
+    assert "Berlin" in text_after(screen, "And of Germany?")
+    assert cached(screen)[1][0] > first_prompt, "turn 2 reused turn 1 and its reply"
+    terminal.type("/exit", "Enter")
+    terminal.wait_for("the chat ended", lambda screen: f"{EXITED} 0" in screen)
