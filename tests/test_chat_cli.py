@@ -153,3 +153,12 @@ def test_mlxrt_chat_refuses_bad_arguments_before_loading(
             main(["chat", *argv])
         assert exited.value.code == 2
     assert "NAME=PATH" in capsys.readouterr().err
+
+
+def test_the_help_shows_the_commands_and_examples(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["chat", "--help"])
+    assert exited.value.code == 0
+    text = capsys.readouterr().out
+    for shown in ("Ctrl-C during a reply", "/reset", "/system TEXT", "/exit", "examples:"):
+        assert shown in text
