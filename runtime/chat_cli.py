@@ -11,6 +11,7 @@ turn, as the user read it. A reply cancelled before any text drops the turn, que
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -23,6 +24,7 @@ import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from runtime.api import Runtime
+from runtime.errors import MlxRuntimeError
 from runtime.messages import (
     Cancelled,
     ChatMessage,
@@ -36,6 +38,7 @@ from runtime.messages import (
 )
 
 PROMPT = "> "
+_HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
 HELP = "commands: /reset (new conversation), /system TEXT (set instructions), /exit"
 
 
@@ -148,6 +151,7 @@ class Reply:
     text: str
     started: Started | None
     terminal: Finished | Cancelled | Failed | None
+    refused: MlxRuntimeError | None = None  # the runtime refused it (the model restarting, say)
 
 
 async def stream_reply(
@@ -164,6 +168,7 @@ async def stream_reply(
     parts: list[str] = []
     started: Started | None = None
     terminal: Finished | Cancelled | Failed | None = None
+    refused: MlxRuntimeError | None = None
 
     async def cancel_when_interrupted(scope: anyio.CancelScope) -> None:
         await interrupted.wait()
@@ -171,26 +176,30 @@ async def stream_reply(
 
     async with anyio.create_task_group() as tg:
         tg.start_soon(cancel_when_interrupted, tg.cancel_scope)
-        async with rt.generate(
-            model,
-            messages=conversation.messages(),
-            # The window drops the oldest turns rather than fail once the chat outgrows the context.
-            chat=ChatOptions(history_budget_tokens=context_length),
-            max_tokens=settings.max_tokens,
-            sampling=Sampling(temperature=settings.temperature),
-            session=conversation.session,
-        ) as stream:
-            async for event in stream:
-                match event:
-                    case Started():
-                        started = event
-                    case TokensEmitted(text=text):
-                        parts.append(text)
-                        write(text)
-                    case Finished() | Cancelled() | Failed():
-                        terminal = event
+        try:
+            async with rt.generate(
+                model,
+                messages=conversation.messages(),
+                # The window drops the oldest turns rather than fail once the chat outgrows
+                # the context.
+                chat=ChatOptions(history_budget_tokens=context_length),
+                max_tokens=settings.max_tokens,
+                sampling=Sampling(temperature=settings.temperature),
+                session=conversation.session,
+            ) as stream:
+                async for event in stream:
+                    match event:
+                        case Started():
+                            started = event
+                        case TokensEmitted(text=text):
+                            parts.append(text)
+                            write(text)
+                        case Finished() | Cancelled() | Failed():
+                            terminal = event
+        except MlxRuntimeError as error:  # a Rejected, raised by the stream
+            refused = error
         tg.cancel_scope.cancel()
-    return Reply("".join(parts), started, terminal)
+    return Reply("".join(parts), started, terminal, refused)
 
 
 class ChatTerminal:
@@ -254,6 +263,10 @@ class ChatTerminal:
         )
         reply = self._wait(future, interrupted)
         self._write("\n")
+        if reply.refused is not None:
+            self.conversation.withdraw_question()
+            self._say(f"(refused: {reply.refused.code}: {reply.refused.message})")
+            return
         if reply.terminal is not None and reply.started is not None:
             self.conversation.drop_oldest_turns(reply.started.dropped_turns)
         match reply.terminal:
@@ -295,7 +308,7 @@ def running_runtime(spec: ModelSpec) -> Iterator[tuple[BlockingPortal, Runtime, 
     """A ``Runtime`` with ``spec`` loaded, on an event loop in a background thread: the portal,
     the runtime and the model's context length."""
     with (
-        start_blocking_portal(backend_options={"use_uvloop": True}) as portal,
+        start_blocking_portal(backend_options={"use_uvloop": _HAVE_UVLOOP}) as portal,
         portal.wrap_async_context_manager(Runtime()) as rt,
     ):
         loaded = portal.call(rt.load_model, spec)

@@ -8,10 +8,13 @@ import re
 from collections.abc import Iterator
 
 import pytest
+from anyio.from_thread import start_blocking_portal
 
+from runtime.api import Runtime
 from runtime.backends.model_store import DEFAULT_MODEL
 from runtime.chat_cli import (
     ChatSettings,
+    ChatTerminal,
     Conversation,
     Exit,
     Reset,
@@ -120,6 +123,18 @@ def test_a_failed_reply_is_reported_and_its_question_forgotten() -> None:
     _, read_line = scripted("a question far too long for sixteen tokens of context", "hi")
     run_chat(tiny_context, ChatSettings(max_tokens=8), read_line=read_line, out=out)
     assert "(failed: context_length_exceeded" in out.getvalue()
+
+
+def test_a_refused_reply_is_reported_and_the_chat_goes_on() -> None:
+    out = io.StringIO()
+    prompts, read_line = scripted("hello", "hello again")
+    with (
+        start_blocking_portal() as portal,
+        portal.wrap_async_context_manager(Runtime()) as rt,
+    ):  # no model loaded: every request is refused
+        ChatTerminal(portal, rt, "absent", 4096, ChatSettings(), read_line=read_line, out=out).run()
+    assert out.getvalue().count("(refused: model_not_loaded") == 2
+    assert len(prompts) == 3
 
 
 def test_the_model_argument_is_a_path_a_name_and_path_a_known_model_or_the_default() -> None:
