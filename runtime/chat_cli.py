@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import signal
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -293,7 +294,9 @@ class ChatTerminal:
                 self._portal.call(interrupted.set)
 
     def _end_session(self) -> None:
-        self._portal.call(self._rt.end_session, self._model, self.conversation.session)
+        # Only unpins the old instructions: a model that is gone has nothing left to unpin.
+        with contextlib.suppress(MlxRuntimeError):
+            self._portal.call(self._rt.end_session, self._model, self.conversation.session)
 
     def _write(self, text: str) -> None:
         self._out.write(text)
@@ -307,12 +310,28 @@ class ChatTerminal:
 def running_runtime(spec: ModelSpec) -> Iterator[tuple[BlockingPortal, Runtime, int]]:
     """A ``Runtime`` with ``spec`` loaded, on an event loop in a background thread: the portal,
     the runtime and the model's context length."""
-    with (
-        start_blocking_portal(backend_options={"use_uvloop": _HAVE_UVLOOP}) as portal,
-        portal.wrap_async_context_manager(Runtime()) as rt,
-    ):
+    with contextlib.ExitStack() as stack:
+        with _sigint_blocked():  # the loop's thread, and every thread it starts, inherit the mask
+            portal = stack.enter_context(
+                start_blocking_portal(backend_options={"use_uvloop": _HAVE_UVLOOP})
+            )
+        rt = stack.enter_context(portal.wrap_async_context_manager(Runtime()))
         loaded = portal.call(rt.load_model, spec)
         yield portal, rt, loaded.context_length
+
+
+@contextmanager
+def _sigint_blocked() -> Iterator[None]:
+    """SIGINT blocked in this thread meanwhile: threads started meanwhile keep it blocked, so
+    Ctrl-C always reaches the main thread (some systems deliver it to any thread)."""
+    if not hasattr(signal, "pthread_sigmask"):  # Windows: Ctrl-C goes to the main thread anyway
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def run_chat(

@@ -17,6 +17,7 @@ from runtime.chat_cli import (
     ChatTerminal,
     Conversation,
     Exit,
+    Reply,
     Reset,
     Say,
     SetSystem,
@@ -135,6 +136,27 @@ def test_a_refused_reply_is_reported_and_the_chat_goes_on() -> None:
         ChatTerminal(portal, rt, "absent", 4096, ChatSettings(), read_line=read_line, out=out).run()
     assert out.getvalue().count("(refused: model_not_loaded") == 2
     assert len(prompts) == 3
+
+
+@pytest.mark.parametrize(
+    ("shown", "kept"),
+    [("partial rep", ["hello", "partial rep"]), ("", [])],
+    ids=["text-shown", "nothing-shown"],
+)
+def test_a_cancelled_reply_keeps_what_was_shown_or_drops_the_turn(
+    monkeypatch: pytest.MonkeyPatch, shown: str, kept: list[str]
+) -> None:
+    async def interrupted_reply(*_: object) -> Reply:
+        return Reply(shown, None, None)  # what stream_reply returns after Ctrl-C
+
+    monkeypatch.setattr("runtime.chat_cli.stream_reply", interrupted_reply)
+    out = io.StringIO()
+    _, read_line = scripted("hello")
+    with start_blocking_portal() as portal, portal.wrap_async_context_manager(Runtime()) as rt:
+        terminal = ChatTerminal(portal, rt, "m", 4096, ChatSettings(), read_line=read_line, out=out)
+        terminal.run()
+    assert [m.content for m in terminal.conversation.turns] == kept
+    assert "(cancelled)" in out.getvalue()
 
 
 def test_the_model_argument_is_a_path_a_name_and_path_a_known_model_or_the_default() -> None:
