@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -81,7 +82,8 @@ def text_after(screen: str, typed: str) -> str:
 
 @pytest.fixture
 def terminal() -> Iterator[Terminal]:
-    term = Terminal(f"mlxrt-chat-test-{os.getpid()}")
+    # A socket of its own per test: a server just killed may still hold the last one's name.
+    term = Terminal(f"mlxrt-chat-test-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         yield term
     finally:
