@@ -148,15 +148,16 @@ class SoakReport:
         return sum((self.tasks_quiescent - self.tasks_loaded).values())
 
     def tally(self) -> Counter[str]:
-        """Requests by how they ended (``Finished:length``, ``rejected``...)."""
-        counts: Counter[str] = Counter()
-        for o in self.outcomes:
-            counts[
-                "rejected"
-                if o.rejected
-                else f"{o.terminals[-1] if o.terminals else 'none'}:{o.finish_reason}"
-            ] += 1
-        return counts
+        """Requests by how they ended (``Finished:length``, ``rejected``, ``left``: the client
+        left before its terminal, which the stream then took)."""
+        return Counter(
+            "rejected"
+            if o.rejected
+            else f"{o.terminals[-1]}:{o.finish_reason}"
+            if o.terminals
+            else "left"
+            for o in self.outcomes
+        )
 
 
 def expected_text(prompt: str, max_tokens: int) -> str:
