@@ -16,7 +16,8 @@ import time
 import anyio
 
 from runtime.testing.http_soak import HttpSoakConfig, run_http_soak
-from runtime.testing.soak import SoakConfig, run_soak
+from runtime.testing.soak import run_soak
+from runtime.testing.soak_plan import SoakConfig
 
 
 def main() -> int:

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.testing.soak import CHECKPOINT_MODEL, RELOADED_MODEL, SoakConfig, run_soak
+from runtime.testing.soak import run_soak
+from runtime.testing.soak_plan import CHECKPOINT_MODEL, RELOADED_MODEL, SoakConfig
 
 pytestmark = pytest.mark.anyio
 
