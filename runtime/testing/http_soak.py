@@ -59,7 +59,9 @@ class HttpSoakConfig:
     requests: int = 200
     clients: int = 4
     max_tokens: int = 8
-    disconnect_rate: float = 0.2  # of streamed requests: the client leaves after its first chunk
+    # Of all requests. A streamed one's client leaves after its first chunk; a non-streamed one's
+    # once the engine has done more work (a chunk or a step, of any request) after sending it.
+    disconnect_rate: float = 0.2
     kv_budget_bytes: int = 256 << 20
 
 
@@ -95,7 +97,7 @@ class HttpSoakReport:
     def problems(self) -> list[str]:
         found: list[str] = []
         for i, o in enumerate(self.outcomes):
-            if o.status != 200:
+            if o.status != 200 and not (o.disconnect and o.status == 0):  # 0: left unanswered
                 found.append(f"request {i} answered HTTP {o.status}")
             elif not o.disconnect and o.text != self.cold[o.prompt]:
                 cold = self.cold[o.prompt]
@@ -141,7 +143,7 @@ def plan(config: HttpSoakConfig) -> list[HttpOutcome]:
             HttpOutcome(
                 prompt=rng.randrange(len(PROMPTS)),
                 stream=stream,
-                disconnect=stream and rng.random() < config.disconnect_rate,
+                disconnect=rng.random() < config.disconnect_rate,
             )
         )
     return planned
@@ -168,7 +170,7 @@ async def run_http_soak(config: HttpSoakConfig, spec: ModelSpec | None = None) -
         pending = iter(outcomes)
         async with anyio.create_task_group() as tg:
             for _ in range(config.clients):
-                tg.start_soon(_client, client, spec.name, config.max_tokens, pending)
+                tg.start_soon(_client, client, rt, spec.name, config.max_tokens, pending)
         await wait_until(rt, lambda: _quiescent(rt), timeout=60, what="every request ended")
         seconds = time.perf_counter() - started
         actors = rt.stats().actors
@@ -234,7 +236,9 @@ def _quiescent(rt: Runtime) -> bool:
     )
 
 
-async def _client(client: httpx.AsyncClient, model: str, max_tokens: int, pending: Any) -> None:
+async def _client(
+    client: httpx.AsyncClient, rt: Runtime, model: str, max_tokens: int, pending: Any
+) -> None:
     for outcome in pending:
         endpoint, text = PROMPTS[outcome.prompt]
         body: dict[str, Any] = {"model": model, "temperature": 0, "stream": outcome.stream}
@@ -248,6 +252,8 @@ async def _client(client: httpx.AsyncClient, model: str, max_tokens: int, pendin
             path = "/v1/completions"
         if outcome.stream:
             await _streamed(client, path, body, outcome)
+        elif outcome.disconnect:
+            await _left_unanswered(client, rt, path, body, outcome)
         else:
             response = await client.post(path, json=body)
             outcome.status = response.status_code
@@ -257,6 +263,32 @@ async def _client(client: httpx.AsyncClient, model: str, max_tokens: int, pendin
                     choice["message"]["content"] if endpoint == "chat" else choice["text"]
                 )
                 outcome.finish_reason = choice["finish_reason"]
+
+
+async def _left_unanswered(
+    client: httpx.AsyncClient, rt: Runtime, path: str, body: dict[str, Any], outcome: HttpOutcome
+) -> None:
+    """Send a non-streamed request and go away (close the connection) as soon as the engine has
+    done more work after it was sent: queued, prefilling or decoding, whichever it was by then."""
+    work = _engine_work(rt)
+    async with anyio.create_task_group() as tg:
+
+        async def leave_on_progress() -> None:
+            await wait_until(rt, lambda: _engine_work(rt) > work, timeout=120, what="engine work")
+            tg.cancel_scope.cancel()
+
+        tg.start_soon(leave_on_progress)
+        response = await client.post(path, json=body)
+        outcome.status = response.status_code  # answered before the engine's next chunk or step
+        tg.cancel_scope.cancel()
+
+
+def _engine_work(rt: Runtime) -> int:
+    return sum(
+        s.counters.get("prefilled_tokens", 0) + s.counters.get("decoded_tokens", 0)
+        for a, s in rt.stats().actors.items()
+        if a.startswith("engine:")
+    )
 
 
 async def _streamed(
