@@ -15,7 +15,7 @@ from runtime.testing.http_soak import HttpSoakConfig, run_http_soak
 
 pytestmark = [pytest.mark.real_model, pytest.mark.anyio]
 
-CI_REQUESTS = 40  # ~15 s of soak on the project's 2-core CPU; make soak runs 200
+CI_REQUESTS = 40  # ~22 s with the load and cold replies on the 2-core CPU; make soak runs 200
 
 
 @pytest.fixture
