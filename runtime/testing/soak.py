@@ -175,9 +175,18 @@ async def run_soak(config: SoakConfig) -> SoakReport:
         async with anyio.create_task_group() as tg:
             tg.start_soon(driver.unload_and_reload)
             pending = iter(outcomes)
-            for client in range(config.clients):
-                tg.start_soon(driver.client, client, pending)
+            async with anyio.create_task_group() as clients:
+                for client in range(config.clients):
+                    clients.start_soon(driver.client, client, pending)
+            driver.unload_now()  # a plan shorter than ``unload_after`` reloads at its end
         await wait_until(rt, lambda: _quiescent(rt), what="every request and reservation ended")
+        # An unloaded engine's task ends after the unload's reply, once its compute thread has
+        # been joined (ActorSystem._shut_down); its end wakes ``wait_until`` like any progress.
+        await wait_until(
+            rt,
+            lambda: _task_names() - tasks_loaded == _timers_only(_task_names() - tasks_loaded),
+            what="every task but pending timers back to those after loading",
+        )
         live = _live_gauges(rt)
         actors = rt.stats().actors
         reserved, prefix_bytes = actors["kv"].gauges["reserved"], actors["prefix"].gauges["bytes"]
@@ -231,6 +240,9 @@ class _Driver:
         await self._unload_due.wait()
         await self._rt.unload_model(self._reloaded.name)
         await self._rt.load_model(self._reloaded)
+
+    def unload_now(self) -> None:
+        self._unload_due.set()
 
     def _count_ended(self) -> None:
         self._ended += 1
@@ -332,6 +344,10 @@ def _quiescent(rt: Runtime) -> bool:
         not any(_live_gauges(rt).values())
         and actors["kv"].gauges["reserved"] == actors["prefix"].gauges["bytes"]
     )
+
+
+def _timers_only(tasks: Counter[str]) -> Counter[str]:
+    return Counter({name: n for name, n in tasks.items() if name.startswith(TIMER_TASK)})
 
 
 def _live_gauges(rt: Runtime) -> dict[str, int]:
