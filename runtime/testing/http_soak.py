@@ -163,6 +163,7 @@ async def run_http_soak(config: HttpSoakConfig, spec: ModelSpec | None = None) -
         cold = {
             i: await _cold_reply(rt, spec.name, i, config.max_tokens) for i in range(len(PROMPTS))
         }
+        # The cold replies were the warm-up too: the baseline counts what MLX keeps after them.
         await _reset(rt, spec.name)
         active_baseline = _active_memory(mx)
         mx.reset_peak_memory()
@@ -206,7 +207,8 @@ async def _cold_reply(rt: Runtime, model: str, prompt: int, max_tokens: int) -> 
         )
     else:
         done = await rt.complete(model, text, max_tokens=max_tokens, namespace=namespace)
-    assert isinstance(done.terminal, Finished), done.terminal
+    if not isinstance(done.terminal, Finished):
+        raise RuntimeError(f"the cold reply to prompt {prompt} did not finish: {done.terminal!r}")
     return done.text
 
 
