@@ -11,6 +11,9 @@
 #                      README's headline block
 #   make bench-quick   the same with --quick; its report goes to bench/results/quick/ (docs and
 #                      README untouched)
+#   make soak          scripts/soak.py: 2,000 simulated requests through the Runtime, then 200
+#                      HTTP requests on the default real model; leaks and wrong replies fail it
+#                      (docs/reliability-soak.md)
 #
 # Variables: PYTHON (interpreter used to create the venv), PYTEST_ARGS (extra
 # pytest arguments), BLAS_PRELOAD=0 (do not preload OpenBLAS), BENCH_ARGS (extra
@@ -50,7 +53,7 @@ WITH_BLAS :=
 BLAS_NOTE := BLAS: MLX built-in (no OpenBLAS preload; on Debian/Ubuntu install libopenblas0-pthread)
 endif
 
-.PHONY: venv run lint test test-nightly bench bench-quick
+.PHONY: venv run lint test test-nightly bench bench-quick soak
 
 venv: $(VENV)/.installed
 
@@ -96,3 +99,9 @@ bench-quick: $(VENV)/.installed-bench
 	mkdir -p $(BENCH_OUT)
 	$(WITH_BLAS) $(PY) -m bench --quick --json $(BENCH_OUT)/quick.jsonl $(BENCH_ARGS)
 	$(PY) -m bench.report $(BENCH_OUT)/quick.jsonl --out $(BENCH_OUT)/quick --readme ''
+
+# Both soaks with their figures (about 2 minutes); SOAK_ARGS e.g. --skip-http, --seed 3.
+SOAK_ARGS ?=
+soak: venv
+	@echo "$(BLAS_NOTE)"
+	PYTHONPATH=. $(WITH_BLAS) $(PY) scripts/soak.py $(SOAK_ARGS)

@@ -12,8 +12,9 @@ Policy
         (``Reserved``) if it fits in the free bytes *and nobody is waiting*: the queue is strict
         FIFO, so a small request never jumps a large one. If not, it waits in the queue under a
         fresh ticket (never reused), the keeper asks the prefix-cache manager to ``Evict`` the
-        whole queue's shortfall, and a timer fires at the deadline (``timeout_s``, default
+        whole queue's shortfall, and it is refused at its deadline (``timeout_s``, default
         ``default_timeout_s``); half-way there it asks again, now letting pinned entries go.
+        Only the earliest deadline and half-way point have a timer pending (``kv_timers``).
         ``timeout_s=0`` means "only if it fits now": refused at once
         (retryable), never queued, never evicting for it (batch padding and pinned copies). A
         holder may reserve more than once; its amounts add up.
@@ -38,7 +39,8 @@ Policy
         an older one) are dropped and counted, since nothing would ever release them.
     ``ReservationExpired(holder, ticket)``
         If the ticket still waits, it is removed and refused with ``kv_budget_exhausted``
-        (retryable). A ticket already granted or dropped is a counted no-op.
+        (retryable); a ticket already granted or dropped is counted (``stale_timer``). Either
+        way every other reservation due by now is refused too, and the next deadline armed.
     ``GetStats``
         Answered with ``Stats(actor="kv")``: counters plus gauges of the budget.
 
@@ -46,8 +48,8 @@ After anything that frees bytes or shortens the queue, waiting reservations are 
 head, in order, as long as they fit (stopping at the first that does not).
 
 Invariants: ``free + reserved == budget``; ``reserved <= budget``; ``reserved`` is the sum of the
-holdings; a waiting reservation is gone once its deadline timer has been delivered; if anything
-waits, the head does not fit.
+holdings; a waiting reservation is gone once a deadline timer fires at or after its deadline;
+if anything waits, the head does not fit.
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, assert_never
 
+from actors.kv_timers import QueueTimers
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge, MlxRuntimeError
 from runtime.kernel.core import PREFIX_CACHE, Address, Context
 from runtime.kernel.stats import Counters
@@ -110,6 +113,7 @@ class _Waiting:
     deadline: float
     timeout_s: float
     requester: Address
+    pressure_at: float  # half-way to the deadline: pinned entries may be evicted for it from then
 
 
 def _describe(holder: Holder) -> str:
@@ -138,6 +142,7 @@ class KVBudgetCore:
         self._waiting: dict[int, _Waiting] = {}
         self._tickets = itertools.count(1)
         self._retired_epochs: dict[str, int] = {}
+        self._timers = QueueTimers()
         self.counters = Counters(_COUNTER_NAMES)
 
     # ------------------------------------------------------------------ read-only views
@@ -201,14 +206,12 @@ class KVBudgetCore:
                 holder, ticket
             ):
                 self._count_dropped("stale_timer", ctx)  # granted or dropped before its deadline
+                self._deadline_passed(ticket, ctx)
             case ReservationExpired(holder=holder, ticket=ticket):
                 self._expire(holder, ticket, ctx)
-            case ReservationPressure(ticket=ticket) if ticket not in self._waiting:
-                pass  # answered already: nothing to press for
-            case ReservationPressure():
-                self.counters.inc("evict_pinned_requests")
-                shortfall = self._queued_bytes() - self.free_bytes
-                ctx.send(self._prefix_cache, Evict(nbytes=shortfall, include_pinned=True))
+                self._deadline_passed(ticket, ctx)
+            case ReservationPressure(ticket=ticket):
+                self._halfway_passed(ticket, ctx)
             case GetStats():
                 ctx.send(sender, self.statistics())
             case _:
@@ -250,16 +253,17 @@ class KVBudgetCore:
             self._refuse(sender, holder, nbytes, KVBudgetExhausted, text, ctx)
             return
         ticket = next(self._tickets)
-        deadline = ctx.now() + timeout_s
-        self._waiting[ticket] = _Waiting(ticket, holder, nbytes, deadline, timeout_s, sender)
+        now = ctx.now()
+        self._waiting[ticket] = _Waiting(
+            ticket, holder, nbytes, now + timeout_s, timeout_s, sender, now + timeout_s / 2
+        )
         self.counters.inc("queued")
         self.counters.inc("evict_requests")
         # Ask for the whole queue's shortfall: everything ahead must be served before this one.
         ctx.send(self._prefix_cache, Evict(nbytes=self._queued_bytes() - self.free_bytes))
-        ctx.send_later(timeout_s, ReservationExpired(holder=holder, ticket=ticket))
         # Half-way to the deadline, pinned entries (session instructions) may be evicted too:
         # they never make a reservation wait out its whole deadline.
-        ctx.send_later(timeout_s / 2, ReservationPressure(holder=holder, ticket=ticket))
+        self._timers.arm(self._waiting.values(), ctx)
 
     def _release(self, holder: Holder, ctx: Context) -> None:
         dropped = self._drop_waiting(lambda w: w.holder == holder, ctx)
@@ -318,6 +322,29 @@ class KVBudgetCore:
     def _still_waits(self, holder: Holder, ticket: int) -> bool:
         waiting = self._waiting.get(ticket)
         return waiting is not None and waiting.holder == holder
+
+    def _deadline_passed(self, ticket: int, ctx: Context) -> None:
+        """A deadline timer fired: every reservation due by now is refused, earliest first (only
+        the earliest had a timer), and the next deadline gets one."""
+        self._timers.expiry_fired(ticket)
+        due = sorted(
+            (w for w in self._waiting.values() if w.deadline <= ctx.now()),
+            key=lambda w: (w.deadline, w.ticket),
+        )
+        for waiting in due:
+            self._expire(waiting.holder, waiting.ticket, ctx)
+        self._timers.arm(self._waiting.values(), ctx)
+
+    def _halfway_passed(self, ticket: int, ctx: Context) -> None:
+        """A half-way timer fired: if a reservation still waits past its half-way point, pinned
+        entries may go too (one ``Evict`` asks for the whole queue's shortfall)."""
+        self._timers.pressure_fired(ticket)
+        now = ctx.now()
+        if ticket in self._waiting or any(w.pressure_at <= now for w in self._waiting.values()):
+            self.counters.inc("evict_pinned_requests")
+            shortfall = self._queued_bytes() - self.free_bytes
+            ctx.send(self._prefix_cache, Evict(nbytes=shortfall, include_pinned=True))
+        self._timers.arm(self._waiting.values(), ctx)
 
     def _expire(self, holder: Holder, ticket: int, ctx: Context) -> None:
         waiting = self._waiting.pop(ticket)

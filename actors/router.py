@@ -140,9 +140,8 @@ class RouterCore:
             case RequestDeadline() | StallCheck() if sender != ctx.self_address:
                 ctx.count_dead_letter("router_unexpected")  # only the router's own timers count
             case RequestDeadline() | StallCheck():
-                expiry = self._guards.fired(message, ctx)
-                if expiry is not None:
-                    self._expire(message.sequence_id, expiry, ctx)
+                for sequence_id, expiry in self._guards.fired(ctx):
+                    self._expire(sequence_id, expiry, ctx)
             case LoadModel(spec=spec):
                 self._models.load(spec, sender, ctx)
             case EngineReady() | EngineLoadFailed() | EngineFailed() if not self._models.is_current(

@@ -35,7 +35,9 @@ def main() -> None:
     for round_ in range(args.rounds + 1):  # round 0 warms up
         seeds = range(1000 * round_, 1000 * round_ + args.prompts)
         prompts = [tokenizer.encode(make_text(tokenizer, args.tokens, s)) for s in seeds]
-        one = [batch_generate(model, tokenizer, [p], max_tokens=1).stats.prompt_time for p in prompts]
+        one = [
+            batch_generate(model, tokenizer, [p], max_tokens=1).stats.prompt_time for p in prompts
+        ]
         many = batch_generate(model, tokenizer, prompts, max_tokens=1).stats.prompt_time
         if round_:
             alone.append(statistics.median(one))

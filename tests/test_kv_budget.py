@@ -225,14 +225,70 @@ def test_small_reserve_does_not_jump_the_queue(keeper: KVBudgetCore, ctx: Record
 
 def test_tickets_are_never_reused(keeper: KVBudgetCore, ctx: RecordingContext) -> None:
     reserve(keeper, ctx, seq(1), 1000)
-    reserve(keeper, ctx, seq(2), 10)
+    reserve(keeper, ctx, seq(2), 10)  # ticket 1, deadline 30
     keeper.handle(Release(holder=seq(2)), ENGINE, ctx)
-    reserve(keeper, ctx, seq(3), 10)
+    advance(keeper, ctx, 10.0)
+    reserve(keeper, ctx, seq(2), 10)  # the same holder again: ticket 2, deadline 40
 
-    assert [timer.ticket for _, timer in ctx.timers if isinstance(timer, ReservationExpired)] == [
-        1,
-        2,
+    advance(keeper, ctx, 20.0)  # ticket 1's timer fires: stale, it does not expire ticket 2
+
+    assert ctx.dead_letters["stale_timer"] == 1
+    assert keeper.queued() == (QueuedReservation(seq(2), 10, 40.0),)
+    advance(keeper, ctx, 10.0)
+    assert keeper.queued() == ()
+    assert keeper.counters.snapshot()["refused_timeout"] == 1
+
+
+def test_however_many_wait_only_the_earliest_deadline_has_timers_pending(
+    keeper: KVBudgetCore, ctx: RecordingContext
+) -> None:
+    # A timer cannot be cancelled (on the production transport it is a sleeping task): one pair
+    # per queued reservation outlived the reservations by up to 30 s (docs/reliability.md, "Soak").
+    reserve(keeper, ctx, seq(0), 1000)
+    for i in range(1, 101):
+        ctx.clock = i * 0.01
+        reserve(keeper, ctx, seq(i), 10)
+
+    assert ctx.timers == [
+        (30.01, ReservationExpired(holder=seq(1), ticket=1)),
+        (15.01, ReservationPressure(holder=seq(1), ticket=1)),
     ]
+    keeper.handle(Release(holder=seq(0)), ENGINE, ctx)  # every waiting reservation is granted
+    assert keeper.queued() == () and len(ctx.timers) == 2
+
+
+def test_a_shorter_timeout_arms_its_own_earlier_deadline(
+    keeper: KVBudgetCore, ctx: RecordingContext
+) -> None:
+    reserve(keeper, ctx, seq(1), 1000)
+    reserve(keeper, ctx, seq(2), 10)  # deadline 30
+    reserve(keeper, ctx, seq(3), 10, timeout_s=4.0)  # deadline 4: ahead of the armed one
+    ctx.take_sent()
+
+    advance(keeper, ctx, 4.0)
+
+    assert [type(m) for _, m in ctx.take_sent() if not isinstance(m, Evict)] == [ReservationRefused]
+    assert keeper.queued() == (QueuedReservation(seq(2), 10, 30.0),)
+
+
+def test_the_next_deadline_is_armed_when_the_earliest_was_granted_first(
+    keeper: KVBudgetCore, ctx: RecordingContext
+) -> None:
+    reserve(keeper, ctx, seq(1), 1000)
+    reserve(keeper, ctx, seq(2), 500, sender="a")  # deadline 30, armed
+    ctx.clock = 5.0
+    reserve(keeper, ctx, seq(3), 600, sender="b")  # deadline 35, behind it
+    keeper.handle(Release(holder=seq(1)), ENGINE, ctx)  # seq(2) fits, seq(3) does not
+    ctx.take_sent()
+
+    advance(keeper, ctx, 25.0)  # seq(2)'s timer: stale, and seq(3)'s deadline gets one
+    assert [m for _, m in ctx.take_sent() if not isinstance(m, Evict)] == []
+    assert len(keeper.queued()) == 1
+    advance(keeper, ctx, 5.0)
+
+    sent = [(to, type(m)) for to, m in ctx.take_sent() if not isinstance(m, Evict)]
+    assert sent == [("b", ReservationRefused)]
+    assert keeper.queued() == ()
 
 
 # --------------------------------------------------------------------------- release
@@ -413,10 +469,10 @@ def test_expiry_of_the_head_lets_the_next_ones_in(
     sent = [(to, m) for to, m in ctx.take_sent() if not isinstance(m, Evict)]
     assert [(to, type(m)) for to, m in sent] == [("a", ReservationRefused), ("b", Reserved)]
     assert keeper.holdings() == {seq(1): 600, seq(3): 300}
-    # seq(3)'s own timers later find it granted: stale, nothing sent.
+    # Only the earliest deadline had a timer; seq(3)'s half-way one later finds it granted.
     advance(keeper, ctx, 20.0)
     assert ctx.take_sent() == []
-    assert ctx.dead_letters["stale_timer"] == 1
+    assert ctx.timers == []
 
 
 def test_stale_ticket_is_a_counted_no_op(keeper: KVBudgetCore, ctx: RecordingContext) -> None:
