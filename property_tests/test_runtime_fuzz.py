@@ -76,6 +76,7 @@ class RuntimeFuzzMachine(RuntimeMachine):
         pipelined=st.booleans(),
         eos_every=st.sampled_from([0, 2]),
         first_faults=st.lists(faults, min_size=1, max_size=3),
+        opening=st.lists(st.tuples(prompts, st.integers(1, 6)), min_size=1, max_size=3),
     )
     def start(  # type: ignore[override]
         self,
@@ -84,6 +85,7 @@ class RuntimeFuzzMachine(RuntimeMachine):
         pipelined: bool,
         eos_every: int,
         first_faults: list[Fault],
+        opening: list[tuple[tuple[int, ...], int]],
     ) -> None:
         # The parent sets up the model's spec and the host's bookkeeping; its simulator (no
         # faults, a seeded order) is replaced by one with a fault plan and the drawn order.
@@ -99,8 +101,11 @@ class RuntimeFuzzMachine(RuntimeMachine):
         self.sim.check_every_step(self.no_sequence_outlives_its_request)
         self.sim.check_every_step(self.no_token_before_its_start)
         self._load()
-        for fault in first_faults:  # most programs are short: give most of them faults early
+        # Most programs are short: each starts with faults armed and requests (together, a batch)
+        # for them to land in.
+        for fault in first_faults:
             self.faults.arm(fault)
+        self.generate_together(opening)
 
     def _load(self) -> None:
         # A load can fail under faults (CommandFailed); the next load rule tries again.
@@ -228,6 +233,8 @@ class RuntimeFuzzMachine(RuntimeMachine):
         if not hasattr(self, "faults"):
             return
         event(f"faults injected: {min(len(self.faults.injected), 5)}+")
+        for injected in {(i.point, i.kind) for i in self.faults.injected}:
+            event(f"a fault injected: {injected[1]} at {injected[0]}")
         for key in self.sent:
             end = self.sim.terminal(*key)
             event(f"ended {type(end).__name__} {getattr(end, 'code', getattr(end, 'reason', ''))}")
