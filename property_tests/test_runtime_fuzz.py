@@ -23,7 +23,13 @@ import msgspec
 from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
-from test_runtime_machine import BYTES_PER_TOKEN, REQUEST_IDS, RuntimeMachine, prompts
+from test_runtime_machine import (
+    BYTES_PER_TOKEN,
+    REQUEST_IDS,
+    TERMINALS,
+    RuntimeMachine,
+    prompts,
+)
 
 from runtime.backends.simulated import SimulatedBatch, greedy_continuation
 from runtime.kernel.core import Address
@@ -35,6 +41,7 @@ from runtime.messages import (
     HolderKind,
     LoadModel,
     ModelLoaded,
+    Rejected,
     Started,
     TokensEmitted,
     UnloadModel,
@@ -89,17 +96,22 @@ class RuntimeFuzzMachine(RuntimeMachine):
     ) -> None:
         # The parent sets up the model's spec and the host's bookkeeping; its simulator (no
         # faults, a seeded order) is replaced by one with a fault plan and the drawn order.
+        # (Its simulator runs this class's per-step checks too, so their state comes first.)
+        self.host_read = 0  # host messages read_host_log has read
+        self.started: dict[tuple[str, int], Started] = {}
+        self.ended: set[tuple[str, int]] = set()
+        self.ended_sequences: list[Started] = []  # of requests that ended after their Started
         super().start(seed=0, trimmable=trimmable, pipelined=pipelined, eos_every=eos_every)
         config = msgspec.structs.replace(
             self.sim.config, step_timeout_s=STEP_TIMEOUT_S, engine_restart=RESTARTS
         )
         self.faults = FaultPlan()
         self.sim = Simulator(config=config, faults=self.faults, order=DrawnOrder(order))
+        self.sim.check_every_step(self.read_host_log)
         self.sim.check_every_step(self.batch_padding_is_reserved)
         self.sim.check_every_step(self.no_token_after_an_abort)
         self.sim.check_every_step(self.caches_stay_within_their_reservation)
         self.sim.check_every_step(self.no_sequence_outlives_its_request)
-        self.sim.check_every_step(self.no_token_before_its_start)
         self._load()
         # Most programs are short: each starts with faults armed and requests (together, a batch)
         # for them to land in.
@@ -183,30 +195,43 @@ class RuntimeFuzzMachine(RuntimeMachine):
             )
             assert held >= BYTES_PER_TOKEN * padding, (held, padding)
 
+    def read_host_log(self) -> None:
+        """Checked after every simulator step, reading only the host messages new since the last
+        step (the checks below stay linear in a long nightly program): a request's tokens come
+        after its ``Started`` (a stale engine's are dropped, never shown), and the requests that
+        ended are noted for ``no_sequence_outlives_its_request``."""
+        for message in self.sim.host_messages[self.host_read :]:
+            key = (getattr(message, "request_id", ""), getattr(message, "incarnation", 0))
+            if isinstance(message, Started):
+                self.started[key] = message
+            elif isinstance(message, TokensEmitted):
+                assert key in self.started, f"{key}: a token before its Started"
+            elif isinstance(message, (*TERMINALS, Rejected)):
+                self.ended.add(key)
+                if key in self.started:
+                    self.ended_sequences.append(self.started[key])
+        self.host_read = len(self.sim.host_messages)
+
     def no_sequence_outlives_its_request(self) -> None:
         """Checked after every simulator step: once the host has a request's terminal, neither
         the router nor the engine of its epoch still runs its sequence."""
         live = set(router(self.sim).live_sequences().values())
+        assert not live & self.ended, f"{live & self.ended} ended but the router still runs them"
         by_epoch = {engine.epoch: engine for engine in engines(self.sim)}
-        for key in self.sent:
-            if self.sim.terminal(*key) is None:
-                continue
-            assert key not in live, f"{key} ended but the router still runs it"
-            started = _started(self.sim, key)
-            engine = None if started is None else by_epoch.get(started.epoch)
-            if engine is not None and started is not None:
-                assert engine.sequence(started.sequence_id) is None, f"{key} outlived its end"
+        for started in self.ended_sequences:
+            engine = by_epoch.get(started.epoch)
+            alive = engine is not None and engine.sequence(started.sequence_id) is not None
+            assert not alive, f"sequence {started.sequence_id} outlived its request's end"
 
-    def no_token_before_its_start(self) -> None:
-        """Checked after every simulator step: a request's tokens come after its ``Started``, from
-        the epoch that started it (a stale engine's tokens are dropped, never shown)."""
-        for key in self.sent:
-            events = self.sim.events(*key)
-            first_token = next(
-                (i for i, e in enumerate(events) if isinstance(e, TokensEmitted)), None
-            )
-            if first_token is not None:
-                assert any(isinstance(e, Started) for e in events[:first_token]), (key, events)
+    def caches_stay_within_their_reservation(self) -> None:
+        """The parent's check, finding the sequences through the host log read so far."""
+        for engine in engines(self.sim):
+            for started in self.started.values():
+                seq = engine.sequence(started.sequence_id)
+                if seq is None or seq.state is None or seq.epoch != engine.epoch:
+                    continue
+                assert seq.tokens is not None
+                assert seq.state.length <= len(seq.tokens) + seq.max_tokens, started
 
     @invariant()
     def no_start_from_a_stale_epoch(self) -> None:
@@ -262,10 +287,6 @@ class RuntimeFuzzMachine(RuntimeMachine):
             cold = greedy_continuation(request.prompt_tokens, request.max_tokens, self.eos_every)
             assert self.sim.emitted_tokens(again.request_id, again.incarnation) == cold
         self.assert_quiescent_and_clean()
-
-
-def _started(sim: Simulator, key: tuple[str, int]) -> Started | None:
-    return next((e for e in sim.events(*key) if isinstance(e, Started)), None)
 
 
 # Examples per profile: more than the other machines get, since faults, reloads and the drawn
