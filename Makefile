@@ -6,6 +6,8 @@
 #   make lint          ruff check, ruff format --check, mypy --strict
 #   make test          lint, then pytest with the Hypothesis `ci` profile
 #   make test-nightly  pytest with the Hypothesis `nightly` profile
+#   make fuzz-nightly  the property tests alone with the `nightly` profile (the whole-runtime
+#                      fuzzer runs 10,000 examples: hours; see property_tests/test_runtime_fuzz.py)
 #   make bench         the full benchmark (python -m bench) into bench/results/latest.jsonl, then
 #                      its report: docs/performance.md, docs/perf/ (plots, the JSON kept) and
 #                      README's headline block
@@ -53,7 +55,7 @@ WITH_BLAS :=
 BLAS_NOTE := BLAS: MLX built-in (no OpenBLAS preload; on Debian/Ubuntu install libopenblas0-pthread)
 endif
 
-.PHONY: venv run lint test test-nightly bench bench-quick soak
+.PHONY: venv run lint test test-nightly fuzz-nightly bench bench-quick soak
 
 venv: $(VENV)/.installed
 
@@ -79,9 +81,16 @@ test: venv lint
 	@echo "$(BLAS_NOTE)"
 	$(WITH_BLAS) $(PYTEST) --hypothesis-profile=ci $(PYTEST_ARGS)
 
+# The fuzzer's 10,000 nightly examples outlast NIGHTLY_TIMEOUT: `make fuzz-nightly` runs them.
 test-nightly: venv
 	@echo "$(BLAS_NOTE)"
-	$(WITH_BLAS) $(PYTEST) --hypothesis-profile=nightly --timeout=$(NIGHTLY_TIMEOUT) $(PYTEST_ARGS)
+	$(WITH_BLAS) $(PYTEST) --hypothesis-profile=nightly --timeout=$(NIGHTLY_TIMEOUT) \
+		--ignore=property_tests/test_runtime_fuzz.py $(PYTEST_ARGS)
+
+# No per-test timeout: 10,000 fuzzer examples take hours.
+fuzz-nightly: venv
+	@echo "$(BLAS_NOTE)"
+	$(WITH_BLAS) $(PYTEST) property_tests --hypothesis-profile=nightly --hypothesis-show-statistics --timeout=0 $(PYTEST_ARGS)
 
 # The bench extra (matplotlib for the report's plots, the profilers) on top of the test one.
 $(VENV)/.installed-bench: $(VENV)/.installed pyproject.toml

@@ -97,6 +97,11 @@ class RequestGuards:
         self._armed_at: float | None = None  # when the one pending timer fires
 
     @property
+    def awaiting_engine(self) -> frozenset[int]:
+        """Sequence ids of requests ended here whose engine has not sent its terminal yet."""
+        return frozenset(self._expired)
+
+    @property
     def expired_awaiting_engine(self) -> int:
         """Requests ended here whose engine has not yet sent its own terminal."""
         return len(self._expired)

@@ -106,6 +106,11 @@ class RouterCore:
         }
         return Stats(actor="router", counters=self.counters.snapshot(), gauges=gauges)
 
+    def expired_awaiting_engine(self) -> frozenset[int]:
+        """Sequences of requests ended on a deadline or stall whose engine has not let go yet
+        (for tests: those may outlive their request's terminal, until the engine's)."""
+        return self._guards.awaiting_engine
+
     def live_sequences(self) -> dict[int, tuple[str, int]]:
         """Sequence id → (request id, incarnation) of every request still running (for tests)."""
         return {s: (v.request_id, v.incarnation) for s, v in self._live_by_sequence.items()}

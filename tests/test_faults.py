@@ -116,6 +116,22 @@ def test_a_raise_in_a_batch_step_fails_its_members_and_frees_the_padding() -> No
     assert_all_given_back(sim)
 
 
+def test_a_raise_in_prompts_prefilled_together_fails_each_newcomer_of_that_pass() -> None:
+    # Found by the fuzzer: prefill_together was not a fault point, so no prefill fault reached
+    # generates that arrive together.
+    plan = FaultPlan(Fault(FaultPoint.PREFILL))
+    sim = make_sim(spec(), faults=plan)
+    sim.send(generate("a", tuple(range(1, 11)), n=4))
+    sim.send(generate("b", tuple(range(20, 30)), n=4))
+    sim.run_until_quiescent()
+    for request_id in ("a", "b"):
+        assert failed(sim, request_id).code == "backend_error"
+        assert failed(sim, request_id).retryable
+    assert [i.point for i in plan.injected] == [FaultPoint.PREFILL]
+    assert_served(sim, "c")
+    assert_all_given_back(sim)
+
+
 def test_a_raise_while_taking_a_snapshot_fails_the_request_and_frees_its_snapshot_room() -> None:
     plan = FaultPlan(Fault(FaultPoint.SNAPSHOT))
     # Non-trimmable: its prefill snapshots (at least the end of the prompt less one token).

@@ -1,7 +1,8 @@
 """Fault points: where a wrapped backend, decode batch or KV keeper stops to ask about a fault.
 
 ``FaultyBackend`` calls ``at(point)`` before a prefill chunk (``PREFILL``: a call with the
-sequence's abort flag, as the engine's chunks pass it), a B=1 decode step (``DECODE``: ``logits`` or
+sequence's abort flag, as the engine's chunks pass it, or newcomers' prompts prefilled together
+with ``prefill_together``), a B=1 decode step (``DECODE``: ``logits`` or
 ``feed``), a prefill that takes checkpoint snapshots or ``snapshot`` (``SNAPSHOT``); its decode
 batches before each forward pass (``BATCH_STEP``). ``FaultyKeeper`` asks before granting a
 sequence's reservation (``RESERVE``); ``LOAD`` is asked by the plan's loader. What happens there is
@@ -108,6 +109,13 @@ class FaultyBackend:
         return self._inner.prefill(
             state, token_ids, logits=logits, snapshot_at=snapshot_at, stop=stop
         )
+
+    def prefill_together(
+        self, states: Sequence[SequenceState], prompts: Sequence[Sequence[int]]
+    ) -> None:
+        # Newcomers' whole prompts prefilled in one pass: a prefill, as each chunk is.
+        self._at(FaultPoint.PREFILL)
+        self._inner.prefill_together(states, prompts)
 
     def snapshot(self, state: SequenceState) -> Snapshot:
         self._at(FaultPoint.SNAPSHOT)

@@ -17,8 +17,9 @@ Points and what a fault there does (``FaultKind``):
 - ``LOAD``: loading the model. ``RAISE`` fails the load; ``SLOW`` delays it. (Loads are not
   watched, so a load cannot ``HANG``.)
 - ``PREFILL``: a prefill chunk (a call with the sequence's abort flag, as the engine's chunks
-  pass it). ``DECODE``: a B=1 decode step (``logits`` or ``feed``). ``BATCH_STEP``: one forward
-  pass of the decode batch. ``SNAPSHOT``: a prefill that takes checkpoint snapshots, or
+  pass it), or one ``prefill_together`` pass (it fails every newcomer in it). ``DECODE``: a B=1
+  decode step (``logits`` or ``feed``). ``BATCH_STEP``: one forward pass of the decode batch.
+  ``SNAPSHOT``: a prefill that takes checkpoint snapshots, or
   ``snapshot``. At these ``RAISE`` raises ``InjectedFault`` before the backend is touched,
   ``SLOW`` spends ``seconds`` on the compute clock first, ``HANG`` never returns (on the simulator
   the job's ``ComputeDone`` never arrives; on a real thread it blocks until ``release_hangs``, then
@@ -185,6 +186,11 @@ class FaultPlan:
         """Add a scripted fault; its counting starts now."""
         with self._lock:
             self._armed.append(_Armed(fault))
+
+    def disarm(self) -> None:
+        """Forget every scripted fault (random ones, by ``rate``, go on while enabled)."""
+        with self._lock:
+            self._armed.clear()
 
     def release_hangs(self) -> None:
         """Let every thread blocked in a ``HANG`` go (it raises ``InjectedFault``); later hangs

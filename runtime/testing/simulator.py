@@ -3,7 +3,10 @@
 It replaces the production transport (``runtime.kernel.actor``) with a single-threaded loop. At each
 step it picks, with a seeded random source, one actor that has mail and delivers one message to it;
 compute jobs run inline and their simulated cost advances the virtual clock instead of taking time.
-Same seed, same trace: a race found once is found again, and Hypothesis can shrink it.
+Same seed, same trace: a race found once is found again, and Hypothesis can shrink it. A caller
+may instead pass its own ``order`` (any ``ActorOrder``, e.g. Hypothesis's
+``st.randoms(use_true_random=False)``), so that each choice of actor is a drawn value that
+Hypothesis shrinks and replays on its own, not one number that decides them all.
 
 Typical use (a host's own test of its cancellation handling)::
 
@@ -22,8 +25,9 @@ import heapq
 import itertools
 import random
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from actors.standing import standing_actors
 from runtime.backends.loader import make_backend_loader
@@ -42,6 +46,12 @@ from runtime.messages import (
 from runtime.testing.faults import FaultPlan
 
 HOST: Address = "host"
+
+
+class ActorOrder(Protocol):
+    """Where the simulator takes "which ready actor runs next" from (``random.Random`` is one)."""
+
+    def choice(self, seq: Sequence[Address], /) -> Address: ...
 
 
 class VirtualClock:
@@ -127,10 +137,15 @@ class Simulator:
     """Drives the runtime's actor cores deterministically. Not thread-safe; no event loop needed."""
 
     def __init__(
-        self, seed: int = 0, config: RuntimeConfig | None = None, faults: FaultPlan | None = None
+        self,
+        seed: int = 0,
+        config: RuntimeConfig | None = None,
+        faults: FaultPlan | None = None,
+        order: ActorOrder | None = None,
     ) -> None:
+        """``order`` picks the next ready actor (default: ``random.Random(seed)``)."""
         self.clock = VirtualClock()
-        self.rng = random.Random(seed)
+        self.rng: ActorOrder = order if order is not None else random.Random(seed)
         self.config = config or RuntimeConfig(kv_budget_bytes=64 << 20)
         self.dead_letters: Counter[str] = Counter()
         self.host_messages: list[Message] = []
@@ -219,7 +234,8 @@ class Simulator:
     # ------------------------------------------------------------------ stepping
 
     def step(self) -> bool:
-        """Deliver one message to an actor chosen by the seed; False when every mailbox is empty."""
+        """Deliver one message to an actor chosen by ``order`` (by default the seed's); False when
+        every mailbox is empty."""
         ready = [address for address, mail in self._mail.items() if mail]
         if not ready:
             return False

@@ -1,0 +1,318 @@
+"""The whole runtime under injected faults, in an actor order Hypothesis draws (issue 11).
+
+``RuntimeMachine`` (test_runtime_machine.py) with its rules and invariants, plus: scripted faults
+armed and disarmed at drawn points (raise, slow, hang: the watchdog gives up, the model reloads or
+fails), a host breaking out of a stream, duplicate and extending prewarms of one session, reloads,
+and virtual time past the step limit. Every "which ready actor runs next" is a value Hypothesis
+draws (``Simulator(order=...)``), so a failing interleaving shrinks and replays choice by choice.
+
+Two phases per example. Safety (the rules, faults on): the invariants after every simulator step
+and every rule. Liveness (``teardown``, faults off): within ``LIVENESS_S`` of virtual time the
+runtime is quiescent, everything accepted has ended, nothing but prefix entries holds memory, and
+each generate that neither finished nor was cancelled by the host, sent again, finishes with its
+cold greedy output.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Sequence
+
+import msgspec
+from hypothesis import event, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import initialize, invariant, rule
+from test_runtime_machine import (
+    BYTES_PER_TOKEN,
+    REQUEST_IDS,
+    TERMINALS,
+    RuntimeMachine,
+    prompts,
+)
+
+from runtime.backends.simulated import SimulatedBatch, greedy_continuation
+from runtime.kernel.core import Address
+from runtime.kernel.supervision import RestartPolicy
+from runtime.messages import (
+    Cancel,
+    Finished,
+    Generate,
+    HolderKind,
+    LoadModel,
+    ModelLoaded,
+    Rejected,
+    Started,
+    TokensEmitted,
+    UnloadModel,
+)
+from runtime.testing.faults import KINDS_AT, Fault, FaultPlan, without_faults
+from runtime.testing.harness import engines, kv_keeper, prefix_cache, router
+from runtime.testing.simulator import Simulator
+
+STEP_TIMEOUT_S = 0.5  # a step costs a few virtual ms; a hang or a long slow fault overruns this
+LIVENESS_S = 60.0  # virtual seconds the liveness phase may take to settle
+RESTARTS = RestartPolicy(max_restarts=2, within_s=30.0)  # small: models fail, and load again
+faults = st.sampled_from(sorted(KINDS_AT)).flatmap(
+    lambda point: st.builds(
+        Fault,
+        point=st.just(point),
+        kind=st.sampled_from(sorted(KINDS_AT[point])),
+        after=st.integers(0, 2),
+        times=st.integers(1, 3),
+        seconds=st.sampled_from([0.01, 2 * STEP_TIMEOUT_S]),  # within and past the limit
+    )
+)
+
+
+class DrawnOrder:
+    """An ``ActorOrder`` taking each choice among several ready actors from Hypothesis's data
+    (a lone ready actor is no choice, so it costs no draw and the program stays short)."""
+
+    def __init__(self, drawn: random.Random) -> None:
+        self._drawn = drawn
+
+    def choice(self, seq: Sequence[Address], /) -> Address:
+        return seq[0] if len(seq) == 1 else self._drawn.choice(seq)
+
+
+STALL_TIMEOUT_S = 5.0
+
+# The model's shared default session, not anonymous: these prewarms race inside one session.
+DEFAULT_SESSION: tuple[str | None, bool] = (None, False)
+
+
+class RuntimeFuzzMachine(RuntimeMachine):
+    @initialize(
+        order=st.randoms(use_true_random=False),
+        trimmable=st.booleans(),
+        pipelined=st.booleans(),
+        eos_every=st.sampled_from([0, 2]),
+        first_faults=st.lists(faults, min_size=1, max_size=3),
+        opening=st.lists(st.tuples(prompts, st.integers(1, 6)), min_size=1, max_size=3),
+    )
+    def start(  # type: ignore[override]
+        self,
+        order: random.Random,
+        trimmable: bool,
+        pipelined: bool,
+        eos_every: int,
+        first_faults: list[Fault],
+        opening: list[tuple[tuple[int, ...], int]],
+    ) -> None:
+        # The parent sets up the model's spec and the host's bookkeeping; its simulator (no
+        # faults, a seeded order) is replaced by one with a fault plan and the drawn order.
+        # (Its simulator runs this class's per-step checks too, so their state comes first.)
+        self.host_read = 0  # host messages read_host_log has read
+        self.started: dict[tuple[str, int], Started] = {}
+        self.ended: set[tuple[str, int]] = set()
+        self.ended_sequences: list[Started] = []  # of requests that ended after their Started
+        super().start(seed=0, trimmable=trimmable, pipelined=pipelined, eos_every=eos_every)
+        config = msgspec.structs.replace(
+            self.sim.config,
+            step_timeout_s=STEP_TIMEOUT_S,
+            engine_restart=RESTARTS,
+            # Well inside the liveness phase's bound, so its last stale stall check fires there.
+            stall_timeout_s=STALL_TIMEOUT_S,
+        )
+        self.faults = FaultPlan()
+        self.sim = Simulator(config=config, faults=self.faults, order=DrawnOrder(order))
+        self.sim.check_every_step(self.read_host_log)
+        self.sim.check_every_step(self.batch_padding_is_reserved)
+        self.sim.check_every_step(self.no_token_after_an_abort)
+        self.sim.check_every_step(self.caches_stay_within_their_reservation)
+        self.sim.check_every_step(self.no_sequence_outlives_its_request)
+        self.sim.check_every_step(self.one_prewarm_computes_per_session)
+        self.sim.check_every_step(self.identical_prewarms_compute_once)
+        self._load()
+        # Most programs are short: each starts with faults armed and requests (together, a batch)
+        # for them to land in.
+        for fault in first_faults:
+            self.faults.arm(fault)
+        self.generate_together(opening)
+
+    def _load(self) -> None:
+        # A load can fail under faults (CommandFailed); the next load rule tries again.
+        self.model_loaded = isinstance(self.sim.ask(LoadModel(spec=self.spec)), ModelLoaded)
+
+    # ------------------------------------------------------------------ rules
+
+    @rule(fault=faults)
+    def arm_fault(self, fault: Fault) -> None:
+        self.faults.arm(fault)
+
+    @rule()
+    def disarm_faults(self) -> None:
+        self.faults.disarm()
+
+    @rule(request_ids=st.sampled_from(list(itertools.pairwise(REQUEST_IDS))), prompt=prompts)
+    def prewarm_twice(self, request_ids: tuple[str, str], prompt: tuple[int, ...]) -> None:
+        for request_id in request_ids:
+            self.prewarm(request_id, prompt, DEFAULT_SESSION)
+
+    @rule(
+        request_ids=st.sampled_from(list(itertools.pairwise(REQUEST_IDS))),
+        prompt=prompts,
+        extra=prompts,
+    )
+    def prewarm_then_extend(
+        self, request_ids: tuple[str, str], prompt: tuple[int, ...], extra: tuple[int, ...]
+    ) -> None:
+        self.prewarm(request_ids[0], prompt, DEFAULT_SESSION)
+        self.prewarm(request_ids[1], (prompt + extra)[:12], DEFAULT_SESSION)
+
+    @rule(
+        request_id=st.sampled_from(REQUEST_IDS),
+        prompt=prompts,
+        max_tokens=st.integers(2, 6),
+        steps=st.integers(0, 60),
+    )
+    def break_out(
+        self, request_id: str, prompt: tuple[int, ...], max_tokens: int, steps: int
+    ) -> None:
+        """The host reads the stream until its first token (or ``steps`` deliveries), then
+        leaves it: the request is cancelled mid-stream."""
+        self.generate(request_id, prompt, max_tokens)
+        key = (request_id, self.incarnation)
+        for _ in range(steps):
+            if self.sim.emitted_tokens(*key) or self.sim.terminal(*key) is not None:
+                break
+            if not self.sim.step():
+                self.sim.advance(0.001)
+        self.cancelled_by_host.add(key)
+        self.sim.send(Cancel(request_id=request_id, incarnation=key[1]))
+
+    @rule()
+    def reload(self) -> None:
+        self.unload()
+        self._load()
+
+    @rule(seconds=st.sampled_from([STEP_TIMEOUT_S, 2.0]))
+    def advance_past_the_step_limit(self, seconds: float) -> None:
+        self.sim.advance(seconds)
+
+    # ------------------------------------------------------------------ invariants
+
+    def batch_padding_is_reserved(self) -> None:
+        """The parent's check, reading the simulated batch inside its fault wrapper."""
+        kv = kv_keeper(self.sim)
+        for engine in engines(self.sim):
+            batch = without_faults(engine.decode_batch)
+            assert batch is None or isinstance(batch, SimulatedBatch)
+            padding = 0 if batch is None else batch.padding_tokens
+            held = sum(
+                nbytes
+                for holder, nbytes in kv.holdings().items()
+                if holder.kind is HolderKind.BATCH_PADDING and holder.epoch == engine.epoch
+            )
+            assert held >= BYTES_PER_TOKEN * padding, (held, padding)
+
+    def read_host_log(self) -> None:
+        """Checked after every simulator step, reading only the host messages new since the last
+        step (the checks below stay linear in a long nightly program): a request's tokens come
+        after its ``Started`` (a stale engine's are dropped, never shown), and the requests that
+        ended are noted for ``no_sequence_outlives_its_request``."""
+        for message in self.sim.host_messages[self.host_read :]:
+            key = (getattr(message, "request_id", ""), getattr(message, "incarnation", 0))
+            if isinstance(message, Started):
+                self.started[key] = message
+            elif isinstance(message, TokensEmitted):
+                assert key in self.started, f"{key}: a token before its Started"
+            elif isinstance(message, (*TERMINALS, Rejected)):
+                self.ended.add(key)
+                if key in self.started:
+                    self.ended_sequences.append(self.started[key])
+        self.host_read = len(self.sim.host_messages)
+
+    def no_sequence_outlives_its_request(self) -> None:
+        """Checked after every simulator step: once the host has a request's terminal, neither
+        the router nor the engine of its epoch still runs its sequence (except one the router
+        ended on a deadline or stall, until its engine's own terminal: protocols.md)."""
+        live = set(router(self.sim).live_sequences().values())
+        assert not live & self.ended, f"{live & self.ended} ended but the router still runs them"
+        by_epoch = {engine.epoch: engine for engine in engines(self.sim)}
+        expired = router(self.sim).expired_awaiting_engine()
+        for started in self.ended_sequences:
+            if started.sequence_id in expired:
+                continue
+            engine = by_epoch.get(started.epoch)
+            alive = engine is not None and engine.sequence(started.sequence_id) is not None
+            assert not alive, f"sequence {started.sequence_id} outlived its request's end"
+
+    def caches_stay_within_their_reservation(self) -> None:
+        """The parent's check, finding the sequences through the host log read so far."""
+        for engine in engines(self.sim):
+            for started in self.started.values():
+                seq = engine.sequence(started.sequence_id)
+                if seq is None or seq.state is None or seq.epoch != engine.epoch:
+                    continue
+                assert seq.tokens is not None
+                assert seq.state.length <= len(seq.tokens) + seq.max_tokens, started
+
+    @invariant()
+    def no_start_from_a_stale_epoch(self) -> None:
+        """Host ``Started`` events name epochs in the order they arrive: once a newer epoch has
+        started a request, an older engine (gone, or going) never starts one again."""
+        started = [m.epoch for m in self.sim.host_messages if isinstance(m, Started)]
+        assert started == sorted(started), started
+
+    def assert_quiescent_and_clean(self) -> None:
+        """At quiescence: every accepted request ended, no sequence is left anywhere, reserved
+        bytes are exactly the prefix entries', and nothing is held for an epoch no engine runs."""
+        assert self.sim.quiescent
+        for key in self.sent:
+            assert self.sim.terminal(*key) is not None, f"{key} never ended"
+        assert router(self.sim).live_sequences() == {}
+        assert all(e.statistics().gauges["sequences"] == 0 for e in engines(self.sim))
+        kv, prefix = kv_keeper(self.sim), prefix_cache(self.sim)
+        assert kv.reserved_bytes == prefix.total_bytes, (kv.holdings(), prefix.entries())
+        running = {engine.epoch for engine in engines(self.sim)}
+        assert {holder.epoch for holder in kv.holdings()} <= running, kv.holdings()
+        assert {entry.epoch for entry in prefix.entries()} <= running, prefix.entries()
+
+    def teardown(self) -> None:
+        if not hasattr(self, "faults"):
+            return
+        event(f"faults injected: {min(len(self.faults.injected), 5)}+")
+        for injected in {(i.point, i.kind) for i in self.faults.injected}:
+            event(f"a fault injected: {injected[1]} at {injected[0]}")
+        for key in self.sent:
+            end = self.sim.terminal(*key)
+            event(f"ended {type(end).__name__} {getattr(end, 'code', getattr(end, 'reason', ''))}")
+        # Liveness: faults off, a fixed actor order (no more draws), bounded virtual time.
+        self.faults.disable()
+        self.sim.rng = random.Random(0)
+        self.sim.run_until_quiescent(max_seconds=LIVENESS_S)
+        self.assert_quiescent_and_clean()
+        if not self.model_loaded or router(self.sim).statistics().gauges["models_failed"]:
+            self.sim.ask(UnloadModel(model="m"))
+            self._load()
+            assert self.model_loaded, "the model does not load with faults off"
+        for key, request in list(self.sent.items()):
+            if not isinstance(request, Generate) or key in self.cancelled_by_host:
+                continue
+            if isinstance(self.sim.terminal(*key), Finished):
+                continue
+            assert request.prompt_tokens is not None
+            # Sent again without its deadline: liveness asks that it finish, not that it be fast.
+            again = msgspec.structs.replace(
+                request, incarnation=self._next(), timeout_s=None, stall_timeout_s=None
+            )
+            self.sent[(again.request_id, again.incarnation)] = again
+            self.sim.send(again)
+            self.sim.run_until_quiescent(max_seconds=LIVENESS_S)
+            ended = self.sim.terminal(again.request_id, again.incarnation)
+            assert isinstance(ended, Finished), (key, ended)
+            cold = greedy_continuation(request.prompt_tokens, request.max_tokens, self.eos_every)
+            assert self.sim.emitted_tokens(again.request_id, again.incarnation) == cold
+        self.assert_quiescent_and_clean()
+
+
+# Examples per profile: more than the other machines get, since faults, reloads and the drawn
+# order multiply the states worth reaching; other profiles keep their own count.
+EXAMPLES = {"ci": 300, "nightly": 10_000}
+
+TestRuntimeFuzz = RuntimeFuzzMachine.TestCase
+TestRuntimeFuzz.settings = settings(
+    max_examples=EXAMPLES.get(settings.get_current_profile_name(), settings.default.max_examples)
+)
