@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import socket
 from collections.abc import AsyncIterator
 
 import anyio
 import anyio.lowlevel
 import httpx
 import pytest
-import uvicorn
 
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
@@ -19,6 +17,7 @@ from runtime.kernel.core import engine_address
 from runtime.messages import ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.harness import ModelOption, sim_spec, wait_until
+from runtime.testing.http_soak import serve_on_loopback
 
 pytestmark = pytest.mark.anyio
 
@@ -34,28 +33,9 @@ async def live_server(model: ModelSpec) -> AsyncIterator[tuple[httpx.AsyncClient
     """uvicorn serving the app on an ephemeral loopback port, and a client for it."""
     runtime = RuntimeConfig(kv_budget_bytes=64 << 20)
     server = OpenAIServer(ServerConfig(models=(model,), runtime=runtime))
-    config = uvicorn.Config(
-        server.app, lifespan="on", ws="none", log_config=None, log_level="warning"
-    )
-    uvicorn_server = uvicorn.Server(config)
-    with socket.socket() as listener:
-        listener.bind(("127.0.0.1", 0))
-        port = listener.getsockname()[1]
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(uvicorn_server.serve, [listener])
-            await wait_until_started(uvicorn_server)
-            try:
-                async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
-                    yield client, server.runtime
-            finally:
-                uvicorn_server.should_exit = True
-
-
-async def wait_until_started(server: uvicorn.Server) -> None:
-    """Yield until uvicorn is serving: it sets a flag and nothing one could wait on."""
-    with anyio.fail_after(10):
-        while not server.started:
-            await anyio.lowlevel.checkpoint()
+    timeout = httpx.Timeout(5.0)  # httpx's default
+    async with serve_on_loopback(server, start_within_s=10, client_timeout=timeout) as client:
+        yield client, server.runtime
 
 
 def engine_counter(rt: Runtime, name: str) -> int:

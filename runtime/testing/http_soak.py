@@ -158,7 +158,7 @@ async def run_http_soak(config: HttpSoakConfig, spec: ModelSpec | None = None) -
         ServerConfig(models=(spec,), runtime=RuntimeConfig(kv_budget_bytes=config.kv_budget_bytes))
     )
     outcomes = plan(config)
-    async with _serving(server) as client:
+    async with serve_on_loopback(server) as client:
         rt = server.runtime
         cold = {
             i: await _cold_reply(rt, spec.name, i, config.max_tokens) for i in range(len(PROMPTS))
@@ -309,7 +309,12 @@ async def _streamed(
 
 
 @contextlib.asynccontextmanager
-async def _serving(server: OpenAIServer) -> AsyncIterator[httpx.AsyncClient]:
+async def serve_on_loopback(
+    server: OpenAIServer,
+    *,
+    start_within_s: float = 120.0,
+    client_timeout: float | httpx.Timeout = 120.0,
+) -> AsyncIterator[httpx.AsyncClient]:
     """uvicorn serving the app on an ephemeral loopback port, and a client for it."""
     config = uvicorn.Config(
         server.app, lifespan="on", ws="none", log_config=None, log_level="warning"
@@ -320,12 +325,12 @@ async def _serving(server: OpenAIServer) -> AsyncIterator[httpx.AsyncClient]:
         port = listener.getsockname()[1]
         async with anyio.create_task_group() as tg:
             tg.start_soon(uvicorn_server.serve, [listener])
-            with anyio.fail_after(120):  # uvicorn sets a flag and nothing one could wait on
+            with anyio.fail_after(start_within_s):  # uvicorn sets a flag, nothing to wait on
                 while not uvicorn_server.started:
                     await anyio.lowlevel.checkpoint()
             try:
                 async with httpx.AsyncClient(
-                    base_url=f"http://127.0.0.1:{port}", timeout=120
+                    base_url=f"http://127.0.0.1:{port}", timeout=client_timeout
                 ) as client:
                     yield client
             finally:
