@@ -57,6 +57,8 @@ class _GenerationBody(_Body, frozen=True, kw_only=True):
     dry_sequence_breakers: list[str] | None = None
     stop_token_ids: list[int] | None = None
     session: str | None = None
+    # True: this request aborts its session's older generates (a new keystroke's completion).
+    supersede: bool | None = None
     cache_salt: str | None = None
     timeout_s: float | None = None  # the request's deadline (runtime error request_timeout)
     stall_timeout_s: float | None = None  # no token for this long after the first: stalled

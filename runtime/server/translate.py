@@ -56,6 +56,7 @@ class RuntimeCall(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...]
     namespace: str
     session: str | None
+    supersede: bool = False
     stream: bool
     include_usage: bool
     timeout_s: float | None = None
@@ -155,6 +156,18 @@ def prewarm_call(request: PrewarmRequest) -> PrewarmCall:
     )
 
 
+def _supersede(request: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Only a client's own older requests may be cut short: without a session the server cannot
+    tell whose they are (docs/http.md)."""
+    if request.supersede and request.session is None:
+        raise invalid(
+            "supersede",
+            "supersede needs a session: send the same session with each of your requests, so "
+            "that a new one aborts only your own older ones",
+        )
+    return bool(request.supersede)
+
+
 def _namespace(cache_salt: str | None) -> str:
     """Requests with different salts never share cached prefixes (the runtime's namespaces)."""
     if cache_salt is not None and not cache_salt:
@@ -184,6 +197,7 @@ def _call(
         stop_token_ids=tuple(request.stop_token_ids or ()),
         namespace=_namespace(request.cache_salt),
         session=request.session,
+        supersede=_supersede(request),
         stream=request.stream,
         include_usage=request.stream_options is not None and request.stream_options.include_usage,
         timeout_s=request.timeout_s,
