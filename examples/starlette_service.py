@@ -164,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         log_level="warning",
     )
     with listener:
-        uvicorn.Server(config).run(sockets=[listener])  # until Ctrl-C or SIGTERM
+        try:
+            uvicorn.Server(config).run(sockets=[listener])  # until Ctrl-C or SIGTERM
+        except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the Ctrl-C
+            pass
     return 0
 
 
