@@ -98,7 +98,7 @@ async def turn(
     if started is not None:
         print(
             f"    [cached {started.cached_tokens}/{started.prompt_tokens} prompt tokens, "
-            f"{started.dropped_turns} turns dropped by the window, first token after "
+            f"turns dropped by the window: {started.dropped_turns}, first token after "
             f"{first_token_ms or 0:.0f} ms]"
         )
     return "".join(parts)
@@ -146,10 +146,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--history-tokens",
         type=int,
-        default=160,
+        default=100,
         metavar="N",
         help="the history window: the prompt is kept within N tokens by dropping the oldest "
-        "turns (160)",
+        "turns (100)",
     )
     args = parser.parse_args(argv)
     if args.max_tokens < 1 or args.history_tokens < 1:

@@ -163,11 +163,9 @@ def main(argv: list[str] | None = None) -> int:
         lifespan="on",
         log_level="warning",
     )
-    with listener:
-        try:
-            uvicorn.Server(config).run(sockets=[listener])  # until Ctrl-C or SIGTERM
-        except KeyboardInterrupt:  # uvicorn shut down gracefully, then re-raised the Ctrl-C
-            pass
+    # uvicorn shuts down gracefully on Ctrl-C, then raises it again: that is a clean exit here.
+    with listener, contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run(sockets=[listener])  # until Ctrl-C or SIGTERM
     return 0
 
 

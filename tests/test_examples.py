@@ -118,7 +118,7 @@ def test_the_autocomplete_host_on_the_default_model(real_model: str) -> None:
 
 def chat_turns(output: str) -> list[tuple[int, int, int]]:
     """(cached, prompt tokens, turns dropped) of each reply, in order."""
-    pattern = r"\[cached (\d+)/(\d+) prompt tokens, (\d+) turns dropped"
+    pattern = r"\[cached (\d+)/(\d+) prompt tokens, turns dropped by the window: (\d+)"
     return [(int(c), int(p), int(d)) for c, p, d in re.findall(pattern, output)]
 
 
@@ -131,7 +131,7 @@ def test_the_chat_host_reuses_earlier_turns_and_drops_the_oldest_past_its_window
     assert len(turns) == sum(len(asked) for _, asked in host.CONVERSATIONS.values())
     # ada, bob, ada, bob, ada, ada: each user's second turn reuses their first
     assert turns[2][0] > 0 and turns[3][0] > 0
-    assert any(dropped > 0 for _, _, dropped in turns)  # the 160-token window dropped turns
+    assert any(dropped > 0 for _, _, dropped in turns)  # the 100-token window dropped turns
     assert all(cached > 0 for cached, _, dropped in turns if dropped)  # instructions pinned
     assert output.count("its pinned instructions prefix released") == 2
 
