@@ -127,27 +127,31 @@ class Editor:
 
     async def focus(self, name: str) -> None:
         request_id = self._pending.pop(self.form.focused, None)
-        if request_id is not None and await self.rt.cancel(request_id):
-            self.tally.endings["dismissed on blur"] += 1  # nobody will read that suggestion
+        if request_id is not None:  # nobody will read that suggestion: stop it
+            await self.rt.cancel(request_id)  # a no-op if it ended already
         self.form.focus(name)
         self.tasks.start_soon(self._prewarm, self.form.prompt(), name)
 
     async def press(self, key: str) -> None:
+        pressed = time.perf_counter()
         self.form.press(key)
         self.tally.keystrokes += 1
         request_id = uuid.uuid4().hex
         self._pending[self.form.focused] = request_id
         self.tally.last_suggestion.pop(self.form.focused, None)  # typing hides the old one
         form = self.form
-        self.tasks.start_soon(self._suggest, form.prompt(), form.focused, form.cursor, request_id)
+        self.tasks.start_soon(
+            self._suggest, form.prompt(), form.focused, form.cursor, request_id, pressed
+        )
 
     async def _prewarm(self, prompt: str, session: str) -> None:
         ended = await self.rt.prewarm(self.model, prompt, session=session)
         outcome = ended.reason if isinstance(ended, Finished | Cancelled) else ended.code
         self.tally.prewarms[str(outcome)] += 1
 
-    async def _suggest(self, prompt: str, session: str, cursor: int, request_id: str) -> None:
-        pressed = time.perf_counter()
+    async def _suggest(
+        self, prompt: str, session: str, cursor: int, request_id: str, pressed: float
+    ) -> None:
         shown = False
         text: list[str] = []
         async with self.rt.generate(
@@ -175,6 +179,8 @@ class Editor:
                     case Cancelled(reason="superseded"):
                         why = "after" if shown else "before"
                         self.tally.endings[f"superseded by the next key {why} it showed"] += 1
+                    case Cancelled():  # cancelled by ``focus``
+                        self.tally.endings["dismissed on blur"] += 1
                     case Failed(code=code):
                         self.tally.endings[f"failed ({code})"] += 1
         if self._pending.get(session) == request_id:
