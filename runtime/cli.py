@@ -174,6 +174,40 @@ _EXAMPLES = """examples:
 """
 
 
+_DEMO_DESCRIPTION = """\
+A tour of the runtime on the default model, each behaviour with the figure that shows it: a
+multi-turn chat reusing earlier turns' KV, a prewarm, a long prefill abandoned mid-way, four
+streams decoded as one batch, and the same model over HTTP. Without network it tours the tiny
+random-weight models instead."""
+_DEMO_EXAMPLES = """examples:
+  mlxrt demo                                   what `make run` runs
+  LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 mlxrt demo
+                                               with OpenBLAS: CPU matmul ~40x faster
+"""
+_GENERATE_DESCRIPTION = """\
+Generate from one prompt and stream the text to stdout. The prompt is framed by the model's chat
+template as a user message (as mlx_lm.generate does), unless --raw."""
+_GENERATE_EXAMPLES = """examples:
+  mlxrt generate "What is the capital of France?"           the default model
+  mlxrt generate --max-tokens 32 --quiet "Say hi."          no progress bars or notes
+  mlxrt generate --model ~/models/llama.Q4_0.gguf "Hello"   any llama or gemma3 GGUF file
+  mlxrt generate --backend simulated --model sim "hello"    no MLX: a deterministic stand-in
+  mlxrt generate --raw --model gemma3-270m $'Q: Why is the sky blue?\\nA:'   no chat template
+"""
+_SERVE_DESCRIPTION = f"""\
+Serve models over an OpenAI-compatible HTTP API (docs/http.md): /v1/completions,
+/v1/chat/completions, /v1/models, the runtime's own /v1/prewarm, /health and /metrics. The models
+load before the server accepts requests; Ctrl-C stops it, letting running streams finish for up
+to {GRACEFUL_SHUTDOWN_S} s."""
+_SERVE_EXAMPLES = """examples:
+  mlxrt serve                                  the default model on 127.0.0.1:8000
+  mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
+  mlxrt serve --model-option kv_bits=8 --kv-budget-mib 512 --host 0.0.0.0
+  curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+"""
+
+
 _ONE_MODEL_HELP = (
     f"an mlx-lm directory, a .gguf file or a known model ({', '.join(KNOWN_MODELS)}), named "
     f"NAME or after the file or directory; default {DEFAULT_MODEL}"
@@ -210,8 +244,20 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="tour the runtime on the default model (what `make run` runs)")
-    gen = commands.add_parser("generate", help="generate from one prompt")
+    commands.add_parser(
+        "demo",
+        help="tour the runtime on the default model (what `make run` runs)",
+        description=_DEMO_DESCRIPTION,
+        epilog=_DEMO_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gen = commands.add_parser(
+        "generate",
+        help="generate from one prompt",
+        description=_GENERATE_DESCRIPTION,
+        epilog=_GENERATE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     gen.add_argument("prompt_text", nargs="?", metavar="PROMPT", help="the prompt")
     gen.add_argument(
         "--model",
@@ -219,9 +265,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="[NAME=]PATH",
         help=_ONE_MODEL_HELP,
     )
-    gen.add_argument("--backend", default="mlx", choices=["mlx", "simulated"])
+    gen.add_argument(
+        "--backend",
+        default="mlx",
+        choices=["mlx", "simulated"],
+        help="simulated: a deterministic stand-in model (gibberish), no MLX needed",
+    )
     gen.add_argument("--prompt", help="the prompt (instead of PROMPT)")
-    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument(
+        "--max-tokens", type=int, default=128, metavar="N", help="most tokens to generate (128)"
+    )
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     gen.add_argument("--quiet", action="store_true", help="no progress bars or load notes")
     chat = commands.add_parser(
@@ -255,7 +308,13 @@ def main(argv: list[str] | None = None) -> int:
         help="after each reply print `cached n/m`: prompt tokens reused from earlier turns",
     )
     chat.add_argument("--quiet", action="store_true", help="no progress bars or load notes")
-    serve = commands.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
+    serve = commands.add_parser(
+        "serve",
+        help="serve models over an OpenAI-compatible HTTP API",
+        description=_SERVE_DESCRIPTION,
+        epilog=_SERVE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     serve.add_argument(
         "--model",
         action="append",
@@ -271,9 +330,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="a model option for every model, e.g. kv_bits=4 or context_length=8192 (docs/api.md)",
     )
-    serve.add_argument("--backend", default="mlx", choices=["mlx", "simulated"])
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--backend",
+        default="mlx",
+        choices=["mlx", "simulated"],
+        help="simulated: deterministic stand-in models (NAME only, no PATH), no MLX needed",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     serve.add_argument(
         "--kv-budget-mib", type=int, help="KV cache budget (default: a fraction of MLX's memory)"
     )
