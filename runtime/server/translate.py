@@ -244,8 +244,7 @@ def _one_prompt(
 
 def _chat_messages(messages: list[WireChatMessage]) -> tuple[ChatMessage, ...]:
     return tuple(
-        _with_reasoning(i, message, _chat_message(i, message))
-        for i, message in enumerate(messages)
+        _with_reasoning(i, message, _chat_message(i, message)) for i, message in enumerate(messages)
     )
 
 
