@@ -212,3 +212,28 @@ async def test_incoming_reasoning_content_is_stripped_from_history_and_kept_in_a
         )
         wrong = await chat(client, messages=[{**user, "reasoning_content": "no"}], max_tokens=2)
         assert error_of(wrong)["param"] == "messages[0].reasoning_content"
+
+
+async def test_the_official_client_reads_reasoning_content_and_timings() -> None:
+    openai = pytest.importorskip("openai")
+    thinking = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "<think>"}]
+    async with serving() as (client, _):
+        sdk = openai.AsyncOpenAI(
+            api_key="unused", base_url="http://test/v1", http_client=client, max_retries=0
+        )
+        whole = await sdk.chat.completions.create(
+            model="m", messages=thinking, max_tokens=6, temperature=0,
+            extra_body={"repeat_penalty": 1.0, "cache_prompt": False},
+        )  # fmt: skip
+        message = whole.choices[0].message
+        assert message.content == "" and message.reasoning_content  # type: ignore[attr-defined]
+        assert whole.timings["predicted_n"] == whole.usage.completion_tokens  # type: ignore[attr-defined,union-attr]
+        stream = await sdk.chat.completions.create(
+            model="m", messages=thinking, max_tokens=6, temperature=0, stream=True
+        )
+        reasoning = [
+            getattr(chunk.choices[0].delta, "reasoning_content", None) or ""
+            async for chunk in stream
+            if chunk.choices
+        ]
+        assert "".join(reasoning) == message.reasoning_content  # type: ignore[attr-defined]
