@@ -220,6 +220,7 @@ class OpenAIServer:
                 request_id=render.request_id,
                 timeout_s=call.timeout_s,
                 stall_timeout_s=call.stall_timeout_s,
+                reuse_prefix=call.reuse_prefix,
             )
         except MlxRuntimeError as error:
             timer.ended("rejected")

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from runtime.messages import ChatMessage, Sampling
+from runtime.server.aliases import canonical
 from runtime.server.errors import UNSUPPORTED_VALUE, invalid, unsupported
 from runtime.server.schema import (
     ChatCompletionRequest,
@@ -61,6 +62,7 @@ class RuntimeCall(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool
     timeout_s: float | None = None
     stall_timeout_s: float | None = None
+    reuse_prefix: bool = True  # False: llama-server's cache_prompt false (prefill it all)
 
 
 class PrewarmCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -77,6 +79,7 @@ class PrewarmCall(msgspec.Struct, frozen=True, kw_only=True):
 
 def completion_call(request: CompletionRequest) -> RuntimeCall:
     """``/v1/completions``; raises ``HttpError`` for refused fields."""
+    request = canonical(request)  # the neighbours' field names (aliases.py)
     _refuse_choices(request.n, request.best_of)
     if request.echo:
         raise unsupported(
@@ -101,6 +104,7 @@ def completion_call(request: CompletionRequest) -> RuntimeCall:
 
 def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
     """``/v1/chat/completions``; raises ``HttpError`` for refused fields and message shapes."""
+    request = canonical(request)  # the neighbours' field names (aliases.py)
     _refuse_choices(request.n, None)
     for field, value, off, why in (
         ("tools", request.tools, (None, []), "tool calling is not supported"),
@@ -202,6 +206,7 @@ def _call(
         include_usage=request.stream_options is not None and request.stream_options.include_usage,
         timeout_s=request.timeout_s,
         stall_timeout_s=request.stall_timeout_s,
+        reuse_prefix=request.cache_prompt is not False,
     )
 
 
@@ -252,7 +257,21 @@ def _one_prompt(
 
 
 def _chat_messages(messages: list[WireChatMessage]) -> tuple[ChatMessage, ...]:
-    return tuple(_chat_message(i, message) for i, message in enumerate(messages))
+    return tuple(
+        _with_reasoning(i, message, _chat_message(i, message)) for i, message in enumerate(messages)
+    )
+
+
+def _with_reasoning(index: int, wire: WireChatMessage, message: ChatMessage) -> ChatMessage:
+    """An assistant turn's ``reasoning_content`` as the ``<think>`` block the model wrote, so the
+    chat path treats it as all reasoning: stripped from earlier turns, kept in a final prefill."""
+    reasoning = wire.reasoning_content
+    if not reasoning:
+        return message
+    if wire.role != "assistant":
+        where = f"messages[{index}].reasoning_content"
+        raise invalid(where, f"{where}: only assistant messages carry reasoning")
+    return ChatMessage(message.role, f"<think>\n{reasoning}\n</think>\n\n{message.content}")
 
 
 def _chat_message(index: int, message: WireChatMessage) -> ChatMessage:
