@@ -24,6 +24,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # legitimate step. Loads are not watched. None (or 0): no watchdog.
     step_timeout_s: float | None = 60.0
     coalesce: CoalescePolicy = CoalescePolicy()  # token events merged by size/age for hosts
+    # A request for a model still loading, or unloaded by its keep-alive (ModelSpec.keep_alive_s),
+    # waits for the model (loading it again); False: such a request is refused (model_not_loaded).
+    auto_load: bool = True
 
     def resolved_kv_budget_bytes(self) -> int:
         """``kv_budget_bytes``, or ``kv_budget_fraction`` of the memory MLX can still allocate."""

@@ -173,6 +173,7 @@ class Simulator:
             step_timeout_s=self.config.step_timeout_s,
             engine_restart=self.config.engine_restart,
             stall_timeout_s=self.config.stall_timeout_s,
+            auto_load=self.config.auto_load,
         ):
             if faults is not None and address == KV_KEEPER:
                 core = faults.wrap_keeper(core)
