@@ -33,7 +33,9 @@ async def serving(
 ) -> AsyncIterator[tuple[httpx.AsyncClient, OpenAIServer]]:
     """A running server (its lifespan entered) and a client on its ASGI app."""
     config = RuntimeConfig(**{"kv_budget_bytes": 64 << 20, **runtime})  # type: ignore[arg-type]
-    server = OpenAIServer(ServerConfig(models=models or (sim_model(),), runtime=config))
+    server = OpenAIServer(
+        ServerConfig(models=models or (sim_model(),), runtime=config, offer_cached_models=False)
+    )
     async with server.app.router.lifespan_context(server.app):
         transport = httpx.ASGITransport(app=server.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
@@ -476,7 +478,8 @@ async def test_models_health_and_unknown_routes() -> None:
             ("b", "model", 128),
         ]
         assert (await client.get("/v1/models/b")).json()["id"] == "b"
-        assert (await client.get("/health")).json() == {"status": "ok"}
+        health = (await client.get("/health")).json()
+        assert health == {"status": "ok", "models": {"a": "loaded", "b": "loaded"}}
         missing = await client.get("/v1/embeddings")
         assert missing.status_code == 404 and error_of(missing)["code"] is None
         wrong_method = await client.get("/v1/completions")
