@@ -31,6 +31,15 @@ Teardown fencing
     router stops the engine → ``ModelUnloaded``. Anything carrying an older epoch is dropped and
     counted.
 
+Model keep-alive and auto-load
+    A ready model whose last request ended starts an idle spell: the router arms one
+    ``IdleCheck(model, epoch, idle_ticket)`` timer for its ``ModelSpec.keep_alive_s``; a request
+    ends the spell (the timer, when it fires, is stale: dropped and counted). One that fires in
+    its spell unloads the model (teardown fencing) and keeps its spec as *idle*. With
+    ``RuntimeConfig.auto_load`` a request for an idle model loads it again, one for a loading
+    model is admitted to its engine, and one that meets the idle unload is parked until the
+    drain ends. ``ListModels`` → ``ModelsListed``: every model's ``ModelStatus``.
+
 KV budget (engine ↔ keeper ↔ prefix-cache manager)
     ``Reserve`` → ``Reserved`` | ``ReservationRefused`` (after queueing FIFO up to a deadline; the
     keeper asks the prefix manager to ``Evict`` first). ``Transfer`` moves bytes from a sequence to
