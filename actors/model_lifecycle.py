@@ -138,13 +138,9 @@ class ModelLifecycle:
         """Whether ``name`` is being unloaded by its keep-alive and comes back (auto-load) for a
         request that arrives meanwhile: such a request waits for the drain, then the reload."""
         model = self._models.get(name)
-        return (
-            self._auto_load
-            and not self._shutdown_waiters
-            and model is not None
-            and model.state is ModelState.UNLOADING
-            and model.idle_unload
-        )
+        if model is None or not self._auto_load or self._shutdown_waiters:
+            return False
+        return model.state is ModelState.UNLOADING and model.idle_unload
 
     def request_started(self, model: Model) -> None:
         """A request was admitted to ``model``'s current epoch: it is busy."""
@@ -177,16 +173,10 @@ class ModelLifecycle:
         """Every model in the table and every idle one, by name (``ListModels``)."""
         found = [self._status(model, now) for model in self._models.values()]
         found += [
-            ModelStatus(
-                name=spec.name,
-                state="idle",
-                epoch=epoch,
-                path=spec.path,
-                live_requests=0,
-                keep_alive_s=spec.keep_alive_s,
-            )
+            ModelStatus(name=spec.name, state="idle", epoch=epoch, path=spec.path,
+                        live_requests=0, keep_alive_s=spec.keep_alive_s)
             for spec, epoch in self._idle.values()
-        ]
+        ]  # fmt: skip
         return tuple(sorted(found, key=lambda status: status.name))
 
     def _status(self, model: Model, now: float) -> ModelStatus:

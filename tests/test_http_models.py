@@ -157,3 +157,13 @@ async def test_without_auto_load_an_unloaded_model_is_404() -> None:
         assert (response.status_code, error_code(response)) == (404, "model_not_loaded")
         assert (await client.post("/v1/models/load", json={"model": "a"})).status_code == 200
         assert completed_text(await complete(client, "a")) == EXPECTED
+
+
+async def test_unloading_an_idle_model_forgets_it_and_a_request_loads_it_again() -> None:
+    async with serving(sim_model("m", keep_alive_s=0.0)) as (client, server):
+        assert completed_text(await complete(client)) == EXPECTED
+        await wait_until(server.runtime, lambda: router_gauge(server, "models_idle") == 1)
+        response = await client.post("/v1/models/unload", json={"model": "m"})
+        assert (response.status_code, error_code(response)) == (404, "model_not_loaded")
+        assert (await models(client))["m"]["state"] == "available"
+        assert completed_text(await complete(client)) == EXPECTED

@@ -89,6 +89,9 @@ class ModelManager:
         self._catalog = catalog
         self._preparing: dict[str, anyio.Event] = {}
         self._first_seen: dict[str, int] = {}
+        # Loaded here and not unloaded here: the runtime keeps these (loading, idle, failed...),
+        # so a request for one needs no look at the model table first.
+        self._in_runtime: set[str] = set()
 
     # ------------------------------------------------------------------ loading
 
@@ -97,7 +100,7 @@ class ModelManager:
         this server can load is loaded first (fetched and converted as needed). Anything else
         (loaded, loading, idle, failed, unknown) is left to the runtime, which admits, waits,
         reloads or refuses the request. Raises ``MlxRuntimeError`` when the load fails."""
-        if not self._auto_load:
+        if not self._auto_load or name in self._in_runtime:
             return
         if any(status.name == name for status in await self._runtime.list_models()):
             return
@@ -163,6 +166,7 @@ class ModelManager:
             loaded.reuse_path,
             "forever" if spec.keep_alive_s is None else f"{spec.keep_alive_s:g} s",
         )
+        self._in_runtime.add(name)
         self._loaded(name)
         return loaded
 
@@ -171,7 +175,10 @@ class ModelManager:
         ``ModelLoading`` while it is being prepared, ``ModelNotLoaded`` if it is not loaded."""
         if name in self._preparing and await self._status(name) is None:
             raise ModelLoading(f"model {name!r} is being prepared; unload it once it is loaded")
-        return await self._runtime.unload_model(name)
+        try:
+            return await self._runtime.unload_model(name)
+        finally:  # the runtime forgets it (even an idle one it refuses): load it anew on demand
+            self._in_runtime.discard(name)
 
     def spec_for(self, name: str, keep_alive: object = KEEP) -> ModelSpec | None:
         """The spec to load ``name`` with (None: not available); ``keep_alive`` (seconds or None)
