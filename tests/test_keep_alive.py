@@ -5,9 +5,12 @@ from __future__ import annotations
 import itertools
 
 import msgspec
+import pytest
 
+from runtime.api import Runtime
 from runtime.backends.simulated import greedy_continuation
-from runtime.errors import ModelLoading, ModelNotLoaded
+from runtime.config import RuntimeConfig
+from runtime.errors import InvalidModelSpec, ModelAlreadyLoaded, ModelLoading, ModelNotLoaded
 from runtime.messages import (
     Cancel,
     Cancelled,
@@ -244,3 +247,26 @@ def test_a_load_replaces_the_spec_of_an_idle_model() -> None:
     assert isinstance(reply, ModelLoaded)
     loaded = status(sim)
     assert loaded is not None and loaded.state == "loaded" and loaded.keep_alive_s is None
+
+
+# --------------------------------------------------------------------------- on the Runtime
+
+
+@pytest.mark.anyio
+async def test_the_runtime_lists_its_models_and_refuses_a_bad_keep_alive() -> None:
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 20)) as rt:
+        for bad in (-1.0, float("nan")):
+            with pytest.raises(InvalidModelSpec, match="keep_alive_s"):
+                await rt.load_model(spec(keep_alive_s=bad))
+        assert await rt.list_models() == ()
+        await rt.load_model(spec(keep_alive_s=None))
+        [listed] = await rt.list_models()
+        assert (listed.name, listed.state, listed.epoch, listed.live_requests) == (
+            "m",
+            "loaded",
+            1,
+            0,
+        )
+        assert listed.context_length == 4096 and listed.expires_in_s is None
+        with pytest.raises(ModelAlreadyLoaded):
+            await rt.load_model(spec())
