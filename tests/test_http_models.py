@@ -133,7 +133,7 @@ async def test_an_idle_model_unloads_after_its_keep_alive_and_comes_back_on_dema
 
 
 async def test_a_request_for_an_unloaded_model_loads_it_and_shows_it_loading() -> None:
-    async with serving(sim_model("slow", load_s=1.0), sim_model()) as (client, server):
+    async with serving(sim_model("slow", load_s=2.0), sim_model()) as (client, server):
         assert (await client.post("/v1/models/unload", json={"model": "slow"})).status_code == 200
         async with anyio.create_task_group() as tg:
             responses: list[httpx.Response] = []
