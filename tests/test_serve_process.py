@@ -164,6 +164,8 @@ def test_a_known_model_loads_on_demand_next_to_the_default_one(
             model="gemma3-270m", prompt="The capital of France is", max_tokens=4, temperature=0
         )
         assert text.choices[0].text.strip()
-        assert states(client)["gemma3-270m"] == "loaded"
+        [gemma] = [model for model in client.models.list() if model.id == "gemma3-270m"]
+        extra = gemma.model_extra or {}
+        assert (extra["state"], extra["source"], extra["cache"]) == ("loaded", "known", None)
         assert post(client, "/models/unload", model="gemma3-270m")["status"] == "unloaded"
         assert states(client)["gemma3-270m"] == "available"

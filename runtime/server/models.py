@@ -11,6 +11,7 @@ at a time, shown as ``preparing``), then ``Runtime.load_model``.
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
 import math
 import re
@@ -42,7 +43,13 @@ log = logging.getLogger("mlx_actor_runtime.server")
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
-KEEP = object()  # "no keep-alive given": the spec's own, or the server's default
+
+
+class _Unset(enum.Enum):
+    KEEP = enum.auto()  # no keep-alive given: the spec's own, or the server's default
+
+
+KEEP = _Unset.KEEP
 
 
 def parse_keep_alive(value: float | str) -> float | None:
@@ -88,6 +95,7 @@ class ModelManager:
         self._loaded = loaded
         self._catalog = catalog
         self._preparing: dict[str, anyio.Event] = {}
+        self._prepared: dict[str, ModelSpec] = {}  # loaded by name (not configured), prepared
         self._first_seen: dict[str, int] = {}
         # Loaded here and not unloaded here: the runtime keeps these (loading, idle, failed...),
         # so a request for one needs no look at the model table first.
@@ -151,7 +159,8 @@ class ModelManager:
                 if prepared.note:
                     log.info("%s: %s", name, prepared.note)
                 spec = prepared_spec(spec, prepared)
-                self._configured.setdefault(name, spec)  # an idle reload needs no new fetch
+                if name not in self._configured:  # a load on demand later needs no new fetch
+                    self._prepared[name] = spec
             stage = f"load {name}"
             self._progress(stage, 0, 1)
             loaded = await self._runtime.load_model(spec)
@@ -180,17 +189,16 @@ class ModelManager:
         finally:  # the runtime forgets it (even an idle one it refuses): load it anew on demand
             self._in_runtime.discard(name)
 
-    def spec_for(self, name: str, keep_alive: object = KEEP) -> ModelSpec | None:
+    def spec_for(self, name: str, keep_alive: float | _Unset | None = KEEP) -> ModelSpec | None:
         """The spec to load ``name`` with (None: not available); ``keep_alive`` (seconds or None)
         replaces its keep-alive."""
-        spec = self._configured.get(name)
+        spec = self._configured.get(name) or self._prepared.get(name)
         if spec is None:
             entry = next((m for m in self._catalog() if m.name == name), None)
             if entry is None:
                 return None
             spec = ModelSpec(name=name, path=entry.path, keep_alive_s=self._keep_alive_s)
-        if keep_alive is not KEEP:
-            assert keep_alive is None or isinstance(keep_alive, float)
+        if not isinstance(keep_alive, _Unset):
             spec = msgspec.structs.replace(spec, keep_alive_s=keep_alive)
         return spec
 
