@@ -27,9 +27,29 @@ class ServerError(Exception):
 def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Add ``ps``, ``load``, ``unload`` and ``models`` to ``mlxrt``'s sub-commands."""
     url_help = f"the server's address (default {DEFAULT_URL})"
-    ps = commands.add_parser("ps", help="the models a running server has, and their state")
+
+    def command(name: str, summary: str, examples: str) -> argparse.ArgumentParser:
+        return commands.add_parser(
+            name,
+            help=summary,
+            description=summary[0].upper() + summary[1:] + ".",
+            epilog=f"examples:\n{examples}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+
+    ps = command(
+        "ps",
+        "the models a running server has, and their state",
+        "  mlxrt ps                                the server on :8000\n"
+        "  mlxrt ps --url http://127.0.0.1:8080\n",
+    )
     ps.add_argument("--url", default=DEFAULT_URL, help=url_help)
-    load = commands.add_parser("load", help="load a model on a running server")
+    load = command(
+        "load",
+        "load a model on a running server",
+        "  mlxrt load gemma3-270m                  fetched and converted first if needed\n"
+        "  mlxrt load gemma3-270m --keep-alive -1  and kept loaded\n",
+    )
     load.add_argument("name", metavar="NAME", help="a model `mlxrt ps` or `mlxrt models` lists")
     load.add_argument(
         "--keep-alive",
@@ -38,10 +58,18 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         "server's --keep-alive",
     )
     load.add_argument("--url", default=DEFAULT_URL, help=url_help)
-    unload = commands.add_parser("unload", help="unload a model from a running server")
+    unload = command(
+        "unload",
+        "unload a model from a running server",
+        "  mlxrt unload gemma3-270m                its requests end, its memory is freed\n",
+    )
     unload.add_argument("name", metavar="NAME")
     unload.add_argument("--url", default=DEFAULT_URL, help=url_help)
-    commands.add_parser("models", help="the known and converted models this machine can load")
+    command(
+        "models",
+        "the known and converted models this machine can load",
+        "  mlxrt models                            name, source, cache state, description\n",
+    )
 
 
 def run_command(args: argparse.Namespace) -> int:
