@@ -33,9 +33,7 @@ async def serving(
 ) -> AsyncIterator[tuple[httpx.AsyncClient, OpenAIServer]]:
     """A running server (its lifespan entered) and a client on its ASGI app."""
     config = RuntimeConfig(**{"kv_budget_bytes": 64 << 20, **runtime})  # type: ignore[arg-type]
-    server = OpenAIServer(
-        ServerConfig(models=models or (sim_model(),), runtime=config, offer_cached_models=False)
-    )
+    server = OpenAIServer(ServerConfig(models=models or (sim_model(),), runtime=config))
     async with server.app.router.lifespan_context(server.app):
         transport = httpx.ASGITransport(app=server.app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:

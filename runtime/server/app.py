@@ -56,12 +56,13 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     holds a million-token prompt as JSON token ids; a larger one could only fail the context
     check, after tokenizing it). ``offer_cached_models``: the known models and the cached GGUF
     conversions are available too (loaded by ``POST /v1/models/load``, or on a request's demand
-    with ``runtime.auto_load``), with ``keep_alive_s`` (None: kept loaded)."""
+    with ``runtime.auto_load``), with ``keep_alive_s`` (None: kept loaded); off by default, so a
+    host serves only its own models unless it asks (``mlxrt serve`` does)."""
 
     models: tuple[ModelSpec, ...]
     runtime: RuntimeConfig = RuntimeConfig()
     max_body_bytes: int = 8 << 20
-    offer_cached_models: bool = True
+    offer_cached_models: bool = False
     keep_alive_s: float | None = None
 
 
