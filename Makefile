@@ -71,8 +71,8 @@ run: venv
 	$(WITH_BLAS) $(PY) -m runtime.demo
 
 lint: venv
-	$(PY) -m ruff check runtime actors tests property_tests conftest.py $(wildcard bench)
-	$(PY) -m ruff format --check runtime actors
+	$(PY) -m ruff check runtime actors tests property_tests conftest.py examples $(wildcard bench)
+	$(PY) -m ruff format --check runtime actors examples
 	$(PY) -m mypy
 
 # pytest is the last command, so its exit status decides the target; exit 5

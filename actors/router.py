@@ -24,7 +24,7 @@ from typing import assert_never
 from actors.deadlines import Expiry, RequestGuards
 from actors.model_lifecycle import EngineFactory, ModelLifecycle, ModelState, not_loaded
 from runtime.errors import DuplicateRequestId
-from runtime.kernel.core import PREFIX_CACHE, Address, Context, engine_address
+from runtime.kernel.core import PREFIX_CACHE, Address, Context, engine_address, engine_model
 from runtime.kernel.stats import Counters
 from runtime.kernel.supervision import RestartPolicy
 from runtime.messages import (
@@ -66,6 +66,9 @@ from runtime.messages import (
     Usage,
     for_request,
 )
+
+# Per-model engine failures are counted under this prefix plus the model (beside the total).
+ENGINES_FAILED_OF = "engines_failed:"
 
 
 @dataclass(frozen=True)
@@ -183,6 +186,7 @@ class RouterCore:
                 ctx.count_dead_letter("stale_engine_event")
             case EngineFailed(epoch=epoch, code=code, message=text):
                 self.counters.inc("engines_failed")
+                self.counters.inc(f"{ENGINES_FAILED_OF}{engine_model(sender)}")
                 self._end_orphans(epoch, ctx, lambda live: _failed(live, code, text))
                 self._guards.epoch_drained(epoch)  # a given-up engine answers nothing more
                 self._models.engine_failed(message, sender, ctx)

@@ -10,8 +10,9 @@ extends or equals another. The rules, as protocols.md states them:
   session); a generate never follows;
 - only live (not aborted, not ended), older (admitted before it) sequences of the newcomer's
   session are adopted or superseded, each at most once, in the table's order;
-- at most one prewarm is adopted, and only by a newcomer that follows none and adopted none yet:
-  the first computing one (restoring, prefilling, decoding) whose prefill target its own extends;
+- at most one prewarm is adopted, and only by a newcomer that follows none and adopted none yet
+  (and, a generate, may reuse prefixes: ``reuse_prefix``): the first computing one (restoring,
+  prefilling, decoding) whose prefill target its own extends;
 - the followers of the adopted prewarm are left to end with it; nothing anonymous, and nothing of
   an anonymous newcomer, is superseded; an older generate is superseded exactly when the newcomer
   is a generate with ``supersede`` set; a prewarm identical to a prewarm newcomer is left (the same
@@ -50,6 +51,7 @@ class Drawn:
     aborted: bool = False
     supersede: bool = False
     anonymous: bool = False
+    reuse_prefix: bool = True  # a generate sent with False adopts nothing
     leader: int | None = None  # index of an earlier drawn sequence it follows
     newer: bool = False  # admitted after the newcomer (tokenized first all the same)
 
@@ -66,6 +68,7 @@ def build(sequence_id: int, drawn: Drawn) -> Sequence:
             namespace=namespace,
             anonymous=anonymous,
             supersede=drawn.supersede,
+            reuse_prefix=drawn.reuse_prefix,
         )
     else:
         request = Prewarm(
@@ -109,6 +112,7 @@ def scenes(draw: st.DrawFn) -> tuple[Drawn, list[Drawn]]:
         phase=Phase.TOKENIZING,
         supersede=draw(st.booleans()),
         anonymous=draw(st.sampled_from([False, False, True])),
+        reuse_prefix=draw(st.sampled_from([True, True, False])),
     )
     assert new.tokens is not None
     # Often the newcomer's prompt, cut short or whole, maybe with a token of its own.
@@ -171,6 +175,7 @@ def prewarm(
 
 TYPED = Drawn(RequestKind.GENERATE, SESSIONS[0], (1, 2, 1), Phase.TOKENIZING)
 FOCUS = prewarm((1, 2, 1), Phase.TOKENIZING)  # a new prewarm
+COLD = Drawn(RequestKind.GENERATE, SESSIONS[0], (1, 2, 1), Phase.TOKENIZING, reuse_prefix=False)
 PREFILLING = Phase.PREFILLING
 
 
@@ -187,6 +192,7 @@ PREFILLING = Phase.PREFILLING
 @example(scene=(TYPED, [prewarm((1, 2), PREFILLING), prewarm((1, 2), Phase.FOLLOWING, leader=0)]))
 @example(scene=(FOCUS, [prewarm((2,), PREFILLING, anonymous=True)]))
 @example(scene=(TYPED, [prewarm((2,), Phase.RESERVING, newer=True)]))  # sent after it: left
+@example(scene=(COLD, [prewarm((1, 2), PREFILLING)]))  # restores nothing: supersedes, not adopts
 def test_the_plan_follows_the_supersede_adopt_and_join_rules(
     scene: tuple[Drawn, list[Drawn]],
 ) -> None:
@@ -226,7 +232,8 @@ def test_the_plan_follows_the_supersede_adopt_and_join_rules(
         for s in session
         if s.kind is RequestKind.PREWARM and s.phase in COMPUTE_PHASES and extends(newcomer, s)
     ]
-    adopted = adoptable[0] if adoptable and leader is None else None
+    reuses = newcomer.kind is RequestKind.PREWARM or new.reuse_prefix
+    adopted = adoptable[0] if adoptable and leader is None and reuses else None
     assert plan.adopted is adopted
     for seq in session:
         superseded = any(seq is t for t in plan.superseded)

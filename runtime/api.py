@@ -215,12 +215,15 @@ class Runtime:
         timeout_s: float | None = None,
         stall_timeout_s: float | None = None,
         anonymous: bool = False,
+        reuse_prefix: bool = True,
     ) -> GenerationStream:
         """A stream of this request's events; raises ``InvalidRequest`` on malformed input.
 
         ``timeout_s``: the request ends ``Failed(request_timeout)`` that long after it was
         accepted, whatever it is doing. ``stall_timeout_s``: it ends ``Failed(stream_stalled)``
         when no token came for that long after the first (None: ``config.stall_timeout_s``).
+        ``reuse_prefix=False``: prefill the whole prompt, restoring nothing cached (``Started``
+        then says 0 cached tokens); what it computes is still cached for later requests.
         """
         request = Generate(
             request_id=request_id or uuid.uuid4().hex,
@@ -240,6 +243,7 @@ class Runtime:
             timeout_s=timeout_s,
             stall_timeout_s=stall_timeout_s,
             anonymous=anonymous,
+            reuse_prefix=reuse_prefix,
         )
         validate_request(request)
         policy = coalesce or self.config.coalesce

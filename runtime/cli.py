@@ -7,43 +7,20 @@ on first use, with a progress bar)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import logging
 import os
 import sys
-from pathlib import Path
-from typing import Any
 
 import anyio
-import msgspec
 
 from runtime.api import Runtime
-from runtime.backends.model_source import prepare_model, prepared_spec
 from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS
-from runtime.backends.options import OptionValue, option_from_text
 from runtime.config import RuntimeConfig
 from runtime.errors import MlxRuntimeError
-from runtime.messages import ChatMessage, ModelSpec, TokensEmitted
-from runtime.model_commands import add_commands, run_command
+from runtime.messages import ChatMessage, TokensEmitted
+from runtime.model_args import model_specs, prepare_specs
+from runtime.model_commands import add_commands, add_serve_flags, run_command
 from runtime.progress import tqdm_progress
-
-GRACEFUL_SHUTDOWN_S = 10  # on Ctrl-C, streams still running after this are cancelled
-
-
-def prepare_specs(specs: tuple[ModelSpec, ...], *, quiet: bool) -> tuple[ModelSpec, ...]:
-    """Fetch and convert the models before the runtime starts, showing progress; the specs
-    with their paths replaced by the prepared directories (so the engines' loads neither fetch
-    nor hash a GGUF file again)."""
-    prepared_specs: list[ModelSpec] = []
-    with tqdm_progress(disable=quiet) as progress:
-        for spec in specs:
-            if spec.backend == "mlx":
-                prepared = prepare_model(spec, progress)
-                if prepared.note and not quiet:
-                    print(f"{spec.name}: {prepared.note}", file=sys.stderr)
-                spec = prepared_spec(spec, prepared)
-            prepared_specs.append(spec)
-    return tuple(prepared_specs)
+from runtime.serve_cli import GRACEFUL_SHUTDOWN_S, serve_models
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -95,102 +72,6 @@ def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def model_name(path: str) -> str:
-    """The name a model is served under when only its path is given: a known model's own name,
-    else the file or directory name without a ``.gguf`` suffix."""
-    if path in KNOWN_MODELS:
-        return path
-    name = Path(path.rstrip("/")).name
-    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
-
-
-def model_specs(values: list[str], backend: str, options: list[str]) -> tuple[ModelSpec, ...]:
-    """``--model`` arguments as specs: ``PATH`` (served under a name derived from it) or
-    ``NAME=PATH``; PATH is an mlx-lm directory, a .gguf file or a known model; a simulated model
-    needs only ``NAME``. No values: the default model. ``KEY=VALUE`` options go to every model,
-    each value converted to the type the backend declares for it (``kv_bits=4`` is 4,
-    ``batching=False`` is False).
-
-    Raises ``ValueError`` with a sentence for a malformed option or a malformed or repeated name,
-    ``InvalidModelSpec`` (a ``ValueError``) for an unknown option or a value of the wrong type.
-    """
-    texts: dict[str, str] = {}
-    for option in options:
-        key, equals, text = option.partition("=")
-        if not key or not equals:
-            raise ValueError(f"--model-option {option!r}: write KEY=VALUE")
-        texts[key] = text
-    specs: list[ModelSpec] = []
-    for value in values or ([DEFAULT_MODEL] if backend == "mlx" else []):
-        name, equals, path = value.partition("=")
-        if not equals or "/" in name:  # a bare path (which may itself contain "=")
-            name, path = (model_name(value), value) if backend == "mlx" else (value, "")
-        if not name or (backend == "mlx" and not path):
-            raise ValueError(
-                f"--model {value!r}: write PATH or NAME=PATH (an mlx-lm model directory, a "
-                f".gguf file, or a known model: {', '.join(KNOWN_MODELS)})"
-            )
-        if any(spec.name == name for spec in specs):
-            raise ValueError(f"--model {name!r} is given twice; each model needs its own name")
-        spec = ModelSpec(name=name, path=path or None, backend=backend)
-        parsed: dict[str, OptionValue] = {
-            key: option_from_text(spec, key, text) for key, text in texts.items()
-        }
-        specs.append(msgspec.structs.replace(spec, options=parsed))
-    return tuple(specs)
-
-
-def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import uvicorn
-
-    from runtime.server import OpenAIServer, ServerConfig
-    from runtime.server.models import parse_keep_alive
-
-    try:
-        keep_alive_s = parse_keep_alive(args.keep_alive)
-        models = model_specs(args.model, args.backend, args.model_option)
-    except ValueError as error:
-        parser.error(str(error))
-    models = tuple(
-        msgspec.structs.replace(spec, keep_alive_s=keep_alive_s)
-        for spec in prepare_specs(models, quiet=args.quiet)
-    )
-    # uvicorn configures its own loggers only; the runtime's (model loads, reuse paths) go here.
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
-    budget = None if args.kv_budget_mib is None else args.kv_budget_mib << 20
-    runtime = RuntimeConfig(
-        kv_budget_bytes=budget,
-        kv_budget_fraction=args.kv_budget_fraction,
-        auto_load=not args.no_auto_load,
-    )
-    config = ServerConfig(
-        models=models,
-        runtime=runtime,
-        keep_alive_s=keep_alive_s,
-        offer_cached_models=args.backend == "mlx",  # cached models are MLX ones
-    )
-    # Bars for what loads on demand too (fetch, convert, load), for as long as the server runs.
-    with tqdm_progress(disable=args.quiet) as progress:
-        server = OpenAIServer(config, progress=progress)
-        uvicorn.Server(_uvicorn_config(server.app, args)).run()
-    return 0
-
-
-def _uvicorn_config(app: object, args: argparse.Namespace) -> Any:
-    import uvicorn
-
-    return uvicorn.Config(
-        app,  # type: ignore[arg-type]
-        host=args.host,
-        port=args.port,
-        # uvloop when installed: the event loop only moves messages, so its speed is latency.
-        loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        lifespan="on",
-        log_level=args.log_level,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
-
-
 _EXAMPLES = """examples:
   mlxrt generate "What is the capital of France?"        the default model, chat-framed
   mlxrt generate --raw --model gemma3-270m $'Q: Why is the sky blue?\\nA:'  no chat template
@@ -199,11 +80,42 @@ _EXAMPLES = """examples:
   mlxrt chat --model gemma3-270m --show-cache --system "Answer in one sentence."
   mlxrt serve                                            the default model on :8000
   mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
-  mlxrt serve --keep-alive 30m                           unload models idle for 30 minutes
   mlxrt ps                                               what the server on :8000 has loaded
-  mlxrt load gemma3-270m --keep-alive -1                 load a model there, keep it loaded
-  mlxrt unload gemma3-270m                               and unload it
-  mlxrt models                                           the models this machine can load
+"""
+
+
+_DEMO_DESCRIPTION = """\
+A tour of the runtime on the default model, each behaviour with the figure that shows it: a
+multi-turn chat reusing earlier turns' KV, a prewarm, a long prefill abandoned mid-way, four
+streams decoded as one batch, and the same model over HTTP. Without network it tours the tiny
+random-weight models instead."""
+_DEMO_EXAMPLES = """examples:
+  mlxrt demo                                   what `make run` runs
+  LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 mlxrt demo
+                                               with OpenBLAS: CPU matmul ~40x faster
+"""
+_GENERATE_DESCRIPTION = """\
+Generate from one prompt and stream the text to stdout. The prompt is framed by the model's chat
+template as a user message (as mlx_lm.generate does), unless --raw."""
+_GENERATE_EXAMPLES = """examples:
+  mlxrt generate "What is the capital of France?"           the default model
+  mlxrt generate --max-tokens 32 --quiet "Say hi."          no progress bars or notes
+  mlxrt generate --model ~/models/llama.Q4_0.gguf "Hello"   any llama or gemma3 GGUF file
+  mlxrt generate --backend simulated --model sim "hello"    no MLX: a deterministic stand-in
+  mlxrt generate --raw --model gemma3-270m $'Q: Why is the sky blue?\\nA:'   no chat template
+"""
+_SERVE_DESCRIPTION = f"""\
+Serve models over an OpenAI-compatible HTTP API (docs/http.md): /v1/completions,
+/v1/chat/completions, /v1/models, the runtime's own /v1/prewarm, /health and /metrics. The models
+load before the server accepts requests; Ctrl-C stops it, letting running streams finish for up
+to {GRACEFUL_SHUTDOWN_S} s."""
+_SERVE_EXAMPLES = """examples:
+  mlxrt serve                                  the default model on 127.0.0.1:8000
+  mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
+  mlxrt serve --model-option kv_bits=8 --kv-budget-mib 512 --host 0.0.0.0
+  mlxrt serve --keep-alive 30m --no-auto-load  unload models idle 30 min; load none on demand
+  curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 """
 
 
@@ -243,8 +155,20 @@ def main(argv: list[str] | None = None) -> int:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("demo", help="tour the runtime on the default model (what `make run` runs)")
-    gen = commands.add_parser("generate", help="generate from one prompt")
+    commands.add_parser(
+        "demo",
+        help="tour the runtime on the default model (what `make run` runs)",
+        description=_DEMO_DESCRIPTION,
+        epilog=_DEMO_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    gen = commands.add_parser(
+        "generate",
+        help="generate from one prompt",
+        description=_GENERATE_DESCRIPTION,
+        epilog=_GENERATE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     gen.add_argument("prompt_text", nargs="?", metavar="PROMPT", help="the prompt")
     gen.add_argument(
         "--model",
@@ -252,9 +176,16 @@ def main(argv: list[str] | None = None) -> int:
         metavar="[NAME=]PATH",
         help=_ONE_MODEL_HELP,
     )
-    gen.add_argument("--backend", default="mlx", choices=["mlx", "simulated"])
+    gen.add_argument(
+        "--backend",
+        default="mlx",
+        choices=["mlx", "simulated"],
+        help="simulated: a deterministic stand-in model (gibberish), no MLX needed",
+    )
     gen.add_argument("--prompt", help="the prompt (instead of PROMPT)")
-    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument(
+        "--max-tokens", type=int, default=128, metavar="N", help="most tokens to generate (128)"
+    )
     gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
     gen.add_argument("--quiet", action="store_true", help="no progress bars or load notes")
     chat = commands.add_parser(
@@ -288,7 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         help="after each reply print `cached n/m`: prompt tokens reused from earlier turns",
     )
     chat.add_argument("--quiet", action="store_true", help="no progress bars or load notes")
-    serve = commands.add_parser("serve", help="serve models over an OpenAI-compatible HTTP API")
+    serve = commands.add_parser(
+        "serve",
+        help="serve models over an OpenAI-compatible HTTP API",
+        description=_SERVE_DESCRIPTION,
+        epilog=_SERVE_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     serve.add_argument(
         "--model",
         action="append",
@@ -304,9 +241,14 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="a model option for every model, e.g. kv_bits=4 or context_length=8192 (docs/api.md)",
     )
-    serve.add_argument("--backend", default="mlx", choices=["mlx", "simulated"])
-    serve.add_argument("--host", default="127.0.0.1")
-    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--backend",
+        default="mlx",
+        choices=["mlx", "simulated"],
+        help="simulated: deterministic stand-in models (NAME only, no PATH), no MLX needed",
+    )
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
     serve.add_argument(
         "--kv-budget-mib", type=int, help="KV cache budget (default: a fraction of MLX's memory)"
     )
@@ -319,17 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
-    serve.add_argument(
-        "--keep-alive",
-        default="5m",
-        metavar="DURATION",
-        help='unload a model once idle this long ("30s", "5m", "1h"; -1: never; default 5m)',
-    )
-    serve.add_argument(
-        "--no-auto-load",
-        action="store_true",
-        help="refuse requests for a model that is not loaded (default: load it first)",
-    )
+    add_serve_flags(serve)
     serve.add_argument("--quiet", action="store_true", help="no progress bars")
     add_commands(commands)
     args = parser.parse_args(argv)
@@ -339,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         demo()
         return 0
     if args.command == "serve":
-        return _serve(args, parser)
+        return serve_models(args, parser)
     if args.command in ("ps", "load", "unload", "models"):
         return run_command(args)
     if args.command == "chat":

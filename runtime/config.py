@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
+from runtime.errors import InvalidConfig
 from runtime.kernel.supervision import RestartPolicy
 from runtime.text.coalesce import CoalescePolicy
 
@@ -28,6 +31,20 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # waits for the model (loading it again); False: such a request is refused (model_not_loaded).
     auto_load: bool = True
 
+    def __post_init__(self) -> None:
+        # A zero mailbox or a negative timeout would not fail here but hang or misfire later.
+        for name, value, ok, wanted in (
+            ("kv_budget_bytes", self.kv_budget_bytes, _at_least(0), ">= 0, or None"),
+            ("kv_budget_fraction", self.kv_budget_fraction, _fraction, "in (0, 1]"),
+            ("reservation_timeout_s", self.reservation_timeout_s, _at_least(0), ">= 0"),
+            ("default_max_tokens", self.default_max_tokens, _at_least(1), ">= 1"),
+            ("stall_timeout_s", self.stall_timeout_s, _positive, "> 0, or None (off)"),
+            ("router_mailbox_capacity", self.router_mailbox_capacity, _at_least(1), ">= 1"),
+            ("step_timeout_s", self.step_timeout_s, _at_least(0), ">= 0, or None (off)"),
+        ):
+            if value is not None and not ok(value):
+                raise InvalidConfig(f"RuntimeConfig.{name} must be {wanted} (got {value!r})")
+
     def resolved_kv_budget_bytes(self) -> int:
         """``kv_budget_bytes``, or ``kv_budget_fraction`` of the memory MLX can still allocate."""
         if self.kv_budget_bytes is not None:
@@ -35,3 +52,15 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
         from runtime.backends.mlx.memory import default_kv_budget_bytes  # imports MLX: only here
 
         return default_kv_budget_bytes(self.kv_budget_fraction)
+
+
+def _at_least(low: float) -> Callable[[float], bool]:
+    return lambda value: value >= low
+
+
+def _positive(value: float) -> bool:
+    return value > 0
+
+
+def _fraction(value: float) -> bool:
+    return 0 < value <= 1

@@ -49,6 +49,12 @@ class InvalidModelSpec(InvalidRequest):
     code = "invalid_model_spec"
 
 
+class InvalidConfig(InvalidRequest):
+    """Raised when a ``RuntimeConfig`` knob is out of its range (the message names it)."""
+
+    code = "invalid_config"
+
+
 # --------------------------------------------------------------------------- routing
 
 

@@ -194,6 +194,8 @@ class Generate(Message, frozen=True):
     ``anonymous``: the host cannot tell this request's client from others' (the HTTP server's
     requests without ``session``); it still adopts a prewarm of its session that it extends, but
     it never supersedes another request, and no request supersedes it.
+    ``reuse_prefix`` False: prefill the whole prompt, restoring nothing (no prefix-cache lookup,
+    no prewarm adopted); the state it leaves is still cached for later requests.
     """
 
     request_id: str
@@ -213,6 +215,7 @@ class Generate(Message, frozen=True):
     timeout_s: float | None = None
     stall_timeout_s: float | None = None
     anonymous: bool = False
+    reuse_prefix: bool = True
 
 
 class Prewarm(Message, frozen=True):
@@ -309,6 +312,9 @@ class Started(Message, frozen=True):
     cached_tokens: int
     path: ReusePath
     dropped_turns: int = 0  # chat history turns the window left out (only when asked for)
+    # The rendered chat prompt ends inside an open reasoning block (``<think>``): the output
+    # starts as reasoning (runtime/text/reasoning.py).
+    reasoning_open: bool = False
 
 
 class TokensEmitted(Message, frozen=True):
@@ -532,6 +538,7 @@ class SequenceStarted(Message, frozen=True):
     cached_tokens: int
     path: ReusePath
     dropped_turns: int = 0
+    reasoning_open: bool = False
 
 
 class TokensProduced(Message, frozen=True):

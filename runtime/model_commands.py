@@ -72,6 +72,21 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     )
 
 
+def add_serve_flags(serve: argparse.ArgumentParser) -> None:
+    """``mlxrt serve``'s model-management flags: ``--keep-alive`` and ``--no-auto-load``."""
+    serve.add_argument(
+        "--keep-alive",
+        default="5m",
+        metavar="DURATION",
+        help='unload a model once idle this long ("30s", "5m", "1h"; -1: never; default 5m)',
+    )
+    serve.add_argument(
+        "--no-auto-load",
+        action="store_true",
+        help="refuse requests for a model that is not loaded (default: load it first)",
+    )
+
+
 def run_command(args: argparse.Namespace) -> int:
     """Run ``ps``, ``load``, ``unload`` or ``models``; 1 on an error the server reported, 2 when
     it cannot be reached."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from runtime.backends.model_store import DEFAULT_MODEL
@@ -65,3 +67,24 @@ def test_generate_streams_a_reply_on_the_simulated_backend(
         == 0
     )
     assert capsys.readouterr().out.strip()
+
+
+def _help(capsys: pytest.CaptureFixture[str], *argv: str) -> str:
+    with pytest.raises(SystemExit) as exited:
+        main([*argv, "--help"])
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_every_command_s_help_ends_with_examples_of_it(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    usage = _help(capsys)
+    match = re.search(r"\{([a-z,-]+)\}", usage)
+    assert match is not None, usage
+    commands = match[1].split(",")
+    assert {"demo", "generate", "chat", "serve"} <= set(commands)
+    for command in commands:
+        shown = _help(capsys, command)
+        examples = shown.partition("\nexamples:\n")[2]
+        assert f"mlxrt {command}" in examples, f"`mlxrt {command} --help` shows no examples"

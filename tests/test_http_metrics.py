@@ -20,7 +20,7 @@ from runtime.kernel.core import engine_address
 from runtime.messages import ModelSpec, Stats, TokensEmitted, Usage
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.metrics import ServerMetrics
-from runtime.server.stats_collector import EngineTotals
+from runtime.server.stats_collector import EngineTotals, _router_families
 from runtime.testing.harness import ModelOption, sim_spec, wait_until
 
 pytestmark = pytest.mark.anyio
@@ -145,7 +145,7 @@ async def test_requests_tokens_reuse_and_kv_are_exposed_in_prometheus_format() -
     assert metrics.value("mlxrt_kv_reserved_bytes") == stats.actors["kv"].gauges["reserved"] > 0
     assert metrics.value("mlxrt_batch_size", model="m") == 0
     assert metrics.value("mlxrt_live_requests") == 0
-    assert metrics.value("mlxrt_engine_failures_total") == 0
+    assert not any(name == "mlxrt_engine_failures_total" for name, _ in metrics.samples)
     assert metrics.types["mlxrt_kv_waits"] == "counter"
 
 
@@ -219,3 +219,12 @@ def test_a_stream_timer_splits_a_gap_over_the_tokens_it_brought() -> None:
     assert scraped.value("mlxrt_prompt_tokens_total", model="m") == 5
     assert scraped.value("mlxrt_cached_prompt_tokens_total", model="m") == 3
     assert scraped.value("mlxrt_completion_tokens_total", model="m") == 4
+
+
+def test_engine_failures_are_counted_per_model() -> None:
+    counts = {"engines_failed": 3, "engines_failed:a": 2, "engines_failed:b": 1}
+    router_stats = Stats(actor="router", counters=counts)
+    [failures] = [f for f in _router_families(router_stats) if f.name == "mlxrt_engine_failures"]
+    assert failures.type == "counter"
+    by_model = {(s.labels["model"], s.value) for s in failures.samples if s.name.endswith("_total")}
+    assert by_model == {("a", 2), ("b", 1)}

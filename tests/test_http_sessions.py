@@ -139,3 +139,42 @@ async def test_identical_sessionless_prewarms_prefill_once() -> None:
         cached = sorted(warm.answers[name]["cached_tokens"] for name in "abcd")
         assert cached == [0, 99, 99, 99]  # the followers computed nothing of it
         assert counter(server, "prefilled_tokens") - before == len(prompt) - 1
+
+
+async def test_supersede_aborts_the_sessions_older_generate_and_no_one_elses() -> None:
+    async with (
+        serving(sim_model(decode_s_per_token=0.02)) as (client, server),
+        anyio.create_task_group() as tg,
+    ):
+        answers: dict[str, httpx.Response] = {}
+
+        async def post(name: str, **body: object) -> None:
+            answers[name] = await client.post(
+                "/v1/completions",
+                json={"model": "m", "prompt": name, "max_tokens": 200, "temperature": 0, **body},
+            )
+
+        tg.start_soon(functools.partial(post, "mine", session="editor"))
+        tg.start_soon(functools.partial(post, "theirs", session="other", max_tokens=5))
+        await wait_until(
+            server.runtime,
+            lambda: counter(server, "decoded_tokens") > 0,
+            what="the first completions decode",
+        )
+        await complete(client, "mine, one key later", session="editor", supersede=True)
+    cut = answers["mine"]
+    assert cut.status_code == 409, cut.text
+    assert cut.json()["error"]["code"] == "request_cancelled"
+    assert "superseded" in cut.json()["error"]["message"]
+    assert answers["theirs"].status_code == 200  # another session's request runs on
+
+
+async def test_supersede_without_a_session_is_refused_naming_it() -> None:
+    async with serving(sim_model()) as (client, _):
+        response = await client.post(
+            "/v1/completions",
+            json={"model": "m", "prompt": "x", "max_tokens": 2, "supersede": True},
+        )
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "supersede" and "session" in error["message"]

@@ -25,7 +25,7 @@ from runtime.backends.options import (
 from runtime.backends.simulated import RealClock, SimulatedBackend, greedy_continuation
 from runtime.cli import main, model_specs, prepare_specs
 from runtime.config import RuntimeConfig
-from runtime.errors import InvalidModelSpec
+from runtime.errors import InvalidConfig, InvalidModelSpec
 from runtime.messages import CommandFailed, Generate, ModelSpec
 from runtime.testing.harness import make_sim
 from runtime.testing.simulator import Simulator
@@ -88,6 +88,13 @@ def test_command_line_values_take_each_options_declared_type() -> None:
         ("batching=maybe", "'batching'", "true or false"),
         ("kv_bits=5", "'kv_bits'", "4 or 8"),
         ("kv_bit=4", "'kv_bit'", "kv_bits"),
+        # Out of range: a zero batch or gate would admit nothing, a negative time misfire.
+        ("max_batch=0", "'max_batch'", "an integer >= 1"),
+        ("max_concurrent=0", "'max_concurrent'", "an integer >= 1"),
+        ("prefill_chunk_ms=-1", "'prefill_chunk_ms'", "a number >= 0"),
+        ("decode_stall_ms=-5", "'decode_stall_ms'", "a number >= 0"),
+        ("checkpoint_every_tokens=-1", "'checkpoint_every_tokens'", "an integer >= 0"),
+        ("context_length=-2", "'context_length'", "an integer >= 0, or null"),
     ],
 )
 def test_a_command_line_option_that_does_not_convert_names_the_option(
@@ -113,7 +120,9 @@ def test_prepared_specs_drop_the_weights_their_directory_already_holds(
 ) -> None:
     # The CLI converts a .gguf once and hands the engines its directory: the weights option was
     # used up by the conversion, and on a directory it would now be refused.
-    monkeypatch.setattr("runtime.cli.prepare_model", lambda spec, progress: PreparedModel(tmp_path))
+    monkeypatch.setattr(
+        "runtime.model_args.prepare_model", lambda spec, progress: PreparedModel(tmp_path)
+    )
     (tmp_path / "tokenizer.json").write_text("{}")  # a model directory has its tokenizer
     spec = ModelSpec(name="g", path="/x/model.gguf", options={"weights": "float32", "kv_bits": 8})
     [prepared] = prepare_specs((spec,), quiet=True)
@@ -189,12 +198,14 @@ def test_each_backend_decodes_its_own_options_and_the_engines() -> None:
     ("backend", "options", "named", "accepted"),
     [
         ("mlx", {"kv_bits": 5}, "'kv_bits'", "4 or 8, or null"),
-        ("mlx", {"context_length": "8192"}, "'context_length'", "an integer, or null"),
+        ("mlx", {"context_length": "8192"}, "'context_length'", "an integer >= 0, or null"),
         ("mlx", {"weights": "int3"}, "'weights'", "one of 'auto', 'float32'"),
         ("mlx", {"trimmable": False}, "'trimmable'", "known: batching"),
         ("simulated", {"max_batch": True}, "'max_batch'", "an integer"),  # a bool is no count
         ("simulated", {"batching": "False"}, "'batching'", "true or false"),
         ("simulated", {"kv_bits": 4}, "'kv_bits'", "known: batching"),
+        ("simulated", {"max_concurrent": 0}, "'max_concurrent'", "an integer >= 1"),
+        ("mlx", {"max_batch": -1}, "'max_batch'", "an integer >= 1"),
     ],
 )
 def test_a_bad_option_names_itself_and_what_is_accepted(
@@ -246,3 +257,29 @@ def test_the_loader_hands_each_kind_its_struct_and_refuses_another_kinds() -> No
         load(spec, MlxOptions())
     with pytest.raises(InvalidModelSpec, match="MlxOptions, not SimulatedModelOptions"):
         load(ModelSpec(name="m", path="/nowhere"), SimulatedModelOptions())
+
+
+@pytest.mark.parametrize(
+    ("knob", "value", "wanted"),
+    [
+        ("stall_timeout_s", 0.0, "> 0, or None"),
+        ("step_timeout_s", -1.0, ">= 0, or None"),
+        ("reservation_timeout_s", -0.5, ">= 0"),
+        ("router_mailbox_capacity", 0, ">= 1"),
+        ("default_max_tokens", 0, ">= 1"),
+        ("kv_budget_fraction", 1.5, "in (0, 1]"),
+        ("kv_budget_bytes", -1, ">= 0"),
+    ],
+)
+def test_a_runtime_config_knob_out_of_range_is_refused_naming_it(
+    knob: str, value: float, wanted: str
+) -> None:
+    with pytest.raises(InvalidConfig) as caught:
+        RuntimeConfig(**{knob: value})
+    assert caught.value.code == "invalid_config"
+    assert f"RuntimeConfig.{knob}" in caught.value.message and wanted in caught.value.message
+
+
+def test_runtime_config_ranges_keep_their_off_values() -> None:
+    RuntimeConfig(stall_timeout_s=None, step_timeout_s=None, kv_budget_bytes=0)
+    RuntimeConfig(step_timeout_s=0.0, reservation_timeout_s=0.0)

@@ -461,6 +461,25 @@ async def test_a_superseding_keystroke_aborts_the_sessions_older_generate() -> N
         assert isinstance(other.terminal, Finished)  # other sessions are untouched
 
 
+async def test_only_a_superseded_prefill_counts_as_an_aborted_prefill() -> None:
+    async with Runtime(config()) as rt:
+        loaded = await rt.load_model(sim_model(prefill_s_per_token=0.002))
+        async with rt.generate("m", "def f" * 60, max_tokens=4, session="editor") as stale:
+            assert isinstance(await stale.__anext__(), Started)  # restored: its prefill runs
+            await rt.complete(
+                "m", "def f" * 60 + "(", max_tokens=2, session="editor", supersede=True
+            )
+            assert [e async for e in stale if isinstance(e, TokensEmitted)] == []
+        assert engine_stats(rt, loaded).counters["prefills_aborted"] == 1
+        async with rt.generate("m", "x = 1", max_tokens=1000, session="editor") as decoding:
+            async for event in decoding:
+                if isinstance(event, TokensEmitted):
+                    break  # its prefill is done: it now decodes
+            await rt.complete("m", "x = 2", max_tokens=1, session="editor", supersede=True)
+        assert engine_stats(rt, loaded).counters["prefills_aborted"] == 1  # a decode, not a prefill
+        assert engine_stats(rt, loaded).counters["generates_superseded"] == 2
+
+
 async def test_chat_without_max_tokens_fits_and_prewarm_renders_like_its_generate() -> None:
     chat = [ChatMessage(role="user", content=f"turn {i}") for i in range(6)]
     options = ChatOptions(history_budget_tokens=60)

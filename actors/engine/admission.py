@@ -13,7 +13,8 @@
 4. ``Reserve`` its KV (prompt plus ``max_tokens``, and room for the checkpoint snapshots of its
    prefill when the cache cannot be trimmed), then ``Lookup`` the prefix cache; the sequence
    then restores (``RESTORING``) and the engine core's pump takes it from there. A generate that
-   adopted a prewarm skips the lookup: once reserved it resumes where the prewarm was.
+   adopted a prewarm skips the lookup: once reserved it resumes where the prewarm was. A generate
+   sent with ``reuse_prefix=False`` skips it too and restores nothing (a cold prefill).
 
 Admission ends sequences through ``SequenceEnds`` (the engine's ``Endings``, endings.py).
 """
@@ -134,6 +135,7 @@ class Admission:
                     seq.instructions_tokens = prepared.instructions_tokens
                     seq.message_ends = prepared.message_ends
                     seq.dropped_turns = prepared.dropped_turns
+                    seq.reasoning_open = prepared.reasoning_open
                 seq.tokens = tuple(tokens)
                 self._tokenized(seq, ctx)
 
@@ -301,6 +303,12 @@ class Admission:
             seq.phase = seq.resume_phase
             advanced = seq.phase is Phase.PREFILLING and not seq.in_compute
             return seq if advanced else None
+        if not seq.reuse_prefix:  # told to prefill everything: a miss without asking
+            self._counters.inc("lookups_skipped")
+            seq.restore_entry, seq.restore_length = None, 0
+            seq.cached_tokens, seq.path = 0, ReusePath.MISS
+            seq.phase = Phase.RESTORING
+            return None
         seq.phase = Phase.LOOKING_UP
         assert seq.tokens is not None
         ctx.send(

@@ -68,6 +68,7 @@ def announce_start(seq: Sequence, counters: Counters, ctx: Context) -> None:
             cached_tokens=seq.cached_tokens,
             path=seq.path,
             dropped_turns=seq.dropped_turns,
+            reasoning_open=seq.reasoning_open,
         ),
     )
 

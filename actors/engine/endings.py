@@ -73,6 +73,8 @@ class Endings:
             return
         seq.abort_reason = reason
         seq.abort.set()
+        if seq.phase in (Phase.RESTORING, Phase.PREFILLING):  # prompt work stopped part-way
+            self._counters.inc("prefills_aborted")
         if not seq.in_compute:
             self.finish_cancelled(seq, ctx)
 

@@ -92,6 +92,7 @@ class Sequence:
     tokens: TokenIds | None  # the prompt's, once given or tokenized
     rng: random.Random
     dropped_turns: int = 0
+    reasoning_open: bool = False  # its chat prompt ends inside an open reasoning block
     instructions_tokens: int = 0  # leading tokens that render the system messages alone
     message_ends: tuple[int, ...] = ()  # token counts where chat messages end (checkpoints)
     pin_at: int = 0  # >0: snapshot here and pin it as the session's instructions prefix
@@ -187,6 +188,13 @@ class Sequence:
         """Whether its client cannot be told from others': it supersedes nothing, nor is
         superseded (the HTTP server's requests without a session)."""
         return self.admit.request.anonymous
+
+    @property
+    def reuse_prefix(self) -> bool:
+        """Whether it may restore cached state (a lookup hit, an adopted prewarm); a generate
+        sent with ``reuse_prefix=False`` prefills its whole prompt."""
+        request = self.admit.request
+        return not isinstance(request, Generate) or request.reuse_prefix
 
     # ------------------------------------------------------------------ the engine's view
 

@@ -13,7 +13,9 @@ A generate or a prewarm, once it has its tokens, may end or take over older work
   followers of the adopted one (they end with it); an older generate is superseded only by a
   generate with ``supersede`` set;
 - an anonymous request (its client cannot be told from others') supersedes nothing and is
-  superseded by nothing; it still adopts and follows.
+  superseded by nothing; it still adopts and follows;
+- a generate sent with ``reuse_prefix=False`` adopts nothing (it prefills its whole prompt); it
+  still supersedes as any generate does.
 
 ``plan_supersede`` decides, admission (admission.py) carries the plan out; the plan alone is
 property-tested (property_tests/test_supersede_plan.py).
@@ -82,7 +84,8 @@ def plan_supersede(newcomer: Sequence, others: Iterable[Sequence]) -> SupersedeP
         s for s in live if s.session == newcomer.session and s.sequence_id < newcomer.sequence_id
     ]
     adopted = None
-    if leader is None and newcomer.resume_phase is None:  # not following, not adopting already
+    # Not following, not adopting already, and allowed to restore state it did not compute.
+    if leader is None and newcomer.resume_phase is None and newcomer.reuse_prefix:
         adopted = next(
             (
                 s

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import types
 import typing
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import msgspec
 
@@ -30,6 +30,11 @@ DEFAULT_MAX_BATCH = 8
 DEFAULT_DECODE_STALL_MS = 1000.0
 DEFAULT_MAX_CONCURRENT = 32
 
+# Ranges, checked where options are decoded: a zero batch or admission gate would admit nothing.
+NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
+PositiveInt = Annotated[int, msgspec.Meta(ge=1)]
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+
 # How a .gguf file's weights are stored once converted (docs/models.md); "auto" picks by device.
 WeightFormat = Literal["float32", "bfloat16", "float16", "quantized"]
 WeightsOption = Literal["auto", WeightFormat]
@@ -40,27 +45,27 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 
     # The widest snapshot spacing in prefills of non-trimmable caches; cheap snapshots space
     # closer (actors/engine/checkpoints.py). 0: no periodic snapshots.
-    checkpoint_every_tokens: int = DEFAULT_CHECKPOINT_EVERY
+    checkpoint_every_tokens: NonNegativeInt = DEFAULT_CHECKPOINT_EVERY
     # Time a prefill chunk aims at: a decode-batch step or another request waits about this long
     # behind it (an abort less: a pass gives up between layers). A chunk never takes less than
     # 8 to 16 one-token passes' time, so on most models that floor decides and the 10 ms default
     # only bounds fast ones (actors/engine/chunking.py). 0: every chunk takes
     # ModelSpec.prefill_chunk_tokens, which also caps them.
-    prefill_chunk_ms: float = DEFAULT_PREFILL_CHUNK_MS
+    prefill_chunk_ms: NonNegativeFloat = DEFAULT_PREFILL_CHUNK_MS
     # How long decoding streams may pause while newcomers whose prompts finish in one chunk
     # prefill ahead of them, so that the next batch step serves those too (actors/engine/turns.py).
     # 0: newcomers' chunks and decode steps always take turns.
-    decode_stall_ms: float = DEFAULT_DECODE_STALL_MS
+    decode_stall_ms: NonNegativeFloat = DEFAULT_DECODE_STALL_MS
     batching: bool = True  # False: every stream stays on the B=1 fast path
-    max_batch: int = DEFAULT_MAX_BATCH  # most sequences in one decode batch
-    max_concurrent: int = DEFAULT_MAX_CONCURRENT  # sequences past the admission gate at once
+    max_batch: PositiveInt = DEFAULT_MAX_BATCH  # most sequences in one decode batch
+    max_concurrent: PositiveInt = DEFAULT_MAX_CONCURRENT  # sequences past the admission gate
 
 
 class MlxOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of an mlx-lm model (``backend="mlx"``)."""
 
     kv_bits: Literal[4, 8] | None = None  # quantized KV for full-attention layers
-    context_length: int | None = None  # None (or 0): the model's own config decides
+    context_length: NonNegativeInt | None = None  # None (or 0): the model's own config decides
     # Only for a .gguf file or a known model: the format they are converted to.
     weights: WeightsOption | None = None
 
@@ -153,6 +158,15 @@ def _convert(
 def accepted(annotation: Any) -> str:
     """What a value of this option type may be, said to a person ("4 or 8, or null")."""
     origin = typing.get_origin(annotation)
+    if origin is Annotated:
+        base, *metas = typing.get_args(annotation)
+        bounds = [
+            f"{sign} {getattr(meta, field)}"
+            for meta in metas
+            for field, sign in (("ge", ">="), ("gt", ">"), ("le", "<="), ("lt", "<"))
+            if getattr(meta, field, None) is not None
+        ]
+        return " ".join([accepted(base), *bounds])
     if origin is Literal:
         choices = [repr(arg) for arg in typing.get_args(annotation)]
         return " or ".join(choices) if len(choices) < 3 else f"one of {', '.join(choices)}"

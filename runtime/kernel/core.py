@@ -20,11 +20,19 @@ Address = str
 ROUTER: Address = "router"
 KV_KEEPER: Address = "kv"
 PREFIX_CACHE: Address = "prefix"
+ENGINE_PREFIX = "engine:"
 
 
 def engine_address(model: str, epoch: int) -> Address:
     """Each load of a model gets its own address: mail for an old load never reaches a new one."""
-    return f"engine:{model}#{epoch}"
+    return f"{ENGINE_PREFIX}{model}#{epoch}"
+
+
+def engine_model(address: Address) -> str | None:
+    """The model of an ``engine_address``; None for other actors' addresses."""
+    if not address.startswith(ENGINE_PREFIX) or "#" not in address:
+        return None
+    return address.removeprefix(ENGINE_PREFIX).rpartition("#")[0]
 
 
 class Context(Protocol):

@@ -275,9 +275,11 @@ class OpenAIServer:
                 # Without a session the server cannot tell its clients apart: this request must
                 # not cut another's work short, nor have its own cut short (docs/http.md).
                 anonymous=call.session is None,
+                supersede=call.supersede,
                 request_id=render.request_id,
                 timeout_s=call.timeout_s,
                 stall_timeout_s=call.stall_timeout_s,
+                reuse_prefix=call.reuse_prefix,
             )
         except MlxRuntimeError as error:
             timer.ended("rejected")

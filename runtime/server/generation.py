@@ -16,7 +16,7 @@ attempts.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import msgspec
@@ -103,8 +103,10 @@ class GenerationResponse(Response):
             await self._send_error(send, error_for_runtime(error))
 
     async def _next_output(self, stream: GenerationStream) -> Output:
-        """The next text or terminal event, observed by the timer (metrics) on its way."""
-        output = await _next_output(stream)
+        """The next text or terminal event, observed by the timer (metrics) and the response's
+        clock (timings) on its way; ``Started`` goes to the render."""
+        output = await _next_output(stream, self._render.started)
+        self._render.clock.saw(output)
         if isinstance(output, TokensEmitted):
             if self._timer is not None:
                 self._timer.tokens_emitted(output)
@@ -141,7 +143,7 @@ class GenerationResponse(Response):
         pending = self._render.opening()
         output: Output = first
         while isinstance(output, TokensEmitted):
-            await _send_chunks(send, [*pending, self._render.chunk(output)])
+            await _send_chunks(send, [*pending, *self._render.chunk(output)])
             pending = []
             output = await self._next_output(stream)
         if isinstance(output, Finished):
@@ -202,17 +204,21 @@ async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> N
     scope.cancel()
 
 
-async def _next_output(stream: GenerationStream) -> Output:
-    """The next text or terminal event (``Started`` carries nothing a client sees)."""
+async def _next_output(stream: GenerationStream, started: Callable[[Started], None]) -> Output:
+    """The next text or terminal event; ``Started`` (nothing a client sees yet) goes to
+    ``started``."""
     async for event in stream:
         if not isinstance(event, Started):
             return event
+        started(event)
     return None
 
 
 async def _send_chunks(send: Send, chunks: Sequence[Chunk], last: bytes | None = None) -> None:
     body = b"".join(b"data: " + encoder.encode(chunk) + b"\n\n" for chunk in chunks)
     if last is None:
+        if not body:
+            return  # all of the event's text is held back for now (a tag may be starting)
         await send({"type": "http.response.body", "body": body, "more_body": True})
     else:
         await send({"type": "http.response.body", "body": body + last, "more_body": False})

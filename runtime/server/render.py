@@ -2,7 +2,13 @@
 
 Streaming: ``opening()``, then ``chunk(event)`` for each ``TokensEmitted`` (the host stream has
 already coalesced them, see runtime/text/coalesce.py), then ``closing(finished)``. Otherwise
-``whole(events, finished)``.
+``whole(events, finished)``. ``started(event)`` comes first either way. The finish chunk and a
+whole response carry llama-server's ``timings`` (timings.py).
+
+Chat output is split into ``reasoning_content`` and ``content`` (runtime/text/reasoning.py): the
+reasoning block is opened by the output's first text or, when ``Started.reasoning_open`` says so,
+by the chat template. Streamed, a reasoning delta and a content delta are separate chunks, so a
+client reading one field per chunk misses nothing.
 
 Logprobs: the runtime reports token ids and the text each emitted token produced. A chosen token
 is named by that text, so the tokens add up to the output (a character split across tokens shows
@@ -19,8 +25,10 @@ from typing import ClassVar
 
 import msgspec
 
-from runtime.messages import Finished, FinishReason, TokenLogprob, TokensEmitted, Usage
+from runtime.messages import Finished, FinishReason, Started, TokenLogprob, TokensEmitted, Usage
 from runtime.server import schema as wire
+from runtime.server.timings import RequestClock
+from runtime.text.reasoning import ReasoningSplitter, Split, split_reasoning
 
 FINISH_REASONS: dict[FinishReason, str] = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length"}
 
@@ -50,17 +58,25 @@ class Render(abc.ABC):
         self.created = int(time.time())
         self.logprobs = logprobs
         self.include_usage = include_usage
+        self.clock = RequestClock()  # the caller shows it every event (``saw``) as it comes
+
+    def started(self, event: Started) -> None:
+        """The request's ``Started`` (before any text): what the response needs of it."""
+        self.clock.saw(event)
 
     def opening(self) -> list[wire.Chunk]:
         """Chunks sent before any text."""
         return []
 
     @abc.abstractmethod
-    def chunk(self, event: TokensEmitted) -> wire.Chunk: ...
+    def chunk(self, event: TokensEmitted) -> list[wire.Chunk]:
+        """The chunks for ``event`` (none when all its text is held back for now)."""
 
     def closing(self, finished: Finished) -> list[wire.Chunk]:
-        """The chunk carrying ``finish_reason``, then the usage chunk if the client asked for it."""
-        chunks = [self._finish_chunk(finish_reason(finished))]
+        """Text still held, the chunk carrying ``finish_reason`` and the timings, then the usage
+        chunk if the client asked for it."""
+        timings = self.clock.timings(finished.usage)
+        chunks = [*self._held(), self._finish_chunk(finish_reason(finished), timings)]
         if self.include_usage:
             chunks.append(self._usage_chunk(wire_usage(finished.usage)))
         return chunks
@@ -68,8 +84,12 @@ class Render(abc.ABC):
     @abc.abstractmethod
     def whole(self, events: Sequence[TokensEmitted], finished: Finished) -> msgspec.Struct: ...
 
+    def _held(self) -> list[wire.Chunk]:
+        """Chunks for text held back until the end."""
+        return []
+
     @abc.abstractmethod
-    def _finish_chunk(self, reason: str) -> wire.Chunk: ...
+    def _finish_chunk(self, reason: str, timings: wire.Timings) -> wire.Chunk: ...
 
     @abc.abstractmethod
     def _usage_chunk(self, usage: wire.WireUsage) -> wire.Chunk: ...
@@ -89,10 +109,10 @@ class CompletionRender(Render):
         super().__init__(request_id, model, logprobs=logprobs, include_usage=include_usage)
         self._text_offset = 0
 
-    def chunk(self, event: TokensEmitted) -> wire.TextCompletion:
+    def chunk(self, event: TokensEmitted) -> list[wire.Chunk]:
         logprobs = self._logprobs([event], self._text_offset)
         self._text_offset += len(event.text)
-        return self._completion([wire.CompletionChoice(text=event.text, logprobs=logprobs)])
+        return [self._completion([wire.CompletionChoice(text=event.text, logprobs=logprobs)])]
 
     def whole(self, events: Sequence[TokensEmitted], finished: Finished) -> wire.TextCompletion:
         choice = wire.CompletionChoice(
@@ -100,10 +120,12 @@ class CompletionRender(Render):
             logprobs=self._logprobs(events, 0),
             finish_reason=finish_reason(finished),
         )
-        return self._completion([choice], wire_usage(finished.usage))
+        timings = self.clock.timings(finished.usage)
+        return self._completion([choice], wire_usage(finished.usage), timings)
 
-    def _finish_chunk(self, reason: str) -> wire.TextCompletion:
-        return self._completion([wire.CompletionChoice(text="", finish_reason=reason)])
+    def _finish_chunk(self, reason: str, timings: wire.Timings) -> wire.TextCompletion:
+        choice = wire.CompletionChoice(text="", finish_reason=reason)
+        return self._completion([choice], timings=timings)
 
     def _usage_chunk(self, usage: wire.WireUsage) -> wire.TextCompletion:
         return self._completion([], usage)
@@ -112,6 +134,7 @@ class CompletionRender(Render):
         self,
         choices: list[wire.CompletionChoice],
         usage: wire.WireUsage | None = None,
+        timings: wire.Timings | msgspec.UnsetType = msgspec.UNSET,
     ) -> wire.TextCompletion:
         return wire.TextCompletion(
             id=self.request_id,
@@ -119,6 +142,7 @@ class CompletionRender(Render):
             model=self.model,
             choices=choices,
             usage=self._chunk_usage if usage is None else usage,
+            timings=timings,
         )
 
     def _logprobs(
@@ -143,22 +167,33 @@ class CompletionRender(Render):
 
 
 class ChatRender(Render):
-    """``/v1/chat/completions``: a role chunk, content deltas, chat logprobs."""
+    """``/v1/chat/completions``: a role chunk, reasoning and content deltas, chat logprobs."""
 
     prompt_field = "messages"
+
+    def __init__(self, request_id: str, model: str, *, logprobs: bool, include_usage: bool) -> None:
+        super().__init__(request_id, model, logprobs=logprobs, include_usage=include_usage)
+        self._reasoning_open = False
+        self._splitter = ReasoningSplitter(opened=False)
+
+    def started(self, event: Started) -> None:
+        super().started(event)
+        self._reasoning_open = event.reasoning_open
+        self._splitter = ReasoningSplitter(opened=event.reasoning_open)
 
     def opening(self) -> list[wire.Chunk]:
         return [self._chunk([wire.ChatChunkChoice(delta=wire.Delta(role="assistant", content=""))])]
 
-    def chunk(self, event: TokensEmitted) -> wire.ChatCompletionChunk:
-        choice = wire.ChatChunkChoice(
-            delta=wire.Delta(content=event.text), logprobs=self._logprobs([event])
-        )
-        return self._chunk([choice])
+    def chunk(self, event: TokensEmitted) -> list[wire.Chunk]:
+        return self._deltas(self._splitter.feed(event.text), self._logprobs([event]))
 
     def whole(self, events: Sequence[TokensEmitted], finished: Finished) -> wire.ChatCompletion:
+        split = split_reasoning("".join(e.text for e in events), opened=self._reasoning_open)
+        message = wire.AssistantMessage(
+            content=split.content, reasoning_content=split.reasoning or msgspec.UNSET
+        )
         choice = wire.ChatChoice(
-            message=wire.AssistantMessage(content="".join(e.text for e in events)),
+            message=message,
             finish_reason=finish_reason(finished),
             logprobs=self._logprobs(events),
         )
@@ -168,10 +203,28 @@ class ChatRender(Render):
             model=self.model,
             choices=[choice],
             usage=wire_usage(finished.usage),
+            timings=self.clock.timings(finished.usage),
         )
 
-    def _finish_chunk(self, reason: str) -> wire.ChatCompletionChunk:
-        return self._chunk([wire.ChatChunkChoice(delta=wire.Delta(), finish_reason=reason)])
+    def _held(self) -> list[wire.Chunk]:
+        return self._deltas(self._splitter.finish(), None)
+
+    def _deltas(self, split: Split, logprobs: wire.ChoiceLogprobs | None) -> list[wire.Chunk]:
+        """A reasoning delta, then a content delta, each only if it has text; the logprobs ride
+        on the first (an empty content delta carries them when all the text is held)."""
+        deltas = []
+        if split.reasoning:
+            deltas.append(wire.Delta(reasoning_content=split.reasoning))
+        if split.content or (not deltas and logprobs is not None):
+            deltas.append(wire.Delta(content=split.content))
+        return [
+            self._chunk([wire.ChatChunkChoice(delta=delta, logprobs=logprobs if i == 0 else None)])
+            for i, delta in enumerate(deltas)
+        ]
+
+    def _finish_chunk(self, reason: str, timings: wire.Timings) -> wire.ChatCompletionChunk:
+        choice = wire.ChatChunkChoice(delta=wire.Delta(), finish_reason=reason)
+        return self._chunk([choice], timings=timings)
 
     def _usage_chunk(self, usage: wire.WireUsage) -> wire.ChatCompletionChunk:
         return self._chunk([], usage)
@@ -180,6 +233,7 @@ class ChatRender(Render):
         self,
         choices: list[wire.ChatChunkChoice],
         usage: wire.WireUsage | None = None,
+        timings: wire.Timings | msgspec.UnsetType = msgspec.UNSET,
     ) -> wire.ChatCompletionChunk:
         return wire.ChatCompletionChunk(
             id=self.request_id,
@@ -187,6 +241,7 @@ class ChatRender(Render):
             model=self.model,
             choices=choices,
             usage=self._chunk_usage if usage is None else usage,
+            timings=timings,
         )
 
     def _logprobs(self, events: Sequence[TokensEmitted]) -> wire.ChoiceLogprobs | None:

@@ -57,9 +57,20 @@ class _GenerationBody(_Body, frozen=True, kw_only=True):
     dry_sequence_breakers: list[str] | None = None
     stop_token_ids: list[int] | None = None
     session: str | None = None
+    # True: this request aborts its session's older generates (a new keystroke's completion).
+    supersede: bool | None = None
     cache_salt: str | None = None
     timeout_s: float | None = None  # the request's deadline (runtime error request_timeout)
     stall_timeout_s: float | None = None  # no token for this long after the first: stalled
+    # The neighbours' names for the same things (llama-server, mlx_lm.server): aliases.py.
+    repeat_penalty: float | None = None
+    repeat_last_n: int | None = None
+    repetition_context_size: int | None = None
+    presence_context_size: int | None = None
+    frequency_context_size: int | None = None
+    n_predict: int | None = None
+    cache_prompt: bool | None = None
+    id_slot: int | None = None
 
 
 class CompletionRequest(_GenerationBody, frozen=True, kw_only=True):
@@ -91,6 +102,7 @@ class WireChatMessage(_Body, frozen=True, kw_only=True):
     function_call: Any = None
     refusal: str | None = None
     audio: Any = None
+    reasoning_content: str | None = None  # an assistant turn's reasoning (translate.py)
 
 
 class ChatCompletionRequest(_GenerationBody, frozen=True, kw_only=True):
@@ -177,6 +189,22 @@ class WireUsage(_Reply, frozen=True, kw_only=True):
     prompt_tokens_details: PromptTokensDetails
 
 
+class Timings(_Reply, frozen=True, kw_only=True):
+    """llama-server's per-request ``timings``: ``prompt_*`` the prompt tokens prefilled (not
+    restored from the cache, which ``cache_n`` counts), ``predicted_*`` the generated tokens;
+    milliseconds, rates per second (None when the time measured is 0)."""
+
+    prompt_n: int
+    prompt_ms: float
+    prompt_per_token_ms: float | None
+    prompt_per_second: float | None
+    predicted_n: int
+    predicted_ms: float
+    predicted_per_token_ms: float | None
+    predicted_per_second: float | None
+    cache_n: int
+
+
 class CompletionLogprobs(_Reply, frozen=True, kw_only=True):
     """The legacy completions form: parallel lists, one entry per token."""
 
@@ -202,6 +230,7 @@ class TextCompletion(_Reply, frozen=True, kw_only=True):
     model: str
     choices: list[CompletionChoice]
     usage: WireUsage | msgspec.UnsetType | None = msgspec.UNSET
+    timings: Timings | msgspec.UnsetType = msgspec.UNSET
 
 
 class TopLogprob(_Reply, frozen=True, kw_only=True):
@@ -224,6 +253,7 @@ class ChoiceLogprobs(_Reply, frozen=True, kw_only=True):
 class AssistantMessage(_Reply, frozen=True, kw_only=True):
     content: str
     role: Literal["assistant"] = "assistant"
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET  # only when the model reasoned
 
 
 class ChatChoice(_Reply, frozen=True, kw_only=True):
@@ -240,11 +270,13 @@ class ChatCompletion(_Reply, frozen=True, kw_only=True):
     model: str
     choices: list[ChatChoice]
     usage: WireUsage
+    timings: Timings | msgspec.UnsetType = msgspec.UNSET
 
 
 class Delta(_Reply, frozen=True, kw_only=True):
     role: Literal["assistant"] | msgspec.UnsetType = msgspec.UNSET
     content: str | msgspec.UnsetType = msgspec.UNSET
+    reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChunkChoice(_Reply, frozen=True, kw_only=True):
@@ -261,6 +293,7 @@ class ChatCompletionChunk(_Reply, frozen=True, kw_only=True):
     model: str
     choices: list[ChatChunkChoice]
     usage: WireUsage | msgspec.UnsetType | None = msgspec.UNSET
+    timings: Timings | msgspec.UnsetType = msgspec.UNSET
 
 
 class PrewarmResult(_Reply, frozen=True, kw_only=True):

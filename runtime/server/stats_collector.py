@@ -14,10 +14,11 @@ from collections.abc import Callable, Iterator
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from actors.router import ENGINES_FAILED_OF
 from runtime.api import RuntimeStats
+from runtime.kernel.core import engine_model
 from runtime.messages import ReusePath, Stats
 
-ENGINE_PREFIX = "engine:"
 EngineStats = tuple[str, Stats]  # an engine's model, and its stats
 # Engine counters shown per model: (metric name without mlxrt_ and _total, help, engine counter).
 _ENGINE_COUNTERS: tuple[tuple[str, str, str], ...] = (
@@ -35,13 +36,6 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("aborts", "Sequences the engine cancelled (superseded, disconnected, ...).", "cancelled"),
     ("admission_waits", "Admissions that waited for a KV reservation.", "admission_waits"),
 )
-
-
-def engine_model(address: str) -> str | None:
-    """The model of an ``engine:<model>#<epoch>`` address; None for other actors."""
-    if not address.startswith(ENGINE_PREFIX) or "#" not in address:
-        return None
-    return address.removeprefix(ENGINE_PREFIX).rpartition("#")[0]
 
 
 class EngineTotals:
@@ -165,8 +159,12 @@ def _router_families(router: Stats) -> Iterator[Metric]:
         "Requests and prewarms accepted and not yet ended.",
         value=router.gauges.get("live_requests", 0),
     )
-    yield CounterMetricFamily(
+    failures = CounterMetricFamily(
         "mlxrt_engine_failures",
         "Engines that failed (each is restarted while its restart intensity allows).",
-        value=router.counters.get("engines_failed", 0),
+        labels=["model"],
     )
+    for key, count in sorted(router.counters.items()):
+        if key.startswith(ENGINES_FAILED_OF):
+            failures.add_metric([key.removeprefix(ENGINES_FAILED_OF)], count)
+    yield failures

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from runtime.messages import ChatMessage, Sampling
+from runtime.server.aliases import canonical
 from runtime.server.errors import UNSUPPORTED_VALUE, invalid, unsupported
 from runtime.server.schema import (
     ChatCompletionRequest,
@@ -56,10 +57,12 @@ class RuntimeCall(msgspec.Struct, frozen=True, kw_only=True):
     stop_token_ids: tuple[int, ...]
     namespace: str
     session: str | None
+    supersede: bool = False
     stream: bool
     include_usage: bool
     timeout_s: float | None = None
     stall_timeout_s: float | None = None
+    reuse_prefix: bool = True  # False: llama-server's cache_prompt false (prefill it all)
 
 
 class PrewarmCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -76,6 +79,7 @@ class PrewarmCall(msgspec.Struct, frozen=True, kw_only=True):
 
 def completion_call(request: CompletionRequest) -> RuntimeCall:
     """``/v1/completions``; raises ``HttpError`` for refused fields."""
+    request = canonical(request)  # the neighbours' field names (aliases.py)
     _refuse_choices(request.n, request.best_of)
     if request.echo:
         raise unsupported(
@@ -100,6 +104,7 @@ def completion_call(request: CompletionRequest) -> RuntimeCall:
 
 def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
     """``/v1/chat/completions``; raises ``HttpError`` for refused fields and message shapes."""
+    request = canonical(request)  # the neighbours' field names (aliases.py)
     _refuse_choices(request.n, None)
     for field, value, off, why in (
         ("tools", request.tools, (None, []), "tool calling is not supported"),
@@ -155,6 +160,18 @@ def prewarm_call(request: PrewarmRequest) -> PrewarmCall:
     )
 
 
+def _supersede(request: CompletionRequest | ChatCompletionRequest) -> bool:
+    """Only a client's own older requests may be cut short: without a session the server cannot
+    tell whose they are (docs/http.md)."""
+    if request.supersede and request.session is None:
+        raise invalid(
+            "supersede",
+            "supersede needs a session: send the same session with each of your requests, so "
+            "that a new one aborts only your own older ones",
+        )
+    return bool(request.supersede)
+
+
 def _namespace(cache_salt: str | None) -> str:
     """Requests with different salts never share cached prefixes (the runtime's namespaces)."""
     if cache_salt is not None and not cache_salt:
@@ -184,10 +201,12 @@ def _call(
         stop_token_ids=tuple(request.stop_token_ids or ()),
         namespace=_namespace(request.cache_salt),
         session=request.session,
+        supersede=_supersede(request),
         stream=request.stream,
         include_usage=request.stream_options is not None and request.stream_options.include_usage,
         timeout_s=request.timeout_s,
         stall_timeout_s=request.stall_timeout_s,
+        reuse_prefix=request.cache_prompt is not False,
     )
 
 
@@ -238,7 +257,21 @@ def _one_prompt(
 
 
 def _chat_messages(messages: list[WireChatMessage]) -> tuple[ChatMessage, ...]:
-    return tuple(_chat_message(i, message) for i, message in enumerate(messages))
+    return tuple(
+        _with_reasoning(i, message, _chat_message(i, message)) for i, message in enumerate(messages)
+    )
+
+
+def _with_reasoning(index: int, wire: WireChatMessage, message: ChatMessage) -> ChatMessage:
+    """An assistant turn's ``reasoning_content`` as the ``<think>`` block the model wrote, so the
+    chat path treats it as all reasoning: stripped from earlier turns, kept in a final prefill."""
+    reasoning = wire.reasoning_content
+    if not reasoning:
+        return message
+    if wire.role != "assistant":
+        where = f"messages[{index}].reasoning_content"
+        raise invalid(where, f"{where}: only assistant messages carry reasoning")
+    return ChatMessage(message.role, f"<think>\n{reasoning}\n</think>\n\n{message.content}")
 
 
 def _chat_message(index: int, message: WireChatMessage) -> ChatMessage:

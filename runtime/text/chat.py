@@ -35,6 +35,7 @@ import msgspec
 
 from runtime.errors import ContextLengthExceeded, InvalidRequest
 from runtime.messages import ChatMessage, ChatOptions
+from runtime.text.reasoning import ends_inside_reasoning
 
 __all__ = [
     "ChatMessage",
@@ -65,7 +66,8 @@ class PreparedPrompt(msgspec.Struct, frozen=True, kw_only=True):
     prefix in the prefix cache. ``message_ends`` are the token counts, ascending, at which each of
     the latest ``MESSAGE_ENDS`` messages but the final one ends (a message whose end is not a
     token boundary of the prompt is left out). ``dropped_turns`` counts the turns the history
-    window removed.
+    window removed. ``reasoning_open``: the prompt ends inside a reasoning block its template (or
+    a final assistant prefill) opened, so the output starts as reasoning (reasoning.py).
     """
 
     tokens: tuple[int, ...]
@@ -73,6 +75,7 @@ class PreparedPrompt(msgspec.Struct, frozen=True, kw_only=True):
     instructions_tokens: int
     dropped_turns: int
     message_ends: tuple[int, ...] = ()
+    reasoning_open: bool = False
 
 
 class ChatTokenizer(Protocol):
@@ -116,6 +119,7 @@ def prepare_chat(
         instructions_tokens=_instructions_tokens(renderer, msgs, tokens),
         dropped_turns=dropped,
         message_ends=_message_ends(renderer, kept, text, tokens),
+        reasoning_open=ends_inside_reasoning(text),
     )
 
 
