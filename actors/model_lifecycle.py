@@ -7,6 +7,12 @@ the restart intensity allows, or could not be reloaded: out of service until loa
 load and every restart gets a new epoch and so a new engine address: mail for an old load never
 reaches a new one. Load, unload and shutdown askers are answered here; the router keeps the
 requests, and fails those an unloaded or failed engine left behind.
+
+Keep-alive: a ready model with no live request is idle (``KeepAlive``); once idle for its
+``ModelSpec.keep_alive_s`` it is unloaded through the same fenced drain as any unload, and its
+spec is kept as an *idle* model. With auto-load, a request for an idle model loads it again (a new
+epoch), and a request for a model still loading is admitted to its engine, which holds it until
+the model is in.
 """
 
 from __future__ import annotations
@@ -15,9 +21,11 @@ import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from actors.keep_alive import KeepAlive
 from runtime.errors import (
     ModelAlreadyLoaded,
     ModelFailed,
+    ModelLoading,
     ModelNotLoaded,
     ModelRestarting,
     ModelUnloading,
@@ -30,8 +38,11 @@ from runtime.messages import (
     EngineFailed,
     EngineLoadFailed,
     EngineReady,
+    IdleCheck,
     ModelLoaded,
     ModelSpec,
+    ModelStateName,
+    ModelStatus,
     ModelUnloaded,
     ShutdownComplete,
 )
@@ -47,6 +58,15 @@ class ModelState(enum.Enum):
     FAILED = enum.auto()
 
 
+_STATE_NAMES: dict[ModelState, ModelStateName] = {
+    ModelState.LOADING: "loading",
+    ModelState.READY: "loaded",
+    ModelState.UNLOADING: "unloading",
+    ModelState.RESTARTING: "restarting",
+    ModelState.FAILED: "failed",
+}
+
+
 @dataclass
 class Model:
     """One load of a model and the askers waiting on it."""
@@ -59,6 +79,7 @@ class Model:
     load_waiter: Address | None = None
     unload_waiters: list[Address] = field(default_factory=list)
     failure: str = ""  # why a FAILED model was taken out of service, said to the host
+    idle_unload: bool = False  # UNLOADING because its keep-alive ran out (not asked to)
 
     @property
     def address(self) -> Address:
@@ -68,12 +89,17 @@ class Model:
 class ModelLifecycle:
     """Loads, unloads and shutdown of the router's models (see module docstring)."""
 
-    def __init__(self, engine_factory: EngineFactory, restart_policy: RestartPolicy) -> None:
+    def __init__(
+        self, engine_factory: EngineFactory, restart_policy: RestartPolicy, *, auto_load: bool
+    ) -> None:
         self._engine_factory = engine_factory
         self._restart_policy = restart_policy
+        self._auto_load = auto_load
         self._models: dict[str, Model] = {}
+        self._idle: dict[str, tuple[ModelSpec, int]] = {}  # unloaded by keep-alive: spec, epoch
         self._next_epoch = 1
         self._shutdown_waiters: list[Address] = []
+        self.keep_alive = KeepAlive()
 
     def __len__(self) -> int:
         return len(self._models)
@@ -86,6 +112,88 @@ class ModelLifecycle:
     def count(self, state: ModelState) -> int:
         """How many models are in ``state``."""
         return sum(model.state is state for model in self._models.values())
+
+    @property
+    def idle_count(self) -> int:
+        """How many models the keep-alive unloaded and a request may load again."""
+        return len(self._idle)
+
+    def admitting(self, name: str, ctx: Context) -> Model | None:
+        """The model a request for ``name`` goes to now, or None if it is refused (or parked:
+        ``reloads_after_drain``). Ready; or, with auto-load, loading (its engine holds the
+        request until the model is in) or idle, which starts loading it again here."""
+        model = self._models.get(name)
+        if model is not None and model.state is ModelState.READY:
+            return model
+        if not self._auto_load or self._shutdown_waiters:
+            return None
+        if model is not None:
+            return model if model.state is ModelState.LOADING else None
+        if name not in self._idle:
+            return None
+        spec, _ = self._idle.pop(name)
+        return self._start_load(spec, asker=None, ctx=ctx)
+
+    def reloads_after_drain(self, name: str) -> bool:
+        """Whether ``name`` is being unloaded by its keep-alive and comes back (auto-load) for a
+        request that arrives meanwhile: such a request waits for the drain, then the reload."""
+        model = self._models.get(name)
+        if model is None or not self._auto_load or self._shutdown_waiters:
+            return False
+        return model.state is ModelState.UNLOADING and model.idle_unload
+
+    def request_started(self, model: Model) -> None:
+        """A request was admitted to ``model``'s current epoch: it is busy."""
+        self.keep_alive.started(model.epoch)
+
+    def request_ended(self, name: str, epoch: int, ctx: Context) -> None:
+        """A request of ``name`` at ``epoch`` ended; the last one of a ready model makes it idle."""
+        if not self.keep_alive.ended(epoch):
+            return
+        model = self._models.get(name)
+        if model is not None and model.epoch == epoch and model.state is ModelState.READY:
+            self.keep_alive.went_idle(name, epoch, model.spec.keep_alive_s, ctx)
+
+    def idle_check(self, check: IdleCheck, ctx: Context) -> bool:
+        """Unload the model ``check`` names if it is still in the idle spell the timer was armed
+        for; False (stale: the caller counts it) otherwise."""
+        model = self._models.get(check.model)
+        if (
+            model is None
+            or model.epoch != check.epoch
+            or model.state is not ModelState.READY
+            or not self.keep_alive.is_due(check)
+        ):
+            return False
+        model.idle_unload = True
+        self.unload(check.model, asker=None, ctx=ctx, idle=True)
+        return True
+
+    def statuses(self, now: float) -> tuple[ModelStatus, ...]:
+        """Every model in the table and every idle one, by name (``ListModels``)."""
+        found = [self._status(model, now) for model in self._models.values()]
+        found += [
+            ModelStatus(name=spec.name, state="idle", epoch=epoch, path=spec.path,
+                        live_requests=0, keep_alive_s=spec.keep_alive_s)
+            for spec, epoch in self._idle.values()
+        ]  # fmt: skip
+        return tuple(sorted(found, key=lambda status: status.name))
+
+    def _status(self, model: Model, now: float) -> ModelStatus:
+        epoch, keep_alive_s = model.epoch, model.spec.keep_alive_s
+        return ModelStatus(
+            name=model.spec.name,
+            state=_STATE_NAMES[model.state],
+            epoch=epoch,
+            path=model.spec.path,
+            live_requests=self.keep_alive.live(epoch),
+            keep_alive_s=keep_alive_s,
+            expires_in_s=self.keep_alive.expires_in(epoch, keep_alive_s, now)
+            if model.state is ModelState.READY
+            else None,
+            context_length=None if model.loaded is None else model.loaded.context_length,
+            failure=model.failure,
+        )
 
     def unavailable(self, name: str) -> tuple[str, str]:
         """Why a request for ``name``, which is not ``ready``, is refused: a code and a sentence."""
@@ -116,10 +224,19 @@ class ModelLifecycle:
         failed = self._models.get(spec.name)
         if failed is not None and failed.state is ModelState.FAILED:
             del self._models[spec.name]  # loading a failed model again puts it back in service
-        if spec.name in self._models or self._shutdown_waiters:
-            text = f"model {spec.name!r} is already loaded or loading; unload it first"
+        present = self._models.get(spec.name)
+        if present is not None and present.state is ModelState.LOADING:
+            text = f"model {spec.name!r} is loading; wait for it (it is listed as loading)"
+            ctx.send(asker, CommandFailed(code=ModelLoading.code, message=text))
+            return
+        if present is not None or self._shutdown_waiters:
+            text = f"model {spec.name!r} is already loaded; unload it first to load it anew"
             ctx.send(asker, CommandFailed(code=ModelAlreadyLoaded.code, message=text))
             return
+        self._idle.pop(spec.name, None)  # loaded on purpose: this spec replaces the idle one
+        self._start_load(spec, asker, ctx)
+
+    def _start_load(self, spec: ModelSpec, asker: Address | None, ctx: Context) -> Model:
         model = Model(
             spec=spec,
             epoch=self._next_epoch,
@@ -130,6 +247,7 @@ class ModelLifecycle:
         model.load_waiter = asker
         self._models[spec.name] = model
         ctx.spawn(model.address, self._engine_factory(spec, model.epoch))
+        return model
 
     def engine_loaded(
         self, event: EngineReady | EngineLoadFailed, engine: Address, ctx: Context
@@ -164,6 +282,10 @@ class ModelLifecycle:
         )
         if model.state in (ModelState.LOADING, ModelState.RESTARTING):
             model.state = ModelState.READY
+            if not self.keep_alive.live(model.epoch):
+                self.keep_alive.went_idle(
+                    model.spec.name, model.epoch, model.spec.keep_alive_s, ctx
+                )
         if waiter is not None:
             ctx.send(waiter, model.loaded)
 
@@ -179,6 +301,7 @@ class ModelLifecycle:
             self.engine_loaded(failed, engine, ctx)
             return
         ctx.stop(engine)
+        self.keep_alive.forget(model.epoch)
         if model.restarts.may_restart(ctx.now()):
             model.epoch = self._next_epoch
             self._next_epoch += 1
@@ -194,8 +317,14 @@ class ModelLifecycle:
             "load_model once the cause is fixed"
         )
 
-    def unload(self, name: str, asker: Address | None, ctx: Context) -> None:
+    def unload(self, name: str, asker: Address | None, ctx: Context, *, idle: bool = False) -> None:
+        """Unload ``name`` (``idle``: its keep-alive ran out; otherwise the host or a shutdown
+        asked, and the model is forgotten rather than kept idle)."""
+        if not idle:
+            self._idle.pop(name, None)
         model = self._models.get(name)
+        if model is not None and not idle:
+            model.idle_unload = False  # asked to: nothing reloads it
         if model is None:
             if asker is not None:
                 ctx.send(asker, not_loaded(name))
@@ -210,6 +339,7 @@ class ModelLifecycle:
             model.unload_waiters.append(asker)
         if model.state is not ModelState.UNLOADING:
             model.state = ModelState.UNLOADING  # admits nothing from now on
+            self.keep_alive.forget(model.epoch)
             ctx.send(model.address, Drain(epoch=model.epoch))
 
     def remove_drained(self, engine: Address, epoch: int, ctx: Context) -> Model:
@@ -217,6 +347,8 @@ class ModelLifecycle:
         model = self._current(engine, epoch)
         del self._models[model.spec.name]
         ctx.stop(engine)
+        if model.idle_unload and not self._shutdown_waiters:
+            self._idle[model.spec.name] = (model.spec, model.epoch)
         return model
 
     def announce_unloaded(self, model: Model, ctx: Context) -> None:
@@ -229,6 +361,7 @@ class ModelLifecycle:
         self._maybe_shutdown_complete(ctx)
 
     def shutdown(self, asker: Address, ctx: Context) -> None:
+        self._idle.clear()
         if not self._models:
             ctx.send(asker, ShutdownComplete())
             return

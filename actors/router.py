@@ -7,6 +7,11 @@ unloading model admits nothing, and anything from an epoch other than the model'
 dropped and counted. The model table itself (loads, unloads, shutdown) is ``ModelLifecycle``;
 deadlines and the stall guard, which end a request without waiting for its engine, are
 ``RequestGuards`` (deadlines.py).
+
+Keep-alive and auto-load (docs/protocols.md): the router's own ``IdleCheck`` timer unloads a model
+idle for its keep-alive; a request for a model the keep-alive is unloading is *parked* until the
+drain ends, then sent on to the model loaded again. So a request that meets the keep-alive is
+either admitted to the old epoch (it came first: the timer is then stale) or to the new one.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from runtime.messages import (
     Abort,
     Admit,
     Cancel,
+    Cancelled,
     Drained,
     EndSession,
     EngineEvent,
@@ -36,8 +42,11 @@ from runtime.messages import (
     Failed,
     Generate,
     GetStats,
+    IdleCheck,
+    ListModels,
     LoadModel,
     Message,
+    ModelsListed,
     PrefixesReset,
     Prewarm,
     Rejected,
@@ -81,10 +90,16 @@ class RouterCore:
         engine_restart: RestartPolicy | None = None,
         *,
         stall_timeout_s: float | None = None,
+        auto_load: bool = True,
     ) -> None:
-        """``stall_timeout_s``: the stall guard of a generate that sets none (None: off)."""
-        self._models = ModelLifecycle(engine_factory, engine_restart or RestartPolicy())
+        """``stall_timeout_s``: the stall guard of a generate that sets none (None: off).
+        ``auto_load``: a request for a loading or idle model waits for it (else: refused)."""
+        self._models = ModelLifecycle(
+            engine_factory, engine_restart or RestartPolicy(), auto_load=auto_load
+        )
         self._live_by_request: dict[str, _Live] = {}
+        # Requests for a model its keep-alive is unloading: sent on once it is loaded again.
+        self._parked: dict[str, tuple[Generate | Prewarm, Address]] = {}
         self._live_by_sequence: dict[int, _Live] = {}
         self._next_sequence_id = 1
         self._reset_waiters: deque[Address] = deque()  # one prefix manager answers in order
@@ -105,6 +120,9 @@ class RouterCore:
             "models": len(self._models),
             "models_restarting": self._models.count(ModelState.RESTARTING),
             "models_failed": self._models.count(ModelState.FAILED),
+            "models_loading": self._models.count(ModelState.LOADING),
+            "models_idle": self._models.idle_count,
+            "parked_requests": len(self._parked),
             "expired_awaiting_engine": self._guards.expired_awaiting_engine,
         }
         return Stats(actor="router", counters=self.counters.snapshot(), gauges=gauges)
@@ -150,6 +168,16 @@ class RouterCore:
             case RequestDeadline() | StallCheck():
                 for sequence_id, expiry in self._guards.fired(ctx):
                     self._expire(sequence_id, expiry, ctx)
+            case IdleCheck() if sender != ctx.self_address:
+                ctx.count_dead_letter("router_unexpected")
+            case IdleCheck():
+                if self._models.idle_check(message, ctx):
+                    self.counters.inc("models_idle_unloaded")
+                else:  # a request came, or the model went, since the timer was armed
+                    self.counters.inc("idle_checks_stale")
+                    ctx.count_dead_letter("stale_idle_check")
+            case ListModels():
+                ctx.send(sender, ModelsListed(models=self._models.statuses(ctx.now())))
             case LoadModel(spec=spec):
                 self._models.load(spec, sender, ctx)
             case EngineReady() | EngineLoadFailed() | EngineFailed() if not self._models.is_current(
@@ -162,7 +190,11 @@ class RouterCore:
                 self._end_orphans(epoch, ctx, lambda live: _failed(live, code, text))
                 self._guards.epoch_drained(epoch)  # a given-up engine answers nothing more
                 self._models.engine_failed(message, sender, ctx)
-            case EngineReady() | EngineLoadFailed():
+            case EngineLoadFailed(epoch=epoch, code=code, message=text):
+                # Requests an auto-load admitted to the loading engine end with the load.
+                self._end_orphans(epoch, ctx, lambda live: _failed(live, code, text, retry=False))
+                self._models.engine_loaded(message, sender, ctx)
+            case EngineReady():
                 self._models.engine_loaded(message, sender, ctx)
             case UnloadModel(model=model):
                 self._models.unload(model, sender, ctx)
@@ -173,6 +205,7 @@ class RouterCore:
                 self._end_orphans(epoch, ctx, _unloaded)
                 self._guards.epoch_drained(epoch)
                 self._models.announce_unloaded(unloaded, ctx)
+                self._send_on_parked(unloaded.spec.name, ctx)
             case ResetPrefixes(model=model):
                 if self._models.ready(model) is None:
                     ctx.send(sender, not_loaded(model))
@@ -219,17 +252,21 @@ class RouterCore:
     # ------------------------------------------------------------------ requests
 
     def _accept(self, request: Generate | Prewarm, host: Address, ctx: Context) -> None:
-        model = self._models.ready(request.model)
-        if model is None:
-            code, text = self._models.unavailable(request.model)
-            self._reject(request, host, ctx, code, text)
-            return
-        if request.request_id in self._live_by_request:
+        if request.request_id in self._live_by_request or request.request_id in self._parked:
             text = (
                 f"request id {request.request_id!r} is still running; wait for its end, "
                 "cancel it, or use a new id"
             )
             self._reject(request, host, ctx, DuplicateRequestId.code, text)
+            return
+        model = self._models.admitting(request.model, ctx)
+        if model is None and self._models.reloads_after_drain(request.model):
+            self.counters.inc("requests_parked")
+            self._parked[request.request_id] = (request, host)
+            return
+        if model is None:
+            code, text = self._models.unavailable(request.model)
+            self._reject(request, host, ctx, code, text)
             return
         sequence_id = self._next_sequence_id
         self._next_sequence_id += 1
@@ -238,6 +275,7 @@ class RouterCore:
         )
         self._live_by_request[request.request_id] = live
         self._live_by_sequence[sequence_id] = live
+        self._models.request_started(model)
         is_generate = isinstance(request, Generate)
         self.counters.inc("accepted_generate" if is_generate else "accepted_prewarm")
         self._guards.accepted(request, sequence_id, model.epoch, ctx)
@@ -265,7 +303,23 @@ class RouterCore:
             ),
         )
 
+    def _send_on_parked(self, name: str, ctx: Context) -> None:
+        """``name`` drained: its parked requests go to the model loaded again (or are refused,
+        if it was unloaded on purpose meanwhile), in the order they came."""
+        for request_id, (request, host) in list(self._parked.items()):
+            if request.model == name:
+                del self._parked[request_id]
+                self._accept(request, host, ctx)
+
     def _cancel(self, request_id: str, incarnation: int, ctx: Context) -> None:
+        parked = self._parked.get(request_id)
+        if parked is not None and parked[0].incarnation == incarnation:
+            del self._parked[request_id]
+            self.counters.inc("terminal_cancelled")
+            ctx.send(
+                parked[1], Cancelled(request_id=request_id, incarnation=incarnation, usage=Usage())
+            )
+            return
         live = self._live_by_request.get(request_id)
         if live is None or live.incarnation != incarnation:
             self.counters.inc("cancels_noop")  # finished, unknown, or meant for another incarnation
@@ -291,6 +345,7 @@ class RouterCore:
         (its engine may be unable to answer); the engine is told to abort the sequence."""
         live = self._live_by_sequence.pop(sequence_id)
         del self._live_by_request[live.request_id]
+        self._models.request_ended(live.model, live.epoch, ctx)
         error = expiry.error
         ctx.send(
             engine_address(live.model, live.epoch),
@@ -311,6 +366,7 @@ class RouterCore:
         live = self._live_by_sequence.pop(event.sequence_id)
         del self._live_by_request[live.request_id]
         self._guards.ended(event.sequence_id)
+        self._models.request_ended(live.model, live.epoch, ctx)
         terminal = for_request(event, live.request_id, live.incarnation)
         self.counters.inc(f"terminal_{type(terminal).__name__.lower()}")
         ctx.send(live.host, terminal)
@@ -331,12 +387,13 @@ def _unloaded(live: _Live) -> EngineTerminal:
     )
 
 
-def _failed(live: _Live, code: str, text: str) -> EngineTerminal:
+def _failed(live: _Live, code: str, text: str, *, retry: bool = True) -> EngineTerminal:
+    """``retry``: after a crash the model is reloading (or failed: then the retry says so)."""
     return SequenceFailed(
         sequence_id=live.sequence_id,
         epoch=live.epoch,
         code=code,
         message=text,
-        retryable=True,  # the model is reloading (or failed: then the retry says so)
+        retryable=retry,
         usage=Usage(),
     )

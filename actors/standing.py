@@ -26,9 +26,11 @@ def standing_actors(
     stall_timeout_s: float | None,
     step_timeout_s: float | None = None,
     engine_restart: RestartPolicy | None = None,
+    auto_load: bool = True,
 ) -> list[tuple[Address, ActorCore]]:
     """The standing actors with their addresses; engines load their model with ``load_backend``,
-    and are restarted (their model reloaded) after a crash as ``engine_restart`` allows."""
+    and are restarted (their model reloaded) after a crash as ``engine_restart`` allows;
+    ``auto_load``: a request for a loading or idle model waits for it rather than being refused."""
 
     def engine_factory(spec: ModelSpec, epoch: int) -> ActorCore:
         return EngineCore(
@@ -50,6 +52,7 @@ def standing_actors(
                 engine_factory,
                 engine_restart or RestartPolicy(),
                 stall_timeout_s=stall_timeout_s,
+                auto_load=auto_load,
             ),
         ),
     ]

@@ -24,7 +24,13 @@ from runtime.backends.contract import BackendLoader
 from runtime.backends.loader import make_backend_loader
 from runtime.backends.options import decode_options
 from runtime.config import RuntimeConfig
-from runtime.errors import InvalidRequest, MlxRuntimeError, RuntimeClosed, error_for_code
+from runtime.errors import (
+    InvalidModelSpec,
+    InvalidRequest,
+    MlxRuntimeError,
+    RuntimeClosed,
+    error_for_code,
+)
 from runtime.kernel.actor import ActorSystem
 from runtime.kernel.core import ROUTER
 from runtime.messages import (
@@ -36,10 +42,13 @@ from runtime.messages import (
     Failed,
     Finished,
     Generate,
+    ListModels,
     LoadModel,
     Message,
     ModelLoaded,
+    ModelsListed,
     ModelSpec,
+    ModelStatus,
     ModelUnloaded,
     PrefixesReset,
     Prewarm,
@@ -99,6 +108,7 @@ class Runtime:
             step_timeout_s=self.config.step_timeout_s,
             engine_restart=self.config.engine_restart,
             stall_timeout_s=self.config.stall_timeout_s,
+            auto_load=self.config.auto_load,
         ):
             capacity = self.config.router_mailbox_capacity if address == ROUTER else math.inf
             system.spawn(address, core, capacity=capacity)
@@ -152,8 +162,19 @@ class Runtime:
         whose options do not decode (an unknown name, a wrong type) raises before anything loads.
         """
         decode_options(spec)
+        keep_alive_s = spec.keep_alive_s
+        if keep_alive_s is not None and not keep_alive_s >= 0:  # NaN fails the test too
+            raise InvalidModelSpec(
+                f"keep_alive_s of model {spec.name!r} is {keep_alive_s}; give the seconds an idle "
+                "model stays loaded (0 or more), or None to keep it loaded"
+            )
         reply = await self._ask(LoadModel(spec=spec))
         return _expect(reply, ModelLoaded)
+
+    async def list_models(self) -> tuple[ModelStatus, ...]:
+        """Every model the runtime knows, by name: loaded, loading, unloading, restarting,
+        failed, or idle (unloaded by its keep-alive; a request loads it again with auto-load)."""
+        return _expect(await self._ask(ListModels()), ModelsListed).models
 
     async def unload_model(self, model: str) -> ModelUnloaded:
         """Drain the model's requests, wait for its compute to stop, free its memory."""

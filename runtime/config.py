@@ -27,6 +27,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # legitimate step. Loads are not watched. None (or 0): no watchdog.
     step_timeout_s: float | None = 60.0
     coalesce: CoalescePolicy = CoalescePolicy()  # token events merged by size/age for hosts
+    # A request for a model still loading, or unloaded by its keep-alive (ModelSpec.keep_alive_s),
+    # waits for the model (loading it again); False: such a request is refused (model_not_loaded).
+    auto_load: bool = True
 
     def __post_init__(self) -> None:
         # A zero mailbox or a negative timeout would not fail here but hang or misfire later.

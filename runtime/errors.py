@@ -65,9 +65,22 @@ class ModelNotLoaded(MlxRuntimeError):
 
 
 class ModelAlreadyLoaded(MlxRuntimeError):
-    """Raised when ``load_model`` names a model that is loaded or loading."""
+    """Raised when ``load_model`` names a model that is loaded (or unloading)."""
 
     code = "model_already_loaded"
+
+
+class ModelLoading(MlxRuntimeError):
+    """Raised by ``load_model`` for a model whose load is still under way: wait for it."""
+
+    code = "model_loading"
+
+
+class ModelNotAvailable(MlxRuntimeError):
+    """Raised (by the server) for a model name that is neither loaded nor one it can load: not a
+    configured, cached or known model."""
+
+    code = "model_not_available"
 
 
 class DuplicateRequestId(MlxRuntimeError):
@@ -209,6 +222,8 @@ ERRORS_BY_CODE: dict[str, type[MlxRuntimeError]] = {
         InvalidModelSpec,
         ModelNotLoaded,
         ModelAlreadyLoaded,
+        ModelLoading,
+        ModelNotAvailable,
         DuplicateRequestId,
         ModelLoadFailed,
         KVBudgetExhausted,

@@ -31,6 +31,15 @@ Teardown fencing
     router stops the engine → ``ModelUnloaded``. Anything carrying an older epoch is dropped and
     counted.
 
+Model keep-alive and auto-load
+    A ready model whose last request ended starts an idle spell: the router arms one
+    ``IdleCheck(model, epoch, idle_ticket)`` timer for its ``ModelSpec.keep_alive_s``; a request
+    ends the spell (the timer, when it fires, is stale: dropped and counted). One that fires in
+    its spell unloads the model (teardown fencing) and keeps its spec as *idle*. With
+    ``RuntimeConfig.auto_load`` a request for an idle model loads it again, one for a loading
+    model is admitted to its engine, and one that meets the idle unload is parked until the
+    drain ends. ``ListModels`` → ``ModelsListed``: every model's ``ModelStatus``.
+
 KV budget (engine ↔ keeper ↔ prefix-cache manager)
     ``Reserve`` → ``Reserved`` | ``ReservationRefused`` (after queueing FIFO up to a deadline; the
     keeper asks the prefix manager to ``Evict`` first). ``Transfer`` moves bytes from a sequence to
@@ -149,13 +158,19 @@ class FinishReason(enum.StrEnum):
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What to load: ``backend`` names a backend kind ("mlx" or "simulated")."""
+    """What to load: ``backend`` names a backend kind ("mlx" or "simulated").
+
+    ``keep_alive_s``: once no request of the model has run for this long, the router unloads it
+    (0: as soon as it is idle; None: never). Unloaded so, it stays known: with
+    ``RuntimeConfig.auto_load`` a later request loads it again.
+    """
 
     name: str
     backend: str = "mlx"
     path: str | None = None
     options: dict[str, str | int | float | bool | None] = {}
     prefill_chunk_tokens: int = 256
+    keep_alive_s: float | None = None
 
 
 class RequestKind(enum.StrEnum):
@@ -275,6 +290,10 @@ class GetStats(Message, frozen=True):
     """Ask an actor for its counters; replied to with ``Stats``."""
 
 
+class ListModels(Message, frozen=True):
+    """Host → router: every model it knows and its state; replied to with ``ModelsListed``."""
+
+
 class Shutdown(Message, frozen=True):
     """Unload every model and stop; replied to with ``ShutdownComplete``."""
 
@@ -381,6 +400,34 @@ class CommandFailed(Message, frozen=True):
     message: str
 
 
+ModelStateName = Literal["loading", "loaded", "unloading", "restarting", "failed", "idle"]
+
+
+class ModelStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One model the router knows, as ``ListModels`` reports it.
+
+    ``state``: ``loading``, ``loaded``, ``unloading``, ``restarting``, ``failed``, or ``idle``
+    (unloaded by its keep-alive; a request loads it again when auto-load is on). ``expires_in_s``:
+    seconds until the keep-alive unloads it (None: busy, not loaded, or kept forever).
+    """
+
+    name: str
+    state: ModelStateName
+    epoch: int
+    path: str | None
+    live_requests: int
+    keep_alive_s: float | None
+    expires_in_s: float | None = None
+    context_length: int | None = None
+    failure: str = ""
+
+
+class ModelsListed(Message, frozen=True):
+    """Reply to ``ListModels``: the router's models, in name order."""
+
+    models: tuple[ModelStatus, ...]
+
+
 class ShutdownComplete(Message, frozen=True):
     """Reply to ``Shutdown``."""
 
@@ -410,6 +457,17 @@ class StallCheck(Message, frozen=True):
     its stall timeout? Stale (counted, never acted on) if the request has ended."""
 
     sequence_id: int
+
+
+class IdleCheck(Message, frozen=True):
+    """Router → itself (timer): ``model`` at ``epoch`` went idle (its ``idle_ticket``-th idle
+    spell) a keep-alive ago. Acted on (the model is unloaded) only if the model is still that
+    epoch, ready, with no request live and still in that same idle spell; otherwise stale:
+    dropped and counted (a request came, or the model was unloaded or reloaded meanwhile)."""
+
+    model: str
+    epoch: int
+    idle_ticket: int
 
 
 # --------------------------------------------------------------------------- router ↔ engine
@@ -760,6 +818,8 @@ RouterInbox = (
     | SessionEnded
     | RequestDeadline
     | StallCheck
+    | IdleCheck
+    | ListModels
 )
 
 EngineInbox = (
@@ -807,6 +867,7 @@ CommandReply = (
     | CommandFailed
     | ShutdownComplete
     | Stats
+    | ModelsListed
 )
 
 # --------------------------------------------------------------------------- engine → host events

@@ -272,8 +272,9 @@ async def test_a_budget_of_zero_refuses_every_request_with_400(no_crash: None) -
 
 
 async def test_a_new_request_for_a_model_being_unloaded_is_404(no_crash: None) -> None:
+    # Without auto-load: with it, the server would load the configured model again.
     async with (
-        serving(sim_model("gone", decode_s_per_token=0.005), sim_model()) as (
+        serving(sim_model("gone", decode_s_per_token=0.005), sim_model(), auto_load=False) as (
             client,
             server,
         ),

@@ -476,7 +476,8 @@ async def test_models_health_and_unknown_routes() -> None:
             ("b", "model", 128),
         ]
         assert (await client.get("/v1/models/b")).json()["id"] == "b"
-        assert (await client.get("/health")).json() == {"status": "ok"}
+        health = (await client.get("/health")).json()
+        assert health == {"status": "ok", "models": {"a": "loaded", "b": "loaded"}}
         missing = await client.get("/v1/embeddings")
         assert missing.status_code == 404 and error_of(missing)["code"] is None
         wrong_method = await client.get("/v1/completions")

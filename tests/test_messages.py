@@ -42,13 +42,17 @@ from runtime.messages import (
     GetStats,
     Holder,
     HolderKind,
+    IdleCheck,
     InvalidateEpoch,
+    ListModels,
     LoadModel,
     Lookup,
     LookupResult,
     Message,
     ModelLoaded,
+    ModelsListed,
     ModelSpec,
+    ModelStatus,
     ModelUnloaded,
     PrefixesReset,
     Prewarm,
@@ -207,6 +211,22 @@ BUILDERS: dict[type[Message], Callable[[], Message]] = {
     # router timers
     RequestDeadline: lambda: RequestDeadline(sequence_id=17),
     StallCheck: lambda: StallCheck(sequence_id=17),
+    IdleCheck: lambda: IdleCheck(model="m", epoch=3, idle_ticket=9),
+    ListModels: ListModels,
+    ModelsListed: lambda: ModelsListed(
+        models=(
+            ModelStatus(
+                name="m",
+                state="loaded",
+                epoch=2,
+                path="/models/m",
+                live_requests=1,
+                keep_alive_s=300.0,
+                expires_in_s=12.5,
+                context_length=2048,
+            ),
+        )
+    ),
     # KV budget keeper
     Reserve: lambda: Reserve(holder=SEQ_HOLDER, nbytes=4096, timeout_s=1.5),
     Reserved: lambda: Reserved(holder=SEQ_HOLDER, nbytes=4096),

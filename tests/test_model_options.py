@@ -120,7 +120,9 @@ def test_prepared_specs_drop_the_weights_their_directory_already_holds(
 ) -> None:
     # The CLI converts a .gguf once and hands the engines its directory: the weights option was
     # used up by the conversion, and on a directory it would now be refused.
-    monkeypatch.setattr("runtime.cli.prepare_model", lambda spec, progress: PreparedModel(tmp_path))
+    monkeypatch.setattr(
+        "runtime.model_args.prepare_model", lambda spec, progress: PreparedModel(tmp_path)
+    )
     (tmp_path / "tokenizer.json").write_text("{}")  # a model directory has its tokenizer
     spec = ModelSpec(name="g", path="/x/model.gguf", options={"weights": "float32", "kv_bits": 8})
     [prepared] = prepare_specs((spec,), quiet=True)

@@ -10,10 +10,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
-from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS, cache_root, fetch_model
+from runtime.backends.model_store import (
+    DEFAULT_MODEL,
+    KNOWN_MODELS,
+    cache_root,
+    cached_model_file,
+    fetch_model,
+)
 from runtime.backends.options import MlxOptions, options_as
 from runtime.errors import InvalidModelSpec, ModelLoadFailed
 from runtime.messages import ModelSpec
@@ -36,6 +43,50 @@ def default_model_spec(name: str = DEFAULT_MODEL, **options: str | int | float |
 def converted_models_dir() -> Path:
     """Where GGUF conversions are cached (beside the fetched files)."""
     return cache_root() / "converted"
+
+
+CacheState = Literal["converted", "downloaded", "not_fetched"]
+
+
+@dataclass(frozen=True)
+class AvailableModel:
+    """A model this machine can load by name: a known one (``path`` is its name) or a GGUF
+    conversion in the cache (``path`` is its directory). ``cache``: what loading it needs first
+    (``not_fetched``: a download from PyPI, ``downloaded``: a conversion, ``converted``: none)."""
+
+    name: str
+    path: str
+    source: Literal["known", "converted"]
+    cache: CacheState
+    description: str
+
+
+def available_models() -> list[AvailableModel]:
+    """Every known model (with its cache state) and every other conversion in the cache,
+    named after its directory. Reads only directory listings: no hashing, no network."""
+    root = converted_models_dir()
+    converted = sorted(
+        entry.name
+        for entry in (root.iterdir() if root.is_dir() else ())
+        if entry.is_dir() and not entry.name.startswith(".")  # dot: a conversion in progress
+    )
+    found: list[AvailableModel] = []
+    for known in KNOWN_MODELS.values():
+        key = known.sha256[:16]  # conversions are named by the source file's hash
+        cache: CacheState = "not_fetched"
+        if any(name.startswith(key) for name in converted):
+            cache = "converted"
+        elif cached_model_file(known) is not None:
+            cache = "downloaded"
+        found.append(AvailableModel(known.name, known.name, "known", cache, known.description))
+    keys = {known.sha256[:16] for known in KNOWN_MODELS.values()}
+    for name in converted:
+        if name[:16] not in keys:
+            description = f"a GGUF conversion in {root}"
+            found.append(
+                AvailableModel(name, str(root / name), "converted", "converted", description)
+            )
+    return found
 
 
 def prepare_model(

@@ -3,15 +3,16 @@
 ``OpenAIServer(config).app`` is the ASGI app. Its lifespan enters the ``Runtime`` and loads the
 configured models (the server accepts requests once they are loaded), and leaves it on shutdown,
 which cancels whatever still runs. Routes: ``GET /v1/models``, ``GET /v1/models/{model}``,
-``POST /v1/completions``, ``POST /v1/chat/completions``, ``POST /v1/prewarm`` (the runtime's own),
-``GET /health``, ``GET /metrics`` (Prometheus). See docs/http.md.
+``POST /v1/models/load``, ``POST /v1/models/unload``, ``POST /v1/completions``,
+``POST /v1/chat/completions``, ``POST /v1/prewarm`` (the runtime's own), ``GET /health``,
+``GET /metrics`` (Prometheus). Model management (what is available, loading on demand) is
+``ModelManager`` (models.py). See docs/http.md.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Literal, TypeVar
@@ -24,9 +25,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from runtime.api import Runtime
+from runtime.backends.model_source import available_models
 from runtime.config import RuntimeConfig
 from runtime.errors import MlxRuntimeError, ModelNotLoaded, RuntimeClosed
 from runtime.messages import Cancelled, ChatOptions, Failed, Finished, FinishReason, ModelSpec
+from runtime.progress import Progress, no_progress
 from runtime.server import schema as wire
 from runtime.server.errors import (
     HttpError,
@@ -39,6 +42,7 @@ from runtime.server.errors import (
 )
 from runtime.server.generation import GenerationResponse
 from runtime.server.metrics import OTHER_MODEL, ServerMetrics
+from runtime.server.models import ModelManager
 from runtime.server.render import ChatRender, CompletionRender, Render
 from runtime.server.translate import RuntimeCall, chat_call, completion_call, prewarm_call
 
@@ -47,28 +51,39 @@ _T = TypeVar("_T")
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """What to serve. ``models`` load at start-up, in order; a larger body than
-    ``max_body_bytes`` is refused with 413 (the default holds a million-token prompt as JSON
-    token ids; a larger one could only fail the context check, after tokenizing it)."""
+    """What to serve. ``models`` load at start-up, in order (each with its own
+    ``keep_alive_s``); a larger body than ``max_body_bytes`` is refused with 413 (the default
+    holds a million-token prompt as JSON token ids; a larger one could only fail the context
+    check, after tokenizing it). ``offer_cached_models``: the known models and the cached GGUF
+    conversions are available too (loaded by ``POST /v1/models/load``, or on a request's demand
+    with ``runtime.auto_load``), with ``keep_alive_s`` (None: kept loaded); off by default, so a
+    host serves only its own models unless it asks (``mlxrt serve`` does)."""
 
     models: tuple[ModelSpec, ...]
     runtime: RuntimeConfig = RuntimeConfig()
     max_body_bytes: int = 8 << 20
+    offer_cached_models: bool = False
+    keep_alive_s: float | None = None
 
 
 class OpenAIServer:
     """One ``Runtime`` served over HTTP; ``app`` is the ASGI application to run."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, *, progress: Progress = no_progress) -> None:
+        """``progress``: where fetching, converting and loading a model on demand report to."""
         self.config = config
+        self._progress = progress
         self._runtime: Runtime | None = None
-        self._models: dict[str, wire.ModelCard] = {}
+        self._manager: ModelManager | None = None
+        self._served: set[str] = set()  # models loaded at some point: their metrics labels
         self.metrics = ServerMetrics(
             lambda: None if self._runtime is None else self._runtime.stats()
         )
         self.app = Starlette(
             routes=[
                 Route("/v1/models", self._list_models, methods=["GET"]),
+                Route("/v1/models/load", self._load_model, methods=["POST"]),
+                Route("/v1/models/unload", self._unload_model, methods=["POST"]),
                 Route("/v1/models/{model:path}", self._get_model, methods=["GET"]),
                 Route("/v1/completions", self._completions, methods=["POST"]),
                 Route("/v1/chat/completions", self._chat_completions, methods=["POST"]),
@@ -87,44 +102,84 @@ class OpenAIServer:
             raise RuntimeClosed("the server is not running (before start-up or after shutdown)")
         return self._runtime
 
+    @property
+    def models(self) -> ModelManager:
+        """The model manager; raises ``RuntimeClosed`` outside the app's lifespan."""
+        if self._manager is None:
+            raise RuntimeClosed("the server is not running (before start-up or after shutdown)")
+        return self._manager
+
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
-        async with Runtime(self.config.runtime) as runtime:
-            for spec in self.config.models:
-                loaded = await runtime.load_model(spec)
-                log.info(
-                    "loaded %s (context %d tokens, prefix reuse by %s)",
-                    spec.name,
-                    loaded.context_length,
-                    loaded.reuse_path,
-                )
-                self.metrics.declare_model(spec.name)
-                self._models[spec.name] = wire.ModelCard(
-                    id=spec.name, created=int(time.time()), context_length=loaded.context_length
-                )
-            self._runtime = runtime
+        config = self.config
+        async with Runtime(config.runtime) as runtime:
+            manager = ModelManager(
+                runtime,
+                config.models,
+                keep_alive_s=config.keep_alive_s,
+                auto_load=config.runtime.auto_load,
+                progress=self._progress,
+                loaded=self._declare,
+                catalog=available_models if config.offer_cached_models else list,
+            )
+            for spec in config.models:
+                await manager.load_spec(spec)
+            self._runtime, self._manager = runtime, manager
             try:
                 yield
             finally:
-                self._runtime = None
-                self._models.clear()
+                self._runtime = self._manager = None
+
+    def _declare(self, model: str) -> None:
+        self._served.add(model)
+        self.metrics.declare_model(model)
 
     # ------------------------------------------------------------------ routes
 
     async def _list_models(self, _request: Request) -> Response:
-        return _json(wire.ModelList(data=list(self._models.values())))
+        return _json(wire.ModelList(data=await self.models.cards()))
 
     async def _get_model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        card = self._models.get(name)
+        card = await self.models.card(name)
         if card is None:
             raise model_not_loaded(name)
         return _json(card)
 
+    async def _load_model(self, request: Request) -> Response:
+        """Not cancelled when the client goes away: the load goes on, as a prewarm does."""
+        body = _decode(await self._read_body(request), wire.load_request_decoder)
+        try:
+            loaded = await self.models.load(body.model, body.keep_alive)
+        except MlxRuntimeError as error:
+            raise error_for_runtime(error) from error
+        status = await self.models.card(body.model)
+        result = wire.ModelLoadResult(
+            model=loaded.model,
+            epoch=loaded.epoch,
+            context_length=loaded.context_length,
+            reuse_path=loaded.reuse_path,
+            keep_alive=None if status is None else status.keep_alive,
+        )
+        return _json(result)
+
+    async def _unload_model(self, request: Request) -> Response:
+        body = _decode(await self._read_body(request), wire.unload_request_decoder)
+        try:
+            unloaded = await self.models.unload(body.model)
+        except ModelNotLoaded:
+            raise model_not_loaded(body.model) from None
+        except MlxRuntimeError as error:
+            raise error_for_runtime(error) from error
+        return _json(wire.ModelUnloadResult(model=unloaded.model, epoch=unloaded.epoch))
+
     async def _health(self, _request: Request) -> Response:
+        """``models``: each model the runtime knows and its state (``loading`` while a request
+        waits for an on-demand load)."""
         if self._runtime is None:
             raise error_for_runtime(RuntimeClosed("the server is starting or stopping"))
-        return _json({"status": "ok"})
+        models = {status.name: status.state for status in await self._runtime.list_models()}
+        return _json({"status": "ok", "models": models})
 
     async def _metrics(self, _request: Request) -> Response:
         return Response(self.metrics.exposition(), media_type=self.metrics.content_type)
@@ -138,7 +193,7 @@ class OpenAIServer:
             logprobs=call.sampling.logprobs,
             include_usage=call.include_usage,
         )
-        return self._generation(call, render)
+        return await self._generation(call, render)
 
     async def _chat_completions(self, request: Request) -> Response:
         body = await self._read_body(request)
@@ -149,13 +204,14 @@ class OpenAIServer:
             logprobs=call.sampling.logprobs,
             include_usage=call.include_usage,
         )
-        return self._generation(call, render)
+        return await self._generation(call, render)
 
     async def _prewarm(self, request: Request) -> Response:
         """Not cancelled when the client goes away: a client may send it and not wait."""
         body = await self._read_body(request)
         call = prewarm_call(_decode(body, wire.prewarm_request_decoder))
         try:
+            await self.models.ensure_loaded(call.model)
             ended = await self.runtime.prewarm(
                 call.model,
                 call.prompt,
@@ -196,9 +252,12 @@ class OpenAIServer:
 
     # ------------------------------------------------------------------ plumbing
 
-    def _generation(self, call: RuntimeCall, render: Render) -> Response:
+    async def _generation(self, call: RuntimeCall, render: Render) -> Response:
         timer = self.metrics.stream_timer(self._model_label(call.model))
         try:
+            # A model available but not loaded is loaded first (with auto-load): the client
+            # waits, streaming or not, and GET /v1/models shows it loading.
+            await self.models.ensure_loaded(call.model)
             stream = self.runtime.generate(
                 call.model,
                 call.prompt,
@@ -229,7 +288,7 @@ class OpenAIServer:
 
     def _model_label(self, model: str) -> str:
         # Clients name the model: an unknown name must not mint a new time series per request.
-        return model if model in self._models else OTHER_MODEL
+        return model if model in self._served else OTHER_MODEL
 
     async def _read_body(self, request: Request) -> bytes:
         _refuse_non_json(request.headers.get("content-type"))

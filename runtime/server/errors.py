@@ -29,6 +29,8 @@ from runtime.errors import (
     ModelFailed,
     ModelFetchFailed,
     ModelLoadFailed,
+    ModelLoading,
+    ModelNotAvailable,
     ModelNotLoaded,
     ModelRestarting,
     ModelUnloading,
@@ -61,6 +63,8 @@ STATUS_BY_CODE: dict[str, int] = {
     ModelNotLoaded.code: 404,
     DuplicateRequestId.code: 409,
     ModelAlreadyLoaded.code: 409,
+    ModelLoading.code: 409,  # its load is under way: wait, GET /v1/models shows when it is in
+    ModelNotAvailable.code: 404,
     KVBudgetExhausted.code: 503,
     ModelUnloading.code: 503,
     ModelRestarting.code: 503,  # its engine crashed and is reloading

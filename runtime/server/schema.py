@@ -152,6 +152,25 @@ completion_request_decoder = msgspec.json.Decoder(CompletionRequest)
 chat_request_decoder = msgspec.json.Decoder(ChatCompletionRequest)
 prewarm_request_decoder = msgspec.json.Decoder(PrewarmRequest)
 
+
+class LoadRequest(_Body, frozen=True, kw_only=True):
+    """``POST /v1/models/load``. ``keep_alive``: how long the model stays loaded once idle, in
+    seconds or as a duration ("30s", "5m", "1h"); negative: forever; absent: the server's
+    ``--keep-alive``."""
+
+    model: str
+    keep_alive: float | str | None = None
+
+
+class UnloadRequest(_Body, frozen=True, kw_only=True):
+    """``POST /v1/models/unload``."""
+
+    model: str
+
+
+load_request_decoder = msgspec.json.Decoder(LoadRequest)
+unload_request_decoder = msgspec.json.Decoder(UnloadRequest)
+
 # --------------------------------------------------------------------------- responses
 
 
@@ -287,12 +306,53 @@ class PrewarmResult(_Reply, frozen=True, kw_only=True):
     object: Literal["prewarm"] = "prewarm"
 
 
+ModelSource = Literal["configured", "known", "converted", "loaded"]
+ModelCardState = Literal[
+    "loading", "loaded", "unloading", "restarting", "failed", "idle", "preparing", "available"
+]
+
+
 class ModelCard(_Reply, frozen=True, kw_only=True):
+    """OpenAI's model object (``id``, ``object``, ``created``, ``owned_by``) plus this server's
+    fields, which an OpenAI client keeps as extras. ``state``: the runtime's (``loading``,
+    ``loaded``, ``unloading``, ``restarting``, ``failed``, ``idle``: unloaded by its keep-alive),
+    ``preparing`` (being fetched or converted before its load), or ``available`` (loadable: a
+    configured, known or converted model not loaded now). ``expires_at``: when the keep-alive
+    unloads it (Unix seconds; null: busy, not loaded, or kept forever). ``cache``: for a known
+    model, what a load must do first (``not_fetched``, ``downloaded``, ``converted``)."""
+
     id: str
     created: int
-    context_length: int
+    state: ModelCardState
+    source: ModelSource
+    context_length: int | None = None
+    keep_alive: float | None = None  # seconds; null: kept loaded
+    expires_at: int | None = None
+    live_requests: int = 0
+    cache: Literal["converted", "downloaded", "not_fetched"] | None = None
+    description: str | None = None
+    failure: str | None = None
     object: Literal["model"] = "model"
     owned_by: str = "mlx-actor-runtime"
+
+
+class ModelLoadResult(_Reply, frozen=True, kw_only=True):
+    """Answer to ``POST /v1/models/load``."""
+
+    model: str
+    status: Literal["loaded"] = "loaded"
+    epoch: int
+    context_length: int
+    reuse_path: str
+    keep_alive: float | None
+
+
+class ModelUnloadResult(_Reply, frozen=True, kw_only=True):
+    """Answer to ``POST /v1/models/unload``: its memory is free."""
+
+    model: str
+    status: Literal["unloaded"] = "unloaded"
+    epoch: int
 
 
 class ModelList(_Reply, frozen=True, kw_only=True):

@@ -173,6 +173,7 @@ class Simulator:
             step_timeout_s=self.config.step_timeout_s,
             engine_restart=self.config.engine_restart,
             stall_timeout_s=self.config.stall_timeout_s,
+            auto_load=self.config.auto_load,
         ):
             if faults is not None and address == KV_KEEPER:
                 core = faults.wrap_keeper(core)
@@ -277,6 +278,21 @@ class Simulator:
                 self.deliver(address, message, address)
             self.run_until_idle()
         self.clock.now = until
+
+    def fire_next_timer(self) -> bool:
+        """Deliver the mail there is (time never moves past waiting mail), then move time to the
+        earliest pending timer (or compute completion) and deliver only it: what it leads to
+        waits for ``step``, so a test can act in between. False if no timer is pending."""
+        self.run_until_idle()
+        if not self._timers:
+            return False
+        due, _, address, message = heapq.heappop(self._timers)
+        self.clock.now = max(self.clock.now, due)
+        if isinstance(message, _JobDone):
+            self._job_done(address, message)
+        else:
+            self.deliver(address, message, address)
+        return True
 
     def run_until(self, condition: Callable[[], bool], max_seconds: float = 3600.0) -> None:
         """Run, jumping time to each next event, until ``condition()`` holds (raise if never)."""
