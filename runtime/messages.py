@@ -62,11 +62,54 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 # --------------------------------------------------------------------------- shared value types
 
 
+class JsonSchemaConstraint(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True
+):
+    """Generated text must be one JSON value valid under ``schema`` (the schema's JSON text).
+
+    ``strict`` (OpenAI's ``strict: true``) rejects a schema the engine cannot enforce exactly;
+    ``strict=False`` lets the engine skip keywords it does not support (e.g. ``format``).
+    """
+
+    schema: str
+    strict: bool = True
+
+
+class JsonObjectConstraint(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True
+):
+    """JSON mode (OpenAI's ``{"type": "json_object"}``): any one JSON object."""
+
+
+class RegexConstraint(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True
+):
+    """Generated text must match ``pattern`` in full (Rust ``regex`` syntax, no look-around)."""
+
+    pattern: str
+
+
+class GrammarConstraint(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True
+):
+    """Generated text must be a sentence of ``grammar``: llguidance's Lark dialect, or GBNF
+    (llama.cpp's format, translated to Lark by the engine)."""
+
+    grammar: str
+    syntax: Literal["lark", "gbnf"] = "lark"
+
+
+# What the generated tokens must spell; prompt tokens are never constrained.
+Constraint = JsonSchemaConstraint | JsonObjectConstraint | RegexConstraint | GrammarConstraint
+
+
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to pick the next token. ``temperature == 0`` is greedy; every other default is "off".
 
     Penalties look at the last ``penalty_context`` tokens (prompt and output). ``logprobs`` asks
     for the chosen token's log-probability, ``top_logprobs`` for that many alternatives.
+    ``constraint`` restricts the generated text to a JSON Schema, a regex or a grammar (see
+    docs/structured.md): disallowed tokens are masked before the other samplers run.
     """
 
     temperature: float = 0.0
@@ -88,6 +131,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    constraint: Constraint | None = None
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
