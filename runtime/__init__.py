@@ -64,6 +64,8 @@ if TYPE_CHECKING:
         Stats,
         TokenLogprob,
         TokensEmitted,
+        Tool,
+        ToolCall,
         Usage,
     )
     from runtime.progress import Progress, tqdm_progress
@@ -91,6 +93,8 @@ __all__ = [
     "Sampling",
     "ChatMessage",
     "ChatOptions",
+    "Tool",
+    "ToolCall",
     # what comes back
     "HostEvent",
     "Started",
@@ -150,6 +154,8 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "Sampling",
         "ChatMessage",
         "ChatOptions",
+        "Tool",
+        "ToolCall",
         "HostEvent",
         "Started",
         "TokensEmitted",

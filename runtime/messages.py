@@ -137,11 +137,34 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class Tool(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A function the model may call: ``parameters`` is its arguments' JSON Schema, as JSON text
+    (text keeps the message pure data whatever the schema holds; see runtime/text/tools.py)."""
+
+    name: str
+    description: str | None = None
+    parameters: str = '{"type": "object", "properties": {}}'
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One call an assistant message made: ``arguments`` is a JSON object's text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One chat message as the OpenAI API sends it (text content only)."""
+    """One chat message as the OpenAI API sends it (text content only).
+
+    An assistant message may carry ``tool_calls`` (its ``content`` then may be empty); a ``tool``
+    message answers the call named by ``tool_call_id``.
+    """
 
     role: Role
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -149,12 +172,16 @@ class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     ``history_budget_tokens`` turns on the history window (oldest turns dropped to fit it); when
     ``None`` nothing is ever dropped. ``add_generation_prompt=False`` renders the messages as
-    complete turns, with no assistant header and no prefill continuation.
+    complete turns, with no assistant header and no prefill continuation. ``tools`` are rendered
+    into the prompt (by the template when it supports them, else a fallback system section);
+    ``parallel_tool_calls=False`` tells the model to make at most one call.
     """
 
     keep_reasoning: bool = False
     history_budget_tokens: int | None = None
     add_generation_prompt: bool = True
+    tools: tuple[Tool, ...] = ()
+    parallel_tool_calls: bool = True
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
