@@ -289,9 +289,9 @@ async def test_an_over_long_conversation_is_refused_never_trimmed() -> None:
         ("/v1/chat/completions", {"tools": [{"type": "x"}]}, "tools", "unsupported_parameter"),
         (
             "/v1/chat/completions",
-            {"response_format": {"type": "json_object"}},
+            {"response_format": {"type": "xml"}},
             "response_format",
-            "unsupported_parameter",
+            "invalid_request",
         ),
         (
             "/v1/chat/completions",

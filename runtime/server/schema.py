@@ -60,6 +60,11 @@ class _GenerationBody(_Body, frozen=True, kw_only=True):
     cache_salt: str | None = None
     timeout_s: float | None = None  # the request's deadline (runtime error request_timeout)
     stall_timeout_s: float | None = None  # no token for this long after the first: stalled
+    # Structured output as llama-server spells it, plus regex (runtime/server/structured.py).
+    json_schema: dict[str, Any] | bool | None = None
+    grammar: str | None = None
+    grammar_syntax: Literal["gbnf", "lark"] | None = None  # gbnf: the default, as llama-server
+    regex: str | None = None
 
 
 class CompletionRequest(_GenerationBody, frozen=True, kw_only=True):
@@ -107,12 +112,12 @@ class ChatCompletionRequest(_GenerationBody, frozen=True, kw_only=True):
     parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+    response_format: Any = None  # text, json_object, json_schema (runtime/server/structured.py)
     # Known but unsupported: refused unless "off" (see translate.py).
     tools: Any = None
     tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None

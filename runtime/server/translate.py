@@ -20,6 +20,7 @@ from runtime.server.schema import (
     PrewarmRequest,
     WireChatMessage,
 )
+from runtime.server.structured import constraint_of
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise; the runtime's default is 0
 LEGACY_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM do
@@ -111,12 +112,6 @@ def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
             (None, "none"),
             "function calling is not supported",
         ),
-        (
-            "response_format",
-            request.response_format,
-            (None, {"type": "text"}),
-            "structured output (json_object, json_schema) is not supported",
-        ),
         ("modalities", request.modalities, (None, ["text"]), "only text output is supported"),
         ("audio", request.audio, (None,), "audio output is not supported"),
         ("prediction", request.prediction, (None,), "predicted outputs are not supported"),
@@ -137,6 +132,7 @@ def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
         max_tokens=_chat_max_tokens(request),
         logprobs=bool(request.logprobs),
         top_logprobs=request.top_logprobs or 0,
+        response_format=request.response_format,
     )
 
 
@@ -171,15 +167,25 @@ def _call(
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
+    response_format: Any = None,
 ) -> RuntimeCall:
     stop = request.stop
+    constraint = constraint_of(
+        response_format=response_format,
+        json_schema=request.json_schema,
+        grammar=request.grammar,
+        grammar_syntax=request.grammar_syntax,
+        regex=request.regex,
+    )
     return RuntimeCall(
         model=request.model,
         prompt=prompt,
         prompt_tokens=prompt_tokens,
         messages=messages,
         max_tokens=max_tokens,
-        sampling=_sampling(request, logprobs, top_logprobs),
+        sampling=msgspec.structs.replace(
+            _sampling(request, logprobs, top_logprobs), constraint=constraint
+        ),
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         stop_token_ids=tuple(request.stop_token_ids or ()),
         namespace=_namespace(request.cache_salt),
