@@ -58,6 +58,10 @@ class Render(abc.ABC):
     @abc.abstractmethod
     def chunk(self, event: TokensEmitted) -> wire.Chunk: ...
 
+    def chunks(self, event: TokensEmitted) -> list[wire.Chunk]:
+        """What one event sends: one chunk here; none or several where text is parsed (tools)."""
+        return [self.chunk(event)]
+
     def closing(self, finished: Finished) -> list[wire.Chunk]:
         """The chunk carrying ``finish_reason``, then the usage chunk if the client asked for it."""
         chunks = [self._finish_chunk(finish_reason(finished))]

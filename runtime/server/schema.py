@@ -109,13 +109,14 @@ class ChatCompletionRequest(_GenerationBody, frozen=True, kw_only=True):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
     response_format: Any = None  # text, json_object, json_schema (runtime/server/structured.py)
-    # Known but unsupported: refused unless "off" (see translate.py).
+    # Function tools, checked field by field in runtime/server/tools.py.
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # Known but unsupported: refused unless "off" (see translate.py).
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
@@ -207,9 +208,21 @@ class ChoiceLogprobs(_Reply, frozen=True, kw_only=True):
     content: list[TokenLogprob]
 
 
+class WireFunctionCall(_Reply, frozen=True, kw_only=True):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class WireToolCall(_Reply, frozen=True, kw_only=True):
+    id: str
+    function: WireFunctionCall
+    type: Literal["function"] = "function"
+
+
 class AssistantMessage(_Reply, frozen=True, kw_only=True):
-    content: str
+    content: str | None  # None: the reply is tool calls only
     role: Literal["assistant"] = "assistant"
+    tool_calls: list[WireToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(_Reply, frozen=True, kw_only=True):
@@ -228,9 +241,25 @@ class ChatCompletion(_Reply, frozen=True, kw_only=True):
     usage: WireUsage
 
 
+class DeltaFunction(_Reply, frozen=True, kw_only=True):
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    arguments: str = ""
+
+
+class DeltaToolCall(_Reply, frozen=True, kw_only=True):
+    """A piece of call ``index``: its first piece has ``id``, ``type`` and the function's name,
+    later ones add to its arguments (how OpenAI streams calls)."""
+
+    index: int
+    function: DeltaFunction
+    id: str | msgspec.UnsetType = msgspec.UNSET
+    type: Literal["function"] | msgspec.UnsetType = msgspec.UNSET
+
+
 class Delta(_Reply, frozen=True, kw_only=True):
     role: Literal["assistant"] | msgspec.UnsetType = msgspec.UNSET
     content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[DeltaToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChunkChoice(_Reply, frozen=True, kw_only=True):

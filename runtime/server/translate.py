@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from runtime.messages import ChatMessage, Sampling
+from runtime.messages import ChatMessage, ChatOptions, Sampling
 from runtime.server.errors import UNSUPPORTED_VALUE, invalid, unsupported
 from runtime.server.schema import (
     ChatCompletionRequest,
@@ -21,6 +21,7 @@ from runtime.server.schema import (
     WireChatMessage,
 )
 from runtime.server.structured import constraint_of
+from runtime.server.tools import ToolSetup, check_answers, tool_fields, tool_setup
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise; the runtime's default is 0
 LEGACY_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM do
@@ -61,6 +62,8 @@ class RuntimeCall(msgspec.Struct, frozen=True, kw_only=True):
     include_usage: bool
     timeout_s: float | None = None
     stall_timeout_s: float | None = None
+    chat: ChatOptions = ChatOptions()
+    tools: ToolSetup | None = None  # chat requests with tools: the output is parsed for calls
 
 
 class PrewarmCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,14 +106,12 @@ def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
     """``/v1/chat/completions``; raises ``HttpError`` for refused fields and message shapes."""
     _refuse_choices(request.n, None)
     for field, value, off, why in (
-        ("tools", request.tools, (None, []), "tool calling is not supported"),
-        ("tool_choice", request.tool_choice, (None, "none"), "tools are not supported"),
-        ("functions", request.functions, (None, []), "function calling is not supported"),
+        ("functions", request.functions, (None, []), "functions are deprecated; send tools"),
         (
             "function_call",
             request.function_call,
             (None, "none"),
-            "function calling is not supported",
+            "function_call is deprecated; send tool_choice",
         ),
         ("modalities", request.modalities, (None, ["text"]), "only text output is supported"),
         ("audio", request.audio, (None,), "audio output is not supported"),
@@ -126,13 +127,31 @@ def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
     ):
         if value not in off:
             raise unsupported(field, f"{field}: {why}")
-    return _call(
+    tools = tool_setup(request)
+    call = _call(
         request,
         messages=_chat_messages(request.messages),
         max_tokens=_chat_max_tokens(request),
         logprobs=bool(request.logprobs),
         top_logprobs=request.top_logprobs or 0,
         response_format=request.response_format,
+    )
+    if tools is None:
+        return call
+    forced = tools.constraint
+    if forced is not None and call.sampling.constraint is not None:
+        raise invalid(
+            "tool_choice",
+            f'tool_choice "{tools.choice}" constrains the output to tool calls; it cannot be '
+            "combined with response_format, json_schema, grammar or regex",
+        )
+    return msgspec.structs.replace(
+        call,
+        chat=ChatOptions(tools=tools.chat_tools, parallel_tool_calls=tools.parallel),
+        tools=tools,
+        sampling=msgspec.structs.replace(
+            call.sampling, constraint=forced or call.sampling.constraint
+        ),
     )
 
 
@@ -244,6 +263,7 @@ def _one_prompt(
 
 
 def _chat_messages(messages: list[WireChatMessage]) -> tuple[ChatMessage, ...]:
+    check_answers(messages)
     return tuple(_chat_message(i, message) for i, message in enumerate(messages))
 
 
@@ -251,16 +271,17 @@ def _chat_message(index: int, message: WireChatMessage) -> ChatMessage:
     where = f"messages[{index}]"
     for field, value in (
         ("name", message.name),
-        ("tool_calls", message.tool_calls),
-        ("tool_call_id", message.tool_call_id),
         ("function_call", message.function_call),
         ("audio", message.audio),
     ):
         if value is not None:
             raise unsupported(f"{where}.{field}", f"{where}.{field} is not supported")
+    calls, call_id = tool_fields(where, message)
     content = message.content
     if isinstance(content, str):
-        return ChatMessage(role=message.role, content=content)
+        return ChatMessage(message.role, content, calls, call_id)
+    if content is None and calls:
+        return ChatMessage(message.role, "", calls, call_id)  # a reply that only calls tools
     if content is None:
         raise invalid(f"{where}.content", f"{where}.content is missing; send text")
     for j, part in enumerate(content):
@@ -271,7 +292,7 @@ def _chat_message(index: int, message: WireChatMessage) -> ChatMessage:
                 code=UNSUPPORTED_VALUE,
             )
     # Text parts join with newlines, as vLLM renders them for string-content chat templates.
-    return ChatMessage(role=message.role, content="\n".join(p.text or "" for p in content))
+    return ChatMessage(message.role, "\n".join(p.text or "" for p in content), calls, call_id)
 
 
 def _chat_max_tokens(request: ChatCompletionRequest) -> int | None:
