@@ -10,6 +10,7 @@ follow the function's JSON Schema (runtime/text/tool_calls.py). As OpenAI does:
 - ``"none"``: the model must not call; the tools are left out of the prompt, and the output is
   text (a conversation's earlier calls and results are still rendered);
 - a tool's ``parameters`` must be a JSON Schema of ``"type": "object"`` (omitted: no arguments);
+  with ``"strict": true`` every keyword of it must be one the grammar engine enforces;
 - a ``tool`` message answers a call an earlier assistant message made (its ``tool_call_id``).
 
 Bad input is a 400 naming the field: code ``invalid_tools`` for the shapes, ``invalid_schema``
@@ -181,8 +182,8 @@ def _parameters(where: str, function: _Function) -> str:
     # The grammar engine reads the schema now, so a bad one is refused before any work.
     from runtime.text.constraints import grammar_of
 
-    try:
-        grammar_of(JsonSchemaConstraint(schema=text, strict=False))
+    try:  # strict: the schema must be enforceable in full, as OpenAI's strict functions are
+        grammar_of(JsonSchemaConstraint(schema=text, strict=function.strict is True))
     except MlxRuntimeError as error:
         raise HttpError(400, f"{where}: {error.message}", code=error.code, param=where) from None
     return text
