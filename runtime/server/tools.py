@@ -9,6 +9,8 @@ follow the function's JSON Schema (runtime/text/tool_calls.py). As OpenAI does:
 - ``tool_choice`` defaults to ``"auto"`` with tools and ``"none"`` without;
 - ``"none"``: the model must not call; the tools are left out of the prompt, and the output is
   text (a conversation's earlier calls and results are still rendered);
+- a named function is called exactly once; ``"required"`` allows several calls unless
+  ``parallel_tool_calls`` is false (small models tend to repeat a call until ``max_tokens``);
 - a tool's ``parameters`` must be a JSON Schema of ``"type": "object"`` (omitted: no arguments);
   with ``"strict": true`` every keyword of it must be one the grammar engine enforces;
 - a ``tool`` message answers a call an earlier assistant message made (its ``tool_call_id``).
@@ -60,7 +62,10 @@ class ToolSetup(msgspec.Struct, frozen=True, kw_only=True):
     def constraint(self) -> GrammarConstraint | None:
         if self.choice != "required" and self.function is None:
             return None
-        return tool_call_grammar(self.tools, only=self.function, parallel=self.parallel)
+        # A named function is called once (as vLLM does): a small model left free to repeat
+        # the call block does so until max_tokens.
+        parallel = self.parallel and self.function is None
+        return tool_call_grammar(self.tools, only=self.function, parallel=parallel)
 
 
 class _Function(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
