@@ -266,3 +266,18 @@ async def test_the_official_client_makes_a_round_trip_and_step_two_reuses_step_o
     assert details is not None and details.cached_tokens is not None
     # Step two's prompt starts with step one's (its tools, the question, the assistant header).
     assert details.cached_tokens >= first.usage.prompt_tokens
+
+
+async def test_a_prewarm_with_the_tools_caches_the_prompt_its_chat_request_sends() -> None:
+    async with serving(simulated()) as (client, _):
+        warm = await client.post(
+            "/v1/prewarm", json={"model": "m", "messages": ASK, "tools": [WEATHER]}
+        )
+        assert warm.status_code == 200, warm.text
+        usage = (await chat(client, tools=[WEATHER])).json()["usage"]
+        refused = await client.post(
+            "/v1/prewarm", json={"model": "m", "prompt": "x", "tools": [WEATHER]}
+        )
+    assert warm.json()["prompt_tokens"] == usage["prompt_tokens"]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"

@@ -26,7 +26,7 @@ from starlette.routing import Route
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
 from runtime.errors import MlxRuntimeError, ModelNotLoaded, RuntimeClosed
-from runtime.messages import Cancelled, ChatOptions, Failed, Finished, FinishReason, ModelSpec
+from runtime.messages import Cancelled, Failed, Finished, FinishReason, ModelSpec
 from runtime.server import schema as wire
 from runtime.server.errors import (
     HttpError,
@@ -172,7 +172,7 @@ class OpenAIServer:
                 call.prompt,
                 prompt_tokens=call.prompt_tokens,
                 messages=call.messages,
-                chat=ChatOptions(),  # rendered exactly as the chat request it prepares
+                chat=call.chat,  # rendered exactly as the chat request it prepares
                 max_tokens=call.max_tokens,
                 namespace=call.namespace,
                 session=call.session,

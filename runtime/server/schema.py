@@ -140,6 +140,10 @@ class PrewarmRequest(_Body, frozen=True, kw_only=True):
     max_tokens: int | None = None
     session: str | None = None
     cache_salt: str | None = None
+    # The coming chat request's tools: its prompt shows them (runtime/server/tools.py).
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 completion_request_decoder = msgspec.json.Decoder(CompletionRequest)

@@ -27,9 +27,9 @@ from typing import Any, Final, Literal, TypeVar
 import msgspec
 
 from runtime.errors import InvalidSchema, MlxRuntimeError
-from runtime.messages import GrammarConstraint, JsonSchemaConstraint, Tool, ToolCall
+from runtime.messages import ChatOptions, GrammarConstraint, JsonSchemaConstraint, Tool, ToolCall
 from runtime.server.errors import HttpError
-from runtime.server.schema import ChatCompletionRequest, WireChatMessage
+from runtime.server.schema import ChatCompletionRequest, PrewarmRequest, WireChatMessage
 from runtime.text.tool_calls import tool_call_grammar
 from runtime.text.tools import FUNCTION_NAME
 
@@ -100,8 +100,10 @@ class _NamedChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     function: _ChosenName
 
 
-def tool_setup(request: ChatCompletionRequest) -> ToolSetup | None:
-    """The request's tools, or None when it has none and no tool_choice; raises ``HttpError``."""
+def tool_setup(request: ChatCompletionRequest | PrewarmRequest) -> ToolSetup | None:
+    """The request's tools, or None when it has none and no tool_choice; raises ``HttpError``.
+
+    A chat prewarm takes the same fields, so it renders the prompt its chat request will."""
     if request.tools is None and request.tool_choice in (None, "none"):
         return None
     tools = _tools(request.tools)
@@ -112,6 +114,13 @@ def tool_setup(request: ChatCompletionRequest) -> ToolSetup | None:
         function=function,
         parallel=request.parallel_tool_calls is not False,
     )
+
+
+def chat_options(setup: ToolSetup | None) -> ChatOptions:
+    """How the server renders a chat prompt: tools added, no history window."""
+    if setup is None:
+        return ChatOptions()
+    return ChatOptions(tools=setup.chat_tools, parallel_tool_calls=setup.parallel)
 
 
 def tool_fields(where: str, message: WireChatMessage) -> tuple[tuple[ToolCall, ...], str | None]:

@@ -21,7 +21,13 @@ from runtime.server.schema import (
     WireChatMessage,
 )
 from runtime.server.structured import constraint_of
-from runtime.server.tools import ToolSetup, check_answers, tool_fields, tool_setup
+from runtime.server.tools import (
+    ToolSetup,
+    chat_options,
+    check_answers,
+    tool_fields,
+    tool_setup,
+)
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise; the runtime's default is 0
 LEGACY_DEFAULT_MAX_TOKENS = 16  # /v1/completions without max_tokens, as OpenAI and vLLM do
@@ -76,6 +82,7 @@ class PrewarmCall(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int | None
     namespace: str
     session: str | None
+    chat: ChatOptions = ChatOptions()
 
 
 def completion_call(request: CompletionRequest) -> RuntimeCall:
@@ -147,7 +154,7 @@ def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
         )
     return msgspec.structs.replace(
         call,
-        chat=ChatOptions(tools=tools.chat_tools, parallel_tool_calls=tools.parallel),
+        chat=chat_options(tools),
         tools=tools,
         sampling=msgspec.structs.replace(
             call.sampling, constraint=forced or call.sampling.constraint
@@ -159,6 +166,9 @@ def prewarm_call(request: PrewarmRequest) -> PrewarmCall:
     """``/v1/prewarm``; messages are checked as ``chat_call`` checks them."""
     prompt = request.prompt
     messages = request.messages
+    tools = tool_setup(request)
+    if tools is not None and messages is None:
+        raise invalid("tools", "tools go with messages: a text prompt is sent as it is")
     return PrewarmCall(
         model=request.model,
         prompt=prompt if isinstance(prompt, str) else None,
@@ -167,6 +177,7 @@ def prewarm_call(request: PrewarmRequest) -> PrewarmCall:
         max_tokens=request.max_tokens,
         namespace=_namespace(request.cache_salt),
         session=request.session,
+        chat=chat_options(tools),
     )
 
 

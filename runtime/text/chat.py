@@ -140,6 +140,13 @@ def _validate(
             raise InvalidRequest(f"messages[{i}].tool_calls is for assistant messages only")
         if m.tool_call_id is not None and m.role != "tool":
             raise InvalidRequest(f"messages[{i}].tool_call_id is for tool messages only")
+    last = messages[-1]
+    if options.add_generation_prompt and last.role == "assistant" and last.tool_calls:
+        # A final assistant message is continued as a prefill, and a call cannot be continued.
+        raise InvalidRequest(
+            f"messages[{len(messages) - 1}] is an assistant message with tool_calls and nothing "
+            "after it; send the tool results (role tool) after it"
+        )
     tool_prompt.validate_tools(options.tools)
     if max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be at least 1 (got {max_tokens})")
