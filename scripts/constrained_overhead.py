@@ -1,0 +1,82 @@
+"""Per-token cost of constrained decoding on a real model: the same prompts decoded with and
+without a JSON Schema constraint, alternating, in one run; reports decode ms/token and the ratio.
+
+Both arms decode the same number of tokens (the unconstrained arm's ``max_tokens`` is set to the
+constrained arm's output length), so the ratio is the mask's cost per token: its computation on
+the worker thread (overlapped with the model step) plus applying it. Not a test; the numbers go
+into docs/structured.md.
+
+    PYTHONPATH=. LD_PRELOAD=... .venv/bin/python scripts/constrained_overhead.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import anyio
+
+from runtime.api import Runtime
+from runtime.config import RuntimeConfig
+from runtime.messages import JsonSchemaConstraint, ModelSpec, Sampling, TokensEmitted
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string"},
+        "age": {"type": "integer"},
+        "hobbies": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+        "city": {"type": "string"},
+    },
+    "required": ["name", "age", "hobbies", "city"],
+    "additionalProperties": False,
+}
+PROMPT = "Invent a person and describe them as JSON with name, age, hobbies and city."
+
+
+async def decode_ms_per_token(
+    rt: Runtime, model: str, sampling: Sampling, max_tokens: int
+) -> tuple[float, int]:
+    """Time from the first token to the last, per token after the first (decode only)."""
+    first: float | None = None
+    count = 0
+    async with rt.generate(model, PROMPT, max_tokens=max_tokens, sampling=sampling) as stream:
+        async for event in stream:
+            if isinstance(event, TokensEmitted) and event.token_ids:
+                if first is None:
+                    first = time.perf_counter()
+                count += len(event.token_ids)
+    if first is None or count < 2:
+        raise RuntimeError(f"the model produced {count} tokens: too few to time a decode")
+    return (time.perf_counter() - first) * 1e3 / (count - 1), count
+
+
+async def main(model: str, rounds: int) -> None:
+    constrained = Sampling(constraint=JsonSchemaConstraint(schema=json.dumps(SCHEMA)))
+    free, masked = [], []
+    async with Runtime(RuntimeConfig()) as rt:
+        await rt.load_model(ModelSpec(name="m", path=model))
+        await decode_ms_per_token(rt, "m", constrained, 64)  # warm-up: tokenizer import, caches
+        for _ in range(rounds):
+            ms, tokens = await decode_ms_per_token(rt, "m", constrained, 256)
+            masked.append(ms)
+            free.append((await decode_ms_per_token(rt, "m", Sampling(), tokens))[0])
+    ratio = statistics.median(masked) / statistics.median(free)
+    print(
+        f"{model}: decode ms/token unconstrained {statistics.median(free):.2f}, constrained "
+        f"{statistics.median(masked):.2f} (medians of {rounds}); ratio {ratio:.3f}"
+    )
+
+
+def cli() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    anyio.run(main, args.model, args.rounds)
+
+
+if __name__ == "__main__":
+    cli()
