@@ -1,9 +1,10 @@
 """Per-token cost of constrained decoding on a real model: the same prompts decoded with and
 without a JSON Schema constraint, alternating, in one run; reports decode ms/token and the ratio.
 
-Both arms decode the same number of tokens (the unconstrained arm's ``max_tokens`` is set to the
-constrained arm's output length), so the ratio is the mask's cost per token: its computation on
-the worker thread (overlapped with the model step) plus applying it. Not a test; the numbers go
+Both arms answer the same chat prompt greedily, the unconstrained one for at most as many tokens
+as the constrained one wrote, so the ratio is what a constraint costs per token: the mask (computed
+on the worker thread while the model steps, then applied) and the lost pipelining (a constrained
+sequence reads each token before it builds the next step). Not a test; the numbers go
 into docs/structured.md.
 
     PYTHONPATH=. LD_PRELOAD=... .venv/bin/python scripts/constrained_overhead.py --rounds 5
@@ -20,7 +21,7 @@ import anyio
 
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
-from runtime.messages import JsonSchemaConstraint, ModelSpec, Sampling, TokensEmitted
+from runtime.messages import ChatMessage, JsonSchemaConstraint, ModelSpec, Sampling, TokensEmitted
 
 SCHEMA = {
     "type": "object",
@@ -33,7 +34,11 @@ SCHEMA = {
     "required": ["name", "age", "hobbies", "city"],
     "additionalProperties": False,
 }
-PROMPT = "Invent a person and describe them as JSON with name, age, hobbies and city."
+MESSAGES = [
+    ChatMessage(
+        "user", "Invent a person and describe them as JSON with name, age, hobbies and city."
+    )
+]
 
 
 async def decode_ms_per_token(
@@ -42,7 +47,9 @@ async def decode_ms_per_token(
     """Time from the first token to the last, per token after the first (decode only)."""
     first: float | None = None
     count = 0
-    async with rt.generate(model, PROMPT, max_tokens=max_tokens, sampling=sampling) as stream:
+    async with rt.generate(
+        model, messages=MESSAGES, max_tokens=max_tokens, sampling=sampling
+    ) as stream:
         async for event in stream:
             if isinstance(event, TokensEmitted) and event.token_ids:
                 if first is None:
@@ -55,18 +62,22 @@ async def decode_ms_per_token(
 
 async def main(model: str, rounds: int) -> None:
     constrained = Sampling(constraint=JsonSchemaConstraint(schema=json.dumps(SCHEMA)))
-    free, masked = [], []
+    free: list[float] = []
+    masked: list[float] = []
+    lengths: list[int] = []
     async with Runtime(RuntimeConfig()) as rt:
         await rt.load_model(ModelSpec(name="m", path=model))
         await decode_ms_per_token(rt, "m", constrained, 64)  # warm-up: tokenizer import, caches
         for _ in range(rounds):
             ms, tokens = await decode_ms_per_token(rt, "m", constrained, 256)
             masked.append(ms)
+            lengths.append(tokens)
             free.append((await decode_ms_per_token(rt, "m", Sampling(), tokens))[0])
     ratio = statistics.median(masked) / statistics.median(free)
     print(
         f"{model}: decode ms/token unconstrained {statistics.median(free):.2f}, constrained "
-        f"{statistics.median(masked):.2f} (medians of {rounds}); ratio {ratio:.3f}"
+        f"{statistics.median(masked):.2f} (medians of {rounds}, {statistics.median(lengths):.0f} "
+        f"tokens); ratio {ratio:.3f}"
     )
 
 
