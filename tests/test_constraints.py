@@ -17,7 +17,6 @@ from runtime.testing.tiny_models import load_tiny_model
 from runtime.text.constraints import ConstraintEngine, TokenMatcher, live_matchers
 from runtime.text.sampling import TokenSampler
 
-
 Engine = tuple[ConstraintEngine, Any]  # the engine and the Hugging Face tokenizer it reads
 
 
