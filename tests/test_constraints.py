@@ -62,6 +62,16 @@ def test_a_forbidden_token_is_a_typed_dead_end_and_release_is_idempotent(engine:
     assert live_matchers() == before and matcher.released
 
 
+def test_an_eos_before_the_grammar_may_end_is_a_dead_end_not_a_stop(engine: Engine) -> None:
+    constraint_engine, tokenizer = engine
+    matcher = constraint_engine.matcher(RegexConstraint(pattern="[0-9]{2}"))
+    one = next(t for t in range(len(tokenizer.vocab)) if tokenizer.decode([t]) == "1")
+    assert matcher.accept(one) is False
+    with pytest.raises(ConstraintDeadEnd):
+        matcher.accept(tokenizer.eos_token_id)
+    matcher.release()
+
+
 def test_a_constrained_sampler_reads_every_token_before_the_next(engine: Engine) -> None:
     constraint_engine, tokenizer = engine
     vocab = len(tokenizer.vocab)
