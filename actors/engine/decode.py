@@ -174,7 +174,7 @@ def _read(job: StepJob, seq: Sequence, decoding: Decoding, draw: Draw) -> None:
     decoding.read += 1
     decoding.pending = None if job.fed else token
     matcher = None if decoding.sampler is None else decoding.sampler.matcher
-    if matcher is not None and token not in seq.stop_token_ids:
+    if matcher is not None:  # an EOS too: llguidance allows one only where the grammar may end
         try:
             job.completes_constraint = matcher.accept(token)
         except ConstraintDeadEnd as exc:  # this row fails; a batch's other rows go on

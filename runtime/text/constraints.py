@@ -194,8 +194,8 @@ class TokenMatcher:
 
     def accept(self, token: int) -> bool:
         """Advance by ``token``; True when the grammar is complete and allows nothing more (the
-        sequence ends as if it read an EOS). Raises ``ConstraintDeadEnd`` if it was not allowed
-        or no token may follow (an engine limit reached)."""
+        sequence ends as if it read an EOS). Raises ``ConstraintDeadEnd`` if it was not allowed,
+        e.g. an EOS the engine offered as the only way out of an error (a limit it reached)."""
         assert self._next_mask is not None, "accept after release"
         self._next_mask.result()  # the worker must be done with the state before it moves
         self._next_mask = None
