@@ -102,5 +102,6 @@ def test_a_two_step_round_trip_through_mlxrt_serve(client: openai.OpenAI, choice
     assert details.cached_tokens >= first.usage.prompt_tokens
     print(
         f"\n{choice}: step 2 reused {details.cached_tokens} of {second.usage.prompt_tokens} prompt "
-        f"tokens (step 1's prompt: {first.usage.prompt_tokens}); answer: {answer.message.content!r}"
+        f"tokens (step 1: {first.usage.prompt_tokens} prompt + {first.usage.completion_tokens} "
+        f"completion); answer: {answer.message.content!r}"
     )

@@ -130,21 +130,19 @@ def conversation(
     # A conversation that never involved tools renders as it always did (``tool`` role kept).
     uses_tools = bool(tools) or any(m.tool_calls for m in messages)
     converted: Conversation = []
-    for m in messages:
+    for i, m in enumerate(messages):
         if m.role == "tool" and uses_tools:
             block = f"{RESPONSE_OPEN}\n{m.content}\n{RESPONSE_CLOSE}"
-            if converted and converted[-1].get("tool_responses"):
+            if i > 0 and messages[i - 1].role == "tool":  # one user turn for a run of results
                 converted[-1]["content"] += "\n" + block
             else:
-                converted.append({"role": "user", "content": block, "tool_responses": True})
+                converted.append({"role": "user", "content": block})
             continue
         content = m.content
         if m.tool_calls:
             blocks = "\n".join(call_block(call) for call in m.tool_calls)
             content = f"{content}\n{blocks}" if content else blocks
         converted.append({"role": m.role, "content": content})
-    for entry in converted:
-        entry.pop("tool_responses", None)
     if tools:
         section = tools_section(tools, parallel=parallel)
         if converted and converted[0]["role"] in ("system", "developer"):
