@@ -10,6 +10,7 @@ import jsonschema
 import pytest
 
 from runtime.api import Runtime
+from runtime.backends.loader import make_backend_loader
 from runtime.config import RuntimeConfig
 from runtime.errors import InvalidGrammar, InvalidSchema
 from runtime.messages import (
@@ -27,6 +28,7 @@ from runtime.messages import (
     Sampling,
     TokensEmitted,
 )
+from runtime.testing.faults import Fault, FaultKind, FaultPlan, FaultPoint
 from runtime.testing.harness import engine_stats, sim_spec, wait_until
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 from runtime.text.constraints import live_matchers
@@ -151,7 +153,7 @@ async def test_cancel_mid_generation_is_quiet_and_releases_the_grammar_state(
     kind: TinyModelKind,
 ) -> None:
     # A schema no random model finishes soon: a long free string.
-    endless = JsonSchemaConstraint(schema=json.dumps({"type": "string"}))
+    endless = JsonSchemaConstraint(schema=json.dumps({"type": "string", "minLength": 100}))
     async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
         loaded = await rt.load_model(spec(kind))
         sampling = Sampling(temperature=1.0, seed=1, constraint=endless)
@@ -196,3 +198,45 @@ async def test_a_constrained_request_adopts_the_prewarm_of_its_prompt() -> None:
     else:  # the warmup finished first: the request reused its cached prompt instead
         assert done.started.cached_tokens > 0
     assert live_matchers() == 0
+
+
+@pytest.mark.parametrize("point", [FaultPoint.DECODE, FaultPoint.BATCH_STEP])
+async def test_a_failed_step_releases_the_grammar_state(point: FaultPoint) -> None:
+    plan = FaultPlan(Fault(point, FaultKind.RAISE, after=3))
+    spec_ = spec("llama")
+    config = RuntimeConfig(kv_budget_bytes=1 << 28)
+    endless = JsonSchemaConstraint(schema=json.dumps({"type": "string", "minLength": 100}))
+    async with Runtime(config, load_backend=plan.wrap_loader(make_backend_loader())) as rt:
+        loaded = await rt.load_model(spec_)
+        results: list[object] = []
+
+        async def one(seed: int) -> None:
+            results.append((await run(rt, "llama", endless, seed, max_tokens=100))[1])
+
+        streams = 2 if point is FaultPoint.BATCH_STEP else 1  # a lone stream takes the fast path
+        async with anyio.create_task_group() as tg:
+            for seed in range(streams):
+                tg.start_soon(one, seed)
+        assert any(isinstance(r, Failed) and r.code == "backend_error" for r in results), results
+        await wait_until(rt, lambda: engine_stats(rt, loaded).gauges["sequences"] == 0)
+        assert live_matchers() == 0
+
+
+async def test_a_superseded_constrained_request_releases_its_grammar_state() -> None:
+    endless = JsonSchemaConstraint(schema=json.dumps({"type": "string", "minLength": 100}))
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        loaded = await rt.load_model(spec("llama"))
+        sampling = Sampling(temperature=1.0, seed=3, constraint=endless)
+        first = rt.generate("llama", "a", max_tokens=300, sampling=sampling, session="s")
+        async with first:
+            async for event in first:
+                if isinstance(event, TokensEmitted):
+                    break
+            done = await rt.complete(
+                "llama", "b", max_tokens=3, sampling=sampling, session="s", supersede=True
+            )
+            rest = [event async for event in first]
+        assert isinstance(rest[-1], Cancelled) and rest[-1].reason == "superseded"
+        assert isinstance(done.terminal, Finished)
+        await wait_until(rt, lambda: engine_stats(rt, loaded).gauges["sequences"] == 0)
+        assert live_matchers() == 0

@@ -169,6 +169,7 @@ class Endings:
         for job in jobs:
             held = job.seq if isinstance(job, StepJob) else None
             if held is not None and held.ending is not None:
+                release_matcher(held)
                 ctx.send(ROUTER, held.ending.terminal)
                 held.ending = None
         for seq in list(self._sequences.values()):
