@@ -1,10 +1,11 @@
 """Tool-call parsing is chunking-invariant: any split of an output gives the whole output's
 content and calls (the streamed ``delta.tool_calls`` a client accumulates equal ``tool_calls``).
 
-Outputs are drawn from pieces that stress the parser: valid calls, blocks that are not calls,
-tag fragments, stray closing tags and whitespace, joined by arbitrary text; each is then split at
-random points, as a tokenizer's detokenized pieces would be. Settings come from the active
-Hypothesis profile.
+Outputs are drawn from pieces that stress the parser: calls whose arguments stream (a closing tag
+and escaped quotes inside a string among them), calls read whole, blocks that are not calls, calls
+cut short, tag fragments, stray closing tags and whitespace, joined by arbitrary text; each is
+then split at random points, as a tokenizer's detokenized pieces would be. Settings come from the
+active Hypothesis profile.
 """
 
 from __future__ import annotations
@@ -26,6 +27,12 @@ NAMES = ("get_weather", "add")
 PIECES = (
     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
     '<tool_call>{"name": "add", "parameters": {"a": 1}}</tool_call>',
+    '<tool_call>{"name": "add", "arguments": {"s": "a \\" } </tool_call> {", "t": [1, {}]}}',
+    '<tool_call>{"name": "add", "arguments": "{\\"a\\": 1}"}</tool_call>',
+    '<tool_call>{"arguments": {}, "name": "add"}</tool_call>',
+    '<tool_call>{"name": "add", "arguments": {"a": ',
+    '"}',
+    "}",
     '<tool_call>{"name": "nope", "arguments": {}}</tool_call>',
     "<tool_call>not json</tool_call>",
     "<tool_call>",

@@ -80,6 +80,32 @@ def test_a_tag_split_across_pieces_is_held_back_until_it_is_decided() -> None:
     assert streamed(["a <tool", "box> b"]) == [TextAdded("a"), TextAdded(" <toolbox> b")]
 
 
+def test_arguments_are_passed_on_as_the_model_writes_them() -> None:
+    head = '<tool_call>{"name": "add", "arguments": '
+    events = streamed(
+        ["x ", head, '{"s": "a \\" </tool_call>', ' }", ', '"n": [1]}}', "</tool_call> y"]
+    )
+    assert events == [
+        TextAdded("x"),
+        ToolCallStarted(0, "call_0", "add"),
+        ArgumentsAdded(0, '{"s": "a \\" </tool_call>'),  # inside a string: not the block's end
+        ArgumentsAdded(0, ' }", '),
+        ArgumentsAdded(0, '"n": [1]}'),
+        TextAdded("y"),
+    ]
+
+
+def test_a_call_cut_short_keeps_the_arguments_written_so_far() -> None:
+    text = '<tool_call>{"name": "add", "arguments": {"a": 1, "b'
+    content, calls = parse_tool_calls(text, NAMES)
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("add", '{"a": 1, "b')]
+    # Something no JSON has outside a string ends the arguments there.
+    _, calls = parse_tool_calls(
+        '<tool_call>{"name": "add", "arguments": {"a": 1</tool_call>', NAMES
+    )
+    assert [c.arguments for c in calls] == ['{"a": 1']
+
+
 def test_every_split_of_an_output_gives_the_whole_outputs_content_and_calls() -> None:
     text = f" x {WEATHER}\n  {ADD} y <tool_call>bad</tool_call> <tool"
     whole = streamed([text])

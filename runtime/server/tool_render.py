@@ -4,9 +4,10 @@ Non-streaming: ``message.tool_calls`` lists the calls, ``content`` is the text a
 when there is none) and ``finish_reason`` is ``"tool_calls"`` when the model called and stopped
 (a reply cut by ``max_tokens`` says ``"length"``). Streaming: content deltas as the text is
 decided, and for each call one chunk with ``delta.tool_calls[0]`` = ``{index, id, type: "function",
-function: {name, arguments: ""}}`` followed by one with its ``arguments`` (OpenAI's shape: the
-official client's stream accumulation joins the pieces by ``index``). The parser holds back text
-that may start a call block, so a stream's chunks can lag the tokens by a few characters.
+function: {name, arguments: ""}}`` followed by chunks with pieces of its ``arguments`` as the model
+writes them (OpenAI's shape: the official client's stream accumulation joins the pieces by
+``index``). The parser holds back text that may start a call block, so a stream's chunks can lag
+the tokens by a few characters.
 """
 
 from __future__ import annotations

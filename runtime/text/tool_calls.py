@@ -5,8 +5,15 @@ Qwen-style templates use natively: ``<tool_call>{"name": ..., "arguments": {...}
 one block per call. ``ToolCallParser`` splits output text into content and calls as it streams:
 text that may still turn out to be the start of a tag, or whitespace next to a call, is held back
 until the text after it decides, so any chunking of the output gives the same content and calls as
-the whole text does. A block that is not a call to a known function with a JSON object of
-arguments stays in the content, as written.
+the whole text does.
+
+A block that opens with a known function's name and then an arguments object
+(``{"name": "f", "arguments": {`` , the order the prompt and the grammar use) is a call from
+there on: its arguments are passed on as the model writes them, character for character, up to
+the end of that object (a block cut short keeps the arguments written so far). Any other block is
+read once it closes: a JSON object with a known ``name`` and ``arguments`` (an object, or a string
+holding one; ``parameters`` is read as ``arguments``) is a call, its arguments re-serialized;
+anything else stays in the content, as written.
 
 ``tool_call_grammar`` is the constraint for ``tool_choice`` "required" or a named function: the
 output must be call blocks (one, or one or more), each a known function's name and arguments
@@ -16,6 +23,7 @@ valid under its JSON Schema.
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Final
@@ -35,6 +43,10 @@ __all__ = [
     "tool_call_grammar",
 ]
 
+# The start of a block whose arguments can be passed on as written (ends at the object's brace).
+_STREAMED_HEAD: Final = re.compile(
+    r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"\s*,\s*"(?:arguments|parameters)"\s*:\s*\{'
+)
 # Separators the grammar writes JSON with: fixed, so a constrained model cannot ramble in spaces.
 _JSON_LAYOUT: Final = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 
@@ -67,6 +79,47 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+class _StreamedCall:
+    """A call whose arguments object is being passed on as written: tracks where it ends.
+
+    ``index`` is None for a call that is dropped (``parallel=False``, not the first)."""
+
+    def __init__(self, index: int | None, call_id: str, name: str) -> None:
+        self.index = index
+        self.id = call_id
+        self.name = name
+        self.arguments = ""
+        self.complete = False
+        self._depth = 0
+        self._in_string = False
+        self._escaped = False
+
+    def take(self, text: str) -> int:
+        """Adds what of ``text`` belongs to the arguments; returns how many characters it took."""
+        for taken, char in enumerate(text):
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif char == "\\":
+                    self._escaped = True
+                elif char == '"':
+                    self._in_string = False
+            elif char == "<":  # no JSON outside a string has it: the object was cut short
+                self.complete = True
+                return taken
+            elif char == '"':
+                self._in_string = True
+            elif char in "{[":
+                self._depth += 1
+            elif char in "}]":
+                self._depth -= 1
+            self.arguments += char
+            if self._depth == 0 and not self._in_string:
+                self.complete = True
+                return taken + 1
+        return len(text)
+
+
 class ToolCallParser:
     """Splits streamed output text into content and tool calls; ``feed`` pieces, then ``finish``.
 
@@ -90,6 +143,7 @@ class ToolCallParser:
         self._in_call = False
         self._held_space = ""  # whitespace before an open block: dropped if it is a call
         self._after_call = False  # whitespace right after a call is dropped
+        self._streamed: _StreamedCall | None = None  # the open block, once it is a call
 
     def feed(self, text: str) -> list[ParsedOutput]:
         self._pending += text
@@ -101,7 +155,9 @@ class ToolCallParser:
     def finish(self) -> list[ParsedOutput]:
         """The end of the output: whatever was held back is content (an unclosed block too)."""
         out: list[ParsedOutput] = []
-        if self._in_call:
+        if self._streamed is not None:
+            self._end_streamed()
+        elif self._in_call:
             self._text(out, self._held_space + CALL_OPEN + self._pending)
         else:
             self._text(out, self._pending)
@@ -111,13 +167,7 @@ class ToolCallParser:
     def _step(self, out: list[ParsedOutput]) -> bool:
         """Decides what it can of the pending text; True when another step may decide more."""
         if self._in_call:
-            end = self._pending.find(CALL_CLOSE)
-            if end < 0:
-                return False
-            body, self._pending = self._pending[:end], self._pending[end + len(CALL_CLOSE) :]
-            self._in_call = False
-            self._close_block(out, body)
-            return True
+            return self._step_in_block(out)
         start = self._pending.find(CALL_OPEN)
         if start >= 0:
             before, self._pending = self._pending[:start], self._pending[start + len(CALL_OPEN) :]
@@ -133,6 +183,53 @@ class ToolCallParser:
         self._text(out, text)
         self._pending = self._pending[len(text) :]
         return False
+
+    def _step_in_block(self, out: list[ParsedOutput]) -> bool:
+        streamed = self._streamed
+        if streamed is None:
+            head = _STREAMED_HEAD.match(self._pending)
+            if head is None or head.group(1) not in self._names:
+                return self._close_whole_block(out)
+            streamed = self._streamed = self._start_streamed(out, head.group(1))
+            self._pending = self._pending[head.end() - 1 :]  # from the arguments' brace
+        if not streamed.complete:
+            taken = streamed.take(self._pending)
+            fragment, self._pending = self._pending[:taken], self._pending[taken:]
+            if fragment and streamed.index is not None:
+                out.append(ArgumentsAdded(streamed.index, fragment))
+            if not streamed.complete:
+                return False
+        end = self._pending.find(CALL_CLOSE)  # what is left of the block is not looked at
+        if end < 0:
+            return False
+        self._pending = self._pending[end + len(CALL_CLOSE) :]
+        self._end_streamed()
+        return True
+
+    def _start_streamed(self, out: list[ParsedOutput], name: str) -> _StreamedCall:
+        index = len(self.calls) if self._parallel or not self.calls else None
+        streamed = _StreamedCall(index, self._new_id(), name)
+        if index is not None:
+            out.append(ToolCallStarted(index, streamed.id, name))
+        self._held_space = ""
+        return streamed
+
+    def _end_streamed(self) -> None:
+        streamed = self._streamed
+        assert streamed is not None
+        if streamed.index is not None:
+            call = ToolCall(id=streamed.id, name=streamed.name, arguments=streamed.arguments)
+            self.calls.append(call)
+        self._streamed, self._in_call, self._after_call = None, False, True
+
+    def _close_whole_block(self, out: list[ParsedOutput]) -> bool:
+        end = self._pending.find(CALL_CLOSE)
+        if end < 0:
+            return False
+        body, self._pending = self._pending[:end], self._pending[end + len(CALL_CLOSE) :]
+        self._in_call = False
+        self._close_block(out, body)
+        return True
 
     def _close_block(self, out: list[ParsedOutput], body: str) -> None:
         call = self._parse_call(body)
