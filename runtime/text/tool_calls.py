@@ -96,7 +96,12 @@ class _StreamedCall:
 
     def take(self, text: str) -> int:
         """Adds what of ``text`` belongs to the arguments; returns how many characters it took."""
-        for taken, char in enumerate(text):
+        taken = self._scan(text)
+        self.arguments += text[:taken]
+        return taken
+
+    def _scan(self, text: str) -> int:
+        for at, char in enumerate(text):
             if self._in_string:
                 if self._escaped:
                     self._escaped = False
@@ -106,17 +111,16 @@ class _StreamedCall:
                     self._in_string = False
             elif char == "<":  # no JSON outside a string has it: the object was cut short
                 self.complete = True
-                return taken
+                return at
             elif char == '"':
                 self._in_string = True
             elif char in "{[":
                 self._depth += 1
             elif char in "}]":
                 self._depth -= 1
-            self.arguments += char
             if self._depth == 0 and not self._in_string:
                 self.complete = True
-                return taken + 1
+                return at + 1
         return len(text)
 
 
@@ -125,7 +129,7 @@ class ToolCallParser:
 
     ``names``: the functions that may be called (a block naming another one stays content).
     ``parallel=False``: calls after the first are dropped (the prompt asked for at most one).
-    ``calls`` holds the calls found so far.
+    ``calls`` holds the calls whose blocks have ended (or, after ``finish``, were cut short).
     """
 
     def __init__(
