@@ -23,7 +23,12 @@ from typing import Any
 import mlx.core as mx
 import numpy as np
 
-from runtime.errors import ConstraintDeadEnd, InvalidGrammar, InvalidSchema
+from runtime.errors import (
+    ConstraintDeadEnd,
+    ConstraintsUnsupported,
+    InvalidGrammar,
+    InvalidSchema,
+)
 from runtime.messages import (
     Constraint,
     GrammarConstraint,
@@ -149,9 +154,17 @@ class ConstraintEngine:
 
 def _import_tokenizer(hf_tokenizer: Any, eos_token_ids: list[int]) -> Any:
     import llguidance.hf
+    from transformers import PreTrainedTokenizerFast
 
     # mlx-lm wraps the Hugging Face tokenizer; llguidance reads the fast tokenizer's JSON.
-    inner = getattr(hf_tokenizer, "_tokenizer", hf_tokenizer)
+    inner = hf_tokenizer
+    if not isinstance(inner, PreTrainedTokenizerFast):
+        inner = getattr(hf_tokenizer, "_tokenizer", hf_tokenizer)
+    if not isinstance(inner, PreTrainedTokenizerFast):
+        raise ConstraintsUnsupported(
+            "this model's tokenizer has no tokenizer.json (a fast tokenizer), the only kind the "
+            "grammar engine reads; drop the constraint or use a model that ships one"
+        )
     return llguidance.hf.from_tokenizer(inner, eos_token=eos_token_ids or None)
 
 
