@@ -18,9 +18,8 @@ import json
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
 import numpy as np
 
 from runtime.errors import (
@@ -36,6 +35,9 @@ from runtime.messages import (
     JsonSchemaConstraint,
     RegexConstraint,
 )
+
+if TYPE_CHECKING:  # the engine imports this module for live_matchers: MLX only when masking
+    import mlx.core as mx
 
 __all__ = ["ConstraintEngine", "TokenMatcher", "grammar_of", "live_matchers"]
 
@@ -194,6 +196,8 @@ class TokenMatcher:
 
     def apply(self, logits: mx.array) -> mx.array:
         """``logits`` (one row) with every token the grammar forbids next set to -inf."""
+        import mlx.core as mx
+
         assert self._next_mask is not None, "apply after release"
         self._next_mask.result()
         words = mx.array(self._bits[0].view(np.uint32))
