@@ -3,7 +3,9 @@
 For each tokenizer (SmolLM2's 49k vocabulary, Gemma 3's 262k) and each engine: the one-off cost
 (tokenizer import, schema compile) and the per-token cost (compute the allowed-token bitmask, then
 advance the state by one token) over the tokens of a JSON document valid under a small schema, as
-the model's own tokenizer splits it. xgrammar is not measured: its wheel requires torch and triton
+the model's own tokenizer splits it. The ``runtime`` engine is llguidance as the runtime drives it
+(``TokenMatcher``: mask on a worker thread, applied to a logits row in MLX, token accepted).
+xgrammar is not measured: its wheel requires torch and triton
 (docs/structured.md). Not a test; the numbers go into docs/structured.md.
 
     PYTHONPATH=. LD_PRELOAD=... .venv/bin/python scripts/grammar_engine_cost.py --rounds 20
@@ -143,15 +145,52 @@ def outlines_engine(hf_tokenizer: Any) -> tuple[float, Callable[[], tuple[float,
     return import_s, start
 
 
+def runtime_matcher(hf_tokenizer: Any) -> tuple[float, Callable[[], tuple[float, Step]]]:
+    """The runtime's own path (runtime.text.constraints): the mask computed on the worker thread
+    after each token, applied to a logits row with MLX, then the token accepted."""
+    import mlx.core as mx
+
+    from runtime.messages import JsonSchemaConstraint
+    from runtime.text.constraints import ConstraintEngine
+
+    started = time.perf_counter()
+    engine = ConstraintEngine(hf_tokenizer, [hf_tokenizer.eos_token_id])
+    engine.matcher(JsonSchemaConstraint(schema="{}")).release()  # waits for the import
+    import_s = time.perf_counter() - started
+    logits = mx.zeros((len(hf_tokenizer),))
+
+    def start() -> tuple[float, Step]:
+        began = time.perf_counter()
+        matcher = engine.matcher(JsonSchemaConstraint(schema=json.dumps(SCHEMA), strict=False))
+        compile_s = time.perf_counter() - began
+
+        def step(token: int) -> None:
+            masked = matcher.apply(logits)
+            mx.eval(masked)
+            assert masked[token].item() == 0.0, "document token masked out"
+            if matcher.accept(token):
+                matcher.release()
+
+        return compile_s, step
+
+    return import_s, start
+
+
 def measure(model: str, rounds: int, engines: list[str]) -> None:
     from transformers import AutoTokenizer
 
     hf_tokenizer = AutoTokenizer.from_pretrained(
         str(prepare_model(ModelSpec(name="m", path=model)).path)
     )
-    tokens = hf_tokenizer.encode(json.dumps(DOCUMENT), add_special_tokens=False)
+    # Compact, as the runtime constrains JSON (no whitespace between tokens).
+    document = json.dumps(DOCUMENT, separators=(",", ":"))
+    tokens = hf_tokenizer.encode(document, add_special_tokens=False)
     print(f"{model}: vocabulary {len(hf_tokenizer)}, document {len(tokens)} tokens")
-    makers = {"llguidance": llguidance_engine, "outlines-core": outlines_engine}
+    makers = {
+        "llguidance": llguidance_engine,
+        "outlines-core": outlines_engine,
+        "runtime": runtime_matcher,
+    }
     for name in engines:
         import_s, start = makers[name](hf_tokenizer)
         compiles: list[float] = []

@@ -18,12 +18,16 @@ import json
 import threading
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import mlx.core as mx
 import numpy as np
 
-from runtime.errors import ConstraintDeadEnd, InvalidGrammar, InvalidSchema
+from runtime.errors import (
+    ConstraintDeadEnd,
+    ConstraintsUnsupported,
+    InvalidGrammar,
+    InvalidSchema,
+)
 from runtime.messages import (
     Constraint,
     GrammarConstraint,
@@ -31,6 +35,9 @@ from runtime.messages import (
     JsonSchemaConstraint,
     RegexConstraint,
 )
+
+if TYPE_CHECKING:  # the engine imports this module for live_matchers: MLX only when masking
+    import mlx.core as mx
 
 __all__ = ["ConstraintEngine", "TokenMatcher", "grammar_of", "live_matchers"]
 
@@ -149,9 +156,17 @@ class ConstraintEngine:
 
 def _import_tokenizer(hf_tokenizer: Any, eos_token_ids: list[int]) -> Any:
     import llguidance.hf
+    from transformers import PreTrainedTokenizerFast
 
     # mlx-lm wraps the Hugging Face tokenizer; llguidance reads the fast tokenizer's JSON.
-    inner = getattr(hf_tokenizer, "_tokenizer", hf_tokenizer)
+    inner = hf_tokenizer
+    if not isinstance(inner, PreTrainedTokenizerFast):
+        inner = getattr(hf_tokenizer, "_tokenizer", hf_tokenizer)
+    if not isinstance(inner, PreTrainedTokenizerFast):
+        raise ConstraintsUnsupported(
+            "this model's tokenizer has no tokenizer.json (a fast tokenizer), the only kind the "
+            "grammar engine reads; drop the constraint or use a model that ships one"
+        )
     return llguidance.hf.from_tokenizer(inner, eos_token=eos_token_ids or None)
 
 
@@ -181,6 +196,8 @@ class TokenMatcher:
 
     def apply(self, logits: mx.array) -> mx.array:
         """``logits`` (one row) with every token the grammar forbids next set to -inf."""
+        import mlx.core as mx
+
         assert self._next_mask is not None, "apply after release"
         self._next_mask.result()
         words = mx.array(self._bits[0].view(np.uint32))

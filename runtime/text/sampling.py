@@ -58,7 +58,7 @@ import functools
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import msgspec
@@ -73,7 +73,9 @@ from mlx_lm.sample_utils import (
 
 from runtime.errors import InvalidRequest
 from runtime.messages import Sampling
-from runtime.text.constraints import TokenMatcher
+
+if TYPE_CHECKING:
+    from runtime.text.constraints import TokenMatcher
 
 __all__ = ["Draw", "SampleResult", "TokenSampler", "sequence_breaker_ids"]
 
