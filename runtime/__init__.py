@@ -65,6 +65,8 @@ if TYPE_CHECKING:
         Stats,
         TokenLogprob,
         TokensEmitted,
+        Tool,
+        ToolCall,
         Usage,
     )
     from runtime.progress import Progress, tqdm_progress
@@ -92,6 +94,8 @@ __all__ = [
     "Sampling",
     "ChatMessage",
     "ChatOptions",
+    "Tool",
+    "ToolCall",
     # what comes back
     "HostEvent",
     "Started",
@@ -152,6 +156,8 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "Sampling",
         "ChatMessage",
         "ChatOptions",
+        "Tool",
+        "ToolCall",
         "HostEvent",
         "Started",
         "TokensEmitted",

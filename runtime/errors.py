@@ -55,6 +55,34 @@ class InvalidConfig(InvalidRequest):
     code = "invalid_config"
 
 
+class InvalidSchema(InvalidRequest):
+    """Raised before any work when a ``JsonSchemaConstraint`` (``response_format`` json_schema) is
+    not JSON, not a schema, or uses what the grammar engine cannot enforce (with ``strict``)."""
+
+    code = "invalid_schema"
+
+
+class InvalidGrammar(InvalidRequest):
+    """Raised before any work when a ``RegexConstraint`` or ``GrammarConstraint`` does not parse
+    or cannot be enforced; the message quotes the grammar engine's own words."""
+
+    code = "invalid_grammar"
+
+
+class ConstraintsUnsupported(InvalidRequest):
+    """Reported when a request has a ``constraint`` and its model's backend has no grammar engine
+    (the simulated backend)."""
+
+    code = "constraints_unsupported"
+
+
+class ConstraintDeadEnd(MlxRuntimeError):
+    """Reported when a constrained sequence reaches a state its grammar allows no token from (an
+    engine limit, e.g. lexer fuel, was hit): the request fails instead of emitting invalid text."""
+
+    code = "constraint_dead_end"
+
+
 # --------------------------------------------------------------------------- routing
 
 

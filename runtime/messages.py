@@ -71,11 +71,54 @@ class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
 # --------------------------------------------------------------------------- shared value types
 
 
+class JsonSchemaConstraint(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True
+):
+    """Generated text must be one JSON value valid under ``schema`` (the schema's JSON text).
+
+    ``strict`` (OpenAI's ``strict: true``) rejects a schema the engine cannot enforce exactly;
+    ``strict=False`` lets the engine skip keywords it does not support (e.g. ``format``).
+    """
+
+    schema: str
+    strict: bool = True
+
+
+class JsonObjectConstraint(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True
+):
+    """JSON mode (OpenAI's ``{"type": "json_object"}``): any one JSON object."""
+
+
+class RegexConstraint(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True
+):
+    """Generated text must match ``pattern`` in full (Rust ``regex`` syntax, no look-around)."""
+
+    pattern: str
+
+
+class GrammarConstraint(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True
+):
+    """Generated text must be a sentence of ``grammar``: llguidance's Lark dialect, or GBNF
+    (llama.cpp's format, translated to Lark by the engine)."""
+
+    grammar: str
+    syntax: Literal["lark", "gbnf"] = "lark"
+
+
+# What the generated tokens must spell; prompt tokens are never constrained.
+Constraint = JsonSchemaConstraint | JsonObjectConstraint | RegexConstraint | GrammarConstraint
+
+
 class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """How to pick the next token. ``temperature == 0`` is greedy; every other default is "off".
 
     Penalties look at the last ``penalty_context`` tokens (prompt and output). ``logprobs`` asks
     for the chosen token's log-probability, ``top_logprobs`` for that many alternatives.
+    ``constraint`` restricts the generated text to a JSON Schema, a regex or a grammar (see
+    docs/structured.md): disallowed tokens are masked before the other samplers run.
     """
 
     temperature: float = 0.0
@@ -97,16 +140,40 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     seed: int | None = None
     logprobs: bool = False
     top_logprobs: int = 0
+    constraint: Constraint | None = None
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
 
 
+class Tool(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A function the model may call: ``parameters`` is its arguments' JSON Schema, as JSON text
+    (text keeps the message pure data whatever the schema holds; see runtime/text/tools.py)."""
+
+    name: str
+    description: str | None = None
+    parameters: str = '{"type": "object", "properties": {}}'
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One call an assistant message made: ``arguments`` is a JSON object's text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One chat message as the OpenAI API sends it (text content only)."""
+    """One chat message as the OpenAI API sends it (text content only).
+
+    An assistant message may carry ``tool_calls`` (its ``content`` then may be empty); a ``tool``
+    message answers the call named by ``tool_call_id``.
+    """
 
     role: Role
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
 
 
 class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -114,12 +181,16 @@ class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 
     ``history_budget_tokens`` turns on the history window (oldest turns dropped to fit it); when
     ``None`` nothing is ever dropped. ``add_generation_prompt=False`` renders the messages as
-    complete turns, with no assistant header and no prefill continuation.
+    complete turns, with no assistant header and no prefill continuation. ``tools`` are rendered
+    into the prompt (by the template when it supports them, else a fallback system section);
+    ``parallel_tool_calls=False`` tells the model to make at most one call.
     """
 
     keep_reasoning: bool = False
     history_budget_tokens: int | None = None
     add_generation_prompt: bool = True
+    tools: tuple[Tool, ...] = ()
+    parallel_tool_calls: bool = True
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

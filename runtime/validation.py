@@ -184,6 +184,12 @@ def validate_sampling(sampling: Sampling) -> None:
                 f"logit_bias[{token}] must be in [-100, 100] (got {bias}); "
                 "-100 bans a token, 100 all but forces it"
             )
+    if s.constraint is not None:
+        # Compiled without a tokenizer (about a millisecond for a typical schema), so a bad schema
+        # or grammar gets its 400 before any work; the engine compiles it again per sequence.
+        from runtime.text.constraints import grammar_of
+
+        grammar_of(s.constraint)
 
 
 def validate_timeouts(request: Generate | Prewarm) -> None:

@@ -286,12 +286,12 @@ async def test_an_over_long_conversation_is_refused_never_trimmed() -> None:
         ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", "unsupported_value"),
         ("/v1/completions", {"ignore_eos": True}, "ignore_eos", "unsupported_parameter"),
         ("/v1/chat/completions", {"n": 3}, "n", "unsupported_value"),
-        ("/v1/chat/completions", {"tools": [{"type": "x"}]}, "tools", "unsupported_parameter"),
+        ("/v1/chat/completions", {"tools": [{"type": "x"}]}, "tools", "invalid_tools"),
         (
             "/v1/chat/completions",
-            {"response_format": {"type": "json_object"}},
+            {"response_format": {"type": "xml"}},
             "response_format",
-            "unsupported_parameter",
+            "invalid_request",
         ),
         (
             "/v1/chat/completions",

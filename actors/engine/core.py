@@ -80,6 +80,7 @@ from runtime.messages import (
     SessionEnded,
     Stats,
 )
+from runtime.text.constraints import live_matchers
 
 log = logging.getLogger("mlx_actor_runtime.engine")
 
@@ -199,6 +200,8 @@ class EngineCore:
             ),
             "batch_size": len(self._batches),
             "batch_padding_bytes": self._batches.padding_bytes,
+            # Process-wide (every model's): grammar states not released yet; 0 when none is live.
+            "live_matchers": live_matchers(),
         }
         return Stats(
             actor=engine_address(self.model, self.epoch),

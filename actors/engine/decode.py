@@ -30,11 +30,13 @@ from typing import TYPE_CHECKING
 from actors.engine.jobs import BatchJob, StepJob
 from actors.engine.sequence import Decoding, Sequence
 from runtime.backends.contract import Backend, DecodeBatchHandle, ReuseStrategy
-from runtime.messages import TokenLogprob
+from runtime.errors import ConstraintDeadEnd, ConstraintsUnsupported
+from runtime.messages import Constraint, TokenLogprob
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
+    from runtime.text.constraints import TokenMatcher
     from runtime.text.sampling import Draw, TokenSampler
 
 
@@ -171,12 +173,20 @@ def _read(job: StepJob, seq: Sequence, decoding: Decoding, draw: Draw) -> None:
     decoding.history.append(token)
     decoding.read += 1
     decoding.pending = None if job.fed else token
+    matcher = None if decoding.sampler is None else decoding.sampler.matcher
+    if matcher is not None:  # an EOS too: llguidance allows one only where the grammar may end
+        try:
+            job.completes_constraint = matcher.accept(token)
+        except ConstraintDeadEnd as exc:  # this row fails; a batch's other rows go on
+            job.error = exc
+            decoding.ended = True
+            return
     if seq.sampling.logprobs:
         job.logprob = TokenLogprob(
             token=token, logprob=sampled.logprob or 0.0, top=sampled.top_logprobs
         )
     ending = token in seq.stop_token_ids
-    last = decoding.read >= seq.max_tokens
+    last = decoding.read >= seq.max_tokens or job.completes_constraint
     decoding.ended = ending or last
     if not ending:
         job.text = decoding.detokenizer.add(token)
@@ -192,8 +202,22 @@ def _sampler(decoding: Decoding, seq: Sequence, backend: Backend, logits: mx.arr
         from runtime.text.sampling import TokenSampler
 
         vocab = int(logits.shape[0])
-        decoding.sampler = TokenSampler(seq.sampling, vocab, _token_decoder(backend))
+        matcher = _matcher(seq.sampling.constraint, backend)
+        decoding.sampler = TokenSampler(seq.sampling, vocab, _token_decoder(backend), matcher)
     return decoding.sampler
+
+
+def _matcher(constraint: Constraint | None, backend: Backend) -> TokenMatcher | None:
+    """The grammar state of a constrained sequence (released by the engine when it ends)."""
+    if constraint is None:
+        return None
+    engine = backend.constraint_engine()
+    if engine is None:
+        raise ConstraintsUnsupported(
+            "this model's backend cannot constrain output (the simulated backend has no "
+            "vocabulary a grammar engine can read); drop the constraint or use an MLX model"
+        )
+    return engine.matcher(constraint)
 
 
 def _token_decoder(backend: Backend) -> Callable[[int], str]:

@@ -83,9 +83,12 @@ def start_decoding(seq: Sequence, decode: Callable[[Tokens[int]], str]) -> None:
         seq.stop_matcher = StopStringMatcher(seq.stop_strings)
 
 
-def take_token(seq: Sequence, token: int, text: str, logprob: TokenLogprob | None) -> Emission:
+def take_token(
+    seq: Sequence, token: int, text: str, logprob: TokenLogprob | None, completes: bool = False
+) -> Emission:
     """Record the token a decode step sampled (``text``: its detokenized text) and say what the
-    client sees of it and whether it ends the sequence."""
+    client sees of it and whether it ends the sequence (``completes``: it completed the request's
+    constraint, which allows nothing after it: a stop, as an EOS would be)."""
     matcher = seq.stop_matcher
     if token in seq.stop_token_ids:  # EOS or a stop token: not emitted, not counted
         tail, stop = text, None
@@ -101,9 +104,10 @@ def take_token(seq: Sequence, token: int, text: str, logprob: TokenLogprob | Non
         return Emission((token,), result.text, logprobs, FinishReason.STOP, result.stop)
     shown = text if result is None else result.text
     last = len(seq.generated) >= seq.max_tokens
-    if last and matcher is not None:
+    if (last or completes) and matcher is not None:
         shown += matcher.flush()
-    return Emission((token,), shown, logprobs, FinishReason.LENGTH if last else None)
+    finish = FinishReason.STOP if completes else FinishReason.LENGTH if last else None
+    return Emission((token,), shown, logprobs, finish)
 
 
 def emit(seq: Sequence, emission: Emission, ctx: Context) -> None:

@@ -26,7 +26,7 @@ from actors.engine import emission
 from actors.engine.batch import BatchScheduler
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import Job, StepJob
-from actors.engine.sequence import Ending, Phase, Sequence, Terminal
+from actors.engine.sequence import Ending, Phase, Sequence, Terminal, release_matcher
 from runtime.backends.contract import Backend
 from runtime.errors import MlxRuntimeError
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Context
@@ -171,11 +171,13 @@ class Endings:
         for job in jobs:
             held = job.seq if isinstance(job, StepJob) else None
             if held is not None and held.ending is not None:
+                release_matcher(held)
                 ctx.send(ROUTER, held.ending.terminal)
                 held.ending = None
         for seq in list(self._sequences.values()):
             cancelled = seq.abort.is_set()
             seq.abort.set()  # a step still running on the abandoned thread gives up at its check
+            release_matcher(seq)  # a step still using it fails at its next call, on that thread
             seq.phase = Phase.DONE
             if cancelled:
                 self._counters.inc("cancelled")
@@ -186,7 +188,9 @@ class Endings:
         self._sequences.clear()
 
     def release_holdings(self, seq: Sequence, ctx: Context) -> None:
-        """Give back the sequence's prefix-cache lease and its KV reservation (snapshots too)."""
+        """Give back the sequence's prefix-cache lease, its KV reservation (snapshots too) and
+        its constraint's grammar state."""
+        release_matcher(seq)
         seq.snapshots.clear()  # those not in an entry: their bytes go back with the reservation
         if seq.lease_id is not None:
             ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))

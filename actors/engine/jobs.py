@@ -67,6 +67,7 @@ class StepJob:
     text: str = ""
     logprob: TokenLogprob | None = None
     fed: bool = False  # ``token`` is in the cache already: the step after it was built
+    completes_constraint: bool = False  # ``token`` completed the grammar: nothing may follow
     ahead_error: BaseException | None = None  # building that step failed (after ``token``)
     queued: bool = False  # a decode step queued behind the running one of the same sequence
     # False: a first draw that went ahead of decode work (turns.py) builds nothing past its token:

@@ -92,7 +92,9 @@ class StepOutcomes:
         if seq.phase is Phase.PREFILLING:
             self.prefill_advanced(seq, ctx)
         elif seq.phase is Phase.DECODING and job.token is not None:
-            shown = emission.take_token(seq, job.token, job.text, job.logprob)
+            shown = emission.take_token(
+                seq, job.token, job.text, job.logprob, job.completes_constraint
+            )
             emission.emit(seq, shown, ctx)
             if shown.finish is not None:
                 # A state that saw the next step fail is never reused.

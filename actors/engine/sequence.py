@@ -232,3 +232,10 @@ class Sequence:
         while seq.adopted_by is not None:
             seq = seq.adopted_by
         return seq
+
+
+def release_matcher(seq: Sequence) -> None:
+    """Drop ``seq``'s constraint grammar state, if it has one (idempotent; no step may hold it)."""
+    sampler = None if seq.decoding is None else seq.decoding.sampler
+    if sampler is not None and sampler.matcher is not None:
+        sampler.matcher.release()

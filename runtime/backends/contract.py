@@ -22,6 +22,8 @@ if TYPE_CHECKING:  # logits are MLX arrays; the contract itself needs no MLX to 
 
     import mlx.core as mx
 
+    from runtime.text.constraints import ConstraintEngine
+
 
 class ReuseStrategy(enum.StrEnum):
     """Which prefix-reuse path a model's cache allows, decided once per load."""
@@ -229,6 +231,11 @@ class Backend(Protocol):
 
     def state_nbytes(self, state: SequenceState) -> int:
         """Actual bytes the state's cache occupies."""
+        ...
+
+    def constraint_engine(self) -> ConstraintEngine | None:
+        """The grammar engine over this model's vocabulary (made at the first call), or None
+        when the backend cannot constrain its output."""
         ...
 
     def close(self) -> None:

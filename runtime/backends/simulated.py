@@ -286,6 +286,9 @@ class SimulatedBackend:
     def state_nbytes(self, state: SequenceState) -> int:
         return self._info.kv_bytes(state.length)
 
+    def constraint_engine(self) -> None:
+        return None  # its byte "tokenizer" is no vocabulary a grammar engine can read
+
     def close(self) -> None:
         pass
 

@@ -21,7 +21,8 @@ could change the output unnoticed. docs/http.md has the table.
   session.
 
 Other llama-server sampling fields (``typical_p``, ``mirostat``, ``dynatemp_range``, ``n_probs``,
-``grammar``, ...) have no counterpart in the runtime and stay unknown fields: refused by name.
+...) have no counterpart in the runtime and stay unknown fields: refused by name (its ``grammar``
+and ``json_schema`` are ours too: structured.py).
 """
 
 from __future__ import annotations

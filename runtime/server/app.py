@@ -28,7 +28,7 @@ from runtime.api import Runtime
 from runtime.backends.model_source import available_models
 from runtime.config import RuntimeConfig
 from runtime.errors import MlxRuntimeError, ModelNotLoaded, RuntimeClosed
-from runtime.messages import Cancelled, ChatOptions, Failed, Finished, FinishReason, ModelSpec
+from runtime.messages import Cancelled, Failed, Finished, FinishReason, ModelSpec
 from runtime.progress import Progress, no_progress
 from runtime.server import schema as wire
 from runtime.server.errors import (
@@ -44,6 +44,7 @@ from runtime.server.generation import GenerationResponse
 from runtime.server.metrics import OTHER_MODEL, ServerMetrics
 from runtime.server.models import ModelManager
 from runtime.server.render import ChatRender, CompletionRender, Render
+from runtime.server.tool_render import ChatToolRender
 from runtime.server.translate import RuntimeCall, chat_call, completion_call, prewarm_call
 
 log = logging.getLogger("mlx_actor_runtime.server")
@@ -198,12 +199,22 @@ class OpenAIServer:
     async def _chat_completions(self, request: Request) -> Response:
         body = await self._read_body(request)
         call = chat_call(_decode(body, wire.chat_request_decoder))
-        render = ChatRender(
-            f"chatcmpl-{uuid.uuid4().hex}",
-            call.model,
-            logprobs=call.sampling.logprobs,
-            include_usage=call.include_usage,
-        )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        logprobs, include_usage = call.sampling.logprobs, call.include_usage
+        render: Render
+        if call.tools is not None and call.tools.names:
+            render = ChatToolRender(
+                request_id,
+                call.model,
+                logprobs=logprobs,
+                include_usage=include_usage,
+                names=call.tools.names,
+                parallel=call.tools.parallel,
+            )
+        else:
+            render = ChatRender(
+                request_id, call.model, logprobs=logprobs, include_usage=include_usage
+            )
         return await self._generation(call, render)
 
     async def _prewarm(self, request: Request) -> Response:
@@ -217,7 +228,7 @@ class OpenAIServer:
                 call.prompt,
                 prompt_tokens=call.prompt_tokens,
                 messages=call.messages,
-                chat=ChatOptions(),  # rendered exactly as the chat request it prepares
+                chat=call.chat,  # rendered exactly as the chat request it prepares
                 max_tokens=call.max_tokens,
                 namespace=call.namespace,
                 session=call.session,
@@ -265,7 +276,7 @@ class OpenAIServer:
                 messages=call.messages,
                 # An OpenAI client owns its context: no history window, an over-long
                 # conversation is refused (context_length_exceeded), never trimmed.
-                chat=ChatOptions(),
+                chat=call.chat,
                 max_tokens=call.max_tokens,
                 sampling=call.sampling,
                 stop=call.stop,

@@ -16,11 +16,15 @@ import msgspec
 from runtime.errors import (
     ActorStopped,
     BackendError,
+    ConstraintDeadEnd,
+    ConstraintsUnsupported,
     ContextLengthExceeded,
     DuplicateRequestId,
     EngineCrashed,
+    InvalidGrammar,
     InvalidModelSpec,
     InvalidRequest,
+    InvalidSchema,
     KVBudgetExhausted,
     KVRequestTooLarge,
     MalformedMessage,
@@ -58,6 +62,10 @@ STATUS_BY_CODE: dict[str, int] = {
     InvalidRequest.code: 400,
     ContextLengthExceeded.code: 400,
     InvalidModelSpec.code: 400,
+    InvalidSchema.code: 400,  # response_format's schema: the engine's words say what is wrong
+    InvalidGrammar.code: 400,
+    ConstraintsUnsupported.code: 400,
+    ConstraintDeadEnd.code: 500,  # the grammar engine hit a limit mid-generation
     MalformedMessage.code: 400,
     KVRequestTooLarge.code: 400,  # it can never fit: the client must ask for less
     ModelNotLoaded.code: 404,

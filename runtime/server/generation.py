@@ -143,7 +143,9 @@ class GenerationResponse(Response):
         pending = self._render.opening()
         output: Output = first
         while isinstance(output, TokensEmitted):
-            await _send_chunks(send, [*pending, *self._render.chunk(output)])
+            chunks = [*pending, *self._render.chunk(output)]
+            if chunks:  # a parser may hold an event's text back (a tag that may be starting)
+                await _send_chunks(send, chunks)
             pending = []
             output = await self._next_output(stream)
         if isinstance(output, Finished):

@@ -70,13 +70,14 @@ class Render(abc.ABC):
 
     @abc.abstractmethod
     def chunk(self, event: TokensEmitted) -> list[wire.Chunk]:
-        """The chunks for ``event`` (none when all its text is held back for now)."""
+        """The chunks for ``event``: none when all its text is held back for now (a tag that may
+        be starting), several when it holds reasoning and content, or tool calls."""
 
     def closing(self, finished: Finished) -> list[wire.Chunk]:
         """Text still held, the chunk carrying ``finish_reason`` and the timings, then the usage
         chunk if the client asked for it."""
         timings = self.clock.timings(finished.usage)
-        chunks = [*self._held(), self._finish_chunk(finish_reason(finished), timings)]
+        chunks = [*self._held(), self._finish_chunk(self._finish_reason(finished), timings)]
         if self.include_usage:
             chunks.append(self._usage_chunk(wire_usage(finished.usage)))
         return chunks
@@ -87,6 +88,9 @@ class Render(abc.ABC):
     def _held(self) -> list[wire.Chunk]:
         """Chunks for text held back until the end."""
         return []
+
+    def _finish_reason(self, finished: Finished) -> str:
+        return finish_reason(finished)
 
     @abc.abstractmethod
     def _finish_chunk(self, reason: str, timings: wire.Timings) -> wire.Chunk: ...
@@ -189,12 +193,10 @@ class ChatRender(Render):
 
     def whole(self, events: Sequence[TokensEmitted], finished: Finished) -> wire.ChatCompletion:
         split = split_reasoning("".join(e.text for e in events), opened=self._reasoning_open)
-        message = wire.AssistantMessage(
-            content=split.content, reasoning_content=split.reasoning or msgspec.UNSET
-        )
+        message = self._message(split.content, split.reasoning or msgspec.UNSET)
         choice = wire.ChatChoice(
             message=message,
-            finish_reason=finish_reason(finished),
+            finish_reason=self._finish_reason(finished),  # after _message: it may decide it
             logprobs=self._logprobs(events),
         )
         return wire.ChatCompletion(
@@ -207,16 +209,27 @@ class ChatRender(Render):
         )
 
     def _held(self) -> list[wire.Chunk]:
-        return self._deltas(self._splitter.finish(), None)
+        return self._deltas(self._splitter.finish(), None, final=True)
 
-    def _deltas(self, split: Split, logprobs: wire.ChoiceLogprobs | None) -> list[wire.Chunk]:
-        """A reasoning delta, then a content delta, each only if it has text; the logprobs ride
-        on the first (an empty content delta carries them when all the text is held)."""
+    def _message(self, content: str, reasoning: str | msgspec.UnsetType) -> wire.AssistantMessage:
+        """The whole reply's message from its content (reasoning split off already)."""
+        return wire.AssistantMessage(content=content, reasoning_content=reasoning)
+
+    def _content_deltas(self, text: str, final: bool) -> list[wire.Delta]:
+        """Deltas for content text as it is decided (``final``: no more text comes)."""
+        return [wire.Delta(content=text)] if text else []
+
+    def _deltas(
+        self, split: Split, logprobs: wire.ChoiceLogprobs | None, *, final: bool = False
+    ) -> list[wire.Chunk]:
+        """A reasoning delta, then the content's deltas, each only if it has text; the logprobs
+        ride on the first (an empty content delta carries them when all the text is held)."""
         deltas = []
         if split.reasoning:
             deltas.append(wire.Delta(reasoning_content=split.reasoning))
-        if split.content or (not deltas and logprobs is not None):
-            deltas.append(wire.Delta(content=split.content))
+        deltas += self._content_deltas(split.content, final)
+        if not deltas and logprobs is not None:
+            deltas.append(wire.Delta(content=""))
         return [
             self._chunk([wire.ChatChunkChoice(delta=delta, logprobs=logprobs if i == 0 else None)])
             for i, delta in enumerate(deltas)

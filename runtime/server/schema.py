@@ -71,6 +71,11 @@ class _GenerationBody(_Body, frozen=True, kw_only=True):
     n_predict: int | None = None
     cache_prompt: bool | None = None
     id_slot: int | None = None
+    # Structured output as llama-server spells it, plus regex (runtime/server/structured.py).
+    json_schema: dict[str, Any] | bool | None = None
+    grammar: str | None = None
+    grammar_syntax: Literal["gbnf", "lark"] | None = None  # gbnf: the default, as llama-server
+    regex: str | None = None
 
 
 class CompletionRequest(_GenerationBody, frozen=True, kw_only=True):
@@ -116,15 +121,16 @@ class ChatCompletionRequest(_GenerationBody, frozen=True, kw_only=True):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
-    # Known but unsupported: refused unless "off" (see translate.py).
+    response_format: Any = None  # text, json_object, json_schema (runtime/server/structured.py)
+    # Function tools, checked field by field in runtime/server/tools.py.
     tools: Any = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
+    # Known but unsupported: refused unless "off" (see translate.py).
     functions: Any = None
     function_call: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -146,6 +152,10 @@ class PrewarmRequest(_Body, frozen=True, kw_only=True):
     max_tokens: int | None = None
     session: str | None = None
     cache_salt: str | None = None
+    # The coming chat request's tools: its prompt shows them (runtime/server/tools.py).
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
 
 
 completion_request_decoder = msgspec.json.Decoder(CompletionRequest)
@@ -250,10 +260,22 @@ class ChoiceLogprobs(_Reply, frozen=True, kw_only=True):
     content: list[TokenLogprob]
 
 
+class WireFunctionCall(_Reply, frozen=True, kw_only=True):
+    name: str
+    arguments: str  # a JSON object's text
+
+
+class WireToolCall(_Reply, frozen=True, kw_only=True):
+    id: str
+    function: WireFunctionCall
+    type: Literal["function"] = "function"
+
+
 class AssistantMessage(_Reply, frozen=True, kw_only=True):
-    content: str
+    content: str | None  # None: the reply is tool calls only
     role: Literal["assistant"] = "assistant"
     reasoning_content: str | msgspec.UnsetType = msgspec.UNSET  # only when the model reasoned
+    tool_calls: list[WireToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChoice(_Reply, frozen=True, kw_only=True):
@@ -273,10 +295,26 @@ class ChatCompletion(_Reply, frozen=True, kw_only=True):
     timings: Timings | msgspec.UnsetType = msgspec.UNSET
 
 
+class DeltaFunction(_Reply, frozen=True, kw_only=True):
+    name: str | msgspec.UnsetType = msgspec.UNSET
+    arguments: str = ""
+
+
+class DeltaToolCall(_Reply, frozen=True, kw_only=True):
+    """A piece of call ``index``: its first piece has ``id``, ``type`` and the function's name,
+    later ones add to its arguments (how OpenAI streams calls)."""
+
+    index: int
+    function: DeltaFunction
+    id: str | msgspec.UnsetType = msgspec.UNSET
+    type: Literal["function"] | msgspec.UnsetType = msgspec.UNSET
+
+
 class Delta(_Reply, frozen=True, kw_only=True):
     role: Literal["assistant"] | msgspec.UnsetType = msgspec.UNSET
     content: str | msgspec.UnsetType = msgspec.UNSET
     reasoning_content: str | msgspec.UnsetType = msgspec.UNSET
+    tool_calls: list[DeltaToolCall] | msgspec.UnsetType = msgspec.UNSET
 
 
 class ChatChunkChoice(_Reply, frozen=True, kw_only=True):

@@ -12,7 +12,7 @@ from typing import Any
 
 import msgspec
 
-from runtime.messages import ChatMessage, Sampling
+from runtime.messages import ChatMessage, ChatOptions, Sampling
 from runtime.server.aliases import canonical
 from runtime.server.errors import UNSUPPORTED_VALUE, invalid, unsupported
 from runtime.server.schema import (
@@ -20,6 +20,14 @@ from runtime.server.schema import (
     CompletionRequest,
     PrewarmRequest,
     WireChatMessage,
+)
+from runtime.server.structured import constraint_of
+from runtime.server.tools import (
+    ToolSetup,
+    chat_options,
+    check_answers,
+    tool_fields,
+    tool_setup,
 )
 
 OPENAI_DEFAULT_TEMPERATURE = 1.0  # OpenAI samples unless told otherwise; the runtime's default is 0
@@ -63,6 +71,8 @@ class RuntimeCall(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float | None = None
     stall_timeout_s: float | None = None
     reuse_prefix: bool = True  # False: llama-server's cache_prompt false (prefill it all)
+    chat: ChatOptions = ChatOptions()
+    tools: ToolSetup | None = None  # chat requests with tools: the output is parsed for calls
 
 
 class PrewarmCall(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,6 +85,7 @@ class PrewarmCall(msgspec.Struct, frozen=True, kw_only=True):
     max_tokens: int | None
     namespace: str
     session: str | None
+    chat: ChatOptions = ChatOptions()
 
 
 def completion_call(request: CompletionRequest) -> RuntimeCall:
@@ -107,20 +118,12 @@ def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
     request = canonical(request)  # the neighbours' field names (aliases.py)
     _refuse_choices(request.n, None)
     for field, value, off, why in (
-        ("tools", request.tools, (None, []), "tool calling is not supported"),
-        ("tool_choice", request.tool_choice, (None, "none"), "tools are not supported"),
-        ("functions", request.functions, (None, []), "function calling is not supported"),
+        ("functions", request.functions, (None, []), "functions are deprecated; send tools"),
         (
             "function_call",
             request.function_call,
             (None, "none"),
-            "function calling is not supported",
-        ),
-        (
-            "response_format",
-            request.response_format,
-            (None, {"type": "text"}),
-            "structured output (json_object, json_schema) is not supported",
+            "function_call is deprecated; send tool_choice",
         ),
         ("modalities", request.modalities, (None, ["text"]), "only text output is supported"),
         ("audio", request.audio, (None,), "audio output is not supported"),
@@ -136,12 +139,31 @@ def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
     ):
         if value not in off:
             raise unsupported(field, f"{field}: {why}")
-    return _call(
+    tools = tool_setup(request)
+    call = _call(
         request,
         messages=_chat_messages(request.messages),
         max_tokens=_chat_max_tokens(request),
         logprobs=bool(request.logprobs),
         top_logprobs=request.top_logprobs or 0,
+        response_format=request.response_format,
+    )
+    if tools is None:
+        return call
+    forced = tools.constraint
+    if forced is not None and call.sampling.constraint is not None:
+        raise invalid(
+            "tool_choice",
+            f'tool_choice "{tools.choice}" constrains the output to tool calls; it cannot be '
+            "combined with response_format, json_schema, grammar or regex",
+        )
+    return msgspec.structs.replace(
+        call,
+        chat=chat_options(tools),
+        tools=tools,
+        sampling=msgspec.structs.replace(
+            call.sampling, constraint=forced or call.sampling.constraint
+        ),
     )
 
 
@@ -149,6 +171,9 @@ def prewarm_call(request: PrewarmRequest) -> PrewarmCall:
     """``/v1/prewarm``; messages are checked as ``chat_call`` checks them."""
     prompt = request.prompt
     messages = request.messages
+    tools = tool_setup(request)
+    if tools is not None and messages is None:
+        raise invalid("tools", "tools go with messages: a text prompt is sent as it is")
     return PrewarmCall(
         model=request.model,
         prompt=prompt if isinstance(prompt, str) else None,
@@ -157,6 +182,7 @@ def prewarm_call(request: PrewarmRequest) -> PrewarmCall:
         max_tokens=request.max_tokens,
         namespace=_namespace(request.cache_salt),
         session=request.session,
+        chat=chat_options(tools),
     )
 
 
@@ -188,15 +214,25 @@ def _call(
     max_tokens: int | None,
     logprobs: bool,
     top_logprobs: int,
+    response_format: Any = None,
 ) -> RuntimeCall:
     stop = request.stop
+    constraint = constraint_of(
+        response_format=response_format,
+        json_schema=request.json_schema,
+        grammar=request.grammar,
+        grammar_syntax=request.grammar_syntax,
+        regex=request.regex,
+    )
     return RuntimeCall(
         model=request.model,
         prompt=prompt,
         prompt_tokens=prompt_tokens,
         messages=messages,
         max_tokens=max_tokens,
-        sampling=_sampling(request, logprobs, top_logprobs),
+        sampling=msgspec.structs.replace(
+            _sampling(request, logprobs, top_logprobs), constraint=constraint
+        ),
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         stop_token_ids=tuple(request.stop_token_ids or ()),
         namespace=_namespace(request.cache_salt),
@@ -257,6 +293,7 @@ def _one_prompt(
 
 
 def _chat_messages(messages: list[WireChatMessage]) -> tuple[ChatMessage, ...]:
+    check_answers(messages)
     return tuple(
         _with_reasoning(i, message, _chat_message(i, message)) for i, message in enumerate(messages)
     )
@@ -271,23 +308,25 @@ def _with_reasoning(index: int, wire: WireChatMessage, message: ChatMessage) -> 
     if wire.role != "assistant":
         where = f"messages[{index}].reasoning_content"
         raise invalid(where, f"{where}: only assistant messages carry reasoning")
-    return ChatMessage(message.role, f"<think>\n{reasoning}\n</think>\n\n{message.content}")
+    content = f"<think>\n{reasoning}\n</think>\n\n{message.content}"
+    return msgspec.structs.replace(message, content=content)
 
 
 def _chat_message(index: int, message: WireChatMessage) -> ChatMessage:
     where = f"messages[{index}]"
     for field, value in (
         ("name", message.name),
-        ("tool_calls", message.tool_calls),
-        ("tool_call_id", message.tool_call_id),
         ("function_call", message.function_call),
         ("audio", message.audio),
     ):
         if value is not None:
             raise unsupported(f"{where}.{field}", f"{where}.{field} is not supported")
+    calls, call_id = tool_fields(where, message)
     content = message.content
     if isinstance(content, str):
-        return ChatMessage(role=message.role, content=content)
+        return ChatMessage(message.role, content, calls, call_id)
+    if content is None and calls:
+        return ChatMessage(message.role, "", calls, call_id)  # a reply that only calls tools
     if content is None:
         raise invalid(f"{where}.content", f"{where}.content is missing; send text")
     for j, part in enumerate(content):
@@ -298,7 +337,7 @@ def _chat_message(index: int, message: WireChatMessage) -> ChatMessage:
                 code=UNSUPPORTED_VALUE,
             )
     # Text parts join with newlines, as vLLM renders them for string-content chat templates.
-    return ChatMessage(role=message.role, content="\n".join(p.text or "" for p in content))
+    return ChatMessage(message.role, "\n".join(p.text or "" for p in content), calls, call_id)
 
 
 def _chat_max_tokens(request: ChatCompletionRequest) -> int | None:

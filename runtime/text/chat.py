@@ -35,6 +35,7 @@ import msgspec
 
 from runtime.errors import ContextLengthExceeded, InvalidRequest
 from runtime.messages import ChatMessage, ChatOptions
+from runtime.text import tools as tool_prompt
 from runtime.text.reasoning import ends_inside_reasoning
 
 __all__ = [
@@ -97,7 +98,7 @@ def prepare_chat(
     messages) and ``ContextLengthExceeded`` when the prompt plus ``max_tokens`` cannot fit.
     """
     _validate(messages, options, max_tokens, context_length)
-    renderer = _Renderer(tokenizer, options.add_generation_prompt)
+    renderer = _Renderer(tokenizer, options)
     msgs = messages if options.keep_reasoning else _strip_earlier_reasoning(messages)
     if options.history_budget_tokens is None:
         kept, dropped = msgs, 0
@@ -139,6 +140,18 @@ def _validate(
             raise InvalidRequest(
                 f"messages[{i}].content must be a string (got {type(m.content).__name__})"
             )
+        if m.tool_calls and m.role != "assistant":
+            raise InvalidRequest(f"messages[{i}].tool_calls is for assistant messages only")
+        if m.tool_call_id is not None and m.role != "tool":
+            raise InvalidRequest(f"messages[{i}].tool_call_id is for tool messages only")
+    last = messages[-1]
+    if options.add_generation_prompt and last.role == "assistant" and last.tool_calls:
+        # A final assistant message is continued as a prefill, and a call cannot be continued.
+        raise InvalidRequest(
+            f"messages[{len(messages) - 1}] is an assistant message with tool_calls and nothing "
+            "after it; send the tool results (role tool) after it"
+        )
+    tool_prompt.validate_tools(options.tools)
     if max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be at least 1 (got {max_tokens})")
     if context_length < 1:
@@ -159,7 +172,7 @@ def strip_reasoning(content: str) -> str:
 def _strip_earlier_reasoning(messages: Sequence[ChatMessage]) -> list[ChatMessage]:
     last = len(messages) - 1
     return [
-        ChatMessage(m.role, strip_reasoning(m.content))
+        msgspec.structs.replace(m, content=strip_reasoning(m.content))
         if m.role == "assistant" and i != last
         else m
         for i, m in enumerate(messages)
@@ -167,12 +180,19 @@ def _strip_earlier_reasoning(messages: Sequence[ChatMessage]) -> list[ChatMessag
 
 
 class _Renderer:
-    """Renders messages with the tokenizer's template (or the fallback format) and tokenizes."""
+    """Renders messages with the tokenizer's template (or the fallback format) and tokenizes.
 
-    def __init__(self, tokenizer: ChatTokenizer, add_generation_prompt: bool) -> None:
+    Tools, assistant tool calls and tool messages go through ``runtime.text.tools``: to the
+    template when it renders tools itself, else in the fallback format it documents.
+    """
+
+    def __init__(self, tokenizer: ChatTokenizer, options: ChatOptions) -> None:
         self._tokenizer = tokenizer
-        self._add_generation_prompt = add_generation_prompt
+        self._add_generation_prompt = options.add_generation_prompt
         self._templated = _has_chat_template(tokenizer)
+        self._native_tools = self._templated and tool_prompt.template_supports_tools(tokenizer)
+        self._tools = options.tools
+        self._parallel_tool_calls = options.parallel_tool_calls
 
     def prompt(self, messages: Sequence[ChatMessage]) -> tuple[str, list[int]]:
         """The full prompt: a final assistant message is continued, not closed."""
@@ -183,17 +203,25 @@ class _Renderer:
         return text, self.encode(text)
 
     def render(self, messages: Sequence[ChatMessage], *, generation_prompt: bool) -> str:
+        conversation = tool_prompt.conversation(
+            messages,
+            self._tools,
+            native=self._native_tools,
+            parallel=self._parallel_tool_calls,
+        )
         if not self._templated:
-            lines = "".join(f"{m.role}: {m.content}\n" for m in messages)
+            lines = "".join(f"{m['role']}: {m['content']}\n" for m in conversation)
             return lines + ("assistant: " if generation_prompt else "")
-        conversation = [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.content}
-            for m in messages
-        ]
+        for entry in conversation:
+            if entry["role"] == "developer":
+                entry["role"] = "system"  # the role templates know
+        extra: dict[str, Any] = {}
+        if self._native_tools and self._tools:
+            extra["tools"] = tool_prompt.tools_json(self._tools)
         templated: Any = self._tokenizer  # _has_chat_template checked apply_chat_template
         try:
             text = templated.apply_chat_template(
-                conversation, add_generation_prompt=generation_prompt, tokenize=False
+                conversation, add_generation_prompt=generation_prompt, tokenize=False, **extra
             )
         # Templates are user-written Jinja: they raise TemplateError, ValueError, TypeError...
         except Exception as e:

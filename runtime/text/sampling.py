@@ -41,6 +41,10 @@ for every alternative a filter removed (and greedy decoding, which has no temper
 distribution, reports the same numbers as sampling would). Alternatives are picked with
 ``mx.argpartition`` (no full sort of the vocabulary) and ordered by log-probability, then token id.
 
+**Constraints.** With a ``TokenMatcher`` (``Sampling.constraint``) every token the grammar forbids
+next gets ``-inf`` after the processors and before everything else: greedy, the filters and the
+log-probabilities see only what the grammar allows.
+
 **Draws.** ``draw`` builds the pick as MLX arrays without evaluating them (a ``Draw``), so a caller
 can queue the next model step on the drawn token before reading it, as mlx-lm's ``generate_step``
 does with ``mx.async_eval``; ``Draw.read`` evaluates and returns the ``SampleResult``. The history
@@ -54,7 +58,7 @@ import functools
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import msgspec
@@ -69,6 +73,9 @@ from mlx_lm.sample_utils import (
 
 from runtime.errors import InvalidRequest
 from runtime.messages import Sampling
+
+if TYPE_CHECKING:
+    from runtime.text.constraints import TokenMatcher
 
 __all__ = ["Draw", "SampleResult", "TokenSampler", "sequence_breaker_ids"]
 
@@ -168,12 +175,18 @@ class TokenSampler:
     """
 
     def __init__(
-        self, sampling: Sampling, vocab_size: int, decode_token: Callable[[int], str]
+        self,
+        sampling: Sampling,
+        vocab_size: int,
+        decode_token: Callable[[int], str],
+        matcher: TokenMatcher | None = None,
     ) -> None:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be positive (got {vocab_size})")
         self.sampling = sampling
         self.vocab_size = vocab_size
+        # The constraint's grammar state (Sampling.constraint): the caller advances and releases it.
+        self.matcher = matcher
 
         self._bias: tuple[mx.array, mx.array] | None = None
         if sampling.logit_bias:
@@ -213,9 +226,10 @@ class TokenSampler:
 
     @property
     def needs_read_history(self) -> bool:
-        """Whether every token of the history must be read first (DRY scans it on the host), so
-        that the next token cannot be drawn after an unread ``fed`` one."""
-        return self._dry
+        """Whether every token of the history must be read first (DRY scans it on the host; a
+        constraint's next mask depends on it), so the next token cannot be drawn after an unread
+        ``fed`` one."""
+        return self._dry or self.matcher is not None
 
     # ------------------------------------------------------------------ pipeline stages
 
@@ -349,7 +363,11 @@ class TokenSampler:
         ``rng`` is drawn from now, so draws made in step order give ``sample``'s tokens.
         """
         s = self.sampling
+        if fed is not None and self.matcher is not None:
+            raise ValueError("a constraint's mask follows the last token: read the fed one first")
         processed = self.process(logits, history, fed)
+        if self.matcher is not None:
+            processed = self.matcher.apply(processed)
         want_lp = s.logprobs
         k = min(s.top_logprobs, self.vocab_size)
         logprobs: mx.array | None = None

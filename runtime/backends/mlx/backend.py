@@ -51,6 +51,7 @@ from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
 from runtime.errors import ModelLoadFailed
 from runtime.messages import ModelSpec
+from runtime.text.constraints import ConstraintEngine
 
 _WARMUP_TOKENS = 4
 _TIMED_PASSES = 8  # the fastest of these is the fixed cost of a pass (noise only adds to it)
@@ -73,6 +74,7 @@ class MlxBackend:
         self._path = Path(".")
         self._kv_group = quantization_group(model) if kv_bits is not None else 64
         self._reaches_back = False  # whether snapshots reach inside a pass (set at load)
+        self._constraints: ConstraintEngine | None = None  # made for the first constrained row
 
     # ------------------------------------------------------------------ loading
 
@@ -325,12 +327,20 @@ class MlxBackend:
     def state_nbytes(self, state: SequenceState) -> int:
         return sum(int(c.nbytes) for c in own_state(state).caches if not c.empty())
 
+    def constraint_engine(self) -> ConstraintEngine:
+        if self._constraints is None:
+            self._constraints = ConstraintEngine(self._tokenizer, self._info.eos_token_ids)
+        return self._constraints
+
     def close(self) -> None:
         """Drop the model and return MLX's cached buffers to the system.
 
         The thread's MLX streams are left alone: the thread's owner clears them before the
         thread exits (``runtime.kernel.actor.release_thread_resources``).
         """
+        if self._constraints is not None:
+            self._constraints.close()
+            self._constraints = None
         self._model = None
         self._tokenizer = None
         gc.collect()

@@ -1,0 +1,90 @@
+"""Chat responses with tools: the output split into ``content`` and ``tool_calls``.
+
+Non-streaming: ``message.tool_calls`` lists the calls, ``content`` is the text around them (None
+when there is none) and ``finish_reason`` is ``"tool_calls"`` when the model called and stopped
+(a reply cut by ``max_tokens`` says ``"length"``). Streaming: content deltas as the text is
+decided, and for each call one chunk with ``delta.tool_calls[0]`` = ``{index, id, type: "function",
+function: {name, arguments: ""}}`` followed by chunks with pieces of its ``arguments`` as the model
+writes them (OpenAI's shape: the official client's stream accumulation joins the pieces by
+``index``). The parser holds back text that may start a call block, so a stream's chunks can lag
+the tokens by a few characters. Reasoning (a ``<think>`` block) is split off first, as in any chat
+reply (``ChatRender``): only the content after it is parsed for calls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from runtime.messages import Finished, FinishReason
+from runtime.server import schema as wire
+from runtime.server.render import ChatRender, finish_reason
+from runtime.text.tool_calls import (
+    ArgumentsAdded,
+    TextAdded,
+    ToolCallParser,
+    ToolCallStarted,
+)
+
+
+class ChatToolRender(ChatRender):
+    """``ChatRender`` for a request whose output is parsed for calls to the functions ``names``."""
+
+    def __init__(
+        self,
+        request_id: str,
+        model: str,
+        *,
+        logprobs: bool,
+        include_usage: bool,
+        names: Sequence[str],
+        parallel: bool,
+    ) -> None:
+        super().__init__(request_id, model, logprobs=logprobs, include_usage=include_usage)
+        self._parser = ToolCallParser(names, parallel=parallel)
+
+    def _content_deltas(self, text: str, final: bool) -> list[wire.Delta]:
+        parsed = self._parser.feed(text) if text else []
+        if final:
+            parsed += self._parser.finish()
+        deltas: list[wire.Delta] = []
+        for piece in parsed:
+            match piece:
+                case TextAdded(text=added):
+                    deltas.append(wire.Delta(content=added))
+                case ToolCallStarted(index=index, id=call_id, name=name):
+                    call = wire.DeltaToolCall(
+                        index=index,
+                        id=call_id,
+                        type="function",
+                        function=wire.DeltaFunction(name=name),
+                    )
+                    deltas.append(wire.Delta(tool_calls=[call]))
+                case ArgumentsAdded(index=index, fragment=fragment):
+                    call = wire.DeltaToolCall(
+                        index=index, function=wire.DeltaFunction(arguments=fragment)
+                    )
+                    deltas.append(wire.Delta(tool_calls=[call]))
+        return deltas
+
+    def _message(self, content: str, reasoning: str | msgspec.UnsetType) -> wire.AssistantMessage:
+        parsed = self._parser.feed(content) + self._parser.finish()
+        text = "".join(p.text for p in parsed if isinstance(p, TextAdded))
+        calls = [
+            wire.WireToolCall(
+                id=call.id,
+                function=wire.WireFunctionCall(name=call.name, arguments=call.arguments),
+            )
+            for call in self._parser.calls
+        ]
+        return wire.AssistantMessage(
+            content=text or (None if calls else ""),
+            reasoning_content=reasoning,
+            tool_calls=calls or msgspec.UNSET,
+        )
+
+    def _finish_reason(self, finished: Finished) -> str:
+        if self._parser.calls and finished.reason is FinishReason.STOP:
+            return "tool_calls"
+        return finish_reason(finished)
