@@ -259,6 +259,13 @@ def main(argv: list[str] | None = None) -> int:
         help="share of the memory MLX reports for KV, without --kv-budget-mib (default 0.5)",
     )
     serve.add_argument(
+        "--temp",
+        type=float,
+        default=0.0,
+        help="temperature of requests that send none (default 0: greedy, as mlx_lm.server; "
+        "OpenAI's own default is 1.0, which a model this small turns into noise)",
+    )
+    serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     add_serve_flags(serve)

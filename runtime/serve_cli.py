@@ -50,6 +50,7 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         models=models,
         runtime=runtime,
         keep_alive_s=keep_alive_s,
+        default_temperature=args.temp,
         offer_cached_models=args.backend == "mlx",  # cached models are MLX ones
     )
     # Bars for what loads on demand too (fetch, convert, load), for as long as the server runs.

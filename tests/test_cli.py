@@ -88,3 +88,26 @@ def test_every_command_s_help_ends_with_examples_of_it(
         shown = _help(capsys, command)
         examples = shown.partition("\nexamples:\n")[2]
         assert f"mlxrt {command}" in examples, f"`mlxrt {command} --help` shows no examples"
+
+
+def test_serve_passes_its_default_temperature_to_the_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import uvicorn
+
+    import runtime.server
+
+    seen: list[float] = []
+
+    class Recorded(runtime.server.OpenAIServer):
+        def __init__(self, config: runtime.server.ServerConfig, **kwargs: object) -> None:
+            seen.append(config.default_temperature)
+            super().__init__(config, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runtime.server, "OpenAIServer", Recorded)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)
+    assert main(["serve", "--backend", "simulated", "--model", "m", "--quiet"]) == 0
+    assert (
+        main(["serve", "--backend", "simulated", "--model", "m", "--temp", "0.7", "--quiet"]) == 0
+    )
+    assert seen == [0.0, 0.7]

@@ -198,6 +198,25 @@ async def test_sampling_fields_and_extra_samplers_reach_the_runtime() -> None:
         assert unseeded.json()["choices"][0]["text"] == await sampled(7)
 
 
+async def test_a_server_default_temperature_fills_in_where_a_request_sends_none() -> None:
+    # mlxrt serve's --temp 0 (mlx_lm.server's default): an omitted temperature is greedy.
+    config = ServerConfig(
+        models=(sim_model(),),
+        runtime=RuntimeConfig(kv_budget_bytes=64 << 20),
+        default_temperature=0.0,
+    )
+    server = OpenAIServer(config)
+    body = {"model": "m", "prompt": "seeded", "seed": 7, "max_tokens": 12, "top_k": -1}
+    async with server.app.router.lifespan_context(server.app):
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            omitted = await client.post("/v1/completions", json=body)
+            greedy = await client.post("/v1/completions", json={**body, "temperature": 0})
+            hot = await client.post("/v1/completions", json={**body, "temperature": 1.0})
+    text = omitted.json()["choices"][0]["text"]
+    assert text == greedy.json()["choices"][0]["text"] != hot.json()["choices"][0]["text"]
+
+
 # --------------------------------------------------------------------------- chat
 
 

@@ -49,6 +49,7 @@ from runtime.server.translate import RuntimeCall, chat_call, completion_call, pr
 
 log = logging.getLogger("mlx_actor_runtime.server")
 _T = TypeVar("_T")
+_Generation = TypeVar("_Generation", wire.CompletionRequest, wire.ChatCompletionRequest)
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -65,6 +66,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     max_body_bytes: int = 8 << 20
     offer_cached_models: bool = False
     keep_alive_s: float | None = None
+    # The temperature of a request that sends none: OpenAI's 1.0 (``mlxrt serve --temp``: 0).
+    default_temperature: float = 1.0
 
 
 class OpenAIServer:
@@ -187,7 +190,7 @@ class OpenAIServer:
 
     async def _completions(self, request: Request) -> Response:
         body = await self._read_body(request)
-        call = completion_call(_decode(body, wire.completion_request_decoder))
+        call = completion_call(self._defaulted(_decode(body, wire.completion_request_decoder)))
         render = CompletionRender(
             f"cmpl-{uuid.uuid4().hex}",
             call.model,
@@ -196,9 +199,15 @@ class OpenAIServer:
         )
         return await self._generation(call, render)
 
+    def _defaulted(self, request: _Generation) -> _Generation:
+        """``request`` with the server's default temperature where it sends none."""
+        if request.temperature is not None:
+            return request
+        return msgspec.structs.replace(request, temperature=self.config.default_temperature)
+
     async def _chat_completions(self, request: Request) -> Response:
         body = await self._read_body(request)
-        call = chat_call(_decode(body, wire.chat_request_decoder))
+        call = chat_call(self._defaulted(_decode(body, wire.chat_request_decoder)))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs, include_usage = call.sampling.logprobs, call.include_usage
         render: Render
