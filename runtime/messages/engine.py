@@ -1,0 +1,146 @@
+"""The router ↔ engine protocol: the router admits, aborts and drains sequences; the engine
+reports its model's load and each sequence's events (the host's request events less the request's
+identity, which the router adds: ``runtime.messages.for_request``). Also the messages the engine
+sends itself (``ComputeDone``, ``ComputeWatch``).
+"""
+
+from __future__ import annotations
+
+from runtime.messages.host import Generate, Prewarm
+from runtime.messages.vocabulary import (
+    FinishReason,
+    Message,
+    ReusePath,
+    TokenIds,
+    TokenLogprob,
+    Usage,
+)
+
+# --------------------------------------------------------------------------- router ↔ engine
+
+
+class Admit(Message, frozen=True):
+    """Router → engine: run a new sequence for ``request``, the ``Generate`` or ``Prewarm`` as the
+    host sent it.
+
+    Beside it only what the router decided: the ``sequence_id`` (never reused), the engine's
+    ``epoch``, and the resolved ``session`` (the request's own, else ``"{model}/{namespace}"``).
+    """
+
+    sequence_id: int
+    epoch: int
+    session: str
+    request: Generate | Prewarm
+
+
+class Abort(Message, frozen=True):
+    """Router → engine: stop sequence ``sequence_id`` of ``epoch`` at its next boundary."""
+
+    sequence_id: int
+    epoch: int
+    reason: str = "cancelled"
+
+
+class Drain(Message, frozen=True):
+    """Router → engine: abort everything, stop compute, free all memory, then reply ``Drained``."""
+
+    epoch: int
+
+
+class EngineReady(Message, frozen=True):
+    """Engine → router: the model of ``epoch`` is loaded and warm."""
+
+    epoch: int
+    reuse_path: str
+    bytes_per_token: int
+    context_length: int
+
+
+class EngineLoadFailed(Message, frozen=True):
+    """Engine → router: the model could not be loaded."""
+
+    epoch: int
+    code: str
+    message: str
+
+
+class EngineFailed(Message, frozen=True):
+    """Engine → router: the engine of ``epoch`` crashed (a bug in its handler, or a compute step
+    that overran ``RuntimeConfig.step_timeout_s``). Every sequence of it has ended and every byte of
+    its epoch is back in the budget; the router reloads the model at a new epoch, or, beyond the
+    restart intensity, marks it failed."""
+
+    epoch: int
+    code: str
+    message: str
+
+
+class SequenceStarted(Message, frozen=True):
+    """Engine → router: the host's ``Started`` for sequence ``sequence_id`` (``for_request``)."""
+
+    sequence_id: int
+    epoch: int
+    prompt_tokens: int
+    cached_tokens: int
+    path: ReusePath
+    dropped_turns: int = 0
+    reasoning_open: bool = False
+
+
+class TokensProduced(Message, frozen=True):
+    """Engine → router: the host's ``TokensEmitted`` for sequence ``sequence_id``."""
+
+    sequence_id: int
+    epoch: int
+    token_ids: TokenIds
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+class SequenceFinished(Message, frozen=True):
+    """Engine → router: the host's ``Finished`` for sequence ``sequence_id``."""
+
+    sequence_id: int
+    epoch: int
+    reason: FinishReason
+    usage: Usage
+    stop: str | None = None
+
+
+class SequenceCancelled(Message, frozen=True):
+    """Engine → router: the host's ``Cancelled`` for sequence ``sequence_id``."""
+
+    sequence_id: int
+    epoch: int
+    usage: Usage
+    reason: str = "cancelled"
+
+
+class SequenceFailed(Message, frozen=True):
+    """Engine → router: the host's ``Failed`` for sequence ``sequence_id``."""
+
+    sequence_id: int
+    epoch: int
+    code: str
+    message: str
+    retryable: bool
+    usage: Usage
+
+
+class Drained(Message, frozen=True):
+    """Engine → router: nothing of ``epoch`` runs or holds memory any more."""
+
+    epoch: int
+
+
+# --------------------------------------------------------------------------- engine internal
+
+
+class ComputeDone(Message, frozen=True):
+    """Engine → itself: the compute job ``job_id`` finished (its result stays in the engine)."""
+
+    job_id: int
+
+
+class ComputeWatch(Message, frozen=True):
+    """Engine → itself (timer): has the compute step in flight overrun ``step_timeout_s``?"""

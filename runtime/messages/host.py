@@ -1,0 +1,284 @@
+"""The host's protocol with the router: what the host sends (requests ``Generate`` / ``Prewarm``,
+``Cancel`` and the commands) and what it hears back (a request's events ``Started``,
+``TokensEmitted`` and one terminal event, or ``Rejected``; each command's reply).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from runtime.messages.vocabulary import (
+    ChatMessage,
+    ChatOptions,
+    FinishReason,
+    Message,
+    ModelSpec,
+    ReusePath,
+    Sampling,
+    TokenIds,
+    TokenLogprob,
+    Usage,
+)
+
+# --------------------------------------------------------------------------- host → router
+
+
+class Generate(Message, frozen=True):
+    """Start generating. ``incarnation`` is unique per runtime: a recycled ``request_id`` is safe.
+
+    Exactly one of ``prompt`` (text), ``prompt_tokens`` and ``messages`` (chat) is set.
+    ``max_tokens`` None: the rest of the context, capped by the engine's default. ``session``
+    groups requests that may supersede each other's prewarms (default: model plus namespace);
+    with ``supersede`` this request also aborts the session's older generates (a new keystroke).
+    ``timeout_s``: the request ends ``Failed(request_timeout)`` that long after the router accepted
+    it. ``stall_timeout_s``: it ends ``Failed(stream_stalled)`` when no token came for that long
+    after its first (None: ``RuntimeConfig.stall_timeout_s``).
+    ``anonymous``: the host cannot tell this request's client from others' (the HTTP server's
+    requests without ``session``); it still adopts a prewarm of its session that it extends, but
+    it never supersedes another request, and no request supersedes it.
+    ``reuse_prefix`` False: prefill the whole prompt, restoring nothing (no prefix-cache lookup,
+    no prewarm adopted); the state it leaves is still cached for later requests.
+    """
+
+    request_id: str
+    incarnation: int
+    model: str
+    prompt: str | None = None
+    prompt_tokens: TokenIds | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    chat: ChatOptions = ChatOptions()
+    sampling: Sampling = Sampling()
+    max_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: TokenIds = ()
+    namespace: str = "default"
+    session: str | None = None
+    supersede: bool = False
+    timeout_s: float | None = None
+    stall_timeout_s: float | None = None
+    anonymous: bool = False
+    reuse_prefix: bool = True
+
+
+class Prewarm(Message, frozen=True):
+    """Prefill a prompt and commit its state to the prefix cache, without sampling.
+
+    ``timeout_s``: it ends ``Failed(request_timeout)`` that long after the router accepted it.
+    A prewarm supersedes its session's older prewarms, or adopts one it extends; identical
+    concurrent prewarms (same tokens and namespace, any session) compute once. ``session`` and
+    ``anonymous`` as for ``Generate``.
+    """
+
+    request_id: str
+    incarnation: int
+    model: str
+    prompt: str | None = None
+    prompt_tokens: TokenIds | None = None
+    messages: tuple[ChatMessage, ...] | None = None
+    chat: ChatOptions = ChatOptions()
+    max_tokens: int | None = None  # of the generate to come: chat windows then render the same
+    namespace: str = "default"
+    session: str | None = None
+    timeout_s: float | None = None
+    anonymous: bool = False
+
+
+class Cancel(Message, frozen=True):
+    """Cancel the request ``(request_id, incarnation)``; a no-op if it is not live."""
+
+    request_id: str
+    incarnation: int
+
+
+class LoadModel(Message, frozen=True):
+    """Load a model under ``spec.name``; replied to with ``ModelLoaded`` or ``CommandFailed``."""
+
+    spec: ModelSpec
+
+
+class UnloadModel(Message, frozen=True):
+    """Drain and unload a model; replied to with ``ModelUnloaded`` once its memory is free."""
+
+    model: str
+
+
+class ResetPrefixes(Message, frozen=True):
+    """Drop cached prefixes of ``model`` (``namespace`` None: every namespace)."""
+
+    model: str
+    namespace: str | None = None
+
+
+class EndSession(Message, frozen=True):
+    """The host is done with ``session``: its pinned instructions prefix may be evicted again.
+
+    Router → engine; answered ``SessionEnded``.
+    """
+
+    model: str
+    session: str
+    namespace: str = "default"
+
+
+class SessionEnded(Message, frozen=True):
+    """Reply to ``EndSession``; ``unpinned`` says whether the session had a pinned prefix."""
+
+    model: str
+    session: str
+    unpinned: bool
+
+
+class GetStats(Message, frozen=True):
+    """Ask an actor for its counters; replied to with ``Stats``."""
+
+
+class ListModels(Message, frozen=True):
+    """Host → router: every model it knows and its state; replied to with ``ModelsListed``."""
+
+
+class Shutdown(Message, frozen=True):
+    """Unload every model and stop; replied to with ``ShutdownComplete``."""
+
+
+# --------------------------------------------------------------------------- router → host
+
+
+class Started(Message, frozen=True):
+    """The request has its prompt state and starts producing tokens (a prewarm: committing)."""
+
+    request_id: str
+    incarnation: int
+    sequence_id: int
+    epoch: int
+    prompt_tokens: int
+    cached_tokens: int
+    path: ReusePath
+    dropped_turns: int = 0  # chat history turns the window left out (only when asked for)
+    # The rendered chat prompt ends inside an open reasoning block (``<think>``): the output
+    # starts as reasoning (runtime/text/reasoning.py).
+    reasoning_open: bool = False
+
+
+class TokensEmitted(Message, frozen=True):
+    """New tokens (with their text, UTF-8 complete) for a generate request.
+
+    ``logprobs`` has one entry per token when the request asked for them.
+    """
+
+    request_id: str
+    incarnation: int
+    token_ids: TokenIds
+    text: str
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+class Finished(Message, frozen=True):
+    """Terminal: the request completed normally; ``stop`` names the stop string that ended it."""
+
+    request_id: str
+    incarnation: int
+    reason: FinishReason
+    usage: Usage
+    stop: str | None = None
+
+
+class Cancelled(Message, frozen=True):
+    """Terminal: the request was cancelled or superseded; usage counts tokens made before that."""
+
+    request_id: str
+    incarnation: int
+    usage: Usage
+    reason: str = "cancelled"
+
+
+class Failed(Message, frozen=True):
+    """Terminal: the request failed after it was accepted. ``code`` is stable (see errors.py)."""
+
+    request_id: str
+    incarnation: int
+    code: str
+    message: str
+    retryable: bool
+    usage: Usage
+
+
+class Rejected(Message, frozen=True):
+    """The router did not accept the request; no other event follows for this incarnation."""
+
+    request_id: str
+    incarnation: int
+    code: str
+    message: str
+
+
+class ModelLoaded(Message, frozen=True):
+    """Reply to ``LoadModel``."""
+
+    model: str
+    epoch: int
+    reuse_path: str
+    bytes_per_token: int
+    context_length: int
+
+
+class ModelUnloaded(Message, frozen=True):
+    """Reply to ``UnloadModel``: the engine drained and its memory was released."""
+
+    model: str
+    epoch: int
+
+
+class PrefixesReset(Message, frozen=True):
+    """Reply to ``ResetPrefixes``: entries in scope are gone (or doomed while leased)."""
+
+    model: str
+    dropped: int
+
+
+class CommandFailed(Message, frozen=True):
+    """Reply to a command (load, unload, reset) that could not be carried out."""
+
+    code: str
+    message: str
+
+
+ModelStateName = Literal["loading", "loaded", "unloading", "restarting", "failed", "idle"]
+
+
+class ModelStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One model the router knows, as ``ListModels`` reports it.
+
+    ``state``: ``loading``, ``loaded``, ``unloading``, ``restarting``, ``failed``, or ``idle``
+    (unloaded by its keep-alive; a request loads it again when auto-load is on). ``expires_in_s``:
+    seconds until the keep-alive unloads it (None: busy, not loaded, or kept forever).
+    """
+
+    name: str
+    state: ModelStateName
+    epoch: int
+    path: str | None
+    live_requests: int
+    keep_alive_s: float | None
+    expires_in_s: float | None = None
+    context_length: int | None = None
+    failure: str = ""
+
+
+class ModelsListed(Message, frozen=True):
+    """Reply to ``ListModels``: the router's models, in name order."""
+
+    models: tuple[ModelStatus, ...]
+
+
+class ShutdownComplete(Message, frozen=True):
+    """Reply to ``Shutdown``."""
+
+
+class Stats(Message, frozen=True):
+    """An actor's counters at one moment (immutable snapshot)."""
+
+    actor: str
+    counters: dict[str, int]
+    gauges: dict[str, int] = {}  # noqa: RUF012 (a msgspec default; ruff cannot see the base here)

@@ -1,0 +1,99 @@
+"""The prefix-cache manager's protocol: lookups and their leases, commits, pins, eviction, and
+dropping a model epoch's entries (the manager tells the owning engine which to free).
+"""
+
+from __future__ import annotations
+
+from runtime.messages.vocabulary import Message, ReusePath, TokenIds
+
+
+class Lookup(Message, frozen=True):
+    """Find the longest usable cached prefix of ``tokens``; answered ``LookupResult``.
+
+    ``sequence_id`` names the sequence that will hold the lease on a hit.
+    """
+
+    model: str
+    epoch: int
+    namespace: str
+    tokens: TokenIds
+    sequence_id: int
+
+
+class LookupResult(Message, frozen=True):
+    """``entry_id`` None on a miss. ``matched`` tokens of the entry are usable (after trimming).
+
+    ``generation`` counts resets of this (model, namespace); a later ``Commit`` carries it back so
+    state computed before a reset can never be committed after it.
+    """
+
+    sequence_id: int
+    epoch: int
+    entry_id: int | None
+    matched: int
+    path: ReusePath
+    lease_id: int | None
+    generation: int
+
+
+class Commit(Message, frozen=True):
+    """Register engine-owned state ``entry_id`` whose cache holds exactly ``tokens``.
+
+    ``trimmable`` entries serve any shared prefix; others only when all their tokens prefix a
+    prompt, or at one of their ``points``: shorter token counts at which the entry also holds a
+    checkpoint of its untrimmable layers (its trimmable layers are cut back to the point).
+    ``pinned`` entries are evicted only under a waiting reservation's pressure.
+    """
+
+    model: str
+    epoch: int
+    namespace: str
+    entry_id: int
+    tokens: TokenIds
+    nbytes: int
+    trimmable: bool
+    generation: int
+    pinned: bool = False
+    points: tuple[int, ...] = ()
+
+
+class Committed(Message, frozen=True):
+    """Reply to ``Commit``: ``superseded`` lists entries dropped because this one covers them."""
+
+    entry_id: int
+    accepted: bool
+    superseded: tuple[int, ...] = ()
+
+
+class ReleaseLease(Message, frozen=True):
+    lease_id: int
+
+
+class Unpin(Message, frozen=True):
+    """Engine → prefix manager: entry ``entry_id`` is no longer its session's instructions prefix
+    (the instructions changed, or the session ended); it becomes an ordinary LRU entry."""
+
+    model: str
+    epoch: int
+    entry_id: int
+
+
+class Evict(Message, frozen=True):
+    """Keeper → prefix manager: free at least ``nbytes`` from unleased entries, LRU first."""
+
+    nbytes: int
+    include_pinned: bool = False
+
+
+class InvalidateEpoch(Message, frozen=True):
+    """Forget every entry of ``model`` at ``epoch`` (the engine frees the arrays itself)."""
+
+    model: str
+    epoch: int
+
+
+class DropEntries(Message, frozen=True):
+    """Prefix manager → engine: free the state of these entries and release their reservations."""
+
+    epoch: int
+    entry_ids: tuple[int, ...]

@@ -1,0 +1,185 @@
+"""The unions over the message types: each actor's inbox (``RouterInbox``, ``EngineInbox``,
+``KVInbox``, ``PrefixInbox``), what the host hears (``HostEvent``, ``CommandReply``), the engine's
+sequence events, ``AnyMessage`` and ``ALL_MESSAGE_TYPES``; and ``for_request``, which turns an
+engine event into the host event it means.
+"""
+
+from __future__ import annotations
+
+from runtime.messages.engine import (
+    Abort,
+    Admit,
+    ComputeDone,
+    ComputeWatch,
+    Drain,
+    Drained,
+    EngineFailed,
+    EngineLoadFailed,
+    EngineReady,
+    SequenceCancelled,
+    SequenceFailed,
+    SequenceFinished,
+    SequenceStarted,
+    TokensProduced,
+)
+from runtime.messages.host import (
+    Cancel,
+    Cancelled,
+    CommandFailed,
+    EndSession,
+    Failed,
+    Finished,
+    Generate,
+    GetStats,
+    ListModels,
+    LoadModel,
+    ModelLoaded,
+    ModelsListed,
+    ModelUnloaded,
+    PrefixesReset,
+    Prewarm,
+    Rejected,
+    ResetPrefixes,
+    SessionEnded,
+    Shutdown,
+    ShutdownComplete,
+    Started,
+    Stats,
+    TokensEmitted,
+    UnloadModel,
+)
+from runtime.messages.kv_budget import (
+    EpochReleased,
+    Release,
+    ReleaseEpoch,
+    ReservationExpired,
+    ReservationPressure,
+    ReservationRefused,
+    Reserve,
+    Reserved,
+    Transfer,
+)
+from runtime.messages.prefix_cache import (
+    Commit,
+    Committed,
+    DropEntries,
+    Evict,
+    InvalidateEpoch,
+    Lookup,
+    LookupResult,
+    ReleaseLease,
+    Unpin,
+)
+from runtime.messages.router_timers import IdleCheck, RequestDeadline, StallCheck
+from runtime.messages.vocabulary import Message
+
+RouterInbox = (
+    EndSession
+    | Generate
+    | Prewarm
+    | Cancel
+    | LoadModel
+    | UnloadModel
+    | ResetPrefixes
+    | GetStats
+    | Shutdown
+    | EngineReady
+    | EngineLoadFailed
+    | EngineFailed
+    | SequenceStarted
+    | TokensProduced
+    | SequenceFinished
+    | SequenceCancelled
+    | SequenceFailed
+    | Drained
+    | PrefixesReset
+    | SessionEnded
+    | RequestDeadline
+    | StallCheck
+    | IdleCheck
+    | ListModels
+)
+
+EngineInbox = (
+    EndSession
+    | Admit
+    | Abort
+    | Drain
+    | GetStats
+    | ComputeDone
+    | ComputeWatch
+    | Reserved
+    | ReservationRefused
+    | LookupResult
+    | Committed
+    | DropEntries
+    | EpochReleased
+)
+
+KVInbox = (
+    Reserve
+    | Release
+    | Transfer
+    | ReleaseEpoch
+    | ReservationExpired
+    | ReservationPressure
+    | GetStats
+)
+
+PrefixInbox = (
+    Lookup | Commit | ReleaseLease | Unpin | Evict | InvalidateEpoch | ResetPrefixes | GetStats
+)
+
+HostEvent = Started | TokensEmitted | Finished | Cancelled | Failed | Rejected
+TerminalEvent = Finished | Cancelled | Failed
+RequestEvent = Started | TokensEmitted | TerminalEvent  # what an accepted request hears
+
+EngineTerminal = SequenceFinished | SequenceCancelled | SequenceFailed
+EngineEvent = SequenceStarted | TokensProduced | EngineTerminal
+
+CommandReply = (
+    SessionEnded
+    | ModelLoaded
+    | ModelUnloaded
+    | PrefixesReset
+    | CommandFailed
+    | ShutdownComplete
+    | Stats
+    | ModelsListed
+)
+
+# --------------------------------------------------------------------------- engine → host events
+
+# Each engine event is the host event it means, less the request's identity (only the router knows
+# it) and plus the sequence's (which routes it). tests/test_messages.py checks the fields agree.
+_HOST_EVENT: dict[type[EngineEvent], type[RequestEvent]] = {
+    SequenceStarted: Started,
+    TokensProduced: TokensEmitted,
+    SequenceFinished: Finished,
+    SequenceCancelled: Cancelled,
+    SequenceFailed: Failed,
+}
+_REQUEST_IDENTITY = ("request_id", "incarnation")
+
+
+def for_request(event: EngineEvent, request_id: str, incarnation: int) -> RequestEvent:
+    """The host event that ``event`` means, for request ``(request_id, incarnation)``.
+
+    Every other field is the engine event's own value, so the two cannot drift apart field by
+    field; ``Started`` keeps the sequence id and epoch, the others drop them.
+    """
+    host_event = _HOST_EVENT[type(event)]
+    fields = {
+        name: getattr(event, name)
+        for name in host_event.__struct_fields__
+        if name not in _REQUEST_IDENTITY
+    }
+    return host_event(request_id=request_id, incarnation=incarnation, **fields)
+
+
+AnyMessage = RouterInbox | EngineInbox | KVInbox | PrefixInbox | HostEvent | CommandReply
+
+# Complete because this module imports every module that defines a message.
+ALL_MESSAGE_TYPES: tuple[type[Message], ...] = tuple(
+    sorted({*Message.__subclasses__()}, key=lambda cls: cls.__name__)
+)

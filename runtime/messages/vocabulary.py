@@ -1,0 +1,198 @@
+"""The shared vocabulary: the ``Message`` base every message derives from, and the value types
+messages carry (sampling and its constraints, chat messages and tools, usage, logprobs, model specs,
+and the enums naming reuse paths, finish reasons and request kinds).
+
+``Message`` sets ``tag=True``: a message's wire form is tagged with its bare class name, whatever
+module defines it.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Literal
+
+import msgspec
+
+TokenIds = tuple[int, ...]
+
+
+class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True):
+    """Base of every message: immutable, strict, tagged with its class name."""
+
+
+class JsonSchemaConstraint(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True
+):
+    """Generated text must be one JSON value valid under ``schema`` (the schema's JSON text).
+
+    ``strict`` (OpenAI's ``strict: true``) rejects a schema the engine cannot enforce exactly;
+    ``strict=False`` lets the engine skip keywords it does not support (e.g. ``format``).
+    """
+
+    schema: str
+    strict: bool = True
+
+
+class JsonObjectConstraint(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True
+):
+    """JSON mode (OpenAI's ``{"type": "json_object"}``): any one JSON object."""
+
+
+class RegexConstraint(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True
+):
+    """Generated text must match ``pattern`` in full (Rust ``regex`` syntax, no look-around)."""
+
+    pattern: str
+
+
+class GrammarConstraint(
+    msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True
+):
+    """Generated text must be a sentence of ``grammar``: llguidance's Lark dialect, or GBNF
+    (llama.cpp's format, translated to Lark by the engine)."""
+
+    grammar: str
+    syntax: Literal["lark", "gbnf"] = "lark"
+
+
+# What the generated tokens must spell; prompt tokens are never constrained.
+Constraint = JsonSchemaConstraint | JsonObjectConstraint | RegexConstraint | GrammarConstraint
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to pick the next token. ``temperature == 0`` is greedy; every other default is "off".
+
+    Penalties look at the last ``penalty_context`` tokens (prompt and output). ``logprobs`` asks
+    for the chosen token's log-probability, ``top_logprobs`` for that many alternatives.
+    ``constraint`` restricts the generated text to a JSON Schema, a regex or a grammar (see
+    docs/structured.md): disallowed tokens are masked before the other samplers run.
+    """
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    top_n_sigma: float = 0.0  # >0: keep tokens within n standard deviations of the max logit
+    xtc_probability: float = 0.0  # exclude-top-choices: chance per step to apply it
+    xtc_threshold: float = 0.1
+    dry_multiplier: float = 0.0  # >0: "don't repeat yourself" n-gram penalty
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_sequence_breakers: tuple[str, ...] = ("\n", ":", '"', "*")
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_context: int = 64
+    logit_bias: dict[int, float] = {}
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int = 0
+    constraint: Constraint | None = None
+
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class Tool(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A function the model may call: ``parameters`` is its arguments' JSON Schema, as JSON text
+    (text keeps the message pure data whatever the schema holds; see runtime/text/tools.py)."""
+
+    name: str
+    description: str | None = None
+    parameters: str = '{"type": "object", "properties": {}}'
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One call an assistant message made: ``arguments`` is a JSON object's text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One chat message as the OpenAI API sends it (text content only).
+
+    An assistant message may carry ``tool_calls`` (its ``content`` then may be empty); a ``tool``
+    message answers the call named by ``tool_call_id``.
+    """
+
+    role: Role
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    tool_call_id: str | None = None
+
+
+class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to prepare a chat prompt (see ``runtime.text.chat``).
+
+    ``history_budget_tokens`` turns on the history window (oldest turns dropped to fit it); when
+    ``None`` nothing is ever dropped. ``add_generation_prompt=False`` renders the messages as
+    complete turns, with no assistant header and no prefill continuation. ``tools`` are rendered
+    into the prompt (by the template when it supports them, else a fallback system section);
+    ``parallel_tool_calls=False`` tells the model to make at most one call.
+    """
+
+    keep_reasoning: bool = False
+    history_budget_tokens: int | None = None
+    add_generation_prompt: bool = True
+    tools: tuple[Tool, ...] = ()
+    parallel_tool_calls: bool = True
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Token counts of one request, exact on every terminal event."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One emitted token's log-probability and the ``top`` alternatives (id, logprob)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+class ReusePath(enum.StrEnum):
+    """How a sequence's prompt state was obtained from the prefix cache."""
+
+    EXACT = "exact"  # a whole cached entry is a prefix of the prompt
+    TRIM = "trim"  # a trimmable entry cut back to the common prefix
+    CHECKPOINT = "checkpoint"  # a non-trimmable snapshot whose tokens prefix the prompt
+    ADOPTED = "adopted"  # took over an in-flight prewarm of the same session
+    MISS = "miss"  # cold prefill
+
+
+class FinishReason(enum.StrEnum):
+    """Why a sequence stopped normally."""
+
+    STOP = "stop"  # end-of-sequence token or stop string
+    LENGTH = "length"  # max_tokens reached
+    PREWARMED = "prewarmed"  # a prewarm's state is cached (by itself, or by an identical one)
+    ADOPTED = "adopted"  # a prewarm whose work a request that extends it took over
+
+
+class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What to load: ``backend`` names a backend kind ("mlx" or "simulated").
+
+    ``keep_alive_s``: once no request of the model has run for this long, the router unloads it
+    (0: as soon as it is idle; None: never). Unloaded so, it stays known: with
+    ``RuntimeConfig.auto_load`` a later request loads it again.
+    """
+
+    name: str
+    backend: str = "mlx"
+    path: str | None = None
+    options: dict[str, str | int | float | bool | None] = {}
+    prefill_chunk_tokens: int = 256
+    keep_alive_s: float | None = None
+
+
+class RequestKind(enum.StrEnum):
+    GENERATE = "generate"
+    PREWARM = "prewarm"
