@@ -7,7 +7,7 @@
 #   make test          lint, then pytest with the Hypothesis `ci` profile
 #   make test-nightly  pytest with the Hypothesis `nightly` profile
 #   make fuzz-nightly  the property tests alone with the `nightly` profile (the whole-runtime
-#                      fuzzer runs 10,000 examples: hours; see property_tests/test_runtime_fuzz.py)
+#                      fuzzer runs 10,000 examples: ~25 min; see property_tests/test_runtime_fuzz.py)
 #   make bench         the full benchmark (python -m bench) into bench/results/latest.jsonl, then
 #                      its report: docs/performance.md, docs/perf/ (plots, the JSON kept) and
 #                      README's headline block
