@@ -22,6 +22,7 @@ from bench import (
     over_http,
     raw_mlx,
     server,
+    structured,
 )
 from bench.models import MODELS, load_bench_model
 from bench.results import Sink, format_table
@@ -32,6 +33,7 @@ SCENARIO_GROUPS = (
     "generation",
     "checkpoints",
     "batching",
+    "structured",
     *over_http.GROUPS,
     "hop",
 )
@@ -62,7 +64,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "(gen.*: one-stream decode, 4 concurrent, inter-token latency, coalescing; runtime "
         "and mlx-lm only), checkpoints (ckpt.*: memory of a long prompt's checkpoints, runtime "
         "vs deep copies of mlx-lm's prompt cache), batching (batch.*: decode tokens/s of one "
-        "sequence alone vs four in a DecodeBatch, backend level); over HTTP, mlxrt serve vs "
+        "sequence alone vs four in a DecodeBatch, backend level), structured (structured.*: "
+        "decode ms/token under a JSON Schema vs none, runtime); over HTTP, mlxrt serve vs "
         "mlx_lm.server: concurrency (1/2/4/8 streams at once), keystroke (a completion per "
         "keystroke, each superseding the last), prewarm (TTFT after a prewarm vs cold); hop "
         "(hop.*: the actor message hop and the runtime's cost per streamed token, no model)",
@@ -107,6 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _log(f"{kind}: checkpoint memory (runtime vs mlx-lm whole-cache copies)")
                 ckpt_tokens = checkpoints.PROMPT_TOKENS.pick(loaded, args.quick)
                 sink.extend(checkpoints.measure(path, model, tokenizer, kind, ckpt_tokens))
+            if "structured" in args.scenarios and "runtime" in args.systems:
+                _log(f"{kind}: constrained decoding (a JSON Schema vs none, runtime)")
+                rounds = structured.ROUNDS.pick(loaded, args.quick)
+                sink.extend(structured.measure(path, kind, rounds))
             if "batching" in args.scenarios and "runtime" in args.systems:
                 _log(f"{kind}: backend-level batching (B=1 loop vs a DecodeBatch of four)")
                 batch_sizes = batching.BATCH_SIZES.pick(loaded, args.quick)

@@ -39,6 +39,10 @@ SUMMARY = (
     ),
     ("abandon.after/idle", "The same as a multiple of its idle TTFT (lower is better)"),
     ("decode.tokens_per_s", "Decode tokens/s, one stream (higher is better)"),
+    (
+        "structured.constrained/free",
+        "Decode ms/token under a JSON Schema, as a multiple of none (lower is better)",
+    ),
 )
 
 
