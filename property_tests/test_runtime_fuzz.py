@@ -25,21 +25,19 @@ from hypothesis import Phase, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import initialize, invariant, rule
 from test_runtime_machine import (
-    BYTES_PER_TOKEN,
     REQUEST_IDS,
     TERMINALS,
     RuntimeMachine,
     prompts,
 )
 
-from runtime.backends.simulated import SimulatedBatch, greedy_continuation
+from runtime.backends.simulated import greedy_continuation
 from runtime.kernel.core import Address
 from runtime.kernel.supervision import RestartPolicy
 from runtime.messages import (
     Cancel,
     Finished,
     Generate,
-    HolderKind,
     LoadModel,
     ModelLoaded,
     Rejected,
@@ -48,7 +46,7 @@ from runtime.messages import (
     UnloadModel,
 )
 from runtime.testing.fault_points import FaultPoint
-from runtime.testing.faults import KINDS_AT, Fault, FaultKind, FaultPlan, without_faults
+from runtime.testing.faults import KINDS_AT, Fault, FaultKind, FaultPlan
 from runtime.testing.harness import engines, kv_keeper, prefix_cache, router
 from runtime.testing.simulator import Simulator
 
@@ -221,20 +219,6 @@ class RuntimeFuzzMachine(RuntimeMachine):
         self.sim.advance(seconds)
 
     # ------------------------------------------------------------------ invariants
-
-    def batch_padding_is_reserved(self) -> None:
-        """The parent's check, reading the simulated batch inside its fault wrapper."""
-        kv = kv_keeper(self.sim)
-        for engine in engines(self.sim):
-            batch = without_faults(engine.decode_batch)
-            assert batch is None or isinstance(batch, SimulatedBatch)
-            padding = 0 if batch is None else batch.padding_tokens
-            held = sum(
-                nbytes
-                for holder, nbytes in kv.holdings().items()
-                if holder.kind is HolderKind.BATCH_PADDING and holder.epoch == engine.epoch
-            )
-            assert held >= BYTES_PER_TOKEN * padding, (held, padding)
 
     def read_host_log(self) -> None:
         """Checked after every simulator step, reading only the host messages new since the last

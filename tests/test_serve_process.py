@@ -8,64 +8,31 @@ stopped (SIGTERM, then SIGKILL), whatever the test does.
 from __future__ import annotations
 
 import contextlib
-import os
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import httpx
 import openai
 import pytest
 
+from bench.http_client import HOST
+from bench.serving import ServerCommand, running
 from runtime.backends.simulated import greedy_continuation
 from runtime.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
-START_WITHIN_S = 120.0  # a real model loads at start-up
 REQUEST_TIMEOUT_S = 120.0
 EXPECTED = bytes(greedy_continuation(list(b"hello"), 3)).decode()
 
 
 @contextlib.contextmanager
 def mlxrt_serve(*args: str) -> Iterator[str]:
-    """``mlxrt serve ARGS`` on a free loopback port until it answers ``/health``; its URL."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "TRANSFORMERS_VERBOSITY": "error"}
-    argv = [sys.executable, "-m", "runtime.cli", "serve", "--port", str(port), "--quiet", *args]
-    with tempfile.TemporaryFile("w+") as log:
-        process = subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        try:
-            url = f"http://127.0.0.1:{port}"
-            _wait_healthy(process, url, log)
-            yield url
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                process.wait(timeout=15)
-
-
-def _wait_healthy(process: subprocess.Popen[bytes], url: str, log: Any) -> None:
-    deadline = time.monotonic() + START_WITHIN_S
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            log.seek(0)
-            pytest.fail(f"mlxrt serve exited with {process.returncode}:\n{log.read()[-3000:]}")
-        with contextlib.suppress(httpx.HTTPError):
-            if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.1)  # a process's start-up has nothing to wait on but its port
-    log.seek(0)
-    pytest.fail(f"mlxrt serve did not answer /health in {START_WITHIN_S} s:\n{log.read()[-3000:]}")
+    """``mlxrt serve ARGS`` on a free loopback port until it answers ``/health``; its URL. The
+    bench's launcher starts, waits for and stops it (SIGTERM, then SIGKILL), as it does its own."""
+    argv = (sys.executable, "-m", "runtime.cli", "serve", "--quiet", *args)
+    with running([ServerCommand("runtime", argv, model="")]) as [server]:
+        yield f"http://{HOST}:{server.port}"
 
 
 def client_for(url: str) -> openai.OpenAI:
