@@ -100,32 +100,19 @@ async def _measure(path: Path, name: str, rounds: int) -> list[Measurement]:
         return [Measurement(SYSTEM, name, "structured.constrained/free", None, "x", note=note)]
     ratios = [m / f for m, f in zip(masked, free, strict=True)]
     return [
-        Measurement(
-            SYSTEM,
-            name,
-            "structured.decode_ms_per_token",
-            round(statistics.median(masked), 3),
-            "ms",
-            [round(m, 3) for m in masked],
-        ),
-        Measurement(
-            SYSTEM,
-            name,
-            "structured.free_ms_per_token",
-            round(statistics.median(free), 3),
-            "ms",
-            [round(f, 3) for f in free],
-        ),
-        Measurement(
-            SYSTEM,
-            name,
-            "structured.constrained/free",
-            round(statistics.median(ratios), 3),
-            "x",
-            [round(r, 3) for r in ratios],
-            note,
-        ),
+        _median(name, "structured.decode_ms_per_token", masked, "ms"),
+        _median(name, "structured.free_ms_per_token", free, "ms"),
+        _median(name, "structured.constrained/free", ratios, "x", note),
     ]
+
+
+def _median(
+    name: str, scenario: str, values: list[float], unit: str, note: str = ""
+) -> Measurement:
+    samples = [round(v, 3) for v in values]
+    return Measurement(
+        SYSTEM, name, scenario, round(statistics.median(values), 3), unit, samples, note
+    )
 
 
 def measure(path: Path, name: str, rounds: int) -> list[Measurement]:
