@@ -11,10 +11,10 @@ import pytest
 
 from actors.engine.jobs import StepJob, TogetherJob, run_together
 from actors.engine.sequence import Phase, Sequence
-from runtime.backends.contract import SequenceState
+from runtime.backends.contract import SequenceState, Snapshot
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.backends.simulated import greedy_continuation
-from runtime.messages import Admit, Failed, Generate, ModelSpec, Prewarm
+from runtime.messages import Admit, Failed, Generate, ModelSpec, Prewarm, Started
 from runtime.testing.harness import ModelOption, engine, kv_keeper, make_sim, prefix_cache, sim_spec
 from runtime.testing.simulator import Simulator
 from runtime.testing.tiny_models import TINY_MODEL_KINDS, TinyModelKind, tiny_model_path
@@ -48,14 +48,69 @@ def test_rows_prefilled_together_equal_prompts_prefilled_one_by_one(kind: TinyMo
         assert _greedy(backend, row, 8) == _greedy(backend, one, 8)
 
 
-def test_prefill_together_refuses_a_state_that_is_not_empty() -> None:
+@pytest.mark.parametrize("kind", TINY_MODEL_KINDS)
+def test_rows_with_cached_prefixes_equal_their_prompts_prefilled_alone(kind: TinyModelKind) -> None:
+    # States restored from the prefix cache hold prefixes of different lengths (one none, one
+    # past the sliding model's window of 32).
+    backend = MlxBackend.load(ModelSpec(name="m", path=str(tiny_model_path(kind))))
+    prompts = [list(range(5, 5 + n)) for n in (12, 30, 9, 20, 47)]
+    cached = (5, 17, 0, 1, 40)
+    alone, together = [], []
+    for prompt, k in zip(prompts, cached, strict=True):
+        one = backend.new_state()
+        backend.prefill(one, prompt)
+        alone.append(one)
+        row = backend.new_state()
+        if k:
+            backend.prefill(row, prompt[:k])
+        together.append(row)
+    backend.prefill_together(together, [p[k:] for p, k in zip(prompts, cached, strict=True)])
+    for one, row, prompt in zip(alone, together, prompts, strict=True):
+        assert row.length == len(prompt)
+        assert mx.allclose(backend.logits(one), backend.logits(row), atol=1e-4).item()
+        assert _greedy(backend, row, 8) == _greedy(backend, one, 8)
+
+
+def test_prefill_together_takes_two_tokens_or_more_per_state() -> None:
     backend = MlxBackend.load(ModelSpec(name="m", path=str(tiny_model_path("llama"))))
-    used = backend.new_state()
-    backend.prefill(used, [1, 2, 3])
-    with pytest.raises(ValueError, match="empty states"):
-        backend.prefill_together([used, backend.new_state()], [[4, 5], [6, 7]])
     with pytest.raises(ValueError, match="2 tokens or more"):
         backend.prefill_together([backend.new_state()], [[4]])
+
+
+@pytest.mark.parametrize("kind", ["llama", "sliding"])
+def test_snapshots_taken_in_a_batched_pass_restore_like_those_of_a_prefill(
+    kind: TinyModelKind,
+) -> None:
+    backend = MlxBackend.load(ModelSpec(name="m", path=str(tiny_model_path(kind))))
+    prompts = [list(range(7, 7 + n)) for n in (20, 9, 31)]  # within the sliding window (32)
+    points = [[5, 19], [8], [3, 16, 30]]
+    assert all(len(p) <= backend.info.together_snapshot_tokens for p in prompts)
+    together = [backend.new_state() for _ in prompts]
+    taken = backend.prefill_together(together, prompts, points)
+    for row, prompt, at, snapshots in zip(together, prompts, points, taken, strict=True):
+        alone = backend.new_state()
+        expected = backend.prefill(alone, prompt, snapshot_at=at)
+        assert [s.length for s in snapshots] == at
+        for point, mine, theirs in zip(at, snapshots, expected, strict=True):
+            suffix = [90, 91, 92]
+            restored = backend.copy_state(row, point, mine)
+            reference = backend.copy_state(alone, point, theirs)
+            backend.prefill(restored, suffix)
+            backend.prefill(reference, suffix)
+            assert mx.allclose(
+                backend.logits(restored), backend.logits(reference), atol=1e-4
+            ).item()
+
+
+def test_a_recurrent_model_takes_no_snapshots_in_a_batched_pass() -> None:
+    # A recurrent layer holds only its latest state: no point inside the pass can be kept.
+    backend = MlxBackend.load(ModelSpec(name="m", path=str(tiny_model_path("hybrid"))))
+    assert backend.info.together_snapshot_tokens == 0
+    with pytest.raises(ValueError, match="cannot snapshot inside"):
+        backend.prefill_together([backend.new_state()], [[4, 5, 6]], [[2]])
+    sliding = MlxBackend.load(ModelSpec(name="m", path=str(tiny_model_path("sliding"))))
+    with pytest.raises(ValueError, match="cannot snapshot inside"):  # past the window
+        sliding.prefill_together([sliding.new_state()], [list(range(40))], [[10]])
 
 
 # --------------------------------------------------------------------------- the job
@@ -69,11 +124,15 @@ class _Recorder:
         self.error = error
 
     def prefill_together(
-        self, states: Ordered[SequenceState], prompts: Ordered[Ordered[int]]
-    ) -> None:
+        self,
+        states: Ordered[SequenceState],
+        prompts: Ordered[Ordered[int]],
+        snapshot_at: Ordered[Ordered[int]] = (),
+    ) -> Ordered[Ordered[Snapshot]]:
         if self.error is not None:
             raise self.error
         self.prompts = [list(p) for p in prompts]
+        return [[] for _ in prompts]
 
 
 class _Empty:
@@ -152,4 +211,43 @@ def test_a_fault_in_a_prefill_together_fails_each_member_retryably_and_leaks_not
     _send(sim, "after", (1, 2, 3))
     sim.run_until_quiescent()
     assert sim.emitted_tokens("after", 1) == greedy_continuation((1, 2, 3), 4)
+    assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes
+
+
+def test_prompts_with_checkpoints_are_prefilled_together_and_the_checkpoints_serve_reuse() -> None:
+    # An untrimmable cache: each prompt plans checkpoints, which the batched pass takes.
+    sim = make_sim(_spec(trimmable=False))
+    prompts = {f"r{i}": tuple(range(10 * i, 10 * i + 12)) for i in range(1, 4)}
+    for rid, prompt in prompts.items():
+        _send(sim, rid, prompt)
+    sim.run_until_quiescent()
+    counters = engine(sim).counters.snapshot()
+    assert counters["prefills_together"] == 1
+    for rid, prompt in prompts.items():
+        assert sim.emitted_tokens(rid, 1) == greedy_continuation(prompt, 4)
+    # The prompt with its last token changed: restored from its end-minus-one checkpoint.
+    edited = (*prompts["r2"][:-1], 200)
+    _send(sim, "edited", edited)
+    sim.run_until_quiescent()
+    (start,) = [e for e in sim.events("edited", 1) if isinstance(e, Started)]
+    assert start.cached_tokens == len(edited) - 1
+    assert sim.emitted_tokens("edited", 1) == greedy_continuation(edited, 4)
+    assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes
+
+
+@pytest.mark.parametrize("trimmable", [True, False])
+def test_prompts_that_restored_a_cached_prefix_are_prefilled_together(trimmable: bool) -> None:
+    sim = make_sim(_spec(trimmable=trimmable))
+    shared = tuple(range(40, 52))
+    _send(sim, "first", (*shared, 1, 2, 3))
+    sim.run_until_quiescent()
+    prompts = {f"r{i}": (*shared, 1, 2, 3, *range(10 * i, 10 * i + 4 + i)) for i in range(1, 4)}
+    for rid, prompt in prompts.items():
+        _send(sim, rid, prompt)
+    sim.run_until_quiescent()
+    assert engine(sim).counters.snapshot()["prefills_together"] == 1
+    for rid, prompt in prompts.items():
+        (start,) = [e for e in sim.events(rid, 1) if isinstance(e, Started)]
+        assert start.cached_tokens > 0
+        assert sim.emitted_tokens(rid, 1) == greedy_continuation(prompt, 4)
     assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes

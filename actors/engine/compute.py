@@ -176,7 +176,7 @@ class ComputeSlot:
         ahead_of_decoding: bool = False,
     ) -> None:
         """A step of one sequence: a decode step, a restore or a prefill chunk; or the fresh
-        prompts of several, ``seq``'s among them, together. One that goes ahead of the decode
+        prompts' rests of several, ``seq``'s among them, together. One that goes ahead of the decode
         work (a newcomer's, turns.py) leaves that work waiting."""
         self._last_served = seq.sequence_id
         if seq.phase is Phase.DECODING:
@@ -188,7 +188,7 @@ class ComputeSlot:
                 self.top_up(backend, ctx)
             return
         chunk = self._sizer.tokens() if seq.phase is Phase.PREFILLING else 0
-        group = self._together(seq, ready, chunk)
+        group = self._together(seq, ready, chunk, backend.info.together_snapshot_tokens)
         if len(group) > 1:
             together = TogetherJob([StepJob(s) for s in group])
             for member in group:
@@ -201,23 +201,29 @@ class ComputeSlot:
         source = self._entries.restore_source(seq.restore_entry, seq.restore_length)
         self.submit(ctx, step, lambda: run_step(step, seq, backend, source))
 
-    def _together(self, seq: Sequence, ready: list[Sequence], chunk: int) -> list[Sequence]:
-        """``seq`` and the ready sequences whose fresh prompts may be prefilled with it in one
-        batched pass: each a whole prompt within one chunk, as many as the decode batch has rows
-        free for, at most ``TOGETHER_CHUNKS`` chunks' tokens in all (a member's abort waits for
-        the whole pass)."""
-        if not self._batches.enabled or not _fresh_prompt(seq, chunk):
+    def _together(
+        self, seq: Sequence, ready: list[Sequence], chunk: int, snapshot_reach: int
+    ) -> list[Sequence]:
+        """``seq`` and the ready sequences whose prompts may be prefilled with it in one batched
+        pass: each the whole rest of its prompt within one chunk, as many as the decode batch has
+        rows free for, at most ``TOGETHER_CHUNKS`` chunks' tokens in all (a member's abort waits
+        for the whole pass). A prompt with checkpoints to take (or its session's instructions to
+        pin) joins only where the pass can snapshot inside it (``snapshot_reach`` tokens)."""
+        if not self._batches.enabled or not _rest_in_one_pass(seq, chunk, snapshot_reach):
             return [seq]
         rows = self._batches.max_batch - rows_taken(self._sequences.values())
-        tokens = TOGETHER_CHUNKS * chunk
+        tokens = TOGETHER_CHUNKS * chunk - _rest(seq)
         group = [seq]
-        tokens -= seq.prefill_target
         for other in ready:
             if len(group) >= rows:
                 break
-            if other is not seq and _fresh_prompt(other, chunk) and other.prefill_target <= tokens:
+            if (
+                other is not seq
+                and _rest_in_one_pass(other, chunk, snapshot_reach)
+                and _rest(other) <= tokens
+            ):
                 group.append(other)
-                tokens -= other.prefill_target
+                tokens -= _rest(other)
         return group
 
     def top_up(self, backend: Backend, ctx: Context) -> None:
@@ -245,19 +251,26 @@ class ComputeSlot:
 TOGETHER_CHUNKS = 4
 
 
-def _fresh_prompt(seq: Sequence, chunk: int) -> bool:
-    """A generate about to prefill its whole prompt, within one chunk, from an empty state, with
-    no snapshot to take on the way (prefill_together takes none)."""
-    return (
+def _rest_in_one_pass(seq: Sequence, chunk: int, snapshot_reach: int) -> bool:
+    """A generate about to prefill the whole rest of its prompt (past what it restored), 2 tokens
+    or more within one chunk; one with snapshots to take on the way (checkpoints, its pinned
+    instructions) only if a batched pass can take them (``ModelInfo.together_snapshot_tokens``)."""
+    if not (
         seq.kind is RequestKind.GENERATE
         and seq.phase is Phase.PREFILLING
         and seq.state is not None
-        and seq.state.length == 0
         and seq.tokens is not None
-        and 2 <= len(seq.tokens) <= chunk
-        and not seq.checkpoints
-        and not 0 < seq.pin_at <= len(seq.tokens)
-    )
+        and 2 <= len(seq.tokens) - seq.state.length <= chunk
+    ):
+        return False
+    # The checkpoints include the pin (planned at the restore, jobs.py).
+    return not seq.checkpoints or len(seq.tokens) <= snapshot_reach
+
+
+def _rest(seq: Sequence) -> int:
+    """Prompt tokens ``seq`` has yet to prefill."""
+    assert seq.state is not None
+    return seq.prefill_target - seq.state.length
 
 
 # Loading and closing the model may legitimately take minutes: the watchdog leaves them be.

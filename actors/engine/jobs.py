@@ -8,6 +8,7 @@ record type, so a job carries only its own fields; ``Job`` is their union.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -98,8 +99,8 @@ class BatchJob:
 
 @dataclass
 class TogetherJob:
-    """Whole fresh prompts of several generates prefilled in one batched pass
-    (``Backend.prefill_together``): a ``StepJob`` each, as if each had run its prompt as one
+    """The rest of several generates' prompts (past what each restored) prefilled in one batched
+    pass (``Backend.prefill_together``): a ``StepJob`` each, as if each had run its rest as one
     chunk (compute.py groups them)."""
 
     steps: list[StepJob]
@@ -179,20 +180,22 @@ def run_together(job: TogetherJob, backend: Backend) -> None:
             live.append(step)
     if not live:
         return
-    states, prompts = [], []
+    states, rests, points = [], [], []
     for step in live:
-        assert step.seq.state is not None
-        assert step.seq.tokens is not None
-        states.append(step.seq.state)
-        prompts.append(step.seq.tokens)
+        state, tokens = step.seq.state, step.seq.tokens
+        assert state is not None
+        assert tokens is not None
+        states.append(state)
+        rests.append(tokens[state.length :])
+        points.append([p for p in step.seq.checkpoints if p <= len(tokens)])
     try:
-        backend.prefill_together(states, prompts)
+        taken = backend.prefill_together(states, rests, points if any(points) else ())
+        for step, rest, at, snapshots in zip(live, rests, points, taken, strict=True):
+            step.prefilled = len(rest)
+            _keep_snapshots(step, backend, at, snapshots)
     except BaseException as exc:
         for step in live:
             step.error = exc
-        return
-    for step, prompt in zip(live, prompts, strict=True):
-        step.prefilled = len(prompt)
 
 
 def _restore(
@@ -240,7 +243,18 @@ def _prefill_chunk(job: StepJob, seq: Sequence, backend: Backend) -> None:
     except PrefillInterrupted:  # aborted meanwhile: the state is as before the chunk
         job.skipped = True
         return
-    job.prefilled, job.passed = end - start, len(points)
+    job.prefilled = end - start
+    _keep_snapshots(job, backend, points, taken)
+
+
+def _keep_snapshots(
+    job: StepJob, backend: Backend, points: list[int], taken: Iterable[Snapshot]
+) -> None:
+    """Hand the snapshots a prefill took at ``points`` to ``job``: the session's instructions
+    prefix as a whole state of its own, the rest as checkpoints."""
+    seq = job.seq
+    assert seq.state is not None
+    job.passed = len(points)
     for point, snapshot in zip(points, taken, strict=True):
         if point == seq.pin_at:  # the instructions prefix: the whole state there, its own entry
             job.pin_copy = backend.copy_state(seq.state, point, snapshot)

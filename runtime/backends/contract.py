@@ -52,6 +52,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     # How many evenly spread points of a prefill pass check its stop flag (one per attention
     # layer on MLX, when every cache can be put back); 0: none, or not reported.
     stop_checks: int = 0
+    # The longest prompt ``prefill_together`` can take snapshots inside (0: it takes none): a
+    # batched pass keeps every point of a prompt within a sliding window, none of a recurrent one.
+    together_snapshot_tokens: int = 0
 
     @property
     def snapshot_bytes(self) -> int:
@@ -198,14 +201,20 @@ class Backend(Protocol):
         ...
 
     def prefill_together(
-        self, states: Sequence[SequenceState], prompts: Sequence[Sequence[int]]
-    ) -> None:
-        """Prefill each empty state in ``states`` with its whole prompt (2 tokens or more), in one
-        batched pass where the backend can, keeping the logits after each prompt's last token.
+        self,
+        states: Sequence[SequenceState],
+        token_ids: Sequence[Sequence[int]],
+        snapshot_at: Sequence[Sequence[int]] = (),
+    ) -> Sequence[Sequence[Snapshot]]:
+        """Extend each state in ``states`` (empty, or holding a cached prefix) with its
+        ``token_ids`` (2 or more), in one batched pass where the backend can, keeping the logits
+        after each one's last token.
 
         Only asked of a backend whose ``open_batch`` gave a batch (its caches batch). Costs each
         prompt less than its own ``prefill`` where a pass reads the weights once for all rows. Not
-        interruptible and takes no snapshots; raises ``ValueError`` for a state that is not empty.
+        interruptible. ``snapshot_at``: empty, or one list of points per state as ``prefill``
+        takes them; only of states whose prompt ends within ``ModelInfo.together_snapshot_tokens``
+        (``ValueError`` otherwise). Returns the snapshots, one list per state.
         """
         ...
 

@@ -140,6 +140,7 @@ class SimulatedBackend:
             bytes_per_token=options.bytes_per_token,
             fixed_state_bytes=options.fixed_state_bytes,
             pass_s=options.decode_s_per_token or options.prefill_s_per_token,  # a 1-token prefill
+            together_snapshot_tokens=options.context_length,
         )
 
     @classmethod
@@ -238,13 +239,21 @@ class SimulatedBackend:
         return [self._snapshot(state, p) for p in snapshot_at]
 
     def prefill_together(
-        self, states: Sequence[SequenceState], prompts: Sequence[Sequence[int]]
-    ) -> None:
+        self,
+        states: Sequence[SequenceState],
+        token_ids: Sequence[Sequence[int]],
+        snapshot_at: Sequence[Sequence[int]] = (),
+    ) -> list[list[SimulatedSnapshot]]:
         """One prompt after the other (the virtual clock charges each as ``prefill`` does)."""
-        if any(_own(state).length for state in states) or any(len(p) < 2 for p in prompts):
-            raise ValueError("prefill_together takes empty states and prompts of 2 tokens or more")
-        for state, prompt in zip(states, prompts, strict=True):
-            self.prefill(state, prompt)
+        if len(states) != len(token_ids) or any(len(ids) < 2 for ids in token_ids):
+            raise ValueError("prefill_together takes 2 tokens or more per state")
+        points = list(snapshot_at) or [[] for _ in token_ids]
+        if len(points) != len(token_ids):
+            raise ValueError("snapshot_at takes one list of points per state")
+        return [
+            self.prefill(state, ids, snapshot_at=at)
+            for state, ids, at in zip(states, token_ids, points, strict=True)
+        ]
 
     def logits(self, state: SequenceState) -> mx.array:
         """A peak at the greedy next token over pseudo-random noise seeded by the prefix hash.

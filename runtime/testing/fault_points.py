@@ -111,11 +111,16 @@ class FaultyBackend:
         )
 
     def prefill_together(
-        self, states: Sequence[SequenceState], prompts: Sequence[Sequence[int]]
-    ) -> None:
+        self,
+        states: Sequence[SequenceState],
+        token_ids: Sequence[Sequence[int]],
+        snapshot_at: Sequence[Sequence[int]] = (),
+    ) -> Sequence[Sequence[Snapshot]]:
         # Newcomers' whole prompts prefilled in one pass: a prefill, as each chunk is.
         self._at(FaultPoint.PREFILL)
-        self._inner.prefill_together(states, prompts)
+        if any(snapshot_at):
+            self._at(FaultPoint.SNAPSHOT)
+        return self._inner.prefill_together(states, token_ids, snapshot_at)
 
     def snapshot(self, state: SequenceState) -> Snapshot:
         self._at(FaultPoint.SNAPSHOT)

@@ -155,6 +155,7 @@ class MlxBackend:
             alloc_step=mlx_cache.KVCache.step,
             pass_s=pass_s,
             stop_checks=stop_checks(state.caches),
+            together_snapshot_tokens=(window or context) if self._reaches_back else 0,
         )
 
     def _timed_pass(self, state: MlxState) -> float:
@@ -291,9 +292,34 @@ class MlxBackend:
         return snapshots
 
     def prefill_together(
-        self, states: Sequence[SequenceState], prompts: Sequence[Sequence[int]]
-    ) -> None:
-        prefill_together(self._model, [own_state(state) for state in states], prompts)
+        self,
+        states: Sequence[SequenceState],
+        token_ids: Sequence[Sequence[int]],
+        snapshot_at: Sequence[Sequence[int]] = (),
+    ) -> list[list[MlxSnapshot]]:
+        owns = [own_state(state) for state in states]
+        points = list(snapshot_at) or [[] for _ in token_ids]
+        if len(points) != len(token_ids):
+            raise ValueError("snapshot_at takes one list of points per state")
+        reach = self._info.together_snapshot_tokens
+        for own, ids, at in zip(owns, token_ids, points, strict=True):
+            start, end = own.n_tokens, own.n_tokens + len(ids)
+            if at and end > reach:
+                raise ValueError(
+                    f"cannot snapshot inside a {end}-token prompt prefilled together "
+                    f"(at most {reach})"
+                )
+            if any(not start < p <= end for p in at):
+                raise ValueError(f"snapshot points {list(at)} outside ({start}, {end}]")
+        prefill_together(self._model, owns, token_ids)
+        # Each row came out as its own cache holding every token of its prompt in order (within
+        # a window: together_snapshot_tokens), so a snapshot reaches back as after one pass.
+        taken = [
+            [self._snapshot(own, own.n_tokens - p) for p in at]
+            for own, at in zip(owns, points, strict=True)
+        ]
+        mx.eval([c.state for row in taken for s in row for c in s.layers.values() if not c.empty()])
+        return taken
 
     def logits(self, state: SequenceState) -> mx.array:
         own = own_state(state)
