@@ -117,3 +117,19 @@ def test_the_admission_gate_runs_at_most_max_concurrent_and_the_rest_wait_in_ord
         for rid in ("r2", "r4")
     ]  # fmt: skip
     assert starts == sorted(starts)  # FIFO through the gate
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_burst_of_newcomers_joins_the_batch_in_one_step_on_one_padding_ask(seed: int) -> None:
+    # The later newcomers' first draws are next when the first ones have drawn: the batch waits
+    # for them rather than joining some now and rewriting its cache again for the rest.
+    sim = make_sim(spec(), seed=seed)
+    prompts = {f"r{i}": tuple(range(10 * i, 10 * i + 3 + i)) for i in range(1, 6)}
+    for rid, prompt in prompts.items():
+        sim.send(generate(rid, 1, prompt, 10))
+    sim.run_until_quiescent()
+    for rid, prompt in prompts.items():
+        assert sim.emitted_tokens(rid, 1) == greedy_continuation(prompt, 10)
+    seen = counters(sim)
+    assert seen["batch_padding_asks"] == 1 and seen["batch_joins"] == len(prompts)
+    assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes

@@ -1,7 +1,10 @@
 """Continuous batching inside one engine: who decodes in the shared batch, and its padding's bytes.
 
 One decoding sequence runs alone on the B=1 fast path; two or more share one decode batch. A
-sequence joins at the next batch step after it sampled its first token, and leaves at the next
+sequence joins at the next batch step after it sampled its first token (while other newcomers
+are about to draw theirs, and the batch has rows for them, it waits for them: a burst joins in one
+step, on one padding ask, instead of in two or three, each a rewrite of the batch cache), and
+leaves at the next
 step after it ended (its state must come back out before its memory is released) or when the
 batch drains to one (that one goes back to the fast path). The engine owns one ``BatchScheduler``
 and acts on what it reports; the scheduler never ends a sequence itself.
@@ -93,6 +96,20 @@ def _joinable(seq: Sequence) -> bool:
     )
 
 
+def _about_to_draw(seq: Sequence) -> bool:
+    """Its prompt is in and its first token is yet to be drawn: it may join once drawn."""
+    decoding = seq.decoding
+    return (
+        seq.phase is Phase.DECODING
+        and seq.batch_slot is None
+        and decoding is not None
+        and decoding.read == 0
+        and decoding.pending is None
+        and decoding.ahead is None
+        and not seq.abort.is_set()
+    )
+
+
 def padding_tokens(offsets: Collection[int]) -> int:
     """Left padding of right-aligned rows (``B * longest - sum``); offsets differ from lengths by
     the same constant for every row, which cancels out."""
@@ -173,6 +190,7 @@ class BatchScheduler:
         batch holds still while its padding is asked for)."""
         if not self.enabled:
             return None
+        sequences = list(sequences)
         leavers = [leaving.seq for leaving in self._leaving.values()]
         members = [s for s in self._members.values() if s.sequence_id not in self._leaving]
         if self._ask is not None:
@@ -192,6 +210,11 @@ class BatchScheduler:
         joiners: list[Sequence] = []
         if len(members) + len(joinable) >= 2:
             joiners = joinable[: max(0, self.max_batch - len(members))]
+            drawing = sum(1 for s in sequences if _about_to_draw(s))
+            if drawing and len(members) + len(joinable) + drawing <= self.max_batch:
+                # Newcomers whose first draw is next go ahead of the batch anyway (turns.py):
+                # once they have drawn, all of them join in one step and one padding ask.
+                joiners = []
             wanted = self._padding_need(members, joiners) - self._held
             if joiners and wanted > 0:
                 if self._ask is None:
