@@ -489,6 +489,31 @@ def test_four_concurrent_streams_equal_each_alone(real: RealModel) -> None:
     real.portal.call(scenario)
 
 
+def test_a_burst_of_short_prompts_is_prefilled_together_and_each_equals_cold(
+    real: RealModel,
+) -> None:
+    """Fresh prompts of different lengths sent at once share one batched prefill (on Gemma with
+    the checkpoints each plans, inside its window); each output equals its prompt's cold run."""
+    prompts = list(CORPUS[:4])  # 80-100 tokens each
+
+    async def scenario() -> None:
+        namespace = real.namespace("burst")
+        together = real.engine_counter("prefills_together")
+        runs: dict[int, Run] = {}
+
+        async def one(index: int) -> None:
+            runs[index] = await real.complete(prompts[index], namespace)
+
+        async with anyio.create_task_group() as tg:
+            for index in range(len(prompts)):
+                tg.start_soon(one, index)
+        assert real.engine_counter("prefills_together") > together, "no batched prefill"
+        for index, prompt in enumerate(prompts):
+            assert runs[index].tokens == await real.cold(prompt), f"stream {index}: != alone"
+
+    real.portal.call(scenario)
+
+
 # ---------------------------------------------------------------------- where answers end
 
 
