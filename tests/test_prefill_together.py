@@ -77,16 +77,23 @@ def test_prefill_together_takes_two_tokens_or_more_per_state() -> None:
         backend.prefill_together([backend.new_state()], [[4]])
 
 
-@pytest.mark.parametrize("kind", ["llama", "sliding"])
+@pytest.mark.parametrize("kind", TINY_MODEL_KINDS)
 def test_snapshots_taken_in_a_batched_pass_restore_like_those_of_a_prefill(
     kind: TinyModelKind,
 ) -> None:
+    # Points in the middle (the hybrid model's pass is cut there), one before the end (between
+    # the padded pass and the last tokens'), at the end; one state with a cached prefix.
     backend = MlxBackend.load(ModelSpec(name="m", path=str(tiny_model_path(kind))))
-    prompts = [list(range(7, 7 + n)) for n in (20, 9, 31)]  # within the sliding window (32)
-    points = [[5, 19], [8], [3, 16, 30]]
+    prompts = [list(range(7, 7 + n)) for n in (20, 9, 31, 24)]  # within the sliding window (32)
+    cached = (0, 0, 0, 6)
+    points = [[5, 19], [8, 9], [3, 16, 30], [10, 23]]
     assert all(len(p) <= backend.info.together_snapshot_tokens for p in prompts)
     together = [backend.new_state() for _ in prompts]
-    taken = backend.prefill_together(together, prompts, points)
+    for row, prompt, k in zip(together, prompts, cached, strict=True):
+        if k:
+            backend.prefill(row, prompt[:k])
+    rests = [p[k:] for p, k in zip(prompts, cached, strict=True)]
+    taken = backend.prefill_together(together, rests, points)
     for row, prompt, at, snapshots in zip(together, prompts, points, taken, strict=True):
         alone = backend.new_state()
         expected = backend.prefill(alone, prompt, snapshot_at=at)
@@ -99,18 +106,18 @@ def test_snapshots_taken_in_a_batched_pass_restore_like_those_of_a_prefill(
             backend.prefill(reference, suffix)
             assert mx.allclose(
                 backend.logits(restored), backend.logits(reference), atol=1e-4
-            ).item()
+            ).item(), (point, len(prompt))
 
 
-def test_a_recurrent_model_takes_no_snapshots_in_a_batched_pass() -> None:
-    # A recurrent layer holds only its latest state: no point inside the pass can be kept.
-    backend = MlxBackend.load(ModelSpec(name="m", path=str(tiny_model_path("hybrid"))))
-    assert backend.info.together_snapshot_tokens == 0
-    with pytest.raises(ValueError, match="cannot snapshot inside"):
-        backend.prefill_together([backend.new_state()], [[4, 5, 6]], [[2]])
+def test_a_sliding_window_bounds_the_prompts_a_batched_pass_snapshots() -> None:
+    # A sliding layer's pass cannot be cut into one-token pieces (mlx-lm), and past its window
+    # the ring no longer holds the earlier points: such prompts are prefilled on their own.
     sliding = MlxBackend.load(ModelSpec(name="m", path=str(tiny_model_path("sliding"))))
-    with pytest.raises(ValueError, match="cannot snapshot inside"):  # past the window
+    assert sliding.info.together_snapshot_tokens == sliding.info.window_tokens
+    with pytest.raises(ValueError, match="cannot snapshot inside"):
         sliding.prefill_together([sliding.new_state()], [list(range(40))], [[10]])
+    hybrid = MlxBackend.load(ModelSpec(name="m", path=str(tiny_model_path("hybrid"))))
+    assert hybrid.info.together_snapshot_tokens == hybrid.info.context_length
 
 
 # --------------------------------------------------------------------------- the job

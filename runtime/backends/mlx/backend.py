@@ -46,7 +46,7 @@ from runtime.backends.mlx.state import (
     reaches_back,
     snapshot_layer,
 )
-from runtime.backends.mlx.together import prefill_together
+from runtime.backends.mlx.together import prefill_together, together_snapshot_tokens
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
 from runtime.errors import ModelLoadFailed
@@ -155,7 +155,7 @@ class MlxBackend:
             alloc_step=mlx_cache.KVCache.step,
             pass_s=pass_s,
             stop_checks=stop_checks(state.caches),
-            together_snapshot_tokens=(window or context) if self._reaches_back else 0,
+            together_snapshot_tokens=together_snapshot_tokens(state.caches, context),
         )
 
     def _timed_pass(self, state: MlxState) -> float:
@@ -311,15 +311,10 @@ class MlxBackend:
                 )
             if any(not start < p <= end for p in at):
                 raise ValueError(f"snapshot points {list(at)} outside ({start}, {end}]")
-        prefill_together(self._model, owns, token_ids)
-        # Each row came out as its own cache holding every token of its prompt in order (within
-        # a window: together_snapshot_tokens), so a snapshot reaches back as after one pass.
-        taken = [
-            [self._snapshot(own, own.n_tokens - p) for p in at]
-            for own, at in zip(owns, points, strict=True)
-        ]
-        mx.eval([c.state for row in taken for s in row for c in s.layers.values() if not c.empty()])
-        return taken
+        # Within a window (any length without one) every layer reaches back inside the pass.
+        window = self._info.window_tokens or self._info.context_length
+        reach_back = window if self._reaches_back else 0
+        return prefill_together(self._model, owns, token_ids, points, reach_back)
 
     def logits(self, state: SequenceState) -> mx.array:
         own = own_state(state)

@@ -9,6 +9,18 @@ right-padded (``prepare`` masks the padding; ``finalize`` rolls it to the left, 
 caches keep it), then the last tokens go as one more pass (as mlx-lm's generate always runs the
 last prompt token apart) and each row is extracted into an ordinary per-sequence cache again.
 Every cache kind mlx-lm batches works: full attention, sliding windows, recurrent state.
+
+Snapshots (checkpoints of the layers that cannot be cut back) are taken where each is cheapest:
+
+- at a row's end, or anywhere in a row whose whole prompt is within ``reach_back`` tokens (every
+  layer then still holds every point of the pass, as after a prefill of its own): from the row's
+  extracted state, after the passes;
+- one token before a row's end (the commonest checkpoint: the same prompt again): between the
+  padded pass and the last tokens' pass, where every row's state stands at its own end minus one;
+- anywhere else: the padded pass is cut there (a pass per distinct column, for every row), and
+  the row's layers are copied out of the batch caches in between. Only on a model without
+  sliding-window layers: a one-token piece of a right-padded pass is refused by mlx-lm's
+  ``BatchRotatingKVCache``.
 """
 
 from __future__ import annotations
@@ -17,20 +29,46 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
 
-from runtime.backends.mlx.state import MlxState
+from runtime.backends.mlx.state import (
+    TRIMMABLE_LAYERS,
+    MlxSnapshot,
+    MlxState,
+    reaches_back,
+    snapshot_layer,
+)
 
 
 def prefill_together(
-    model: Any, states: Sequence[MlxState], token_ids: Sequence[Sequence[int]]
-) -> None:
+    model: Any,
+    states: Sequence[MlxState],
+    token_ids: Sequence[Sequence[int]],
+    snapshot_at: Sequence[Sequence[int]] = (),
+    reach_back: int = 0,
+) -> list[list[MlxSnapshot]]:
     """Extend each state in ``states`` with its ``token_ids`` (at least 2), keeping the logits
-    after its last token. A state may hold a cached prefix already (of any length: ``merge`` pads
-    the shorter ones on the left, as mlx-lm's ``BatchGenerator`` does with cached prompts)."""
+    after its last token, and snapshot each at its ``snapshot_at`` lengths (sorted, each within
+    what its ids add). A state may hold a cached prefix already (of any length: ``merge`` pads the
+    shorter ones on the left, as mlx-lm's ``BatchGenerator`` does with cached prompts)."""
     if len(states) != len(token_ids):
         raise ValueError("one list of token ids per state")
     if any(len(ids) < 2 for ids in token_ids):
         raise ValueError("prefill_together takes 2 tokens or more per state")
+    points = list(snapshot_at) or [[] for _ in token_ids]
+    starts = [s.n_tokens for s in states]
+    ends = [start + len(ids) for start, ids in zip(starts, token_ids, strict=True)]
+    untrimmable = [i for i, c in enumerate(states[0].caches) if type(c) not in TRIMMABLE_LAYERS]
+    taken: list[dict[int, MlxSnapshot]] = [{} for _ in states]
+    cuts: dict[int, list[int]] = {}  # column of the padded pass -> rows snapshotted there
+    for row, (at, start, end) in enumerate(zip(points, starts, ends, strict=True)):
+        for point in at:
+            column = point - start
+            if point < end - 1 and end > reach_back:
+                cuts.setdefault(column, []).append(row)
+    if cuts and any(isinstance(c, mlx_cache.RotatingKVCache) for c in states[0].caches):
+        raise ValueError("a pass with sliding-window layers cannot be cut for a snapshot")
+
     layers = len(states[0].caches)
     batch = [states[0].caches[i].merge([s.caches[i] for s in states]) for i in range(layers)]
     heads = [list(ids[:-1]) for ids in token_ids]
@@ -41,14 +79,52 @@ def prefill_together(
     if any(padding):
         for layer in batch:
             layer.prepare(lengths=lengths, right_padding=padding)
-    model(inputs, cache=batch)
+    done = 0
+    for column in [*sorted(cuts), longest]:
+        if column > done:
+            model(inputs[:, done:column], cache=batch)
+            done = column
+        for row in cuts.get(column, ()):
+            point = starts[row] + column
+            taken[row][point] = _copy_row(batch, row, untrimmable, point)
     if any(padding):
         for layer in batch:
             layer.finalize()
+    for row, (at, end) in enumerate(zip(points, ends, strict=True)):
+        if end - 1 in at and end - 1 not in taken[row] and end > reach_back:
+            taken[row][end - 1] = _copy_row(batch, row, untrimmable, end - 1)
     last = mx.array([[ids[-1]] for ids in token_ids])
     logits = model(last, cache=batch)[:, -1].astype(mx.float32)
     for row, (state, ids) in enumerate(zip(states, token_ids, strict=True)):
         state.caches = [layer.extract(row) for layer in batch]
         state.n_tokens += len(ids)
         state.logits = logits[row]
-    mx.eval([c.state for s in states for c in s.caches], [s.logits for s in states])
+        for point in points[row]:
+            if point not in taken[row]:  # the end, or a prompt within reach: from the row itself
+                layers_at = {i: snapshot_layer(state.caches[i], state.n_tokens - point)
+                             for i in untrimmable}  # fmt: skip
+                taken[row][point] = MlxSnapshot(layers_at, point)
+    snapshots = [[taken[row][p] for p in at] for row, at in enumerate(points)]
+    kept = [c.state for row in snapshots for s in row for c in s.layers.values() if not c.empty()]
+    mx.eval([c.state for s in states for c in s.caches], [s.logits for s in states], kept)
+    return snapshots
+
+
+def together_snapshot_tokens(caches: Sequence[Any], context: int) -> int:
+    """The longest prompt whose every snapshot ``prefill_together`` takes (``ModelInfo``'s
+    ``together_snapshot_tokens``): any on a model without sliding-window layers (cut passes
+    reach every point), within the window on one whose every layer reaches back, else none."""
+    rotating = [c for c in caches if isinstance(c, mlx_cache.RotatingKVCache)]
+    if not rotating:
+        return context
+    if all(reaches_back(c) for c in caches):
+        return min(context, *(int(c.max_size) for c in rotating))
+    return 0
+
+
+def _copy_row(batch: list[Any], row: int, untrimmable: list[int], length: int) -> MlxSnapshot:
+    """``row``'s untrimmable layers as the batch caches hold them now (``length`` tokens in)."""
+    layers = {i: snapshot_layer(batch[i].extract(row), 0) for i in untrimmable}
+    # Evaluated now: the batch caches' arrays go on changing under later passes.
+    mx.eval([c.state for c in layers.values() if not c.empty()])
+    return MlxSnapshot(layers, length)
