@@ -24,90 +24,26 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import mlx.core as mx
-from mlx_lm.generate import stream_generate
 
-from bench.models import Scaled
-from bench.prompts import encode, make_text
-from bench.results import Measurement, median, ratio, timed
+from bench.generation_backend import measure_backend
+from bench.generation_inputs import (
+    GEN_SIZES,
+    SYSTEM,
+    GenPrompts,
+    GenSizes,
+    build_prompts,
+    tok_rates,
+)
+from bench.results import Measurement, ratio, timed
 from runtime.api import Runtime
-from runtime.backends.mlx.backend import MlxBackend, MlxState
-from runtime.backends.mlx.batch import DecodeBatch
 from runtime.config import RuntimeConfig
 from runtime.messages import ModelSpec, Started, TokensEmitted
 from runtime.text.coalesce import CoalescePolicy
 
-SYSTEM = "runtime"
+__all__ = ["GEN_SIZES", "measure"]
+
 KV_BUDGET_BYTES = 512 << 20
 PER_TOKEN = CoalescePolicy(enabled=False)  # one event per token: every arrival is timed
-
-
-@dataclass(frozen=True)
-class GenSizes:
-    """Token targets and repetitions of the generation scenarios (``--quick`` shrinks them)."""
-
-    repetitions: int = 5
-    one_prompt_tokens: int = 32
-    one_steps: int = 128
-    four_prompt_tokens: int = 64
-    four_tokens: int = 64
-    itl_a_prompt_tokens: int = 32
-    itl_a_tokens: int = 200
-    itl_a_lead_tokens: int = 20  # A's tokens before B is sent
-    itl_b_prompt_tokens: int = 1000
-    itl_chunks: tuple[int, ...] = (64, 512)
-    coalesce_tokens: int = 200
-
-
-GEN_SIZES = Scaled(
-    tiny=GenSizes(),
-    tiny_quick=GenSizes(repetitions=1),
-    real=GenSizes(
-        repetitions=3,
-        one_steps=32,
-        four_tokens=16,
-        itl_a_tokens=60,
-        itl_a_lead_tokens=10,
-        itl_b_prompt_tokens=400,
-        coalesce_tokens=48,
-    ),
-    real_quick=GenSizes(
-        repetitions=1,
-        one_steps=4,
-        four_prompt_tokens=16,
-        four_tokens=4,
-        itl_a_prompt_tokens=16,
-        itl_a_tokens=12,
-        itl_a_lead_tokens=2,
-        itl_b_prompt_tokens=96,
-        coalesce_tokens=8,
-    ),
-)
-
-
-@dataclass(frozen=True)
-class GenPrompts:
-    one: list[list[int]]  # per repetition
-    four: list[list[list[int]]]  # per repetition, 4 prompts
-    itl_a: list[list[int]]
-    itl_b: list[list[int]]
-    coalesce: list[int]
-    warmup: list[int]
-
-
-def build_prompts(tokenizer: Any, sizes: GenSizes) -> GenPrompts:
-    def make(target: int, seed: int) -> list[int]:
-        return encode(tokenizer, make_text(tokenizer, target, seed))
-
-    reps = range(sizes.repetitions)
-    return GenPrompts(
-        one=[make(sizes.one_prompt_tokens, 11000 + i) for i in reps],
-        four=[[make(sizes.four_prompt_tokens, 12000 + 10 * i + j) for j in range(4)] for i in reps],
-        itl_a=[make(sizes.itl_a_prompt_tokens, 13000 + i) for i in reps],
-        itl_b=[make(sizes.itl_b_prompt_tokens, 14000 + i) for i in reps],
-        coalesce=make(sizes.four_prompt_tokens, 15000),
-        warmup=make(16, 16000),
-    )
 
 
 # --------------------------------------------------------------------------- helpers
@@ -164,111 +100,6 @@ def _engine_counter(rt: Runtime, model: str, name: str) -> int:
     actors = rt.stats().actors
     prefix = f"engine:{model}#"
     return sum(s.counters.get(name, 0) for a, s in actors.items() if a.startswith(prefix))
-
-
-def _rates(system: str, model: str, scenario: str, samples: Sequence[float]) -> Measurement:
-    rounded = [round(r, 1) for r in samples]
-    return Measurement(system, model, scenario, median(rounded), "tok/s", rounded)
-
-
-def _greedy(logits: mx.array) -> int:
-    token = mx.argmax(logits).item()
-    assert isinstance(token, int)
-    return token
-
-
-# --------------------------------------------------------------------------- 1. one stream
-
-
-def _backend_b1(backend: MlxBackend, prompt: Sequence[int], steps: int) -> tuple[float, list[int]]:
-    """The backend's own B=1 loop: feed one token (``prefill``), read ``logits``, argmax."""
-    state = backend.new_state()
-    backend.prefill(state, prompt)
-    token = _greedy(backend.logits(state))
-    out = [token]
-    began = time.perf_counter()
-    for _ in range(steps):
-        backend.prefill(state, [token])
-        token = _greedy(backend.logits(state))
-        out.append(token)
-    return steps / (time.perf_counter() - began), out
-
-
-def _batch_of_one(
-    backend: MlxBackend, prompt: Sequence[int], steps: int
-) -> tuple[float, list[int]]:
-    """The same stream through a ``DecodeBatch`` holding only it (join, then ``step``)."""
-    state = backend.new_state()
-    backend.prefill(state, prompt)
-    assert isinstance(state, MlxState)
-    token = _greedy(backend.logits(state))
-    out = [token]
-    batch = DecodeBatch(backend)
-    slot = batch.join(state)
-    began = time.perf_counter()
-    for _ in range(steps):
-        token = _greedy(batch.step({slot: token})[slot])
-        out.append(token)
-    rate = steps / (time.perf_counter() - began)
-    batch.leave(slot)
-    return rate, out
-
-
-def _mlx_lm(
-    model: Any, tokenizer: Any, prompt: Sequence[int], steps: int
-) -> tuple[float, list[int]]:
-    """Raw mlx-lm ``stream_generate`` (greedy): steps + 1 tokens, timed from the first."""
-    out: list[int] = []
-    stamps: list[float] = []
-    for response in stream_generate(model, tokenizer, list(prompt), max_tokens=steps + 1):
-        out.append(int(response.token))
-        stamps.append(time.perf_counter())
-    return (len(out) - 1) / (stamps[-1] - stamps[0]), out
-
-
-def measure_backend(
-    path: Path, model: Any, tokenizer: Any, name: str, prompts: GenPrompts, sizes: GenSizes
-) -> list[Measurement]:
-    """Scenario 1, backend level and raw mlx-lm, on the calling thread (no runtime)."""
-    backend = MlxBackend.load(ModelSpec(name=name, backend="mlx", path=str(path)))
-    reason = DecodeBatch.unsupported_reason(backend)
-    if reason is not None:
-        backend.close()
-        return [Measurement(SYSTEM, name, "gen.one.batch1/b1", None, "x", note=reason)]
-    steps = sizes.one_steps
-    _backend_b1(backend, prompts.warmup, 4)
-    _batch_of_one(backend, prompts.warmup, 4)
-    _mlx_lm(model, tokenizer, prompts.warmup, 4)
-    b1, b1x, raw = [], [], []
-    same_b1x = same_raw = True
-    for prompt in prompts.one:
-        rate_b1, tokens_b1 = _backend_b1(backend, prompt, steps)
-        rate_b1x, tokens_b1x = _batch_of_one(backend, prompt, steps)
-        rate_raw, tokens_raw = _mlx_lm(model, tokenizer, prompt, steps)
-        b1.append(rate_b1)
-        b1x.append(rate_b1x)
-        raw.append(rate_raw)
-        same_b1x &= tokens_b1x == tokens_b1
-        same_raw &= tokens_raw == tokens_b1
-    backend.close()
-    b1_m = _rates(SYSTEM, name, "gen.one.backend_b1_tok_s", b1)
-    b1x_m = _rates(SYSTEM, name, "gen.one.backend_batch1_tok_s", b1x)
-    raw_m = _rates("mlx-lm", name, "gen.one.tok_s", raw)
-    return [
-        b1_m,
-        b1x_m,
-        Measurement(
-            SYSTEM,
-            name,
-            "gen.one.batch1/b1",
-            round(b1x_m.value / b1_m.value, 2) if b1x_m.value and b1_m.value else None,
-            "x",
-            note=f"backend level, {steps} greedy steps after a {len(prompts.one[0])}-token "
-            f"prompt; DecodeBatch of one gives the same tokens as the B=1 loop: {same_b1x}; "
-            f"mlx-lm stream_generate gives the same tokens: {same_raw}",
-        ),
-        raw_m,
-    ]
 
 
 # --------------------------------------------------------------------------- runtime scenarios
@@ -425,7 +256,7 @@ async def _measure_runtime(
         on, off = await _coalesce(rt, name, prompts.coalesce, sizes.coalesce_tokens)
 
     rows = [
-        _rates(SYSTEM, name, "gen.one.tok_s", fast),
+        tok_rates(SYSTEM, name, "gen.one.tok_s", fast),
         Measurement(
             SYSTEM,
             name,
@@ -435,9 +266,9 @@ async def _measure_runtime(
             note="one stream alone stays on the B=1 fast path (batch_steps stays 0)",
         ),
     ]
-    four_conc = _rates(SYSTEM, name, "gen.four.concurrent_tok_s", conc)
-    four_seq = _rates(SYSTEM, name, "gen.four.sequential_tok_s", seq)
-    four_flat = _rates(SYSTEM, name, "gen.four.concurrent_nobatch_tok_s", flat)
+    four_conc = tok_rates(SYSTEM, name, "gen.four.concurrent_tok_s", conc)
+    four_seq = tok_rates(SYSTEM, name, "gen.four.sequential_tok_s", seq)
+    four_flat = tok_rates(SYSTEM, name, "gen.four.concurrent_nobatch_tok_s", flat)
     rows += [
         four_conc,
         four_seq,
