@@ -332,7 +332,9 @@ class KVBudgetCore:
             key=lambda w: (w.deadline, w.ticket),
         )
         for waiting in due:
-            self._expire(waiting.holder, waiting.ticket, ctx)
+            # An earlier one's expiry may have let this one in (granted): it no longer waits.
+            if waiting.ticket in self._waiting:
+                self._expire(waiting.holder, waiting.ticket, ctx)
         self._timers.arm(self._waiting.values(), ctx)
 
     def _halfway_passed(self, ticket: int, ctx: Context) -> None:

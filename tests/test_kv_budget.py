@@ -475,6 +475,27 @@ def test_expiry_of_the_head_lets_the_next_ones_in(
     assert ctx.timers == []
 
 
+def test_a_due_reservation_that_an_earlier_expiry_let_in_is_granted_not_expired_again(
+    keeper: KVBudgetCore, ctx: RecordingContext
+) -> None:
+    # Found by the dev profile's state machine: the earliest deadline's timer fires once the
+    # clock is past two more; the first of those expires and lets the second in, which was still
+    # on the list of due ones (a KeyError before).
+    reserve(keeper, ctx, seq(1), 600)
+    reserve(keeper, ctx, seq(2), 500, timeout_s=1.0, sender="a")
+    reserve(keeper, ctx, seq(3), 450, timeout_s=2.0, sender="b")
+    reserve(keeper, ctx, seq(4), 300, timeout_s=2.0, sender="c")
+    ctx.take_sent()
+
+    advance(keeper, ctx, 2.0)
+
+    sent = [(to, type(m)) for to, m in ctx.take_sent() if not isinstance(m, Evict)]
+    assert sent == [("a", ReservationRefused), ("b", ReservationRefused), ("c", Reserved)]
+    assert keeper.holdings() == {seq(1): 600, seq(4): 300}
+    assert keeper.queued() == ()
+    assert_conserved(keeper)
+
+
 def test_stale_ticket_is_a_counted_no_op(keeper: KVBudgetCore, ctx: RecordingContext) -> None:
     reserve(keeper, ctx, seq(1), 100)
     ctx.take_sent()
