@@ -40,7 +40,8 @@ Policy
     ``ReservationExpired(holder, ticket)``
         If the ticket still waits, it is removed and refused with ``kv_budget_exhausted``
         (retryable); a ticket already granted or dropped is counted (``stale_timer``). Either
-        way every other reservation due by now is refused too, and the next deadline armed.
+        way every other reservation due by now is refused too, earliest first (one that an
+        earlier refusal let in is granted instead), and the next deadline armed.
     ``GetStats``
         Answered with ``Stats(actor="kv")``: counters plus gauges of the budget.
 
@@ -325,7 +326,8 @@ class KVBudgetCore:
 
     def _deadline_passed(self, ticket: int, ctx: Context) -> None:
         """A deadline timer fired: every reservation due by now is refused, earliest first (only
-        the earliest had a timer), and the next deadline gets one."""
+        the earliest had a timer; one that an earlier refusal let in was granted instead), and
+        the next deadline gets one."""
         self._timers.expiry_fired(ticket)
         due = sorted(
             (w for w in self._waiting.values() if w.deadline <= ctx.now()),
