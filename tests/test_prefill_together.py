@@ -82,11 +82,12 @@ def test_snapshots_taken_in_a_batched_pass_restore_like_those_of_a_prefill(
     kind: TinyModelKind,
 ) -> None:
     # Points in the middle (the hybrid model's pass is cut there), one before the end (between
-    # the padded pass and the last tokens'), at the end; one state with a cached prefix.
+    # the padded pass and the last tokens'), at the end; states with cached prefixes, one past
+    # the sliding model's 32-token window, and a prompt that ends past it.
     backend = MlxBackend.load(ModelSpec(name="m", path=str(tiny_model_path(kind))))
-    prompts = [list(range(7, 7 + n)) for n in (20, 9, 31, 24)]  # within the sliding window (32)
-    cached = (0, 0, 0, 6)
-    points = [[5, 19], [8, 9], [3, 16, 30], [10, 23]]
+    prompts = [list(range(7, 7 + n)) for n in (20, 9, 31, 24, 70, 50)]
+    cached = (0, 0, 0, 6, 40, 0)
+    points = [[5, 19], [8, 9], [3, 16, 30], [10, 23], [45, 60, 69, 70], [12, 48, 49]]
     assert all(len(p) <= backend.info.together_snapshot_tokens for p in prompts)
     together = [backend.new_state() for _ in prompts]
     for row, prompt, k in zip(together, prompts, cached, strict=True):
@@ -109,15 +110,12 @@ def test_snapshots_taken_in_a_batched_pass_restore_like_those_of_a_prefill(
             ).item(), (point, len(prompt))
 
 
-def test_a_sliding_window_bounds_the_prompts_a_batched_pass_snapshots() -> None:
-    # A sliding layer's pass cannot be cut into one-token pieces (mlx-lm), and past its window
-    # the ring no longer holds the earlier points: such prompts are prefilled on their own.
-    sliding = MlxBackend.load(ModelSpec(name="m", path=str(tiny_model_path("sliding"))))
-    assert sliding.info.together_snapshot_tokens == sliding.info.window_tokens
-    with pytest.raises(ValueError, match="cannot snapshot inside"):
-        sliding.prefill_together([sliding.new_state()], [list(range(40))], [[10]])
-    hybrid = MlxBackend.load(ModelSpec(name="m", path=str(tiny_model_path("hybrid"))))
-    assert hybrid.info.together_snapshot_tokens == hybrid.info.context_length
+def test_every_cache_kind_mlx_lm_batches_snapshots_any_prompt_in_a_batched_pass() -> None:
+    for kind in TINY_MODEL_KINDS:
+        backend = MlxBackend.load(ModelSpec(name="m", path=str(tiny_model_path(kind))))
+        assert backend.info.together_snapshot_tokens == backend.info.context_length, kind
+        with pytest.raises(ValueError, match="outside"):
+            backend.prefill_together([backend.new_state()], [[4, 5, 6]], [[4]])
 
 
 # --------------------------------------------------------------------------- the job

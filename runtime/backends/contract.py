@@ -52,8 +52,8 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     # How many evenly spread points of a prefill pass check its stop flag (one per attention
     # layer on MLX, when every cache can be put back); 0: none, or not reported.
     stop_checks: int = 0
-    # The longest prompt ``prefill_together`` can take snapshots inside (0: it takes none): a
-    # batched pass keeps every point of a prompt within a sliding window, none of a recurrent one.
+    # The longest prompt ``prefill_together`` takes snapshots inside (0: it takes none; on MLX
+    # any prompt, but none where sliding-window layers sit beside recurrent ones: together.py).
     together_snapshot_tokens: int = 0
 
     @property

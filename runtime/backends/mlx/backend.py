@@ -311,10 +311,7 @@ class MlxBackend:
                 )
             if any(not start < p <= end for p in at):
                 raise ValueError(f"snapshot points {list(at)} outside ({start}, {end}]")
-        # Within a window (any length without one) every layer reaches back inside the pass.
-        window = self._info.window_tokens or self._info.context_length
-        reach_back = window if self._reaches_back else 0
-        return prefill_together(self._model, owns, token_ids, points, reach_back)
+        return prefill_together(self._model, owns, token_ids, points, self._reaches_back)
 
     def logits(self, state: SequenceState) -> mx.array:
         own = own_state(state)

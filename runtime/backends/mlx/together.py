@@ -12,15 +12,15 @@ Every cache kind mlx-lm batches works: full attention, sliding windows, recurren
 
 Snapshots (checkpoints of the layers that cannot be cut back) are taken where each is cheapest:
 
-- at a row's end, or anywhere in a row whose whole prompt is within ``reach_back`` tokens (every
-  layer then still holds every point of the pass, as after a prefill of its own): from the row's
-  extracted state, after the passes;
-- one token before a row's end (the commonest checkpoint: the same prompt again): between the
-  padded pass and the last tokens' pass, where every row's state stands at its own end minus one;
-- anywhere else: the padded pass is cut there (a pass per distinct column, for every row), and
-  the row's layers are copied out of the batch caches in between. Only on a model without
-  sliding-window layers: a one-token piece of a right-padded pass is refused by mlx-lm's
-  ``BatchRotatingKVCache``.
+- at a row's end: from the row's extracted state, after the passes;
+- before its end: between the padded pass and the last tokens' pass, where every row's state
+  stands one token before its end and each sliding-window ring still holds the pass's tokens and a
+  window before them, so every point of the pass is reached back from there;
+- on a recurrent layer, which keeps only its last step, only the point one token before the end
+  is reached so; for any other the padded pass is cut there (a pass per distinct column, for every
+  row) and the row's layers are copied out of the batch caches in between. Only on a model
+  without sliding-window layers: a one-token piece of a right-padded pass is refused by mlx-lm's
+  ``BatchRotatingKVCache``, so a model mixing both takes no snapshots in a batched pass.
 """
 
 from __future__ import annotations
@@ -45,12 +45,13 @@ def prefill_together(
     states: Sequence[MlxState],
     token_ids: Sequence[Sequence[int]],
     snapshot_at: Sequence[Sequence[int]] = (),
-    reach_back: int = 0,
+    reach_back: bool = False,
 ) -> list[list[MlxSnapshot]]:
     """Extend each state in ``states`` with its ``token_ids`` (at least 2), keeping the logits
     after its last token, and snapshot each at its ``snapshot_at`` lengths (sorted, each within
     what its ids add). A state may hold a cached prefix already (of any length: ``merge`` pads the
-    shorter ones on the left, as mlx-lm's ``BatchGenerator`` does with cached prompts)."""
+    shorter ones on the left, as mlx-lm's ``BatchGenerator`` does with cached prompts).
+    ``reach_back``: every layer still holds every point of a pass after it (no recurrent one)."""
     if len(states) != len(token_ids):
         raise ValueError("one list of token ids per state")
     if any(len(ids) < 2 for ids in token_ids):
@@ -61,11 +62,11 @@ def prefill_together(
     untrimmable = [i for i, c in enumerate(states[0].caches) if type(c) not in TRIMMABLE_LAYERS]
     taken: list[dict[int, MlxSnapshot]] = [{} for _ in states]
     cuts: dict[int, list[int]] = {}  # column of the padded pass -> rows snapshotted there
-    for row, (at, start, end) in enumerate(zip(points, starts, ends, strict=True)):
-        for point in at:
-            column = point - start
-            if point < end - 1 and end > reach_back:
-                cuts.setdefault(column, []).append(row)
+    if not reach_back:
+        for row, (at, start, end) in enumerate(zip(points, starts, ends, strict=True)):
+            for point in at:
+                if point < end - 1:
+                    cuts.setdefault(point - start, []).append(row)
     if cuts and any(isinstance(c, mlx_cache.RotatingKVCache) for c in states[0].caches):
         raise ValueError("a pass with sliding-window layers cannot be cut for a snapshot")
 
@@ -86,24 +87,25 @@ def prefill_together(
             done = column
         for row in cuts.get(column, ()):
             point = starts[row] + column
-            taken[row][point] = _copy_row(batch, row, untrimmable, point)
+            taken[row].update(_copy_row(batch, row, untrimmable, point, [point]))
     if any(padding):
         for layer in batch:
             layer.finalize()
+    # Every row now stands one token before its end, each sliding ring holding the pass's tokens
+    # and a window before them: the points before the end are reached from here.
     for row, (at, end) in enumerate(zip(points, ends, strict=True)):
-        if end - 1 in at and end - 1 not in taken[row] and end > reach_back:
-            taken[row][end - 1] = _copy_row(batch, row, untrimmable, end - 1)
+        before_end = [p for p in at if p < end and p not in taken[row]]
+        if before_end:
+            taken[row].update(_copy_row(batch, row, untrimmable, end - 1, before_end))
     last = mx.array([[ids[-1]] for ids in token_ids])
     logits = model(last, cache=batch)[:, -1].astype(mx.float32)
     for row, (state, ids) in enumerate(zip(states, token_ids, strict=True)):
         state.caches = [layer.extract(row) for layer in batch]
         state.n_tokens += len(ids)
         state.logits = logits[row]
-        for point in points[row]:
-            if point not in taken[row]:  # the end, or a prompt within reach: from the row itself
-                layers_at = {i: snapshot_layer(state.caches[i], state.n_tokens - point)
-                             for i in untrimmable}  # fmt: skip
-                taken[row][point] = MlxSnapshot(layers_at, point)
+        if state.n_tokens in points[row]:  # the end: the row's own state, as it is
+            layers_at = {i: snapshot_layer(state.caches[i], 0) for i in untrimmable}
+            taken[row][state.n_tokens] = MlxSnapshot(layers_at, state.n_tokens)
     snapshots = [[taken[row][p] for p in at] for row, at in enumerate(points)]
     kept = [c.state for row in snapshots for s in row for c in s.layers.values() if not c.empty()]
     mx.eval([c.state for s in states for c in s.caches], [s.logits for s in states], kept)
@@ -112,19 +114,24 @@ def prefill_together(
 
 def together_snapshot_tokens(caches: Sequence[Any], context: int) -> int:
     """The longest prompt whose every snapshot ``prefill_together`` takes (``ModelInfo``'s
-    ``together_snapshot_tokens``): any on a model without sliding-window layers (cut passes
-    reach every point), within the window on one whose every layer reaches back, else none."""
-    rotating = [c for c in caches if isinstance(c, mlx_cache.RotatingKVCache)]
-    if not rotating:
-        return context
-    if all(reaches_back(c) for c in caches):
-        return min(context, *(int(c.max_size) for c in rotating))
-    return 0
+    ``together_snapshot_tokens``): any, unless sliding-window layers (whose pass cannot be cut)
+    sit beside recurrent ones (which cannot be reached back into): then none."""
+    rotating = any(isinstance(c, mlx_cache.RotatingKVCache) for c in caches)
+    if rotating and not all(reaches_back(c) for c in caches):
+        return 0
+    return context
 
 
-def _copy_row(batch: list[Any], row: int, untrimmable: list[int], length: int) -> MlxSnapshot:
-    """``row``'s untrimmable layers as the batch caches hold them now (``length`` tokens in)."""
-    layers = {i: snapshot_layer(batch[i].extract(row), 0) for i in untrimmable}
+def _copy_row(
+    batch: list[Any], row: int, untrimmable: list[int], length: int, points: Sequence[int]
+) -> dict[int, MlxSnapshot]:
+    """``row``'s untrimmable layers at each of ``points``, from the batch caches as they hold it
+    now (``length`` tokens in; an earlier point reached back inside the ring)."""
+    held = {i: batch[i].extract(row) for i in untrimmable}
+    taken = {
+        point: MlxSnapshot({i: snapshot_layer(c, length - point) for i, c in held.items()}, point)
+        for point in points
+    }
     # Evaluated now: the batch caches' arrays go on changing under later passes.
-    mx.eval([c.state for c in layers.values() if not c.empty()])
-    return MlxSnapshot(layers, length)
+    mx.eval([c.state for s in taken.values() for c in s.layers.values() if not c.empty()])
+    return taken
