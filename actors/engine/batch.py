@@ -96,20 +96,6 @@ def _joinable(seq: Sequence) -> bool:
     )
 
 
-def _about_to_draw(seq: Sequence) -> bool:
-    """Its prompt is in and its first token is yet to be drawn: it may join once drawn."""
-    decoding = seq.decoding
-    return (
-        seq.phase is Phase.DECODING
-        and seq.batch_slot is None
-        and decoding is not None
-        and decoding.read == 0
-        and decoding.pending is None
-        and decoding.ahead is None
-        and not seq.abort.is_set()
-    )
-
-
 def padding_tokens(offsets: Collection[int]) -> int:
     """Left padding of right-aligned rows (``B * longest - sum``); offsets differ from lengths by
     the same constant for every row, which cancels out."""
@@ -210,7 +196,7 @@ class BatchScheduler:
         joiners: list[Sequence] = []
         if len(members) + len(joinable) >= 2:
             joiners = joinable[: max(0, self.max_batch - len(members))]
-            drawing = sum(1 for s in sequences if _about_to_draw(s))
+            drawing = sum(1 for s in sequences if s.awaits_first_draw and not s.abort.is_set())
             if drawing and len(members) + len(joinable) + drawing <= self.max_batch:
                 # Newcomers whose first draw is next go ahead of the batch anyway (turns.py):
                 # once they have drawn, all of them join in one step and one padding ask.

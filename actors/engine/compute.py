@@ -212,7 +212,7 @@ class ComputeSlot:
         if not self._batches.enabled or not _rest_in_one_pass(seq, chunk, snapshot_reach):
             return [seq]
         rows = self._batches.max_batch - rows_taken(self._sequences.values())
-        tokens = TOGETHER_CHUNKS * chunk - _rest(seq)
+        tokens = TOGETHER_CHUNKS * chunk - seq.prefill_rest
         group = [seq]
         for other in ready:
             if len(group) >= rows:
@@ -220,10 +220,10 @@ class ComputeSlot:
             if (
                 other is not seq
                 and _rest_in_one_pass(other, chunk, snapshot_reach)
-                and _rest(other) <= tokens
+                and other.prefill_rest <= tokens
             ):
                 group.append(other)
-                tokens -= _rest(other)
+                tokens -= other.prefill_rest
         return group
 
     def top_up(self, backend: Backend, ctx: Context) -> None:
@@ -260,17 +260,11 @@ def _rest_in_one_pass(seq: Sequence, chunk: int, snapshot_reach: int) -> bool:
         and seq.phase is Phase.PREFILLING
         and seq.state is not None
         and seq.tokens is not None
-        and 2 <= len(seq.tokens) - seq.state.length <= chunk
+        and 2 <= seq.prefill_rest <= chunk
     ):
         return False
     # The checkpoints include the pin (planned at the restore, jobs.py).
     return not seq.checkpoints or len(seq.tokens) <= snapshot_reach
-
-
-def _rest(seq: Sequence) -> int:
-    """Prompt tokens ``seq`` has yet to prefill."""
-    assert seq.state is not None
-    return seq.prefill_target - seq.state.length
 
 
 # Loading and closing the model may legitimately take minutes: the watchdog leaves them be.

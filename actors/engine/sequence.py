@@ -213,6 +213,19 @@ class Sequence:
         return len(self.tokens)
 
     @property
+    def prefill_rest(self) -> int:
+        """Prompt tokens still to prefill (its state holds the others)."""
+        assert self.state is not None
+        return self.prefill_target - self.state.length
+
+    @property
+    def awaits_first_draw(self) -> bool:
+        """Its prompt is in and its first token is yet to be drawn (that draw ends its TTFT)."""
+        return (
+            self.phase is Phase.DECODING and self.decoding is not None and self.decoding.read == 0
+        )
+
+    @property
     def cache_tokens(self) -> TokenIds:
         """The tokens its cache holds, in order (the first ``state.length`` of these): the prompt
         and every token a decode step read, shown or not (an EOS, one read as an abort landed)."""

@@ -83,7 +83,7 @@ def _finishes_prompt(seq: Sequence, chunk_tokens: int) -> bool:
     if seq.phase is Phase.RESTORING:
         return True  # a copy, or an empty state: short, and the prefill comes next
     if seq.phase is Phase.DECODING:
-        return seq.decoding is not None and seq.decoding.read == 0
+        return seq.awaits_first_draw
     if seq.phase is not Phase.PREFILLING or seq.state is None:
         return False
-    return seq.prefill_target - seq.state.length <= chunk_tokens
+    return seq.prefill_rest <= chunk_tokens
