@@ -187,9 +187,9 @@ def run_together(job: TogetherJob, backend: Backend) -> None:
         assert tokens is not None
         states.append(state)
         rests.append(tokens[state.length :])
-        points.append([p for p in step.seq.checkpoints if p <= len(tokens)])
+        points.append(list(step.seq.checkpoints))  # all within the prompt: it goes in whole
     try:
-        taken = backend.prefill_together(states, rests, points if any(points) else ())
+        taken = backend.prefill_together(states, rests, points)
         for step, rest, at, snapshots in zip(live, rests, points, taken, strict=True):
             step.prefilled = len(rest)
             _keep_snapshots(step, backend, at, snapshots)

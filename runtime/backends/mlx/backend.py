@@ -155,7 +155,9 @@ class MlxBackend:
             alloc_step=mlx_cache.KVCache.step,
             pass_s=pass_s,
             stop_checks=stop_checks(state.caches),
-            together_snapshot_tokens=together_snapshot_tokens(state.caches, context),
+            together_snapshot_tokens=together_snapshot_tokens(
+                state.caches, context, self._reaches_back
+            ),
         )
 
     def _timed_pass(self, state: MlxState) -> float:
@@ -246,8 +248,7 @@ class MlxBackend:
             return []
         ids, start = list(token_ids), own.n_tokens
         end = start + len(ids)
-        if any(not start < p <= end for p in snapshot_at):
-            raise ValueError(f"snapshot points {list(snapshot_at)} outside ({start}, {end}]")
+        _check_points(snapshot_at, start, end)
         # Passes end where a snapshot cannot reach back from further on (a recurrent state holds
         # only its last step), and before the last token of a long pass that keeps logits.
         cuts = set() if self._reaches_back else set(snapshot_at)
@@ -309,8 +310,7 @@ class MlxBackend:
                     f"cannot snapshot inside a {end}-token prompt prefilled together "
                     f"(at most {reach})"
                 )
-            if any(not start < p <= end for p in at):
-                raise ValueError(f"snapshot points {list(at)} outside ({start}, {end}]")
+            _check_points(at, start, end)
         return prefill_together(self._model, owns, token_ids, points, self._reaches_back)
 
     def logits(self, state: SequenceState) -> mx.array:
@@ -366,6 +366,12 @@ class MlxBackend:
 
 
 # ---------------------------------------------------------------------- helpers
+
+
+def _check_points(points: Sequence[int], start: int, end: int) -> None:
+    """Snapshot points must lie in what a prefill from ``start`` to ``end`` adds."""
+    if any(not start < p <= end for p in points):
+        raise ValueError(f"snapshot points {list(points)} outside ({start}, {end}]")
 
 
 def _placeholder_info() -> ModelInfo:

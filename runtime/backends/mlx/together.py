@@ -35,7 +35,6 @@ from runtime.backends.mlx.state import (
     TRIMMABLE_LAYERS,
     MlxSnapshot,
     MlxState,
-    reaches_back,
     snapshot_layer,
 )
 
@@ -112,14 +111,12 @@ def prefill_together(
     return snapshots
 
 
-def together_snapshot_tokens(caches: Sequence[Any], context: int) -> int:
+def together_snapshot_tokens(caches: Sequence[Any], context: int, reach_back: bool) -> int:
     """The longest prompt whose every snapshot ``prefill_together`` takes (``ModelInfo``'s
     ``together_snapshot_tokens``): any, unless sliding-window layers (whose pass cannot be cut)
-    sit beside recurrent ones (which cannot be reached back into): then none."""
+    sit beside layers a pass cannot reach back into (``reach_back`` False): then none."""
     rotating = any(isinstance(c, mlx_cache.RotatingKVCache) for c in caches)
-    if rotating and not all(reaches_back(c) for c in caches):
-        return 0
-    return context
+    return 0 if rotating and not reach_back else context
 
 
 def _copy_row(
