@@ -41,6 +41,7 @@ if TYPE_CHECKING:
         StepTimedOut,
         StreamStalled,
         SupervisionEscalated,
+        UnsupportedCache,
         UnsupportedModelFormat,
         error_for_code,
     )
@@ -125,6 +126,7 @@ __all__ = [
     "ModelLoadFailed",
     "ModelFetchFailed",
     "UnsupportedModelFormat",
+    "UnsupportedCache",
     "KVBudgetExhausted",
     "KVRequestTooLarge",
     "BackendError",
@@ -187,6 +189,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "ModelLoadFailed",
         "ModelFetchFailed",
         "UnsupportedModelFormat",
+        "UnsupportedCache",
         "KVBudgetExhausted",
         "KVRequestTooLarge",
         "BackendError",

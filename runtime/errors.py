@@ -138,6 +138,14 @@ class UnsupportedModelFormat(ModelLoadFailed):
     code = "unsupported_model_format"
 
 
+class UnsupportedCache(ModelLoadFailed):
+    """Raised when a model loads but keeps a layer's cache in an mlx-lm cache class the MLX
+    backend has no adapter for (``runtime.backends.mlx.cache_kinds``): the message names the class
+    and the architecture. Raised at load, so no request ever meets it."""
+
+    code = "unsupported_cache"
+
+
 # --------------------------------------------------------------------------- resources
 
 
@@ -254,6 +262,7 @@ ERRORS_BY_CODE: dict[str, type[MlxRuntimeError]] = {
         ModelNotAvailable,
         DuplicateRequestId,
         ModelLoadFailed,
+        UnsupportedCache,
         KVBudgetExhausted,
         KVRequestTooLarge,
         BackendError,

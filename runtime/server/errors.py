@@ -43,6 +43,7 @@ from runtime.errors import (
     StepTimedOut,
     StreamStalled,
     SupervisionEscalated,
+    UnsupportedCache,
     UnsupportedModelFormat,
 )
 from runtime.messages import Cancelled, Failed
@@ -86,6 +87,7 @@ STATUS_BY_CODE: dict[str, int] = {
     ModelLoadFailed.code: 500,
     ModelFetchFailed.code: 503,  # the package index may answer later
     UnsupportedModelFormat.code: 400,
+    UnsupportedCache.code: 400,  # the architecture's cache class has no adapter
     ActorStopped.code: 500,
     SupervisionEscalated.code: 500,
     MlxRuntimeError.code: 500,

@@ -28,24 +28,17 @@ from runtime.backends.contract import (
     SequenceState,
     Snapshot,
 )
+from runtime.backends.mlx.cache_kinds import check_supported, kind_of, price_of, snapshot_layers
 from runtime.backends.mlx.facts import (
     context_length_of,
     effective_eos_ids,
-    kv_bytes_per_token,
     quantization_group,
     reuse_strategy,
+    vocab_size_of,
     widen_half_quantized,
 )
 from runtime.backends.mlx.interrupt import can_interrupt, interruptible, stop_checks
-from runtime.backends.mlx.state import (
-    TRIMMABLE_LAYERS,
-    MlxSnapshot,
-    MlxState,
-    copy_layer,
-    own_state,
-    reaches_back,
-    snapshot_layer,
-)
+from runtime.backends.mlx.state import MlxSnapshot, MlxState, own_state
 from runtime.backends.mlx.together import prefill_together, together_snapshot_tokens
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
@@ -108,6 +101,8 @@ class MlxBackend:
             )
         backend = cls(model, tokenizer, _placeholder_info(), options.kv_bits)
         backend._path = path
+        # Refused here, not at a request: a cache class with no adapter cannot be served.
+        check_supported(backend.new_state().caches, config.get("model_type"))
         try:
             backend._info = backend._measure(spec.name, options, config)
         except (ValueError, TypeError) as exc:  # e.g. an architecture the options do not fit
@@ -118,20 +113,9 @@ class MlxBackend:
         """Run a tiny forward pass and read the cache layout off the real arrays."""
         state = self.new_state()
         self.prefill(state, [0] * _WARMUP_TOKENS)  # also loads the weights: the timing follows
-        per_token = window_per_token = fixed = 0
-        window: int | None = None
-        kinds: dict[str, list[int]] = {}
-        for index, layer_cache in enumerate(state.caches):
-            kinds.setdefault(type(layer_cache).__name__, []).append(index)
-            if isinstance(layer_cache, mlx_cache.RotatingKVCache):
-                window = max(window or 0, layer_cache.max_size)
-                window_per_token += kv_bytes_per_token(layer_cache)
-            elif isinstance(layer_cache, (mlx_cache.KVCache, mlx_cache.QuantizedKVCache)):
-                per_token += kv_bytes_per_token(layer_cache)
-            else:
-                fixed += int(layer_cache.nbytes)
-        strategy, reason = reuse_strategy(kinds, window)
-        self._reaches_back = all(reaches_back(c) for c in state.caches)
+        price = price_of(state.caches)
+        strategy, reason = reuse_strategy(state.caches)
+        self._reaches_back = all(kind_of(c).reaches_back(c) for c in state.caches)
         pass_s = min(self._timed_pass(state) for _ in range(_TIMED_PASSES))  # layout read first
         context = options.context_length or context_length_of(config)
         eos = effective_eos_ids(self._tokenizer, self._path, config)
@@ -144,14 +128,14 @@ class MlxBackend:
         )
         return ModelInfo(
             context_length=context,
-            vocab_size=int(config.get("vocab_size", 0)),
+            vocab_size=vocab_size_of(config),
             eos_token_ids=eos,
             reuse=strategy,
             reuse_reason=reason,
-            bytes_per_token=per_token,
-            window_tokens=window,
-            window_bytes_per_token=window_per_token,
-            fixed_state_bytes=fixed,
+            bytes_per_token=price.per_token,
+            window_tokens=price.window,
+            window_bytes_per_token=price.window_per_token,
+            fixed_state_bytes=price.fixed,
             alloc_step=mlx_cache.KVCache.step,
             pass_s=pass_s,
             stop_checks=stop_checks(state.caches),
@@ -196,7 +180,7 @@ class MlxBackend:
 
     def can_trim(self, state: SequenceState) -> bool:
         """Whether every layer of ``state`` can be cut back (a rotating cache until it wraps)."""
-        return all(c.is_trimmable() for c in own_state(state).caches)
+        return all(kind_of(c).trimmable(c) for c in own_state(state).caches)
 
     def copy_state(
         self, state: SequenceState, length: int, snapshot: Snapshot | None = None
@@ -210,7 +194,7 @@ class MlxBackend:
             if not isinstance(snapshot, MlxSnapshot) or snapshot.n_tokens != length:
                 raise CannotTrim(f"the snapshot does not hold {length} tokens of this state")
             caches = [
-                copy_layer(snapshot.layers[i], 0) if i in snapshot.layers else copy_layer(c, drop)
+                kind_of(c).restore(c, snapshot.layers.get(i), drop)
                 for i, c in enumerate(source.caches)
             ]
             return MlxState(caches, length, logits)
@@ -218,20 +202,16 @@ class MlxBackend:
             raise CannotTrim(
                 "a layer of this cache cannot be trimmed (sliding window or recurrent)"
             )
-        return MlxState([copy_layer(c, drop) for c in source.caches], length, logits)
+        return MlxState([kind_of(c).copy(c, drop) for c in source.caches], length, logits)
 
     def snapshot(self, state: SequenceState) -> MlxSnapshot:
         """Copy the sliding-window and recurrent layers; full-attention KV is trimmed later."""
         snapshot = self._snapshot(own_state(state), 0)
-        mx.eval([c.state for c in snapshot.layers.values() if not c.empty()])
+        mx.eval(snapshot.arrays())
         return snapshot
 
     def _snapshot(self, source: MlxState, back: int) -> MlxSnapshot:
-        layers = {
-            i: snapshot_layer(c, back)
-            for i, c in enumerate(source.caches)
-            if type(c) not in TRIMMABLE_LAYERS
-        }
+        layers = snapshot_layers(dict(enumerate(source.caches)), back)
         return MlxSnapshot(layers, source.n_tokens - back)
 
     def prefill(
@@ -288,7 +268,7 @@ class MlxBackend:
         own.logits = out[0, -1].astype(mx.float32) if logits else None
         # One evaluation for every pass: the snapshots' slices of earlier rings are computed
         # with the rest (a pass's projection onto the vocabulary only where logits are kept).
-        kept = [c.state for s in snapshots for c in s.layers.values() if not c.empty()]
+        kept = [s.arrays() for s in snapshots]
         mx.eval([c.state for c in own.caches], kept, [] if own.logits is None else own.logits)
         return snapshots
 
@@ -343,7 +323,7 @@ class MlxBackend:
         return DecodeBatch(self) if DecodeBatch.supports(self) else None
 
     def state_nbytes(self, state: SequenceState) -> int:
-        return sum(int(c.nbytes) for c in own_state(state).caches if not c.empty())
+        return sum(kind_of(c).nbytes(c) for c in own_state(state).caches)
 
     def constraint_engine(self) -> ConstraintEngine:
         if self._constraints is None:

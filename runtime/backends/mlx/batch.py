@@ -32,8 +32,10 @@ Costs (B rows, L = the longest row's KV length, window W for sliding layers):
 So one join or leave costs about one pass over the batch cache, i.e. roughly what a decode step
 already spends reading it: cheap next to a prefill, and worth batching joins when many arrive.
 
-What cannot be batched: mlx-lm has no batched form of ``QuantizedKVCache`` (``kv_bits``),
-``ChunkedKVCache``, or a ``RotatingKVCache`` that keeps leading tokens (``keep > 0``, dropped by
+What cannot be batched: each cache kind says how mlx-lm batches it, or why it cannot
+(``CacheKind.batch_refusal`` in ``cache_kinds``): there is no batched form of
+``QuantizedKVCache`` (``kv_bits``), ``ChunkedKVCache`` or ``ConcatenateKVCache``, nor of a
+``RotatingKVCache`` that keeps leading tokens (``keep > 0``, dropped by
 ``BatchRotatingKVCache``). ``DecodeBatch.supports(backend)`` is False for such models, and the
 engine keeps them on the B=1 path.
 
@@ -46,9 +48,9 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import mlx.core as mx
-from mlx_lm.models import cache as mlx_cache
 
 from runtime.backends.contract import SequenceState
+from runtime.backends.mlx.cache_kinds import kind_of
 from runtime.backends.mlx.state import MlxState
 
 __all__ = ["BatchSource", "DecodeBatch"]
@@ -87,7 +89,7 @@ class DecodeBatch:
     def unsupported_reason(backend: BatchSource) -> str | None:
         """Why ``backend``'s caches cannot be batched by mlx-lm, or None when they can."""
         for index, layer_cache in enumerate(backend.new_state().caches):
-            reason = _layer_unsupported(layer_cache)
+            reason = kind_of(layer_cache).batch_refusal(layer_cache)
             if reason is not None:
                 return f"layer {index}: {reason}"
         return None
@@ -208,21 +210,3 @@ class DecodeBatch:
         if slot not in self._n_tokens:
             raise KeyError(f"slot {slot} is not in this batch")
         return slot
-
-
-def _layer_unsupported(layer_cache: Any) -> str | None:
-    """Why mlx-lm cannot batch one layer's cache, or None when it can."""
-    kind = type(layer_cache)
-    if kind is mlx_cache.KVCache or kind is mlx_cache.ArraysCache:
-        return None
-    if kind is mlx_cache.RotatingKVCache:
-        if layer_cache.keep:
-            return "a RotatingKVCache with keep > 0 (BatchRotatingKVCache drops kept tokens)"
-        return None
-    if kind is mlx_cache.CacheList:
-        for sub in layer_cache.caches:
-            reason = _layer_unsupported(sub)
-            if reason is not None:
-                return reason
-        return None
-    return f"{kind.__name__} has no batched form in mlx-lm"

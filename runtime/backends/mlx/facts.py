@@ -11,7 +11,7 @@ from typing import Any, cast
 import mlx.core as mx
 
 from runtime.backends.contract import ReuseStrategy
-from runtime.backends.mlx.state import TRIMMABLE_LAYERS
+from runtime.backends.mlx.cache_kinds import kind_of
 from runtime.errors import ModelLoadFailed
 
 _DEFAULT_CONTEXT = 4096  # when a config declares no window at all
@@ -45,6 +45,14 @@ def context_length_of(config: dict[str, Any]) -> int:
             if scope.get(key):
                 return int(scope[key])
     return _DEFAULT_CONTEXT
+
+
+def vocab_size_of(config: dict[str, Any]) -> int:
+    """The vocabulary a config declares, also where it nests it (llama4's ``text_config``)."""
+    for scope in (config, config.get("text_config") or {}):
+        if scope.get("vocab_size"):
+            return int(scope["vocab_size"])
+    return 0
 
 
 def effective_eos_ids(tokenizer: Any, path: Path, config: dict[str, Any]) -> frozenset[int]:
@@ -93,23 +101,21 @@ def quantization_group(model: Any) -> int:
     return 64 if not head_dim or head_dim % 64 == 0 else 32
 
 
-def kv_bytes_per_token(layer_cache: Any) -> int:
-    """Bytes one token adds to a KV layer: keys plus values, across heads (quantized or not)."""
-    keys, values = layer_cache.keys, layer_cache.values
-    parts = [*keys, *values] if isinstance(keys, tuple) else [keys, values]
-    return sum(int(a.nbytes) // int(a.shape[2]) for a in parts)
-
-
-def reuse_strategy(kinds: dict[str, list[int]], window: int | None) -> tuple[ReuseStrategy, str]:
-    trimmable = {kind.__name__ for kind in TRIMMABLE_LAYERS}
-    others = {k: v for k, v in kinds.items() if k not in trimmable}
+def reuse_strategy(caches: list[Any]) -> tuple[ReuseStrategy, str]:
+    """Which reuse path a state's layers allow, and why: trim where every layer is cut back, else
+    checkpoints (copies of the layers that are not, the others cut back from their source)."""
+    kinds: dict[str, list[int]] = {}
+    cut_back: dict[str, bool] = {}
+    for index, layer in enumerate(caches):
+        kind = kind_of(layer)
+        described = kind.describe(layer)
+        kinds.setdefault(described, []).append(index)
+        cut_back[described] = kind.cut_back(layer)
+    others = {k: v for k, v in kinds.items() if not cut_back[k]}
     if not others:
         names = ", ".join(sorted(kinds))
         return ReuseStrategy.TRIM, f"every layer is a trimmable {names}: trim to the common prefix"
-    described = "; ".join(
-        f"layers {v} are {k}" + (f" (window {window})" if k == "RotatingKVCache" else "")
-        for k, v in sorted(others.items())
-    )
+    described = "; ".join(f"layers {v} are {k}" for k, v in sorted(others.items()))
     if len(others) == len(kinds):
         return (
             ReuseStrategy.CHECKPOINT,

@@ -6,12 +6,13 @@ it has run) and checks the abort flag; once it is set the pass stops and every c
 it was before the call. That bounds an abort's wait by the work from one attention layer to the
 next instead of a whole chunk, so chunks can stay long enough to run efficiently.
 
-The caches are put back from shallow copies taken before the call: mlx-lm's updates either write
-past the old length (``KVCache``, ``QuantizedKVCache``), make new arrays (a multi-token
-``RotatingKVCache`` update, ``ArraysCache``), or write into the ring in place (a one-token
-``RotatingKVCache`` update: harmless after a multi-token one, whose ring is already new). So a
-call whose first pass feeds more than one token, over caches all of these kinds, is
-interruptible.
+The caches are put back from shallow copies taken before the call (each kind's ``undo_copy``).
+That is right for every kind whose updates either write past the old length (``KVCache``,
+``QuantizedKVCache``, ``ChunkedKVCache``), make new arrays (a multi-token ``RotatingKVCache``
+update, ``ArraysCache``, ``ConcatenateKVCache``), or write into the ring in place (a one-token
+``RotatingKVCache`` update: harmless after a multi-token one, whose ring is already new): each
+kind says so (``CacheKind.interruptible``). So a call whose first pass feeds more than one token,
+over caches of such kinds, is interruptible.
 """
 
 from __future__ import annotations
@@ -22,30 +23,22 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models import cache as mlx_cache
 
 from runtime.backends.contract import PrefillInterrupted
-from runtime.backends.mlx.state import clone_layer
-
-_RESTORABLE = (
-    mlx_cache.KVCache,
-    mlx_cache.QuantizedKVCache,
-    mlx_cache.RotatingKVCache,
-    mlx_cache.ArraysCache,
-)
+from runtime.backends.mlx.cache_kinds import kind_of
 
 
 def can_interrupt(caches: list[Any], first_pass_tokens: int) -> bool:
     """Whether a call over these caches whose first pass feeds ``first_pass_tokens`` can be
     stopped and undone."""
-    return first_pass_tokens > 1 and all(type(c) in _RESTORABLE for c in caches)
+    return first_pass_tokens > 1 and all(kind_of(c).interruptible(c) for c in caches)
 
 
 def stop_checks(caches: list[Any]) -> int:
     """How many times an interruptible pass over these caches checks its stop flag (0: never)."""
     if not can_interrupt(caches, 2):
         return 0
-    return sum(1 for c in caches if hasattr(c, "update_and_fetch"))
+    return sum(len(kind_of(c).updaters(c)) for c in caches)
 
 
 @contextlib.contextmanager
@@ -54,18 +47,18 @@ def interruptible(caches: list[Any], stop: threading.Event) -> Iterator[None]:
 
     Raises ``PrefillInterrupted`` with ``caches`` restored in place to their state before the block.
     """
-    hooked, saved = list(caches), [_shallow_copy(c) for c in caches]
-    for layer_cache in hooked:
-        if hasattr(layer_cache, "update_and_fetch"):  # per instance: copies drop it (clone_layer)
-            layer_cache.update_and_fetch = _checked(layer_cache.update_and_fetch, stop)
+    saved = [kind_of(c).undo_copy(c) for c in caches]
+    hooked = [u for c in caches for u in kind_of(c).updaters(c)]
+    for updater in hooked:  # per instance: copies drop it (cache_kinds.clone_layer)
+        updater.update_and_fetch = _checked(updater.update_and_fetch, stop)
     try:
         yield
     except PrefillInterrupted:
         caches[:] = saved
         raise
     finally:
-        for layer_cache in hooked:
-            layer_cache.__dict__.pop("update_and_fetch", None)
+        for updater in hooked:
+            updater.__dict__.pop("update_and_fetch", None)
 
 
 def _checked(update: Callable[[mx.array, mx.array], Any], stop: threading.Event) -> Any:
@@ -76,10 +69,3 @@ def _checked(update: Callable[[mx.array, mx.array], Any], stop: threading.Event)
         return update(keys, values)
 
     return update_and_fetch
-
-
-def _shallow_copy(layer_cache: Any) -> Any:
-    clone = clone_layer(layer_cache)
-    if isinstance(layer_cache, mlx_cache.ArraysCache):
-        clone.cache = list(layer_cache.cache)  # its layers assign into this list
-    return clone

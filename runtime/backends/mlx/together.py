@@ -29,14 +29,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
-from mlx_lm.models import cache as mlx_cache
 
-from runtime.backends.mlx.state import (
-    TRIMMABLE_LAYERS,
-    MlxSnapshot,
-    MlxState,
-    snapshot_layer,
-)
+from runtime.backends.mlx.cache_kinds import kind_of, snapshot_layers
+from runtime.backends.mlx.state import MlxSnapshot, MlxState
 
 
 def prefill_together(
@@ -58,7 +53,7 @@ def prefill_together(
     points = list(snapshot_at) or [[] for _ in token_ids]
     starts = [s.n_tokens for s in states]
     ends = [start + len(ids) for start, ids in zip(starts, token_ids, strict=True)]
-    untrimmable = [i for i, c in enumerate(states[0].caches) if type(c) not in TRIMMABLE_LAYERS]
+    untrimmable = [i for i, c in enumerate(states[0].caches) if not kind_of(c).cut_back(c)]
     taken: list[dict[int, MlxSnapshot]] = [{} for _ in states]
     cuts: dict[int, list[int]] = {}  # column of the padded pass -> rows snapshotted there
     if not reach_back:
@@ -66,7 +61,7 @@ def prefill_together(
             for point in at:
                 if point < end - 1:
                     cuts.setdefault(point - start, []).append(row)
-    if cuts and any(isinstance(c, mlx_cache.RotatingKVCache) for c in states[0].caches):
+    if cuts and any(kind_of(c).ring(c) for c in states[0].caches):
         raise ValueError("a pass with sliding-window layers cannot be cut for a snapshot")
 
     layers = len(states[0].caches)
@@ -103,10 +98,11 @@ def prefill_together(
         state.n_tokens += len(ids)
         state.logits = logits[row]
         if state.n_tokens in points[row]:  # the end: the row's own state, as it is
-            layers_at = {i: snapshot_layer(state.caches[i], 0) for i in untrimmable}
-            taken[row][state.n_tokens] = MlxSnapshot(layers_at, state.n_tokens)
+            taken[row][state.n_tokens] = MlxSnapshot(
+                snapshot_layers(dict(enumerate(state.caches)), 0), state.n_tokens
+            )
     snapshots = [[taken[row][p] for p in at] for row, at in enumerate(points)]
-    kept = [c.state for row in snapshots for s in row for c in s.layers.values() if not c.empty()]
+    kept = [s.arrays() for row in snapshots for s in row]
     mx.eval([c.state for s in states for c in s.caches], [s.logits for s in states], kept)
     return snapshots
 
@@ -115,7 +111,7 @@ def together_snapshot_tokens(caches: Sequence[Any], context: int, reach_back: bo
     """The longest prompt whose every snapshot ``prefill_together`` takes (``ModelInfo``'s
     ``together_snapshot_tokens``): any, unless sliding-window layers (whose pass cannot be cut)
     sit beside layers a pass cannot reach back into (``reach_back`` False): then none."""
-    rotating = any(isinstance(c, mlx_cache.RotatingKVCache) for c in caches)
+    rotating = any(kind_of(c).ring(c) for c in caches)
     return 0 if rotating and not reach_back else context
 
 
@@ -125,10 +121,7 @@ def _copy_row(
     """``row``'s untrimmable layers at each of ``points``, from the batch caches as they hold it
     now (``length`` tokens in; an earlier point reached back inside the ring)."""
     held = {i: batch[i].extract(row) for i in untrimmable}
-    taken = {
-        point: MlxSnapshot({i: snapshot_layer(c, length - point) for i, c in held.items()}, point)
-        for point in points
-    }
+    taken = {point: MlxSnapshot(snapshot_layers(held, length - point), point) for point in points}
     # Evaluated now: the batch caches' arrays go on changing under later passes.
-    mx.eval([c.state for s in taken.values() for c in s.layers.values() if not c.empty()])
+    mx.eval([s.arrays() for s in taken.values()])
     return taken
