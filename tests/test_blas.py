@@ -27,7 +27,7 @@ def _env(**extra: str) -> dict[str, str]:
     return {**env, "TRANSFORMERS_VERBOSITY": "error", **extra}
 
 
-def _run(args: list[str], tmp_path: pathlib.Path, **extra: str) -> subprocess.CompletedProcess[str]:
+def _run(args: list[str], **extra: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, *args], cwd=ROOT, env=_env(**extra), capture_output=True, text=True,
         timeout=120, check=False,
@@ -48,7 +48,6 @@ def _sgemm_bindings(tmp_path: pathlib.Path) -> list[str]:
 def test_a_host_that_imports_runtime_first_gets_openblas(tmp_path: pathlib.Path) -> None:
     done = _run(
         ["-c", f"import runtime\n{MATMUL}"],
-        tmp_path,
         LD_DEBUG="bindings",
         LD_DEBUG_OUTPUT=str(tmp_path / "ld"),
     )
@@ -60,7 +59,7 @@ def test_a_host_that_imports_runtime_first_gets_openblas(tmp_path: pathlib.Path)
 @needs_openblas
 def test_without_runtime_mlx_binds_its_own_blas(tmp_path: pathlib.Path) -> None:
     """The control: what the test above rules out does happen without the runtime."""
-    done = _run(["-c", MATMUL], tmp_path, LD_DEBUG="bindings", LD_DEBUG_OUTPUT=str(tmp_path / "ld"))
+    done = _run(["-c", MATMUL], LD_DEBUG="bindings", LD_DEBUG_OUTPUT=str(tmp_path / "ld"))
     assert done.returncode == 0, done.stderr
     [bound] = _sgemm_bindings(tmp_path)
     assert "mlx_cpu.libs" in bound
@@ -72,7 +71,6 @@ def test_mlxrt_generate_runs_on_openblas(tmp_path: pathlib.Path) -> None:
     args = ["-m", "runtime.cli", "generate", "--model", model, "--max-tokens", "2", "--quiet"]
     done = _run(
         [*args, "--raw", "hello"],
-        tmp_path,
         LD_DEBUG="bindings",
         LD_DEBUG_OUTPUT=str(tmp_path / "ld"),
     )
@@ -83,11 +81,9 @@ def test_mlxrt_generate_runs_on_openblas(tmp_path: pathlib.Path) -> None:
 
 
 @needs_openblas
-def test_make_s_preload_is_not_loaded_twice(tmp_path: pathlib.Path) -> None:
+def test_make_s_preload_is_not_loaded_twice() -> None:
     assert OPENBLAS is not None
-    done = _run(
-        ["-c", "import runtime.blas as b; print(b.blas_in_use())"], tmp_path, LD_PRELOAD=OPENBLAS
-    )
+    done = _run(["-c", "import runtime.blas as b; print(b.blas_in_use())"], LD_PRELOAD=OPENBLAS)
     assert done.stdout.strip() == f"OpenBLAS via LD_PRELOAD ({OPENBLAS})"
 
 
@@ -105,14 +101,14 @@ async def main():
 
 anyio.run(main)
 """
-    done = _run(["-c", script], tmp_path, **{ENV: str(tmp_path / "no-such-libblas.so")})
+    done = _run(["-c", script], **{ENV: str(tmp_path / "no-such-libblas.so")})
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("slow built-in BLAS") == 1, done.stderr
     assert "apt-get install libopenblas0-pthread" in done.stderr
 
 
 @needs_openblas
-def test_a_host_that_imported_mlx_first_is_told_the_fix(tmp_path: pathlib.Path) -> None:
+def test_a_host_that_imported_mlx_first_is_told_the_fix() -> None:
     model = str(tiny_model_path("llama"))
     script = f"""
 import mlx.core
@@ -125,14 +121,12 @@ async def main():
 
 anyio.run(main)
 """
-    done = _run(["-c", script], tmp_path)
+    done = _run(["-c", script])
     assert done.returncode == 0, done.stderr
     assert done.stderr.count("slow built-in BLAS") == 1, done.stderr
     assert "import runtime before mlx" in done.stderr
 
 
-def test_mlx_s_own_blas_on_request_is_no_warning(tmp_path: pathlib.Path) -> None:
-    done = _run(
-        ["-c", "import runtime.blas as b; print(b.use_fast_blas())"], tmp_path, **{ENV: "mlx"}
-    )
+def test_mlx_s_own_blas_on_request_is_no_warning() -> None:
+    done = _run(["-c", "import runtime.blas as b; print(b.use_fast_blas())"], **{ENV: "mlx"})
     assert "problem=None" in done.stdout and "fast=False" in done.stdout
