@@ -18,7 +18,7 @@
 #                      (docs/reliability-soak.md)
 #
 # Variables: PYTHON (interpreter used to create the venv), PYTEST_ARGS (extra
-# pytest arguments), BLAS_PRELOAD=0 (do not preload OpenBLAS), BENCH_ARGS (extra
+# pytest arguments), BLAS_PRELOAD=0 (MLX's own BLAS, no OpenBLAS), BENCH_ARGS (extra
 # python -m bench arguments, e.g. --models smollm2).
 
 SHELL := /bin/sh
@@ -35,8 +35,10 @@ BENCH_OUT := bench/results
 NIGHTLY_TIMEOUT ?= 3600
 
 # MLX's Linux CPU wheel links a slow reference BLAS; preloading Debian's OpenBLAS
-# makes matmul ~40x faster. Only the commands that run MLX get it (not pip, ruff
-# or mypy), hence a command prefix rather than an exported variable.
+# makes matmul ~40x faster. Importing `runtime` does that by itself (runtime/blas.py);
+# the preload stays for what runs MLX without importing runtime first (the bench's
+# mlx-lm and mlx_lm.server baselines). Only the commands that run MLX get it (not pip,
+# ruff or mypy), hence a command prefix rather than an exported variable.
 BLAS_PRELOAD ?= 1
 BLAS_LIB :=
 ifeq ($(BLAS_PRELOAD),1)
@@ -50,9 +52,13 @@ ifneq ($(BLAS_LIB),)
 # Append: a library the caller already preloads keeps precedence.
 WITH_BLAS := LD_PRELOAD="$(if $(LD_PRELOAD),$(LD_PRELOAD):)$(BLAS_LIB)"
 BLAS_NOTE := BLAS: OpenBLAS via LD_PRELOAD ($(BLAS_LIB))
-else
+else ifeq ($(BLAS_PRELOAD),1)
 WITH_BLAS :=
-BLAS_NOTE := BLAS: MLX built-in (no OpenBLAS preload; on Debian/Ubuntu install libopenblas0-pthread)
+BLAS_NOTE := BLAS: MLX built-in (no OpenBLAS found; on Debian/Ubuntu install libopenblas0-pthread)
+else
+# BLAS_PRELOAD=0 means MLX's own BLAS: runtime/blas.py must not load OpenBLAS either.
+WITH_BLAS := MLXRT_BLAS=mlx
+BLAS_NOTE := BLAS: MLX built-in (BLAS_PRELOAD=0)
 endif
 
 .PHONY: venv run lint test test-nightly fuzz-nightly bench bench-quick soak

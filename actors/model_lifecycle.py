@@ -18,6 +18,7 @@ the model is in.
 from __future__ import annotations
 
 import enum
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -48,6 +49,8 @@ from runtime.messages import (
 )
 
 EngineFactory = Callable[[ModelSpec, int], ActorCore]
+
+log = logging.getLogger("mlx_actor_runtime.models")
 
 
 class ModelState(enum.Enum):
@@ -80,6 +83,7 @@ class Model:
     unload_waiters: list[Address] = field(default_factory=list)
     failure: str = ""  # why a FAILED model was taken out of service, said to the host
     idle_unload: bool = False  # UNLOADING because its keep-alive ran out (not asked to)
+    since: float = 0.0  # when its current load (or unload) began, for its log line
 
     @property
     def address(self) -> Address:
@@ -245,6 +249,7 @@ class ModelLifecycle:
         )
         self._next_epoch += 1
         model.load_waiter = asker
+        model.since = ctx.now()
         self._models[spec.name] = model
         ctx.spawn(model.address, self._engine_factory(spec, model.epoch))
         return model
@@ -279,8 +284,11 @@ class ModelLifecycle:
             reuse_path=event.reuse_path,
             bytes_per_token=event.bytes_per_token,
             context_length=event.context_length,
+            chat_template=event.chat_template,
         )
         if model.state in (ModelState.LOADING, ModelState.RESTARTING):
+            restarted = model.state is ModelState.RESTARTING
+            _log_loaded(model.spec, model.loaded, ctx.now() - model.since, restarted=restarted)
             model.state = ModelState.READY
             if not self.keep_alive.live(model.epoch):
                 self.keep_alive.went_idle(
@@ -306,6 +314,7 @@ class ModelLifecycle:
             model.epoch = self._next_epoch
             self._next_epoch += 1
             model.state = ModelState.RESTARTING
+            model.since = ctx.now()
             ctx.spawn(model.address, self._engine_factory(model.spec, model.epoch))
             return
         policy = self._restart_policy
@@ -339,6 +348,7 @@ class ModelLifecycle:
             model.unload_waiters.append(asker)
         if model.state is not ModelState.UNLOADING:
             model.state = ModelState.UNLOADING  # admits nothing from now on
+            model.since = ctx.now()
             self.keep_alive.forget(model.epoch)
             ctx.send(model.address, Drain(epoch=model.epoch))
 
@@ -349,6 +359,14 @@ class ModelLifecycle:
         ctx.stop(engine)
         if model.idle_unload and not self._shutdown_waiters:
             self._idle[model.spec.name] = (model.spec, model.epoch)
+        if model.idle_unload:
+            keep = model.spec.keep_alive_s
+            why = f"idle for its keep-alive of {keep:g} s; a request loads it again"
+        else:
+            why = "at shutdown" if self._shutdown_waiters else "as asked"
+        level = logging.DEBUG if self._shutdown_waiters else logging.INFO
+        log.log(level, "unloaded %s (%s; drained in %.1f s)", model.spec.name, why,
+                ctx.now() - model.since)  # fmt: skip
         return model
 
     def announce_unloaded(self, model: Model, ctx: Context) -> None:
@@ -386,6 +404,20 @@ class ModelLifecycle:
         if model is None:  # the router's stale-epoch arm filters these out first
             raise LookupError(f"no current model at {engine!r} epoch {epoch}")
         return model
+
+
+def _log_loaded(spec: ModelSpec, loaded: ModelLoaded, seconds: float, *, restarted: bool) -> None:
+    """The one line each load (or reload after its engine failed) gets."""
+    keep = spec.keep_alive_s
+    log.info(
+        "%s %s in %.1f s (context %d tokens, prefix reuse by %s, keep-alive %s)",
+        "reloaded after its engine failed:" if restarted else "loaded",
+        spec.name,
+        seconds,
+        loaded.context_length,
+        loaded.reuse_path,
+        "forever" if keep is None else f"{keep:g} s",
+    )
 
 
 def not_loaded_text(name: str) -> str:

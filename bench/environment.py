@@ -11,6 +11,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from runtime.blas import blas_in_use as runtime_blas_in_use
+
 PACKAGES = ("mlx", "mlx-lm", "msgspec", "uvloop", "anyio")
 REPO = Path(__file__).resolve().parents[1]
 
@@ -35,17 +37,10 @@ def describe(mode: str) -> dict[str, Any]:
 
 
 def blas_in_use() -> str:
-    """The preloaded BLAS (the Makefile preloads OpenBLAS) if the process mapped it, else MLX's.
-
-    Only ``LD_PRELOAD`` counts: a BLAS mapped for another library (numpy bundles an OpenBLAS)
-    is not the one MLX calls.
-    """
-    maps = Path("/proc/self/maps")
-    mapped = maps.read_text() if maps.exists() else ""
-    for path in os.environ.get("LD_PRELOAD", "").replace(":", " ").split():
-        if "blas" in path and os.path.realpath(path) in mapped:
-            return f"OpenBLAS via LD_PRELOAD ({path})"
-    return "MLX built-in"
+    """The BLAS MLX calls in this process: OpenBLAS (preloaded by the Makefile, or opened by
+    ``import runtime``; runtime/blas.py) or MLX's own. A BLAS mapped for another library (numpy
+    bundles an OpenBLAS) is not the one MLX calls, and is not counted."""
+    return runtime_blas_in_use()
 
 
 def _cpu_model() -> str:

@@ -4,13 +4,18 @@ What a host uses is importable from here: ``from runtime import Runtime, Runtime
 (docs/api.md, "Imports"). The names load on first use (PEP 562): ``runtime.api`` imports the
 actors, which import ``runtime`` modules, so an eager import here would make ``import actors.x``
 circular, and a host that imports one message module should not pay for the whole runtime.
-Nothing here imports MLX; a model load does, and only for the MLX backend.
+Nothing here imports MLX; a model load does, and only for the MLX backend. Importing the package
+loads OpenBLAS for MLX where the machine has it (runtime/blas.py): before anything imports MLX.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING
+
+from runtime.blas import use_fast_blas
+
+use_fast_blas()
 
 if TYPE_CHECKING:
     from runtime.api import Runtime, RuntimeStats

@@ -6,6 +6,10 @@ acted on: during a reply it cancels that reply only, at the prompt it ends the c
 
 A cancelled reply keeps what was already shown: its text stays in the history as the assistant's
 turn, as the user read it. A reply cancelled before any text drops the turn, question included.
+
+A model without a chat template is not given a made-up one (unless ``--chat``): the chat is then
+a raw completion, each line appended to the text so far and the model continuing it. The typed
+lines are parsed by runtime/chat_commands.py.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import contextlib
 import importlib.util
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
@@ -25,6 +30,18 @@ import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from runtime.api import Runtime
+from runtime.chat_commands import (
+    HELP,
+    Exit,
+    Help,
+    Reset,
+    Say,
+    SetSystem,
+    Stats,
+    Unknown,
+    parse_line,
+)
+from runtime.cli_flags import Framing, Speed, framed_raw, raw_note
 from runtime.errors import MlxRuntimeError
 from runtime.messages import (
     Cancelled,
@@ -32,15 +49,33 @@ from runtime.messages import (
     ChatOptions,
     Failed,
     Finished,
+    ModelLoaded,
     ModelSpec,
     Sampling,
     Started,
     TokensEmitted,
 )
 
+__all__ = [
+    "HELP",
+    "ChatSettings",
+    "ChatTerminal",
+    "Conversation",
+    "Exit",
+    "Help",
+    "Reply",
+    "Reset",
+    "Say",
+    "SetSystem",
+    "Stats",
+    "Unknown",
+    "parse_line",
+    "run_chat",
+    "stream_reply",
+]
+
 PROMPT = "> "
 _HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
-HELP = "commands: /reset (new conversation), /system TEXT (set instructions), /exit"
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,6 +86,9 @@ class ChatSettings:
     temperature: float = 0.0
     system: str | None = None
     show_cache: bool = False
+    stats: bool = False  # the speed after each reply
+    framing: Framing = "auto"  # auto: raw for a model without a chat template
+    quiet: bool = False  # no note that the chat is a raw completion
 
 
 @dataclass(slots=True)
@@ -63,11 +101,22 @@ class Conversation:
     system: str | None = None
     turns: list[ChatMessage] = field(default_factory=list)
     session: str = field(default_factory=lambda: f"chat-{uuid.uuid4().hex}")
+    raw: bool = False  # a raw completion: the model is sent ``text()``, not ``messages()``
 
     def messages(self) -> list[ChatMessage]:
         """What the model is sent: the instructions (when set), then every turn."""
         head = [ChatMessage(role="system", content=self.system)] if self.system else []
         return head + self.turns
+
+    def text(self) -> str:
+        """The raw completion so far: the instructions, then each line typed on a line of its
+        own, each reply continuing the line before it."""
+        text = self.system or ""
+        for message in self.turns:
+            if message.role == "user" and text:
+                text += "\n"
+            text += message.content
+        return text
 
     def ask(self, text: str) -> None:
         self.turns.append(ChatMessage(role="user", content=text))
@@ -93,59 +142,6 @@ class Conversation:
 
 
 @dataclass(frozen=True, slots=True)
-class Reset:
-    """``/reset``: a new conversation (the instructions stay)."""
-
-
-@dataclass(frozen=True, slots=True)
-class SetSystem:
-    """``/system TEXT``: new instructions; ``/system`` alone clears them."""
-
-    text: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class Exit:
-    """``/exit`` (or ``/quit``)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Unknown:
-    """A ``/word`` that is no command."""
-
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class Say:
-    """Anything else: a message to the model."""
-
-    text: str
-
-
-Command = Reset | SetSystem | Exit | Unknown | Say
-
-
-def parse_line(line: str) -> Command | None:
-    """The command a typed line means; None for a blank line."""
-    text = line.strip()
-    if not text:
-        return None
-    if not text.startswith("/"):
-        return Say(text)
-    name, _, rest = text.partition(" ")
-    match name:
-        case "/reset":
-            return Reset()
-        case "/system":
-            return SetSystem(rest.strip() or None)
-        case "/exit" | "/quit":
-            return Exit()
-        case _:
-            return Unknown(name)
-
-
-@dataclass(frozen=True, slots=True)
 class Reply:
     """How one reply ended: its text, the prompt's reuse, and the terminal event."""
 
@@ -153,6 +149,7 @@ class Reply:
     started: Started | None
     terminal: Finished | Cancelled | Failed | None
     refused: MlxRuntimeError | None = None  # the runtime refused it (the model restarting, say)
+    speed: Speed | None = None  # how fast it came, once it has ended with a token or more
 
 
 async def stream_reply(
@@ -170,6 +167,8 @@ async def stream_reply(
     started: Started | None = None
     terminal: Finished | Cancelled | Failed | None = None
     refused: MlxRuntimeError | None = None
+    began, first = time.perf_counter(), 0.0
+    raw = conversation.raw
 
     async def cancel_when_interrupted(scope: anyio.CancelScope) -> None:
         await interrupted.wait()
@@ -180,10 +179,11 @@ async def stream_reply(
         try:
             async with rt.generate(
                 model,
-                messages=conversation.messages(),
+                conversation.text() if raw else None,
+                messages=None if raw else conversation.messages(),
                 # The window drops the oldest turns rather than fail once the chat outgrows
                 # the context.
-                chat=ChatOptions(history_budget_tokens=context_length),
+                chat=None if raw else ChatOptions(history_budget_tokens=context_length),
                 max_tokens=settings.max_tokens,
                 sampling=Sampling(temperature=settings.temperature),
                 session=conversation.session,
@@ -193,6 +193,7 @@ async def stream_reply(
                         case Started():
                             started = event
                         case TokensEmitted(text=text):
+                            first = first or time.perf_counter()
                             parts.append(text)
                             write(text)
                         case Finished() | Cancelled() | Failed():
@@ -200,7 +201,14 @@ async def stream_reply(
         except MlxRuntimeError as error:  # a Rejected, raised by the stream
             refused = error
         tg.cancel_scope.cancel()
-    return Reply("".join(parts), started, terminal, refused)
+    speed = None
+    if isinstance(terminal, Finished | Cancelled) and first:
+        used = terminal.usage
+        speed = Speed(
+            used.prompt_tokens, used.cached_prompt_tokens, used.completion_tokens,
+            first - began, time.perf_counter() - first,
+        )  # fmt: skip
+    return Reply("".join(parts), started, terminal, refused, speed)
 
 
 class ChatTerminal:
@@ -214,14 +222,17 @@ class ChatTerminal:
         context_length: int,
         settings: ChatSettings,
         *,
+        raw: bool = False,
         read_line: Callable[[str], str] = input,
         out: TextIO | None = None,
     ) -> None:
+        """``raw``: a raw completion (the model has no chat template), not chat messages."""
         self._portal, self._rt, self._model = portal, rt, model
         self._context_length = context_length
         self._settings = settings
         self._read_line, self._out = read_line, out or sys.stdout
-        self.conversation = Conversation(system=settings.system)
+        self.conversation = Conversation(system=settings.system, raw=raw)
+        self._last_speed: Speed | None = None
 
     def run(self) -> None:
         """Until ``/exit``, Ctrl-D or Ctrl-C at the prompt."""
@@ -237,6 +248,11 @@ class ChatTerminal:
                     continue
                 case Exit():
                     return
+                case Help():
+                    self._say(HELP)
+                case Stats():
+                    speed = self._last_speed
+                    self._say(f"({speed.line()})" if speed else "(no reply yet)")
                 case Reset():
                     self._end_session()
                     self.conversation.reset()
@@ -264,6 +280,7 @@ class ChatTerminal:
         )
         reply = self._wait(future, interrupted)
         self._write("\n")
+        self._last_speed = reply.speed or self._last_speed
         if reply.refused is not None:
             self.conversation.withdraw_question()
             self._say(f"(refused: {reply.refused.code}: {reply.refused.message})")
@@ -284,6 +301,8 @@ class ChatTerminal:
         self.conversation.answered(reply.text)
         if self._settings.show_cache and reply.started is not None:
             self._say(f"[cached {reply.started.cached_tokens}/{reply.started.prompt_tokens}]")
+        if self._settings.stats and reply.speed is not None:
+            self._say(f"({reply.speed.line()})")
 
     def _wait(self, future: Future[Reply], interrupted: anyio.Event) -> Reply:
         """The reply once it has ended; Ctrl-C while waiting cancels the reply, not the chat."""
@@ -307,9 +326,9 @@ class ChatTerminal:
 
 
 @contextmanager
-def running_runtime(spec: ModelSpec) -> Iterator[tuple[BlockingPortal, Runtime, int]]:
+def running_runtime(spec: ModelSpec) -> Iterator[tuple[BlockingPortal, Runtime, ModelLoaded]]:
     """A ``Runtime`` with ``spec`` loaded, on an event loop in a background thread: the portal,
-    the runtime and the model's context length."""
+    the runtime and the model's load reply (its context length, whether it has a template)."""
     with contextlib.ExitStack() as stack:
         with _sigint_blocked():  # the loop's thread, and every thread it starts, inherit the mask
             portal = stack.enter_context(
@@ -317,7 +336,7 @@ def running_runtime(spec: ModelSpec) -> Iterator[tuple[BlockingPortal, Runtime, 
             )
         rt = stack.enter_context(portal.wrap_async_context_manager(Runtime()))
         loaded = portal.call(rt.load_model, spec)
-        yield portal, rt, loaded.context_length
+        yield portal, rt, loaded
 
 
 @contextmanager
@@ -344,7 +363,12 @@ def run_chat(
     """Load ``spec`` (already prepared: fetched and converted) and chat until the user leaves."""
     with contextlib.suppress(ImportError):  # readline: input() gets line editing and history
         import readline  # noqa: F401
-    with running_runtime(spec) as (portal, rt, context_length):
-        ChatTerminal(
-            portal, rt, spec.name, context_length, settings, read_line=read_line, out=out
-        ).run()
+    with running_runtime(spec) as (portal, rt, loaded):
+        raw = framed_raw(settings.framing, loaded.chat_template)
+        if raw and settings.framing == "auto" and not settings.quiet:
+            print(raw_note(spec.name, "chat"), file=sys.stderr, flush=True)
+        terminal = ChatTerminal(
+            portal, rt, spec.name, loaded.context_length, settings,
+            raw=raw, read_line=read_line, out=out,
+        )  # fmt: skip
+        terminal.run()

@@ -12,40 +12,21 @@ import sys
 
 import anyio
 
-from runtime.api import Runtime
 from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS
+from runtime.cli_flags import (
+    add_ctx_size,
+    add_framing,
+    add_temperature,
+    check_shared,
+    model_options,
+    version_text,
+)
 from runtime.config import RuntimeConfig
-from runtime.errors import MlxRuntimeError
-from runtime.messages import ChatMessage, TokensEmitted
+from runtime.errors import AddressInUse, MlxRuntimeError
+from runtime.generate_cli import generate
 from runtime.model_args import model_specs, prepare_specs
 from runtime.model_commands import add_commands, add_serve_flags, run_command
-from runtime.progress import tqdm_progress
 from runtime.serve_cli import GRACEFUL_SHUTDOWN_S, serve_models
-
-
-async def _generate(args: argparse.Namespace) -> int:
-    spec = model_specs([args.model], args.backend, [])[0]
-    prompt = args.prompt_text if args.prompt_text is not None else args.prompt
-    if prompt is None:
-        raise ValueError('give a prompt: mlxrt generate "What is the capital of France?"')
-    [spec] = await anyio.to_thread.run_sync(lambda: prepare_specs((spec,), quiet=args.quiet))
-    request: dict[str, object] = {"max_tokens": args.max_tokens}
-    if args.raw:
-        request["prompt"] = prompt
-    else:  # like mlx_lm.generate: the chat template (or a plain fallback) frames the prompt
-        request["messages"] = [ChatMessage(role="user", content=prompt)]
-    async with Runtime() as rt:
-        with tqdm_progress(disable=args.quiet) as progress:
-            progress(f"load {spec.name}", 0, 1)
-            await rt.load_model(spec)
-            progress(f"load {spec.name}", 1, 1)
-        async with rt.generate(spec.name, **request) as stream:  # type: ignore[arg-type]
-            async for event in stream:
-                if isinstance(event, TokensEmitted):
-                    sys.stdout.write(event.text)
-                    sys.stdout.flush()
-        sys.stdout.write("\n")
-    return 0
 
 
 def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -53,10 +34,9 @@ def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
     if args.max_tokens < 1:
         parser.error("--max-tokens must be at least 1")
-    if args.temperature < 0:
-        parser.error("--temperature must be 0 (greedy) or more")
+    check_shared(args, parser)
     try:
-        [spec] = model_specs([args.model] if args.model else [], args.backend, [])
+        [spec] = model_specs([args.model] if args.model else [], args.backend, model_options(args))
     except ValueError as error:
         parser.error(str(error))
     [spec] = prepare_specs((spec,), quiet=args.quiet)
@@ -67,6 +47,9 @@ def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         temperature=args.temperature,
         system=args.system,
         show_cache=args.show_cache,
+        stats=args.stats,
+        framing=args.framing,
+        quiet=args.quiet,
     )
     run_chat(spec, settings)
     return 0
@@ -74,7 +57,7 @@ def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 
 _EXAMPLES = """examples:
   mlxrt generate "What is the capital of France?"        the default model, chat-framed
-  mlxrt generate --raw --model gemma3-270m $'Q: Why is the sky blue?\\nA:'  no chat template
+  mlxrt generate --model gemma3-270m $'Q: Why is the sky blue?\\nA:'  a base model: raw text
   mlxrt generate --model ~/models/llama.Q4_0.gguf "Hello"  any llama or gemma3 GGUF file
   mlxrt chat                                             chat with the default model
   mlxrt chat --model gemma3-270m --show-cache --system "Answer in one sentence."
@@ -91,18 +74,21 @@ streams decoded as one batch, and the same model over HTTP. Without network it t
 random-weight models instead."""
 _DEMO_EXAMPLES = """examples:
   mlxrt demo                                   what `make run` runs
-  LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 mlxrt demo
-                                               with OpenBLAS: CPU matmul ~40x faster
+  MLXRT_BLAS=mlx mlxrt demo                    on MLX's own slow BLAS instead of OpenBLAS
 """
 _GENERATE_DESCRIPTION = """\
-Generate from one prompt and stream the text to stdout. The prompt is framed by the model's chat
-template as a user message (as mlx_lm.generate does), unless --raw."""
+Generate from one prompt and stream the text to stdout; the speed follows on stderr (not with
+--quiet). The prompt is framed by the model's chat template as a user message (as mlx_lm.generate
+does); a model without a chat template gets it raw, and a line says so (--chat frames it anyway,
+--raw never frames it). PROMPT or --prompt `-` reads the prompt from stdin."""
 _GENERATE_EXAMPLES = """examples:
   mlxrt generate "What is the capital of France?"           the default model
   mlxrt generate --max-tokens 32 --quiet "Say hi."          no progress bars or notes
   mlxrt generate --model ~/models/llama.Q4_0.gguf "Hello"   any llama or gemma3 GGUF file
   mlxrt generate --backend simulated --model sim "hello"    no MLX: a deterministic stand-in
-  mlxrt generate --raw --model gemma3-270m $'Q: Why is the sky blue?\\nA:'   no chat template
+  mlxrt generate --model gemma3-270m $'Q: Why is the sky blue?\\nA:'   no chat template: raw
+  echo "Summarize: ..." | mlxrt generate --temp 0.7 --ctx-size 4096 -   the prompt from stdin
+  mlxrt generate "Count to 100." | head -n 3                stops generating when head exits
 """
 _SERVE_DESCRIPTION = f"""\
 Serve models over an OpenAI-compatible HTTP API (docs/http.md): /v1/completions,
@@ -133,12 +119,18 @@ turns before it (--show-cache prints how much).
 
   Ctrl-C during a reply   stops that reply; the text shown stays in the conversation
   Ctrl-C or Ctrl-D        at the prompt: ends the chat
+  /help                   the commands
   /reset                  a new conversation (the instructions stay)
   /system TEXT            new instructions (/system alone clears them)
-  /exit                   ends the chat"""
+  /stats                  the last reply's speed: prompt tokens (cached), tokens, tok/s
+  /exit                   ends the chat
+
+A model without a chat template is not given a made-up one: the chat is then a raw completion,
+each line continuing the text so far (one line says so; --chat frames it anyway)."""
 _CHAT_EXAMPLES = """examples:
   mlxrt chat                                   the default model
   mlxrt chat --show-cache                      print `cached n/m` after each reply
+  mlxrt chat --stats --temp 0.7 --ctx-size 4096  the speed after each reply
   mlxrt chat --model gemma3-270m               a known model
   mlxrt chat --model ~/models/llama.Q4_0.gguf --system "You are terse." --max-tokens 512
   mlxrt chat --model smol=~/models/smol-mlx    an mlx-lm directory, named smol
@@ -153,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
         description=_DESCRIPTION,
         epilog=_EXAMPLES,
         formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--version", action="version", version=version_text(), help="the versions and the BLAS"
     )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser(
@@ -182,12 +177,16 @@ def main(argv: list[str] | None = None) -> int:
         choices=["mlx", "simulated"],
         help="simulated: a deterministic stand-in model (gibberish), no MLX needed",
     )
-    gen.add_argument("--prompt", help="the prompt (instead of PROMPT)")
+    gen.add_argument("--prompt", help="the prompt (instead of PROMPT); - reads it from stdin")
     gen.add_argument(
         "--max-tokens", type=int, default=128, metavar="N", help="most tokens to generate (128)"
     )
-    gen.add_argument("--raw", action="store_true", help="send the prompt as is, no chat template")
-    gen.add_argument("--quiet", action="store_true", help="no progress bars or load notes")
+    add_temperature(gen, "0 (the default): greedy")
+    add_ctx_size(gen)
+    add_framing(gen)
+    gen.add_argument(
+        "--quiet", action="store_true", help="no progress bars, load notes or speed line"
+    )
     chat = commands.add_parser(
         "chat",
         help="chat with a model in the terminal",
@@ -210,13 +209,16 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument(
         "--max-tokens", type=int, default=256, metavar="N", help="most tokens per reply (256)"
     )
-    chat.add_argument(
-        "--temperature", type=float, default=0.0, metavar="T", help="0 (the default): greedy"
-    )
+    add_temperature(chat, "0 (the default): greedy")
+    add_ctx_size(chat)
+    add_framing(chat)
     chat.add_argument(
         "--show-cache",
         action="store_true",
         help="after each reply print `cached n/m`: prompt tokens reused from earlier turns",
+    )
+    chat.add_argument(
+        "--stats", action="store_true", help="after each reply print its speed (as /stats does)"
     )
     chat.add_argument("--quiet", action="store_true", help="no progress bars or load notes")
     serve = commands.add_parser(
@@ -258,13 +260,12 @@ def main(argv: list[str] | None = None) -> int:
         default=RuntimeConfig().kv_budget_fraction,
         help="share of the memory MLX reports for KV, without --kv-budget-mib (default 0.5)",
     )
-    serve.add_argument(
-        "--temp",
-        type=float,
-        default=0.0,
-        help="temperature of requests that send none (default 0: greedy, as mlx_lm.server; "
+    add_temperature(
+        serve,
+        "temperature of requests that send none (default 0: greedy, as mlx_lm.server; "
         "OpenAI's own default is 1.0, which a model this small turns into noise)",
     )
+    add_ctx_size(serve)
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
@@ -278,7 +279,11 @@ def main(argv: list[str] | None = None) -> int:
         demo()
         return 0
     if args.command == "serve":
-        return serve_models(args, parser)
+        try:
+            return serve_models(args, parser)
+        except AddressInUse as error:  # checked before any model loads
+            print(f"mlxrt serve: {error}", file=sys.stderr)
+            return 2
     if args.command in ("ps", "load", "unload", "models"):
         return run_command(args)
     if args.command == "chat":
@@ -289,8 +294,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         except KeyboardInterrupt:  # Ctrl-C while the model loads
             return 130
+    check_shared(args, parser)
     try:
-        return anyio.run(_generate, args, backend_options={"use_uvloop": True})
+        return anyio.run(generate, args, backend_options={"use_uvloop": True})
     except (ValueError, MlxRuntimeError) as error:  # bad input or a model that cannot load
         print(f"mlxrt generate: {error}", file=sys.stderr)
         return 2

@@ -242,6 +242,13 @@ class RuntimeClosed(MlxRuntimeError):
     code = "runtime_closed"
 
 
+class AddressInUse(MlxRuntimeError):
+    """Raised by ``mlxrt serve`` before it loads any model when its ``--host``/``--port`` cannot
+    be listened on: another process holds the port, or the host is no address of this machine."""
+
+    code = "address_in_use"
+
+
 class SupervisionEscalated(MlxRuntimeError):
     """Raised by a supervisor when a child crashed more often than its restart intensity allows."""
 

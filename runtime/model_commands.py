@@ -14,6 +14,9 @@ from typing import Any
 
 from runtime.backends.model_source import available_models
 
+DEFAULT_KEEP_ALIVE = (
+    "5m"  # for models `mlxrt serve` loads on demand, without --keep-alive (Ollama's)
+)
 DEFAULT_URL = "http://127.0.0.1:8000"  # where `mlxrt serve` listens by default
 LOAD_TIMEOUT_S = 3600.0  # a first load may fetch and convert the model
 TIMEOUT_S = 60.0  # an unload waits for the model's requests to drain
@@ -76,9 +79,10 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     """``mlxrt serve``'s model-management flags: ``--keep-alive`` and ``--no-auto-load``."""
     serve.add_argument(
         "--keep-alive",
-        default="5m",
         metavar="DURATION",
-        help='unload a model once idle this long ("30s", "5m", "1h"; -1: never; default 5m)',
+        help='unload a model once idle this long ("30s", "5m", "1h"; -1: never). Default: the '
+        f"models named by --model (or the default model) stay loaded; models loaded on demand "
+        f"unload after {DEFAULT_KEEP_ALIVE}. Given, it applies to every model",
     )
     serve.add_argument(
         "--no-auto-load",

@@ -37,6 +37,8 @@ def tqdm_progress(*, disable: bool = False) -> Iterator[Progress]:
                 total=total or None, desc=stage, disable=disable, unit_scale=True, leave=True
             )
         bar.update(done - bar.n)  # update, not refresh: tqdm then redraws at most ~10 times/s
+        if total and done >= total:  # the stage ended: its bar shows the stage's own time
+            bars.pop(stage).close()
 
     try:
         yield report

@@ -1,16 +1,25 @@
-"""``mlxrt serve``: the OpenAI-compatible HTTP API on uvicorn (docs/http.md)."""
+"""``mlxrt serve``: the OpenAI-compatible HTTP API on uvicorn (docs/http.md).
+
+Before anything loads, the port is checked free (a taken port is one line, not a model load
+then a uvicorn traceback). The models named on the command line stay loaded unless
+``--keep-alive`` is given; models loaded on demand unload after ``DEFAULT_KEEP_ALIVE`` idle.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
 import logging
+import socket
 from typing import TYPE_CHECKING
 
 import msgspec
 
+from runtime.cli_flags import check_shared, model_options
 from runtime.config import RuntimeConfig
+from runtime.errors import AddressInUse
 from runtime.model_args import model_specs, prepare_specs
+from runtime.model_commands import DEFAULT_KEEP_ALIVE
 from runtime.progress import tqdm_progress
 
 if TYPE_CHECKING:
@@ -23,19 +32,24 @@ GRACEFUL_SHUTDOWN_S = 10  # on Ctrl-C, streams still running after this are canc
 
 def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Load the models (fetched and converted first, with progress bars) and serve them until
-    Ctrl-C; 2 (a usage error) for a malformed --model, --model-option or --keep-alive."""
+    Ctrl-C; 2 (a usage error) for a malformed --model, --model-option or --keep-alive. Raises
+    ``AddressInUse`` before loading anything when the port cannot be listened on."""
     import uvicorn  # uvicorn and the server load only to serve
 
     from runtime.server import OpenAIServer, ServerConfig
     from runtime.server.models import parse_keep_alive
 
+    check_shared(args, parser)
     try:
-        keep_alive_s = parse_keep_alive(args.keep_alive)
-        models = model_specs(args.model, args.backend, args.model_option)
+        # Named models stay loaded unless --keep-alive says otherwise; on-demand ones time out.
+        named_s = None if args.keep_alive is None else parse_keep_alive(args.keep_alive)
+        keep_alive_s = parse_keep_alive(args.keep_alive or DEFAULT_KEEP_ALIVE)
+        models = model_specs(args.model, args.backend, model_options(args))
     except ValueError as error:
         parser.error(str(error))
+    check_port_free(args.host, args.port)
     models = tuple(
-        msgspec.structs.replace(spec, keep_alive_s=keep_alive_s)
+        msgspec.structs.replace(spec, keep_alive_s=named_s)
         for spec in prepare_specs(models, quiet=args.quiet)
     )
     # uvicorn configures its own loggers only; the runtime's (model loads, reuse paths) go here.
@@ -50,7 +64,7 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         models=models,
         runtime=runtime,
         keep_alive_s=keep_alive_s,
-        default_temperature=args.temp,
+        default_temperature=args.temperature,
         offer_cached_models=args.backend == "mlx",  # cached models are MLX ones
     )
     # Bars for what loads on demand too (fetch, convert, load), for as long as the server runs.
@@ -58,6 +72,24 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         server = OpenAIServer(config, progress=progress)
         uvicorn.Server(_uvicorn_config(server, args)).run()
     return 0
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise ``AddressInUse`` unless ``host``:``port`` can be listened on now (bound the way
+    uvicorn binds it, with SO_REUSEADDR, then let go)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            probe.bind(address)
+    except OSError as error:  # socket.gaierror too: a host that is no address here
+        reason = error.strerror or str(error)
+        raise AddressInUse(
+            f"cannot listen on {host}:{port} ({reason}); stop what holds it (another mlxrt "
+            "serve?) or pick another --port"
+        ) from None
 
 
 def _uvicorn_config(server: OpenAIServer, args: argparse.Namespace) -> uvicorn.Config:

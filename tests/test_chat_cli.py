@@ -13,10 +13,12 @@ from anyio.from_thread import start_blocking_portal
 from runtime.api import Runtime
 from runtime.backends.model_store import DEFAULT_MODEL
 from runtime.chat_cli import (
+    HELP,
     ChatSettings,
     ChatTerminal,
     Conversation,
     Exit,
+    Help,
     Reply,
     Reset,
     Say,
@@ -48,8 +50,11 @@ def scripted(*lines: str | type[BaseException]) -> tuple[list[str], object]:
 
 
 def chat(*lines: str | type[BaseException], **settings: object) -> str:
+    """The chat's output; chat-framed unless ``framing`` says otherwise (the simulated model has
+    no chat template, so by default it would be a raw completion)."""
     out = io.StringIO()
     _, read_line = scripted(*lines)
+    settings = {"framing": "chat", **settings}
     run_chat(SIM, ChatSettings(**settings), read_line=read_line, out=out)  # type: ignore[arg-type]
     return out.getvalue()
 
@@ -114,8 +119,56 @@ def test_ctrl_d_ctrl_c_and_exit_at_the_prompt_end_the_chat() -> None:
 
 
 def test_an_unknown_command_says_which_commands_exist() -> None:
+    output = chat("/nope")
+    assert "unknown command /nope" in output and "/reset" in output
+
+
+def test_help_lists_the_commands() -> None:
+    assert parse_line("/help") == Help() == parse_line("/?")
     output = chat("/help")
-    assert "unknown command /help" in output and "/reset" in output
+    assert output.count(HELP) == 2  # once at the start, once asked for
+    assert all(command in HELP for command in ("/help", "/reset", "/system", "/stats", "/exit"))
+
+
+def test_stats_shows_the_last_reply_s_speed() -> None:
+    output = chat("/stats", "hello", "/stats", max_tokens=5)
+    assert "(no reply yet)" in output
+    [line] = re.findall(r"\(prompt \d+ tokens \(\d+ cached\) [\d.]+ s, 5 tokens [\d.]+ s, "
+                        r"[\d.]+ tok/s\)", output)  # fmt: skip
+    assert line
+
+
+def test_stats_after_each_reply_when_asked() -> None:
+    assert len(re.findall(r"tok/s\)", chat("one", "two", stats=True, max_tokens=3))) == 2
+
+
+def test_a_model_without_a_chat_template_chats_as_a_raw_completion(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """issue 21: a model without a template is not framed with a made-up one: each line goes
+    on the running text, and one line on stderr says so."""
+    out = io.StringIO()
+    _, read_line = scripted("Once upon", "and then")
+    run_chat(SIM, ChatSettings(max_tokens=4, show_cache=True), read_line=read_line, out=out)
+    assert capsys.readouterr().err.count("sim has no chat template") == 1
+    [(_, first), (cached_2, second)] = cached(out.getvalue())
+    assert first == len(b"Once upon") and cached_2 >= first  # raw bytes, no "user: " frame
+    assert second > first
+    framed = io.StringIO()
+    _, read_line = scripted("Once upon")
+    settings = ChatSettings(max_tokens=4, show_cache=True, framing="chat")
+    run_chat(SIM, settings, read_line=read_line, out=framed)
+    [(_, chat_framed)] = cached(framed.getvalue())
+    assert chat_framed > first  # "user: Once upon\nassistant: "
+    assert capsys.readouterr().err == ""
+
+
+def test_the_raw_conversation_is_the_text_so_far() -> None:
+    conversation = Conversation(system="A story.", raw=True)
+    conversation.ask("Once upon")
+    conversation.answered(" a time")
+    conversation.ask("The end")
+    assert conversation.text() == "A story.\nOnce upon a time\nThe end"
 
 
 def test_a_failed_reply_is_reported_and_its_question_forgotten() -> None:
@@ -185,7 +238,13 @@ def test_mlxrt_chat_reads_the_terminal_and_ends_at_its_end(
 def test_mlxrt_chat_refuses_bad_arguments_before_loading(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    for argv in (["--model", "=x"], ["--max-tokens", "0"], ["--temperature", "-1"]):
+    for argv in (
+        ["--model", "=x"],
+        ["--max-tokens", "0"],
+        ["--temperature", "-1"],
+        ["--temp", "-1"],
+        ["--ctx-size", "0"],
+    ):
         with pytest.raises(SystemExit) as exited:
             main(["chat", *argv])
         assert exited.value.code == 2

@@ -2,12 +2,20 @@
 
 from __future__ import annotations
 
+import io
+import os
+import pathlib
 import re
+import socket
+import subprocess
+import sys
 
 import pytest
 
 from runtime.backends.model_store import DEFAULT_MODEL
 from runtime.cli import main, model_specs
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def test_serve_arguments_become_model_specs() -> None:
@@ -111,3 +119,136 @@ def test_serve_passes_its_default_temperature_to_the_server(
         main(["serve", "--backend", "simulated", "--model", "m", "--temp", "0.7", "--quiet"]) == 0
     )
     assert seen == [0.0, 0.7]
+
+
+SIM_GENERATE = ["generate", "--backend", "simulated", "--model", "sim"]
+
+
+def test_version_names_the_package_mlx_and_the_blas(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    shown = capsys.readouterr().out
+    assert re.match(r"mlxrt \d+\.\d+\.\d+ \(mlx \S+, mlx-lm \S+; BLAS: .+\)$", shown.strip())
+
+
+@pytest.mark.parametrize("command", ["generate", "chat", "serve"])
+def test_temp_and_temperature_are_one_flag_everywhere(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    for flag in ("--temp", "--temperature"):
+        with pytest.raises(SystemExit) as exited:
+            main([command, flag, "-0.5", "--backend", "simulated", "--model", "sim", "x"][:-1])
+        assert exited.value.code == 2
+        assert "--temp must be 0 (greedy) or more" in capsys.readouterr().err
+    help_text = _help(capsys, command)
+    assert "--temp T, --temperature T" in help_text and "--ctx-size N" in help_text
+
+
+def test_generate_reports_its_speed_on_stderr_unless_quiet(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main([*SIM_GENERATE, "--raw", "--max-tokens", "4", "--temp", "0.5", "hello"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"prompt 5 tokens \(0 cached\) [\d.]+ s, 4 tokens [\d.]+ s, [\d.]+ tok/s", err)
+    assert main([*SIM_GENERATE, "--raw", "--max-tokens", "4", "--quiet", "hello"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_a_model_without_a_chat_template_gets_the_prompt_raw_and_is_told_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """issue 21: the simulated model has no chat template; `generate` used to frame the prompt
+    in a made-up "user:/assistant:" format without a word."""
+    assert main([*SIM_GENERATE, "--max-tokens", "2", "hello"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("sim has no chat template: the text goes to it as is") == 1
+    assert "prompt 5 tokens" in err  # b"hello", no frame
+    assert main([*SIM_GENERATE, "--max-tokens", "2", "--chat", "hello"]) == 0
+    err = capsys.readouterr().err
+    assert "no chat template" not in err
+    framed = int(re.search(r"prompt (\d+) tokens", err)[1])  # type: ignore[index]
+    assert framed > 5  # "user: hello\nassistant: "
+    assert main([*SIM_GENERATE, "--max-tokens", "2", "--raw", "hello"]) == 0
+    assert "no chat template" not in capsys.readouterr().err
+
+
+def test_ctx_size_sets_the_context_length(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SIM_GENERATE, "--raw", "--max-tokens", "4", "-c", "8", "a long prompt"]) == 2
+    assert "exceeds the model's context of 8 tokens" in capsys.readouterr().err
+    assert main([*SIM_GENERATE, "--raw", "--max-tokens", "4", "--ctx-size", "64", "hello"]) == 0
+
+
+@pytest.mark.parametrize("argv", [["-"], ["--prompt", "-"]], ids=["positional", "flag"])
+def test_a_dash_reads_the_prompt_from_stdin(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello\n"))
+    assert main([*SIM_GENERATE, "--raw", "--max-tokens", "3", *argv]) == 0
+    assert "prompt 5 tokens" in capsys.readouterr().err  # the newline echo adds is dropped
+    monkeypatch.setattr("sys.stdin", io.StringIO(""))
+    assert main([*SIM_GENERATE, *argv]) == 2
+    assert "stdin was empty" in capsys.readouterr().err
+
+
+def test_generate_into_a_closed_pipe_ends_quietly() -> None:
+    """`mlxrt generate ... | head`: the reader is gone before the first token; no traceback."""
+    argv = [sys.executable, "-m", "runtime.cli", *SIM_GENERATE, "--max-tokens", "50", "x"]
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # the reader has already gone
+    try:
+        done = subprocess.run(
+            argv, cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=120,
+            check=False,
+        )  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert done.returncode == 0, done.stderr
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr
+    assert "tok/s" not in done.stderr  # nobody reads the reply: no speed line either
+
+
+def test_serve_checks_its_port_before_loading_any_model(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import runtime.serve_cli
+
+    def no_load(*_: object, **__: object) -> None:
+        raise AssertionError("a model was prepared although the port is taken")
+
+    monkeypatch.setattr(runtime.serve_cli, "prepare_specs", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "/no/such/model", "--port", str(port)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"mlxrt serve: cannot listen on 127.0.0.1:{port} (")
+    assert "pick another --port" in line
+
+
+def test_serve_keeps_named_models_loaded_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 21: `serve --model X` used to unload X after 5 idle minutes. Now only --keep-alive
+    does that; models loaded on demand still get the 5-minute default. --ctx-size reaches the
+    specs too."""
+    import uvicorn
+
+    import runtime.server
+
+    seen: list[runtime.server.ServerConfig] = []
+
+    class Recorded(runtime.server.OpenAIServer):
+        def __init__(self, config: runtime.server.ServerConfig, **kwargs: object) -> None:
+            seen.append(config)
+            super().__init__(config, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runtime.server, "OpenAIServer", Recorded)
+    monkeypatch.setattr(uvicorn.Server, "run", lambda self: None)
+    base = ["serve", "--backend", "simulated", "--model", "m", "--quiet", "--port", "0"]
+    assert main([*base, "--ctx-size", "512", "--temperature", "0.3"]) == 0
+    assert main([*base, "--keep-alive", "30s"]) == 0
+    default, told = seen
+    assert default.models[0].keep_alive_s is None and default.keep_alive_s == 300.0
+    assert default.models[0].options["context_length"] == 512
+    assert default.default_temperature == 0.3
+    assert told.models[0].keep_alive_s == 30.0 and told.keep_alive_s == 30.0

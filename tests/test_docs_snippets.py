@@ -1,7 +1,7 @@
-"""The quick start in docs/api.md runs as written: every ```python block preceded by the line
-``<!-- runnable -->`` runs in a fresh interpreter, on the tiny llama model (the block's
-``default_model_spec()`` replaced by the tiny model's spec, the one substitution made) and, under
-``real_model``, exactly as written on the default model."""
+"""The quick start in docs/api.md and README's embedding block run as written: every ```python
+block preceded by the line ``<!-- runnable -->`` runs in a fresh interpreter, on the tiny llama
+model (the block's ``default_model_spec()`` replaced by the tiny model's spec, the one
+substitution made) and, under ``real_model``, exactly as written on the default model."""
 
 from __future__ import annotations
 
@@ -18,12 +18,13 @@ from runtime.testing.tiny_models import tiny_model_path
 
 ROOT = Path(__file__).resolve().parent.parent
 API_DOC = ROOT / "docs" / "api.md"
+README = ROOT / "README.md"
 RUNNABLE = re.compile(r"^<!-- runnable -->\n```python\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 DEFAULT_MODEL_CALL = "default_model_spec()"
 
 
-def runnable_blocks() -> list[str]:
-    return RUNNABLE.findall(API_DOC.read_text())
+def runnable_blocks(doc: Path = API_DOC) -> list[str]:
+    return RUNNABLE.findall(doc.read_text())
 
 
 def on_tiny_model(block: str) -> str:
@@ -70,3 +71,26 @@ def test_each_runnable_block_runs_as_written_on_the_default_model(
     output = run_block(runnable_blocks()[index])
     if index == 0:
         assert "Paris" in output and int(re.search(r"reused (\d+) of", output)[1]) > 0  # type: ignore[index]
+
+
+def test_the_readme_s_embedding_block_runs_as_a_file(tmp_path: Path) -> None:
+    """issue 21: it was a fragment (a top-level ``async with``) that no file could run."""
+    [block] = runnable_blocks(README)
+    app = tmp_path / "app.py"
+    app.write_text(on_tiny_model(block))
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
+    done = subprocess.run(
+        [sys.executable, str(app)], capture_output=True, text=True, timeout=100, check=False,
+        env={**os.environ, "PYTHONPATH": path},
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip()  # the reply's text, streamed
+
+
+@pytest.mark.real_model
+def test_the_readme_s_embedding_block_runs_as_written_on_the_default_model(
+    real_gguf: Callable[[str], Path],
+) -> None:
+    real_gguf("smollm2-135m-instruct")  # skips as the other real-model tests do
+    [block] = runnable_blocks(README)
+    assert "Paris" in run_block(block)

@@ -270,3 +270,21 @@ async def test_the_runtime_lists_its_models_and_refuses_a_bad_keep_alive() -> No
         assert listed.context_length == 4096 and listed.expires_in_s is None
         with pytest.raises(ModelAlreadyLoaded):
             await rt.load_model(spec())
+
+
+def test_each_load_and_unload_is_one_log_line(caplog: pytest.LogCaptureFixture) -> None:
+    """issue 21: a keep-alive unload used to be silent; now the load, the idle unload and the
+    reload a request brings are a line each, on the runtime's own logger."""
+    caplog.set_level("INFO", logger="mlx_actor_runtime")
+    sim = make_sim(spec(keep_alive_s=1.0, load_s=2.5))
+    first = send(sim, "a")
+    sim.run_until(lambda: sim.terminal(*first) is not None)
+    sim.advance(2.0)
+    second = send(sim, "b")
+    sim.run_until(lambda: sim.terminal(*second) is not None)
+    lines = [r.getMessage() for r in caplog.records if r.name == "mlx_actor_runtime.models"]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("loaded m in 2.5 s (context") and "keep-alive 1 s" in lines[0]
+    assert lines[1].startswith("unloaded m (idle for its keep-alive of 1 s;")
+    assert lines[2].startswith("loaded m in 2.5 s")
+    assert all(r.levelname == "INFO" for r in caplog.records if r.name.endswith(".models"))

@@ -13,6 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 # Lowest first. A module may import its own layer and every layer listed before it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
+    ("platform", ("runtime.blas",)),
     ("protocol", ("runtime.messages", "runtime.errors", "runtime.progress")),
     ("kernel", ("runtime.kernel",)),
     ("text", ("runtime.text",)),

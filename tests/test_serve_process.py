@@ -65,7 +65,8 @@ def test_the_openai_client_lists_loads_and_unloads_models() -> None:
         assert states(client) == {"m": "loaded", "other": "loaded"}
         [card] = [model for model in client.models.list() if model.id == "m"]
         assert card.object == "model" and card.owned_by == "mlx-actor-runtime"
-        assert (card.model_extra or {})["keep_alive"] == 300.0  # the --keep-alive default
+        # Named on the command line without --keep-alive: kept loaded (issue 21).
+        assert (card.model_extra or {})["keep_alive"] is None
 
         text = client.completions.create(model="m", prompt="hello", max_tokens=3, temperature=0)
         assert text.choices[0].text == EXPECTED
@@ -106,7 +107,7 @@ def test_mlxrt_ps_load_and_unload_talk_to_the_server(capsys: pytest.CaptureFixtu
         table = capsys.readouterr().out.splitlines()
         assert table[0].split() == ["unloaded", "b"]
         assert table[1].split() == ["NAME", "STATE", "REQUESTS", "KEEP-ALIVE", "UNLOADS", "IN"]
-        assert table[2].split()[:4] == ["m", "loaded", "0", "5m"]
+        assert table[2].split()[:4] == ["m", "loaded", "0", "forever"]
         assert len(table) == 3  # b is available, not loaded: `mlxrt models` lists those
         assert main(["load", "b", "--keep-alive", "1h", "--url", url]) == 0
         assert "keep-alive 1h" in capsys.readouterr().out

@@ -347,7 +347,8 @@ class EngineCore:
         info = job.backend.info
         self._batches.loaded(info, job.batchable)
         self._sizer.loaded(info.pass_s, info.stop_checks)
-        log.info("model %s (epoch %d): prefix reuse path %s: %s",
+        # Debug: the router logs the load's one info line (actors/model_lifecycle.py).
+        log.debug("model %s (epoch %d): prefix reuse path %s: %s",
                  self.model, self.epoch, info.reuse, info.reuse_reason)  # fmt: skip
         ctx.send(
             ROUTER,
@@ -356,6 +357,7 @@ class EngineCore:
                 reuse_path=str(info.reuse),
                 bytes_per_token=info.bytes_per_token,
                 context_length=info.context_length,
+                chat_template=info.chat_template,
             ),
         )
         self._admission.loaded(info, ctx)

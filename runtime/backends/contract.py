@@ -55,6 +55,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     # The longest prompt ``prefill_together`` takes snapshots inside (0: it takes none; on MLX
     # any prompt, but none where sliding-window layers sit beside recurrent ones: together.py).
     together_snapshot_tokens: int = 0
+    # The tokenizer has a chat template; without one chat messages get the plain fallback format
+    # (runtime/text/chat.py) and `mlxrt generate`/`chat` send raw text instead (docs/chat.md).
+    chat_template: bool = True
 
     @property
     def snapshot_bytes(self) -> int:

@@ -141,6 +141,7 @@ class SimulatedBackend:
             fixed_state_bytes=options.fixed_state_bytes,
             pass_s=options.decode_s_per_token or options.prefill_s_per_token,  # a 1-token prefill
             together_snapshot_tokens=options.context_length,
+            chat_template=False,  # chat_tokenizer below: the fallback format
         )
 
     @classmethod

@@ -54,6 +54,7 @@ class EngineReady(Message, frozen=True):
     reuse_path: str
     bytes_per_token: int
     context_length: int
+    chat_template: bool = True
 
 
 class EngineLoadFailed(Message, frozen=True):

@@ -214,13 +214,16 @@ class Rejected(Message, frozen=True):
 
 
 class ModelLoaded(Message, frozen=True):
-    """Reply to ``LoadModel``."""
+    """Reply to ``LoadModel``. ``chat_template``: the model's tokenizer has one; without it chat
+    messages are framed in the plain fallback format (docs/chat.md, "Models without a chat
+    template"), which a base model continues poorly: send it a raw ``prompt`` instead."""
 
     model: str
     epoch: int
     reuse_path: str
     bytes_per_token: int
     context_length: int
+    chat_template: bool = True
 
 
 class ModelUnloaded(Message, frozen=True):

@@ -168,14 +168,7 @@ class ModelManager:
         finally:
             del self._preparing[name]
             done.set()
-        log.info(
-            "loaded %s (context %d tokens, prefix reuse by %s, keep-alive %s)",
-            name,
-            loaded.context_length,
-            loaded.reuse_path,
-            "forever" if spec.keep_alive_s is None else f"{spec.keep_alive_s:g} s",
-        )
-        self._in_runtime.add(name)
+        self._in_runtime.add(name)  # the runtime logged the load (actors/model_lifecycle.py)
         self._loaded(name)
         return loaded
 

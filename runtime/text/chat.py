@@ -42,6 +42,7 @@ __all__ = [
     "ChatMessage",
     "ChatOptions",
     "ChatTokenizer",
+    "has_chat_template",
     "PreparedPrompt",
     "prepare_chat",
     "strip_reasoning",
@@ -189,7 +190,7 @@ class _Renderer:
     def __init__(self, tokenizer: ChatTokenizer, options: ChatOptions) -> None:
         self._tokenizer = tokenizer
         self._add_generation_prompt = options.add_generation_prompt
-        self._templated = _has_chat_template(tokenizer)
+        self._templated = has_chat_template(tokenizer)
         self._native_tools = self._templated and tool_prompt.template_supports_tools(tokenizer)
         self._tools = options.tools
         self._parallel_tool_calls = options.parallel_tool_calls
@@ -218,7 +219,7 @@ class _Renderer:
         extra: dict[str, Any] = {}
         if self._native_tools and self._tools:
             extra["tools"] = tool_prompt.tools_json(self._tools)
-        templated: Any = self._tokenizer  # _has_chat_template checked apply_chat_template
+        templated: Any = self._tokenizer  # has_chat_template checked apply_chat_template
         try:
             text = templated.apply_chat_template(
                 conversation, add_generation_prompt=generation_prompt, tokenize=False, **extra
@@ -241,7 +242,8 @@ class _Renderer:
         return [int(t) for t in self._tokenizer.encode(text, add_special_tokens=False)]
 
 
-def _has_chat_template(tokenizer: object) -> bool:
+def has_chat_template(tokenizer: object) -> bool:
+    """Whether ``tokenizer`` has a chat template (else messages get the fallback format)."""
     if not callable(getattr(tokenizer, "apply_chat_template", None)):
         return False
     has = getattr(tokenizer, "has_chat_template", None)  # TokenizerWrapper's flag

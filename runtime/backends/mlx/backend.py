@@ -42,8 +42,10 @@ from runtime.backends.mlx.state import MlxSnapshot, MlxState, own_state
 from runtime.backends.mlx.together import prefill_together, together_snapshot_tokens
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
+from runtime.blas import warn_if_slow
 from runtime.errors import ModelLoadFailed
 from runtime.messages import ModelSpec
+from runtime.text.chat import has_chat_template
 from runtime.text.constraints import ConstraintEngine
 
 _WARMUP_TOKENS = 4
@@ -80,6 +82,7 @@ class MlxBackend:
 
         if options is None:
             options = options_as(spec, MlxOptions)
+        warn_if_slow()
         prepared = prepare_model(spec, options=options)
         path = prepared.path
         if prepared.note:
@@ -119,13 +122,20 @@ class MlxBackend:
         pass_s = min(self._timed_pass(state) for _ in range(_TIMED_PASSES))  # layout read first
         context = options.context_length or context_length_of(config)
         eos = effective_eos_ids(self._tokenizer, self._path, config)
-        log.info(
+        log.debug(  # the load's info line is the router's (actors/model_lifecycle.py)
             "model %r: context %d tokens, generation ends on token ids %s (%s)",
             name,
             context,
             sorted(eos),
             ", ".join(repr(self._tokenizer.decode([t])) for t in sorted(eos)),
         )
+        templated = has_chat_template(self._tokenizer)
+        if not templated:
+            log.info(
+                "model %r has no chat template: chat messages get the plain 'role: content' "
+                "fallback format (docs/chat.md); a base model continues a raw prompt better",
+                name,
+            )
         return ModelInfo(
             context_length=context,
             vocab_size=vocab_size_of(config),
@@ -142,6 +152,7 @@ class MlxBackend:
             together_snapshot_tokens=together_snapshot_tokens(
                 state.caches, context, self._reaches_back
             ),
+            chat_template=templated,
         )
 
     def _timed_pass(self, state: MlxState) -> float:

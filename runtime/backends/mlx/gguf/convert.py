@@ -38,6 +38,7 @@ from runtime.backends.mlx.gguf.tensors import (
 )
 from runtime.backends.mlx.gguf.tokenizer import write_tokenizer
 from runtime.backends.options import WeightFormat
+from runtime.blas import use_fast_blas
 from runtime.errors import InvalidModelSpec, ModelLoadFailed
 from runtime.progress import Progress, no_progress
 
@@ -237,8 +238,10 @@ def choose_weights(requested: str | None) -> tuple[str, str]:
     import mlx.core as mx
 
     if mx.default_device() == mx.cpu:
+        # The 44x was measured with OpenBLAS: say so only where this process runs it.
+        blas = "OpenBLAS, in use here" if use_fast_blas().fast else "OpenBLAS, not in use here"
         return "float32", (
-            "auto on a CPU: MLX's CPU quantized matmul is ~44x slower than float32 with OpenBLAS "
-            "(measured; docs/models.md); weights=quantized keeps them small instead"
+            f"auto on a CPU: MLX's CPU quantized matmul is ~44x slower than float32 (measured "
+            f"with {blas}; docs/models.md); weights=quantized keeps them small instead"
         )
     return "quantized", "auto on a GPU: quantized weights are faster there and 4-8x smaller"
