@@ -27,6 +27,7 @@ from runtime.generate_cli import generate
 from runtime.model_args import model_specs, prepare_specs
 from runtime.model_commands import add_commands, add_serve_flags, run_command
 from runtime.serve_cli import GRACEFUL_SHUTDOWN_S, serve_models
+from runtime.serve_keys import add_key_flags
 
 
 def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -270,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     add_serve_flags(serve)
+    add_key_flags(serve)
     serve.add_argument("--quiet", action="store_true", help="no progress bars")
     add_commands(commands)
     args = parser.parse_args(argv)

@@ -40,9 +40,7 @@ async def serving(
     """The app with keys for Alice and Bob (unless ``config`` says otherwise), served."""
     settings: dict[str, Any] = {"api_keys": ApiKeys([ALICE, BOB]), **config}
     runtime = RuntimeConfig(kv_budget_bytes=64 << 20)
-    server = OpenAIServer(
-        ServerConfig(models=(model or sim_model(),), runtime=runtime, **settings)
-    )
+    server = OpenAIServer(ServerConfig(models=(model or sim_model(),), runtime=runtime, **settings))
     # uvicorn on loopback: ASGITransport would hold a stream's response until the app ends.
     async with serve_on_loopback(server, start_within_s=10, client_timeout=10) as client:
         yield client, server
