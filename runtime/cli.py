@@ -101,6 +101,7 @@ _SERVE_EXAMPLES = """examples:
   mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
   mlxrt serve --model-option kv_bits=8 --kv-budget-mib 512 --host 0.0.0.0
   mlxrt serve --keep-alive 30m --no-auto-load  unload models idle 30 min; load none on demand
+  mlxrt serve --host 0.0.0.0 --api-key-file keys.txt --max-concurrent-per-key 4
   curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
     -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 """

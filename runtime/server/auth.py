@@ -73,7 +73,7 @@ class ApiKeys:
         return len(self._digests)
 
     def __repr__(self) -> str:
-        return f"ApiKeys(<{len(self)} keys>)"
+        return f"ApiKeys(<{len(self)} key{'' if len(self) == 1 else 's'}>)"
 
     def tenant_of(self, presented: str | None) -> Tenant | None:
         """The tenant whose key ``presented`` is; None for a missing or unknown key.
