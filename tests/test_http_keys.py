@@ -12,6 +12,8 @@ import anyio
 import anyio.lowlevel
 import httpx
 import pytest
+from starlette.applications import Starlette
+from starlette.routing import Mount
 
 from runtime.config import RuntimeConfig
 from runtime.errors import InvalidConfig
@@ -126,6 +128,19 @@ async def test_metrics_can_be_public_or_need_their_own_keys() -> None:
         assert (await client.get("/metrics", headers=as_(scraper))).status_code == 200
         assert (await client.get("/metrics", headers=as_(ALICE))).status_code == 401
         assert (await client.get("/v1/models", headers=as_(scraper))).status_code == 401
+
+
+async def test_a_mounted_server_keeps_health_open_and_the_rest_behind_its_keys() -> None:
+    server = OpenAIServer(ServerConfig(models=(sim_model(),), api_keys=ApiKeys([ALICE])))
+    host = Starlette(routes=[Mount("/openai", app=server.app)])
+    async with server.app.router.lifespan_context(server.app):
+        transport = httpx.ASGITransport(app=host)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            assert (await client.get("/openai/health")).status_code == 200
+            assert (await client.get("/openai/metrics")).status_code == 401
+            assert (await client.get("/openai/v1/models")).status_code == 401
+            models = await client.get("/openai/v1/models", headers=as_(ALICE))
+            assert models.status_code == 200
 
 
 async def test_a_server_without_keys_answers_everyone() -> None:

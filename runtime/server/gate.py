@@ -54,11 +54,15 @@ class KeyGate:
         self._allowances = allowances
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] == "OPTIONS" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http":
+            await self._app(scope, receive, send)
+            return
+        path = _route_path(scope)
+        if scope["method"] == "OPTIONS" or path in OPEN_PATHS:
             await self._app(scope, receive, send)
             return
         headers = scope["headers"]
-        if scope["path"] == METRICS_PATH:
+        if path == METRICS_PATH:
             if not self._may_read_metrics(presented_key(headers)):
                 await _refuse(send, _unauthorized())
                 return
@@ -71,11 +75,7 @@ class KeyGate:
                 await _refuse(send, _unauthorized())
                 return
             scope = {**scope, TENANT_SCOPE_KEY: tenant}
-        if (
-            self._allowances is None
-            or scope["method"] != "POST"
-            or scope["path"] in UNLIMITED_PATHS
-        ):
+        if self._allowances is None or scope["method"] != "POST" or path in UNLIMITED_PATHS:
             await self._app(scope, receive, send)
             return
         await self._within_allowance(
@@ -109,6 +109,16 @@ class KeyGate:
             await self._app(scope, receive, send)
         finally:
             allowances.leave(tenant, ticket)  # every exit: done, failed, cancelled, disconnected
+
+
+def _route_path(scope: Scope) -> str:
+    """The path within this app: a host that mounts it (``Mount("/openai", server.app)``) hands
+    it the whole path and the mount point as ``root_path``, as Starlette's router reads it."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) :].startswith("/"):
+        return path[len(root) :]
+    return path
 
 
 async def _wait_for_turn(ticket: Ticket, receive: Receive) -> list[Message] | None:
