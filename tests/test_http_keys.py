@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -246,13 +247,17 @@ async def test_one_key_cannot_supersede_another_keys_session() -> None:
         assert rest[-1] == "data: [DONE]" and '"finish_reason":"length"' in "".join(rest)
 
 
-async def test_no_metric_or_log_names_a_key() -> None:
-    async with serving(public_metrics=True) as (client, _):
+async def test_no_metric_or_log_names_a_key(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.DEBUG)
+    async with serving(public_metrics=True, max_concurrent_per_key=1) as (client, _):
         await complete(client, ALICE, cache_salt="user-1")
         await complete(client, BOB)
+        await client.get("/v1/models", headers=as_("a-wrong-key"))
         exposition = (await client.get("/metrics")).text
         assert "namespace" not in exposition and "key-" not in exposition
         assert ALICE not in exposition and "user-1" not in exposition
+    logged = caplog.text
+    assert logged and all(key not in logged for key in (ALICE, BOB, "a-wrong-key"))
 
 
 # --------------------------------------------------------------------------- per-key limits

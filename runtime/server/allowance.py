@@ -121,6 +121,8 @@ class Allowances:
 
     def leave(self, tenant: str, ticket: Ticket) -> None:
         """``Allowance.leave`` for ``tenant``'s allowance."""
+        if ticket.left:
+            return  # its allowance may be gone already
         allowance = self._by_tenant[tenant]
         allowance.leave(ticket)
         if allowance.idle:
