@@ -329,6 +329,7 @@ async def test_without_keys_the_limits_hold_for_all_clients_together() -> None:
         ({"max_concurrent_per_key": 0}, "max_concurrent_per_key must be at least 1"),
         ({"max_concurrent_per_key": 2, "max_queued_per_key": -1}, "max_queued_per_key"),
         ({"max_queued_per_key": 3}, "set both"),
+        ({"api_keys": (ALICE,)}, "api_keys must be runtime.server.ApiKeys"),
     ],
 )
 def test_limits_out_of_range_are_refused_naming_them(config: Json, words: str) -> None:

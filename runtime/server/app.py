@@ -88,7 +88,7 @@ class OpenAIServer:
 
     def __init__(self, config: ServerConfig, *, progress: Progress = no_progress) -> None:
         """``progress``: where fetching, converting and loading a model on demand report to.
-        Raises ``InvalidConfig`` for per-key limits out of range."""
+        Raises ``InvalidConfig`` for per-key limits out of range, or keys not in ``ApiKeys``."""
         self.config = config
         self._progress = progress
         self._runtime: Runtime | None = None
@@ -360,6 +360,14 @@ class OpenAIServer:
 
 
 def _allowances(config: ServerConfig) -> Allowances | None:
+    """The per-key limits; raises ``InvalidConfig`` for them, or for keys given as plain strings
+    (msgspec does not check a struct's field types when it is built)."""
+    for name in ("api_keys", "metrics_keys"):
+        if not isinstance(getattr(config, name), ApiKeys | None):
+            raise InvalidConfig(
+                f"{name} must be runtime.server.ApiKeys([...]) (which keeps only their digests) "
+                "or None, not plain strings"
+            )
     if config.max_concurrent_per_key is None:
         if config.max_queued_per_key:
             raise InvalidConfig(
