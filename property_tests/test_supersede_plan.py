@@ -221,7 +221,9 @@ def test_the_plan_follows_the_supersede_adopt_and_join_rules(
     session = [
         s
         for s in table
-        if live(s) and s.session == newcomer.session and s.sequence_id < newcomer.sequence_id
+        if live(s)
+        and (s.session, s.namespace) == (newcomer.session, newcomer.namespace)
+        and s.sequence_id < newcomer.sequence_id
     ]
     touched = [step.prewarm if isinstance(step, Adopt) else step.older for step in plan.steps
                if not isinstance(step, Join)]  # fmt: skip

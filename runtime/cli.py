@@ -27,6 +27,7 @@ from runtime.generate_cli import generate
 from runtime.model_args import model_specs, prepare_specs
 from runtime.model_commands import add_commands, add_serve_flags, run_command
 from runtime.serve_cli import GRACEFUL_SHUTDOWN_S, serve_models
+from runtime.serve_keys import add_key_flags
 
 
 def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -100,6 +101,7 @@ _SERVE_EXAMPLES = """examples:
   mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
   mlxrt serve --model-option kv_bits=8 --kv-budget-mib 512 --host 0.0.0.0
   mlxrt serve --keep-alive 30m --no-auto-load  unload models idle 30 min; load none on demand
+  mlxrt serve --host 0.0.0.0 --api-key-file keys.txt --max-concurrent-per-key 4
   curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
     -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 """
@@ -270,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     add_serve_flags(serve)
+    add_key_flags(serve)
     serve.add_argument("--quiet", action="store_true", help="no progress bars")
     add_commands(commands)
     args = parser.parse_args(argv)

@@ -162,6 +162,24 @@ class KVRequestTooLarge(MlxRuntimeError):
     code = "kv_request_too_large"
 
 
+# --------------------------------------------------------------------------- access
+
+
+class InvalidApiKey(MlxRuntimeError):
+    """Raised (by the server) for a request without a valid API key, missing or wrong alike: the
+    answer says nothing about which, nor about the keys the server holds."""
+
+    code = "invalid_api_key"
+
+
+class RateLimited(MlxRuntimeError):
+    """Raised (by the server) when a key already has its most requests running and waiting; try
+    again when one of them ends."""
+
+    code = "rate_limit_exceeded"
+    retryable = True
+
+
 # --------------------------------------------------------------------------- execution
 
 
@@ -272,6 +290,8 @@ ERRORS_BY_CODE: dict[str, type[MlxRuntimeError]] = {
         UnsupportedCache,
         KVBudgetExhausted,
         KVRequestTooLarge,
+        InvalidApiKey,
+        RateLimited,
         BackendError,
         EngineCrashed,
         StepTimedOut,

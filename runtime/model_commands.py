@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 import urllib.error
@@ -13,6 +14,7 @@ import urllib.request
 from typing import Any
 
 from runtime.backends.model_source import available_models
+from runtime.serve_keys import API_KEY_ENV
 
 DEFAULT_KEEP_ALIVE = (
     "5m"  # for models `mlxrt serve` loads on demand, without --keep-alive (Ollama's)
@@ -124,11 +126,12 @@ def _request(
     url: str, method: str, path: str, body: object = None, timeout: float = TIMEOUT_S
 ) -> Any:
     data = None if body is None else json.dumps(body).encode()
+    headers = {"content-type": "application/json"}
+    key = os.environ.get(API_KEY_ENV, "").strip()
+    if key:  # a server started with keys answers only requests that send one
+        headers["authorization"] = f"Bearer {key}"
     request = urllib.request.Request(
-        url.rstrip("/") + path,
-        data=data,
-        method=method,
-        headers={"content-type": "application/json"},
+        url.rstrip("/") + path, data=data, method=method, headers=headers
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
@@ -138,6 +141,8 @@ def _request(
             message = json.load(error)["error"]["message"]
         except (ValueError, KeyError, TypeError):
             message = f"HTTP {error.code} {error.reason}"
+        if error.code == 401:
+            message += f" (mlxrt sends the key set in ${API_KEY_ENV})"
         raise ServerError(message) from None
     except urllib.error.URLError as error:
         raise ServerError(

@@ -21,6 +21,7 @@ from runtime.errors import AddressInUse
 from runtime.model_args import model_specs, prepare_specs
 from runtime.model_commands import DEFAULT_KEEP_ALIVE
 from runtime.progress import tqdm_progress
+from runtime.serve_keys import key_settings, warn_if_exposed
 
 if TYPE_CHECKING:
     import uvicorn
@@ -45,9 +46,11 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         named_s = None if args.keep_alive is None else parse_keep_alive(args.keep_alive)
         keep_alive_s = parse_keep_alive(args.keep_alive or DEFAULT_KEEP_ALIVE)
         models = model_specs(args.model, args.backend, model_options(args))
+        access = key_settings(args)  # before any model loads: a bad key file is a usage error
     except ValueError as error:
         parser.error(str(error))
     check_port_free(args.host, args.port)
+    warn_if_exposed(args.host, args.port, access)
     models = tuple(
         msgspec.structs.replace(spec, keep_alive_s=named_s)
         for spec in prepare_specs(models, quiet=args.quiet)
@@ -66,6 +69,7 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         keep_alive_s=keep_alive_s,
         default_temperature=args.temperature,
         offer_cached_models=args.backend == "mlx",  # cached models are MLX ones
+        **access,
     )
     # Bars for what loads on demand too (fetch, convert, load), for as long as the server runs.
     with tqdm_progress(disable=args.quiet) as progress:

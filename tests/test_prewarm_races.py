@@ -39,7 +39,12 @@ def sim() -> Simulator:
 
 
 def prewarm(
-    request_id: str, tokens: TokenIds, session: str | None = None, *, anonymous: bool = False
+    request_id: str,
+    tokens: TokenIds,
+    session: str | None = None,
+    *,
+    anonymous: bool = False,
+    namespace: str = "default",
 ) -> Prewarm:
     return Prewarm(
         request_id=request_id,
@@ -48,6 +53,7 @@ def prewarm(
         prompt_tokens=tokens,
         session=session,
         anonymous=anonymous,
+        namespace=namespace,
     )
 
 
@@ -111,6 +117,23 @@ def test_a_new_prewarm_that_extends_the_older_one_adopts_it() -> None:
     assert started.path is ReusePath.ADOPTED and started.cached_tokens > 0
     assert engine(s).counters["prefilled_tokens"] == 299  # once, through the adopted state
     assert entry_lengths(s) == [299]
+
+
+def test_a_session_name_in_another_namespace_is_another_session() -> None:
+    """Two cache salts (or two API keys' tenants) that both name a session "editor": the newer
+    prewarm neither adopts nor supersedes the other's, which would hand one namespace's state to
+    the other or cut the other's work short."""
+    s = sim()
+    longer = (*FIRST, *THIRD[:100])
+    s.send(prewarm("focus-1", FIRST, "editor", namespace="a"))
+    s.advance(CHUNK * PER_TOKEN * 3.5)
+    s.send(prewarm("focus-2", longer, "editor", namespace="b"))
+    s.run_until_quiescent()
+    assert finished(s, "focus-1").reason is FinishReason.PREWARMED
+    assert finished(s, "focus-2").reason is FinishReason.PREWARMED
+    started = next(e for e in s.events("focus-2", 1) if isinstance(e, Started))
+    assert started.path is not ReusePath.ADOPTED and started.cached_tokens == 0
+    assert engine(s).counters["prefilled_tokens"] == 199 + 299  # each prefilled its own
 
 
 def test_identical_concurrent_prewarms_prefill_once_and_all_finish_prewarmed() -> None:

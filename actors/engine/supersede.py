@@ -5,9 +5,10 @@ A generate or a prewarm, once it has its tokens, may end or take over older work
 
 - a prewarm **follows** (``Join``) a live identical prewarm (same tokens, same namespace, any
   session): it computes nothing and ends when that leader does;
-- in its own session, among older sequences (admitted before it: lower sequence ids), the
-  newcomer **adopts** (``Adopt``) the first computing prewarm whose prefill target its own
-  target extends: state, lease and in-flight job pass to it;
+- in its own session (a session is named within its namespace), among older sequences
+  (admitted before it: lower sequence ids), the newcomer **adopts** (``Adopt``) the first
+  computing prewarm whose prefill target its own target extends: state, lease and in-flight job
+  pass to it;
 - in its own session, every other older prewarm is **superseded** (``Supersede``: aborted,
   ``"superseded"``), except an identical one (the same work: joined, never superseded) and the
   followers of the adopted one (they end with it); an older generate is superseded only by a
@@ -80,8 +81,14 @@ def plan_supersede(newcomer: Sequence, others: Iterable[Sequence]) -> SupersedeP
     live = [s for s in others if s is not newcomer and _live(s)]
     leader = identical_leader(newcomer, live) if newcomer.kind is RequestKind.PREWARM else None
     # Only older work: a request sent after the newcomer is newer news, even if tokenized first.
+    # A session is named within its namespace: one salt's (or API key's) "editor" is not
+    # another's, so a name never hands state across namespaces or cuts another's work short.
     session = [
-        s for s in live if s.session == newcomer.session and s.sequence_id < newcomer.sequence_id
+        s
+        for s in live
+        if s.session == newcomer.session
+        and s.namespace == newcomer.namespace
+        and s.sequence_id < newcomer.sequence_id
     ]
     adopted = None
     # Not following, not adopting already, and allowed to restore state it did not compute.

@@ -5,9 +5,11 @@ Modules, one job each: ``app`` (routes, lifespan), ``schema`` (wire format), ``t
 ``generation`` (one request's response: JSON or SSE, cancelled on disconnect), ``errors``
 (runtime codes → HTTP statuses and OpenAI error bodies), ``metrics`` (``GET /metrics``: the
 registry, and what the HTTP layer observes), ``stats_collector`` (``Runtime.stats()`` as
-Prometheus metric families at scrape time).
+Prometheus metric families at scrape time), ``gate`` (API keys and per-key limits before every
+route), ``auth`` (keys and tenants), ``allowance`` (each key's running and waiting requests).
 """
 
 from runtime.server.app import OpenAIServer, ServerConfig
+from runtime.server.auth import ApiKeys
 
-__all__ = ["OpenAIServer", "ServerConfig"]
+__all__ = ["ApiKeys", "OpenAIServer", "ServerConfig"]

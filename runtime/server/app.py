@@ -20,6 +20,7 @@ from typing import Literal, TypeVar
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -27,10 +28,12 @@ from starlette.routing import Route
 from runtime.api import Runtime
 from runtime.backends.model_source import available_models
 from runtime.config import RuntimeConfig
-from runtime.errors import MlxRuntimeError, ModelNotLoaded, RuntimeClosed
+from runtime.errors import InvalidConfig, MlxRuntimeError, ModelNotLoaded, RuntimeClosed
 from runtime.messages import Cancelled, Failed, Finished, FinishReason, ModelSpec
 from runtime.progress import Progress, no_progress
 from runtime.server import schema as wire
+from runtime.server.allowance import Allowances, PerKeyLimits
+from runtime.server.auth import ApiKeys, scoped
 from runtime.server.errors import (
     HttpError,
     error_for_body,
@@ -40,6 +43,7 @@ from runtime.server.errors import (
     invalid,
     model_not_loaded,
 )
+from runtime.server.gate import KeyGate
 from runtime.server.generation import GenerationResponse
 from runtime.server.metrics import OTHER_MODEL, ServerMetrics
 from runtime.server.models import ModelManager
@@ -68,18 +72,29 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     keep_alive_s: float | None = None
     # The temperature of a request that sends none: OpenAI's 1.0 (``mlxrt serve --temp``: 0).
     default_temperature: float = 1.0
+    # Who may use it (gate.py, docs/http.md "Security"). ``api_keys`` None: anyone who reaches
+    # the port. ``metrics_keys``: the only keys that read /metrics (else any API key does);
+    # ``public_metrics``: /metrics needs none. Per key (or, without keys, for all clients
+    # together): at most ``max_concurrent_per_key`` requests run, ``max_queued_per_key`` wait.
+    api_keys: ApiKeys | None = None
+    metrics_keys: ApiKeys | None = None
+    public_metrics: bool = False
+    max_concurrent_per_key: int | None = None
+    max_queued_per_key: int = 0
 
 
 class OpenAIServer:
     """One ``Runtime`` served over HTTP; ``app`` is the ASGI application to run."""
 
     def __init__(self, config: ServerConfig, *, progress: Progress = no_progress) -> None:
-        """``progress``: where fetching, converting and loading a model on demand report to."""
+        """``progress``: where fetching, converting and loading a model on demand report to.
+        Raises ``InvalidConfig`` for per-key limits out of range, or keys not in ``ApiKeys``."""
         self.config = config
         self._progress = progress
         self._runtime: Runtime | None = None
         self._manager: ModelManager | None = None
         self._served: set[str] = set()  # models loaded at some point: their metrics labels
+        self.allowances = _allowances(config)  # per-key limits; None: no limits
         self.metrics = ServerMetrics(
             lambda: None if self._runtime is None else self._runtime.stats()
         )
@@ -97,6 +112,15 @@ class OpenAIServer:
             ],
             lifespan=self._lifespan,
             exception_handlers={HttpError: _on_http_error, HTTPException: _on_route_error},
+            middleware=[
+                Middleware(
+                    KeyGate,
+                    keys=config.api_keys,
+                    metrics_keys=config.metrics_keys,
+                    public_metrics=config.public_metrics,
+                    allowances=self.allowances,
+                )
+            ],
         )
 
     @property
@@ -191,6 +215,7 @@ class OpenAIServer:
     async def _completions(self, request: Request) -> Response:
         body = await self._read_body(request)
         call = completion_call(self._defaulted(_decode(body, wire.completion_request_decoder)))
+        call = scoped(request, call)  # the key's own cache namespace and sessions
         render = CompletionRender(
             f"cmpl-{uuid.uuid4().hex}",
             call.model,
@@ -207,7 +232,7 @@ class OpenAIServer:
 
     async def _chat_completions(self, request: Request) -> Response:
         body = await self._read_body(request)
-        call = chat_call(self._defaulted(_decode(body, wire.chat_request_decoder)))
+        call = scoped(request, chat_call(self._defaulted(_decode(body, wire.chat_request_decoder))))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs, include_usage = call.sampling.logprobs, call.include_usage
         render: Render
@@ -229,7 +254,7 @@ class OpenAIServer:
     async def _prewarm(self, request: Request) -> Response:
         """Not cancelled when the client goes away: a client may send it and not wait."""
         body = await self._read_body(request)
-        call = prewarm_call(_decode(body, wire.prewarm_request_decoder))
+        call = scoped(request, prewarm_call(_decode(body, wire.prewarm_request_decoder)))
         try:
             await self.models.ensure_loaded(call.model)
             ended = await self.runtime.prewarm(
@@ -332,6 +357,25 @@ class OpenAIServer:
             # Nobody is left to read the answer; this only keeps the log free of a traceback.
             raise HttpError(400, "the client disconnected", code=None) from None
         return bytes(body)
+
+
+def _allowances(config: ServerConfig) -> Allowances | None:
+    """The per-key limits; raises ``InvalidConfig`` for them, or for keys given as plain strings
+    (msgspec does not check a struct's field types when it is built)."""
+    for name in ("api_keys", "metrics_keys"):
+        if not isinstance(getattr(config, name), ApiKeys | None):
+            raise InvalidConfig(
+                f"{name} must be runtime.server.ApiKeys([...]) (which keeps only their digests) "
+                "or None, not plain strings"
+            )
+    if config.max_concurrent_per_key is None:
+        if config.max_queued_per_key:
+            raise InvalidConfig(
+                "max_queued_per_key limits the queue of max_concurrent_per_key, which is unset; "
+                "set both"
+            )
+        return None
+    return Allowances(PerKeyLimits(config.max_concurrent_per_key, config.max_queued_per_key))
 
 
 def _refuse_non_json(content_type: str | None) -> None:

@@ -21,6 +21,7 @@ from runtime.errors import (
     ContextLengthExceeded,
     DuplicateRequestId,
     EngineCrashed,
+    InvalidApiKey,
     InvalidGrammar,
     InvalidModelSpec,
     InvalidRequest,
@@ -38,6 +39,7 @@ from runtime.errors import (
     ModelNotLoaded,
     ModelRestarting,
     ModelUnloading,
+    RateLimited,
     RequestTimedOut,
     RuntimeClosed,
     StepTimedOut,
@@ -75,6 +77,8 @@ STATUS_BY_CODE: dict[str, int] = {
     ModelLoading.code: 409,  # its load is under way: wait, GET /v1/models shows when it is in
     ModelNotAvailable.code: 404,
     KVBudgetExhausted.code: 503,
+    InvalidApiKey.code: 401,  # missing or wrong: one answer for both
+    RateLimited.code: 429,  # this key's requests running and waiting are at its limit
     ModelUnloading.code: 503,
     ModelRestarting.code: 503,  # its engine crashed and is reloading
     ModelFailed.code: 503,  # out of service until an operator loads it again
@@ -142,7 +146,7 @@ def error_for_code(
 ) -> HttpError:
     """The HTTP form of a runtime error code (from an exception, a ``Failed`` or a ``Rejected``)."""
     status = STATUS_BY_CODE.get(code, 500)
-    retry_after = RETRY_AFTER_S if retryable and status == 503 else None
+    retry_after = RETRY_AFTER_S if retryable and status in (429, 503) else None
     return HttpError(status, message, code=code, param=param, retry_after=retry_after)
 
 
