@@ -16,6 +16,10 @@ from runtime.errors import ModelFetchFailed
 if TYPE_CHECKING:
     from runtime.backends.mlx.gguf.convert import ConvertedModel
 
+# A key in the developer's shell would reach every `mlxrt serve` the tests start and turn their
+# requests into 401s; the tests that are about keys set it themselves.
+os.environ.pop("MLXRT_API_KEY", None)
+
 
 # Run every @pytest.mark.anyio test on plain asyncio and on uvloop: the runtime
 # must behave the same on both event loops.
