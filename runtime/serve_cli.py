@@ -18,16 +18,18 @@ if TYPE_CHECKING:
 
     from runtime.server import OpenAIServer
 
-GRACEFUL_SHUTDOWN_S = 10  # on Ctrl-C, streams still running after this are cancelled
+# On Ctrl-C open generations end at once (runtime/server/serving.py); connections still busy
+# after this (a model load, a slow client) are cancelled.
+GRACEFUL_SHUTDOWN_S = 10
 
 
 def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Load the models (fetched and converted first, with progress bars) and serve them until
-    Ctrl-C; 2 (a usage error) for a malformed --model, --model-option or --keep-alive."""
-    import uvicorn  # uvicorn and the server load only to serve
-
+    Ctrl-C or SIGTERM (then 0: open requests end properly, serving.py); 2 (a usage error) for a
+    malformed --model, --model-option or --keep-alive."""
     from runtime.server import OpenAIServer, ServerConfig
     from runtime.server.models import parse_keep_alive
+    from runtime.server.serving import serve
 
     try:
         keep_alive_s = parse_keep_alive(args.keep_alive)
@@ -56,7 +58,7 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     # Bars for what loads on demand too (fetch, convert, load), for as long as the server runs.
     with tqdm_progress(disable=args.quiet) as progress:
         server = OpenAIServer(config, progress=progress)
-        uvicorn.Server(_uvicorn_config(server, args)).run()
+        serve(server, _uvicorn_config(server, args))
     return 0
 
 

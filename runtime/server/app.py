@@ -44,6 +44,7 @@ from runtime.server.generation import GenerationResponse
 from runtime.server.metrics import OTHER_MODEL, ServerMetrics
 from runtime.server.models import ModelManager
 from runtime.server.render import ChatRender, CompletionRender, Render
+from runtime.server.shutdown import ShutdownNotice, shutting_down
 from runtime.server.tool_render import ChatToolRender
 from runtime.server.translate import RuntimeCall, chat_call, completion_call, prewarm_call
 
@@ -80,6 +81,7 @@ class OpenAIServer:
         self._runtime: Runtime | None = None
         self._manager: ModelManager | None = None
         self._served: set[str] = set()  # models loaded at some point: their metrics labels
+        self._shutdown: ShutdownNotice | None = None  # made in the lifespan (its event loop)
         self.metrics = ServerMetrics(
             lambda: None if self._runtime is None else self._runtime.stats()
         )
@@ -113,9 +115,22 @@ class OpenAIServer:
             raise RuntimeClosed("the server is not running (before start-up or after shutdown)")
         return self._manager
 
+    async def stop_generations(self, within_s: float) -> int:
+        """End every open generation properly (shutdown.py) and refuse new ones; wait at most
+        ``within_s`` seconds for their endings to be sent. Returns how many were open. Call it
+        before the HTTP server closes its connections (``mlxrt serve`` does, on SIGINT/SIGTERM)."""
+        if self._shutdown is None:
+            return 0
+        open_now = self._shutdown.open_generations
+        self._shutdown.give()
+        if not await self._shutdown.wait_ended(within_s):
+            log.warning("%d requests had not ended %.0f s into the shutdown", open_now, within_s)
+        return open_now
+
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         config = self.config
+        self._shutdown = ShutdownNotice()
         async with Runtime(config.runtime) as runtime:
             manager = ModelManager(
                 runtime,
@@ -273,6 +288,8 @@ class OpenAIServer:
     # ------------------------------------------------------------------ plumbing
 
     async def _generation(self, call: RuntimeCall, render: Render) -> Response:
+        if self._shutdown is not None and self._shutdown.stopping:
+            raise shutting_down()
         timer = self.metrics.stream_timer(self._model_label(call.model))
         try:
             # A model available but not loaded is loaded first (with auto-load): the client
@@ -304,7 +321,9 @@ class OpenAIServer:
         except MlxRuntimeError as error:
             timer.ended("rejected")
             raise error_for_runtime(error) from error
-        return GenerationResponse(stream, render, streaming=call.stream, timer=timer)
+        return GenerationResponse(
+            stream, render, streaming=call.stream, timer=timer, shutdown=self._shutdown
+        )
 
     def _model_label(self, model: str) -> str:
         # Clients name the model: an unknown name must not mint a new time series per request.

@@ -241,6 +241,7 @@ class TextCompletion(_Reply, frozen=True, kw_only=True):
     choices: list[CompletionChoice]
     usage: WireUsage | msgspec.UnsetType | None = msgspec.UNSET
     timings: Timings | msgspec.UnsetType = msgspec.UNSET
+    error: ErrorDetail | msgspec.UnsetType = msgspec.UNSET  # a stream the server stopped
 
 
 class TopLogprob(_Reply, frozen=True, kw_only=True):
@@ -332,6 +333,7 @@ class ChatCompletionChunk(_Reply, frozen=True, kw_only=True):
     choices: list[ChatChunkChoice]
     usage: WireUsage | msgspec.UnsetType | None = msgspec.UNSET
     timings: Timings | msgspec.UnsetType = msgspec.UNSET
+    error: ErrorDetail | msgspec.UnsetType = msgspec.UNSET  # a stream the server stopped
 
 
 class PrewarmResult(_Reply, frozen=True, kw_only=True):
