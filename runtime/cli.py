@@ -20,7 +20,8 @@ from runtime.messages import ChatMessage, TokensEmitted
 from runtime.model_args import model_specs, prepare_specs
 from runtime.model_commands import add_commands, add_serve_flags, run_command
 from runtime.progress import tqdm_progress
-from runtime.serve_cli import GRACEFUL_SHUTDOWN_S, serve_models
+from runtime.serve_cli import serve_models
+from runtime.serve_flags import add_request_flags
 
 
 async def _generate(args: argparse.Namespace) -> int:
@@ -104,11 +105,11 @@ _GENERATE_EXAMPLES = """examples:
   mlxrt generate --backend simulated --model sim "hello"    no MLX: a deterministic stand-in
   mlxrt generate --raw --model gemma3-270m $'Q: Why is the sky blue?\\nA:'   no chat template
 """
-_SERVE_DESCRIPTION = f"""\
+_SERVE_DESCRIPTION = """\
 Serve models over an OpenAI-compatible HTTP API (docs/http.md): /v1/completions,
 /v1/chat/completions, /v1/models, the runtime's own /v1/prewarm, /health and /metrics. The models
-load before the server accepts requests; Ctrl-C stops it, letting running streams finish for up
-to {GRACEFUL_SHUTDOWN_S} s."""
+load before the server accepts requests; Ctrl-C (or SIGTERM) stops it: running streams end at
+once with a last chunk saying so and [DONE], and it exits 0."""
 _SERVE_EXAMPLES = """examples:
   mlxrt serve                                  the default model on 127.0.0.1:8000
   mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )
     add_serve_flags(serve)
+    add_request_flags(serve)
     serve.add_argument("--quiet", action="store_true", help="no progress bars")
     add_commands(commands)
     args = parser.parse_args(argv)

@@ -12,6 +12,7 @@ import msgspec
 from runtime.config import RuntimeConfig
 from runtime.model_args import model_specs, prepare_specs
 from runtime.progress import tqdm_progress
+from runtime.serve_flags import check_request_flags
 
 if TYPE_CHECKING:
     import uvicorn
@@ -31,6 +32,7 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     from runtime.server.models import parse_keep_alive
     from runtime.server.serving import serve
 
+    check_request_flags(args, parser)
     try:
         keep_alive_s = parse_keep_alive(args.keep_alive)
         models = model_specs(args.model, args.backend, args.model_option)
@@ -47,12 +49,15 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         kv_budget_bytes=budget,
         kv_budget_fraction=args.kv_budget_fraction,
         auto_load=not args.no_auto_load,
+        strict_max_tokens=args.strict_max_tokens,
     )
     config = ServerConfig(
         models=models,
         runtime=runtime,
         keep_alive_s=keep_alive_s,
         default_temperature=args.temp,
+        default_max_tokens=args.max_tokens,
+        allowed_origins=tuple(args.allowed_origins),
         offer_cached_models=args.backend == "mlx",  # cached models are MLX ones
     )
     # Bars for what loads on demand too (fetch, convert, load), for as long as the server runs.

@@ -20,6 +20,8 @@ from typing import Literal, TypeVar
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -69,6 +71,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     keep_alive_s: float | None = None
     # The temperature of a request that sends none: OpenAI's 1.0 (``mlxrt serve --temp``: 0).
     default_temperature: float = 1.0
+    # The token limit of a request that sends none (``mlxrt serve --max-tokens``); None: OpenAI's
+    # (16 for completions; chat: the rest of the context, up to runtime.default_max_tokens).
+    default_max_tokens: int | None = None
+    # Browser origins allowed to call the API (CORS; "*": any); empty: no CORS headers at all.
+    allowed_origins: tuple[str, ...] = ()
 
 
 class OpenAIServer:
@@ -99,6 +106,7 @@ class OpenAIServer:
             ],
             lifespan=self._lifespan,
             exception_handlers={HttpError: _on_http_error, HTTPException: _on_route_error},
+            middleware=_cors(config.allowed_origins),
         )
 
     @property
@@ -215,10 +223,17 @@ class OpenAIServer:
         return await self._generation(call, render)
 
     def _defaulted(self, request: _Generation) -> _Generation:
-        """``request`` with the server's default temperature where it sends none."""
-        if request.temperature is not None:
-            return request
-        return msgspec.structs.replace(request, temperature=self.config.default_temperature)
+        """``request`` with the server's default temperature and token limit where it sends
+        none (the limit is lowered to the room the prompt leaves, as any max_tokens is)."""
+        if request.temperature is None:
+            request = msgspec.structs.replace(request, temperature=self.config.default_temperature)
+        limit = self.config.default_max_tokens
+        sent_limit = request.max_tokens not in (None, msgspec.UNSET) or request.n_predict
+        if isinstance(request, wire.ChatCompletionRequest):
+            sent_limit = sent_limit or request.max_completion_tokens is not None
+        if limit is not None and not sent_limit:
+            request = msgspec.structs.replace(request, max_tokens=limit)
+        return request
 
     async def _chat_completions(self, request: Request) -> Response:
         body = await self._read_body(request)
@@ -351,6 +366,23 @@ class OpenAIServer:
             # Nobody is left to read the answer; this only keeps the log free of a traceback.
             raise HttpError(400, "the client disconnected", code=None) from None
         return bytes(body)
+
+
+def _cors(origins: tuple[str, ...]) -> list[Middleware]:
+    """Starlette's CORS for the allowed origins (preflight ``OPTIONS`` answered, the
+    ``Access-Control-*`` headers sent); none without them: a browser page on another origin
+    cannot read a reply (the browser's same-origin rule), as before."""
+    if not origins:
+        return []
+    return [
+        Middleware(
+            CORSMiddleware,
+            allow_origins=list(origins),
+            allow_methods=["GET", "POST"],
+            allow_headers=["*"],  # Authorization, Content-Type, the OpenAI SDK's x-stainless-*
+            expose_headers=["x-request-id", "retry-after"],
+        )
+    ]
 
 
 def _refuse_non_json(content_type: str | None) -> None:

@@ -41,7 +41,13 @@ def wire_usage(usage: Usage) -> wire.WireUsage:
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
         prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+        max_tokens_clamped_to=_clamped(usage),
     )
+
+
+def _clamped(usage: Usage) -> int | msgspec.UnsetType:
+    clamped = usage.max_tokens_clamped_to
+    return msgspec.UNSET if clamped is None else clamped
 
 
 def finish_reason(finished: Finished) -> str:

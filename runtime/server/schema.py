@@ -197,6 +197,8 @@ class WireUsage(_Reply, frozen=True, kw_only=True):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # Only when the request's max_tokens was past the room its prompt left: the limit it ran with.
+    max_tokens_clamped_to: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class Timings(_Reply, frozen=True, kw_only=True):
@@ -213,6 +215,7 @@ class Timings(_Reply, frozen=True, kw_only=True):
     predicted_per_token_ms: float | None
     predicted_per_second: float | None
     cache_n: int
+    max_tokens_clamped_to: int | msgspec.UnsetType = msgspec.UNSET  # as in usage
 
 
 class CompletionLogprobs(_Reply, frozen=True, kw_only=True):

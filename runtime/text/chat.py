@@ -19,7 +19,9 @@ Steps, in order:
    messages after it up to the next user message. System/developer messages and the latest turn
    are never dropped.
 5. Check the context: prompt plus ``max_tokens`` above ``context_length`` raises
-   ``ContextLengthExceeded``. Without a window nothing is ever dropped: the client owns its context.
+   ``ContextLengthExceeded`` (with ``reply_may_shrink``, only a prompt that leaves no room for one
+   token: the engine lowers ``max_tokens`` to the room left, or refuses it naming the value the
+   request sent). Without a window nothing is ever dropped: the client owns its context.
 6. Locate the message ends: where the instructions end, and where each of the latest messages but
    the final one ends, in prompt tokens (the engine checkpoints a cache that cannot be trimmed
    there, so an edit of a later message reuses all before it).
@@ -91,8 +93,12 @@ def prepare_chat(
     options: ChatOptions,
     max_tokens: int,
     context_length: int,
+    *,
+    reply_may_shrink: bool = False,
 ) -> PreparedPrompt:
     """Template, tokenize, window and check ``messages``; see the module docstring.
+    ``reply_may_shrink``: ``max_tokens`` only plans the window; the check asks for room for one
+    token (the engine's, which knows what the request sent, does the rest).
 
     Raises ``InvalidRequest`` for malformed messages or options (or a template that rejects the
     messages) and ``ContextLengthExceeded`` when the prompt plus ``max_tokens`` cannot fit.
@@ -107,8 +113,13 @@ def prepare_chat(
         budget = min(options.history_budget_tokens, context_length - max_tokens)
         kept, text, tokens, dropped = _window(renderer, msgs, budget)
     over = len(tokens) + max_tokens - context_length
-    if over > 0:
-        after = f" after dropping {dropped} earlier turns" if dropped else ""
+    after = f" after dropping {dropped} earlier turns" if dropped else ""
+    if reply_may_shrink and len(tokens) >= context_length:
+        raise ContextLengthExceeded(
+            f"the prompt is {len(tokens)} tokens{after}: it fills the context length of "
+            f"{context_length} and leaves no room for a reply; shorten the messages"
+        )
+    if over > 0 and not reply_may_shrink:
         raise ContextLengthExceeded(
             f"the prompt is {len(tokens)} tokens{after} and max_tokens is {max_tokens}: {over} "
             f"tokens over the context length of {context_length}; shorten the messages or lower "
