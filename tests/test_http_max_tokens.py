@@ -77,6 +77,7 @@ async def test_a_streamed_chat_reports_the_clamp_in_its_finish_chunk_and_usage()
                 "model": "m",
                 "messages": [{"role": "user", "content": "hi"}],
                 "max_completion_tokens": 100_000,
+                "temperature": 0,
                 "stream": True,
                 "stream_options": {"include_usage": True},
             },

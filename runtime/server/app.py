@@ -33,6 +33,7 @@ from runtime.errors import MlxRuntimeError, ModelNotLoaded, RuntimeClosed
 from runtime.messages import Cancelled, Failed, Finished, FinishReason, ModelSpec
 from runtime.progress import Progress, no_progress
 from runtime.server import schema as wire
+from runtime.server.compat import FieldNotes, default_model
 from runtime.server.errors import (
     HttpError,
     error_for_body,
@@ -53,6 +54,7 @@ from runtime.server.translate import RuntimeCall, chat_call, completion_call, pr
 log = logging.getLogger("mlx_actor_runtime.server")
 _T = TypeVar("_T")
 _Generation = TypeVar("_Generation", wire.CompletionRequest, wire.ChatCompletionRequest)
+_Named = TypeVar("_Named", wire.CompletionRequest, wire.ChatCompletionRequest, wire.PrewarmRequest)
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,6 +91,7 @@ class OpenAIServer:
         self._manager: ModelManager | None = None
         self._served: set[str] = set()  # models loaded at some point: their metrics labels
         self._shutdown: ShutdownNotice | None = None  # made in the lifespan (its event loop)
+        self._field_notes = FieldNotes()
         self.metrics = ServerMetrics(
             lambda: None if self._runtime is None else self._runtime.stats()
         )
@@ -213,7 +216,9 @@ class OpenAIServer:
 
     async def _completions(self, request: Request) -> Response:
         body = await self._read_body(request)
-        call = completion_call(self._defaulted(_decode(body, wire.completion_request_decoder)))
+        decoded = await self._named(_decode(body, wire.completion_request_decoder))
+        self._field_notes.note(decoded)
+        call = completion_call(self._defaulted(decoded))
         render = CompletionRender(
             f"cmpl-{uuid.uuid4().hex}",
             call.model,
@@ -221,6 +226,14 @@ class OpenAIServer:
             include_usage=call.include_usage,
         )
         return await self._generation(call, render)
+
+    async def _named(self, request: _Named) -> _Named:
+        """``request`` naming the server's only model when it names none (compat.py)."""
+        if request.model is not None:
+            return request
+        names = {status.name for status in await self.runtime.list_models()}
+        names.update(spec.name for spec in self.config.models)
+        return msgspec.structs.replace(request, model=default_model(sorted(names)))
 
     def _defaulted(self, request: _Generation) -> _Generation:
         """``request`` with the server's default temperature and token limit where it sends
@@ -237,7 +250,9 @@ class OpenAIServer:
 
     async def _chat_completions(self, request: Request) -> Response:
         body = await self._read_body(request)
-        call = chat_call(self._defaulted(_decode(body, wire.chat_request_decoder)))
+        decoded = await self._named(_decode(body, wire.chat_request_decoder))
+        self._field_notes.note(decoded)
+        call = chat_call(self._defaulted(decoded))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs, include_usage = call.sampling.logprobs, call.include_usage
         render: Render
@@ -259,7 +274,7 @@ class OpenAIServer:
     async def _prewarm(self, request: Request) -> Response:
         """Not cancelled when the client goes away: a client may send it and not wait."""
         body = await self._read_body(request)
-        call = prewarm_call(_decode(body, wire.prewarm_request_decoder))
+        call = prewarm_call(await self._named(_decode(body, wire.prewarm_request_decoder)))
         try:
             await self.models.ensure_loaded(call.model)
             ended = await self.runtime.prewarm(
@@ -332,6 +347,7 @@ class OpenAIServer:
                 timeout_s=call.timeout_s,
                 stall_timeout_s=call.stall_timeout_s,
                 reuse_prefix=call.reuse_prefix,
+                keep_alive_s=call.keep_alive_s,
             )
         except MlxRuntimeError as error:
             timer.ended("rejected")

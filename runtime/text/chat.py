@@ -29,6 +29,7 @@ Steps, in order:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Any, Final, Protocol
@@ -53,6 +54,26 @@ ROLES: Final[frozenset[str]] = frozenset(("system", "developer", "user", "assist
 INSTRUCTION_ROLES: Final[frozenset[str]] = frozenset(("system", "developer"))
 # Message ends located per prompt: edits land near the end, and each end costs a template render.
 MESSAGE_ENDS: Final = 16
+# apply_chat_template's own parameters: the renderer sets these, a template variable cannot.
+RENDERER_KWARGS: Final = frozenset(
+    (
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    )
+)
 
 # A closed block; reasoning before a lone closing tag (templates that open it in the generation
 # prompt); an opening tag never closed (a turn cut off by max_tokens).
@@ -163,6 +184,7 @@ def _validate(
             "after it; send the tool results (role tool) after it"
         )
     tool_prompt.validate_tools(options.tools)
+    template_kwargs(options)
     if max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be at least 1 (got {max_tokens})")
     if context_length < 1:
@@ -204,6 +226,7 @@ class _Renderer:
         self._native_tools = self._templated and tool_prompt.template_supports_tools(tokenizer)
         self._tools = options.tools
         self._parallel_tool_calls = options.parallel_tool_calls
+        self._template_kwargs = template_kwargs(options)
 
     def prompt(self, messages: Sequence[ChatMessage]) -> tuple[str, list[int]]:
         """The full prompt: a final assistant message is continued, not closed."""
@@ -226,7 +249,7 @@ class _Renderer:
         for entry in conversation:
             if entry["role"] == "developer":
                 entry["role"] = "system"  # the role templates know
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(self._template_kwargs)
         if self._native_tools and self._tools:
             extra["tools"] = tool_prompt.tools_json(self._tools)
         templated: Any = self._tokenizer  # _has_chat_template checked apply_chat_template
@@ -250,6 +273,27 @@ class _Renderer:
     def encode_continuation(self, text: str) -> list[int]:
         """Text that follows other text in the prompt: no BOS of its own."""
         return [int(t) for t in self._tokenizer.encode(text, add_special_tokens=False)]
+
+
+def template_kwargs(options: ChatOptions) -> dict[str, Any]:
+    """``options.template_kwargs`` as keyword arguments for the template; raises
+    ``InvalidRequest`` for text that is not a JSON object, or a key the renderer sets itself."""
+    text = options.template_kwargs
+    if text is None:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except ValueError as error:
+        raise InvalidRequest(f"chat_template_kwargs is not JSON ({error})") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("chat_template_kwargs must be a JSON object of template variables")
+    taken = sorted(RENDERER_KWARGS.intersection(kwargs))
+    if taken:
+        raise InvalidRequest(
+            f"chat_template_kwargs must not set {', '.join(taken)}: the server sets it from the "
+            "request (send tools, messages and the other fields as themselves)"
+        )
+    return kwargs
 
 
 def _has_chat_template(tokenizer: object) -> bool:
