@@ -264,6 +264,7 @@ class OpenAIServer:
                 include_usage=include_usage,
                 names=call.tools.names,
                 parallel=call.tools.parallel,
+                end_on_repeat=call.tools.ends_on_repeat,
             )
         else:
             render = ChatRender(

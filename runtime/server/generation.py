@@ -32,6 +32,7 @@ from runtime.messages import (
     Cancelled,
     Failed,
     Finished,
+    FinishReason,
     Rejected,
     Started,
     TokensEmitted,
@@ -82,6 +83,7 @@ class GenerationResponse(Response):
         self._shutdown = shutdown
         self._stopped = False  # the shutdown stopped the answer: it still owes its ending
         self._answered = False
+        self._cut_short = False  # the render ended the reply early: the request was cancelled
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self._shutdown is not None:
@@ -151,6 +153,18 @@ class GenerationResponse(Response):
         """The next text or terminal event, observed by the timer (metrics) and the response's
         clock (timings) on its way; ``Started`` goes to the render."""
         output = await _next_output(stream, self._render.started)
+        if isinstance(output, TokensEmitted):
+            self._render.observe(output)
+            if self._render.ended_early and not self._cut_short:
+                self._cut_short = True
+                stream.cancel()  # the reply is complete: the rest is not needed
+        elif isinstance(output, Cancelled) and self._cut_short:  # the cancel asked for above
+            output = Finished(
+                request_id=output.request_id,
+                incarnation=output.incarnation,
+                reason=FinishReason.STOP,
+                usage=output.usage,
+            )
         self._render.clock.saw(output)
         if isinstance(output, TokensEmitted):
             if self._timer is not None:

@@ -75,6 +75,15 @@ class Render(abc.ABC):
         """Chunks sent before any text."""
         return []
 
+    def observe(self, event: TokensEmitted) -> None:  # noqa: B027 - most renders need none
+        """Each text event as it comes, streaming or not (before ``chunk``)."""
+
+    @property
+    def ended_early(self) -> bool:
+        """The reply is complete before the generation ended (a tool call repeated): the
+        response cancels the rest, and the cancelled request ends as ``Finished`` would."""
+        return False
+
     @abc.abstractmethod
     def chunk(self, event: TokensEmitted) -> list[wire.Chunk]:
         """The chunks for ``event``: none when all its text is held back for now (a tag that may
