@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import math
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,6 +17,7 @@ from mlx_lm.utils import load_tokenizer
 
 from runtime.backends.simulated import greedy_continuation
 from runtime.config import RuntimeConfig
+from runtime.errors import InvalidRequest
 from runtime.messages import ChatMessage, ChatOptions, ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.schema import ChatCompletionRequest
@@ -279,3 +281,10 @@ async def test_allowed_origins_answer_the_preflight_and_label_the_replies() -> N
         assert "x-request-id" in chat.headers["access-control-expose-headers"]
         other = await client.get("/v1/models", headers={"Origin": "http://evil.example"})
         assert "access-control-allow-origin" not in other.headers
+
+
+async def test_the_host_api_refuses_a_negative_keep_alive() -> None:
+    async with serving_with() as (_, server):
+        for bad in (-1.0, math.nan):
+            with pytest.raises(InvalidRequest, match="keep_alive_s must be 0 or more"):
+                server.runtime.generate("m", "hi", keep_alive_s=bad)
