@@ -20,8 +20,6 @@ from typing import Literal, TypeVar
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.middleware import Middleware
-from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -34,6 +32,7 @@ from runtime.messages import Cancelled, Failed, Finished, FinishReason, ModelSpe
 from runtime.progress import Progress, no_progress
 from runtime.server import schema as wire
 from runtime.server.compat import FieldNotes, default_model
+from runtime.server.cors import cors_middleware
 from runtime.server.errors import (
     HttpError,
     error_for_body,
@@ -109,7 +108,7 @@ class OpenAIServer:
             ],
             lifespan=self._lifespan,
             exception_handlers={HttpError: _on_http_error, HTTPException: _on_route_error},
-            middleware=_cors(config.allowed_origins),
+            middleware=cors_middleware(config.allowed_origins),
         )
 
     @property
@@ -383,23 +382,6 @@ class OpenAIServer:
             # Nobody is left to read the answer; this only keeps the log free of a traceback.
             raise HttpError(400, "the client disconnected", code=None) from None
         return bytes(body)
-
-
-def _cors(origins: tuple[str, ...]) -> list[Middleware]:
-    """Starlette's CORS for the allowed origins (preflight ``OPTIONS`` answered, the
-    ``Access-Control-*`` headers sent); none without them: a browser page on another origin
-    cannot read a reply (the browser's same-origin rule), as before."""
-    if not origins:
-        return []
-    return [
-        Middleware(
-            CORSMiddleware,
-            allow_origins=list(origins),
-            allow_methods=["GET", "POST"],
-            allow_headers=["*"],  # Authorization, Content-Type, the OpenAI SDK's x-stainless-*
-            expose_headers=["x-request-id", "retry-after"],
-        )
-    ]
 
 
 def _refuse_non_json(content_type: str | None) -> None:
