@@ -20,6 +20,7 @@ from runtime.config import RuntimeConfig
 from runtime.messages import ChatMessage, Failed, Finished, FinishReason
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.harness import sim_spec
+from tests.test_serve_process import mlxrt_serve
 
 pytestmark = pytest.mark.anyio
 
@@ -162,3 +163,23 @@ def test_serve_refuses_a_max_tokens_below_1(capsys: pytest.CaptureFixture[str]) 
         main(["serve", "--backend", "simulated", "--model", "m", "--max-tokens", "0"])
     assert exited.value.code == 2
     assert "--max-tokens must be at least 1 (got 0)" in capsys.readouterr().err
+
+
+def test_mlxrt_serve_wires_max_tokens_strict_and_allowed_origins() -> None:
+    """The flags reach a real ``mlxrt serve``: --max-tokens for a request that sends none,
+    --strict-max-tokens refusing a limit past the context, --allowed-origins answering CORS."""
+    flags = ("--backend", "simulated", "--model", "m", "--max-tokens", "5", "--strict-max-tokens")
+    origin = "http://localhost:3000"
+    with mlxrt_serve(*flags, "--allowed-origins", origin) as url:
+        body = {"model": "m", "prompt": "hello", "temperature": 0}
+        default = httpx.post(f"{url}/v1/completions", json=body, timeout=60.0)
+        assert default.json()["usage"]["completion_tokens"] == 5
+        huge = httpx.post(f"{url}/v1/completions", json={**body, "max_tokens": 10**9}, timeout=60.0)
+        assert huge.status_code == 400
+        assert "max_tokens (1000000000)" in huge.json()["error"]["message"]
+        preflight = httpx.options(
+            f"{url}/v1/completions",
+            headers={"Origin": origin, "Access-Control-Request-Method": "POST"},
+            timeout=60.0,
+        )
+        assert preflight.headers["access-control-allow-origin"] == origin
