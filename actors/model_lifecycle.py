@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import msgspec
 
 from actors.keep_alive import KeepAlive
 from runtime.errors import (
@@ -149,6 +152,12 @@ class ModelLifecycle:
     def request_started(self, model: Model) -> None:
         """A request was admitted to ``model``'s current epoch: it is busy."""
         self.keep_alive.started(model.epoch)
+
+    def keep_alive_from_now(self, model: Model, keep_alive_s: float) -> None:
+        """A request set ``model``'s keep-alive (``math.inf``: forever): its next idle spell,
+        and every one after, uses it (its reload after an idle unload too)."""
+        kept = None if math.isinf(keep_alive_s) else keep_alive_s
+        model.spec = msgspec.structs.replace(model.spec, keep_alive_s=kept)
 
     def request_ended(self, name: str, epoch: int, ctx: Context) -> None:
         """A request of ``name`` at ``epoch`` ended; the last one of a ready model makes it idle."""

@@ -276,6 +276,8 @@ class RouterCore:
         self._live_by_request[request.request_id] = live
         self._live_by_sequence[sequence_id] = live
         self._models.request_started(model)
+        if isinstance(request, Generate) and request.keep_alive_s is not None:
+            self._models.keep_alive_from_now(model, request.keep_alive_s)
         is_generate = isinstance(request, Generate)
         self.counters.inc("accepted_generate" if is_generate else "accepted_prewarm")
         self._guards.accepted(request, sequence_id, model.epoch, ctx)

@@ -27,6 +27,7 @@ def standing_actors(
     step_timeout_s: float | None = None,
     engine_restart: RestartPolicy | None = None,
     auto_load: bool = True,
+    strict_max_tokens: bool = False,
 ) -> list[tuple[Address, ActorCore]]:
     """The standing actors with their addresses; engines load their model with ``load_backend``,
     and are restarted (their model reloaded) after a crash as ``engine_restart`` allows;
@@ -41,6 +42,7 @@ def standing_actors(
             reservation_timeout_s,
             default_max_tokens,
             step_timeout_s=step_timeout_s,
+            strict_max_tokens=strict_max_tokens,
         )
 
     return [

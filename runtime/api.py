@@ -105,6 +105,7 @@ class Runtime:
             load_backend=self._load_backend or make_backend_loader(),
             reservation_timeout_s=self.config.reservation_timeout_s,
             default_max_tokens=self.config.default_max_tokens,
+            strict_max_tokens=self.config.strict_max_tokens,
             step_timeout_s=self.config.step_timeout_s,
             engine_restart=self.config.engine_restart,
             stall_timeout_s=self.config.stall_timeout_s,
@@ -216,6 +217,7 @@ class Runtime:
         stall_timeout_s: float | None = None,
         anonymous: bool = False,
         reuse_prefix: bool = True,
+        keep_alive_s: float | None = None,
     ) -> GenerationStream:
         """A stream of this request's events; raises ``InvalidRequest`` on malformed input.
 
@@ -224,6 +226,8 @@ class Runtime:
         when no token came for that long after the first (None: ``config.stall_timeout_s``).
         ``reuse_prefix=False``: prefill the whole prompt, restoring nothing cached (``Started``
         then says 0 cached tokens); what it computes is still cached for later requests.
+        ``keep_alive_s``: from this request on, the model's keep-alive (``math.inf``: never
+        unloaded; 0: unloaded once idle); None leaves it as it is.
         """
         request = Generate(
             request_id=request_id or uuid.uuid4().hex,
@@ -244,6 +248,7 @@ class Runtime:
             stall_timeout_s=stall_timeout_s,
             anonymous=anonymous,
             reuse_prefix=reuse_prefix,
+            keep_alive_s=keep_alive_s,
         )
         validate_request(request)
         policy = coalesce or self.config.coalesce

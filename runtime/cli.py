@@ -26,7 +26,8 @@ from runtime.errors import AddressInUse, MlxRuntimeError
 from runtime.generate_cli import generate
 from runtime.model_args import model_specs, prepare_specs
 from runtime.model_commands import add_commands, add_serve_flags, run_command
-from runtime.serve_cli import GRACEFUL_SHUTDOWN_S, serve_models
+from runtime.serve_cli import serve_models
+from runtime.serve_flags import add_request_flags
 from runtime.serve_keys import add_key_flags
 
 
@@ -91,11 +92,11 @@ _GENERATE_EXAMPLES = """examples:
   echo "Summarize: ..." | mlxrt generate --temp 0.7 --ctx-size 4096 -   the prompt from stdin
   mlxrt generate "Count to 100." | head -n 3                stops generating when head exits
 """
-_SERVE_DESCRIPTION = f"""\
+_SERVE_DESCRIPTION = """\
 Serve models over an OpenAI-compatible HTTP API (docs/http.md): /v1/completions,
 /v1/chat/completions, /v1/models, the runtime's own /v1/prewarm, /health and /metrics. The models
-load before the server accepts requests; Ctrl-C stops it, letting running streams finish for up
-to {GRACEFUL_SHUTDOWN_S} s."""
+load before the server accepts requests; Ctrl-C (or SIGTERM) stops it: running streams end at
+once with a last chunk saying so and [DONE], and it exits 0."""
 _SERVE_EXAMPLES = """examples:
   mlxrt serve                                  the default model on 127.0.0.1:8000
   mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
@@ -273,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_serve_flags(serve)
     add_key_flags(serve)
+    add_request_flags(serve)
     serve.add_argument("--quiet", action="store_true", help="no progress bars")
     add_commands(commands)
     args = parser.parse_args(argv)

@@ -18,6 +18,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     kv_budget_fraction: float = 0.5
     reservation_timeout_s: float = 30.0
     default_max_tokens: int = 4096  # cap for requests that give no max_tokens
+    # A max_tokens past the room the prompt leaves in the context is lowered to that room (the
+    # reply may end "length" there, and its usage says so); True: refused (context_length_exceeded).
+    strict_max_tokens: bool = False
     # A stream with no token for this long after its first ends Failed(stream_stalled); None: off.
     stall_timeout_s: float | None = 60.0
     router_mailbox_capacity: int = 1024

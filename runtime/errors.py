@@ -267,6 +267,14 @@ class AddressInUse(MlxRuntimeError):
     code = "address_in_use"
 
 
+class ServerShuttingDown(MlxRuntimeError):
+    """The HTTP server is stopping (SIGINT, SIGTERM): a request still running, or arriving, is
+    ended with this (a 503, or a stream's last chunk) instead of being cut off."""
+
+    code = "server_shutting_down"
+    retryable = True
+
+
 class SupervisionEscalated(MlxRuntimeError):
     """Raised by a supervisor when a child crashed more often than its restart intensity allows."""
 

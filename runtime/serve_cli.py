@@ -21,6 +21,7 @@ from runtime.errors import AddressInUse
 from runtime.model_args import model_specs, prepare_specs
 from runtime.model_commands import DEFAULT_KEEP_ALIVE
 from runtime.progress import tqdm_progress
+from runtime.serve_flags import check_request_flags
 from runtime.serve_keys import key_settings, warn_if_exposed
 
 if TYPE_CHECKING:
@@ -28,19 +29,22 @@ if TYPE_CHECKING:
 
     from runtime.server import OpenAIServer
 
-GRACEFUL_SHUTDOWN_S = 10  # on Ctrl-C, streams still running after this are cancelled
+# On Ctrl-C open generations end at once (runtime/server/serving.py); connections still busy
+# after this (a model load, a slow client) are cancelled.
+GRACEFUL_SHUTDOWN_S = 10
 
 
 def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     """Load the models (fetched and converted first, with progress bars) and serve them until
-    Ctrl-C; 2 (a usage error) for a malformed --model, --model-option or --keep-alive. Raises
-    ``AddressInUse`` before loading anything when the port cannot be listened on."""
-    import uvicorn  # uvicorn and the server load only to serve
-
+    Ctrl-C or SIGTERM (then 0: open requests end properly, serving.py); 2 (a usage error) for a
+    malformed --model, --model-option or --keep-alive. Raises ``AddressInUse`` before loading
+    anything when the port cannot be listened on."""
     from runtime.server import OpenAIServer, ServerConfig
     from runtime.server.models import parse_keep_alive
+    from runtime.server.serving import serve
 
     check_shared(args, parser)
+    check_request_flags(args, parser)
     try:
         # Named models stay loaded unless --keep-alive says otherwise; on-demand ones time out.
         named_s = None if args.keep_alive is None else parse_keep_alive(args.keep_alive)
@@ -62,19 +66,22 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         kv_budget_bytes=budget,
         kv_budget_fraction=args.kv_budget_fraction,
         auto_load=not args.no_auto_load,
+        strict_max_tokens=args.strict_max_tokens,
     )
     config = ServerConfig(
         models=models,
         runtime=runtime,
         keep_alive_s=keep_alive_s,
         default_temperature=args.temperature,
+        default_max_tokens=args.max_tokens,
+        allowed_origins=tuple(args.allowed_origins),
         offer_cached_models=args.backend == "mlx",  # cached models are MLX ones
         **access,
     )
     # Bars for what loads on demand too (fetch, convert, load), for as long as the server runs.
     with tqdm_progress(disable=args.quiet) as progress:
         server = OpenAIServer(config, progress=progress)
-        uvicorn.Server(_uvicorn_config(server, args)).run()
+        serve(server, _uvicorn_config(server, args))
     return 0
 
 

@@ -184,6 +184,12 @@ class GenerationStream:
         self._streams.forget(self.request)
         self._receive.close()
 
+    def cancel(self) -> None:
+        """Ask the runtime to end the request now, keeping the stream open: the events already
+        on their way, then its ``Cancelled`` (with the usage so far), still come."""
+        if self._receive is not None and self._terminal is None:
+            self._streams.cancel(self.request)
+
     @property
     def _incarnation(self) -> int:
         return self.request.incarnation

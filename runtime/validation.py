@@ -55,6 +55,12 @@ def validate_request(request: Generate | Prewarm) -> None:
             )
     _validate_max_tokens(request.max_tokens)
     validate_timeouts(request)
+    if isinstance(request, Generate) and request.keep_alive_s is not None:
+        keep = request.keep_alive_s
+        if isinstance(keep, bool) or not isinstance(keep, int | float) or not keep >= 0:
+            raise InvalidRequest(
+                f"keep_alive_s must be 0 or more seconds (math.inf: never unload; got {keep!r})"
+            )
     if isinstance(request, Generate):
         _validate_stops(request.stop, request.stop_token_ids)
         validate_sampling(request.sampling)
@@ -106,6 +112,7 @@ def validate_sampling(sampling: Sampling) -> None:
         ("temperature", s.temperature, 0.0, math.inf, True, "0 (greedy) or more"),
         ("top_p", s.top_p, 0.0, 1.0, False, "in (0, 1] (1 turns it off)"),
         ("min_p", s.min_p, 0.0, 1.0, True, "in [0, 1] (0 turns it off)"),
+        ("typical_p", s.typical_p, 0.0, 1.0, False, "in (0, 1] (1 turns it off)"),
         ("top_n_sigma", s.top_n_sigma, 0.0, math.inf, True, "0 (off) or more"),
         ("xtc_probability", s.xtc_probability, 0.0, 1.0, True, "in [0, 1] (0 turns XTC off)"),
         (

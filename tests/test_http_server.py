@@ -371,7 +371,7 @@ async def test_fields_that_do_not_change_the_output_are_accepted() -> None:
     ("path", "content", "param"),
     [
         ("/v1/completions", b'{"model": "m", "prompt": "x"', None),
-        ("/v1/completions", b'{"prompt": "x"}', "model"),
+        ("/v1/completions", b'{"prompt": 3}', "prompt"),  # no model: the only one (compat)
         ("/v1/completions", b'{"model": "m", "prompt": "x", "temperature": "hot"}', "temperature"),
         ("/v1/completions", b'{"model": "m", "prompt": "x", "temperature": -1}', "temperature"),
         ("/v1/completions", b'{"model": "m", "prompt": "x", "top_p": 0}', "top_p"),

@@ -11,12 +11,14 @@ from typing import Any
 import httpx
 import openai
 import pytest
+from mlx_lm.utils import load_tokenizer
 
 from runtime.config import RuntimeConfig
 from runtime.messages import ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.harness import sim_spec
 from runtime.testing.tiny_models import tiny_model_path
+from runtime.testing.tiny_tokenizer import SPECIAL_TOKENS
 
 pytestmark = pytest.mark.anyio
 
@@ -281,3 +283,50 @@ async def test_a_prewarm_with_the_tools_caches_the_prompt_its_chat_request_sends
     assert warm.json()["prompt_tokens"] == usage["prompt_tokens"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == usage["prompt_tokens"] - 1
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "tools"
+
+
+async def test_required_calls_end_at_a_repeated_call_instead_of_running_to_max_tokens() -> None:
+    """Left free to make several calls, a model may repeat its call until max_tokens (SmolLM2
+    does). Here the tiny model cannot end (its end tokens are banned) and the one function takes no
+    arguments, so its second call repeats the first: the repeat ends the reply, dropped, as
+    "tool_calls" (before the fix: four calls and "length")."""
+    tokenizer = load_tokenizer(tiny_model_path("llama"))
+    specials = tokenizer.convert_tokens_to_ids(list(SPECIAL_TOKENS))  # every way to end
+    clock: Json = {
+        "type": "function",
+        "function": {
+            "name": "now",
+            "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+        },
+    }
+    ask: Json = {
+        "tools": [clock],
+        "tool_choice": "required",
+        "max_tokens": 200,
+        "logit_bias": {str(token): -100 for token in specials},
+    }
+    async with serving(tiny_llama()) as (client, _):
+        whole = (await chat(client, **ask)).json()
+        stream = await chat(client, **ask, stream=True, stream_options={"include_usage": True})
+    choice = whole["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    calls = [
+        (c["function"]["name"], c["function"]["arguments"]) for c in choice["message"]["tool_calls"]
+    ]
+    assert calls == [("now", "{}")]
+    assert whole["usage"]["completion_tokens"] < 200
+    events = [
+        json.loads(block.removeprefix("data: "))
+        for block in stream.text.split("\n\n")
+        if block.startswith("data: {")
+    ]
+    pieces = [
+        piece
+        for event in events
+        for choice in event["choices"]
+        for piece in choice["delta"].get("tool_calls", [])
+    ]
+    assert {piece["index"] for piece in pieces} == {0}  # the repeat never reached the client
+    assert "".join(p["function"]["arguments"] for p in pieces) == "{}"
+    assert [c["finish_reason"] for e in events for c in e["choices"]][-1] == "tool_calls"
+    assert events[-1]["usage"]["completion_tokens"] < 200

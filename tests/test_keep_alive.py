@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 
 import msgspec
 import pytest
@@ -110,6 +111,32 @@ def test_an_idle_model_is_unloaded_after_its_keep_alive_and_its_kv_returns() -> 
     assert idle is not None and idle.state == "idle" and idle.live_requests == 0
     assert kv_keeper(sim).reserved_bytes == 0
     assert router_counter(sim, "models_idle_unloaded") == 1
+
+
+def test_a_request_keep_alive_becomes_the_model_keep_alive_from_then_on() -> None:
+    sim = make_sim(spec(keep_alive_s=10.0))
+    incarnation = next(_incarnations)
+    request = Generate(
+        request_id="short",
+        incarnation=incarnation,
+        model="m",
+        prompt_tokens=PROMPT,
+        max_tokens=3,
+        keep_alive_s=2.0,
+    )
+    sim.send(request)
+    sim.run_until(lambda: sim.terminal("short", incarnation) is not None)
+    assert status(sim).keep_alive_s == 2.0  # type: ignore[union-attr]
+    sim.advance(2.5)  # its own 10 s would keep it loaded
+    assert status(sim).state == "idle"  # type: ignore[union-attr]
+    forever = msgspec.structs.replace(
+        request, request_id="forever", incarnation=next(_incarnations), keep_alive_s=math.inf
+    )
+    sim.send(forever)  # loads it again, and from then on keeps it
+    sim.run_until(lambda: sim.terminal("forever", forever.incarnation) is not None)
+    sim.advance(1000.0)
+    kept = status(sim)
+    assert kept is not None and kept.state == "loaded" and kept.keep_alive_s is None
 
 
 def test_a_request_in_flight_keeps_the_model_loaded_past_its_keep_alive() -> None:

@@ -63,7 +63,7 @@ def test_a_two_step_round_trip_through_mlxrt_serve(client: openai.OpenAI, choice
     )
     ask: Any = {"model": DEFAULT_MODEL, "tools": [WEATHER], "temperature": 0, "max_tokens": 60}
     ask["extra_body"] = {"cache_salt": choice}  # each case reuses only its own prompts
-    # One call: left free to make several, the 135M model repeats its call until max_tokens.
+    # One call (with parallel calls, a repeat ends the reply: the test after this one).
     ask["parallel_tool_calls"] = False
     first = client.chat.completions.create(messages=QUESTION, tool_choice=forced, **ask)
     reply = first.choices[0]
@@ -105,3 +105,20 @@ def test_a_two_step_round_trip_through_mlxrt_serve(client: openai.OpenAI, choice
         f"tokens (step 1: {first.usage.prompt_tokens} prompt + {first.usage.completion_tokens} "
         f"completion); answer: {answer.message.content!r}"
     )
+
+
+def test_required_with_parallel_calls_ends_after_the_calls(client: openai.OpenAI) -> None:
+    """Free to make several calls, SmolLM2-135M repeats its call (4 identical get_weather(Paris),
+    "length", before the fix): the repeat ends the reply, which says "tool_calls"."""
+    ask: Any = {"model": DEFAULT_MODEL, "tools": [WEATHER], "temperature": 0, "max_tokens": 120}
+    ask["extra_body"] = {"cache_salt": "parallel"}
+    reply = client.chat.completions.create(messages=QUESTION, tool_choice="required", **ask)
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.tool_calls
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert len(set(calls)) == len(calls)
+    assert reply.usage is not None and reply.usage.completion_tokens < 120
+    with client.chat.completions.stream(messages=QUESTION, tool_choice="required", **ask) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls" and streamed.message.tool_calls
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == calls

@@ -163,7 +163,7 @@ async def test_bad_input_is_refused_before_any_work() -> None:
 
 
 async def test_context_overflow_fails_with_a_clear_error() -> None:
-    async with Runtime(config()) as rt:
+    async with Runtime(config(strict_max_tokens=True)) as rt:
         await rt.load_model(sim_model(context_length=16))
         result = await rt.complete("m", "0123456789", max_tokens=10)
         assert isinstance(result.terminal, Failed)

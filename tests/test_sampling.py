@@ -118,10 +118,48 @@ def test_top_n_sigma_ignores_tokens_an_earlier_filter_removed() -> None:
     assert kept(s, mx.array(values)) == {0, 1}
 
 
+def typical_reference(probs: Sequence[float], mass: float) -> set[int]:
+    """Locally typical sampling as Hugging Face's ``TypicalLogitsWarper`` computes it (numpy):
+    order by |-log p - H|, keep the shortest prefix whose probability reaches ``mass``."""
+    p = np.asarray(probs, dtype=np.float64) / sum(probs)
+    entropy = -(p * np.log(p)).sum()
+    order = np.argsort(np.abs(-np.log(p) - entropy), kind="stable")
+    cumulative = np.cumsum(p[order])
+    last = int((cumulative < mass).sum())  # the index where the mass is reached
+    return {int(i) for i in order[: last + 1]}
+
+
+def test_typical_p_keeps_the_tokens_nearest_the_entropy_up_to_its_mass() -> None:
+    probs = [0.35, 0.15, 0.15, 0.15, 0.1, 0.05, 0.03, 0.02]
+    logits = logits_for(probs)
+    for mass in (0.1, 0.25, 0.4, 0.5, 0.7, 0.92, 0.97, 0.99):  # none on a sum's boundary
+        expected = typical_reference(probs, mass)
+        assert kept(sampler(temperature=1.0, typical_p=mass), logits) == expected, mass
+    # The entropy is 1.78 nats; -log p is 1.90 for the 0.15s, 2.30 for 0.1 and 1.05 for the most
+    # likely token, which typical sampling therefore drops first (top-p would keep it first).
+    assert kept(sampler(temperature=1.0, typical_p=0.5), logits) == {1, 2, 3, 4}
+    assert drawn(sampler(temperature=1.0, typical_p=0.5), logits) == {1, 2, 3, 4}
+    assert kept(sampler(temperature=1.0, typical_p=1.0), logits) == set(range(8))  # off
+
+
+def test_typical_p_measures_the_entropy_over_what_earlier_filters_kept() -> None:
+    probs = [0.5, 0.3, 0.15, 0.03, 0.01, 0.005, 0.003, 0.002]
+    # top-k 3 leaves [0.5, 0.3, 0.15], renormalised: typical-p then works on those alone.
+    survivors = [p / 0.95 for p in probs[:3]]
+    s = sampler(temperature=1.0, top_k=3, typical_p=0.5)
+    assert kept(s, logits_for(probs)) == typical_reference(survivors, 0.5)
+
+
 def test_filters_hold_on_huge_logits() -> None:
     values = mx.array([300.0, 299.0, 250.0, -300.0, 0.0, 0.0, 0.0, 0.0])  # exp() overflows float32
     # p1 / p0 = e**-1 = 0.37: min-p 0.3 keeps both, top-p 0.9 needs both (0.73 + 0.27).
-    for fields in ({"min_p": 0.3}, {"top_p": 0.9}, {"top_n_sigma": 0.1}, {"top_k": 2}):
+    for fields in (
+        {"min_p": 0.3},
+        {"top_p": 0.9},
+        {"top_n_sigma": 0.1},
+        {"top_k": 2},
+        {"typical_p": 0.99},
+    ):
         s = sampler(temperature=1.0, **fields)
         assert drawn(s, values) == {0, 1}, fields
 
@@ -385,6 +423,8 @@ INF = float("inf")
         ({"top_p": NAN}, "top_p"),
         ({"min_p": -0.1}, "min_p"),
         ({"min_p": 1.5}, "min_p"),
+        ({"typical_p": 0.0}, "typical_p must be"),
+        ({"typical_p": 1.5}, "typical_p must be"),
         ({"top_k": -1}, "top_k must be 0"),
         ({"top_k": 1.5}, "top_k must be an integer"),
         ({"top_n_sigma": -0.5}, "top_n_sigma must be 0"),

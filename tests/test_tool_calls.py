@@ -28,9 +28,16 @@ def ids() -> itertools.count[int]:
     return itertools.count()
 
 
-def streamed(pieces: Sequence[str], *, parallel: bool = True) -> list[ParsedOutput]:
+def streamed(
+    pieces: Sequence[str], *, parallel: bool = True, end_on_repeat: bool = False
+) -> list[ParsedOutput]:
     counter = ids()
-    parser = ToolCallParser(NAMES, parallel=parallel, new_id=lambda: f"call_{next(counter)}")
+    parser = ToolCallParser(
+        NAMES,
+        parallel=parallel,
+        end_on_repeat=end_on_repeat,
+        new_id=lambda: f"call_{next(counter)}",
+    )
     out = [event for piece in pieces for event in parser.feed(piece)]
     return out + parser.finish()
 
@@ -114,6 +121,33 @@ def test_every_split_of_an_output_gives_the_whole_outputs_content_and_calls() ->
             assert merged(streamed([text[:cut], text[cut:second], text[second:]])) == merged(whole)
 
 
+def test_a_repeated_call_ends_the_output_when_asked_and_is_dropped() -> None:
+    spaced = WEATHER.replace('{"city": "Paris"}', '{ "city" :"Paris" }')  # the same JSON value
+    text = f"{WEATHER}\n{ADD}\n{spaced}\n{ADD}\nmore text"
+    expected = ("", [(0, "get_weather", '{"city": "Paris"}'), (1, "add", '{"a": 1, "b": 2}')])
+    for cut in range(len(text) + 1):
+        assert merged(streamed([text[:cut], text[cut:]], end_on_repeat=True)) == expected, cut
+    parser = ToolCallParser(NAMES, end_on_repeat=True)
+    assert len(parser.feed(WEATHER + "\n" + WEATHER)) == 2  # the first call's two events
+    assert parser.feed("x") == parser.finish() == []
+    assert parser.repeated and [c.name for c in parser.calls] == ["get_weather"]
+    # A call's events wait for its block to close: a repeat's never get out.
+    held = ToolCallParser(NAMES, end_on_repeat=True)
+    assert held.feed(WEATHER[:-5]) == [] and len(held.feed(WEATHER[-5:])) == 2
+    # Without it every call is kept, repeats too, and arguments stream as written.
+    _, calls = parse_tool_calls(f"{WEATHER}\n{WEATHER}", NAMES)
+    assert len(calls) == 2
+    assert streamed([WEATHER[:-5]])[0] == ToolCallStarted(0, "call_0", "get_weather")
+
+
+def test_different_calls_of_one_function_are_not_repeats() -> None:
+    rome = WEATHER.replace("Paris", "Rome")
+    parser = ToolCallParser(NAMES, end_on_repeat=True)
+    parser.feed(f"{WEATHER}\n{rome}")
+    assert not parser.repeated
+    assert [json.loads(c.arguments)["city"] for c in parser.calls] == ["Paris", "Rome"]
+
+
 def merged(events: Sequence[ParsedOutput]) -> tuple[str, list[tuple[int, str, str]]]:
     """Content and (index, name, arguments) per call, however the events were split."""
     content = "".join(e.text for e in events if isinstance(e, TextAdded))
@@ -174,6 +208,8 @@ def test_the_grammar_accepts_calls_valid_under_the_schemas_and_nothing_else(
     named = tool_call_grammar([WEATHER_TOOL, ADD_TOOL], only="add").grammar
     add = '<tool_call>\n{"name": "add", "arguments": {"a": 3}}\n</tool_call>'
     assert accepts(both, WEATHER) and accepts(both, add) and accepts(both, f"{WEATHER}\n{add}")
+    # The newline a model writes after a call may end the output (the EOS is allowed there).
+    assert accepts(both, f"{WEATHER}\n") and not accepts(both, f"{WEATHER}\n\n")
     assert accepts(single, add) and not accepts(single, f"{WEATHER}\n{add}")
     assert accepts(named, add) and not accepts(named, WEATHER)
     assert not accepts(both, '<tool_call>\n{"name": "add", "arguments": {"a": "x"}}\n</tool_call>')

@@ -2,7 +2,9 @@
 
 1. ``admit``: the sequence is made from the request. It waits for its prompt's tokens: a tokenize
    job (``tokenized``), unless the request gave them and the model is loaded.
-2. Once tokenized: an empty prompt, or one that with ``max_tokens`` overflows the context, fails;
+2. Once tokenized: an empty prompt, or one that leaves no room for a reply, fails; a
+   ``max_tokens`` past the room left is lowered to it (``Usage.max_tokens_clamped_to``), or with
+   ``strict_max_tokens`` fails, as a prompt that with it overflows the context does;
    the session's instructions prefix is planned for pinning; a prewarm with nothing to prefill is
    done at once; the sequence supersedes its session's older work, adopts the prewarm it extends,
    or (a prewarm) follows an identical one and waits for it to end (``plan_supersede``,
@@ -69,6 +71,7 @@ class AdmissionLimits:
     default_max_tokens: int  # cap for a generate that set no max_tokens ("the rest of the context")
     chunk_tokens: int  # prefill chunk size: a windowed cache holds a chunk beyond its window
     checkpoints: CheckpointPolicy  # where prefills of an untrimmable cache snapshot, and how much
+    strict_max_tokens: bool = False  # False: a max_tokens past the room left is lowered to it
 
 
 # --------------------------------------------------------------------------- admission
@@ -157,9 +160,20 @@ class Admission:
             )
             self._ends.fail(seq, ctx, error)
             return
-        if seq.kind is RequestKind.GENERATE and seq.max_tokens == 0:  # "the rest of the context"
-            room = info.context_length - len(seq.tokens)
-            seq.max_tokens = max(1, min(room, self._limits.default_max_tokens))
+        room = info.context_length - len(seq.tokens)
+        if seq.kind is RequestKind.GENERATE and room < 1:
+            error = ContextLengthExceeded(
+                f"the prompt is {len(seq.tokens)} tokens: it fills the model's context of "
+                f"{info.context_length} tokens and leaves no room for a reply; shorten the prompt"
+            )
+            self._ends.fail(seq, ctx, error)
+            return
+        generate = seq.kind is RequestKind.GENERATE
+        if generate and seq.max_tokens == 0:  # "the rest of the context"
+            seq.max_tokens = min(room, self._limits.default_max_tokens)
+        elif generate and seq.max_tokens > room and not self._limits.strict_max_tokens:
+            seq.max_tokens_clamped = True  # lowered to the room left, as llama-server and mlx-lm do
+            seq.max_tokens = room
         wanted = _tokens_to_reserve(seq)
         if wanted > info.context_length:
             error = ContextLengthExceeded(

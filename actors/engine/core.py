@@ -101,6 +101,7 @@ class EngineCore:
         reservation_timeout_s: float = 30.0,
         default_max_tokens: int = 4096,
         step_timeout_s: float | None = None,
+        strict_max_tokens: bool = False,
     ) -> None:
         self.model = spec.name
         self.epoch = epoch
@@ -129,6 +130,7 @@ class EngineCore:
             default_max_tokens,
             chunk_tokens,
             CheckpointPolicy(options.checkpoint_every_tokens, kv_budget_bytes),
+            strict_max_tokens,
         )
         self._sizer = ChunkSizer(chunk_tokens, options.prefill_chunk_ms / 1000)
         turns = PromptTurns(options.decode_stall_ms / 1000, options.max_batch, options.batching)

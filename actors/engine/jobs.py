@@ -134,8 +134,9 @@ def run_tokenize(job: TokenizeJob, seqs: list[Sequence], backend: Backend) -> No
             if request.messages is None:
                 job.results[seq.sequence_id] = backend.encode(request.prompt or "")
                 continue
-            # The window and the context check use the request's own max_tokens (a prewarm
-            # passes the one its generate will use), so both render the same tokens.
+            # The window plans for the request's own max_tokens (a prewarm passes the one its
+            # generate will use), so both render the same tokens; admission checks it (and
+            # lowers it to the room left, unless strict), naming the value the request sent.
             reply_room = seq.max_tokens or 1
             prepared = prepare_chat(
                 backend.chat_tokenizer,
@@ -143,6 +144,7 @@ def run_tokenize(job: TokenizeJob, seqs: list[Sequence], backend: Backend) -> No
                 request.chat,
                 min(reply_room, backend.info.context_length - 1),
                 backend.info.context_length,
+                reply_may_shrink=True,
             )
             job.results[seq.sequence_id] = list(prepared.tokens)
             job.prepared[seq.sequence_id] = prepared

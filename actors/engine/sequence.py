@@ -92,6 +92,7 @@ class Sequence:
     tokens: TokenIds | None  # the prompt's, once given or tokenized
     rng: random.Random
     dropped_turns: int = 0
+    max_tokens_clamped: bool = False  # its max_tokens was lowered to the room left in the context
     reasoning_open: bool = False  # its chat prompt ends inside an open reasoning block
     instructions_tokens: int = 0  # leading tokens that render the system messages alone
     message_ends: tuple[int, ...] = ()  # token counts where chat messages end (checkpoints)
@@ -237,6 +238,7 @@ class Sequence:
             prompt_tokens=len(self.tokens or ()),
             cached_prompt_tokens=self.cached_tokens,
             completion_tokens=len(self.generated),
+            max_tokens_clamped_to=self.max_tokens if self.max_tokens_clamped else None,
         )
 
     def live_successor(self) -> Sequence:

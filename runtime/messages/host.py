@@ -40,6 +40,8 @@ class Generate(Message, frozen=True):
     it never supersedes another request, and no request supersedes it.
     ``reuse_prefix`` False: prefill the whole prompt, restoring nothing (no prefix-cache lookup,
     no prewarm adopted); the state it leaves is still cached for later requests.
+    ``keep_alive_s``: from this request on, the model's keep-alive (seconds idle before it is
+    unloaded; ``math.inf``: never), as Ollama's per-request ``keep_alive``; None: unchanged.
     """
 
     request_id: str
@@ -60,6 +62,7 @@ class Generate(Message, frozen=True):
     stall_timeout_s: float | None = None
     anonymous: bool = False
     reuse_prefix: bool = True
+    keep_alive_s: float | None = None
 
 
 class Prewarm(Message, frozen=True):

@@ -75,6 +75,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     top_k: int = 0
     min_p: float = 0.0
     top_n_sigma: float = 0.0  # >0: keep tokens within n standard deviations of the max logit
+    typical_p: float = 1.0  # <1: locally typical sampling keeps this mass (runtime/text/typical.py)
     xtc_probability: float = 0.0  # exclude-top-choices: chance per step to apply it
     xtc_threshold: float = 0.1
     dry_multiplier: float = 0.0  # >0: "don't repeat yourself" n-gram penalty
@@ -133,6 +134,9 @@ class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     complete turns, with no assistant header and no prefill continuation. ``tools`` are rendered
     into the prompt (by the template when it supports them, else a fallback system section);
     ``parallel_tool_calls=False`` tells the model to make at most one call.
+    ``template_kwargs``: a JSON object's text whose keys become variables of the model's chat
+    template (``{"enable_thinking": false}``), as ``apply_chat_template(**kwargs)`` takes them;
+    a model without a template ignores them.
     """
 
     keep_reasoning: bool = False
@@ -140,14 +144,18 @@ class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     add_generation_prompt: bool = True
     tools: tuple[Tool, ...] = ()
     parallel_tool_calls: bool = True
+    template_kwargs: str | None = None
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Token counts of one request, exact on every terminal event."""
+    """Token counts of one request, exact on every terminal event. ``max_tokens_clamped_to``:
+    the request's ``max_tokens`` was more than the room its prompt left in the context, and the
+    engine lowered it to this (``RuntimeConfig.strict_max_tokens`` off); None otherwise."""
 
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
+    max_tokens_clamped_to: int | None = None
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -34,6 +34,8 @@ from runtime.progress import Progress, no_progress
 from runtime.server import schema as wire
 from runtime.server.allowance import Allowances, PerKeyLimits
 from runtime.server.auth import ApiKeys, scoped
+from runtime.server.compat import FieldNotes, default_model
+from runtime.server.cors import cors_middleware
 from runtime.server.errors import (
     HttpError,
     error_for_body,
@@ -48,12 +50,14 @@ from runtime.server.generation import GenerationResponse
 from runtime.server.metrics import OTHER_MODEL, ServerMetrics
 from runtime.server.models import ModelManager
 from runtime.server.render import ChatRender, CompletionRender, Render
+from runtime.server.shutdown import ShutdownNotice, shutting_down
 from runtime.server.tool_render import ChatToolRender
 from runtime.server.translate import RuntimeCall, chat_call, completion_call, prewarm_call
 
 log = logging.getLogger("mlx_actor_runtime.server")
 _T = TypeVar("_T")
 _Generation = TypeVar("_Generation", wire.CompletionRequest, wire.ChatCompletionRequest)
+_Named = TypeVar("_Named", wire.CompletionRequest, wire.ChatCompletionRequest, wire.PrewarmRequest)
 
 
 class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,6 +85,11 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     public_metrics: bool = False
     max_concurrent_per_key: int | None = None
     max_queued_per_key: int = 0
+    # The token limit of a request that sends none (``mlxrt serve --max-tokens``); None: OpenAI's
+    # (16 for completions; chat: the rest of the context, up to runtime.default_max_tokens).
+    default_max_tokens: int | None = None
+    # Browser origins allowed to call the API (CORS; "*": any); empty: no CORS headers at all.
+    allowed_origins: tuple[str, ...] = ()
 
 
 class OpenAIServer:
@@ -95,6 +104,8 @@ class OpenAIServer:
         self._manager: ModelManager | None = None
         self._served: set[str] = set()  # models loaded at some point: their metrics labels
         self.allowances = _allowances(config)  # per-key limits; None: no limits
+        self._shutdown: ShutdownNotice | None = None  # made in the lifespan (its event loop)
+        self._field_notes = FieldNotes()
         self.metrics = ServerMetrics(
             lambda: None if self._runtime is None else self._runtime.stats()
         )
@@ -112,14 +123,17 @@ class OpenAIServer:
             ],
             lifespan=self._lifespan,
             exception_handlers={HttpError: _on_http_error, HTTPException: _on_route_error},
+            # CORS outside the key gate: a refusal (401, 429) still carries CORS headers, so a
+            # browser page sees it, and preflights pass the gate (docs/http.md).
             middleware=[
+                *cors_middleware(config.allowed_origins),
                 Middleware(
                     KeyGate,
                     keys=config.api_keys,
                     metrics_keys=config.metrics_keys,
                     public_metrics=config.public_metrics,
                     allowances=self.allowances,
-                )
+                ),
             ],
         )
 
@@ -137,9 +151,22 @@ class OpenAIServer:
             raise RuntimeClosed("the server is not running (before start-up or after shutdown)")
         return self._manager
 
+    async def stop_generations(self, within_s: float) -> int:
+        """End every open generation properly (shutdown.py) and refuse new ones; wait at most
+        ``within_s`` seconds for their endings to be sent. Returns how many were open. Call it
+        before the HTTP server closes its connections (``mlxrt serve`` does, on SIGINT/SIGTERM)."""
+        if self._shutdown is None:
+            return 0
+        open_now = self._shutdown.open_generations
+        self._shutdown.give()
+        if not await self._shutdown.wait_ended(within_s):
+            log.warning("%d requests had not ended %.0f s into the shutdown", open_now, within_s)
+        return open_now
+
     @contextlib.asynccontextmanager
     async def _lifespan(self, _app: Starlette) -> AsyncIterator[None]:
         config = self.config
+        self._shutdown = ShutdownNotice()
         async with Runtime(config.runtime) as runtime:
             manager = ModelManager(
                 runtime,
@@ -214,7 +241,9 @@ class OpenAIServer:
 
     async def _completions(self, request: Request) -> Response:
         body = await self._read_body(request)
-        call = completion_call(self._defaulted(_decode(body, wire.completion_request_decoder)))
+        decoded = await self._named(_decode(body, wire.completion_request_decoder))
+        self._field_notes.note(decoded)
+        call = completion_call(self._defaulted(decoded))
         call = scoped(request, call)  # the key's own cache namespace and sessions
         render = CompletionRender(
             f"cmpl-{uuid.uuid4().hex}",
@@ -224,15 +253,32 @@ class OpenAIServer:
         )
         return await self._generation(call, render)
 
-    def _defaulted(self, request: _Generation) -> _Generation:
-        """``request`` with the server's default temperature where it sends none."""
-        if request.temperature is not None:
+    async def _named(self, request: _Named) -> _Named:
+        """``request`` naming the server's only model when it names none (compat.py)."""
+        if request.model is not None:
             return request
-        return msgspec.structs.replace(request, temperature=self.config.default_temperature)
+        names = {status.name for status in await self.runtime.list_models()}
+        names.update(spec.name for spec in self.config.models)
+        return msgspec.structs.replace(request, model=default_model(sorted(names)))
+
+    def _defaulted(self, request: _Generation) -> _Generation:
+        """``request`` with the server's default temperature and token limit where it sends
+        none (the limit is lowered to the room the prompt leaves, as any max_tokens is)."""
+        if request.temperature is None:
+            request = msgspec.structs.replace(request, temperature=self.config.default_temperature)
+        limit = self.config.default_max_tokens
+        sent_limit = request.max_tokens not in (None, msgspec.UNSET) or request.n_predict
+        if isinstance(request, wire.ChatCompletionRequest):
+            sent_limit = sent_limit or request.max_completion_tokens is not None
+        if limit is not None and not sent_limit:
+            request = msgspec.structs.replace(request, max_tokens=limit)
+        return request
 
     async def _chat_completions(self, request: Request) -> Response:
         body = await self._read_body(request)
-        call = scoped(request, chat_call(self._defaulted(_decode(body, wire.chat_request_decoder))))
+        decoded = await self._named(_decode(body, wire.chat_request_decoder))
+        self._field_notes.note(decoded)
+        call = scoped(request, chat_call(self._defaulted(decoded)))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs, include_usage = call.sampling.logprobs, call.include_usage
         render: Render
@@ -244,6 +290,7 @@ class OpenAIServer:
                 include_usage=include_usage,
                 names=call.tools.names,
                 parallel=call.tools.parallel,
+                end_on_repeat=call.tools.ends_on_repeat,
             )
         else:
             render = ChatRender(
@@ -254,7 +301,9 @@ class OpenAIServer:
     async def _prewarm(self, request: Request) -> Response:
         """Not cancelled when the client goes away: a client may send it and not wait."""
         body = await self._read_body(request)
-        call = scoped(request, prewarm_call(_decode(body, wire.prewarm_request_decoder)))
+        call = scoped(
+            request, prewarm_call(await self._named(_decode(body, wire.prewarm_request_decoder)))
+        )
         try:
             await self.models.ensure_loaded(call.model)
             ended = await self.runtime.prewarm(
@@ -298,6 +347,8 @@ class OpenAIServer:
     # ------------------------------------------------------------------ plumbing
 
     async def _generation(self, call: RuntimeCall, render: Render) -> Response:
+        if self._shutdown is not None and self._shutdown.stopping:
+            raise shutting_down()
         timer = self.metrics.stream_timer(self._model_label(call.model))
         try:
             # A model available but not loaded is loaded first (with auto-load): the client
@@ -325,11 +376,14 @@ class OpenAIServer:
                 timeout_s=call.timeout_s,
                 stall_timeout_s=call.stall_timeout_s,
                 reuse_prefix=call.reuse_prefix,
+                keep_alive_s=call.keep_alive_s,
             )
         except MlxRuntimeError as error:
             timer.ended("rejected")
             raise error_for_runtime(error) from error
-        return GenerationResponse(stream, render, streaming=call.stream, timer=timer)
+        return GenerationResponse(
+            stream, render, streaming=call.stream, timer=timer, shutdown=self._shutdown
+        )
 
     def _model_label(self, model: str) -> str:
         # Clients name the model: an unknown name must not mint a new time series per request.

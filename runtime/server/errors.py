@@ -42,6 +42,7 @@ from runtime.errors import (
     RateLimited,
     RequestTimedOut,
     RuntimeClosed,
+    ServerShuttingDown,
     StepTimedOut,
     StreamStalled,
     SupervisionEscalated,
@@ -83,6 +84,7 @@ STATUS_BY_CODE: dict[str, int] = {
     ModelRestarting.code: 503,  # its engine crashed and is reloading
     ModelFailed.code: 503,  # out of service until an operator loads it again
     RuntimeClosed.code: 503,  # the server is shutting down
+    ServerShuttingDown.code: 503,  # SIGINT/SIGTERM: requests in flight end with it
     RequestTimedOut.code: 504,  # the client's own timeout_s passed
     StreamStalled.code: 504,  # no token for stall_timeout_s: the engine is stuck or overloaded
     BackendError.code: 500,

@@ -6,6 +6,10 @@ picks a status, so every failure up to the first token (unknown model, context l
 an out-of-vocabulary ``logit_bias``) is a proper HTTP error. A stream that fails after its first
 chunk gets an SSE error event and ends without ``[DONE]``.
 
+Shutdown: with a ``ShutdownNotice`` (shutdown.py), a task waits for it and stops the answer where
+it is (cancelling the runtime request as a disconnect does); the response then ends properly: a
+stream with the render's ``stopped`` chunks and ``[DONE]``, an unanswered request with a 503.
+
 Disconnects: a task waits for ``http.disconnect`` and cancels the response. Leaving the
 ``GenerationStream`` block then cancels the runtime request at its next chunk or step boundary
 (quietly: ``Cancelled``, its KV released). Starlette's own disconnect handling is not relied on:
@@ -28,6 +32,7 @@ from runtime.messages import (
     Cancelled,
     Failed,
     Finished,
+    FinishReason,
     Rejected,
     Started,
     TokensEmitted,
@@ -44,6 +49,7 @@ from runtime.server.errors import (
 from runtime.server.metrics import StreamTimer
 from runtime.server.render import Render
 from runtime.server.schema import Chunk, encoder
+from runtime.server.shutdown import ShutdownNotice, shutting_down
 from runtime.streams import GenerationStream
 
 log = logging.getLogger("mlx_actor_runtime.server")
@@ -65,6 +71,7 @@ class GenerationResponse(Response):
         *,
         streaming: bool,
         timer: StreamTimer | None = None,
+        shutdown: ShutdownNotice | None = None,
     ) -> None:
         self.status_code = 200
         self.background = None
@@ -73,17 +80,57 @@ class GenerationResponse(Response):
         self._streaming = streaming
         self._headers_sent = False
         self._timer = timer
+        self._shutdown = shutdown
+        self._stopped = False  # the shutdown stopped the answer: it still owes its ending
+        self._answered = False
+        self._cut_short = False  # the render ended the reply early: the request was cancelled
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        async with anyio.create_task_group() as task_group:
-            task_group.start_soon(_cancel_on_disconnect, receive, task_group.cancel_scope)
-            try:
-                await self._answer(send)
-            except anyio.get_cancelled_exc_class():
-                log.debug("client went away: request %s cancelled", self._stream.request_id)
-                self._record_outcome("disconnected")
-                raise
-            task_group.cancel_scope.cancel()
+        if self._shutdown is not None:
+            self._shutdown.opened()
+        try:
+            async with anyio.create_task_group() as task_group:
+                task_group.start_soon(_cancel_on_disconnect, receive, task_group.cancel_scope)
+                with anyio.CancelScope() as answering:
+                    if self._shutdown is not None:
+                        task_group.start_soon(self._stop_on_shutdown, self._shutdown, answering)
+                    try:
+                        await self._answer(send)
+                        self._answered = True
+                    except anyio.get_cancelled_exc_class():
+                        if not self._stopped:
+                            log.debug("client went away: request %s cancelled", self.request_id)
+                            self._record_outcome("disconnected")
+                        raise
+                if self._stopped:
+                    await self._send_shutdown_ending(send)
+                task_group.cancel_scope.cancel()
+        finally:
+            if self._shutdown is not None:
+                self._shutdown.closed()
+
+    @property
+    def request_id(self) -> str:
+        return self._stream.request_id
+
+    async def _stop_on_shutdown(
+        self, shutdown: ShutdownNotice, answering: anyio.CancelScope
+    ) -> None:
+        await shutdown.wait_given()
+        if not self._answered:  # an answer already sent whole owes nothing more
+            self._stopped = True
+            answering.cancel()
+
+    async def _send_shutdown_ending(self, send: Send) -> None:
+        """The answer the shutdown owes: a stream's last chunk and ``[DONE]``, else a 503."""
+        self._record_outcome("cancelled")
+        error = shutting_down()
+        log.info("request %s ended by the shutdown", self.request_id)
+        if not self._headers_sent:
+            await self._send_error(send, error)
+            return
+        detail = error.body().error
+        await _send_chunks(send, self._render.stopped(detail), last=DONE)
 
     async def _answer(self, send: Send) -> None:
         try:
@@ -106,6 +153,18 @@ class GenerationResponse(Response):
         """The next text or terminal event, observed by the timer (metrics) and the response's
         clock (timings) on its way; ``Started`` goes to the render."""
         output = await _next_output(stream, self._render.started)
+        if isinstance(output, TokensEmitted):
+            self._render.observe(output)
+            if self._render.ended_early and not self._cut_short:
+                self._cut_short = True
+                stream.cancel()  # the reply is complete: the rest is not needed
+        elif isinstance(output, Cancelled) and self._cut_short:  # the cancel asked for above
+            output = Finished(
+                request_id=output.request_id,
+                incarnation=output.incarnation,
+                reason=FinishReason.STOP,
+                usage=output.usage,
+            )
         self._render.clock.saw(output)
         if isinstance(output, TokensEmitted):
             if self._timer is not None:

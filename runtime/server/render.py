@@ -27,6 +27,7 @@ import msgspec
 
 from runtime.messages import Finished, FinishReason, Started, TokenLogprob, TokensEmitted, Usage
 from runtime.server import schema as wire
+from runtime.server.shutdown import SHUTDOWN_FINISH_REASON
 from runtime.server.timings import RequestClock
 from runtime.text.reasoning import ReasoningSplitter, Split, split_reasoning
 
@@ -40,7 +41,13 @@ def wire_usage(usage: Usage) -> wire.WireUsage:
         completion_tokens=usage.completion_tokens,
         total_tokens=usage.prompt_tokens + usage.completion_tokens,
         prompt_tokens_details=wire.PromptTokensDetails(cached_tokens=usage.cached_prompt_tokens),
+        max_tokens_clamped_to=_clamped(usage),
     )
+
+
+def _clamped(usage: Usage) -> int | msgspec.UnsetType:
+    clamped = usage.max_tokens_clamped_to
+    return msgspec.UNSET if clamped is None else clamped
 
 
 def finish_reason(finished: Finished) -> str:
@@ -68,6 +75,15 @@ class Render(abc.ABC):
         """Chunks sent before any text."""
         return []
 
+    def observe(self, event: TokensEmitted) -> None:  # noqa: B027 - most renders need none
+        """Each text event as it comes, streaming or not (before ``chunk``)."""
+
+    @property
+    def ended_early(self) -> bool:
+        """The reply is complete before the generation ended (a tool call repeated): the
+        response cancels the rest, and the cancelled request ends as ``Finished`` would."""
+        return False
+
     @abc.abstractmethod
     def chunk(self, event: TokensEmitted) -> list[wire.Chunk]:
         """The chunks for ``event``: none when all its text is held back for now (a tag that may
@@ -82,6 +98,13 @@ class Render(abc.ABC):
             chunks.append(self._usage_chunk(wire_usage(finished.usage)))
         return chunks
 
+    def stopped(self, error: wire.ErrorDetail) -> list[wire.Chunk]:
+        """The end of a stream the server stopped (its shutdown): text still held, then a chunk
+        with finish reason "abort" and ``error``. No usage: the request ended without its
+        terminal event, which carries the exact counts."""
+        last = self._finish_chunk(SHUTDOWN_FINISH_REASON, msgspec.UNSET)
+        return [*self._held(), msgspec.structs.replace(last, error=error)]
+
     @abc.abstractmethod
     def whole(self, events: Sequence[TokensEmitted], finished: Finished) -> msgspec.Struct: ...
 
@@ -93,7 +116,9 @@ class Render(abc.ABC):
         return finish_reason(finished)
 
     @abc.abstractmethod
-    def _finish_chunk(self, reason: str, timings: wire.Timings) -> wire.Chunk: ...
+    def _finish_chunk(
+        self, reason: str, timings: wire.Timings | msgspec.UnsetType
+    ) -> wire.Chunk: ...
 
     @abc.abstractmethod
     def _usage_chunk(self, usage: wire.WireUsage) -> wire.Chunk: ...
@@ -127,7 +152,9 @@ class CompletionRender(Render):
         timings = self.clock.timings(finished.usage)
         return self._completion([choice], wire_usage(finished.usage), timings)
 
-    def _finish_chunk(self, reason: str, timings: wire.Timings) -> wire.TextCompletion:
+    def _finish_chunk(
+        self, reason: str, timings: wire.Timings | msgspec.UnsetType
+    ) -> wire.TextCompletion:
         choice = wire.CompletionChoice(text="", finish_reason=reason)
         return self._completion([choice], timings=timings)
 
@@ -235,7 +262,9 @@ class ChatRender(Render):
             for i, delta in enumerate(deltas)
         ]
 
-    def _finish_chunk(self, reason: str, timings: wire.Timings) -> wire.ChatCompletionChunk:
+    def _finish_chunk(
+        self, reason: str, timings: wire.Timings | msgspec.UnsetType
+    ) -> wire.ChatCompletionChunk:
         choice = wire.ChatChunkChoice(delta=wire.Delta(), finish_reason=reason)
         return self._chunk([choice], timings=timings)
 

@@ -29,7 +29,7 @@ class StreamOptions(_Body, frozen=True, kw_only=True):
 class _GenerationBody(_Body, frozen=True, kw_only=True):
     """Fields shared by ``/v1/completions`` and ``/v1/chat/completions``."""
 
-    model: str
+    model: str | None = None  # None: the server's only model (compat.py)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # Completions tell UNSET (omitted: OpenAI's 16) from None (null: the rest of the context).
@@ -47,6 +47,7 @@ class _GenerationBody(_Body, frozen=True, kw_only=True):
     top_k: int | None = None
     min_p: float | None = None
     top_n_sigma: float | None = None
+    typical_p: float | None = None  # llama-server's and vLLM's: locally typical sampling
     repetition_penalty: float | None = None
     penalty_context: int | None = None
     xtc_probability: float | None = None
@@ -60,6 +61,7 @@ class _GenerationBody(_Body, frozen=True, kw_only=True):
     # True: this request aborts its session's older generates (a new keystroke's completion).
     supersede: bool | None = None
     cache_salt: str | None = None
+    keep_alive: float | str | None = None  # Ollama's: the model's keep-alive from now on
     timeout_s: float | None = None  # the request's deadline (runtime error request_timeout)
     stall_timeout_s: float | None = None  # no token for this long after the first: stalled
     # The neighbours' names for the same things (llama-server, mlx_lm.server): aliases.py.
@@ -76,6 +78,11 @@ class _GenerationBody(_Body, frozen=True, kw_only=True):
     grammar: str | None = None
     grammar_syntax: Literal["gbnf", "lark"] | None = None  # gbnf: the default, as llama-server
     regex: str | None = None
+    # Accepted and ignored, with one log line per field (compat.py): no effect on the output.
+    timings_per_token: Any = None
+    return_tokens: Any = None
+    n_keep: Any = None
+    num_draft_tokens: Any = None
 
 
 class CompletionRequest(_GenerationBody, frozen=True, kw_only=True):
@@ -128,13 +135,15 @@ class ChatCompletionRequest(_GenerationBody, frozen=True, kw_only=True):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    # Template variables (vLLM's name), and reasoning_effort passed to the template as one.
+    chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
     # Known but unsupported: refused unless "off" (see translate.py).
     functions: Any = None
     function_call: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
-    reasoning_effort: Any = None
     verbosity: Any = None
     web_search_options: Any = None
 
@@ -146,7 +155,7 @@ class PrewarmRequest(_Body, frozen=True, kw_only=True):
     request's, for its context check. A generate in the same ``session`` adopts or supersedes it.
     """
 
-    model: str
+    model: str | None = None  # None: the server's only model (compat.py)
     prompt: str | list[int] | None = None
     messages: list[WireChatMessage] | None = None
     max_tokens: int | None = None
@@ -156,6 +165,8 @@ class PrewarmRequest(_Body, frozen=True, kw_only=True):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # as the chat request's
+    reasoning_effort: str | None = None
 
 
 completion_request_decoder = msgspec.json.Decoder(CompletionRequest)
@@ -197,6 +208,8 @@ class WireUsage(_Reply, frozen=True, kw_only=True):
     completion_tokens: int
     total_tokens: int
     prompt_tokens_details: PromptTokensDetails
+    # Only when the request's max_tokens was past the room its prompt left: the limit it ran with.
+    max_tokens_clamped_to: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class Timings(_Reply, frozen=True, kw_only=True):
@@ -213,6 +226,7 @@ class Timings(_Reply, frozen=True, kw_only=True):
     predicted_per_token_ms: float | None
     predicted_per_second: float | None
     cache_n: int
+    max_tokens_clamped_to: int | msgspec.UnsetType = msgspec.UNSET  # as in usage
 
 
 class CompletionLogprobs(_Reply, frozen=True, kw_only=True):
@@ -241,6 +255,7 @@ class TextCompletion(_Reply, frozen=True, kw_only=True):
     choices: list[CompletionChoice]
     usage: WireUsage | msgspec.UnsetType | None = msgspec.UNSET
     timings: Timings | msgspec.UnsetType = msgspec.UNSET
+    error: ErrorDetail | msgspec.UnsetType = msgspec.UNSET  # a stream the server stopped
 
 
 class TopLogprob(_Reply, frozen=True, kw_only=True):
@@ -332,6 +347,7 @@ class ChatCompletionChunk(_Reply, frozen=True, kw_only=True):
     choices: list[ChatChunkChoice]
     usage: WireUsage | msgspec.UnsetType | None = msgspec.UNSET
     timings: Timings | msgspec.UnsetType = msgspec.UNSET
+    error: ErrorDetail | msgspec.UnsetType = msgspec.UNSET  # a stream the server stopped
 
 
 class PrewarmResult(_Reply, frozen=True, kw_only=True):

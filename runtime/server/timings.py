@@ -13,6 +13,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import msgspec
+
 from runtime.messages import HostEvent, Started, TokensEmitted, Usage
 from runtime.server.schema import Timings
 
@@ -54,6 +56,11 @@ class RequestClock:
             predicted_per_token_ms=_per_token(predicted_ms, usage.completion_tokens),
             predicted_per_second=_per_second(predicted_ms, usage.completion_tokens),
             cache_n=usage.cached_prompt_tokens,
+            max_tokens_clamped_to=(
+                msgspec.UNSET
+                if usage.max_tokens_clamped_to is None
+                else usage.max_tokens_clamped_to
+            ),
         )
 
 

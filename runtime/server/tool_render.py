@@ -9,6 +9,11 @@ writes them (OpenAI's shape: the official client's stream accumulation joins the
 ``index``). The parser holds back text that may start a call block, so a stream's chunks can lag
 the tokens by a few characters. Reasoning (a ``<think>`` block) is split off first, as in any chat
 reply (``ChatRender``): only the content after it is parsed for calls.
+
+With ``end_on_repeat`` (``tool_choice`` "required" with parallel calls) a call identical to an
+earlier one ends the reply: the parser drops it and what follows, each call's chunks are sent
+once its block closes, and ``ended_early`` tells the response (generation.py) to cancel the
+rest of the generation; the reply then ends ``"tool_calls"``.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from runtime.messages import Finished, FinishReason
+from runtime.messages import Finished, FinishReason, TokensEmitted
 from runtime.server import schema as wire
 from runtime.server.render import ChatRender, finish_reason
 from runtime.text.tool_calls import (
@@ -40,9 +45,20 @@ class ChatToolRender(ChatRender):
         include_usage: bool,
         names: Sequence[str],
         parallel: bool,
+        end_on_repeat: bool = False,
     ) -> None:
         super().__init__(request_id, model, logprobs=logprobs, include_usage=include_usage)
-        self._parser = ToolCallParser(names, parallel=parallel)
+        self._parser = ToolCallParser(names, parallel=parallel, end_on_repeat=end_on_repeat)
+        # Reads the raw text as it comes, streaming or not (the output's own parser reads a
+        # whole reply only at its end), to see a repeat as soon as its block closes.
+        self._watch = ToolCallParser(names, parallel=parallel, end_on_repeat=end_on_repeat)
+
+    def observe(self, event: TokensEmitted) -> None:
+        self._watch.feed(event.text)
+
+    @property
+    def ended_early(self) -> bool:
+        return self._watch.repeated
 
     def _content_deltas(self, text: str, final: bool) -> list[wire.Delta]:
         parsed = self._parser.feed(text) if text else []
@@ -85,6 +101,7 @@ class ChatToolRender(ChatRender):
         )
 
     def _finish_reason(self, finished: Finished) -> str:
-        if self._parser.calls and finished.reason is FinishReason.STOP:
+        ended = finished.reason is FinishReason.STOP or self._parser.repeated
+        if self._parser.calls and ended:
             return "tool_calls"
         return finish_reason(finished)

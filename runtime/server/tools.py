@@ -9,8 +9,10 @@ follow the function's JSON Schema (runtime/text/tool_calls.py). As OpenAI does:
 - ``tool_choice`` defaults to ``"auto"`` with tools and ``"none"`` without;
 - ``"none"``: the model must not call; the tools are left out of the prompt, and the output is
   text (a conversation's earlier calls and results are still rendered);
-- a named function is called exactly once; ``"required"`` allows several calls unless
-  ``parallel_tool_calls`` is false (small models tend to repeat a call until ``max_tokens``);
+- a named function is called exactly once; ``"required"`` allows one or more calls unless
+  ``parallel_tool_calls`` is false, and the output may end after any of them; a call identical
+  to an earlier one (small models repeat their call) ends the reply there, the repeat dropped
+  (``ends_on_repeat``: the response cancels the rest of the generation);
 - a tool's ``parameters`` must be a JSON Schema of ``"type": "object"`` (omitted: no arguments);
   with ``"strict": true`` every keyword of it must be one the grammar engine enforces;
 - a ``tool`` message answers a call an earlier assistant message made (its ``tool_call_id``).
@@ -57,6 +59,11 @@ class ToolSetup(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def names(self) -> tuple[str, ...]:
         return tuple(tool.name for tool in self.chat_tools)
+
+    @property
+    def ends_on_repeat(self) -> bool:
+        """Several forced calls: a repeated one ends the reply (module docstring)."""
+        return self.choice == "required" and self.function is None and self.parallel
 
     @property
     def constraint(self) -> GrammarConstraint | None:

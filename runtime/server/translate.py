@@ -14,6 +14,7 @@ import msgspec
 
 from runtime.messages import ChatMessage, ChatOptions, Sampling
 from runtime.server.aliases import canonical
+from runtime.server.compat import keep_alive_s, template_kwargs
 from runtime.server.errors import UNSUPPORTED_VALUE, invalid, unsupported
 from runtime.server.schema import (
     ChatCompletionRequest,
@@ -39,6 +40,7 @@ _SAMPLER_FIELDS = (
     "top_p",
     "min_p",
     "top_n_sigma",
+    "typical_p",
     "repetition_penalty",
     "presence_penalty",
     "frequency_penalty",
@@ -71,6 +73,7 @@ class RuntimeCall(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float | None = None
     stall_timeout_s: float | None = None
     reuse_prefix: bool = True  # False: llama-server's cache_prompt false (prefill it all)
+    keep_alive_s: float | None = None  # the model's keep-alive from now on (math.inf: forever)
     chat: ChatOptions = ChatOptions()
     tools: ToolSetup | None = None  # chat requests with tools: the output is parsed for calls
 
@@ -128,12 +131,6 @@ def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
         ("modalities", request.modalities, (None, ["text"]), "only text output is supported"),
         ("audio", request.audio, (None,), "audio output is not supported"),
         ("prediction", request.prediction, (None,), "predicted outputs are not supported"),
-        (
-            "reasoning_effort",
-            request.reasoning_effort,
-            (None,),
-            "reasoning effort is not supported",
-        ),
         ("verbosity", request.verbosity, (None,), "verbosity is not supported"),
         ("web_search_options", request.web_search_options, (None,), "web search is not supported"),
     ):
@@ -148,6 +145,7 @@ def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
         top_logprobs=request.top_logprobs or 0,
         response_format=request.response_format,
     )
+    call = msgspec.structs.replace(call, chat=_chat_options(tools, request))
     if tools is None:
         return call
     forced = tools.constraint
@@ -159,7 +157,6 @@ def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
         )
     return msgspec.structs.replace(
         call,
-        chat=chat_options(tools),
         tools=tools,
         sampling=msgspec.structs.replace(
             call.sampling, constraint=forced or call.sampling.constraint
@@ -175,15 +172,29 @@ def prewarm_call(request: PrewarmRequest) -> PrewarmCall:
     if tools is not None and messages is None:
         raise invalid("tools", "tools go with messages: a text prompt is sent as it is")
     return PrewarmCall(
-        model=request.model,
+        model=_model(request),
         prompt=prompt if isinstance(prompt, str) else None,
         prompt_tokens=None if prompt is None or isinstance(prompt, str) else tuple(prompt),
         messages=None if messages is None else _chat_messages(messages),
         max_tokens=request.max_tokens,
         namespace=_namespace(request.cache_salt),
         session=request.session,
-        chat=chat_options(tools),
+        chat=_chat_options(tools, request),
     )
+
+
+def _chat_options(
+    tools: ToolSetup | None, request: ChatCompletionRequest | PrewarmRequest
+) -> ChatOptions:
+    """The tools' chat options plus the template variables (compat.py)."""
+    return msgspec.structs.replace(chat_options(tools), template_kwargs=template_kwargs(request))
+
+
+def _model(request: CompletionRequest | ChatCompletionRequest | PrewarmRequest) -> str:
+    """The model named (the app names the server's only model for a request without one)."""
+    if request.model is None:
+        raise invalid("model", "model is missing; name one (GET /v1/models lists them)")
+    return request.model
 
 
 def _supersede(request: CompletionRequest | ChatCompletionRequest) -> bool:
@@ -225,7 +236,7 @@ def _call(
         regex=request.regex,
     )
     return RuntimeCall(
-        model=request.model,
+        model=_model(request),
         prompt=prompt,
         prompt_tokens=prompt_tokens,
         messages=messages,
@@ -243,6 +254,7 @@ def _call(
         timeout_s=request.timeout_s,
         stall_timeout_s=request.stall_timeout_s,
         reuse_prefix=request.cache_prompt is not False,
+        keep_alive_s=keep_alive_s(request),
     )
 
 

@@ -170,6 +170,7 @@ class Simulator:
             load_backend=loader,
             reservation_timeout_s=self.config.reservation_timeout_s,
             default_max_tokens=self.config.default_max_tokens,
+            strict_max_tokens=self.config.strict_max_tokens,
             step_timeout_s=self.config.step_timeout_s,
             engine_restart=self.config.engine_restart,
             stall_timeout_s=self.config.stall_timeout_s,

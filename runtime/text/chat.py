@@ -19,7 +19,9 @@ Steps, in order:
    messages after it up to the next user message. System/developer messages and the latest turn
    are never dropped.
 5. Check the context: prompt plus ``max_tokens`` above ``context_length`` raises
-   ``ContextLengthExceeded``. Without a window nothing is ever dropped: the client owns its context.
+   ``ContextLengthExceeded`` (with ``reply_may_shrink``, only a prompt that leaves no room for one
+   token: the engine lowers ``max_tokens`` to the room left, or refuses it naming the value the
+   request sent). Without a window nothing is ever dropped: the client owns its context.
 6. Locate the message ends: where the instructions end, and where each of the latest messages but
    the final one ends, in prompt tokens (the engine checkpoints a cache that cannot be trimmed
    there, so an edit of a later message reuses all before it).
@@ -27,6 +29,7 @@ Steps, in order:
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Sequence
 from typing import Any, Final, Protocol
@@ -52,6 +55,26 @@ ROLES: Final[frozenset[str]] = frozenset(("system", "developer", "user", "assist
 INSTRUCTION_ROLES: Final[frozenset[str]] = frozenset(("system", "developer"))
 # Message ends located per prompt: edits land near the end, and each end costs a template render.
 MESSAGE_ENDS: Final = 16
+# apply_chat_template's own parameters: the renderer sets these, a template variable cannot.
+RENDERER_KWARGS: Final = frozenset(
+    (
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    )
+)
 
 # A closed block; reasoning before a lone closing tag (templates that open it in the generation
 # prompt); an opening tag never closed (a turn cut off by max_tokens).
@@ -92,8 +115,12 @@ def prepare_chat(
     options: ChatOptions,
     max_tokens: int,
     context_length: int,
+    *,
+    reply_may_shrink: bool = False,
 ) -> PreparedPrompt:
     """Template, tokenize, window and check ``messages``; see the module docstring.
+    ``reply_may_shrink``: ``max_tokens`` only plans the window; the check asks for room for one
+    token (the engine's, which knows what the request sent, does the rest).
 
     Raises ``InvalidRequest`` for malformed messages or options (or a template that rejects the
     messages) and ``ContextLengthExceeded`` when the prompt plus ``max_tokens`` cannot fit.
@@ -108,8 +135,13 @@ def prepare_chat(
         budget = min(options.history_budget_tokens, context_length - max_tokens)
         kept, text, tokens, dropped = _window(renderer, msgs, budget)
     over = len(tokens) + max_tokens - context_length
-    if over > 0:
-        after = f" after dropping {dropped} earlier turns" if dropped else ""
+    after = f" after dropping {dropped} earlier turns" if dropped else ""
+    if reply_may_shrink and len(tokens) >= context_length:
+        raise ContextLengthExceeded(
+            f"the prompt is {len(tokens)} tokens{after}: it fills the context length of "
+            f"{context_length} and leaves no room for a reply; shorten the messages"
+        )
+    if over > 0 and not reply_may_shrink:
         raise ContextLengthExceeded(
             f"the prompt is {len(tokens)} tokens{after} and max_tokens is {max_tokens}: {over} "
             f"tokens over the context length of {context_length}; shorten the messages or lower "
@@ -153,6 +185,7 @@ def _validate(
             "after it; send the tool results (role tool) after it"
         )
     tool_prompt.validate_tools(options.tools)
+    template_kwargs(options)
     if max_tokens < 1:
         raise InvalidRequest(f"max_tokens must be at least 1 (got {max_tokens})")
     if context_length < 1:
@@ -194,6 +227,7 @@ class _Renderer:
         self._native_tools = self._templated and tool_prompt.template_supports_tools(tokenizer)
         self._tools = options.tools
         self._parallel_tool_calls = options.parallel_tool_calls
+        self._template_kwargs = template_kwargs(options)
 
     def prompt(self, messages: Sequence[ChatMessage]) -> tuple[str, list[int]]:
         """The full prompt: a final assistant message is continued, not closed."""
@@ -216,7 +250,7 @@ class _Renderer:
         for entry in conversation:
             if entry["role"] == "developer":
                 entry["role"] = "system"  # the role templates know
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = dict(self._template_kwargs)
         if self._native_tools and self._tools:
             extra["tools"] = tool_prompt.tools_json(self._tools)
         templated: Any = self._tokenizer  # has_chat_template checked apply_chat_template
@@ -240,6 +274,27 @@ class _Renderer:
     def encode_continuation(self, text: str) -> list[int]:
         """Text that follows other text in the prompt: no BOS of its own."""
         return [int(t) for t in self._tokenizer.encode(text, add_special_tokens=False)]
+
+
+def template_kwargs(options: ChatOptions) -> dict[str, Any]:
+    """``options.template_kwargs`` as keyword arguments for the template; raises
+    ``InvalidRequest`` for text that is not a JSON object, or a key the renderer sets itself."""
+    text = options.template_kwargs
+    if text is None:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except ValueError as error:
+        raise InvalidRequest(f"chat_template_kwargs is not JSON ({error})") from None
+    if not isinstance(kwargs, dict):
+        raise InvalidRequest("chat_template_kwargs must be a JSON object of template variables")
+    taken = sorted(RENDERER_KWARGS.intersection(kwargs))
+    if taken:
+        raise InvalidRequest(
+            f"chat_template_kwargs must not set {', '.join(taken)}: the server sets it from the "
+            "request (send tools, messages and the other fields as themselves)"
+        )
+    return kwargs
 
 
 def has_chat_template(tokenizer: object) -> bool:

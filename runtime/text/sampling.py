@@ -27,7 +27,9 @@ output so far). The pipeline, in order:
 
 3. Otherwise the processed logits become log-probabilities and the **truncation filters** run,
    each on the distribution renormalised over the tokens the previous ones kept: top-k, top-n-sigma
-   (keep ``logit >= max - n * std`` over the surviving logits, population std), top-p (smallest
+   (keep ``logit >= max - n * std`` over the surviving logits, population std), locally typical
+   (``typical_p``: the tokens whose ``-log p`` is nearest the entropy, up to that mass; typical.py),
+   top-p (smallest
    set reaching ``p``), min-p (``p >= min_p * p_max``), XTC (with probability ``xtc_probability``,
    drawn from the sequence's ``rng``: remove every token with ``p >= xtc_threshold`` except the
    least probable of them, so it acts only when at least two reach the threshold). Temperature is
@@ -73,6 +75,7 @@ from mlx_lm.sample_utils import (
 
 from runtime.errors import InvalidRequest
 from runtime.messages import Sampling
+from runtime.text.typical import apply_typical_p
 
 if TYPE_CHECKING:
     from runtime.text.constraints import TokenMatcher
@@ -320,9 +323,11 @@ class TokenSampler:
         return penalties
 
     def truncate(self, logprobs: mx.array, rng: random.Random) -> mx.array:
-        """Top-k, top-n-sigma, top-p, min-p, XTC on log-probabilities; removed tokens get -inf.
+        """Top-k, top-n-sigma, typical-p, top-p, min-p, XTC on log-probabilities; removed tokens
+        get -inf.
 
-        Only top-p needs them normalised; the others accept logits shifted by any constant.
+        Only top-p needs them normalised; the others (typical-p normalises its own) accept
+        logits shifted by any constant.
 
         Draws XTC's coin from ``rng`` (only when ``xtc_probability > 0``).
         """
@@ -332,6 +337,8 @@ class TokenSampler:
             lp = apply_top_k(lp, s.top_k)
         if s.top_n_sigma > 0.0:
             lp = _top_n_sigma(lp, s.top_n_sigma)
+        if 0.0 < s.typical_p < 1.0:
+            lp = apply_typical_p(lp, s.typical_p)
         if 0.0 < s.top_p < 1.0:
             lp = apply_top_p(lp, s.top_p)
         if s.min_p > 0.0:

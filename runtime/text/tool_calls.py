@@ -17,7 +17,12 @@ anything else stays in the content, as written.
 
 ``tool_call_grammar`` is the constraint for ``tool_choice`` "required" or a named function: the
 output must be call blocks (one, or one or more), each a known function's name and arguments
-valid under its JSON Schema.
+valid under its JSON Schema; after any complete block the output may end (a newline after it
+too). A model left free to make several calls may still repeat one until ``max_tokens`` (a small
+one does: its next likeliest text after a call is the same call again). With ``end_on_repeat``
+the parser drops a call identical to an earlier one (name and arguments), and everything after
+it, and says so (``repeated``), so the caller can stop the generation there: each call's events
+are then held until its block closes.
 """
 
 from __future__ import annotations
@@ -137,12 +142,16 @@ class ToolCallParser:
         names: Iterable[str],
         *,
         parallel: bool = True,
+        end_on_repeat: bool = False,
         new_id: Callable[[], str] = new_call_id,
     ) -> None:
         self._names = frozenset(names)
         self._parallel = parallel
+        self._end_on_repeat = end_on_repeat
         self._new_id = new_id
         self.calls: list[ToolCall] = []
+        self.repeated = False  # (end_on_repeat) a call repeated an earlier one: nothing follows
+        self._held_call: list[ParsedOutput] = []  # (end_on_repeat) the open call's events
         self._pending = ""  # text not yet given out: it may start a tag, or border a call
         self._in_call = False
         self._held_space = ""  # whitespace before an open block: dropped if it is a call
@@ -150,6 +159,8 @@ class ToolCallParser:
         self._streamed: _StreamedCall | None = None  # the open block, once it is a call
 
     def feed(self, text: str) -> list[ParsedOutput]:
+        if self.repeated:
+            return []
         self._pending += text
         out: list[ParsedOutput] = []
         while self._step(out):
@@ -159,8 +170,10 @@ class ToolCallParser:
     def finish(self) -> list[ParsedOutput]:
         """The end of the output: whatever was held back is content (an unclosed block too)."""
         out: list[ParsedOutput] = []
+        if self.repeated:
+            return out
         if self._streamed is not None:
-            self._end_streamed()
+            self._end_streamed(out)
         elif self._in_call:
             self._text(out, self._held_space + CALL_OPEN + self._pending)
         else:
@@ -200,31 +213,48 @@ class ToolCallParser:
             taken = streamed.take(self._pending)
             fragment, self._pending = self._pending[:taken], self._pending[taken:]
             if fragment and streamed.index is not None:
-                out.append(ArgumentsAdded(streamed.index, fragment))
+                self._call_event(out, ArgumentsAdded(streamed.index, fragment))
             if not streamed.complete:
                 return False
         end = self._pending.find(CALL_CLOSE)  # what is left of the block is not looked at
         if end < 0:
             return False
         self._pending = self._pending[end + len(CALL_CLOSE) :]
-        self._end_streamed()
-        return True
+        self._end_streamed(out)
+        return not self.repeated
 
     def _start_streamed(self, out: list[ParsedOutput], name: str) -> _StreamedCall:
         index = len(self.calls) if self._parallel or not self.calls else None
         streamed = _StreamedCall(index, self._new_id(), name)
         if index is not None:
-            out.append(ToolCallStarted(index, streamed.id, name))
+            self._call_event(out, ToolCallStarted(index, streamed.id, name))
         self._held_space = ""
         return streamed
 
-    def _end_streamed(self) -> None:
+    def _end_streamed(self, out: list[ParsedOutput]) -> None:
         streamed = self._streamed
         assert streamed is not None
         if streamed.index is not None:
             call = ToolCall(id=streamed.id, name=streamed.name, arguments=streamed.arguments)
-            self.calls.append(call)
+            self._add_call(out, call, self._held_call)
+        self._held_call = []
         self._streamed, self._in_call, self._after_call = None, False, True
+
+    def _call_event(self, out: list[ParsedOutput], event: ParsedOutput) -> None:
+        """An event of the open call: held until it closes when repeats end the output."""
+        (self._held_call if self._end_on_repeat else out).append(event)
+
+    def _add_call(
+        self, out: list[ParsedOutput], call: ToolCall, events: list[ParsedOutput]
+    ) -> None:
+        """A complete call, and its events not given out yet; a repeat (``end_on_repeat``) is
+        dropped and ends the output."""
+        if self._end_on_repeat and any(_same_call(call, earlier) for earlier in self.calls):
+            self.repeated = True
+            self._pending, self._held_space = "", ""
+            return
+        self.calls.append(call)
+        out.extend(events)
 
     def _close_whole_block(self, out: list[ParsedOutput]) -> bool:
         end = self._pending.find(CALL_CLOSE)
@@ -233,7 +263,7 @@ class ToolCallParser:
         body, self._pending = self._pending[:end], self._pending[end + len(CALL_CLOSE) :]
         self._in_call = False
         self._close_block(out, body)
-        return True
+        return not self.repeated
 
     def _close_block(self, out: list[ParsedOutput], body: str) -> None:
         call = self._parse_call(body)
@@ -242,9 +272,11 @@ class ToolCallParser:
         else:
             if self._parallel or not self.calls:
                 index = len(self.calls)
-                self.calls.append(call)
-                out.append(ToolCallStarted(index, call.id, call.name))
-                out.append(ArgumentsAdded(index, call.arguments))
+                events: list[ParsedOutput] = [
+                    ToolCallStarted(index, call.id, call.name),
+                    ArgumentsAdded(index, call.arguments),
+                ]
+                self._add_call(out, call, events)
             self._after_call = True
         self._held_space = ""
 
@@ -273,6 +305,16 @@ class ToolCallParser:
             return None
         text = json.dumps(arguments, ensure_ascii=False)
         return ToolCall(id=self._new_id(), name=str(name), arguments=text)
+
+
+def _same_call(one: ToolCall, other: ToolCall) -> bool:
+    """The same function with the same arguments (as JSON values: spacing does not count)."""
+    if one.name != other.name:
+        return False
+    try:
+        return bool(json.loads(one.arguments) == json.loads(other.arguments))
+    except ValueError:  # a call cut short: its text is all there is
+        return one.arguments == other.arguments
 
 
 def _partial_tag_length(text: str) -> int:
@@ -306,7 +348,8 @@ def tool_call_grammar(
         raise ValueError(f"no tool is named {only!r}")
     rules = [f"call_{i}: {_call_rule(tool)}" for i, tool in enumerate(chosen)]
     alternatives = " | ".join(f"call_{i}" for i in range(len(chosen)))
-    start = 'start: call ("\\n" call)*' if parallel else "start: call"
+    # The newline the model may write after a call is allowed to end the output too.
+    start = 'start: call ("\\n" call)* "\\n"?' if parallel else "start: call"
     grammar = "\n".join([start, f"call: {alternatives}", *rules]) + "\n"
     return GrammarConstraint(grammar=grammar, syntax="lark")
 

@@ -1,0 +1,37 @@
+"""``mlxrt serve``'s flags for what a request gets when it leaves something out, and for who may
+call from a browser: ``--max-tokens``, ``--strict-max-tokens``, ``--allowed-origins``
+(docs/http.md). Apart from cli.py so the serve command's other flags can change without them."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_request_flags(serve: argparse.ArgumentParser) -> None:
+    serve.add_argument(
+        "--max-tokens",
+        type=int,
+        metavar="N",
+        help="token limit of requests that send none (default: 16 for /v1/completions as OpenAI, "
+        "the rest of the context up to 4096 for chat); mlx_lm.server's is 512",
+    )
+    serve.add_argument(
+        "--strict-max-tokens",
+        action="store_true",
+        help="refuse a max_tokens past the room the prompt leaves in the context "
+        "(default: lower it to that room, as llama-server and mlx_lm.server do)",
+    )
+    serve.add_argument(
+        "--allowed-origins",
+        nargs="+",
+        default=[],
+        metavar="ORIGIN",
+        help='browser origins allowed to call the API (CORS), e.g. http://localhost:3000, or "*" '
+        "for any; default: none (a browser page on another origin cannot call it)",
+    )
+
+
+def check_request_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """A usage error (exit 2) for a ``--max-tokens`` below 1."""
+    if args.max_tokens is not None and args.max_tokens < 1:
+        parser.error(f"--max-tokens must be at least 1 (got {args.max_tokens})")
