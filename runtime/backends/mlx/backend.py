@@ -34,6 +34,7 @@ from runtime.backends.mlx.facts import (
     kv_bytes_per_token,
     quantization_group,
     reuse_strategy,
+    vocab_size_of,
     widen_half_quantized,
 )
 from runtime.backends.mlx.interrupt import can_interrupt, interruptible, stop_checks
@@ -144,7 +145,7 @@ class MlxBackend:
         )
         return ModelInfo(
             context_length=context,
-            vocab_size=int(config.get("vocab_size", 0)),
+            vocab_size=vocab_size_of(config),
             eos_token_ids=eos,
             reuse=strategy,
             reuse_reason=reason,

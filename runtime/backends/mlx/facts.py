@@ -47,6 +47,15 @@ def context_length_of(config: dict[str, Any]) -> int:
     return _DEFAULT_CONTEXT
 
 
+def vocab_size_of(config: dict[str, Any]) -> int:
+    """The vocabulary a config declares, also where a vision-language wrapper nests it
+    (``text_config``: Qwen2-VL, Qwen3.5, Pixtral, Llama 4...); 0 when none does."""
+    for scope in (config, config.get("text_config") or {}):
+        if scope.get("vocab_size"):
+            return int(scope["vocab_size"])
+    return 0
+
+
 def effective_eos_ids(tokenizer: Any, path: Path, config: dict[str, Any]) -> frozenset[int]:
     """The tokenizer's EOS, plus generation_config.json's, plus the chat template's turn end.
 
