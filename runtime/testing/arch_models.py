@@ -20,6 +20,7 @@ import hashlib
 import importlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Final, cast
 
@@ -120,6 +121,10 @@ GENERIC: Final[dict[str, Any]] = {
 }
 
 
+# ``class Model(`` or a re-export (solar_open takes glm4_moe's ``Model``).
+_DEFINES_MODEL: Final = re.compile(r"^(class Model\(|from \S+ import .*\bModel\b)", re.MULTILINE)
+
+
 def mlx_lm_architectures() -> list[str]:
     """Every module of the installed ``mlx_lm.models`` that defines ``Model`` and ``ModelArgs``
     (read from the source, so a module that fails to import is still listed)."""
@@ -129,7 +134,7 @@ def mlx_lm_architectures() -> list[str]:
     found = []
     for path in sorted(root.glob("*.py")):
         text = path.read_text(encoding="utf-8")
-        if "\nclass Model(" in text and "\nclass ModelArgs(" in text:
+        if "\nclass ModelArgs(" in text and _DEFINES_MODEL.search(text):
             found.append(path.stem)
     return found
 

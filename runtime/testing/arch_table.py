@@ -63,6 +63,10 @@ OVERRIDES: Final[dict[str, dict[str, Any]]] = {
     "baichuan_m1": {"sliding_window_layers": [0, 2], "conv_window": 2},
     "bailing_hybrid": {"layer_group_size": 2, "group_norm_size": 1},
     "bailing_moe_linear": {"layer_group_size": 2, "group_norm_size": 1},
+    # Logits scaled down 16x (or soft-capped at 20) leave top-2 margins too close to call.
+    "cohere": {"logit_scale": 1.0},
+    "cohere2": {"logit_scale": 1.0},
+    "muse_glimmer": {"final_logit_softcapping": 200.0, "output_multiplier": 1.0},
     "dbrx": {
         "ffn_config": {"ffn_hidden_size": 128, "moe_num_experts": 4, "moe_top_k": 2},
         "attn_config": {"kv_n_heads": 2, "rope_theta": 10000.0, "clip_qkv": 8.0},
