@@ -70,8 +70,6 @@ pytestmark = [
     pytest.mark.mlx,
     # transformers warns about the tiny configs' fields as it reads them with the tokenizer.
     pytest.mark.filterwarnings("ignore::FutureWarning"),
-    pytest.mark.filterwarnings("ignore::UserWarning"),
-    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
 ]
 
 ARCHITECTURES = buildable_architectures()
