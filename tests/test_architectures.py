@@ -112,8 +112,9 @@ _ROW_OFFSETS = (
     "and a batch cache's offset is one per row"
 )
 _KV_REUSE = (
-    "batched steps change the output (no error): afm7's KV-reuse layers attend to the last "
-    "cache's keys_and_values(), which a batch cache does not hand over with its row padding"
+    "batched decode changes the output (no error); suspected: afm7's KV-reuse layers attend to "
+    "the last layer cache's keys_and_values() under a mask made for cache[0], which a batch's "
+    "per-row offsets and padding do not fit (not yet diagnosed)"
 )
 # (architecture, case) -> the defect.
 KNOWN_FAILURES: dict[tuple[str, str], str] = {
