@@ -19,7 +19,7 @@ import anyio
 import anyio.from_thread
 
 from runtime.api import Runtime
-from runtime.messages import Finished, FinishReason, ModelLoaded, Started
+from runtime.messages import Finished, FinishReason, ModelLoaded, Started, Usage
 from runtime.testing.arch_oracle import Reference, ReuseOracle, raw_greedy
 from runtime.testing.harness import engine_stats
 
@@ -67,11 +67,13 @@ def case_prompt(case: str, base: list[int], first_output: Sequence[int]) -> list
 
 @dataclass
 class Run:
-    """A generate that ran to ``max_tokens``: its tokens, its ``Started`` and what it prefilled."""
+    """A generate that ran to ``max_tokens``: its tokens, its ``Started``, what the engine
+    prefilled for it and the usage its ``Finished`` reported."""
 
     tokens: tuple[int, ...]
     started: Started
     prefilled: int
+    usage: Usage
 
 
 @dataclass(frozen=True)
@@ -168,7 +170,8 @@ class ArchModel:
         assert isinstance(terminal, Finished), f"ended {type(terminal).__name__}: {terminal}"[:300]
         assert terminal.reason is FinishReason.LENGTH, terminal
         assert done.started is not None
-        return Run(done.token_ids, done.started, self.counter("prefilled_tokens") - before)
+        prefilled = self.counter("prefilled_tokens") - before
+        return Run(done.token_ids, done.started, prefilled, terminal.usage)
 
     async def expect(self, prompt: Sequence[int], namespace: str, oracle: ReuseOracle) -> Run:
         """Generate ``prompt``: the output equals raw mlx-lm's, the reuse what ``oracle`` says."""
@@ -176,6 +179,7 @@ class ArchModel:
         run = await self.complete(prompt, namespace)
         observed = (run.started.cached_tokens, run.prefilled, str(run.started.path))
         assert observed[:2] == (reused, len(prompt) - reused), f"(cached, prefilled) {observed}"
+        assert run.usage.cached_prompt_tokens == reused, f"usage {run.usage}"
         assert observed[2] in paths, f"path {observed[2]}, expected one of {paths}"
         expected = self.reference(prompt)
         assert expected.agree(run.tokens), f"output {run.tokens} != raw mlx-lm {expected}"
