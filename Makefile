@@ -61,7 +61,7 @@ WITH_BLAS := MLXRT_BLAS=mlx
 BLAS_NOTE := BLAS: MLX built-in (BLAS_PRELOAD=0)
 endif
 
-.PHONY: venv run lint test test-nightly fuzz-nightly bench bench-quick soak
+.PHONY: venv run lint test test-nightly fuzz-nightly bench bench-quick soak arch-report
 
 venv: $(VENV)/.installed
 
@@ -120,3 +120,11 @@ SOAK_ARGS ?=
 soak: venv
 	@echo "$(BLAS_NOTE)"
 	PYTHONPATH=. $(WITH_BLAS) $(PY) scripts/soak.py $(SOAK_ARGS)
+
+# The architecture matrix on every mlx-lm architecture, then docs/models.md's "Architectures" table
+# from what it observed (known failures are strict xfails, so the run passes; '-' renders anyway).
+# Committed beside the docs: the run the table comes from.
+ARCH_RESULTS := docs/perf/architectures.json
+arch-report: venv
+	-MLXRT_ARCH_REPORT=$(ARCH_RESULTS) $(WITH_BLAS) $(PYTEST) -q -m architectures tests/test_architectures.py $(PYTEST_ARGS)
+	$(PY) -m runtime.testing.arch_report $(ARCH_RESULTS) docs/models.md

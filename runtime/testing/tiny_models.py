@@ -93,6 +93,7 @@ __all__ = [
     "TINY_MODEL_KINDS",
     "VOCAB_SIZE",
     "TinyModelKind",
+    "build_directory",
     "build_tiny_model",
     "cache_root",
     "load_tiny_model",
@@ -268,12 +269,12 @@ def _stamp(kind: TinyModelKind, seed: int) -> dict[str, Any]:
     return {"factory_version": FACTORY_VERSION, "kind": kind, "seed": seed}
 
 
-def _has_stamp(directory: Path, kind: TinyModelKind, seed: int) -> bool:
+def _has_stamp(directory: Path, stamp: dict[str, Any]) -> bool:
     try:
         found = json.loads((directory / STAMP_FILE).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    return bool(found == _stamp(kind, seed))
+    return bool(found == stamp)
 
 
 # Serializes builds inside one process: concurrent threads would otherwise race on the
@@ -289,27 +290,49 @@ def build_tiny_model(kind: TinyModelKind, directory: Path, seed: int = 0) -> Pat
     renamed into place.
     """
     _check_kind(kind)
-    directory = Path(directory)
-    if _has_stamp(directory, kind, seed):
+
+    def write(tmp: Path, tok: Any) -> None:
+        _write_model(kind, tmp, seed, unprintable_ids(tok))
+
+    return build_directory(Path(directory), _stamp(kind, seed), write)
+
+
+def build_directory(
+    directory: Path, stamp: dict[str, Any], write_model: Callable[[Path, Any], None]
+) -> Path:
+    """Write the tiny tokenizer and ``write_model(tmp, tokenizer)``'s weights and config into a
+    temporary sibling of ``directory``, stamp it, and rename it into place; an existing directory
+    holding ``stamp`` is returned untouched (shared with ``runtime.testing.arch_models``)."""
+    if _has_stamp(directory, stamp):
         return directory
     directory.parent.mkdir(parents=True, exist_ok=True)
     with _BUILD_LOCK:
-        if _has_stamp(directory, kind, seed):
+        if _has_stamp(directory, stamp):
             return directory
         tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
         try:
             # mkdtemp makes it 0700; a shared cache dir should be readable like any other.
             # (Reading the umask would need os.umask(), which is racy across threads.)
             os.chmod(tmp, 0o755)
-            tok = train_tiny_tokenizer()
+            tok = _tokenizer()
             write_tokenizer(tmp, tok)
-            _write_model(kind, tmp, seed, unprintable_ids(tok))
+            write_model(tmp, tok)
             # Stamp last: its presence means every other file is complete.
-            write_json(tmp / STAMP_FILE, _stamp(kind, seed))
-            _install(tmp, directory, lambda: _has_stamp(directory, kind, seed))
+            write_json(tmp / STAMP_FILE, stamp)
+            _install(tmp, directory, lambda: _has_stamp(directory, stamp))
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
     return directory
+
+
+_TOKENIZER: list[Any] = []
+
+
+def _tokenizer() -> Any:
+    """The trained tiny tokenizer, trained once per process (callers hold ``_BUILD_LOCK``)."""
+    if not _TOKENIZER:
+        _TOKENIZER.append(train_tiny_tokenizer())
+    return _TOKENIZER[0]
 
 
 def _install(tmp: Path, directory: Path, is_valid: Callable[[], bool]) -> None:

@@ -48,7 +48,8 @@ def context_length_of(config: dict[str, Any]) -> int:
 
 
 def vocab_size_of(config: dict[str, Any]) -> int:
-    """The vocabulary a config declares, also where it nests it (llama4's ``text_config``)."""
+    """The vocabulary a config declares, also where a vision-language wrapper nests it
+    (``text_config``: Qwen2-VL, Qwen3.5, Pixtral, Llama 4...); 0 when none does."""
     for scope in (config, config.get("text_config") or {}):
         if scope.get("vocab_size"):
             return int(scope["vocab_size"])
