@@ -33,6 +33,7 @@ from runtime.api import Runtime
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY
 from runtime.config import RuntimeConfig
+from runtime.errors import UnsupportedCache
 from runtime.messages import (
     Cancelled,
     Failed,
@@ -77,25 +78,11 @@ CONFIG = RuntimeConfig(kv_budget_bytes=1 << 30)  # nothing is evicted or refused
 
 # Known defects, each naming what breaks (issue 20): strict xfails, so a fix that makes one pass
 # fails the run until its entry goes. The whole architecture: every request fails (or the load).
-_NO_COPY_RULE = (
-    "every request fails Failed(backend_error) CannotTrim('no copy rule for cache type {}'): "
-    "the checkpoint path's layer copy (runtime/backends/mlx/state.py) knows only KV, rotating, "
-    "quantized and arrays caches; want: an adapter per cache class, or a refusal at load"
-)
-BROKEN_ARCHITECTURES: dict[str, str] = {
-    **dict.fromkeys(
-        ("baichuan_m1", "deepseek_v32", "falcon_h1", "glm_moe_dsa", "longcat_flash"),
-        _NO_COPY_RULE.format("CacheList"),
-    ),
-    "longcat_flash_ngram": _NO_COPY_RULE.format("CacheList"),
-    "deepseek_v41": _NO_COPY_RULE.format("LayerCache"),
-    "llama4": _NO_COPY_RULE.format("ChunkedKVCache"),
-    "nemotron-nas": (
-        "the load fails (ModelLoadFailed: 'NoneType' object has no attribute 'nbytes'): a no-op "
-        "attention layer's KVCache is never filled, and MlxBackend._measure prices its empty "
-        "state as a recurrent one"
-    ),
-}
+# Refused at load, by design: the architecture keeps its cache in a class no adapter covers
+# (runtime/backends/mlx/cache_kinds), so it is refused with a sentence naming the class and the
+# architecture, never at a request. Architecture -> the class the refusal names.
+REFUSED_AT_LOAD: dict[str, str] = {"deepseek_v41": "LayerCache"}
+BROKEN_ARCHITECTURES: dict[str, str] = {}
 _PADDED_STATE = (
     "a left-padded batched prefill changes the output (no error): the padding runs through the "
     "recurrent/SSM state, or mlx-lm reads the carried state at the wrong step (ssm.py reads it "
@@ -135,6 +122,16 @@ KNOWN_FAILURES: dict[tuple[str, str], str] = {
     ("gemma2", "together"): _NO_ROW_MASK,
     ("gpt_bigcode", "concurrent"): _ROW_OFFSETS,
     ("gpt_bigcode", "together"): _ROW_OFFSETS,
+    ("falcon_h1", "together"): _PADDED_STATE,
+    ("longcat_flash_ngram", "together"): (
+        "a left-padded batched prefill changes the output (no error): its n-gram embedding keeps "
+        "the last n-1 token ids in an ArraysCache, and the padding ids enter that context"
+    ),
+    **dict.fromkeys(
+        (("nemotron-nas", "concurrent"), ("nemotron-nas", "together")),
+        "batched decode stalls (stream_stalled after 60 s): a no-op attention layer's KVCache "
+        "stays empty, and the batch merges it with the others",
+    ),
     ("afm7", "concurrent"): _KV_REUSE,
     ("afm7", "together"): _KV_REUSE,
 }
@@ -228,6 +225,8 @@ def model(request: pytest.FixtureRequest) -> Iterator[ArchModel]:
 
 
 def expect_failure(request: pytest.FixtureRequest, arch: str, case: str) -> None:
+    if arch in REFUSED_AT_LOAD:
+        pytest.skip(f"{arch} is refused at load (test_refused_at_load_with_a_sentence)")
     reason = known_failure(arch, case)
     if reason is not None:
         request.applymarker(pytest.mark.xfail(strict=True, reason=reason))
@@ -242,6 +241,23 @@ def test_every_architecture_is_built_or_listed() -> None:
     assert set(UNBUILDABLE) <= shipped, "UNBUILDABLE names a module mlx-lm no longer ships"
     assert set(ARCHITECTURES) | set(UNBUILDABLE) == shipped
     assert len(ARCHITECTURES) >= 100
+
+
+@pytest.mark.parametrize(("arch", "cache_class"), sorted(REFUSED_AT_LOAD.items()))
+def test_refused_at_load_with_a_sentence(arch: str, cache_class: str) -> None:
+    """A cache class without an adapter is refused by the load, naming the class, the
+    architecture and what to do, and the Runtime stays usable."""
+
+    async def scenario() -> None:
+        spec = ModelSpec(name=arch, backend="mlx", path=str(arch_model_path(arch)))
+        async with Runtime(CONFIG) as rt:
+            with pytest.raises(UnsupportedCache) as refused:
+                await rt.load_model(spec)
+            assert refused.value.code == "unsupported_cache"
+            message = str(refused.value)
+            assert cache_class in message and repr(arch) in message and "adapter" in message
+
+    anyio.run(scenario)
 
 
 def test_cold_equals_mlx_lm(model: ArchModel, request: pytest.FixtureRequest) -> None:

@@ -114,10 +114,13 @@ class ReuseOracle:
                     p for p in entry.restorable if p <= limit and entry.tokens[:p] == prompt[:p]
                 )
                 n, path = max(fits, default=0), "checkpoint"
+            # A whole entry is "exact" where the engine kept it as it is (a state that could still
+            # be trimmed when it was committed: llama4's chunked cache before its front drops).
+            found = {path, "exact"} if path == "checkpoint" and n == len(entry.tokens) else {path}
             if n > best:
-                best, paths = n, {path}
+                best, paths = n, found
             elif n == best > 0:
-                paths.add(path)
+                paths |= found
         return best, paths
 
     def snapshots(self, prompt: Sequence[int], start: int) -> set[int]:

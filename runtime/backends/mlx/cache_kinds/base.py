@@ -124,5 +124,7 @@ def clone_layer(layer_cache: Any) -> Any:
 def kv_bytes_per_token(layer_cache: Any) -> int:
     """Bytes one token adds to a KV layer: keys plus values, across heads (quantized or not)."""
     keys, values = layer_cache.keys, layer_cache.values
+    if keys is None:  # still empty after the load's pass: a layer the model never writes to
+        return 0  # (nemotron-nas's no-op attention)
     parts = [*keys, *values] if isinstance(keys, tuple) else [keys, values]
     return sum(int(a.nbytes) // int(a.shape[2]) for a in parts)
