@@ -50,7 +50,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from runtime.backends.contract import SequenceState
-from runtime.backends.mlx.cache_kinds import kind_of
+from runtime.backends.mlx.cache_kinds import extract_row, kind_of
 from runtime.backends.mlx.state import MlxState
 
 __all__ = ["BatchSource", "DecodeBatch"]
@@ -160,7 +160,7 @@ class DecodeBatch:
         the prefix cache. Cost: about one rewrite of the batch cache (see the module docstring).
         """
         row = self._slots.index(self._check(slot))
-        caches = [c.extract(row) for c in self._caches]
+        caches = [extract_row(c, row) for c in self._caches]
         mx.eval([c.state for c in caches])
         keep = [i for i in range(len(self._slots)) if i != row]
         if keep:

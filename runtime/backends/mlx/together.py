@@ -30,7 +30,7 @@ from typing import Any
 
 import mlx.core as mx
 
-from runtime.backends.mlx.cache_kinds import kind_of, snapshot_layers
+from runtime.backends.mlx.cache_kinds import extract_row, kind_of, snapshot_layers
 from runtime.backends.mlx.state import MlxSnapshot, MlxState
 
 
@@ -94,7 +94,7 @@ def prefill_together(
     last = mx.array([[ids[-1]] for ids in token_ids])
     logits = model(last, cache=batch)[:, -1].astype(mx.float32)
     for row, (state, ids) in enumerate(zip(states, token_ids, strict=True)):
-        state.caches = [layer.extract(row) for layer in batch]
+        state.caches = [extract_row(layer, row) for layer in batch]
         state.n_tokens += len(ids)
         state.logits = logits[row]
         if state.n_tokens in points[row]:  # the end: the row's own state, as it is
@@ -120,7 +120,7 @@ def _copy_row(
 ) -> dict[int, MlxSnapshot]:
     """``row``'s untrimmable layers at each of ``points``, from the batch caches as they hold it
     now (``length`` tokens in; an earlier point reached back inside the ring)."""
-    held = {i: batch[i].extract(row) for i in untrimmable}
+    held = {i: extract_row(batch[i], row) for i in untrimmable}
     taken = {point: MlxSnapshot(snapshot_layers(held, length - point), point) for point in points}
     # Evaluated now: the batch caches' arrays go on changing under later passes.
     mx.eval([s.arrays() for s in taken.values()])

@@ -34,6 +34,7 @@ __all__ = [
     "Price",
     "check_supported",
     "clone_layer",
+    "extract_row",
     "kind_of",
     "price_of",
     "snapshot_layers",
@@ -77,6 +78,15 @@ def snapshot_layers(layers: Mapping[int, Any], back: int) -> dict[int, Any]:
     ago (layers that are cut back instead are left out); raises ``CannotTrim``."""
     kept = ((i, kind_of(c).snapshot(c, back)) for i, c in layers.items())
     return {i: k for i, k in kept if k is not None}
+
+
+def extract_row(batch_layer: Any, row: int) -> Any:
+    """Row ``row`` of a batched layer as a per-sequence cache. A batched KV layer the model never
+    wrote to (nemotron-nas's no-op attention) gives an empty one: mlx-lm's ``extract`` slices its
+    keys, which are None there."""
+    if isinstance(batch_layer, mlx_cache.BatchKVCache) and batch_layer.keys is None:
+        return mlx_cache.KVCache()
+    return batch_layer.extract(row)
 
 
 def price_of(caches: Iterable[Any]) -> Price:
