@@ -47,6 +47,7 @@ from runtime.backends.mlx.state import (
     snapshot_layer,
 )
 from runtime.backends.mlx.together import prefill_together, together_snapshot_tokens
+from runtime.backends.mlx.upstream import patch_model
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
 from runtime.errors import ModelLoadFailed
@@ -106,6 +107,8 @@ class MlxBackend:
                 "half-precision weights) to float32, which MLX's CPU kernels run ~40x faster",
                 spec.name,
             )
+        for applied in patch_model(model):
+            log.info("model %r: worked around an mlx-lm defect: %s", spec.name, applied)
         backend = cls(model, tokenizer, _placeholder_info(), options.kv_bits)
         backend._path = path
         try:

@@ -37,6 +37,7 @@ from runtime.backends.mlx.state import (
     MlxState,
     snapshot_layer,
 )
+from runtime.backends.mlx.upstream import hold_rows, piece_lengths, put_rows
 
 
 def prefill_together(
@@ -79,14 +80,24 @@ def prefill_together(
     if any(padding):
         for layer in batch:
             layer.prepare(lengths=lengths, right_padding=padding)
+    # Recurrent layers of a padded pass are cut at each row's end and keep the state they had
+    # there (upstream.py: mlx-lm reads them wrong past a row's end, or runs padding through them).
+    recurrent = [i for i, c in enumerate(batch) if isinstance(c, mlx_cache.ArraysCache)]
+    ended = set(lengths) if recurrent and any(padding) else set()
+    kept_rows: dict[int, list[list[Any]]] = {}
     done = 0
-    for column in [*sorted(cuts), longest]:
+    for column in sorted({*cuts, *ended, longest}):
         if column > done:
+            if ended:
+                piece_lengths(batch, recurrent, lengths, done, column)
             model(inputs[:, done:column], cache=batch)
             done = column
+        if column in ended:
+            kept_rows.update(hold_rows(batch, recurrent, lengths, column))
         for row in cuts.get(column, ()):
             point = starts[row] + column
             taken[row].update(_copy_row(batch, row, untrimmable, point, [point]))
+    put_rows(batch, recurrent, kept_rows)
     if any(padding):
         for layer in batch:
             layer.finalize()
