@@ -193,6 +193,7 @@ class ModelLifecycle:
             else None,
             context_length=None if model.loaded is None else model.loaded.context_length,
             failure=model.failure,
+            limits={} if model.loaded is None else model.loaded.limits,
         )
 
     def unavailable(self, name: str) -> tuple[str, str]:
@@ -279,6 +280,7 @@ class ModelLifecycle:
             reuse_path=event.reuse_path,
             bytes_per_token=event.bytes_per_token,
             context_length=event.context_length,
+            limits=event.limits,
         )
         if model.state in (ModelState.LOADING, ModelState.RESTARTING):
             model.state = ModelState.READY

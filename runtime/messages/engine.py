@@ -54,6 +54,8 @@ class EngineReady(Message, frozen=True):
     reuse_path: str
     bytes_per_token: int
     context_length: int
+    # Capabilities the load probe switched off for this model, each with why (backend docs).
+    limits: dict[str, str] = {}  # noqa: RUF012 (a msgspec default; ruff cannot see the base here)
 
 
 class EngineLoadFailed(Message, frozen=True):

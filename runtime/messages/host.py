@@ -221,6 +221,7 @@ class ModelLoaded(Message, frozen=True):
     reuse_path: str
     bytes_per_token: int
     context_length: int
+    limits: dict[str, str] = {}  # noqa: RUF012 (capabilities switched off at load, and why)
 
 
 class ModelUnloaded(Message, frozen=True):
@@ -264,6 +265,7 @@ class ModelStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     expires_in_s: float | None = None
     context_length: int | None = None
     failure: str = ""
+    limits: dict[str, str] = {}  # capabilities switched off at load, and why
 
 
 class ModelsListed(Message, frozen=True):
@@ -282,3 +284,5 @@ class Stats(Message, frozen=True):
     actor: str
     counters: dict[str, int]
     gauges: dict[str, int] = {}  # noqa: RUF012 (a msgspec default; ruff cannot see the base here)
+    # What the actor cannot do, each with why (an engine: capabilities its load probe switched off)
+    limits: dict[str, str] = {}  # noqa: RUF012

@@ -28,6 +28,8 @@ from runtime.backends.contract import (
     SequenceState,
     Snapshot,
 )
+from runtime.backends.mlx.batch import DecodeBatch
+from runtime.backends.mlx.capabilities import limit_by_probe
 from runtime.backends.mlx.facts import (
     context_length_of,
     effective_eos_ids,
@@ -74,7 +76,10 @@ class MlxBackend:
         self._kv_bits = kv_bits
         self._path = Path(".")
         self._kv_group = quantization_group(model) if kv_bits is not None else 64
-        self._reaches_back = False  # whether snapshots reach inside a pass (set at load)
+        self.reach_back = False  # whether snapshots reach inside a pass (set at load)
+        # Set at load where trimming proved wrong: snapshots then copy every layer (probe.py).
+        self.whole_snapshots = False
+        self.batch_decode = True  # whether the probe found batched decoding exact (set at load)
         self._constraints: ConstraintEngine | None = None  # made for the first constrained row
 
     # ------------------------------------------------------------------ loading
@@ -134,7 +139,7 @@ class MlxBackend:
             else:
                 fixed += int(layer_cache.nbytes)
         strategy, reason = reuse_strategy(kinds, window)
-        self._reaches_back = all(reaches_back(c) for c in state.caches)
+        self.reach_back = all(reaches_back(c) for c in state.caches)
         pass_s = min(self._timed_pass(state) for _ in range(_TIMED_PASSES))  # layout read first
         context = options.context_length or context_length_of(config)
         eos = effective_eos_ids(self._tokenizer, self._path, config)
@@ -145,7 +150,7 @@ class MlxBackend:
             sorted(eos),
             ", ".join(repr(self._tokenizer.decode([t])) for t in sorted(eos)),
         )
-        return ModelInfo(
+        self._info = ModelInfo(
             context_length=context,
             vocab_size=int(config.get("vocab_size", 0)),
             eos_token_ids=eos,
@@ -159,9 +164,10 @@ class MlxBackend:
             pass_s=pass_s,
             stop_checks=stop_checks(state.caches),
             together_snapshot_tokens=together_snapshot_tokens(
-                state.caches, context, self._reaches_back
+                state.caches, context, self.reach_back
             ),
         )
+        return limit_by_probe(self, name, state.caches)
 
     def _timed_pass(self, state: MlxState) -> float:
         start = time.perf_counter()
@@ -171,6 +177,15 @@ class MlxBackend:
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    @property
+    def path(self) -> Path:
+        """The model directory it was loaded from."""
+        return self._path
+
+    @property
+    def kv_bits(self) -> int | None:
+        return self._kv_bits
 
     # ------------------------------------------------------------------ tokens
 
@@ -199,7 +214,7 @@ class MlxBackend:
 
     def can_trim(self, state: SequenceState) -> bool:
         """Whether every layer of ``state`` can be cut back (a rotating cache until it wraps)."""
-        return all(c.is_trimmable() for c in own_state(state).caches)
+        return not self.whole_snapshots and all(c.is_trimmable() for c in own_state(state).caches)
 
     def copy_state(
         self, state: SequenceState, length: int, snapshot: Snapshot | None = None
@@ -233,7 +248,7 @@ class MlxBackend:
         layers = {
             i: snapshot_layer(c, back)
             for i, c in enumerate(source.caches)
-            if type(c) not in TRIMMABLE_LAYERS
+            if self.whole_snapshots or type(c) not in TRIMMABLE_LAYERS
         }
         return MlxSnapshot(layers, source.n_tokens - back)
 
@@ -254,7 +269,7 @@ class MlxBackend:
         _check_points(snapshot_at, start, end)
         # Passes end where a snapshot cannot reach back from further on (a recurrent state holds
         # only its last step), and before the last token of a long pass that keeps logits.
-        cuts = set() if self._reaches_back else set(snapshot_at)
+        cuts = set() if self.reach_back else set(snapshot_at)
         if logits and len(ids) >= _LAST_TOKEN_APART:
             cuts.add(end - 1)
         stops = [*sorted(c for c in cuts if start < c < end), end]
@@ -314,7 +329,9 @@ class MlxBackend:
                     f"(at most {reach})"
                 )
             _check_points(at, start, end)
-        return prefill_together(self._model, owns, token_ids, points, self._reaches_back)
+        return prefill_together(
+            self._model, owns, token_ids, points, self.reach_back, self.whole_snapshots
+        )
 
     def logits(self, state: SequenceState) -> mx.array:
         own = own_state(state)
@@ -341,9 +358,7 @@ class MlxBackend:
         return self._model
 
     def open_batch(self) -> DecodeBatchHandle | None:
-        from runtime.backends.mlx.batch import DecodeBatch  # the batch module is loaded on demand
-
-        return DecodeBatch(self) if DecodeBatch.supports(self) else None
+        return DecodeBatch(self) if self.batch_decode and DecodeBatch.supports(self) else None
 
     def state_nbytes(self, state: SequenceState) -> int:
         return sum(int(c.nbytes) for c in own_state(state).caches if not c.empty())

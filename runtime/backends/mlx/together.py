@@ -46,12 +46,14 @@ def prefill_together(
     token_ids: Sequence[Sequence[int]],
     snapshot_at: Sequence[Sequence[int]] = (),
     reach_back: bool = False,
+    whole: bool = False,
 ) -> list[list[MlxSnapshot]]:
     """Extend each state in ``states`` with its ``token_ids`` (at least 2), keeping the logits
     after its last token, and snapshot each at its ``snapshot_at`` lengths (sorted, each within
     what its ids add). A state may hold a cached prefix already (of any length: ``merge`` pads the
     shorter ones on the left, as mlx-lm's ``BatchGenerator`` does with cached prompts).
-    ``reach_back``: every layer still holds every point of a pass after it (no recurrent one)."""
+    ``reach_back``: every layer still holds every point of a pass after it (no recurrent one).
+    ``whole``: snapshots copy every layer (the backend's fallback where trimming proved wrong)."""
     if len(states) != len(token_ids):
         raise ValueError("one list of token ids per state")
     if any(len(ids) < 2 for ids in token_ids):
@@ -59,7 +61,9 @@ def prefill_together(
     points = list(snapshot_at) or [[] for _ in token_ids]
     starts = [s.n_tokens for s in states]
     ends = [start + len(ids) for start, ids in zip(starts, token_ids, strict=True)]
-    untrimmable = [i for i, c in enumerate(states[0].caches) if type(c) not in TRIMMABLE_LAYERS]
+    untrimmable = [
+        i for i, c in enumerate(states[0].caches) if whole or type(c) not in TRIMMABLE_LAYERS
+    ]
     taken: list[dict[int, MlxSnapshot]] = [{} for _ in states]
     cuts: dict[int, list[int]] = {}  # column of the padded pass -> rows snapshotted there
     if not reach_back:

@@ -78,11 +78,11 @@ def _modules(model: Any) -> list[Any]:
     return list(modules()) if callable(modules) else []
 
 
-class _Gemma2Attention(gemma2.Attention):  # type: ignore[misc]
+class _Gemma2Attention(gemma2.Attention):
     """gemma2's attention with a per-row mask widened to its grouped 5-axis scores (mlx-lm:
     models/gemma2.py, the ``queries.reshape`` for ``repeats > 1``)."""
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if isinstance(mask, mx.array) and mask.ndim == 4 and self.repeats > 1:
             mask = mx.expand_dims(mask, 2)
-        return super().__call__(x, mask, cache)  # type: ignore[no-any-return]
+        return super().__call__(x, mask, cache)

@@ -1,0 +1,139 @@
+"""The load probe and the workarounds for mlx-lm's batching defects, on tiny random-weight builds
+of the architectures mlx-lm batches wrongly (mamba2, nemotron_h, rwkv7, gemma2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+import os
+from typing import Any
+
+import anyio
+import pytest
+
+import runtime.backends.mlx.backend as mlx_backend
+import runtime.backends.mlx.capabilities as capabilities
+from runtime.api import Runtime
+from runtime.backends.contract import Capability
+from runtime.backends.mlx.backend import MlxBackend
+from runtime.config import RuntimeConfig
+from runtime.messages import ModelLoaded, ModelSpec, TokensEmitted
+from runtime.server.stats_collector import RuntimeCollector
+from runtime.testing.harness import engine_stats
+from runtime.testing.tiny_archs import TINY_ARCHS, TinyArch, build_tiny_arch
+
+pytestmark = pytest.mark.anyio
+
+# Four prompts of different lengths: a batched prefill pads every row differently.
+PROMPTS = tuple(tuple(5 + (7 * i + 3 + 29 * row) % 480 for i in range(n)) for row, n in
+                enumerate((11, 23, 37, 52)))  # fmt: skip
+MAX_TOKENS = 10
+
+
+@pytest.fixture(autouse=True)
+def own_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Each test probes afresh: verdicts are cached under the runtime's cache dir."""
+    monkeypatch.setenv("MLXRT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+def arch_path(arch: TinyArch) -> Path:
+    return build_tiny_arch(arch, Path.home() / ".cache" / "mlx-actor-runtime" / "tiny-archs" / arch)
+
+
+def spec_of(arch: TinyArch) -> ModelSpec:
+    return ModelSpec(name=arch, path=str(arch_path(arch)), backend="mlx")
+
+
+async def greedy(rt: Runtime, model: str, prompt: tuple[int, ...]) -> list[int]:
+    async with rt.generate(model, prompt_tokens=prompt, max_tokens=MAX_TOKENS) as stream:
+        return [t async for e in stream if isinstance(e, TokensEmitted) for t in e.token_ids]
+
+
+async def solo_then_together(rt: Runtime, model: str) -> tuple[list[list[int]], list[list[int]]]:
+    alone = [await greedy(rt, model, p) for p in PROMPTS]
+    await rt.reset(model)
+    together: list[list[int]] = [[] for _ in PROMPTS]
+
+    async def one(index: int) -> None:
+        together[index] = await greedy(rt, model, PROMPTS[index])
+
+    async with anyio.create_task_group() as tg:
+        for index in range(len(PROMPTS)):
+            tg.start_soon(one, index)
+    return alone, together
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+async def test_four_concurrent_streams_give_each_its_solo_greedy_output(arch: TinyArch) -> None:
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        loaded = await rt.load_model(spec_of(arch))
+        assert "batch_decode" not in loaded.limits and "batch_prefill" not in loaded.limits
+        alone, together = await solo_then_together(rt, arch)
+        counters = engine_stats(rt, loaded).counters
+    assert together == alone
+    assert len({tuple(t) for t in alone}) == len(PROMPTS)  # the output depends on the prompt
+    # Both batched paths ran: the workarounds were exercised, not bypassed.
+    assert counters["prefills_together"] > 0 and counters["batch_steps"] > 0
+
+
+def test_the_probe_finds_each_batched_path_exact_with_the_workarounds() -> None:
+    for arch in TINY_ARCHS:
+        info = MlxBackend.load(spec_of(arch)).info
+        for capability in (Capability.BATCH_PREFILL, Capability.BATCH_DECODE):
+            assert info.capable(capability), (arch, info.limits)
+        verdicts = {v.capability: v for v in info.capabilities}
+        assert verdicts[Capability.BATCH_PREFILL].max_diff is not None
+        assert verdicts[Capability.BATCH_PREFILL].max_diff < 1e-3
+
+
+async def test_a_broken_capability_is_switched_off_and_reported(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Without its workaround gemma2's attention cannot take a per-row mask: both batched paths
+    # crash on it, so the probe must switch them off and the streams go one at a time.
+    monkeypatch.setattr(mlx_backend, "patch_model", lambda model: ())
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        loaded = await rt.load_model(spec_of("gemma2"))
+        assert isinstance(loaded, ModelLoaded)
+        assert set(loaded.limits) == {"batch_decode", "batch_prefill"}
+        assert "broadcast_shapes" in loaded.limits["batch_decode"]
+        (status,) = [s for s in await rt.list_models() if s.name == "gemma2"]
+        assert status.limits == loaded.limits  # what GET /v1/models shows
+        alone, together = await solo_then_together(rt, "gemma2")
+        stats = engine_stats(rt, loaded)
+        families = {f.name: f for f in RuntimeCollector(rt.stats).collect()}
+    assert together == alone
+    assert stats.counters.get("batch_steps", 0) == 0
+    assert stats.counters.get("prefills_together", 0) == 0
+    assert stats.gauges["capability_batch_decode"] == 0 and stats.gauges["capability_trim"] == 1
+    assert stats.limits == loaded.limits
+    samples = {s.labels["capability"]: s.value for s in families["mlxrt_model_capability"].samples}
+    assert samples["batch_decode"] == 0 and samples["batch_prefill"] == 0 and samples["trim"] == 1
+
+
+def test_a_second_load_takes_the_cached_verdict_and_runs_no_probe(
+    monkeypatch: pytest.MonkeyPatch, own_cache_dir: Path
+) -> None:
+    runs: list[str] = []
+    real = capabilities.run_probe
+
+    def counted(backend: MlxBackend, *args: Any) -> Any:
+        runs.append("ran")
+        return real(backend, *args)
+
+    monkeypatch.setattr(capabilities, "run_probe", counted)
+    first = MlxBackend.load(spec_of("mamba2")).info
+    second = MlxBackend.load(spec_of("mamba2")).info
+    assert runs == ["ran"]
+    assert not first.probe_cached and second.probe_cached
+    assert second.capabilities == first.capabilities
+    assert len(list((own_cache_dir / "probe").glob("*.json"))) == 1
+    # A changed model (here its weights file's time) is another fingerprint: probed again.
+    weights = next(arch_path("mamba2").glob("*.safetensors"))
+    stat = weights.stat()
+    try:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+        assert not MlxBackend.load(spec_of("mamba2")).info.probe_cached
+    finally:
+        os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    assert runs == ["ran", "ran"]
