@@ -3,8 +3,8 @@ of the architectures mlx-lm batches wrongly (mamba2, nemotron_h, rwkv7, gemma2).
 
 from __future__ import annotations
 
-from pathlib import Path
 import os
+from pathlib import Path
 from typing import Any
 
 import anyio
