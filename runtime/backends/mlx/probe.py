@@ -34,12 +34,15 @@ if TYPE_CHECKING:
 
 # Bump whenever a check or a workaround changes: cached verdicts of older probes are ignored.
 PROBE_VERSION = 1
-_ROWS = (9, 14, 21)  # prompt lengths of the batched checks: every row padded differently
+# Prompt lengths: every row of a batched pass padded differently. Each prompt is run alone once
+# (the baseline every check compares with); the checks add about ten more short passes.
+_ROWS = (9, 14, 21)
 PROBE_PROMPT_TOKENS = max(_ROWS)  # a batched pass must take snapshots this far in to be checked
-_PREFIX = 5  # the last row starts from a cached prefix of this many tokens
-_SNAPSHOT_AT = ((4,), (6, 11), (9, 17))  # points inside each row's prompt
-_LONG = 24  # the single-sequence checks' prompt
-_INSIDE = (8, 16)  # snapshot and trim points inside it
+_PREFIX = 5  # the last row of the batched prefill starts from a cached prefix of this many
+# Snapshot points of the batched prefill: one where the padded pass is cut, one a token before
+# its row's end (taken between the padded pass and the last tokens' pass: together.py).
+_TOGETHER_AT: tuple[tuple[int, ...], ...] = ((), (6,), (20,))
+_INSIDE = 11  # where the last prompt is snapshotted inside its pass, and trimmed back to
 
 
 class ProbeResult(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -64,16 +67,17 @@ def run_probe(backend: MlxBackend, declared: Declared, vocab_size: int) -> Probe
     """Check every declared capability on ``backend``'s model (``ProbeResult``)."""
     start = time.perf_counter()
     tol = _tolerance(backend.model)
-    ids = _Prompts(vocab_size)
-    trim = _trim(backend, declared, ids, tol)
+    prompts = _prompts(vocab_size)
+    base = _Baseline(backend, prompts, declared)
+    trim = _trim(backend, declared, base, tol)
     if declared.trims and not trim.on:  # the fallback: checkpoints that copy every layer
         backend.whole_snapshots = True
         declared = msgspec.structs.replace(declared, checkpoints=True, reach_back=False)
-    reach, exact = _snapshots(backend, declared, ids, tol)
+    reach, exact = _snapshots(backend, declared, base, tol)
     verdicts = (
         reach,
-        _batch_prefill(backend, declared, ids, tol),
-        _batch_decode(backend, declared, ids, tol),
+        _batch_prefill(backend, declared, base, tol),
+        _batch_decode(backend, declared, base, tol),  # last: it extends the baseline's states
         trim,
     )
     return ProbeResult(
@@ -81,15 +85,34 @@ def run_probe(backend: MlxBackend, declared: Declared, vocab_size: int) -> Probe
     )
 
 
-class _Prompts:
+def _prompts(vocab_size: int) -> list[list[int]]:
     """Deterministic token ids, away from the special tokens at the start of most vocabularies."""
+    low = 5 if vocab_size > 64 else 0
+    span = max(2, min(vocab_size or 512, 1024) - low)
+    return [[low + (7 * i + 3 + 11 * row) % span for i in range(n)] for row, n in enumerate(_ROWS)]
 
-    def __init__(self, vocab_size: int) -> None:
-        self._low = 5 if vocab_size > 64 else 0
-        self._span = max(2, min(vocab_size or 512, 1024) - self._low)
 
-    def row(self, row: int, n: int) -> list[int]:
-        return [self._low + (7 * i + 3 + 11 * row) % self._span for i in range(n)]
+class _Baseline:
+    """Each prompt run alone, in one pass: its state and logits (and, on a model that restores
+    checkpoints, the last one's snapshot inside that pass)."""
+
+    def __init__(self, backend: MlxBackend, prompts: list[list[int]], declared: Declared) -> None:
+        self.prompts = prompts
+        self.states = []
+        self.snapshots: Sequence[Any] = ()
+        for row, prompt in enumerate(prompts):
+            state = backend.new_state()
+            at = (_INSIDE,) if declared.checkpoints and row == len(prompts) - 1 else ()
+            taken = backend.prefill(state, prompt, snapshot_at=at)
+            self.states.append(state)
+            self.snapshots = taken or self.snapshots
+        self.logits = [backend.logits(state) for state in self.states]
+        self.scale = max(float(mx.max(mx.abs(logits))) for logits in self.logits)
+
+    @property
+    def last(self) -> tuple[list[int], Any, mx.array]:
+        """The longest prompt, its state and its logits."""
+        return self.prompts[-1], self.states[-1], self.logits[-1]
 
 
 def _tolerance(model: Any) -> float:
@@ -104,133 +127,116 @@ def _diff(a: mx.array, b: mx.array) -> float:
     return float(mx.max(mx.abs(a - b)))
 
 
-def _close(diff: float, reference: mx.array, tol: float) -> bool:
-    return diff <= tol * max(1.0, float(mx.max(mx.abs(reference))))
-
-
 def _checked(
-    capability: Capability, tol: float, check: Callable[[], tuple[float, mx.array]], ok: str
+    capability: Capability, tol: float, scale: float, check: Callable[[], float], ok: str
 ) -> Verdict:
-    """Run ``check`` (the largest logit difference, and the logits it is measured against)."""
+    """Run ``check`` (the largest logit difference it measured against a plain run)."""
     try:
-        diff, reference = check()
+        diff = check()
     except Exception as exc:  # any failure of the path is the finding, not a load failure
         why = f"crashed on this model ({type(exc).__name__}: {exc})"
         return Verdict(capability=capability, on=False, why=why)
-    if _close(diff, reference, tol):
+    if diff <= tol * max(1.0, scale):
         return Verdict(capability=capability, on=True, why=ok, max_diff=diff)
     why = f"differs from a plain run by up to {diff:.3g} in the logits on this model"
     return Verdict(capability=capability, on=False, why=why, max_diff=diff)
 
 
 def _restored_diff(
-    backend: MlxBackend, source: Any, ids: Sequence[int], points: Sequence[int], snaps: Any
+    backend: MlxBackend, source: Any, prompt: Sequence[int], point: int, snapshot: Any
 ) -> float:
-    """Largest difference between ``source``'s logits and each snapshot restored and extended."""
-    worst = 0.0
-    for point, snapshot in zip(points, snaps, strict=True):
-        restored = backend.copy_state(source, point, snapshot)
-        backend.prefill(restored, ids[point:])
-        worst = max(worst, _diff(backend.logits(restored), backend.logits(source)))
-    return worst
+    """How far ``source``'s snapshot at ``point``, restored and extended, ends from its logits."""
+    restored = backend.copy_state(source, point, snapshot)
+    backend.prefill(restored, prompt[point:])
+    return _diff(backend.logits(restored), backend.logits(source))
 
 
 def _snapshots(
-    backend: MlxBackend, declared: Declared, ids: _Prompts, tol: float
+    backend: MlxBackend, declared: Declared, base: _Baseline, tol: float
 ) -> tuple[Verdict, bool]:
     cap = Capability.SNAPSHOT_REACH_BACK
     if not declared.checkpoints:
         return Verdict(capability=cap, on=True, why="every layer trims: no snapshot needed"), True
-    prompt = ids.row(0, _LONG)
+    prompt, state, _ = base.last
 
-    def check() -> tuple[float, mx.array]:
+    def from_base() -> float:  # the baseline's pass reached back to its snapshot
+        (snapshot,) = base.snapshots
+        return _restored_diff(backend, state, prompt, _INSIDE, snapshot)
+
+    def cut() -> float:  # a pass cut at the snapshot point
         full = backend.new_state()
-        snaps = backend.prefill(full, prompt, snapshot_at=_INSIDE)
-        return _restored_diff(backend, full, prompt, _INSIDE, snaps), backend.logits(full)
+        (snapshot,) = backend.prefill(full, prompt, snapshot_at=(_INSIDE,))
+        return _restored_diff(backend, full, prompt, _INSIDE, snapshot)
 
     cut_ok = "passes are cut at snapshot points"
     if declared.reach_back:
-        verdict = _checked(cap, tol, check, "a snapshot inside a pass restores exactly")
+        verdict = _checked(cap, tol, base.scale, from_base, "a snapshot inside a pass is exact")
         if verdict.on:
             return verdict, True
         backend.reach_back = False  # the fallback: is a snapshot at a pass's end exact?
-        fallback = _checked(cap, tol, check, cut_ok)
+        fallback = _checked(cap, tol, base.scale, cut, cut_ok)
         backend.reach_back = True
         why = f"a snapshot inside a pass {verdict.why.split(' ', 1)[1]}; {cut_ok}"
         return Verdict(capability=cap, on=False, why=why, max_diff=verdict.max_diff), fallback.on
-    fallback = _checked(cap, tol, check, cut_ok)
+    # The baseline's pass was cut at its snapshot, unless it was taken before whole snapshots.
+    fallback = _checked(cap, tol, base.scale, cut if backend.whole_snapshots else from_base, cut_ok)
     why = "a recurrent layer keeps only its last step: " + cut_ok
     return Verdict(capability=cap, on=False, why=why, max_diff=fallback.max_diff), fallback.on
 
 
-def _batch_prefill(backend: MlxBackend, declared: Declared, ids: _Prompts, tol: float) -> Verdict:
+def _batch_prefill(backend: MlxBackend, declared: Declared, base: _Baseline, tol: float) -> Verdict:
     cap = Capability.BATCH_PREFILL
     if declared.batch_refusal is not None:
         return Verdict(capability=cap, on=False, why=declared.batch_refusal)
-    prompts = [ids.row(row, n) for row, n in enumerate(_ROWS)]
-    points = [list(p) for p in _SNAPSHOT_AT] if declared.together_points else []
+    points = [list(p) for p in _TOGETHER_AT] if declared.together_points else []
 
-    def check() -> tuple[float, mx.array]:
-        states = [backend.new_state() for _ in prompts]
-        backend.prefill(states[-1], prompts[-1][:_PREFIX])  # one row extends a cached prefix
-        rests = [p[s.length :] for p, s in zip(prompts, states, strict=True)]
+    def check() -> float:
+        states = [backend.new_state() for _ in base.prompts]
+        backend.prefill(states[-1], base.prompts[-1][:_PREFIX], logits=False)  # a cached prefix
+        rests = [p[s.length :] for p, s in zip(base.prompts, states, strict=True)]
         snaps = backend.prefill_together(states, rests, points)
-        worst, scale = 0.0, mx.array(0.0)
-        for row, (prompt, state) in enumerate(zip(prompts, states, strict=True)):
-            alone = backend.new_state()
-            backend.prefill(alone, prompt)
-            worst = max(worst, _diff(backend.logits(state), backend.logits(alone)))
-            if points:
-                at = points[row]
-                worst = max(worst, _restored_diff(backend, state, prompt, at, snaps[row]))
-            scale = mx.maximum(scale, mx.max(mx.abs(backend.logits(alone))))
-        return worst, scale
+        worst = max(
+            _diff(backend.logits(s), logits) for s, logits in zip(states, base.logits, strict=True)
+        )
+        for row, at in enumerate(points):
+            for point, snapshot in zip(at, snaps[row], strict=True):
+                restored = _restored_diff(backend, states[row], base.prompts[row], point, snapshot)
+                worst = max(worst, restored)
+        return worst
 
-    return _checked(cap, tol, check, "a padded batched prefill equals each prompt alone")
+    return _checked(cap, tol, base.scale, check, "a padded batched prefill equals each alone")
 
 
-def _batch_decode(backend: MlxBackend, declared: Declared, ids: _Prompts, tol: float) -> Verdict:
+def _batch_decode(backend: MlxBackend, declared: Declared, base: _Baseline, tol: float) -> Verdict:
     from runtime.backends.mlx.batch import DecodeBatch
 
     cap = Capability.BATCH_DECODE
     if declared.batch_refusal is not None:
         return Verdict(capability=cap, on=False, why=declared.batch_refusal)
 
-    def check() -> tuple[float, mx.array]:
-        states = []
-        for row, n in enumerate(_ROWS):
-            state = backend.new_state()
-            backend.prefill(state, ids.row(row, n))
-            states.append(state)
+    def check() -> float:
         batch = DecodeBatch(backend)
-        slots = [batch.join(state) for state in states]  # copied in: the states stay as they are
-        worst, scale = 0.0, mx.array(0.0)
-        for token in ids.row(3, 2):
-            stepped = batch.step(dict.fromkeys(slots, token))
-            for slot, state in zip(slots, states, strict=True):
-                alone = backend.feed(state, mx.array(token))
-                worst = max(worst, _diff(stepped[slot], alone))
-                scale = mx.maximum(scale, mx.max(mx.abs(alone)))
-        return worst, scale
+        slots = [batch.join(state) for state in base.states]  # copied in: the states stay
+        token = base.prompts[0][1]
+        stepped = batch.step(dict.fromkeys(slots, token))
+        return max(
+            _diff(stepped[slot], backend.feed(state, mx.array(token)))
+            for slot, state in zip(slots, base.states, strict=True)
+        )
 
-    return _checked(cap, tol, check, "a batched decode step equals each row's own step")
+    return _checked(cap, tol, base.scale, check, "a batched decode step equals each row's own")
 
 
-def _trim(backend: MlxBackend, declared: Declared, ids: _Prompts, tol: float) -> Verdict:
+def _trim(backend: MlxBackend, declared: Declared, base: _Baseline, tol: float) -> Verdict:
     cap = Capability.TRIM
     if not declared.trims:
         why = "a layer is not trimmable: reuse restores checkpoints"
         return Verdict(capability=cap, on=False, why=why)
-    prompt = ids.row(0, _LONG)
+    prompt, state, logits = base.last
 
-    def check() -> tuple[float, mx.array]:
-        full = backend.new_state()
-        backend.prefill(full, prompt)
-        worst = 0.0
-        for point in _INSIDE:
-            cut = backend.copy_state(full, point)
-            backend.prefill(cut, prompt[point:])
-            worst = max(worst, _diff(backend.logits(cut), backend.logits(full)))
-        return worst, backend.logits(full)
+    def check() -> float:
+        cut = backend.copy_state(state, _INSIDE)
+        backend.prefill(cut, prompt[_INSIDE:])
+        return _diff(backend.logits(cut), logits)
 
-    return _checked(cap, tol, check, "a state cut back and extended equals a fresh run")
+    return _checked(cap, tol, base.scale, check, "a state cut back and extended equals a fresh run")

@@ -21,6 +21,10 @@ Snapshots (checkpoints of the layers that cannot be cut back) are taken where ea
   row) and the row's layers are copied out of the batch caches in between. Only on a model
   without sliding-window layers: a one-token piece of a right-padded pass is refused by mlx-lm's
   ``BatchRotatingKVCache``, so a model mixing both takes no snapshots in a batched pass.
+
+On a model with recurrent layers a padded pass is also cut at every row's end, each piece told its
+own lengths, and each row's recurrent state held where it ends: mlx-lm's SSM layers read a cut
+piece's state wrongly and rwkv7 runs padding through its state (upstream.py).
 """
 
 from __future__ import annotations

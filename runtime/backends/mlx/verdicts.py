@@ -55,14 +55,15 @@ def _version(package: str) -> str:
         return "unknown"
 
 
-def _file(key: str) -> Path:
+def verdict_file(key: str) -> Path:
+    """Where the verdict of fingerprint ``key`` is kept."""
     return cache_root() / "probe" / f"{key}.json"
 
 
 def cached(key: str) -> ProbeResult | None:
     """The verdict stored under ``key``, or None (none yet, or not readable)."""
     try:
-        return _decoder.decode(_file(key).read_bytes())
+        return _decoder.decode(verdict_file(key).read_bytes())
     except (OSError, msgspec.DecodeError):
         return None
 
@@ -70,7 +71,7 @@ def cached(key: str) -> ProbeResult | None:
 def store(key: str, result: ProbeResult) -> None:
     """Keep ``result`` under ``key`` (written aside, then renamed: a reader never sees half);
     a cache that cannot be written only costs the next load a probe."""
-    target = _file(key)
+    target = verdict_file(key)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=".probe-")
