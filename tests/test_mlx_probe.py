@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import anyio
+import httpx
 import pytest
 
 import runtime.backends.mlx.backend as mlx_backend
@@ -17,6 +18,7 @@ from runtime.backends.contract import Capability
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.config import RuntimeConfig
 from runtime.messages import ModelLoaded, ModelSpec, TokensEmitted
+from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.stats_collector import RuntimeCollector
 from runtime.testing.harness import engine_stats
 from runtime.testing.tiny_archs import TINY_ARCHS, TinyArch, build_tiny_arch
@@ -137,3 +139,19 @@ def test_a_second_load_takes_the_cached_verdict_and_runs_no_probe(
     finally:
         os.utime(weights, ns=(stat.st_atime_ns, stat.st_mtime_ns))
     assert runs == ["ran", "ran"]
+
+
+async def test_the_model_card_and_metrics_say_what_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(mlx_backend, "patch_model", lambda model: ())  # gemma2 batching crashes
+    runtime = RuntimeConfig(kv_budget_bytes=1 << 28)
+    config = ServerConfig(models=(spec_of("gemma2"),), runtime=runtime, offer_cached_models=False)
+    server = OpenAIServer(config)
+    async with server.app.router.lifespan_context(server.app):
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            card = (await client.get("/v1/models/gemma2")).json()
+            metrics = (await client.get("/metrics")).text
+    assert set(card["limits"]) == {"batch_decode", "batch_prefill"}
+    assert "crashed on this model" in card["limits"]["batch_decode"]
+    assert 'mlxrt_model_capability{capability="batch_decode",model="gemma2"} 0.0' in metrics
+    assert 'mlxrt_model_capability{capability="trim",model="gemma2"} 1.0' in metrics
