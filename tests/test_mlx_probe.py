@@ -92,13 +92,15 @@ async def test_a_broken_capability_is_switched_off_and_reported(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # Without its workaround gemma2's attention cannot take a per-row mask: both batched paths
-    # crash on it, so the probe must switch them off and the streams go one at a time.
+    # go wrong on it, so the probe must switch them off and the streams go one at a time.
     monkeypatch.setattr(mlx_backend, "patch_model", lambda model: ())
     async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
         loaded = await rt.load_model(spec_of("gemma2"))
         assert isinstance(loaded, ModelLoaded)
         assert set(loaded.limits) == {"batch_decode", "batch_prefill"}
-        assert "broadcast_shapes" in loaded.limits["batch_decode"]
+        # A crash (broadcast_shapes), or, where the batch has as many rows as the model has KV
+        # heads, a silent broadcast across heads: the probe's two rows meet the latter.
+        assert "differs from a plain run" in loaded.limits["batch_decode"]
         (status,) = [s for s in await rt.list_models() if s.name == "gemma2"]
         assert status.limits == loaded.limits  # what GET /v1/models shows
         alone, together = await solo_then_together(rt, "gemma2")
@@ -142,7 +144,7 @@ def test_a_second_load_takes_the_cached_verdict_and_runs_no_probe(
 
 
 async def test_the_model_card_and_metrics_say_what_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(mlx_backend, "patch_model", lambda model: ())  # gemma2 batching crashes
+    monkeypatch.setattr(mlx_backend, "patch_model", lambda model: ())  # gemma2 batching is wrong
     runtime = RuntimeConfig(kv_budget_bytes=1 << 28)
     config = ServerConfig(models=(spec_of("gemma2"),), runtime=runtime, offer_cached_models=False)
     server = OpenAIServer(config)
@@ -152,6 +154,6 @@ async def test_the_model_card_and_metrics_say_what_is_off(monkeypatch: pytest.Mo
             card = (await client.get("/v1/models/gemma2")).json()
             metrics = (await client.get("/metrics")).text
     assert set(card["limits"]) == {"batch_decode", "batch_prefill"}
-    assert "crashed on this model" in card["limits"]["batch_decode"]
+    assert "differs from a plain run" in card["limits"]["batch_decode"]
     assert 'mlxrt_model_capability{capability="batch_decode",model="gemma2"} 0.0' in metrics
     assert 'mlxrt_model_capability{capability="trim",model="gemma2"} 1.0' in metrics

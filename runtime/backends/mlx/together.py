@@ -75,7 +75,8 @@ def prefill_together(
             for point in at:
                 if point < end - 1:
                     cuts.setdefault(point - start, []).append(row)
-    if cuts and any(isinstance(c, mlx_cache.RotatingKVCache) for c in states[0].caches):
+    rotating = any(isinstance(c, mlx_cache.RotatingKVCache) for c in states[0].caches)
+    if cuts and rotating:
         raise ValueError("a pass with sliding-window layers cannot be cut for a snapshot")
 
     layers = len(states[0].caches)
@@ -90,8 +91,10 @@ def prefill_together(
             layer.prepare(lengths=lengths, right_padding=padding)
     # Recurrent layers of a padded pass are cut at each row's end and keep the state they had
     # there (upstream.py: mlx-lm reads them wrong past a row's end, or runs padding through them).
+    # Not beside sliding-window layers: mlx-lm's BatchRotatingKVCache refuses a one-token piece
+    # of a right-padded pass; there the load probe judges mlx-lm's own padded pass instead.
     recurrent = [i for i, c in enumerate(batch) if isinstance(c, mlx_cache.ArraysCache)]
-    ended = set(lengths) if recurrent and any(padding) else set()
+    ended = set(lengths) if recurrent and any(padding) and not rotating else set()
     kept_rows: dict[int, list[list[Any]]] = {}
     done = 0
     for column in sorted({*cuts, *ended, longest}):
