@@ -9,19 +9,22 @@ from typing import Any
 
 import anyio
 import httpx
+import mlx.core as mx
 import pytest
 
 import runtime.backends.mlx.backend as mlx_backend
 import runtime.backends.mlx.capabilities as capabilities
 from runtime.api import Runtime
-from runtime.backends.contract import Capability
+from runtime.backends.contract import CannotTrim, Capability, ReuseStrategy, Verdict
 from runtime.backends.mlx.backend import MlxBackend
+from runtime.backends.mlx.probe import ProbeResult
 from runtime.config import RuntimeConfig
 from runtime.messages import ModelLoaded, ModelSpec, TokensEmitted
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.stats_collector import RuntimeCollector
 from runtime.testing.harness import engine_stats
 from runtime.testing.tiny_archs import TINY_ARCHS, TinyArch, build_tiny_arch
+from runtime.testing.tiny_models import tiny_model_path
 
 pytestmark = pytest.mark.anyio
 
@@ -157,3 +160,35 @@ async def test_the_model_card_and_metrics_say_what_is_off(monkeypatch: pytest.Mo
     assert "differs from a plain run" in card["limits"]["batch_decode"]
     assert 'mlxrt_model_capability{capability="batch_decode",model="gemma2"} 0.0' in metrics
     assert 'mlxrt_model_capability{capability="trim",model="gemma2"} 1.0' in metrics
+
+
+def test_where_trimming_proved_wrong_reuse_restores_whole_checkpoints() -> None:
+    # No architecture here trims wrongly; the verdict is given, and the fallback it selects is
+    # checked for exactness on a real (tiny) model.
+    backend = MlxBackend.load(ModelSpec(name="llama", path=str(tiny_model_path("llama"))))
+    found = ProbeResult(
+        verdicts=(Verdict(capability=Capability.TRIM, on=False, why="given"),),
+        checkpoints_exact=True,
+        seconds=0.0,
+    )
+    caches = backend.new_state().caches
+    info = capabilities.apply_verdict(backend, backend.info, caches, found, from_cache=True)
+    assert info.reuse is ReuseStrategy.CHECKPOINT and info.limits == {"trim": "given"}
+    prompt = list(PROMPTS[2])
+    full = backend.new_state()
+    (snapshot,) = backend.prefill(full, prompt, snapshot_at=[20])
+    assert len(snapshot.layers) == len(caches)  # every layer copied, none cut back
+    assert not backend.can_trim(full)
+    with pytest.raises(CannotTrim):
+        backend.copy_state(full, 20)
+    restored = backend.copy_state(full, 20, snapshot)
+    backend.prefill(restored, prompt[20:])
+    assert mx.allclose(backend.logits(restored), backend.logits(full), atol=1e-4).item()
+    # A batched prefill takes whole snapshots too (its passes cut at the points).
+    states = [backend.new_state(), backend.new_state()]
+    taken = backend.prefill_together(states, [prompt[:30], prompt[:12]], [[7, 29], [5]])
+    for row_snapshots in taken:
+        assert all(len(s.layers) == len(caches) for s in row_snapshots)
+    again = backend.copy_state(states[0], 7, taken[0][0])
+    backend.prefill(again, prompt[7:30])
+    assert mx.allclose(backend.logits(again), backend.logits(states[0]), atol=1e-4).item()
