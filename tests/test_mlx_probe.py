@@ -14,6 +14,7 @@ import pytest
 
 import runtime.backends.mlx.backend as mlx_backend
 import runtime.backends.mlx.capabilities as capabilities
+import runtime.backends.mlx.together as together
 from runtime.api import Runtime
 from runtime.backends.contract import CannotTrim, Capability, ReuseStrategy, Verdict
 from runtime.backends.mlx.backend import MlxBackend
@@ -192,3 +193,17 @@ def test_where_trimming_proved_wrong_reuse_restores_whole_checkpoints() -> None:
     again = backend.copy_state(states[0], 7, taken[0][0])
     backend.prefill(again, prompt[7:30])
     assert mx.allclose(backend.logits(again), backend.logits(states[0]), atol=1e-4).item()
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "rwkv7"])
+def test_without_the_recurrent_workarounds_the_probe_forbids_batched_prefill(
+    arch: TinyArch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # mlx-lm's own padded pass: mamba2's SSM reads a cut piece's state past its end, rwkv7 runs
+    # the padding through its recurrence.
+    monkeypatch.setattr(together, "piece_lengths", lambda *args: None)
+    monkeypatch.setattr(together, "put_rows", lambda *args: None)
+    backend = MlxBackend.load(spec_of(arch))
+    assert not backend.info.capable(Capability.BATCH_PREFILL)
+    assert "differs from a plain run" in backend.info.limits["batch_prefill"]
+    assert backend.info.capable(Capability.BATCH_DECODE)  # no padding in a recurrent decode step
