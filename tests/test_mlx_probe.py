@@ -24,7 +24,7 @@ from runtime.messages import ModelLoaded, ModelSpec, TokensEmitted
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.stats_collector import RuntimeCollector
 from runtime.testing.harness import engine_stats
-from runtime.testing.tiny_archs import TINY_ARCHS, TinyArch, build_tiny_arch
+from runtime.testing.tiny_archs import TINY_ARCHS, TinyArch, tiny_arch_path
 from runtime.testing.tiny_models import tiny_model_path
 
 pytestmark = pytest.mark.anyio
@@ -43,7 +43,7 @@ def own_cache_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def arch_path(arch: TinyArch) -> Path:
-    return build_tiny_arch(arch, Path.home() / ".cache" / "mlx-actor-runtime" / "tiny-archs" / arch)
+    return tiny_arch_path(arch)
 
 
 def spec_of(arch: TinyArch) -> ModelSpec:

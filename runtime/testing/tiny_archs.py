@@ -13,10 +13,15 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any, Final, Literal, get_args
 
-from runtime.testing.tiny_models import _init_weights
+import mlx.core as mx
+
+from runtime.testing.tiny_models import _init_weights, _install, cache_root
 from runtime.testing.tiny_tokenizer import (
     BOS,
     EOS,
@@ -107,32 +112,45 @@ def tiny_arch_config(arch: TinyArch) -> dict[str, Any]:
 
 
 def build_tiny_arch(arch: TinyArch, directory: Path, seed: int = 0) -> Path:
-    """Write an mlx-lm model directory of ``arch`` at ``directory`` (kept if already built)."""
+    """Write an mlx-lm model directory of ``arch`` at ``directory`` (kept if already built); built
+    aside and renamed into place, like ``tiny_models.build_tiny_model``."""
     from mlx_lm.utils import save_config, save_model
 
     config = tiny_arch_config(arch)
     stamp = {"version": ARCH_FACTORY_VERSION, "seed": seed, "config": config}
-    if (directory / _STAMP).is_file() and json.loads((directory / _STAMP).read_text()) == stamp:
+    if _stamped(directory, stamp):
         return directory
-    directory.mkdir(parents=True, exist_ok=True)
-    tokenizer = train_tiny_tokenizer()
-    write_tokenizer(directory, tokenizer)
-    module = importlib.import_module(f"mlx_lm.models.{arch}")
-    model = module.Model(module.ModelArgs.from_dict(config))
-    _init_weights(model, seed)
-    # gemma2 ties its output to the embedding: zeroing the rows there mutes those tokens' inputs
-    # too, which no test prompt uses.
-    head = model.lm_head if "lm_head" in model else model.model.embed_tokens
-    weight = head.weight
-    weight[mx_rows(unprintable_ids(tokenizer))] = 0.0  # special tokens never win a greedy draw
-    head.weight = weight
-    save_model(directory, model)
-    save_config(config, config_path=directory / "config.json")
-    write_json(directory / _STAMP, stamp)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    try:
+        os.chmod(tmp, 0o755)
+        tokenizer = train_tiny_tokenizer()
+        write_tokenizer(tmp, tokenizer)
+        module = importlib.import_module(f"mlx_lm.models.{arch}")
+        model = module.Model(module.ModelArgs.from_dict(config))
+        _init_weights(model, seed)
+        # gemma2 ties its output to the embedding: zeroing the rows there mutes those tokens'
+        # inputs too, which no test prompt uses.
+        head = model.lm_head if "lm_head" in model else model.model.embed_tokens
+        weight = head.weight
+        weight[mx.array(unprintable_ids(tokenizer))] = 0.0  # never a greedy draw
+        head.weight = weight
+        save_model(tmp, model)
+        save_config(config, config_path=tmp / "config.json")
+        write_json(tmp / _STAMP, stamp)  # last: its presence means the rest is complete
+        _install(tmp, directory, lambda: _stamped(directory, stamp))
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     return directory
 
 
-def mx_rows(rows: list[int]) -> Any:
-    import mlx.core as mx
+def tiny_arch_path(arch: TinyArch, seed: int = 0) -> Path:
+    """``arch``'s build under the tiny models' cache root (built on first use)."""
+    return build_tiny_arch(arch, cache_root() / f"{arch}-arch-v{ARCH_FACTORY_VERSION}-seed{seed}")
 
-    return mx.array(rows)
+
+def _stamped(directory: Path, stamp: dict[str, Any]) -> bool:
+    try:
+        return bool(json.loads((directory / _STAMP).read_text()) == stamp)
+    except (OSError, ValueError):
+        return False
