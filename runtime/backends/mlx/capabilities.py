@@ -13,23 +13,26 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
 from runtime.backends.contract import Capability, ModelInfo, ReuseStrategy
 from runtime.backends.mlx.batch import DecodeBatch
-from runtime.backends.mlx.probe import PROBE_PROMPT_TOKENS, Declared, ProbeResult, run_probe
+from runtime.backends.mlx.probe import (
+    PROBE_PROMPT_TOKENS,
+    Declared,
+    ProbedBackend,
+    ProbeResult,
+    run_probe,
+)
 from runtime.backends.mlx.together import together_snapshot_tokens
 from runtime.backends.mlx.verdicts import cached, fingerprint, store
-
-if TYPE_CHECKING:
-    from runtime.backends.mlx.backend import MlxBackend
 
 log = logging.getLogger("mlx_actor_runtime.mlx_backend")
 
 
-def limit_by_probe(backend: MlxBackend, name: str, caches: Sequence[Any]) -> ModelInfo:
+def limit_by_probe(backend: ProbedBackend, name: str, caches: Sequence[Any]) -> ModelInfo:
     """``backend.info`` as measured, limited by the probe's verdict on this model: the cached
     one for its fingerprint, else the probe's run now (then cached)."""
     info = backend.info
@@ -59,7 +62,7 @@ def limit_by_probe(backend: MlxBackend, name: str, caches: Sequence[Any]) -> Mod
 
 
 def apply_verdict(
-    backend: MlxBackend,
+    backend: ProbedBackend,
     info: ModelInfo,
     caches: Sequence[Any],
     result: ProbeResult,

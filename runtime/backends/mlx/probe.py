@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import mlx.core as mx
 import msgspec
@@ -30,7 +30,56 @@ from mlx.utils import tree_flatten
 from runtime.backends.contract import Capability, Verdict
 
 if TYPE_CHECKING:
-    from runtime.backends.mlx.backend import MlxBackend
+    from pathlib import Path
+
+    from runtime.backends.contract import ModelInfo
+    from runtime.backends.mlx.state import MlxSnapshot, MlxState
+
+
+class ProbedBackend(Protocol):
+    """What the probe and its verdict use of the backend (``MlxBackend`` is the one; named
+    here so this module need not import it, which imports this one)."""
+
+    reach_back: bool
+    whole_snapshots: bool
+    batch_decode: bool
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    @property
+    def path(self) -> Path: ...
+
+    @property
+    def kv_bits(self) -> int | None: ...
+
+    @property
+    def model(self) -> Any: ...
+
+    def new_state(self) -> MlxState: ...
+
+    def prefill(
+        self,
+        state: Any,
+        token_ids: Sequence[int],
+        *,
+        logits: bool = True,
+        snapshot_at: Sequence[int] = (),
+    ) -> list[MlxSnapshot]: ...
+
+    def prefill_together(
+        self,
+        states: Sequence[Any],
+        token_ids: Sequence[Sequence[int]],
+        snapshot_at: Sequence[Sequence[int]] = (),
+    ) -> list[list[MlxSnapshot]]: ...
+
+    def copy_state(self, state: Any, length: int, snapshot: Any = None) -> MlxState: ...
+
+    def logits(self, state: Any) -> mx.array: ...
+
+    def feed(self, state: Any, token: mx.array) -> mx.array: ...
+
 
 # Bump whenever a check or a workaround changes: cached verdicts of older probes are ignored.
 PROBE_VERSION = 3
@@ -63,7 +112,7 @@ class Declared(msgspec.Struct, frozen=True, kw_only=True):
     together_points: bool  # a batched pass takes snapshots inside the probe's prompts
 
 
-def run_probe(backend: MlxBackend, declared: Declared, vocab_size: int) -> ProbeResult:
+def run_probe(backend: ProbedBackend, declared: Declared, vocab_size: int) -> ProbeResult:
     """Check every declared capability on ``backend``'s model (``ProbeResult``)."""
     start = time.perf_counter()
     tol = _tolerance(backend.model)
@@ -96,7 +145,9 @@ class _Baseline:
     """Each prompt run alone, in one pass: its state and logits (and, on a model that restores
     checkpoints, the last one's snapshot inside that pass)."""
 
-    def __init__(self, backend: MlxBackend, prompts: list[list[int]], declared: Declared) -> None:
+    def __init__(
+        self, backend: ProbedBackend, prompts: list[list[int]], declared: Declared
+    ) -> None:
         self.prompts = prompts
         self.states = []
         self.snapshots: Sequence[Any] = ()
@@ -116,7 +167,7 @@ class _Baseline:
 
 
 def _extend(
-    backend: MlxBackend, state: Any, ids: Sequence[int], snapshot_at: Sequence[int] = ()
+    backend: ProbedBackend, state: Any, ids: Sequence[int], snapshot_at: Sequence[int] = ()
 ) -> Sequence[Any]:
     """``prefill`` with the last token as a pass of its own, as the backend runs a long prompt:
     only that token is projected onto the vocabulary (a whole short pass projected costs more
@@ -161,7 +212,7 @@ def _checked(
 
 
 def _restored_diff(
-    backend: MlxBackend, source: Any, prompt: Sequence[int], point: int, snapshot: Any
+    backend: ProbedBackend, source: Any, prompt: Sequence[int], point: int, snapshot: Any
 ) -> float:
     """How far ``source``'s snapshot at ``point``, restored and extended, ends from its logits."""
     restored = backend.copy_state(source, point, snapshot)
@@ -170,7 +221,7 @@ def _restored_diff(
 
 
 def _snapshots(
-    backend: MlxBackend, declared: Declared, base: _Baseline, tol: float
+    backend: ProbedBackend, declared: Declared, base: _Baseline, tol: float
 ) -> tuple[Verdict, bool]:
     cap = Capability.SNAPSHOT_REACH_BACK
     if not declared.checkpoints:
@@ -202,7 +253,9 @@ def _snapshots(
     return Verdict(capability=cap, on=False, why=why, max_diff=fallback.max_diff), fallback.on
 
 
-def _batch_prefill(backend: MlxBackend, declared: Declared, base: _Baseline, tol: float) -> Verdict:
+def _batch_prefill(
+    backend: ProbedBackend, declared: Declared, base: _Baseline, tol: float
+) -> Verdict:
     cap = Capability.BATCH_PREFILL
     if declared.batch_refusal is not None:
         return Verdict(capability=cap, on=False, why=declared.batch_refusal)
@@ -225,7 +278,9 @@ def _batch_prefill(backend: MlxBackend, declared: Declared, base: _Baseline, tol
     return _checked(cap, tol, base.scale, check, "a padded batched prefill equals each alone")
 
 
-def _batch_decode(backend: MlxBackend, declared: Declared, base: _Baseline, tol: float) -> Verdict:
+def _batch_decode(
+    backend: ProbedBackend, declared: Declared, base: _Baseline, tol: float
+) -> Verdict:
     from runtime.backends.mlx.batch import DecodeBatch
 
     cap = Capability.BATCH_DECODE
@@ -245,7 +300,7 @@ def _batch_decode(backend: MlxBackend, declared: Declared, base: _Baseline, tol:
     return _checked(cap, tol, base.scale, check, "a batched decode step equals each row's own")
 
 
-def _trim(backend: MlxBackend, declared: Declared, base: _Baseline, tol: float) -> Verdict:
+def _trim(backend: ProbedBackend, declared: Declared, base: _Baseline, tol: float) -> Verdict:
     cap = Capability.TRIM
     if not declared.trims:
         why = "a layer is not trimmable: reuse restores checkpoints"
