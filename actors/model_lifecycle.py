@@ -206,6 +206,7 @@ class ModelLifecycle:
             else None,
             context_length=None if model.loaded is None else model.loaded.context_length,
             failure=model.failure,
+            limits={} if model.loaded is None else model.loaded.limits,
         )
 
     def unavailable(self, name: str) -> tuple[str, str]:
@@ -294,6 +295,7 @@ class ModelLifecycle:
             bytes_per_token=event.bytes_per_token,
             context_length=event.context_length,
             chat_template=event.chat_template,
+            limits=event.limits,
         )
         if model.state in (ModelState.LOADING, ModelState.RESTARTING):
             restarted = model.state is ModelState.RESTARTING

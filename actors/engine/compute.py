@@ -38,7 +38,7 @@ from actors.engine.jobs import (
 from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
 from actors.engine.turns import PromptTurns, rows_taken
 from actors.engine.watchdog import Watchdog
-from runtime.backends.contract import Backend
+from runtime.backends.contract import Backend, Capability
 from runtime.errors import StepTimedOut
 from runtime.kernel.core import Context
 from runtime.messages import ComputeDone, RequestKind
@@ -188,7 +188,11 @@ class ComputeSlot:
                 self.top_up(backend, ctx)
             return
         chunk = self._sizer.tokens() if seq.phase is Phase.PREFILLING else 0
-        group = self._together(seq, ready, chunk, backend.info.together_snapshot_tokens)
+        group = (
+            self._together(seq, ready, chunk, backend.info.together_snapshot_tokens)
+            if backend.info.capable(Capability.BATCH_PREFILL)  # the load probe may forbid it
+            else [seq]
+        )
         if len(group) > 1:
             together = TogetherJob([StepJob(s) for s in group])
             for member in group:

@@ -116,6 +116,9 @@ class EngineCore:
         options = self._options if isinstance(self._options, EngineOptions) else EngineOptions()
         chunk_tokens = max(1, spec.prefill_chunk_tokens)  # the most a chunk holds (KV is priced)
         self._backend: Backend | None = None
+        # The load probe's verdicts (1 on, 0 off) and the off ones' whys, for statistics().
+        self._capabilities: dict[str, int] = {}
+        self._limits: dict[str, str] = {}
         self._sequences: dict[int, Sequence] = {}
         self._draining = False
         self._drain_requester: Address | None = None
@@ -204,11 +207,13 @@ class EngineCore:
             "batch_padding_bytes": self._batches.padding_bytes,
             # Process-wide (every model's): grammar states not released yet; 0 when none is live.
             "live_matchers": live_matchers(),
+            **{f"capability_{name}": on for name, on in self._capabilities.items()},
         }
         return Stats(
             actor=engine_address(self.model, self.epoch),
             counters=self.counters.snapshot(),
             gauges=gauges,
+            limits=self._limits,
         )
 
     @property
@@ -352,6 +357,8 @@ class EngineCore:
         # Debug: the router logs the load's one info line (actors/model_lifecycle.py).
         log.debug("model %s (epoch %d): prefix reuse path %s: %s",
                  self.model, self.epoch, info.reuse, info.reuse_reason)  # fmt: skip
+        self._capabilities = {str(v.capability): int(v.on) for v in info.capabilities}
+        self._limits = info.limits
         ctx.send(
             ROUTER,
             EngineReady(
@@ -360,6 +367,7 @@ class EngineCore:
                 bytes_per_token=info.bytes_per_token,
                 context_length=info.context_length,
                 chat_template=info.chat_template,
+                limits=info.limits,
             ),
         )
         self._admission.loaded(info, ctx)

@@ -33,6 +33,25 @@ class ReuseStrategy(enum.StrEnum):
     NONE = "none"  # nothing can be reused safely
 
 
+class Capability(enum.StrEnum):
+    """A behaviour the engine relies on that the load probe checks on the model itself."""
+
+    SNAPSHOT_REACH_BACK = "snapshot_reach_back"  # a snapshot taken inside a pass restores exactly
+    BATCH_PREFILL = "batch_prefill"  # a padded batched prefill equals each prompt alone
+    BATCH_DECODE = "batch_decode"  # a batched decode step equals each row's own step
+    TRIM = "trim"  # a state cut back, then extended, equals the same tokens computed anew
+
+
+class Verdict(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The load probe's finding on one capability: on or off, and one sentence why (with the
+    largest logit difference it measured, when it compared logits)."""
+
+    capability: Capability
+    on: bool
+    why: str
+    max_diff: float | None = None
+
+
 class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     """Facts about a loaded model the engine schedules and prices by."""
 
@@ -58,6 +77,19 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     # The tokenizer has a chat template; without one chat messages get the plain fallback format
     # (runtime/text/chat.py) and `mlxrt generate`/`chat` send raw text instead (docs/chat.md).
     chat_template: bool = True
+    # The load probe's verdicts (empty: not probed, everything taken as it is declared).
+    capabilities: tuple[Verdict, ...] = ()
+    probe_s: float = 0.0  # seconds the probe took when it ran (perhaps at an earlier load)
+    probe_cached: bool = False  # this load took the verdict from the cache: it ran no probe
+
+    def capable(self, capability: Capability) -> bool:
+        """Whether ``capability`` may be used (one the probe did not judge is on)."""
+        return all(v.on for v in self.capabilities if v.capability is capability)
+
+    @property
+    def limits(self) -> dict[str, str]:
+        """The capabilities switched off for this model, each with why."""
+        return {str(v.capability): v.why for v in self.capabilities if not v.on}
 
     @property
     def snapshot_bytes(self) -> int:

@@ -55,6 +55,8 @@ class EngineReady(Message, frozen=True):
     bytes_per_token: int
     context_length: int
     chat_template: bool = True
+    # Capabilities the load probe switched off for this model, each with why (backend docs).
+    limits: dict[str, str] = {}  # noqa: RUF012 (a msgspec default; ruff cannot see the base here)
 
 
 class EngineLoadFailed(Message, frozen=True):

@@ -227,6 +227,7 @@ class ModelLoaded(Message, frozen=True):
     bytes_per_token: int
     context_length: int
     chat_template: bool = True
+    limits: dict[str, str] = {}  # noqa: RUF012 (capabilities switched off at load, and why)
 
 
 class ModelUnloaded(Message, frozen=True):
@@ -270,6 +271,7 @@ class ModelStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     expires_in_s: float | None = None
     context_length: int | None = None
     failure: str = ""
+    limits: dict[str, str] = {}  # capabilities switched off at load, and why
 
 
 class ModelsListed(Message, frozen=True):
@@ -288,3 +290,5 @@ class Stats(Message, frozen=True):
     actor: str
     counters: dict[str, int]
     gauges: dict[str, int] = {}  # noqa: RUF012 (a msgspec default; ruff cannot see the base here)
+    # What the actor cannot do, each with why (an engine: capabilities its load probe switched off)
+    limits: dict[str, str] = {}  # noqa: RUF012

@@ -257,6 +257,7 @@ class ModelManager:
             expires_at=expires_at,
             live_requests=status.live_requests,
             failure=status.failure or None,
+            limits=status.limits or None,
         )
 
     def _created(self, name: str) -> int:

@@ -386,6 +386,9 @@ class ModelCard(_Reply, frozen=True, kw_only=True):
     cache: Literal["converted", "downloaded", "not_fetched"] | None = None
     description: str | None = None
     failure: str | None = None
+    # Capabilities the load probe switched off for this model (batch_decode, batch_prefill,
+    # snapshot_reach_back, trim), each with why; null: none off, or not loaded.
+    limits: dict[str, str] | None = None
     object: Literal["model"] = "model"
     owned_by: str = "mlx-actor-runtime"
 

@@ -124,6 +124,18 @@ def _engine_families(
         sequences.add_metric([model], sequence_counts[model])
     yield batch
     yield sequences
+    capability = GaugeMetricFamily(
+        "mlxrt_model_capability",
+        "1 where the load probe found the capability exact on the model, 0 where it is off.",
+        labels=["model", "capability"],
+    )
+    # One sample per model: epochs of one model share its fingerprint, so its verdicts.
+    current = {model: stats for model, stats in live.values()}
+    for model, stats in sorted(current.items()):
+        for key, on in sorted(stats.gauges.items()):
+            if key.startswith("capability_"):
+                capability.add_metric([model, key.removeprefix("capability_")], on)
+    yield capability
 
 
 def _kv_families(kv: Stats) -> Iterator[Metric]:

@@ -28,7 +28,9 @@ from runtime.backends.contract import (
     SequenceState,
     Snapshot,
 )
+from runtime.backends.mlx.batch import DecodeBatch
 from runtime.backends.mlx.cache_kinds import check_supported, kind_of, price_of, snapshot_layers
+from runtime.backends.mlx.capabilities import limit_by_probe
 from runtime.backends.mlx.facts import (
     context_length_of,
     effective_eos_ids,
@@ -40,6 +42,7 @@ from runtime.backends.mlx.facts import (
 from runtime.backends.mlx.interrupt import can_interrupt, interruptible, stop_checks
 from runtime.backends.mlx.state import MlxSnapshot, MlxState, own_state
 from runtime.backends.mlx.together import prefill_together, together_snapshot_tokens
+from runtime.backends.mlx.upstream import patch_model
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
 from runtime.blas import warn_if_slow
@@ -68,7 +71,10 @@ class MlxBackend:
         self._kv_bits = kv_bits
         self._path = Path(".")
         self._kv_group = quantization_group(model) if kv_bits is not None else 64
-        self._reaches_back = False  # whether snapshots reach inside a pass (set at load)
+        self.reach_back = False  # whether snapshots reach inside a pass (set at load)
+        # Set at load where trimming proved wrong: snapshots then copy every layer (probe.py).
+        self.whole_snapshots = False
+        self.batch_decode = True  # whether the probe found batched decoding exact (set at load)
         self._constraints: ConstraintEngine | None = None  # made for the first constrained row
 
     # ------------------------------------------------------------------ loading
@@ -102,6 +108,8 @@ class MlxBackend:
                 "half-precision weights) to float32, which MLX's CPU kernels run ~40x faster",
                 spec.name,
             )
+        for applied in patch_model(model):
+            log.info("model %r: worked around an mlx-lm defect: %s", spec.name, applied)
         backend = cls(model, tokenizer, _placeholder_info(), options.kv_bits)
         backend._path = path
         # Refused here, not at a request: a cache class with no adapter cannot be served.
@@ -118,7 +126,7 @@ class MlxBackend:
         self.prefill(state, [0] * _WARMUP_TOKENS)  # also loads the weights: the timing follows
         price = price_of(state.caches)
         strategy, reason = reuse_strategy(state.caches)
-        self._reaches_back = all(kind_of(c).reaches_back(c) for c in state.caches)
+        self.reach_back = all(kind_of(c).reaches_back(c) for c in state.caches)
         pass_s = min(self._timed_pass(state) for _ in range(_TIMED_PASSES))  # layout read first
         context = options.context_length or context_length_of(config)
         eos = effective_eos_ids(self._tokenizer, self._path, config)
@@ -136,7 +144,7 @@ class MlxBackend:
                 "fallback format (docs/chat.md); a base model continues a raw prompt better",
                 name,
             )
-        return ModelInfo(
+        self._info = ModelInfo(
             context_length=context,
             vocab_size=vocab_size_of(config),
             eos_token_ids=eos,
@@ -150,10 +158,11 @@ class MlxBackend:
             pass_s=pass_s,
             stop_checks=stop_checks(state.caches),
             together_snapshot_tokens=together_snapshot_tokens(
-                state.caches, context, self._reaches_back
+                state.caches, context, self.reach_back
             ),
             chat_template=templated,
         )
+        return limit_by_probe(self, name, state.caches)
 
     def _timed_pass(self, state: MlxState) -> float:
         start = time.perf_counter()
@@ -163,6 +172,15 @@ class MlxBackend:
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    @property
+    def path(self) -> Path:
+        """The model directory it was loaded from."""
+        return self._path
+
+    @property
+    def kv_bits(self) -> int | None:
+        return self._kv_bits
 
     # ------------------------------------------------------------------ tokens
 
@@ -191,7 +209,9 @@ class MlxBackend:
 
     def can_trim(self, state: SequenceState) -> bool:
         """Whether every layer of ``state`` can be cut back (a rotating cache until it wraps)."""
-        return all(kind_of(c).trimmable(c) for c in own_state(state).caches)
+        return not self.whole_snapshots and all(
+            kind_of(c).trimmable(c) for c in own_state(state).caches
+        )
 
     def copy_state(
         self, state: SequenceState, length: int, snapshot: Snapshot | None = None
@@ -222,7 +242,7 @@ class MlxBackend:
         return snapshot
 
     def _snapshot(self, source: MlxState, back: int) -> MlxSnapshot:
-        layers = snapshot_layers(dict(enumerate(source.caches)), back)
+        layers = snapshot_layers(dict(enumerate(source.caches)), back, whole=self.whole_snapshots)
         return MlxSnapshot(layers, source.n_tokens - back)
 
     def prefill(
@@ -242,7 +262,7 @@ class MlxBackend:
         _check_points(snapshot_at, start, end)
         # Passes end where a snapshot cannot reach back from further on (a recurrent state holds
         # only its last step), and before the last token of a long pass that keeps logits.
-        cuts = set() if self._reaches_back else set(snapshot_at)
+        cuts = set() if self.reach_back else set(snapshot_at)
         if logits and len(ids) >= _LAST_TOKEN_APART:
             cuts.add(end - 1)
         stops = [*sorted(c for c in cuts if start < c < end), end]
@@ -302,7 +322,9 @@ class MlxBackend:
                     f"(at most {reach})"
                 )
             _check_points(at, start, end)
-        return prefill_together(self._model, owns, token_ids, points, self._reaches_back)
+        return prefill_together(
+            self._model, owns, token_ids, points, self.reach_back, self.whole_snapshots
+        )
 
     def logits(self, state: SequenceState) -> mx.array:
         own = own_state(state)
@@ -329,9 +351,7 @@ class MlxBackend:
         return self._model
 
     def open_batch(self) -> DecodeBatchHandle | None:
-        from runtime.backends.mlx.batch import DecodeBatch  # the batch module is loaded on demand
-
-        return DecodeBatch(self) if DecodeBatch.supports(self) else None
+        return DecodeBatch(self) if self.batch_decode and DecodeBatch.supports(self) else None
 
     def state_nbytes(self, state: SequenceState) -> int:
         return sum(kind_of(c).nbytes(c) for c in own_state(state).caches)

@@ -21,6 +21,10 @@ Snapshots (checkpoints of the layers that cannot be cut back) are taken where ea
   row) and the row's layers are copied out of the batch caches in between. Only on a model
   without sliding-window layers: a one-token piece of a right-padded pass is refused by mlx-lm's
   ``BatchRotatingKVCache``, so a model mixing both takes no snapshots in a batched pass.
+
+On a model with recurrent layers a padded pass is also cut at every row's end, each piece told its
+own lengths, and each row's recurrent state held where it ends: mlx-lm's SSM layers read a cut
+piece's state wrongly and rwkv7 runs padding through its state (upstream.py).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import mlx.core as mx
 
 from runtime.backends.mlx.cache_kinds import extract_row, kind_of, snapshot_layers
 from runtime.backends.mlx.state import MlxSnapshot, MlxState
+from runtime.backends.mlx.upstream import hold_rows, piece_lengths, put_rows, recurrent_parts
 
 
 def prefill_together(
@@ -40,12 +45,14 @@ def prefill_together(
     token_ids: Sequence[Sequence[int]],
     snapshot_at: Sequence[Sequence[int]] = (),
     reach_back: bool = False,
+    whole: bool = False,
 ) -> list[list[MlxSnapshot]]:
     """Extend each state in ``states`` with its ``token_ids`` (at least 2), keeping the logits
     after its last token, and snapshot each at its ``snapshot_at`` lengths (sorted, each within
     what its ids add). A state may hold a cached prefix already (of any length: ``merge`` pads the
     shorter ones on the left, as mlx-lm's ``BatchGenerator`` does with cached prompts).
-    ``reach_back``: every layer still holds every point of a pass after it (no recurrent one)."""
+    ``reach_back``: every layer still holds every point of a pass after it (no recurrent one).
+    ``whole``: snapshots copy every layer (the backend's fallback where trimming proved wrong)."""
     if len(states) != len(token_ids):
         raise ValueError("one list of token ids per state")
     if any(len(ids) < 2 for ids in token_ids):
@@ -53,7 +60,7 @@ def prefill_together(
     points = list(snapshot_at) or [[] for _ in token_ids]
     starts = [s.n_tokens for s in states]
     ends = [start + len(ids) for start, ids in zip(starts, token_ids, strict=True)]
-    untrimmable = [i for i, c in enumerate(states[0].caches) if not kind_of(c).cut_back(c)]
+    untrimmable = [i for i, c in enumerate(states[0].caches) if whole or not kind_of(c).cut_back(c)]
     taken: list[dict[int, MlxSnapshot]] = [{} for _ in states]
     cuts: dict[int, list[int]] = {}  # column of the padded pass -> rows snapshotted there
     if not reach_back:
@@ -61,7 +68,8 @@ def prefill_together(
             for point in at:
                 if point < end - 1:
                     cuts.setdefault(point - start, []).append(row)
-    if cuts and any(kind_of(c).ring(c) for c in states[0].caches):
+    rotating = any(kind_of(c).ring(c) for c in states[0].caches)
+    if cuts and rotating:
         raise ValueError("a pass with sliding-window layers cannot be cut for a snapshot")
 
     layers = len(states[0].caches)
@@ -74,14 +82,26 @@ def prefill_together(
     if any(padding):
         for layer in batch:
             layer.prepare(lengths=lengths, right_padding=padding)
+    # Recurrent layers of a padded pass are cut at each row's end and keep the state they had
+    # there (upstream.py: mlx-lm reads them wrong past a row's end, or runs padding through them).
+    # Not beside sliding-window layers: mlx-lm's BatchRotatingKVCache refuses a one-token piece
+    # of a right-padded pass; there the load probe judges mlx-lm's own padded pass instead.
+    recurrent = [part for layer in batch for part in recurrent_parts(layer)]
+    ended = set(lengths) if recurrent and any(padding) and not rotating else set()
+    kept_rows: dict[int, list[list[Any]]] = {}
     done = 0
-    for column in [*sorted(cuts), longest]:
+    for column in sorted({*cuts, *ended, longest}):
         if column > done:
+            if ended:
+                piece_lengths(recurrent, lengths, done, column)
             model(inputs[:, done:column], cache=batch)
             done = column
+        if column in ended:
+            kept_rows.update(hold_rows(recurrent, lengths, column))
         for row in cuts.get(column, ()):
             point = starts[row] + column
-            taken[row].update(_copy_row(batch, row, untrimmable, point, [point]))
+            taken[row].update(_copy_row(batch, row, untrimmable, point, [point], whole))
+    put_rows(recurrent, kept_rows)
     if any(padding):
         for layer in batch:
             layer.finalize()
@@ -90,7 +110,7 @@ def prefill_together(
     for row, (at, end) in enumerate(zip(points, ends, strict=True)):
         before_end = [p for p in at if p < end and p not in taken[row]]
         if before_end:
-            taken[row].update(_copy_row(batch, row, untrimmable, end - 1, before_end))
+            taken[row].update(_copy_row(batch, row, untrimmable, end - 1, before_end, whole))
     last = mx.array([[ids[-1]] for ids in token_ids])
     logits = model(last, cache=batch)[:, -1].astype(mx.float32)
     for row, (state, ids) in enumerate(zip(states, token_ids, strict=True)):
@@ -99,7 +119,7 @@ def prefill_together(
         state.logits = logits[row]
         if state.n_tokens in points[row]:  # the end: the row's own state, as it is
             taken[row][state.n_tokens] = MlxSnapshot(
-                snapshot_layers(dict(enumerate(state.caches)), 0), state.n_tokens
+                snapshot_layers(dict(enumerate(state.caches)), 0, whole), state.n_tokens
             )
     snapshots = [[taken[row][p] for p in at] for row, at in enumerate(points)]
     kept = [s.arrays() for row in snapshots for s in row]
@@ -116,12 +136,19 @@ def together_snapshot_tokens(caches: Sequence[Any], context: int, reach_back: bo
 
 
 def _copy_row(
-    batch: list[Any], row: int, untrimmable: list[int], length: int, points: Sequence[int]
+    batch: list[Any],
+    row: int,
+    untrimmable: list[int],
+    length: int,
+    points: Sequence[int],
+    whole: bool,
 ) -> dict[int, MlxSnapshot]:
     """``row``'s untrimmable layers at each of ``points``, from the batch caches as they hold it
     now (``length`` tokens in; an earlier point reached back inside the ring)."""
     held = {i: extract_row(batch[i], row) for i in untrimmable}
-    taken = {point: MlxSnapshot(snapshot_layers(held, length - point), point) for point in points}
+    taken = {
+        point: MlxSnapshot(snapshot_layers(held, length - point, whole), point) for point in points
+    }
     # Evaluated now: the batch caches' arrays go on changing under later passes.
     mx.eval([s.arrays() for s in taken.values()])
     return taken

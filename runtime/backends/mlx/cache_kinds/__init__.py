@@ -73,11 +73,19 @@ def check_supported(caches: Iterable[Any], architecture: str | None) -> None:
         check_supported(kind.children(layer), architecture)
 
 
-def snapshot_layers(layers: Mapping[int, Any], back: int) -> dict[int, Any]:
+def snapshot_layers(layers: Mapping[int, Any], back: int, whole: bool = False) -> dict[int, Any]:
     """What a checkpoint keeps of each of ``layers`` (by layer index) as it was ``back`` tokens
-    ago (layers that are cut back instead are left out); raises ``CannotTrim``."""
-    kept = ((i, kind_of(c).snapshot(c, back)) for i, c in layers.items())
+    ago (layers that are cut back instead are left out, unless ``whole``: the backend's fallback
+    where the load probe found cutting back wrong, so every layer is copied); raises
+    ``CannotTrim``."""
+    kept = ((i, _kept(kind_of(c), c, back, whole)) for i, c in layers.items())
     return {i: k for i, k in kept if k is not None}
+
+
+def _kept(kind: CacheKind, layer: Any, back: int, whole: bool) -> Any | None:
+    if whole and kind.cut_back(layer):
+        return kind.copy(layer, back)
+    return kind.snapshot(layer, back)
 
 
 def extract_row(batch_layer: Any, row: int) -> Any:
@@ -85,7 +93,7 @@ def extract_row(batch_layer: Any, row: int) -> Any:
     wrote to (nemotron-nas's no-op attention) gives an empty one: mlx-lm's ``extract`` slices its
     keys, which are None there."""
     if isinstance(batch_layer, mlx_cache.BatchKVCache) and batch_layer.keys is None:
-        return mlx_cache.KVCache()
+        return mlx_cache.KVCache()  # type: ignore[no-untyped-call]
     return batch_layer.extract(row)
 
 

@@ -1,0 +1,94 @@
+"""Workarounds for mlx-lm's batching defects, where the fix can be ours.
+
+Each is named, with the mlx-lm file and line, in docs/models.md ("Upstream defects and
+workarounds"); the load probe (probe.py) checks the result on the loaded model itself and switches
+off what still fails. In short:
+
+- ``ssm_attn`` (models/ssm.py) reads a batched pass's carried state at ``min(lengths, 256) - 1``,
+  past the piece when a pass is cut before a row's end; nemotron_h's ``_ssm`` passes no lengths at
+  all; rwkv7 takes no padding mask, so right padding runs through its recurrence. So a padded
+  batched pass is cut at each row's end (``prefill_together``), each piece is told its own lengths
+  (``piece_lengths``), and each row's recurrent state is held where the row ends (``hold_rows``)
+  and put back after the pass (``put_rows``), whatever padding did to it meanwhile.
+- gemma2's attention reshapes grouped queries to 5 axes, which a per-row (B, 1, L, S) mask cannot
+  broadcast against: ``patch_model`` gives its attention layers a mask with the extra axis.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+from mlx_lm.models import gemma2
+
+
+def recurrent_parts(layer: Any) -> list[Any]:
+    """The recurrent (``ArraysCache``) caches of one batched layer, a ``CacheList``'s included
+    (falcon_h1 keeps its SSM state beside its attention in one)."""
+    if isinstance(layer, mlx_cache.ArraysCache):
+        return [layer]
+    if isinstance(layer, mlx_cache.CacheList):
+        return [part for child in layer.caches for part in recurrent_parts(child)]
+    return []
+
+
+def piece_lengths(recurrent: Sequence[Any], lengths: Sequence[int], done: int, until: int) -> None:
+    """Tell each recurrent batch cache the tokens each row has in the piece ``done:until`` of a
+    right-padded pass (negative: the row ended earlier; mlx-lm then keeps its state)."""
+    in_piece = [min(n, until) - done for n in lengths]
+    for layer in recurrent:  # an array each: a layer's ``advance`` subtracts in place
+        layer.lengths = mx.array(in_piece)
+
+
+def hold_rows(
+    recurrent: Sequence[Any], lengths: Sequence[int], column: int
+) -> dict[int, list[list[Any]]]:
+    """The recurrent state of every row that ends at ``column``, by row (evaluated now: the
+    batch's arrays are replaced by later pieces)."""
+    held = {
+        row: [[None if a is None else a[row : row + 1] for a in layer.cache] for layer in recurrent]
+        for row, n in enumerate(lengths)
+        if n == column
+    }
+    mx.eval([a for layers in held.values() for arrays in layers for a in arrays if a is not None])
+    return held
+
+
+def put_rows(recurrent: Sequence[Any], held: dict[int, list[list[Any]]]) -> None:
+    """Write each held row's state back into the recurrent batch caches."""
+    for row, layers in held.items():
+        for layer, arrays in zip(recurrent, layers, strict=True):
+            for entry, kept in enumerate(arrays):
+                now = layer.cache[entry]
+                if kept is not None and now is not None:
+                    layer.cache[entry] = mx.concatenate([now[:row], kept, now[row + 1 :]])
+
+
+def patch_model(model: Any) -> tuple[str, ...]:
+    """Apply the model-side workarounds ``model`` needs; the names of those applied."""
+    applied = []
+    swapped = 0
+    for module in _modules(model):
+        if type(module) is gemma2.Attention:
+            module.__class__ = _Gemma2Attention
+            swapped += 1
+    if swapped:
+        applied.append("gemma2 attention takes a per-row mask")
+    return tuple(applied)
+
+
+def _modules(model: Any) -> list[Any]:
+    modules = getattr(model, "modules", None)
+    return list(modules()) if callable(modules) else []
+
+
+class _Gemma2Attention(gemma2.Attention):
+    """gemma2's attention with a per-row mask widened to its grouped 5-axis scores (mlx-lm:
+    models/gemma2.py, the ``queries.reshape`` for ``repeats > 1``)."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if isinstance(mask, mx.array) and mask.ndim == 4 and self.repeats > 1:
+            mask = mx.expand_dims(mask, 2)
+        return super().__call__(x, mask, cache)
