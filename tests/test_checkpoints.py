@@ -127,6 +127,13 @@ def test_a_capped_plan_keeps_the_preferred_points_and_widens_the_spacing() -> No
     assert plan(4) == [10, 70, 90, 99]
 
 
+def test_a_widened_spacing_leaves_its_room_to_the_denser_points_nearest_the_end() -> None:
+    rule = CheckpointRule(spacing=8, most=9)
+    # End - 1 and 12 multiples of 8 want 13: every 16 fits (6), then 88 and 72 of the rest.
+    plan = plan_checkpoints([5] * 100, 0, 100, decode, rule)
+    assert plan == [16, 32, 48, 64, 72, 80, 88, 96, 99]
+
+
 @pytest.mark.parametrize(
     ("layout", "spacing"),
     [

@@ -25,8 +25,9 @@ full-attention KV, so periodic checkpoints at most double what a prompt's full-a
 a model with no full-attention KV (pure recurrent) has nothing to weigh a snapshot against, so
 its spacing is ``MIN_SPACING`` and only the caps below widen it. It is never wider than the
 model's ``checkpoint_every_tokens``. A prefill takes at most ``MAX_POINTS`` snapshots and at most
-``1 / BUDGET_SHARE`` of the KV budget in them; past that the periodic spacing doubles (its points
-stay multiples of the denser spacing) and the least preferred of the other points go.
+``1 / BUDGET_SHARE`` of the KV budget in them; past that the least preferred of the other points
+go, and the periodic spacing doubles until its points fit (they stay multiples of the denser
+spacing), the room left taking the denser spacing's other points nearest the end.
 
 The end of a generation and the point where an aborted prefill stopped are snapshotted by the
 engine itself, as the sequence's own final state.
@@ -117,15 +118,25 @@ def plan_checkpoints(
     preferred.extend(reversed(message_ends))
     preferred.append(len(tokens) - BRANCH_REACH)
     kept = set(list(dict.fromkeys(p for p in preferred if start < p < target))[: rule.most])
-    spacing = rule.spacing
-    while spacing > 0:
-        first = (start // spacing + 1) * spacing
-        periodic = set(range(first, target, spacing)) - kept
-        if len(kept) + len(periodic) <= rule.most:
-            kept |= periodic
-            break
-        spacing *= 2  # twice as wide: its points are still multiples of the denser spacing
+    if rule.spacing > 0:
+        kept |= _periodic(start, target, rule.spacing, kept, rule.most - len(kept))
     return sorted(kept)
+
+
+def _periodic(start: int, target: int, spacing: int, kept: set[int], room: int) -> set[int]:
+    """Multiples of ``spacing`` in (start, target) not in ``kept``, at most ``room`` of them: all,
+    or every multiple of the narrowest wider power-of-two spacing that fits, and then as many of
+    the others as room is left for, latest first (an edit near the end is the likelier)."""
+    first = (start // spacing + 1) * spacing
+    periodic = [p for p in range(first, target, spacing) if p not in kept]
+    if len(periodic) <= room:
+        return set(periodic)
+    wide = spacing * 2  # twice as wide: its points are still multiples of the denser spacing
+    while sum(1 for p in periodic if p % wide == 0) > room:
+        wide *= 2
+    chosen = {p for p in periodic if p % wide == 0}
+    rest = [p for p in reversed(periodic) if p not in chosen]
+    return chosen | set(rest[: room - len(chosen)])
 
 
 def _line_starts(
