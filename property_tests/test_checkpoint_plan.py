@@ -51,7 +51,7 @@ def prompts(draw: st.DrawFn) -> tuple[list[int], int, int, tuple[int, ...], int]
     target = len(tokens) - draw(st.integers(0, min(1, len(tokens) - 1)))
     start = draw(st.integers(0, target))
     ends = tuple(sorted(draw(st.sets(st.integers(1, len(tokens)), max_size=20))))
-    instructions = draw(st.sampled_from((0, *ends[:1])))
+    instructions = draw(st.sampled_from((0, *ends[:1])) | st.integers(0, len(tokens)))
     return tokens, start, target, ends, instructions
 
 
@@ -122,3 +122,22 @@ def test_a_rule_fits_its_budget_and_weighs_snapshots_against_the_kv(
         assert rule.spacing >= MIN_SPACING
         assert rule.spacing * layout.bytes_per_token >= layout.snapshot_bytes
         assert rule.spacing & (rule.spacing - 1) == 0  # a power of two
+
+
+@given(prompt=prompts(), layout=layouts, widest=st.integers(0, 4096))
+def test_a_rule_with_room_to_spare_holds_every_point_its_plan_wants(
+    prompt: tuple[list[int], int, int, tuple[int, ...], int], layout: ModelInfo, widest: int
+) -> None:
+    """Admission reserves room for ``rule.most`` snapshots before the plan is made: unless the
+    count cap binds, that is never fewer than the points the plan would take uncapped."""
+    tokens, start, target, ends, instructions = prompt
+    ample = 1 << 60
+    rule = CheckpointPolicy(widest=widest, budget_bytes=ample).rule(
+        layout, target, len(ends), ample
+    )
+    assert rule is not None
+    uncapped = CheckpointRule(rule.spacing, 1 << 30)
+    plan = plan_checkpoints(
+        tokens, start, target, decode, uncapped, message_ends=ends, instructions_end=instructions
+    )
+    assert len(plan) <= rule.most or rule.most == MAX_POINTS

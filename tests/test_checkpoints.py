@@ -174,14 +174,31 @@ def test_the_rule_caps_the_snapshots_by_count_and_by_budget_share() -> None:
     policy = CheckpointPolicy(widest=512, budget_bytes=GIB)
     # 4,000 tokens at spacing 64 want 62 periodic points: the count cap.
     assert policy.rule(TINY_SLIDING, 4000, 0, GIB) == CheckpointRule(64, MAX_POINTS)
-    # A short prompt wants only its own: 7 anchors (3 of them line starts), 2 message ends,
-    # 4 multiples of 64.
-    assert policy.rule(TINY_SLIDING, 300, 2, GIB) == CheckpointRule(64, 13)
+    # A short prompt wants only its own: 6 anchors (3 of them line starts; none 512 before the
+    # end of a prompt shorter than that), 2 message ends, 4 multiples of 64.
+    assert policy.rule(TINY_SLIDING, 300, 2, GIB) == CheckpointRule(64, 12)
+    assert policy.rule(TINY_SLIDING, 600, 2, GIB) == CheckpointRule(64, 7 + 2 + 9)
+    assert policy.rule(TINY_SLIDING, 5, 2, GIB) == CheckpointRule(64, 4)  # a point per token
     # Gemma's 15 MiB snapshots: 1/32 of 1 GiB affords two.
     assert GIB // BUDGET_SHARE // GEMMA3_270M.snapshot_bytes == 2
     assert policy.rule(GEMMA3_270M, 4000, 0, GIB) == CheckpointRule(512, 2)
     # What is left of the budget after the sequence's own KV caps it too.
     assert policy.rule(TINY_SLIDING, 4000, 0, 3 * 32768 + 1) == CheckpointRule(64, 3)
+
+
+def test_the_rule_holds_every_anchor_a_plan_can_take() -> None:
+    """Admission reserves room for ``most`` snapshots before the plan exists: a prompt with every
+    kind of anchor (and no periodic points) gets exactly that many."""
+    tokens = [5] * 1000
+    tokens[990] = 0  # a word starts at 990
+    for end_of_line in (899, 919, 939):
+        tokens[end_of_line] = 1
+    ends = (100, 300)
+    rule = CheckpointPolicy(widest=0, budget_bytes=GIB).rule(TINY_SLIDING, 1000, len(ends), GIB)
+    assert rule is not None
+    plan = plan_checkpoints(tokens, 0, 1000, decode, rule, message_ends=ends, instructions_end=50)
+    assert plan == [50, 100, 300, 1000 - BRANCH_REACH, 900, 920, 940, 990, 999]
+    assert rule.most == len(plan)
 
 
 def test_a_trimmable_cache_has_no_rule() -> None:

@@ -46,7 +46,7 @@ LINE_STARTS = 3  # line starts near the end: the generation prompt's, and the la
 MIN_SPACING = 64  # on a recurrent state each checkpoint ends a pass: at most 4 per 256 tokens
 MAX_POINTS = 32  # snapshots of one prefill, so a long prompt cannot flood the prefix cache
 BUDGET_SHARE = 32  # one prefill's snapshots take at most 1/32 of the KV budget
-_ANCHORS = 4 + LINE_STARTS  # points 1-4 and 6 above: at most one each, and the line starts
+_ANCHORS = 3 + LINE_STARTS  # points 1-4 above: at most one each, and the line starts
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,9 @@ class CheckpointPolicy:
         if info.reuse is not ReuseStrategy.CHECKPOINT:
             return None
         spacing = self.spacing(info)
-        most = min(MAX_POINTS, _ANCHORS + message_ends + periodic_count(0, target, spacing))
+        reach = 1 if target >= BRANCH_REACH else 0  # point 6 lies inside a prompt this long only
+        wanted = _ANCHORS + reach + message_ends + periodic_count(0, target, spacing)
+        most = min(MAX_POINTS, wanted, max(target - 1, 0))  # no more points than tokens
         if info.snapshot_bytes > 0:
             affordable = min(self.budget_bytes // BUDGET_SHARE, max(free_bytes, 0))
             most = min(most, affordable // info.snapshot_bytes)
