@@ -67,7 +67,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "sequence alone vs four in a DecodeBatch, backend level), structured (structured.*: "
         "decode ms/token under a JSON Schema vs none, runtime); over HTTP, mlxrt serve vs "
         "mlx_lm.server: concurrency (1/2/4/8 streams at once), keystroke (a completion per "
-        "keystroke, each superseding the last), prewarm (TTFT after a prewarm vs cold); hop "
+        "keystroke, each superseding the last), prewarm (TTFT after a prewarm vs cold), branch "
+        "(TTFT and tokens re-processed when ~900/~1,800 tokens of notes are re-sent with their "
+        "last line changed); hop "
         "(hop.*: the actor message hop and the runtime's cost per streamed token, no model)",
     )
     args = parser.parse_args(argv)

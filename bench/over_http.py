@@ -1,4 +1,4 @@
-"""The groups measured over HTTP (concurrency, keystroke, prewarm): both servers side by side.
+"""The groups measured over HTTP (concurrency, prewarm, branch, keystroke): both servers at once.
 
 For one model, ``mlxrt serve`` (system "runtime") and ``mlx_lm.server`` run at once, started by
 the same launcher on the same weights directory, and each group drives both through the same
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 
-from bench import concurrency, keystroke, prewarm
+from bench import branch, concurrency, keystroke, prewarm
 from bench.http_client import RequestFailed, Server, complete
 from bench.models import BenchModel
 from bench.prompts import make_text
@@ -24,6 +24,7 @@ Group = Callable[[Sequence[Server], BenchModel, bool], Awaitable[list[Measuremen
 GROUPS: dict[str, Group] = {
     "concurrency": concurrency.measure,
     "prewarm": prewarm.measure,
+    "branch": branch.measure,
     "keystroke": keystroke.measure,
 }
 

@@ -32,6 +32,12 @@ SUMMARY = (
     ("turn2.cold/warm", "Turn 2's speed-up, cold/warm (higher is better)"),
     ("turn2.prefilled_warm", "Tokens prefilled on turn 2 (fewer is better)"),
     ("prewarm.after_ttft", "TTFT after a prewarm (ms, lower is better)"),
+    (
+        "branch.900.reprocessed",
+        "Tokens re-processed when ~900 tokens of notes are re-sent with the last line changed "
+        "(fewer is better)",
+    ),
+    ("branch.900.ttft", "TTFT of that re-sent prompt (ms, lower is better)"),
     ("keystroke.latency_p50", "Keystroke latency p50 (ms, lower is better)"),
     (
         "abandon.short_after_ttft",

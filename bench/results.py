@@ -35,6 +35,11 @@ SCENARIOS = (
     "prewarm.cold_ttft",
     "prewarm.after_ttft",
     "prewarm.cold/after",
+    *(
+        f"branch.{n}.{what}"
+        for n in (300, 900, 1800)
+        for what in ("cold_ttft", "ttft", "reprocessed", "cold/branch")
+    ),
     "keystroke.latency_p50",
     "keystroke.latency_p90",
     "keystroke.cached_fraction",

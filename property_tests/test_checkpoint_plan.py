@@ -6,8 +6,9 @@ starts a word), cached starts, message ends and rules are drawn; the rules:
 - the plan is sorted, without repeats, strictly inside (start, target);
 - it never holds more than ``rule.most`` points, so the snapshots fit the room admission reserved
   (``rule.most`` snapshots of at most ``snapshot_bytes`` each);
-- every point that is not an anchor (end of prompt minus one, the last word boundary, the end of
-  the instructions) or a message end is a multiple of the rule's spacing;
+- every point that is not an anchor (end of prompt minus one, the last word boundary, the starts
+  of the last lines near the end, the end of the instructions, ``BRANCH_REACH`` before the end) or
+  a message end is a multiple of the rule's spacing;
 - the spacing widens only when it must: a multiple of the spacing is left out only when the plan
   could not have held it with all the others;
 - the end of the prompt minus one, when inside and ``most`` allows one point, is always planned;
@@ -25,7 +26,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from actors.engine.checkpoints import (
+    BRANCH_REACH,
     BUDGET_SHARE,
+    LINE_STARTS,
     MAX_POINTS,
     MIN_SPACING,
     WORD_SCAN_TOKENS,
@@ -37,17 +40,18 @@ from runtime.backends.contract import ModelInfo, ReuseStrategy
 
 
 def decode(ids: Sequence[int]) -> str:
-    return "".join(" w" if t == 0 else "x" for t in ids)  # token 0 starts a word
+    # Token 0 starts a word, token 1 ends a line.
+    return "".join(" w" if t == 0 else ".\n" if t == 1 else "x" for t in ids)
 
 
 @st.composite
 def prompts(draw: st.DrawFn) -> tuple[list[int], int, int, tuple[int, ...], int]:
     """Tokens, a cached start, a target (all, or all but one), message ends, instructions end."""
-    tokens = draw(st.lists(st.integers(0, 3), min_size=1, max_size=600))
+    tokens = draw(st.lists(st.integers(0, 3), min_size=1, max_size=1200))
     target = len(tokens) - draw(st.integers(0, min(1, len(tokens) - 1)))
     start = draw(st.integers(0, target))
     ends = tuple(sorted(draw(st.sets(st.integers(1, len(tokens)), max_size=20))))
-    instructions = draw(st.sampled_from((0, *ends[:1])))
+    instructions = draw(st.sampled_from((0, *ends[:1])) | st.integers(0, len(tokens)))
     return tokens, start, target, ends, instructions
 
 
@@ -68,7 +72,9 @@ def test_a_plan_stays_inside_its_bounds_and_widens_only_when_it_must(
     assert len(plan) <= rule.most
     end = len(tokens) - 1
     words = [i for i in range(end, max(start, end - WORD_SCAN_TOKENS), -1) if tokens[i] == 0]
-    anchors = {end, instructions, *ends, *words[:1]}
+    lines = [i + 1 for i in range(end - 2, max(start, len(tokens) - BRANCH_REACH) - 1, -1)]
+    lines = [p for p in lines if tokens[p - 1] == 1][:LINE_STARTS]
+    anchors = {end, instructions, *ends, *words[:1], *lines, len(tokens) - BRANCH_REACH}
     periodic = [p for p in plan if p not in anchors]
     assert all(rule.spacing > 0 and p % rule.spacing == 0 for p in periodic)
     if rule.spacing > 0:
@@ -116,3 +122,22 @@ def test_a_rule_fits_its_budget_and_weighs_snapshots_against_the_kv(
         assert rule.spacing >= MIN_SPACING
         assert rule.spacing * layout.bytes_per_token >= layout.snapshot_bytes
         assert rule.spacing & (rule.spacing - 1) == 0  # a power of two
+
+
+@given(prompt=prompts(), layout=layouts, widest=st.integers(0, 4096))
+def test_a_rule_with_room_to_spare_holds_every_point_its_plan_wants(
+    prompt: tuple[list[int], int, int, tuple[int, ...], int], layout: ModelInfo, widest: int
+) -> None:
+    """Admission reserves room for ``rule.most`` snapshots before the plan is made: unless the
+    count cap binds, that is never fewer than the points the plan would take uncapped."""
+    tokens, start, target, ends, instructions = prompt
+    ample = 1 << 60
+    rule = CheckpointPolicy(widest=widest, budget_bytes=ample).rule(
+        layout, target, len(ends), ample
+    )
+    assert rule is not None
+    uncapped = CheckpointRule(rule.spacing, 1 << 30)
+    plan = plan_checkpoints(
+        tokens, start, target, decode, uncapped, message_ends=ends, instructions_end=instructions
+    )
+    assert len(plan) <= rule.most or rule.most == MAX_POINTS

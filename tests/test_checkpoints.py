@@ -7,8 +7,10 @@ from collections.abc import Sequence
 import pytest
 
 from actors.engine.checkpoints import (
+    BRANCH_REACH,
     BUDGET_SHARE,
     MAX_POINTS,
+    MIN_SPACING,
     CheckpointPolicy,
     CheckpointRule,
     plan_checkpoints,
@@ -20,7 +22,8 @@ GIB = 1 << 30
 
 
 def decode(ids: Sequence[int]) -> str:
-    return "".join(" w" if t == 0 else "x" for t in ids)  # token 0 starts a word
+    # Token 0 starts a word, token 1 ends a line.
+    return "".join(" w" if t == 0 else ".\n" if t == 1 else "x" for t in ids)
 
 
 def info(
@@ -52,6 +55,40 @@ GEMMA3_270M = info(6144, window=512, window_bytes_per_token=30720)
 def test_end_of_prompt_minus_one_and_the_last_word_boundary() -> None:
     tokens = [5, 0, 5, 5, 0, 5, 5]  # words start at 1 and 4
     assert plan_checkpoints(tokens, 0, 7, decode, ANY) == [4, 6]
+
+
+def test_the_starts_of_the_last_lines_near_the_end() -> None:
+    tokens = [5] * 40
+    for end_of_line in (3, 9, 20, 30, 38):  # the line starting at 39 is end - 1 (point 1)
+        tokens[end_of_line] = 1
+    # The latest three line starts below end - 1, not the one at 4.
+    assert plan_checkpoints(tokens, 0, 40, decode, ANY) == [10, 21, 31, 39]
+    # Only those above the cached start.
+    assert plan_checkpoints(tokens, 21, 40, decode, ANY) == [31, 39]
+
+
+def test_line_starts_are_looked_for_only_within_the_branch_reach() -> None:
+    tokens = [5] * (BRANCH_REACH + 100)
+    tokens[50] = tokens[99] = 1  # line starts at 51 and 100: 100 lies within the reach
+    end = len(tokens)
+    plan = plan_checkpoints(tokens, 0, end, decode, ANY)
+    assert plan == [end - BRANCH_REACH, end - 1]  # end - BRANCH_REACH is 100
+    tokens[150] = 1
+    assert plan_checkpoints(tokens, 0, end, decode, ANY) == [100, 151, end - 1]
+
+
+def test_a_point_branch_reach_tokens_before_the_end() -> None:
+    tokens = [5] * 1000
+    assert plan_checkpoints(tokens, 0, 1000, decode, ANY) == [1000 - BRANCH_REACH, 999]
+    assert plan_checkpoints(tokens, 500, 1000, decode, ANY) == [999]  # below the cached start
+
+
+def test_a_capped_plan_prefers_the_last_line_to_messages_and_the_reach() -> None:
+    tokens = [5] * 1000
+    tokens[899] = tokens[949] = 1  # the last two lines start at 900 and 950
+    rule = CheckpointRule(spacing=0, most=4)
+    plan = plan_checkpoints(tokens, 0, 1000, decode, rule, message_ends=(300, 600))
+    assert plan == [600, 900, 950, 999]  # not 300, nor the reach's 488
 
 
 def test_every_spacing_tokens_and_nothing_at_or_before_the_cached_start() -> None:
@@ -90,6 +127,13 @@ def test_a_capped_plan_keeps_the_preferred_points_and_widens_the_spacing() -> No
     assert plan(4) == [10, 70, 90, 99]
 
 
+def test_a_widened_spacing_leaves_its_room_to_the_denser_points_nearest_the_end() -> None:
+    rule = CheckpointRule(spacing=8, most=9)
+    # End - 1 and 12 multiples of 8 want 13: every 16 fits (6), then 88 and 72 of the rest.
+    plan = plan_checkpoints([5] * 100, 0, 100, decode, rule)
+    assert plan == [16, 32, 48, 64, 72, 80, 88, 96, 99]
+
+
 @pytest.mark.parametrize(
     ("layout", "spacing"),
     [
@@ -114,22 +158,47 @@ def test_the_spacing_is_a_power_of_two_never_wider_than_the_option() -> None:
     assert CheckpointPolicy(widest=0, budget_bytes=GIB).spacing(layout) == 0
 
 
-def test_a_model_without_full_attention_uses_the_option() -> None:
+def test_a_model_without_full_attention_checkpoints_at_the_floor_within_the_caps() -> None:
+    """A constant-size state has no KV to weigh against: the floor, then the caps widen it."""
     recurrent_only = info(0, fixed=1 << 20)
-    assert CheckpointPolicy(widest=512, budget_bytes=GIB).spacing(recurrent_only) == 512
+    assert CheckpointPolicy(widest=512, budget_bytes=GIB).spacing(recurrent_only) == MIN_SPACING
+    assert CheckpointPolicy(widest=32, budget_bytes=GIB).spacing(recurrent_only) == 32
+    assert CheckpointPolicy(widest=0, budget_bytes=GIB).spacing(recurrent_only) == 0
+    # 1/32 of 64 MiB holds two 1 MiB states: a 300-token plan keeps end - 1 and one multiple.
+    rule = CheckpointPolicy(widest=512, budget_bytes=64 << 20).rule(recurrent_only, 300, 0, GIB)
+    assert rule == CheckpointRule(MIN_SPACING, 2)
+    assert plan_checkpoints([5] * 300, 0, 300, decode, rule) == [256, 299]
 
 
 def test_the_rule_caps_the_snapshots_by_count_and_by_budget_share() -> None:
     policy = CheckpointPolicy(widest=512, budget_bytes=GIB)
     # 4,000 tokens at spacing 64 want 62 periodic points: the count cap.
     assert policy.rule(TINY_SLIDING, 4000, 0, GIB) == CheckpointRule(64, MAX_POINTS)
-    # A short prompt wants only its own: 3 anchors, 2 message ends, 4 multiples of 64.
-    assert policy.rule(TINY_SLIDING, 300, 2, GIB) == CheckpointRule(64, 9)
+    # A short prompt wants only its own: 6 anchors (3 of them line starts; none 512 before the
+    # end of a prompt shorter than that), 2 message ends, 4 multiples of 64.
+    assert policy.rule(TINY_SLIDING, 300, 2, GIB) == CheckpointRule(64, 12)
+    assert policy.rule(TINY_SLIDING, 600, 2, GIB) == CheckpointRule(64, 7 + 2 + 9)
+    assert policy.rule(TINY_SLIDING, 5, 2, GIB) == CheckpointRule(64, 4)  # a point per token
     # Gemma's 15 MiB snapshots: 1/32 of 1 GiB affords two.
     assert GIB // BUDGET_SHARE // GEMMA3_270M.snapshot_bytes == 2
     assert policy.rule(GEMMA3_270M, 4000, 0, GIB) == CheckpointRule(512, 2)
     # What is left of the budget after the sequence's own KV caps it too.
     assert policy.rule(TINY_SLIDING, 4000, 0, 3 * 32768 + 1) == CheckpointRule(64, 3)
+
+
+def test_the_rule_holds_every_anchor_a_plan_can_take() -> None:
+    """Admission reserves room for ``most`` snapshots before the plan exists: a prompt with every
+    kind of anchor (and no periodic points) gets exactly that many."""
+    tokens = [5] * 1000
+    tokens[990] = 0  # a word starts at 990
+    for end_of_line in (899, 919, 939):
+        tokens[end_of_line] = 1
+    ends = (100, 300)
+    rule = CheckpointPolicy(widest=0, budget_bytes=GIB).rule(TINY_SLIDING, 1000, len(ends), GIB)
+    assert rule is not None
+    plan = plan_checkpoints(tokens, 0, 1000, decode, rule, message_ends=ends, instructions_end=50)
+    assert plan == [50, 100, 300, 1000 - BRANCH_REACH, 900, 920, 940, 990, 999]
+    assert rule.most == len(plan)
 
 
 def test_a_trimmable_cache_has_no_rule() -> None:

@@ -30,7 +30,7 @@ import anyio.from_thread
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from actors.engine.checkpoints import WORD_SCAN_TOKENS
+from actors.engine.checkpoints import BRANCH_REACH, LINE_STARTS, WORD_SCAN_TOKENS
 from runtime.api import Runtime
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY
@@ -159,6 +159,7 @@ class ReuseModel:
     checkpointing: bool
     window: int | None
     word_start: Callable[[int], bool]
+    line_end: Callable[[int], bool]
     entries: list[Entry] = field(default_factory=list)
 
     def reusable(self, prompt: Sequence[int]) -> tuple[int, set[ReusePath]]:
@@ -188,6 +189,11 @@ class ReuseModel:
         points = {last, *range(DEFAULT_CHECKPOINT_EVERY, target, DEFAULT_CHECKPOINT_EVERY)}
         scan = range(last, max(start, last - WORD_SCAN_TOKENS), -1)
         points.update(itertools.islice((i for i in scan if self.word_start(prompt[i])), 1))
+        # The starts of the last lines near the end, and a point BRANCH_REACH before the end.
+        near = range(last - 1, max(start, len(prompt) - BRANCH_REACH), -1)
+        starts = (i for i in near if self.line_end(prompt[i - 1]))
+        points.update(itertools.islice(starts, LINE_STARTS))
+        points.add(len(prompt) - BRANCH_REACH)
         return {p for p in points if start < p < target}
 
     def commit(self, tokens: Sequence[int], snapshots: set[int]) -> None:
@@ -248,6 +254,9 @@ class RealModel:
 
     def word_start(self, token: int) -> bool:
         return str(self.tokenizer.decode([token]))[:1].isspace()
+
+    def line_end(self, token: int) -> bool:
+        return "\n" in str(self.tokenizer.decode([token]))
 
     def namespace(self, purpose: str) -> str:
         return f"{purpose}-{next(self._namespaces)}"
@@ -313,7 +322,7 @@ class Walk:
     @classmethod
     def start(cls, real: RealModel, purpose: str) -> Walk:
         checkpointing = real.loaded.reuse_path == "checkpoint"
-        model = ReuseModel(checkpointing, real.window, real.word_start)
+        model = ReuseModel(checkpointing, real.window, real.word_start, real.line_end)
         return cls(real, real.namespace(purpose), model)
 
     async def generate(self, prompt: Prompt, label: str) -> Run:
@@ -510,6 +519,38 @@ def test_a_burst_of_short_prompts_is_prefilled_together_and_each_equals_cold(
         assert real.engine_counter("prefills_together") > together, "no batched prefill"
         for index, prompt in enumerate(prompts):
             assert runs[index].tokens == await real.cold(prompt), f"stream {index}: != alone"
+
+    real.portal.call(scenario)
+
+
+def notes(lines: int) -> str:
+    """Numbered notes, one sentence of the corpus a line (28 lines ~920 tokens, 56 ~1,850)."""
+    sentences = [s.rstrip(".") for p in CORPUS for s in p.split(". ")]
+    numbered = (f"Note {i + 1}: {sentences[i % len(sentences)]}." for i in range(lines))
+    return "Notes on the lighthouse at Carrow Point.\n" + "\n".join(numbered)
+
+
+@pytest.mark.parametrize("lines", [28, 56])
+def test_a_long_prompt_resent_with_its_last_line_changed_reprocesses_only_that_line(
+    real: RealModel, lines: int
+) -> None:
+    """The notes stay, the question on the last line changes (what llama-server re-processes 20
+    tokens of): SmolLM2 trims to the common prefix; Gemma restores the state at the start of the
+    last line, snapshotted when the first prompt was prefilled. Exact counts, output equal cold."""
+    text = notes(lines)
+    asked = f"{text}\nQuestion: Who was the first keeper of the lighthouse?"
+    changed = f"{text}\nQuestion: In which year was the light automated?"
+
+    async def scenario() -> None:
+        walk = Walk.start(real, "branch")
+        await walk.generate(asked, "notes and a question (cold)")
+        resent = await walk.generate(changed, "the same notes, another question")
+        first, second = real.tokens(asked), real.tokens(changed)
+        shared = common_prefix_length(first, second)
+        if walk.model.checkpointing:  # the start of the question's line (a newline before it)
+            shared = max(i for i in range(shared + 1) if real.line_end(first[i - 1]))
+        assert resent.prefilled == len(second) - shared < 24
+        assert len(second) > 900 * lines // 28
 
     real.portal.call(scenario)
 

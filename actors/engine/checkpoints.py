@@ -6,21 +6,28 @@ prompt is most likely to share with this one, in this order of preference:
 1. the end of the prompt minus one token (the same prompt again: one token left to run);
 2. the last word boundary before the end (a person typing re-tokenizes the last word, so the next
    prompt rarely extends this one's tokens exactly);
-3. the end of the instructions (system/developer messages), so another conversation with the
+3. the start of each of the last ``LINE_STARTS`` lines within ``BRANCH_REACH`` tokens of the end,
+   latest first (a prompt re-sent with its last line changed reuses every line before it; a chat
+   message ends a line, so the start of the generation prompt is one of them);
+4. the end of the instructions (system/developer messages), so another conversation with the
    same instructions reuses them;
-4. the end of each chat message but the last, latest first (editing or regenerating a message
+5. the end of each chat message but the last, latest first (editing or regenerating a message
    reuses every message before it);
-5. every ``spacing`` tokens (an edit anywhere in a long prompt reuses all before the multiple of
+6. ``BRANCH_REACH`` tokens before the end (an edit anywhere in the last ``BRANCH_REACH`` tokens
+   keeps everything before that, as far as llama.cpp's rings rewind);
+7. every ``spacing`` tokens (an edit anywhere in a long prompt reuses all before the multiple of
    ``spacing`` below it).
 
 The spacing follows from what a snapshot costs: at most one window per sliding layer plus the
 recurrent state (``ModelInfo.snapshot_bytes``), whatever the prompt's length. It is the smallest
 power of two, at least ``MIN_SPACING``, whose tokens add at least a snapshot's bytes of
 full-attention KV, so periodic checkpoints at most double what a prompt's full-attention KV costs;
-and it is never wider than the model's ``checkpoint_every_tokens``. A prefill takes at most
-``MAX_POINTS`` snapshots and at most ``1 / BUDGET_SHARE`` of the KV budget in them; past that the
-periodic spacing doubles (its points stay multiples of the denser spacing) and the least
-preferred of the other points go.
+a model with no full-attention KV (pure recurrent) has nothing to weigh a snapshot against, so
+its spacing is ``MIN_SPACING`` and only the caps below widen it. It is never wider than the
+model's ``checkpoint_every_tokens``. A prefill takes at most ``MAX_POINTS`` snapshots and at most
+``1 / BUDGET_SHARE`` of the KV budget in them; past that the least preferred of the other points
+go, and the periodic spacing doubles until its points fit (they stay multiples of the denser
+spacing), the room left taking the denser spacing's other points nearest the end.
 
 The end of a generation and the point where an aborted prefill stopped are snapshotted by the
 engine itself, as the sequence's own final state.
@@ -34,10 +41,12 @@ from dataclasses import dataclass
 from runtime.backends.contract import ModelInfo, ReuseStrategy
 
 WORD_SCAN_TOKENS = 32  # how far back to look for the last word boundary
+BRANCH_REACH = 512  # line starts are looked for this far back, and a point sits this far back
+LINE_STARTS = 3  # line starts near the end: the generation prompt's, and the last two lines'
 MIN_SPACING = 64  # on a recurrent state each checkpoint ends a pass: at most 4 per 256 tokens
 MAX_POINTS = 32  # snapshots of one prefill, so a long prompt cannot flood the prefix cache
 BUDGET_SHARE = 32  # one prefill's snapshots take at most 1/32 of the KV budget
-_ANCHORS = 3  # points 1-3 above: at most one each
+_ANCHORS = 3 + LINE_STARTS  # points 1-4 above: at most one each, and the line starts
 
 
 @dataclass(frozen=True)
@@ -57,8 +66,10 @@ class CheckpointPolicy:
 
     def spacing(self, info: ModelInfo) -> int:
         """The periodic spacing on this model (see the module docstring)."""
-        if self.widest <= 0 or info.bytes_per_token <= 0:  # no full-attention KV to weigh against
-            return max(self.widest, 0)
+        if self.widest <= 0:
+            return 0
+        if info.bytes_per_token <= 0:  # a constant-size state: only the caps weigh against it
+            return min(self.widest, MIN_SPACING)
         tokens = max(MIN_SPACING, -(-info.snapshot_bytes // info.bytes_per_token))
         return min(self.widest, 1 << (tokens - 1).bit_length())
 
@@ -70,7 +81,9 @@ class CheckpointPolicy:
         if info.reuse is not ReuseStrategy.CHECKPOINT:
             return None
         spacing = self.spacing(info)
-        most = min(MAX_POINTS, _ANCHORS + message_ends + periodic_count(0, target, spacing))
+        reach = 1 if target >= BRANCH_REACH else 0  # point 6 lies inside a prompt this long only
+        wanted = _ANCHORS + reach + message_ends + periodic_count(0, target, spacing)
+        most = min(MAX_POINTS, wanted, max(target - 1, 0))  # no more points than tokens
         if info.snapshot_bytes > 0:
             affordable = min(self.budget_bytes // BUDGET_SHARE, max(free_bytes, 0))
             most = min(most, affordable // info.snapshot_bytes)
@@ -102,15 +115,41 @@ def plan_checkpoints(
         if decode([tokens[index]])[:1].isspace():
             preferred.append(index)  # the state just before the last word began
             break
+    preferred.extend(_line_starts(tokens, max(start, len(tokens) - BRANCH_REACH), decode))
     preferred.append(instructions_end)
     preferred.extend(reversed(message_ends))
+    preferred.append(len(tokens) - BRANCH_REACH)
     kept = set(list(dict.fromkeys(p for p in preferred if start < p < target))[: rule.most])
-    spacing = rule.spacing
-    while spacing > 0:
-        first = (start // spacing + 1) * spacing
-        periodic = set(range(first, target, spacing)) - kept
-        if len(kept) + len(periodic) <= rule.most:
-            kept |= periodic
-            break
-        spacing *= 2  # twice as wide: its points are still multiples of the denser spacing
+    if rule.spacing > 0:
+        kept |= _periodic(start, target, rule.spacing, kept, rule.most - len(kept))
     return sorted(kept)
+
+
+def _periodic(start: int, target: int, spacing: int, kept: set[int], room: int) -> set[int]:
+    """Multiples of ``spacing`` in (start, target) not in ``kept``, at most ``room`` of them: all,
+    or every multiple of the narrowest wider power-of-two spacing that fits, and then as many of
+    the others as room is left for, latest first (an edit near the end is the likelier)."""
+    first = (start // spacing + 1) * spacing
+    periodic = [p for p in range(first, target, spacing) if p not in kept]
+    if len(periodic) <= room:
+        return set(periodic)
+    wide = spacing * 2  # twice as wide: its points are still multiples of the denser spacing
+    while sum(1 for p in periodic if p % wide == 0) > room:
+        wide *= 2
+    chosen = {p for p in periodic if p % wide == 0}
+    rest = [p for p in reversed(periodic) if p not in chosen]
+    return chosen | set(rest[: room - len(chosen)])
+
+
+def _line_starts(
+    tokens: Sequence[int], floor: int, decode: Callable[[Sequence[int]], str]
+) -> list[int]:
+    """The latest ``LINE_STARTS`` token counts above ``floor`` and below the end minus one whose
+    last token holds a newline (the state just before the next line began), latest first."""
+    found: list[int] = []
+    for index in range(len(tokens) - 3, floor - 1, -1):  # a start at end - 1 is point 1
+        if "\n" in decode([tokens[index]]):
+            found.append(index + 1)
+            if len(found) == LINE_STARTS:
+                break
+    return found
