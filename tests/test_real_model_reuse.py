@@ -530,6 +530,8 @@ def notes(lines: int) -> str:
     return "Notes on the lighthouse at Carrow Point.\n" + "\n".join(numbered)
 
 
+# Three prefills of up to ~1,900 tokens: past the 120 s default on a loaded 2-core machine.
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("lines", [28, 56])
 def test_a_long_prompt_resent_with_its_last_line_changed_reprocesses_only_that_line(
     real: RealModel, lines: int
