@@ -5,7 +5,8 @@ A cache that cannot be trimmed is reused only at the points its prefill snapshot
 exact count of tokens prefilled and the greedy output equal to a cold run (a second load of the
 model, reset before each run):
 
-* a constant-size recurrent state (a tiny mamba2, built here: every layer an ``ArraysCache``)
+* a constant-size recurrent state (the generic tiny mamba2 of ``runtime.testing.arch_models``:
+  every layer an ``ArraysCache``)
   checkpoints every 64 tokens, not every ``checkpoint_every_tokens`` (512), so an edit at token
   ~100 of a 300-token prompt reuses the 64 before it;
 * a long prompt re-sent with its last line changed re-processes only that line (and the chat
@@ -15,7 +16,6 @@ model, reset before each run):
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from pathlib import Path
 from typing import Any
@@ -27,16 +27,9 @@ from runtime.api import Runtime
 from runtime.config import RuntimeConfig
 from runtime.messages import ChatMessage, ChatOptions, Finished, ModelLoaded, ModelSpec, ReusePath
 from runtime.streams import Completion
+from runtime.testing.arch_models import arch_model_path
 from runtime.testing.harness import common_prefix_length, engine_stats
-from runtime.testing.tiny_models import SPECIAL_TOKENS, tiny_model_path
-from runtime.testing.tiny_tokenizer import (
-    EOS,
-    IM_END,
-    VOCAB_SIZE,
-    train_tiny_tokenizer,
-    unprintable_ids,
-    write_tokenizer,
-)
+from runtime.testing.tiny_models import tiny_model_path
 from runtime.text.chat import prepare_chat
 
 pytestmark = pytest.mark.anyio
@@ -53,68 +46,12 @@ ASKED = "Q: When did the keeper climb the tower every evening?"
 CHANGED = "Q: Why did he trim the wicks of the lamp so often?"
 
 
-def build_tiny_mamba2(directory: Path) -> Path:
-    """A random-weight mamba2 (2 layers, hidden 64, every layer an ``ArraysCache``): a model
-    whose whole state is a constant-size recurrence. Special and unprintable tokens are
-    suppressed like ``runtime.testing.tiny_models`` does, so greedy text runs to max_tokens."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten, tree_unflatten
-    from mlx_lm.models import mamba2
-    from mlx_lm.utils import save_config, save_model
-
-    config: dict[str, Any] = {
-        "model_type": "mamba2",
-        "num_heads": 4,
-        "head_dim": 32,
-        "vocab_size": VOCAB_SIZE,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "state_size": 16,
-        "num_hidden_layers": 2,
-        "layer_norm_epsilon": 1e-5,
-        "conv_kernel": 4,
-        "n_groups": 1,
-        "use_bias": False,
-        "use_conv_bias": True,
-        "tie_word_embeddings": False,
-        "time_step_limit": (0.0, float("inf")),
-        "time_step_rank": "auto",
-        "eos_token_id": [SPECIAL_TOKENS.index(IM_END), SPECIAL_TOKENS.index(EOS)],
-    }
-    args = mamba2.ModelArgs.from_dict(config)
-    model = mamba2.Model(args)
-    params: list[tuple[str, Any]] = tree_flatten(model.parameters())  # type: ignore[assignment]
-    keys = mx.random.split(mx.random.key(0), len(params))
-    drawn = []
-    for (name, value), key in zip(params, keys, strict=True):
-        if name.endswith("A_log"):  # decays of 1..16, as the tiny hybrid draws them
-            value = mx.log(mx.random.uniform(1.0, 16.0, value.shape, key=key))
-        elif value.ndim == 3:  # depthwise conv (out, kernel, 1)
-            value = mx.random.uniform(-0.5, 0.5, value.shape, key=key)
-        elif value.ndim == 2:  # large enough that the recurrence shapes the output
-            scale = 1.0 if "embeddings" in name else 1.5 / value.shape[1] ** 0.5
-            value = scale * mx.random.normal(value.shape, key=key)
-        drawn.append((name, value))
-    model.update(tree_unflatten(drawn))
-    tokenizer = train_tiny_tokenizer()
-    head = model.lm_head.weight
-    head[mx.array(unprintable_ids(tokenizer))] = 0.0
-    model.lm_head.weight = head
-    mx.eval(model.parameters())
-    directory.mkdir(parents=True, exist_ok=True)
-    write_tokenizer(directory, tokenizer)
-    save_model(directory, model)
-    save_config({**dataclasses.asdict(args), **config}, config_path=directory / "config.json")
-    return directory
-
-
 @pytest.fixture(scope="module")
-def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    mamba = build_tiny_mamba2(tmp_path_factory.mktemp("tiny") / "mamba2")
+def paths() -> dict[str, Path]:
     return {
         "sliding": tiny_model_path("sliding"),
         "hybrid": tiny_model_path("hybrid"),
-        "mamba2": mamba,
+        "mamba2": arch_model_path("mamba2"),
     }
 
 

@@ -9,7 +9,9 @@ windows of 32, 4 experts of which 2 are active) keeps the fields each ``ModelArg
 a hybrid, nested configs). ``UNBUILDABLE`` lists, with the reason, each module that cannot be built
 this way. Weights are random (fixed seed), scaled as in ``tiny_models`` so greedy output depends on
 the prompt, with special and unprintable tokens' output rows zeroed so greedy text never stops
-early. Each build is a regular mlx-lm directory under ``tiny_models.cache_root()``.
+early. Each build is a regular mlx-lm directory under ``tiny_models.cache_root()``. A test that
+counts on a size (a KV head count, a chunk, a layer count) passes it as ``overrides`` to
+``arch_model_path``: config fields merged over the generic config, built in a directory of its own.
 """
 
 from __future__ import annotations
@@ -148,9 +150,10 @@ def _arg_fields(args_cls: Any) -> set[str]:
     return {field.name for field in dataclasses.fields(args_cls)}
 
 
-def arch_config(arch: str) -> dict[str, Any]:
+def arch_config(arch: str, overrides: dict[str, Any] | None = None) -> dict[str, Any]:
     """The config.json content for ``arch``: the generic values its ModelArgs declares, nested
-    configs (``text_config``...) given every generic value, then ``OVERRIDES[arch]``."""
+    configs (``text_config``...) given every generic value, then ``OVERRIDES[arch]``, then
+    ``overrides`` (a test's own sizes: a dict value is merged into a nested config)."""
     module = importlib.import_module(f"mlx_lm.models.{arch}")
     fields = _arg_fields(module.ModelArgs)
     config: dict[str, Any] = {k: copy.deepcopy(v) for k, v in GENERIC.items() if k in fields}
@@ -160,11 +163,12 @@ def arch_config(arch: str) -> dict[str, Any]:
     config["model_type"] = arch
     config["eos_token_id"] = _EOS_IDS
     config["torch_dtype"] = "float32"
-    for key, value in OVERRIDES.get(arch, {}).items():
-        if isinstance(value, dict) and isinstance(config.get(key), dict):
-            config[key] = {**config[key], **copy.deepcopy(value)}
-        else:
-            config[key] = copy.deepcopy(value)
+    for extra in (OVERRIDES.get(arch, {}), overrides or {}):
+        for key, value in extra.items():
+            if isinstance(value, dict) and isinstance(config.get(key), dict):
+                config[key] = {**config[key], **copy.deepcopy(value)}
+            else:
+                config[key] = copy.deepcopy(value)
     return config
 
 
@@ -226,33 +230,47 @@ def _draw(name: str, value: Any, key: Any) -> Any:
     return (1.5 / shape[-1] ** 0.5) * mx.random.normal(shape, f32, key=key)
 
 
-def _write_model(arch: str, directory: Path, seed: int, tokenizer: Any) -> None:
+def _write_model(
+    arch: str, config: dict[str, Any], directory: Path, seed: int, tokenizer: Any
+) -> None:
     from mlx_lm.utils import save_config, save_model
 
     module = importlib.import_module(f"mlx_lm.models.{arch}")
-    config = arch_config(arch)
     model = module.Model(module.ModelArgs.from_dict(config))
     _init_weights(model, seed, unprintable_ids(tokenizer))
     save_model(directory, model)
     save_config(config, config_path=directory / "config.json")
 
 
-def arch_model_path(arch: str, seed: int = 0) -> Path:
+def arch_model_path(arch: str, seed: int = 0, overrides: dict[str, Any] | None = None) -> Path:
     """The tiny build of ``arch`` under ``cache_root()/arch``, built on first use (atomically,
-    as ``tiny_models.build_tiny_model``); raises ``ValueError`` for an ``UNBUILDABLE`` one."""
+    as ``tiny_models.build_tiny_model``); raises ``ValueError`` for an ``UNBUILDABLE`` one.
+
+    ``overrides`` are config fields merged over the generic tiny config (``arch_config``), for a
+    test that depends on a size (a KV head count, a chunk, SSM heads); such a build gets its own
+    directory, named by a digest of the overrides, so it never replaces the generic one.
+    """
     if arch in UNBUILDABLE:
         raise ValueError(f"{arch} cannot be built: {UNBUILDABLE[arch]}")
     import mlx_lm
 
     # The config's digest and mlx-lm's version are part of the stamp: a changed override or a
     # new mlx-lm rebuilds instead of reusing a stale directory.
-    config = json.dumps(arch_config(arch), sort_keys=True)
+    config = arch_config(arch, overrides)
+    text = json.dumps(config, sort_keys=True)
     stamp = {
         "arch_factory_version": ARCH_FACTORY_VERSION,
         "arch": arch,
         "seed": seed,
         "mlx_lm": mlx_lm.__version__,
-        "config_sha256": hashlib.sha256(config.encode()).hexdigest(),
+        "config_sha256": hashlib.sha256(text.encode()).hexdigest(),
     }
-    directory = cache_root() / "arch" / f"{arch}-v{ARCH_FACTORY_VERSION}-seed{seed}"
-    return build_directory(directory, stamp, lambda tmp, tok: _write_model(arch, tmp, seed, tok))
+    name = f"{arch}-v{ARCH_FACTORY_VERSION}-seed{seed}"
+    if overrides:
+        digest = hashlib.sha256(json.dumps(overrides, sort_keys=True).encode()).hexdigest()
+        name = f"{arch}-{digest[:12]}-v{ARCH_FACTORY_VERSION}-seed{seed}"
+    return build_directory(
+        cache_root() / "arch" / name,
+        stamp,
+        lambda tmp, tok: _write_model(arch, config, tmp, seed, tok),
+    )
