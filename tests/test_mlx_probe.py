@@ -18,7 +18,8 @@ import runtime.backends.mlx.together as together
 from runtime.api import Runtime
 from runtime.backends.contract import CannotTrim, Capability, ReuseStrategy, Verdict
 from runtime.backends.mlx.backend import MlxBackend
-from runtime.backends.mlx.probe import ProbeResult
+from runtime.backends.mlx.probe import Declared, ProbeResult, plain_run, probe_prompts, run_probe
+from runtime.backends.mlx.state import MlxState
 from runtime.config import RuntimeConfig
 from runtime.messages import ModelLoaded, ModelSpec, TokensEmitted
 from runtime.server import OpenAIServer, ServerConfig
@@ -207,3 +208,47 @@ def test_without_the_recurrent_workarounds_the_probe_forbids_batched_prefill(
     assert not backend.info.capable(Capability.BATCH_PREFILL)
     assert "differs from a plain run" in backend.info.limits["batch_prefill"]
     assert backend.info.capable(Capability.BATCH_DECODE)  # no padding in a recurrent decode step
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gemma2"])  # a checkpoint model, a trimming one
+def test_the_load_warm_up_is_the_probes_first_plain_run(
+    arch: TinyArch, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    given: list[tuple[Declared, MlxState | None]] = []
+    real = run_probe
+
+    def kept(backend: MlxBackend, declared: Declared, vocab: int, first: Any = None) -> Any:
+        given.append((declared, first))
+        return real(backend, declared, vocab, first)
+
+    monkeypatch.setattr(capabilities, "run_probe", kept)
+    backend = MlxBackend.load(spec_of(arch))
+    ((declared, first),) = given
+    assert first is not None
+    prompt = probe_prompts(backend.info.vocab_size)[0]
+    # The timed passes ran on a copy: the warm-up state is the prompt's plain run, as a fresh one
+    # (extended by the batched decode check's plain step, the probe's last).
+    fresh = plain_run(backend, prompt)
+    assert first.n_tokens == len(prompt) + 1
+    backend.feed(fresh, mx.array(prompt[1]))
+    assert mx.array_equal(backend.logits(first), backend.logits(fresh)).item()
+    token = mx.array(prompt[2])
+    assert mx.array_equal(backend.feed(first, token), backend.feed(fresh, token)).item()
+    # Its verdicts are those of a probe that runs the first prompt itself.
+    again = MlxBackend.load(spec_of(arch))  # the verdict cached: no probe ran in this load
+    assert len(given) == 1
+    alone = real(again, declared, again.info.vocab_size)
+    assert [v.on for v in alone.verdicts] == [v.on for v in backend.info.capabilities]
+    assert alone.checkpoints_exact
+
+
+def test_a_first_run_of_another_prompt_is_refused() -> None:
+    backend = MlxBackend.load(ModelSpec(name="llama", path=str(tiny_model_path("llama"))))
+    declared = Declared(
+        reach_back=True, checkpoints=False, trims=True, batch_refusal=None, together_points=False
+    )
+    prompt = probe_prompts(backend.info.vocab_size)[0]
+    other = plain_run(backend, prompt[:-1])
+    with pytest.raises(ValueError, match="not this probe's"):
+        run_probe(backend, declared, backend.info.vocab_size, other)
+    assert run_probe(backend, declared, backend.info.vocab_size, plain_run(backend, prompt))

@@ -112,12 +112,16 @@ class Declared(msgspec.Struct, frozen=True, kw_only=True):
     together_points: bool  # a batched pass takes snapshots inside the probe's prompts
 
 
-def run_probe(backend: ProbedBackend, declared: Declared, vocab_size: int) -> ProbeResult:
-    """Check every declared capability on ``backend``'s model (``ProbeResult``)."""
+def run_probe(
+    backend: ProbedBackend, declared: Declared, vocab_size: int, first: MlxState | None = None
+) -> ProbeResult:
+    """Check every declared capability on ``backend``'s model (``ProbeResult``). ``first``: the
+    first prompt's plain run (``plain_run(backend, probe_prompts(vocab_size)[0])``) where the
+    load already made it (its warm-up pass): not run again."""
     start = time.perf_counter()
     tol = _tolerance(backend.model)
-    prompts = _prompts(vocab_size)
-    base = _Baseline(backend, prompts, declared)
+    prompts = probe_prompts(vocab_size)
+    base = _Baseline(backend, prompts, declared, first)
     trim = _trim(backend, declared, base, tol)
     if declared.trims and not trim.on:  # the fallback: checkpoints that copy every layer
         backend.whole_snapshots = True
@@ -134,7 +138,7 @@ def run_probe(backend: ProbedBackend, declared: Declared, vocab_size: int) -> Pr
     )
 
 
-def _prompts(vocab_size: int) -> list[list[int]]:
+def probe_prompts(vocab_size: int) -> list[list[int]]:
     """Deterministic token ids, away from the special tokens at the start of most vocabularies."""
     low = 5 if vocab_size > 64 else 0
     span = max(2, min(vocab_size or 512, 1024) - low)
@@ -146,12 +150,21 @@ class _Baseline:
     checkpoints, the last one's snapshot inside that pass)."""
 
     def __init__(
-        self, backend: ProbedBackend, prompts: list[list[int]], declared: Declared
+        self,
+        backend: ProbedBackend,
+        prompts: list[list[int]],
+        declared: Declared,
+        first: MlxState | None,
     ) -> None:
         self.prompts = prompts
         self.states = []
         self.snapshots: Sequence[Any] = ()
         for row, prompt in enumerate(prompts):
+            if row == 0 and first is not None:
+                if first.n_tokens != len(prompt) or first.logits is None:
+                    raise ValueError("the first prompt's plain run is not this probe's")
+                self.states.append(first)  # never snapshotted: only the last row is
+                continue
             state = backend.new_state()
             at = (_INSIDE,) if declared.checkpoints and row == len(prompts) - 1 else ()
             taken = _extend(backend, state, prompt, at)
@@ -164,6 +177,14 @@ class _Baseline:
     def last(self) -> tuple[list[int], Any, mx.array]:
         """The longest prompt, its state and its logits."""
         return self.prompts[-1], self.states[-1], self.logits[-1]
+
+
+def plain_run(backend: ProbedBackend, prompt: Sequence[int]) -> MlxState:
+    """``prompt`` run alone on a new state, as the probe's baseline runs it (its logits kept).
+    The load's warm-up pass is this run of the first probe prompt, so the probe reuses it."""
+    state = backend.new_state()
+    _extend(backend, state, prompt)
+    return state
 
 
 def _extend(
