@@ -14,6 +14,7 @@ import pytest
 
 import runtime.backends.mlx.backend as mlx_backend
 import runtime.backends.mlx.capabilities as capabilities
+import runtime.backends.mlx.probe as probe
 import runtime.backends.mlx.together as together
 from runtime.api import Runtime
 from runtime.backends.contract import CannotTrim, Capability, ReuseStrategy, Verdict
@@ -26,7 +27,7 @@ from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.stats_collector import RuntimeCollector
 from runtime.testing.harness import engine_stats
 from runtime.testing.tiny_archs import TINY_ARCHS, TinyArch, tiny_arch_path
-from runtime.testing.tiny_models import tiny_model_path
+from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 
 pytestmark = pytest.mark.anyio
 
@@ -252,3 +253,36 @@ def test_a_first_run_of_another_prompt_is_refused() -> None:
     with pytest.raises(ValueError, match="not this probe's"):
         run_probe(backend, declared, backend.info.vocab_size, other)
     assert run_probe(backend, declared, backend.info.vocab_size, plain_run(backend, prompt))
+
+
+@pytest.mark.parametrize(
+    ("kind", "passes"),
+    [("llama", 0), ("sliding", 0), ("hybrid", 1)],  # cut back; a ring not wrapped; recurrent
+)
+def test_the_batched_prefills_cached_prefix_is_the_plain_run_cut_back(
+    kind: TinyModelKind, passes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = MlxBackend.load(ModelSpec(name=kind, path=str(tiny_model_path(kind))))
+    info = backend.info
+    declared = Declared(
+        reach_back=backend.reach_back,
+        checkpoints=info.reuse is ReuseStrategy.CHECKPOINT,
+        trims=info.reuse is ReuseStrategy.TRIM,
+        batch_refusal=None,
+        together_points=False,
+    )
+    prompts = probe_prompts(info.vocab_size)
+    base = probe._Baseline(backend, prompts, declared, None)
+    ran: list[int] = []
+    real = backend.prefill
+
+    def counted(state: Any, ids: Any, **kwargs: Any) -> Any:
+        ran.append(len(ids))
+        return real(state, ids, **kwargs)
+
+    monkeypatch.setattr(backend, "prefill", counted)
+    prefix = probe._cached_prefix(backend, base)
+    assert len(ran) == passes and prefix.n_tokens == probe._PREFIX
+    monkeypatch.undo()
+    backend.prefill(prefix, prompts[-1][probe._PREFIX :])
+    assert mx.allclose(backend.logits(prefix), base.logits[-1], atol=1e-4).item()

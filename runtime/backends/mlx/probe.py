@@ -7,8 +7,9 @@ path the engine would use and their logits are compared with a plain run of the 
 
 - ``snapshot_reach_back``: a snapshot taken inside a pass, restored and extended, equals the
   continuous run (off: passes are cut at snapshot points; if that fails too, no reuse);
-- ``batch_prefill``: a left-padded batched prefill, one row from a cached prefix and cut at
-  snapshot points, equals each prompt alone, snapshots included (off: prompts prefill alone);
+- ``batch_prefill``: a left-padded batched prefill, one row from a cached prefix (its plain run
+  cut back, as prefix reuse gives it, where it trims) and cut at snapshot points, equals each
+  prompt alone, snapshots included (off: prompts prefill alone);
 - ``batch_decode``: a batched decode step equals each row's own step (off: one stream at a time);
 - ``trim``: a state cut back and extended equals the same tokens computed anew (off: reuse
   restores whole checkpoints instead).
@@ -75,6 +76,8 @@ class ProbedBackend(Protocol):
     ) -> list[list[MlxSnapshot]]: ...
 
     def copy_state(self, state: Any, length: int, snapshot: Any = None) -> MlxState: ...
+
+    def can_trim(self, state: Any) -> bool: ...
 
     def logits(self, state: Any) -> mx.array: ...
 
@@ -158,7 +161,7 @@ class _Baseline:
     ) -> None:
         self.prompts = prompts
         self.states = []
-        self.snapshots: Sequence[Any] = ()
+        self.snapshots: dict[int, Any] = {}  # the last prompt's, by point
         for row, prompt in enumerate(prompts):
             if row == 0 and first is not None:
                 if first.n_tokens != len(prompt) or first.logits is None:
@@ -169,7 +172,7 @@ class _Baseline:
             at = (_INSIDE,) if declared.checkpoints and row == len(prompts) - 1 else ()
             taken = _extend(backend, state, prompt, at)
             self.states.append(state)
-            self.snapshots = taken or self.snapshots
+            self.snapshots = dict(zip(at, taken, strict=True)) or self.snapshots
         self.logits = [backend.logits(state) for state in self.states]
         self.scale = max(float(mx.max(mx.abs(logits))) for logits in self.logits)
 
@@ -250,8 +253,7 @@ def _snapshots(
     prompt, state, _ = base.last
 
     def from_base() -> float:  # the baseline's pass reached back to its snapshot
-        (snapshot,) = base.snapshots
-        return _restored_diff(backend, state, prompt, _INSIDE, snapshot)
+        return _restored_diff(backend, state, prompt, _INSIDE, base.snapshots[_INSIDE])
 
     def cut() -> float:  # a pass cut at the snapshot point
         full = backend.new_state()
@@ -274,6 +276,18 @@ def _snapshots(
     return Verdict(capability=cap, on=False, why=why, max_diff=fallback.max_diff), fallback.on
 
 
+def _cached_prefix(backend: ProbedBackend, base: _Baseline) -> Any:
+    """The last prompt's first tokens as prefix reuse finds them: its plain run cut back where
+    its layers trim (every attention layer, a sliding ring not yet wrapped; not after the trim
+    check failed: every snapshot is then whole), else run anew. Cut back, it costs no pass."""
+    prompt, state, _ = base.last
+    if backend.can_trim(state):
+        return backend.copy_state(state, _PREFIX)
+    fresh = backend.new_state()
+    backend.prefill(fresh, prompt[:_PREFIX], logits=False)
+    return fresh
+
+
 def _batch_prefill(
     backend: ProbedBackend, declared: Declared, base: _Baseline, tol: float
 ) -> Verdict:
@@ -283,8 +297,8 @@ def _batch_prefill(
     points = [list(p) for p in _TOGETHER_AT] if declared.together_points else []
 
     def check() -> float:
-        states = [backend.new_state() for _ in base.prompts]
-        backend.prefill(states[-1], base.prompts[-1][:_PREFIX], logits=False)  # a cached prefix
+        states = [backend.new_state() for _ in base.prompts[:-1]]
+        states.append(_cached_prefix(backend, base))
         rests = [p[s.length :] for p, s in zip(base.prompts, states, strict=True)]
         snaps = backend.prefill_together(states, rests, points)
         worst = max(
