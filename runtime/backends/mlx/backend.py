@@ -1,9 +1,10 @@
 """The real backend: an mlx-lm model and its per-layer caches, run on the engine's compute thread.
 
 Loading never downloads: ``ModelSpec.path`` is a local mlx-lm model directory, or a Hugging Face
-repo id that is already in the local cache. At load the backend runs one tiny forward pass, which
-warms the weights and lets it measure the cache layout (bytes per token, windows, fixed recurrent
-state) from real arrays instead of trusting config fields that differ between architectures.
+repo id that is already in the local cache. At load the backend runs one tiny prompt (the load
+probe's first, so a probe need not run it again), which warms the weights and lets it measure the
+cache layout (bytes per token, windows, fixed recurrent state) from real arrays instead of
+trusting config fields that differ between architectures.
 """
 
 from __future__ import annotations

@@ -85,9 +85,10 @@ class ProbedBackend(Protocol):
 
 
 # Bump whenever a check or a workaround changes: cached verdicts of older probes are ignored.
-PROBE_VERSION = 3
+PROBE_VERSION = 4
 # Prompt lengths: the rows of a batched pass padded differently. Each prompt is run alone once
-# (the baseline every check compares with); the checks add about ten more short passes.
+# (the baseline every check compares with; the first is the load's warm-up run); the checks add
+# 7-10 more short passes (SmolLM2 and Gemma 3: 9 and 12 passes in all, the load's 9 apart).
 _ROWS = (5, 12)
 PROBE_PROMPT_TOKENS = max(_ROWS)  # a batched pass must take snapshots this far in to be checked
 _PREFIX = 3  # the last row of the batched prefill starts from a cached prefix of this many
@@ -187,7 +188,7 @@ class _Baseline:
 def plain_run(backend: ProbedBackend, prompt: Sequence[int]) -> MlxState:
     """The first prompt's baseline: run alone on a new state, its last token a pass of its own
     (``_extend``: one pass projecting all 5 positions costs 2x the pair on the quantized real
-    models, 0.7-0.9x on float32 ones; measured). The load's warm-up is this run, which the probe
+    models, 0.7-0.95x on float32 ones; measured). The load's warm-up is this run, which the probe
     then reuses."""
     state = backend.new_state()
     _extend(backend, state, prompt)
