@@ -15,18 +15,20 @@ import pytest
 
 import runtime.backends.mlx.backend as mlx_backend
 import runtime.backends.mlx.capabilities as capabilities
+import runtime.backends.mlx.probe as probe
 import runtime.backends.mlx.together as together
 from runtime.api import Runtime
 from runtime.backends.contract import CannotTrim, Capability, ReuseStrategy, Verdict
 from runtime.backends.mlx.backend import MlxBackend
-from runtime.backends.mlx.probe import ProbeResult
+from runtime.backends.mlx.probe import Declared, ProbeResult, plain_run, probe_prompts, run_probe
+from runtime.backends.mlx.state import MlxState
 from runtime.config import RuntimeConfig
 from runtime.messages import ModelLoaded, ModelSpec, TokensEmitted
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.stats_collector import RuntimeCollector
 from runtime.testing.arch_models import arch_model_path
 from runtime.testing.harness import engine_stats
-from runtime.testing.tiny_models import tiny_model_path
+from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 
 pytestmark = pytest.mark.anyio
 
@@ -218,3 +220,80 @@ def test_without_the_recurrent_workarounds_the_probe_forbids_batched_prefill(
     assert not backend.info.capable(Capability.BATCH_PREFILL)
     assert "differs from a plain run" in backend.info.limits["batch_prefill"]
     assert backend.info.capable(Capability.BATCH_DECODE)  # no padding in a recurrent decode step
+
+
+@pytest.mark.parametrize("arch", ["mamba2", "gemma2"])  # a checkpoint model, a trimming one
+def test_the_load_warm_up_is_the_probes_first_plain_run(
+    arch: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    given: list[tuple[Declared, MlxState | None]] = []
+    real = run_probe
+
+    def kept(backend: MlxBackend, declared: Declared, vocab: int, first: Any = None) -> Any:
+        given.append((declared, first))
+        return real(backend, declared, vocab, first)
+
+    monkeypatch.setattr(capabilities, "run_probe", kept)
+    backend = MlxBackend.load(spec_of(arch))
+    ((declared, first),) = given
+    assert first is not None
+    prompt = probe_prompts(backend.info.vocab_size)[0]
+    # The timed passes ran on a copy: the warm-up state is the prompt's plain run, as a fresh one
+    # (extended by the batched decode check's plain step, the probe's last).
+    fresh = plain_run(backend, prompt)
+    assert first.n_tokens == len(prompt) + 1
+    backend.feed(fresh, mx.array(prompt[1]))
+    assert mx.array_equal(backend.logits(first), backend.logits(fresh)).item()
+    token = mx.array(prompt[2])
+    assert mx.array_equal(backend.feed(first, token), backend.feed(fresh, token)).item()
+    # Its verdicts are those of a probe that runs the first prompt itself.
+    again = MlxBackend.load(spec_of(arch))  # the verdict cached: no probe ran in this load
+    assert len(given) == 1
+    alone = real(again, declared, again.info.vocab_size)
+    assert [v.on for v in alone.verdicts] == [v.on for v in backend.info.capabilities]
+    assert alone.checkpoints_exact
+
+
+def test_a_first_run_of_another_prompt_is_refused() -> None:
+    backend = MlxBackend.load(ModelSpec(name="llama", path=str(tiny_model_path("llama"))))
+    declared = Declared(
+        reach_back=True, checkpoints=False, trims=True, batch_refusal=None, together_points=False
+    )
+    prompt = probe_prompts(backend.info.vocab_size)[0]
+    other = plain_run(backend, prompt[:-1])
+    with pytest.raises(ValueError, match="not this probe's"):
+        run_probe(backend, declared, backend.info.vocab_size, other)
+    assert run_probe(backend, declared, backend.info.vocab_size, plain_run(backend, prompt))
+
+
+@pytest.mark.parametrize(
+    ("kind", "passes"),
+    [("llama", 0), ("sliding", 0), ("hybrid", 1)],  # cut back; a ring not wrapped; recurrent
+)
+def test_the_batched_prefills_cached_prefix_is_the_plain_run_cut_back(
+    kind: TinyModelKind, passes: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    backend = MlxBackend.load(ModelSpec(name=kind, path=str(tiny_model_path(kind))))
+    info = backend.info
+    declared = Declared(
+        reach_back=backend.reach_back,
+        checkpoints=info.reuse is ReuseStrategy.CHECKPOINT,
+        trims=info.reuse is ReuseStrategy.TRIM,
+        batch_refusal=None,
+        together_points=False,
+    )
+    prompts = probe_prompts(info.vocab_size)
+    base = probe._Baseline(backend, prompts, declared, None)
+    ran: list[int] = []
+    real = backend.prefill
+
+    def counted(state: Any, ids: Any, **kwargs: Any) -> Any:
+        ran.append(len(ids))
+        return real(state, ids, **kwargs)
+
+    monkeypatch.setattr(backend, "prefill", counted)
+    prefix = probe._cached_prefix(backend, base)
+    assert len(ran) == passes and prefix.n_tokens == probe._PREFIX
+    monkeypatch.undo()
+    backend.prefill(prefix, prompts[-1][probe._PREFIX :])
+    assert mx.allclose(backend.logits(prefix), base.logits[-1], atol=1e-4).item()

@@ -1,9 +1,10 @@
 """The real backend: an mlx-lm model and its per-layer caches, run on the engine's compute thread.
 
 Loading never downloads: ``ModelSpec.path`` is a local mlx-lm model directory, or a Hugging Face
-repo id that is already in the local cache. At load the backend runs one tiny forward pass, which
-warms the weights and lets it measure the cache layout (bytes per token, windows, fixed recurrent
-state) from real arrays instead of trusting config fields that differ between architectures.
+repo id that is already in the local cache. At load the backend runs one tiny prompt (the load
+probe's first, so a probe need not run it again), which warms the weights and lets it measure the
+cache layout (bytes per token, windows, fixed recurrent state) from real arrays instead of
+trusting config fields that differ between architectures.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from runtime.backends.mlx.facts import (
     widen_half_quantized,
 )
 from runtime.backends.mlx.interrupt import can_interrupt, interruptible, stop_checks
+from runtime.backends.mlx.probe import plain_run, probe_prompts
 from runtime.backends.mlx.state import MlxSnapshot, MlxState, own_state
 from runtime.backends.mlx.together import prefill_together, together_snapshot_tokens
 from runtime.backends.mlx.upstream import patch_model
@@ -51,7 +53,6 @@ from runtime.messages import ModelSpec
 from runtime.text.chat import has_chat_template
 from runtime.text.constraints import ConstraintEngine
 
-_WARMUP_TOKENS = 4
 _TIMED_PASSES = 8  # the fastest of these is the fixed cost of a pass (noise only adds to it)
 # A prefill that keeps logits runs its last token as a pass of its own from this many tokens on:
 # one more pass then costs less than projecting the other positions onto the vocabulary
@@ -122,11 +123,13 @@ class MlxBackend:
 
     def _measure(self, name: str, options: MlxOptions, config: dict[str, Any]) -> ModelInfo:
         """Run a tiny forward pass and read the cache layout off the real arrays."""
-        state = self.new_state()
-        self.prefill(state, [0] * _WARMUP_TOKENS)  # also loads the weights: the timing follows
-        price = price_of(state.caches)
-        strategy, reason = reuse_strategy(state.caches)
-        self.reach_back = all(kind_of(c).reaches_back(c) for c in state.caches)
+        # The warm-up pass (it also loads the weights: the timing follows) is the load probe's
+        # plain run of its first prompt, which the probe then need not run again.
+        first = plain_run(self, probe_prompts(vocab_size_of(config))[0])
+        price = price_of(first.caches)
+        strategy, reason = reuse_strategy(first.caches)
+        self.reach_back = all(kind_of(c).reaches_back(c) for c in first.caches)
+        state = self.copy_state(first, first.n_tokens)  # the timed passes leave ``first`` as run
         pass_s = min(self._timed_pass(state) for _ in range(_TIMED_PASSES))  # layout read first
         context = options.context_length or context_length_of(config)
         eos = effective_eos_ids(self._tokenizer, self._path, config)
@@ -162,7 +165,7 @@ class MlxBackend:
             ),
             chat_template=templated,
         )
-        return limit_by_probe(self, name, state.caches)
+        return limit_by_probe(self, name, state.caches, first)
 
     def _timed_pass(self, state: MlxState) -> float:
         start = time.perf_counter()

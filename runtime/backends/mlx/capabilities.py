@@ -26,15 +26,19 @@ from runtime.backends.mlx.probe import (
     ProbeResult,
     run_probe,
 )
+from runtime.backends.mlx.state import MlxState
 from runtime.backends.mlx.together import together_snapshot_tokens
 from runtime.backends.mlx.verdicts import cached, fingerprint, store
 
 log = logging.getLogger("mlx_actor_runtime.mlx_backend")
 
 
-def limit_by_probe(backend: ProbedBackend, name: str, caches: Sequence[Any]) -> ModelInfo:
+def limit_by_probe(
+    backend: ProbedBackend, name: str, caches: Sequence[Any], first: MlxState | None = None
+) -> ModelInfo:
     """``backend.info`` as measured, limited by the probe's verdict on this model: the cached
-    one for its fingerprint, else the probe's run now (then cached)."""
+    one for its fingerprint, else the probe's run now (then cached). ``first``: the probe's
+    first prompt run alone, where the load's warm-up pass was that run (``probe.plain_run``)."""
     info = backend.info
     key = fingerprint(backend.path, backend.kv_bits) if backend.path.is_dir() else None
     result = None if key is None else cached(key)
@@ -48,7 +52,7 @@ def limit_by_probe(backend: ProbedBackend, name: str, caches: Sequence[Any]) -> 
             together_points=info.reuse is ReuseStrategy.CHECKPOINT
             and info.together_snapshot_tokens >= PROBE_PROMPT_TOKENS,
         )
-        result = run_probe(backend, declared, info.vocab_size)
+        result = run_probe(backend, declared, info.vocab_size, first)
         if key is not None:
             store(key, result)
     limited = apply_verdict(backend, info, caches, result, from_cache)
