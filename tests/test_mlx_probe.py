@@ -23,6 +23,7 @@ from runtime.config import RuntimeConfig
 from runtime.messages import ModelLoaded, ModelSpec, TokensEmitted
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.stats_collector import RuntimeCollector
+from runtime.testing.arch_models import arch_model_path
 from runtime.testing.harness import engine_stats
 from runtime.testing.tiny_archs import TINY_ARCHS, TinyArch, tiny_arch_path
 from runtime.testing.tiny_models import tiny_model_path
@@ -207,3 +208,24 @@ def test_without_the_recurrent_workarounds_the_probe_forbids_batched_prefill(
     assert not backend.info.capable(Capability.BATCH_PREFILL)
     assert "differs from a plain run" in backend.info.limits["batch_prefill"]
     assert backend.info.capable(Capability.BATCH_DECODE)  # no padding in a recurrent decode step
+
+
+async def test_gpt_bigcode_batches_with_position_ids_per_row(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # mlx-lm's gpt_bigcode builds its position ids from one offset, which a batch cache has one of
+    # per row: upstream.patch_model gives it per-row ids, so both batched paths stay on and exact.
+    spec = ModelSpec(name="bigcode", path=str(arch_model_path("gpt_bigcode")), backend="mlx")
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        loaded = await rt.load_model(spec)
+        assert loaded.limits == {}
+        alone, together = await solo_then_together(rt, "bigcode")
+        counters = engine_stats(rt, loaded).counters
+    assert together == alone
+    assert counters["prefills_together"] > 0 and counters["batch_steps"] > 0
+    # Without it both batched paths crash ("[convert] Only length-1 arrays..."): switched off.
+    monkeypatch.setattr(mlx_backend, "patch_model", lambda model: ())
+    monkeypatch.setenv("MLXRT_CACHE_DIR", str(Path(os.environ["MLXRT_CACHE_DIR"]) / "unpatched"))
+    info = MlxBackend.load(spec).info
+    assert {"batch_decode", "batch_prefill"} <= set(info.limits), info.limits
+    assert "crashed" in info.limits["batch_decode"]

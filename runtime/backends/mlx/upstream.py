@@ -12,6 +12,8 @@ off what still fails. In short:
   and put back after the pass (``put_rows``), whatever padding did to it meanwhile.
 - gemma2's attention reshapes grouped queries to 5 axes, which a per-row (B, 1, L, S) mask cannot
   broadcast against: ``patch_model`` gives its attention layers a mask with the extra axis.
+- gpt_bigcode builds its learned position ids with ``np.arange(cache[0].offset, ...)``, which
+  raises on a batch cache's one offset per row: ``patch_model`` gives it position ids per row.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models import gemma2
+from mlx_lm.models.base import create_attention_mask
+from mlx_lm.models import gemma2, gpt_bigcode
 
 
 def recurrent_parts(layer: Any) -> list[Any]:
@@ -74,6 +77,9 @@ def patch_model(model: Any) -> tuple[str, ...]:
         if type(module) is gemma2.Attention:
             module.__class__ = _Gemma2Attention
             swapped += 1
+        elif type(module) is gpt_bigcode.GPTBigCodeModel:
+            module.__class__ = _GPTBigCodeModel
+            applied.append("gpt_bigcode position ids per row")
     if swapped:
         applied.append("gemma2 attention takes a per-row mask")
     return tuple(applied)
@@ -92,3 +98,21 @@ class _Gemma2Attention(gemma2.Attention):
         if isinstance(mask, mx.array) and mask.ndim == 4 and self.repeats > 1:
             mask = mx.expand_dims(mask, 2)
         return super().__call__(x, mask, cache)
+
+
+class _GPTBigCodeModel(gpt_bigcode.GPTBigCodeModel):
+    """gpt_bigcode with position ids per row when its cache is a batch's (mlx-lm:
+    models/gpt_bigcode.py, ``np.arange(cache[0].offset, ...)`` needs one offset)."""
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        offset = getattr(cache[0], "offset", None) if cache is not None else None
+        if not isinstance(offset, mx.array) or offset.ndim != 1:
+            return super().__call__(inputs, cache)
+        # A row's offset is its own next position (negative while its left padding is fed: those
+        # columns are masked out, so any valid id will do there).
+        positions = mx.maximum(offset[:, None] + mx.arange(inputs.shape[1])[None], 0)
+        hidden = self.wte(inputs) + self.wpe(positions)
+        mask = create_attention_mask(hidden, cache[0])
+        for layer, layer_cache in zip(self.h, cache, strict=True):
+            hidden = layer(hidden, mask, cache=layer_cache)
+        return self.ln_f(hidden)
