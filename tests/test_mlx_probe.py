@@ -210,22 +210,31 @@ def test_without_the_recurrent_workarounds_the_probe_forbids_batched_prefill(
     assert backend.info.capable(Capability.BATCH_DECODE)  # no padding in a recurrent decode step
 
 
-async def test_gpt_bigcode_batches_with_position_ids_per_row(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize(
+    ("arch", "unpatched"),
+    [
+        # Position ids from one offset, which a batch cache has one of per row: both paths crash
+        # ("[convert] Only length-1 arrays can be converted to Python scalars").
+        ("gpt_bigcode", "crashed"),
+        # The KV-reuse layers rotate every row's queries at the batch's padded length.
+        ("afm7", "differs from a plain run"),
+    ],
+)
+async def test_a_matrix_build_batches_exactly_with_its_workaround(
+    arch: str, unpatched: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # mlx-lm's gpt_bigcode builds its position ids from one offset, which a batch cache has one of
-    # per row: upstream.patch_model gives it per-row ids, so both batched paths stay on and exact.
-    spec = ModelSpec(name="bigcode", path=str(arch_model_path("gpt_bigcode")), backend="mlx")
+    # upstream.patch_model fixes the model's batched forward, so both batched paths stay on.
+    spec = ModelSpec(name=arch, path=str(arch_model_path(arch)), backend="mlx")
     async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
         loaded = await rt.load_model(spec)
         assert loaded.limits == {}
-        alone, together = await solo_then_together(rt, "bigcode")
+        alone, together = await solo_then_together(rt, arch)
         counters = engine_stats(rt, loaded).counters
     assert together == alone
     assert counters["prefills_together"] > 0 and counters["batch_steps"] > 0
-    # Without it both batched paths crash ("[convert] Only length-1 arrays..."): switched off.
+    # Without it the probe switches both batched paths off.
     monkeypatch.setattr(mlx_backend, "patch_model", lambda model: ())
     monkeypatch.setenv("MLXRT_CACHE_DIR", str(Path(os.environ["MLXRT_CACHE_DIR"]) / "unpatched"))
-    info = MlxBackend.load(spec).info
-    assert {"batch_decode", "batch_prefill"} <= set(info.limits), info.limits
-    assert "crashed" in info.limits["batch_decode"]
+    limits = MlxBackend.load(spec).info.limits
+    assert {"batch_decode", "batch_prefill"} <= set(limits), limits
+    assert unpatched in limits["batch_decode"]
