@@ -1,5 +1,6 @@
 """The load probe and the workarounds for mlx-lm's batching defects, on tiny random-weight builds
-of the architectures mlx-lm batches wrongly (mamba2, nemotron_h, rwkv7, gemma2)."""
+of the architectures mlx-lm batches wrongly (mamba2, nemotron_h, rwkv7, gemma2; gpt_bigcode, afm7
+and nemotron-nas from the architecture matrix's builds)."""
 
 from __future__ import annotations
 
@@ -238,3 +239,32 @@ async def test_a_matrix_build_batches_exactly_with_its_workaround(
     limits = MlxBackend.load(spec).info.limits
     assert {"batch_decode", "batch_prefill"} <= set(limits), limits
     assert unpatched in limits["batch_decode"]
+
+
+# transformers warns about the tiny config's fields as it reads them with the tokenizer.
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+async def test_a_model_with_layers_it_never_writes_batches_exactly() -> None:
+    # nemotron-nas's linear-replaced attention keeps an empty KVCache (one that counts tokens once
+    # cut back or restored): such a layer merges, rolls and leaves a batch empty, so both batched
+    # paths stay on. Before, join refused the state, a padded pass crashed in mlx-lm's finalize,
+    # and a restored state crashed in its merge.
+    spec = ModelSpec(name="nas", path=str(arch_model_path("nemotron-nas")), backend="mlx")
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        loaded = await rt.load_model(spec)
+        assert loaded.limits == {}
+        alone, together = await solo_then_together(rt, "nas")
+        # Again from the prefix cache: the prompts' states are restored, then batched.
+        await rt.reset("nas")
+        for prompt in PROMPTS:
+            await greedy(rt, "nas", prompt[:8])
+        restored: list[list[int]] = [[] for _ in PROMPTS]
+
+        async def one(index: int) -> None:
+            restored[index] = await greedy(rt, "nas", PROMPTS[index])
+
+        async with anyio.create_task_group() as tg:
+            for index in range(len(PROMPTS)):
+                tg.start_soon(one, index)
+        counters = engine_stats(rt, loaded).counters
+    assert together == alone and restored == alone
+    assert counters["prefills_together"] > 0 and counters["batch_steps"] > 0

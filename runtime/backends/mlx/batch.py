@@ -50,7 +50,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from runtime.backends.contract import SequenceState
-from runtime.backends.mlx.cache_kinds import extract_row, kind_of
+from runtime.backends.mlx.cache_kinds import extract_row, kind_of, merge_rows
 from runtime.backends.mlx.state import MlxState
 
 __all__ = ["BatchSource", "DecodeBatch"]
@@ -134,9 +134,12 @@ class DecodeBatch:
         """
         if not isinstance(state, MlxState):
             raise TypeError(f"not an MLX state: {type(state).__name__}")
-        if state.n_tokens <= 0 or any(c.empty() for c in state.caches):
-            raise ValueError("join() needs a prefilled state (at least one token in every layer)")
-        merged = [c.merge([c]) for c in state.caches]
+        # A layer may stay empty in a prefilled state: one the model never writes to (nemotron-nas's
+        # linear-replaced attention keeps an empty KVCache); it merges into a batch layer with no
+        # keys, which the model never reads either.
+        if state.n_tokens <= 0 or all(c.empty() for c in state.caches):
+            raise ValueError("join() needs a prefilled state (at least one token)")
+        merged = [merge_rows([c]) for c in state.caches]
         if not self._slots:
             self._caches = merged
         else:

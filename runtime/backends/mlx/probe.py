@@ -82,7 +82,7 @@ class ProbedBackend(Protocol):
 
 
 # Bump whenever a check or a workaround changes: cached verdicts of older probes are ignored.
-PROBE_VERSION = 5
+PROBE_VERSION = 7
 # Prompt lengths: the rows of a batched pass padded differently. Each prompt is run alone once
 # (the baseline every check compares with); the checks add about ten more short passes.
 _ROWS = (5, 12)

@@ -34,7 +34,13 @@ from typing import Any
 
 import mlx.core as mx
 
-from runtime.backends.mlx.cache_kinds import extract_row, kind_of, snapshot_layers
+from runtime.backends.mlx.cache_kinds import (
+    extract_row,
+    finalize_layer,
+    kind_of,
+    merge_rows,
+    snapshot_layers,
+)
 from runtime.backends.mlx.state import MlxSnapshot, MlxState
 from runtime.backends.mlx.upstream import hold_rows, piece_lengths, put_rows, recurrent_parts
 
@@ -73,7 +79,7 @@ def prefill_together(
         raise ValueError("a pass with sliding-window layers cannot be cut for a snapshot")
 
     layers = len(states[0].caches)
-    batch = [states[0].caches[i].merge([s.caches[i] for s in states]) for i in range(layers)]
+    batch = [merge_rows([s.caches[i] for s in states]) for i in range(layers)]
     heads = [list(ids[:-1]) for ids in token_ids]
     lengths = [len(h) for h in heads]
     longest = max(lengths)
@@ -104,7 +110,7 @@ def prefill_together(
     put_rows(recurrent, kept_rows)
     if any(padding):
         for layer in batch:
-            layer.finalize()
+            finalize_layer(layer)
     # Every row now stands one token before its end, each sliding ring holding the pass's tokens
     # and a window before them: the points before the end are reached from here.
     for row, (at, end) in enumerate(zip(points, ends, strict=True)):
