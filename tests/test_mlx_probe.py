@@ -244,10 +244,10 @@ async def test_a_matrix_build_batches_exactly_with_its_workaround(
 # transformers warns about the tiny config's fields as it reads them with the tokenizer.
 @pytest.mark.filterwarnings("ignore::FutureWarning")
 async def test_a_model_with_layers_it_never_writes_batches_exactly() -> None:
-    # nemotron-nas's linear-replaced attention keeps an empty KVCache (one that counts tokens once
-    # cut back or restored): such a layer merges, rolls and leaves a batch empty, so both batched
-    # paths stay on. Before, join refused the state, a padded pass crashed in mlx-lm's finalize,
-    # and a restored state crashed in its merge.
+    # nemotron-nas's linear-replaced attention keeps an empty KVCache: such a layer joins, rolls
+    # and leaves a batch empty, so both batched paths stay on. Before, join refused the state, a
+    # padded pass crashed in mlx-lm's finalize, and restored prompts crashed in mlx-lm's merge
+    # (a cut-back copy of the empty layer had a negative offset).
     spec = ModelSpec(name="nas", path=str(arch_model_path("nemotron-nas")), backend="mlx")
     async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
         loaded = await rt.load_model(spec)

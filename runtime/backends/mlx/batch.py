@@ -50,7 +50,7 @@ from typing import Any, Protocol
 import mlx.core as mx
 
 from runtime.backends.contract import SequenceState
-from runtime.backends.mlx.cache_kinds import extract_row, kind_of, merge_rows
+from runtime.backends.mlx.cache_kinds import extract_row, kind_of
 from runtime.backends.mlx.state import MlxState
 
 __all__ = ["BatchSource", "DecodeBatch"]
@@ -139,7 +139,7 @@ class DecodeBatch:
         # keys, which the model never reads either.
         if state.n_tokens <= 0 or all(c.empty() for c in state.caches):
             raise ValueError("join() needs a prefilled state (at least one token)")
-        merged = [merge_rows([c]) for c in state.caches]
+        merged = [c.merge([c]) for c in state.caches]
         if not self._slots:
             self._caches = merged
         else:

@@ -82,7 +82,7 @@ class ProbedBackend(Protocol):
 
 
 # Bump whenever a check or a workaround changes: cached verdicts of older probes are ignored.
-PROBE_VERSION = 7
+PROBE_VERSION = 9
 # Prompt lengths: the rows of a batched pass padded differently. Each prompt is run alone once
 # (the baseline every check compares with); the checks add about ten more short passes.
 _ROWS = (5, 12)
@@ -262,8 +262,8 @@ def _batch_prefill(
     points = [list(p) for p in _TOGETHER_AT] if declared.together_points else []
 
     def check() -> float:
-        states = [backend.new_state() for _ in base.prompts]
-        backend.prefill(states[-1], base.prompts[-1][:_PREFIX], logits=False)  # a cached prefix
+        states = [backend.new_state() for _ in base.prompts[:-1]]
+        states.append(_cached_prefix(backend, declared, base.prompts[-1]))
         rests = [p[s.length :] for p, s in zip(base.prompts, states, strict=True)]
         snaps = backend.prefill_together(states, rests, points)
         worst = max(
@@ -276,6 +276,17 @@ def _batch_prefill(
         return worst
 
     return _checked(cap, tol, base.scale, check, "a padded batched prefill equals each alone")
+
+
+def _cached_prefix(backend: ProbedBackend, declared: Declared, prompt: Sequence[int]) -> MlxState:
+    """The last row's cached prefix as the engine restores it: where every layer trims, a copy cut
+    back from a longer state, else (or where cutting back proved inexact) prefilled."""
+    state = backend.new_state()
+    if not declared.trims or backend.whole_snapshots:
+        backend.prefill(state, prompt[:_PREFIX], logits=False)
+        return state
+    backend.prefill(state, prompt, logits=False)
+    return backend.copy_state(state, _PREFIX)
 
 
 def _batch_decode(

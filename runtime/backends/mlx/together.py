@@ -38,7 +38,6 @@ from runtime.backends.mlx.cache_kinds import (
     extract_row,
     finalize_layer,
     kind_of,
-    merge_rows,
     snapshot_layers,
 )
 from runtime.backends.mlx.state import MlxSnapshot, MlxState
@@ -79,7 +78,7 @@ def prefill_together(
         raise ValueError("a pass with sliding-window layers cannot be cut for a snapshot")
 
     layers = len(states[0].caches)
-    batch = [merge_rows([s.caches[i] for s in states]) for i in range(layers)]
+    batch = [states[0].caches[i].merge([s.caches[i] for s in states]) for i in range(layers)]
     heads = [list(ids[:-1]) for ids in token_ids]
     lengths = [len(h) for h in heads]
     longest = max(lengths)

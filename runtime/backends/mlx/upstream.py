@@ -16,8 +16,8 @@ off what still fails. In short:
   left-padded batch row is its padding ahead of its own position: ``patch_model`` rotates each
   row's queries at that row's own offset.
 - a KV layer the model never writes (nemotron-nas's linear-replaced attention) breaks mlx-lm's
-  ``BatchKVCache.merge`` and ``finalize``: handled in ``cache_kinds`` (``merge_rows``,
-  ``finalize_layer``, ``extract_row``), where the batch layers are made and taken apart.
+  ``BatchKVCache.finalize`` and ``extract``: handled in ``cache_kinds`` (``finalize_layer``,
+  ``extract_row``), where the batch layers are taken apart.
 - gpt_bigcode builds its learned position ids with ``np.arange(cache[0].offset, ...)``, which
   raises on a batch cache's one offset per row: ``patch_model`` gives it position ids per row.
 """

@@ -11,7 +11,7 @@ To support a new class, add its ``CacheKind`` and register it in ``KINDS``. See 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from mlx_lm.models import cache as mlx_cache
@@ -36,7 +36,6 @@ __all__ = [
     "clone_layer",
     "extract_row",
     "finalize_layer",
-    "merge_rows",
     "kind_of",
     "price_of",
     "snapshot_layers",
@@ -97,16 +96,6 @@ def extract_row(batch_layer: Any, row: int) -> Any:
     if isinstance(batch_layer, mlx_cache.BatchKVCache) and batch_layer.keys is None:
         return mlx_cache.KVCache()  # type: ignore[no-untyped-call]
     return batch_layer.extract(row)
-
-
-def merge_rows(layers: Sequence[Any]) -> Any:
-    """One layer of several sequences as a batched layer (mlx-lm's ``merge``). A KV layer the
-    model never wrote to merges as an empty batch layer: such a layer may carry an offset with no
-    keys (a state cut back or restored keeps counting), and mlx-lm's ``merge`` then reads the
-    shape of keys that are not there."""
-    if all(isinstance(c, mlx_cache.KVCache) and c.keys is None for c in layers):
-        return mlx_cache.BatchKVCache([0] * len(layers))
-    return layers[0].merge(layers)
 
 
 def finalize_layer(batch_layer: Any) -> None:
