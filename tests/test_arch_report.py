@@ -22,7 +22,7 @@ RESULTS = {
                 "reuse_path": "trim",
                 "batch_joins": 4,
                 "prefills_together": 1,
-                "probe": {},
+                "limits": {},
             },
             "cases": dict.fromkeys(CASES, "pass"),
         },
@@ -32,7 +32,8 @@ RESULTS = {
                 "reuse_path": "checkpoint",
                 "checkpoint_spacing": 512,
                 "batch_joins": 4,
-                "probe": {"probe_ms": 12},
+                "probe_s": 0.0123,
+                "limits": {"batch_prefill": "differs | by up to 4.1"},
             },
             "cases": {
                 **dict.fromkeys(CASES, "pass"),
@@ -52,7 +53,10 @@ def test_rows_say_what_each_architecture_did() -> None:
     rows = {line.split(" | ")[0].strip("| `"): line for line in render(RESULTS).splitlines()}
     assert "4 architectures built and run; 1 pass every case" in render(RESULTS)
     assert rows["llama"].endswith("| trim | — | decode + prefill | — | pass |")
-    assert "| 512 tokens | decode | probe_ms 12 | together: output differs" in rows["mamba2"]
+    assert (
+        "| 512 tokens | decode | 0.01 s. batch_prefill off: differs \\| by up to 4.1 "
+        "| together: output differs" in rows["mamba2"]
+    )
     assert (
         "every case: model step failed: CannotTrim('no copy rule for cache type CacheList') |"
         in rows["falcon_h1"]

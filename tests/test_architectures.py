@@ -83,58 +83,10 @@ CONFIG = RuntimeConfig(kv_budget_bytes=1 << 30)  # nothing is evicted or refused
 # architecture, never at a request. Architecture -> the class the refusal names.
 REFUSED_AT_LOAD: dict[str, str] = {"deepseek_v41": "LayerCache"}
 BROKEN_ARCHITECTURES: dict[str, str] = {}
-_PADDED_STATE = (
-    "a left-padded batched prefill changes the output (no error): the padding runs through the "
-    "recurrent/SSM state, or mlx-lm reads the carried state at the wrong step (ssm.py reads it "
-    "at min(lengths, 256) - 1; rwkv7 takes no mask); want: probe at load, prefill one at a time"
-)
-_NO_ROW_MASK = (
-    "batched steps fail Failed(backend_error) [broadcast_shapes] (B,1,1,L) vs (B,2,2,1,L): "
-    "gemma2's attention cannot take a per-row mask; the batch-support check reads only cache "
-    "classes"
-)
-_ROW_OFFSETS = (
-    "batched steps fail Failed(backend_error) '[convert] Only length-1 arrays can be converted "
-    "to Python scalars': gpt_bigcode builds position ids with np.arange(cache[0].offset, ...), "
-    "and a batch cache's offset is one per row"
-)
-_KV_REUSE = (
-    "batched decode changes the output (no error); suspected: afm7's KV-reuse layers attend to "
-    "the last layer cache's keys_and_values() under a mask made for cache[0], which a batch's "
-    "per-row offsets and padding do not fit (not yet diagnosed)"
-)
-# (architecture, case) -> the defect.
-KNOWN_FAILURES: dict[tuple[str, str], str] = {
-    **{
-        (arch, "together"): _PADDED_STATE
-        for arch in (
-            "bailing_moe_linear",
-            "granitemoehybrid",
-            "jamba",
-            "mamba",
-            "mamba2",
-            "nemotron_h",
-            "olmo_hybrid",
-            "rwkv7",
-        )
-    },
-    ("gemma2", "concurrent"): _NO_ROW_MASK,
-    ("gemma2", "together"): _NO_ROW_MASK,
-    ("gpt_bigcode", "concurrent"): _ROW_OFFSETS,
-    ("gpt_bigcode", "together"): _ROW_OFFSETS,
-    ("falcon_h1", "together"): _PADDED_STATE,
-    ("longcat_flash_ngram", "together"): (
-        "a left-padded batched prefill changes the output (no error): its n-gram embedding keeps "
-        "the last n-1 token ids in an ArraysCache, and the padding ids enter that context"
-    ),
-    **dict.fromkeys(
-        (("nemotron-nas", "concurrent"), ("nemotron-nas", "together")),
-        "batched decode stalls (stream_stalled after 60 s): a no-op attention layer's KVCache "
-        "stays empty, and the batch merges it with the others",
-    ),
-    ("afm7", "concurrent"): _KV_REUSE,
-    ("afm7", "together"): _KV_REUSE,
-}
+# (architecture, case) -> the defect. Empty: the load probe switches off, per model, what mlx-lm
+# gets wrong (gemma2, gpt_bigcode, afm7 and nemotron-nas decode one at a time; the recurrent,
+# hybrid and n-gram models prefill one at a time); the Probe column of the table says what and why.
+KNOWN_FAILURES: dict[tuple[str, str], str] = {}
 
 
 def known_failure(arch: str, case: str) -> str | None:
@@ -170,23 +122,26 @@ def write_report() -> Iterator[None]:
             json.dump({"unbuildable": UNBUILDABLE, "architectures": RESULTS}, out, indent=1)
 
 
-def default_spacing(spec: ModelSpec) -> int:
-    """The periodic checkpoint spacing of ``spec``'s model under the default options (the engine
-    does not report its ``ModelInfo``, so a backend of its own is loaded)."""
+def default_load_facts(spec: ModelSpec) -> dict[str, Any]:
+    """The periodic checkpoint spacing of ``spec``'s model under the default options, and what
+    its load probe cost when it ran (the engine does not report its ``ModelInfo``, so a backend
+    of its own is loaded; the probe's verdict is cached by then, so this load runs none)."""
     backend = MlxBackend.load(msgspec.structs.replace(spec, options={}))
     try:
         policy = CheckpointPolicy(DEFAULT_CHECKPOINT_EVERY, CONFIG.kv_budget_bytes)
-        return policy.spacing(backend.info)
+        return {
+            "checkpoint_spacing": policy.spacing(backend.info),
+            "probe_s": round(backend.info.probe_s, 3),
+        }
     finally:
         backend.close()
 
 
 def model_facts(model: ArchModel) -> dict[str, Any]:
-    """What the docs table says of a model beside its cases: its reuse path and what a load-time
-    probe reported (if any)."""
+    """What the docs table says of a model beside its cases: its reuse path and the capabilities
+    its load probe switched off, each with why (the engine's ``limits``)."""
     stats = engine_stats(model.rt, model.loaded)
-    probe = {k: v for k, v in {**stats.counters, **stats.gauges}.items() if "probe" in k}
-    return {"reuse_path": model.loaded.reuse_path, "probe": probe}
+    return {"reuse_path": model.loaded.reuse_path, "limits": dict(stats.limits)}
 
 
 @pytest.fixture(scope="module", params=ARCHITECTURES)
@@ -208,7 +163,7 @@ def model(request: pytest.FixtureRequest) -> Iterator[ArchModel]:
     del raw  # the Runtime loads its own
     if os.environ.get("MLXRT_ARCH_REPORT"):
         with contextlib.suppress(Exception):  # a model that does not load says so below
-            facts["checkpoint_spacing"] = default_spacing(spec)
+            facts.update(default_load_facts(spec))
     with contextlib.ExitStack() as stack:
         portal = stack.enter_context(anyio.from_thread.start_blocking_portal("asyncio"))
         rt = stack.enter_context(portal.wrap_async_context_manager(Runtime(CONFIG)))

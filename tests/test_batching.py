@@ -133,3 +133,28 @@ def test_a_burst_of_newcomers_joins_the_batch_in_one_step_on_one_padding_ask(see
     seen = counters(sim)
     assert seen["batch_padding_asks"] == 1 and seen["batch_joins"] == len(prompts)
     assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_newcomers_whose_join_raises_decode_alone_and_never_spin(padded: bool) -> None:
+    # A model whose states cannot join a batch (nemotron-nas's no-op attention layers keep an
+    # empty KV cache): every batch step raises in join before it steps anyone. The newcomers it
+    # did not take are whole, so they finish alone, exact; they must not be asked in again and
+    # again (the engine once rebuilt the same failing join forever, zero time per try).
+    sim = make_sim(spec(fail_join=True))
+    prompts = {f"r{i}": tuple(range(10 * i, 10 * i + (3 + i if padded else 4))) for i in (1, 2, 3)}
+    for rid, prompt in prompts.items():
+        sim.send(generate(rid, 1, prompt, 12))
+    for _ in range(10_000):  # each event is bounded work: a livelock never gets quiescent
+        if sim.quiescent:
+            break
+        sim.fire_next_timer()
+        sim.run_until_idle()
+    else:
+        pytest.fail("the engine kept working without finishing: a batch join retried forever")
+    for rid, prompt in prompts.items():
+        assert sim.emitted_tokens(rid, 1) == greedy_continuation(prompt, 12)
+    seen = counters(sim)
+    assert seen["batch_join_failed"] >= 2 and seen["batch_joins"] == 0
+    assert seen["batch_steps"] == 0
+    assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes

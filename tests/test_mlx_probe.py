@@ -1,6 +1,6 @@
 """The load probe and the workarounds for mlx-lm's batching defects, on tiny random-weight builds
 (``runtime.testing.arch_models``) of the architectures mlx-lm batches wrongly (mamba2, nemotron_h,
-rwkv7, gemma2)."""
+rwkv7, gemma2; gpt_bigcode, afm7 and nemotron-nas from the architecture matrix's builds)."""
 
 from __future__ import annotations
 
@@ -297,3 +297,62 @@ def test_the_batched_prefills_cached_prefix_is_the_plain_run_cut_back(
     monkeypatch.undo()
     backend.prefill(prefix, prompts[-1][probe._PREFIX :])
     assert mx.allclose(backend.logits(prefix), base.logits[-1], atol=1e-4).item()
+
+
+@pytest.mark.parametrize(
+    ("arch", "unpatched"),
+    [
+        # Position ids from one offset, which a batch cache has one of per row: both paths crash
+        # ("[convert] Only length-1 arrays can be converted to Python scalars").
+        ("gpt_bigcode", "crashed"),
+        # The KV-reuse layers rotate every row's queries at the batch's padded length.
+        ("afm7", "differs from a plain run"),
+    ],
+)
+async def test_a_matrix_build_batches_exactly_with_its_workaround(
+    arch: str, unpatched: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # upstream.patch_model fixes the model's batched forward, so both batched paths stay on.
+    spec = ModelSpec(name=arch, path=str(arch_model_path(arch)), backend="mlx")
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        loaded = await rt.load_model(spec)
+        assert loaded.limits == {}
+        alone, together = await solo_then_together(rt, arch)
+        counters = engine_stats(rt, loaded).counters
+    assert together == alone
+    assert counters["prefills_together"] > 0 and counters["batch_steps"] > 0
+    # Without it the probe switches both batched paths off.
+    monkeypatch.setattr(mlx_backend, "patch_model", lambda model: ())
+    monkeypatch.setenv("MLXRT_CACHE_DIR", str(Path(os.environ["MLXRT_CACHE_DIR"]) / "unpatched"))
+    limits = MlxBackend.load(spec).info.limits
+    assert {"batch_decode", "batch_prefill"} <= set(limits), limits
+    assert unpatched in limits["batch_decode"]
+
+
+# transformers warns about the tiny config's fields as it reads them with the tokenizer.
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+async def test_a_model_with_layers_it_never_writes_batches_exactly() -> None:
+    # nemotron-nas's linear-replaced attention keeps an empty KVCache: such a layer joins, rolls
+    # and leaves a batch empty, so both batched paths stay on. Before, join refused the state, a
+    # padded pass crashed in mlx-lm's finalize, and restored prompts crashed in mlx-lm's merge
+    # (a cut-back copy of the empty layer had a negative offset).
+    spec = ModelSpec(name="nas", path=str(arch_model_path("nemotron-nas")), backend="mlx")
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        loaded = await rt.load_model(spec)
+        assert loaded.limits == {}
+        alone, together = await solo_then_together(rt, "nas")
+        # Again from the prefix cache: the prompts' states are restored, then batched.
+        await rt.reset("nas")
+        for prompt in PROMPTS:
+            await greedy(rt, "nas", prompt[:8])
+        restored: list[list[int]] = [[] for _ in PROMPTS]
+
+        async def one(index: int) -> None:
+            restored[index] = await greedy(rt, "nas", PROMPTS[index])
+
+        async with anyio.create_task_group() as tg:
+            for index in range(len(PROMPTS)):
+                tg.start_soon(one, index)
+        counters = engine_stats(rt, loaded).counters
+    assert together == alone and restored == alone
+    assert counters["prefills_together"] > 0 and counters["batch_steps"] > 0

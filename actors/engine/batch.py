@@ -27,6 +27,12 @@ is released and counted, never acted on):
   once the membership changes or a sequence of this engine ends, never before (no spinning);
 - after a step that shrank P the difference is given back (``Release(holder, nbytes)``); when the
   batch has no rows left (drained, drained to one, failed) the holder is released whole.
+
+A step that raised fails its members (their rows went with the batch cache), but a newcomer it did
+not take in is whole (``join`` only reads its state): it goes on decoding alone and never asks to
+join again (counted ``batch_join_failed``). Retrying would rebuild the same join and raise again,
+and again: every failed step takes at least one sequence out of batching for good, so a model whose
+states cannot join cannot livelock the engine.
 """
 
 from __future__ import annotations
@@ -49,6 +55,7 @@ PADDING_COUNTERS = (
     "batch_padding_refused",  # newcomers kept out of the batch (they decode alone)
     "batch_padding_returned",  # partial give-backs after rows left
     "batch_padding_stale",  # replies about an earlier batch's holder
+    "batch_join_failed",  # newcomers a step that raised did not take in (they stay alone)
 )
 
 
@@ -129,6 +136,9 @@ class BatchScheduler:
         self._ask: _PaddingAsk | None = None
         self._generation = 0  # bumps when the membership changes or a sequence ends
         self._refused: dict[int, int] = {}  # sequence id -> generation its join was refused at
+        self._unjoinable: set[int] = (
+            set()
+        )  # ids of newcomers a failed step left out: alone for good
 
     def __len__(self) -> int:
         return len(self._members)
@@ -167,6 +177,7 @@ class BatchScheduler:
     def ended(self, seq: Sequence) -> None:
         """A sequence ended: its bytes go back to the keeper, so refused newcomers may try again."""
         self._refused.pop(seq.sequence_id, None)
+        self._unjoinable.discard(seq.sequence_id)
         self._generation += 1
 
     # ------------------------------------------------------------------ planning a step
@@ -191,7 +202,9 @@ class BatchScheduler:
         joinable = [
             s
             for s in sequences
-            if _joinable(s) and self._refused.get(s.sequence_id) != self._generation
+            if _joinable(s)
+            and self._refused.get(s.sequence_id) != self._generation
+            and s.sequence_id not in self._unjoinable
         ]
         joiners: list[Sequence] = []
         if len(members) + len(joinable) >= 2:
@@ -309,6 +322,13 @@ class BatchScheduler:
         if self._ask is not None and self._ask.granted:
             self._ask = None  # its newcomers joined (or were aborted just before)
         if job.error is not None:
+            left_out = [
+                s
+                for s in job.work.joiners
+                if s.sequence_id not in job.joined and not s.abort.is_set()
+            ]
+            self._unjoinable.update(s.sequence_id for s in left_out)
+            self._counters.inc("batch_join_failed", len(left_out))
             self._failed(result)
             self._close(ctx)
             return result

@@ -86,6 +86,8 @@ class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unk
     fail_load: bool = False
     fail_prefill_call: int = 0  # >0: the n-th prefill call (1-based, per load) raises
     fail_sample_call: int = 0  # >0: the n-th sample call raises
+    # True: every join of a decode batch raises, as on a model whose states cannot be merged.
+    fail_join: bool = False
     # True: the engine pipelines decode steps as on MLX (Backend.pipelined): a step is built on a
     # token before it is read, and a lone stream's next step is queued behind the running one.
     pipelined: bool = False

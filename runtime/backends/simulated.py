@@ -335,6 +335,8 @@ class SimulatedBatch:
 
     def join(self, state: SequenceState) -> int:
         own = _own(state)
+        if self._backend._options.fail_join:
+            raise SimulatedFault("injected fault: this model's states cannot join a batch")
         self._next_slot += 1
         self._rows[self._next_slot] = SimulatedState(list(own.tokens), list(own.hashes))
         return self._next_slot

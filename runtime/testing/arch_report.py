@@ -38,8 +38,9 @@ def render(results: dict[str, Any]) -> str:
         "mlx-lm cache classes; the reuse path (`trim`: cut back to the common prefix; "
         "`checkpoint`: restore snapshots); the checkpoint spacing at the default "
         "`checkpoint_every_tokens`; batching as observed (`decode + prefill`: concurrent streams "
-        "shared decode steps and a left-padded prefill pass); the load-time probe's cost (when "
-        "the engine reports one); the cases that fail, and why.",
+        "shared decode steps and a left-padded prefill pass); the load probe's time when it ran "
+        "and the capabilities it switched off for the model, each with why "
+        "(`runtime/backends/mlx/probe.py`); the cases that fail, and why.",
         "",
         "| Architecture | Cache kinds | Reuse | Checkpoint spacing | Batching (seen) | Probe "
         "| Matrix |",
@@ -69,8 +70,7 @@ def _row(arch: str, result: dict[str, Any]) -> str:
     reuse = facts.get("reuse_path", "—")
     spacing = facts.get("checkpoint_spacing")
     spacing_text = "—" if reuse != "checkpoint" or spacing is None else f"{spacing} tokens"
-    probe = facts.get("probe") or {}
-    probe_text = ", ".join(f"{k} {v}" for k, v in sorted(probe.items())) or "—"
+    probe_text = _probe(facts)
     cells = (
         f"`{arch}`",
         _cell(facts.get("cache_kinds", "—")),
@@ -81,6 +81,15 @@ def _row(arch: str, result: dict[str, Any]) -> str:
         verdict,
     )
     return "| " + " | ".join(cells) + " |"
+
+
+def _probe(facts: dict[str, Any]) -> str:
+    """The load probe's time (when it ran) and what it switched off for the model, with why."""
+    limits: dict[str, str] = facts.get("limits") or {}
+    off = "; ".join(f"{cap} off: {_cell(why)[:110]}" for cap, why in sorted(limits.items()))
+    seconds = facts.get("probe_s")
+    timed = "" if seconds is None else f"{seconds:.2f} s"
+    return ". ".join(part for part in (timed, off) if part) or "—"
 
 
 def _batching(facts: dict[str, Any]) -> str:

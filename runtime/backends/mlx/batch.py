@@ -134,8 +134,11 @@ class DecodeBatch:
         """
         if not isinstance(state, MlxState):
             raise TypeError(f"not an MLX state: {type(state).__name__}")
-        if state.n_tokens <= 0 or any(c.empty() for c in state.caches):
-            raise ValueError("join() needs a prefilled state (at least one token in every layer)")
+        # A layer may stay empty in a prefilled state: one the model never writes to (nemotron-nas's
+        # linear-replaced attention keeps an empty KVCache); it merges into a batch layer with no
+        # keys, which the model never reads either.
+        if state.n_tokens <= 0 or all(c.empty() for c in state.caches):
+            raise ValueError("join() needs a prefilled state (at least one token)")
         merged = [c.merge([c]) for c in state.caches]
         if not self._slots:
             self._caches = merged

@@ -85,7 +85,7 @@ class ProbedBackend(Protocol):
 
 
 # Bump whenever a check or a workaround changes: cached verdicts of older probes are ignored.
-PROBE_VERSION = 4
+PROBE_VERSION = 10
 # Prompt lengths: the rows of a batched pass padded differently. Each prompt is run alone once
 # (the baseline every check compares with; the first is the load's warm-up run); the checks add
 # 7-10 more short passes (SmolLM2 and Gemma 3: 9 and 12 passes in all, the load's 9 apart).

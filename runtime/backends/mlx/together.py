@@ -34,7 +34,12 @@ from typing import Any
 
 import mlx.core as mx
 
-from runtime.backends.mlx.cache_kinds import extract_row, kind_of, snapshot_layers
+from runtime.backends.mlx.cache_kinds import (
+    extract_row,
+    finalize_layer,
+    kind_of,
+    snapshot_layers,
+)
 from runtime.backends.mlx.state import MlxSnapshot, MlxState
 from runtime.backends.mlx.upstream import hold_rows, piece_lengths, put_rows, recurrent_parts
 
@@ -104,7 +109,7 @@ def prefill_together(
     put_rows(recurrent, kept_rows)
     if any(padding):
         for layer in batch:
-            layer.finalize()
+            finalize_layer(layer)
     # Every row now stands one token before its end, each sliding ring holding the pass's tokens
     # and a window before them: the points before the end are reached from here.
     for row, (at, end) in enumerate(zip(points, ends, strict=True)):

@@ -12,6 +12,14 @@ off what still fails. In short:
   and put back after the pass (``put_rows``), whatever padding did to it meanwhile.
 - gemma2's attention reshapes grouped queries to 5 axes, which a per-row (B, 1, L, S) mask cannot
   broadcast against: ``patch_model`` gives its attention layers a mask with the extra axis.
+- afm7's KV-reuse layers rotate their queries at ``S - L`` (S: the last cache's keys), which for a
+  left-padded batch row is its padding ahead of its own position: ``patch_model`` rotates each
+  row's queries at that row's own offset.
+- a KV layer the model never writes (nemotron-nas's linear-replaced attention) breaks mlx-lm's
+  ``BatchKVCache.finalize`` and ``extract``: handled in ``cache_kinds`` (``finalize_layer``,
+  ``extract_row``), where the batch layers are taken apart.
+- gpt_bigcode builds its learned position ids with ``np.arange(cache[0].offset, ...)``, which
+  raises on a batch cache's one offset per row: ``patch_model`` gives it position ids per row.
 """
 
 from __future__ import annotations
@@ -20,8 +28,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
+from mlx_lm.models import afm7, gemma2, gpt_bigcode
 from mlx_lm.models import cache as mlx_cache
-from mlx_lm.models import gemma2
+from mlx_lm.models.base import create_attention_mask, scaled_dot_product_attention
 
 
 def recurrent_parts(layer: Any) -> list[Any]:
@@ -74,6 +83,12 @@ def patch_model(model: Any) -> tuple[str, ...]:
         if type(module) is gemma2.Attention:
             module.__class__ = _Gemma2Attention
             swapped += 1
+        elif type(module) is afm7.AFMModel:
+            module.__class__ = _AFMModel
+            applied.append("afm7 KV-reuse queries rotated at each row's offset")
+        elif type(module) is gpt_bigcode.GPTBigCodeModel:
+            module.__class__ = _GPTBigCodeModel
+            applied.append("gpt_bigcode position ids per row")
     if swapped:
         applied.append("gemma2 attention takes a per-row mask")
     return tuple(applied)
@@ -92,3 +107,60 @@ class _Gemma2Attention(gemma2.Attention):
         if isinstance(mask, mx.array) and mask.ndim == 4 and self.repeats > 1:
             mask = mx.expand_dims(mask, 2)
         return super().__call__(x, mask, cache)
+
+
+class _GPTBigCodeModel(gpt_bigcode.GPTBigCodeModel):
+    """gpt_bigcode with position ids per row when its cache is a batch's (mlx-lm:
+    models/gpt_bigcode.py, ``np.arange(cache[0].offset, ...)`` needs one offset)."""
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        offset = getattr(cache[0], "offset", None) if cache is not None else None
+        if not isinstance(offset, mx.array) or offset.ndim != 1:
+            alone: mx.array = super().__call__(inputs, cache)
+            return alone
+        # A row's offset is its own next position (negative while its left padding is fed: those
+        # columns are masked out, so any valid id will do there).
+        positions = mx.maximum(offset[:, None] + mx.arange(inputs.shape[1])[None], 0)
+        hidden = self.wte(inputs) + self.wpe(positions)
+        mask = create_attention_mask(hidden, cache[0])
+        for layer, layer_cache in zip(self.h, cache, strict=True):
+            hidden = layer(hidden, mask, cache=layer_cache)
+        out: mx.array = self.ln_f(hidden)
+        return out
+
+
+class _AFMModel(afm7.AFMModel):
+    """afm7 whose KV-reuse layers rotate each batch row's queries at that row's own position
+    (mlx-lm: models/afm7.py, ``KVReuseAttention`` takes ``offset=S - L``, one for every row)."""
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        offset = getattr(cache[-1], "offset", None) if cache is not None else None
+        if not isinstance(offset, mx.array) or offset.ndim != 1:
+            alone: mx.array = super().__call__(inputs, cache)
+            return alone
+        h = self.embedding(inputs)
+        mask = create_attention_mask(h, cache[0])
+        for layer, layer_cache in zip(self.layers, cache, strict=True):
+            h = layer(h, mask, cache=layer_cache)
+        keys, values = cache[-1].keys_and_values()
+        starts = cache[-1].offset - inputs.shape[1]  # each row's first position in this pass
+        for block in self.kv_reuse_layers:
+            normed = block.input_layernorm(h)
+            h = h + _reuse_attention(block.self_attn, normed, keys, values, mask, starts)
+            h = h + block.mlp(block.post_attention_layernorm(h))
+        out: mx.array = self.output_norm(h)
+        return out
+
+
+def _reuse_attention(
+    attn: Any, x: mx.array, keys: mx.array, values: mx.array, mask: Any, starts: mx.array
+) -> mx.array:
+    """``afm7.KVReuseAttention`` with the queries rotated from ``starts`` (one per row)."""
+    batch, length, _ = x.shape
+    queries = attn.q_proj(x).reshape(batch, length, attn.n_heads, -1).transpose(0, 2, 1, 3)
+    queries = attn.q_norm(attn.rope(queries, offset=starts))
+    output = scaled_dot_product_attention(
+        queries, keys, values, cache=None, scale=attn.scale, mask=mask
+    )
+    out: mx.array = attn.out_proj(output.transpose(0, 2, 1, 3).reshape(batch, length, -1))
+    return out

@@ -35,6 +35,7 @@ __all__ = [
     "check_supported",
     "clone_layer",
     "extract_row",
+    "finalize_layer",
     "kind_of",
     "price_of",
     "snapshot_layers",
@@ -95,6 +96,16 @@ def extract_row(batch_layer: Any, row: int) -> Any:
     if isinstance(batch_layer, mlx_cache.BatchKVCache) and batch_layer.keys is None:
         return mlx_cache.KVCache()  # type: ignore[no-untyped-call]
     return batch_layer.extract(row)
+
+
+def finalize_layer(batch_layer: Any) -> None:
+    """End a right-padded batched pass on one layer: mlx-lm rolls each row's padding to its left.
+    A KV layer the model never wrote to has no keys to roll (mlx-lm's ``finalize`` would read
+    their shape): its rows stay empty, and ``extract_row`` gives them back empty."""
+    if isinstance(batch_layer, mlx_cache.BatchKVCache) and batch_layer.keys is None:
+        batch_layer._right_padding = None
+        return
+    batch_layer.finalize()
 
 
 def price_of(caches: Iterable[Any]) -> Price:

@@ -30,6 +30,13 @@ class _FullAttention(CacheKind):
         return Price(per_token=kv_bytes_per_token(layer))
 
 
+def _cut_offset(layer: Any, drop: int) -> int:
+    """A copy's offset, ``drop`` tokens back. A layer the model never writes to (nemotron-nas's
+    linear-replaced attention keeps an empty KVCache) stays at 0: a negative offset would make
+    mlx-lm's ``BatchKVCache.merge`` read the shape of keys that are not there."""
+    return 0 if layer.keys is None else int(layer.offset) - drop
+
+
 class KVKind(_FullAttention):
     name = "KVCache"
     batched_form = "BatchKVCache (rows left-padded, the padding masked)"
@@ -46,7 +53,7 @@ class KVKind(_FullAttention):
             step = mlx_cache.KVCache.step
             capacity = min(keys.shape[2], -(-end // step) * step)
             clone.keys, clone.values = keys[..., :capacity, :], values[..., :capacity, :]
-        clone.offset = layer.offset - drop
+        clone.offset = _cut_offset(layer, drop)
         return clone
 
     def batch_refusal(self, layer: Any) -> str | None:
@@ -63,7 +70,7 @@ class QuantizedKind(_FullAttention):
             end = layer.offset - drop
             clone.keys = tuple(a[..., :end, :] for a in qkeys)
             clone.values = tuple(a[..., :end, :] for a in qvalues)
-        clone.offset = layer.offset - drop
+        clone.offset = _cut_offset(layer, drop)
         return clone
 
 
@@ -79,7 +86,7 @@ class ConcatenateKind(_FullAttention):
         if layer.keys is not None and layer.values is not None:
             end = layer.offset - drop
             clone.keys, clone.values = layer.keys[..., :end, :], layer.values[..., :end, :]
-        clone.offset = layer.offset - drop
+        clone.offset = _cut_offset(layer, drop)
         return clone
 
 
