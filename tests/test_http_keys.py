@@ -335,3 +335,44 @@ async def test_without_keys_the_limits_hold_for_all_clients_together() -> None:
 def test_limits_out_of_range_are_refused_naming_them(config: Json, words: str) -> None:
     with pytest.raises(InvalidConfig, match=words):
         OpenAIServer(ServerConfig(models=(sim_model(),), **config))
+
+
+async def test_a_request_queued_behind_its_keys_limit_gets_a_503_when_the_server_stops() -> None:
+    """A shutdown answers the requests waiting for a slot at once (503 server_shutting_down),
+    not once the slot's holder ends (here a prewarm, which the shutdown does not end), nor by
+    dropping them with the connection."""
+    model = sim_model(prefill_s_per_token=0.001)
+    limits = {"max_concurrent_per_key": 1, "max_queued_per_key": 1}
+    async with serving(model, **limits) as (client, server):
+        assert server.allowances is not None
+        warmed: list[httpx.Response] = []
+        queued: list[httpx.Response] = []
+
+        async def hold_the_slot() -> None:  # ~3 s of prefill (3,000 bytes)
+            body = {"model": "m", "prompt": "warm " * 600}
+            warmed.append(await client.post("/v1/prewarm", json=body, headers=as_(ALICE)))
+
+        async def wait_in_queue() -> None:
+            queued.append(await complete(client, ALICE))
+
+        async def wait_for(running: int, waiting: int) -> None:
+            with anyio.fail_after(10):
+                while list(server.allowances.statistics().values()) != [
+                    AllowanceStatistics(running=running, waiting=waiting)
+                ]:
+                    assert not warmed, warmed[0].text
+                    await anyio.lowlevel.checkpoint()  # the server's own state, polled
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(hold_the_slot)
+            await wait_for(1, 0)
+            tg.start_soon(wait_in_queue)
+            await wait_for(1, 1)
+            await server.stop_generations(0)
+            with anyio.fail_after(10):
+                while not queued:
+                    await anyio.lowlevel.checkpoint()
+            assert not warmed, "the queued request was answered only once the slot came free"
+            tg.cancel_scope.cancel()
+        assert queued[0].status_code == 503
+        assert queued[0].json()["error"]["code"] == "server_shutting_down"

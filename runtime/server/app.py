@@ -133,6 +133,7 @@ class OpenAIServer:
                     metrics_keys=config.metrics_keys,
                     public_metrics=config.public_metrics,
                     allowances=self.allowances,
+                    shutdown=lambda: self._shutdown,
                 ),
             ],
         )

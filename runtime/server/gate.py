@@ -26,6 +26,7 @@ from runtime.errors import InvalidApiKey, RateLimited
 from runtime.server.allowance import Allowances, PerKeyLimits, Ticket
 from runtime.server.auth import TENANT_SCOPE_KEY, ApiKeys, Tenant, presented_key
 from runtime.server.errors import HttpError, error_for_code
+from runtime.server.shutdown import ShutdownNotice, shutting_down
 
 log = logging.getLogger("mlx_actor_runtime.server")
 
@@ -46,8 +47,10 @@ class KeyGate:
         metrics_keys: ApiKeys | None = None,
         public_metrics: bool = False,
         allowances: Allowances | None = None,
+        shutdown: Callable[[], ShutdownNotice | None] = lambda: None,
     ) -> None:
         self._app = app
+        self._shutdown = shutdown  # the server's notice, once its lifespan has made it
         self._keys = keys
         self._metrics_keys = metrics_keys
         self._public_metrics = public_metrics
@@ -102,9 +105,13 @@ class KeyGate:
             return
         try:
             if not ticket.granted:
-                read = await _wait_for_turn(ticket, receive)
+                notice = self._shutdown()
+                read = await _wait_for_turn(ticket, receive, notice)
                 if read is None:
                     return  # its client left while it waited: nobody to answer
+                if notice is not None and notice.stopping:  # answered, not dropped by uvicorn
+                    await _refuse(send, shutting_down())
+                    return
                 receive = _replaying(read, receive)
             await self._app(scope, receive, send)
         finally:
@@ -121,9 +128,12 @@ def _route_path(scope: Scope) -> str:
     return path
 
 
-async def _wait_for_turn(ticket: Ticket, receive: Receive) -> list[Message] | None:
-    """Wait for ``ticket``'s turn, reading the request meanwhile so a disconnect is seen: the
-    messages read (for the app to read again), or None if the client left first."""
+async def _wait_for_turn(
+    ticket: Ticket, receive: Receive, notice: ShutdownNotice | None
+) -> list[Message] | None:
+    """Wait for ``ticket``'s turn, or for the server to start stopping, reading the request
+    meanwhile so a disconnect is seen: the messages read (for the app to read again), or None if
+    the client left first."""
     read: list[Message] = []
     left = False
 
@@ -137,8 +147,15 @@ async def _wait_for_turn(ticket: Ticket, receive: Receive) -> list[Message] | No
                 scope.cancel()
                 return
 
+    async def stopping(scope: anyio.CancelScope) -> None:
+        assert notice is not None
+        await notice.wait_given()
+        scope.cancel()
+
     async with anyio.create_task_group() as task_group:
         task_group.start_soon(watch, task_group.cancel_scope)
+        if notice is not None:
+            task_group.start_soon(stopping, task_group.cancel_scope)
         await ticket.turn.wait()
         task_group.cancel_scope.cancel()
     return None if left else read
