@@ -398,3 +398,25 @@ def test_a_concatenating_cache_is_cut_back_right(monkeypatch: pytest.MonkeyPatch
     logits = model(mx.array([prompt[:40]]), cache=cache)[0, -1]
     assert int(mx.argmax(backend.logits(cut)).item()) == int(mx.argmax(logits).item())
     assert mx.allclose(backend.logits(cut), logits.astype(mx.float32), atol=1e-4).item()
+
+
+def test_a_verdict_is_cached_per_cache_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The probe's verdict depends on the cache classes the layers get: a load whose classes a
+    host swapped is probed on its own and never hands its verdict to the plain model (a test
+    that swapped the tiny llama's caches once turned batching off for every later test)."""
+    from mlx_lm.models import llama
+
+    from runtime.testing.tiny_models import tiny_model_path
+
+    spec = ModelSpec(name="llama", path=str(tiny_model_path("llama")), backend="mlx")
+    monkeypatch.setattr(
+        llama.Model,
+        "make_cache",
+        lambda self: [mlx_cache.ConcatenateKVCache() for _ in self.layers],
+        raising=False,
+    )
+    swapped = MlxBackend.load(spec).info
+    assert "batch_decode" in swapped.limits
+    monkeypatch.undo()
+    plain = MlxBackend.load(spec).info
+    assert plain.limits == {}

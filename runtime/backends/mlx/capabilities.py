@@ -40,7 +40,7 @@ def limit_by_probe(
     one for its fingerprint, else the probe's run now (then cached). ``first``: the probe's
     first prompt run alone, where the load's warm-up pass was that run (``probe.plain_run``)."""
     info = backend.info
-    key = fingerprint(backend.path, backend.kv_bits) if backend.path.is_dir() else None
+    key = fingerprint(backend.path, backend.kv_bits, caches) if backend.path.is_dir() else None
     result = None if key is None else cached(key)
     from_cache = result is not None
     if result is None:

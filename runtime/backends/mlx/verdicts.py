@@ -2,9 +2,10 @@
 
 The fingerprint covers everything a verdict depends on: the model's config.json, its weight files
 (names, sizes, modification times: hashing gigabytes would cost more than the probe), the options
-that change its caches (``kv_bits``), the MLX device, the MLX and mlx-lm versions and the probe's
-own version. One small JSON file per fingerprint under ``<cache root>/probe/``; an unreadable or
-foreign one is ignored and probed again.
+that change its caches (``kv_bits``), the cache classes its layers got (a host may swap them), the
+MLX device, the MLX and mlx-lm versions and the probe's own version. One small JSON file per
+fingerprint under ``<cache root>/probe/``; an unreadable or foreign one is ignored and probed
+again.
 """
 
 from __future__ import annotations
@@ -14,8 +15,10 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Sequence
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 import mlx.core as mx
 import msgspec
@@ -28,8 +31,9 @@ _WEIGHT_SUFFIXES = (".safetensors", ".npz", ".gguf", ".bin")
 _decoder = msgspec.json.Decoder(ProbeResult)
 
 
-def fingerprint(path: Path, kv_bits: int | None) -> str:
-    """A hex digest naming the model at ``path`` as loaded with ``kv_bits`` here."""
+def fingerprint(path: Path, kv_bits: int | None, caches: Sequence[Any] = ()) -> str:
+    """A hex digest naming the model at ``path`` as loaded with ``kv_bits`` here, its layers
+    holding ``caches``."""
     digest = hashlib.sha256()
     config = path / "config.json"
     digest.update(config.read_bytes() if config.is_file() else b"")
@@ -40,12 +44,22 @@ def fingerprint(path: Path, kv_bits: int | None) -> str:
     versions = {
         "probe": PROBE_VERSION,
         "kv_bits": kv_bits,
+        "caches": [_layout(c) for c in caches],
         "device": str(mx.default_device()),
         "mlx": _version("mlx"),
         "mlx-lm": _version("mlx-lm"),
     }
     digest.update(json.dumps(versions, sort_keys=True).encode())
     return digest.hexdigest()
+
+
+def _layout(layer: Any) -> str:
+    """A layer's cache class, a ``CacheList``'s children included."""
+    children = getattr(layer, "caches", None)
+    inner = (
+        f"({','.join(_layout(c) for c in children)})" if isinstance(children, tuple | list) else ""
+    )
+    return f"{type(layer).__module__}.{type(layer).__qualname__}{inner}"
 
 
 def _version(package: str) -> str:
