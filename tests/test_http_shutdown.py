@@ -22,6 +22,7 @@ import httpx
 import pytest
 
 from bench.http_client import HOST
+from tests.test_serve_process import wait_for
 
 SLOW_DECODE = "decode_s_per_token=0.05"  # a 2,000-token stream outlives every test here
 STOPPED_WITHIN_S = 8.0  # below uvicorn's 10 s graceful timeout: nothing waits for it
@@ -147,10 +148,9 @@ def _wait(served: Served) -> tuple[int, str]:
 
 def _wait_live(url: str) -> None:
     """Until the server runs one request (another process: polled, bounded)."""
-    deadline = time.monotonic() + READY_WITHIN_S
-    while time.monotonic() < deadline:
+
+    def live() -> bool:
         cards = httpx.get(f"{url}/v1/models", timeout=2.0).json()["data"]
-        if any(card["live_requests"] for card in cards):
-            return
-        time.sleep(0.05)
-    pytest.fail("the request never went live")
+        return any(card["live_requests"] for card in cards)
+
+    wait_for(live, "the request to go live", READY_WITHIN_S)

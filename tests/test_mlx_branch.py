@@ -25,12 +25,12 @@ from mlx_lm.utils import load_tokenizer
 
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
-from runtime.messages import ChatMessage, ChatOptions, Finished, ModelLoaded, ModelSpec, ReusePath
-from runtime.streams import Completion
+from runtime.messages import ChatMessage, ChatOptions, ModelLoaded, ModelSpec, ReusePath
 from runtime.testing.arch_models import arch_model_path
 from runtime.testing.harness import common_prefix_length, engine_stats
 from runtime.testing.tiny_models import tiny_model_path
 from runtime.text.chat import prepare_chat
+from tests.test_mlx_checkpoints import cold, run
 
 pytestmark = pytest.mark.anyio
 
@@ -60,20 +60,6 @@ async def start(rt: Runtime, path: Path) -> ModelLoaded:
     await rt.load_model(ModelSpec(name="cold", backend="mlx", path=str(path)))
     assert loaded.reuse_path == "checkpoint"
     return loaded
-
-
-async def run(rt: Runtime, model: str, **request: object) -> Completion:
-    result = await rt.complete(model, max_tokens=MAX_TOKENS, **request)
-    assert isinstance(result.terminal, Finished), result.terminal
-    assert result.started is not None
-    return result
-
-
-async def cold(rt: Runtime, **request: object) -> tuple[int, ...]:
-    await rt.reset("cold")
-    result = await run(rt, "cold", **request)
-    assert result.started is not None and result.started.cached_tokens == 0
-    return result.token_ids
 
 
 async def test_an_edit_near_the_start_of_a_recurrent_prompt_reuses_the_multiple_of_64_below(
