@@ -41,6 +41,7 @@ from runtime.messages import (
     Drain,
     EngineFailed,
     EngineLoadFailed,
+    EngineProbed,
     EngineReady,
     IdleCheck,
     ModelLoaded,
@@ -307,6 +308,15 @@ class ModelLifecycle:
                 )
         if waiter is not None:
             ctx.send(waiter, model.loaded)
+
+    def engine_probed(self, event: EngineProbed, engine: Address) -> None:
+        """``engine`` (current at ``event.epoch``) ran its deferred load probe: what the model's
+        status and a later load's answer say changes to the verdict's (the engine logged it)."""
+        model = self._current(engine, event.epoch)
+        if model.loaded is not None:
+            model.loaded = msgspec.structs.replace(
+                model.loaded, reuse_path=event.reuse_path, limits=event.limits
+            )
 
     def engine_failed(self, event: EngineFailed, engine: Address, ctx: Context) -> None:
         """``engine`` (current at ``event.epoch``) gave up; its requests have ended and its

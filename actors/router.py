@@ -37,6 +37,7 @@ from runtime.messages import (
     EngineEvent,
     EngineFailed,
     EngineLoadFailed,
+    EngineProbed,
     EngineReady,
     EngineTerminal,
     Failed,
@@ -180,8 +181,8 @@ class RouterCore:
                 ctx.send(sender, ModelsListed(models=self._models.statuses(ctx.now())))
             case LoadModel(spec=spec):
                 self._models.load(spec, sender, ctx)
-            case EngineReady() | EngineLoadFailed() | EngineFailed() if not self._models.is_current(
-                sender, message.epoch
+            case EngineReady() | EngineProbed() | EngineLoadFailed() | EngineFailed() if (
+                not self._models.is_current(sender, message.epoch)
             ):
                 ctx.count_dead_letter("stale_engine_event")
             case EngineFailed(epoch=epoch, code=code, message=text):
@@ -196,6 +197,8 @@ class RouterCore:
                 self._models.engine_loaded(message, sender, ctx)
             case EngineReady():
                 self._models.engine_loaded(message, sender, ctx)
+            case EngineProbed():
+                self._models.engine_probed(message, sender)
             case UnloadModel(model=model):
                 self._models.unload(model, sender, ctx)
             case Drained(epoch=epoch) if not self._models.is_draining(sender, epoch):

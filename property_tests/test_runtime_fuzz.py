@@ -108,6 +108,7 @@ class RuntimeFuzzMachine(RuntimeMachine):
         trimmable=st.booleans(),
         pipelined=st.booleans(),
         eos_every=st.sampled_from([0, 2]),
+        probe_steps=st.sampled_from([0, 3]),
         first_faults=st.tuples(batch_faults).map(list) | st.lists(faults, min_size=1, max_size=3),
         # Two or three requests that decode for a while: a batch, for the faults to land in.
         # Short prompts, longer outputs: the first still decodes when the last has prefilled,
@@ -122,6 +123,7 @@ class RuntimeFuzzMachine(RuntimeMachine):
         trimmable: bool,
         pipelined: bool,
         eos_every: int,
+        probe_steps: int,
         first_faults: list[Fault],
         opening: list[tuple[tuple[int, ...], int]],
         opening_run_s: float,
@@ -133,7 +135,13 @@ class RuntimeFuzzMachine(RuntimeMachine):
         self.started: dict[tuple[str, int], Started] = {}
         self.ended: set[tuple[str, int]] = set()
         self.ended_sequences: list[Started] = []  # of requests that ended after their Started
-        super().start(seed=0, trimmable=trimmable, pipelined=pipelined, eos_every=eos_every)
+        super().start(
+            seed=0,
+            trimmable=trimmable,
+            pipelined=pipelined,
+            eos_every=eos_every,
+            probe_steps=probe_steps,
+        )
         config = msgspec.structs.replace(
             self.sim.config,
             step_timeout_s=STEP_TIMEOUT_S,
@@ -318,6 +326,8 @@ class RuntimeFuzzMachine(RuntimeMachine):
             assert isinstance(ended, Finished), (key, ended)
             cold = greedy_continuation(request.prompt_tokens, request.max_tokens, self.eos_every)
             assert self.sim.emitted_tokens(again.request_id, again.incarnation) == cold
+        # A model loaded again above runs its deferred probe's pieces once idle.
+        self.sim.run_until_quiescent(max_seconds=LIVENESS_S)
         self.assert_quiescent_and_clean()
 
 

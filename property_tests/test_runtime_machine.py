@@ -62,8 +62,13 @@ class RuntimeMachine(RuleBasedStateMachine):
         pipelined=st.booleans(),
         # 2: about every other token ends on an EOS, which a pipelined step has fed already.
         eos_every=st.sampled_from([0, 2]),
+        # 3: a first load with no cached probe verdict: limited (no batching, no reuse path)
+        # until the engine has run the probe's pieces while idle (actors/engine/probing.py).
+        probe_steps=st.sampled_from([0, 3]),
     )
-    def start(self, seed: int, trimmable: bool, pipelined: bool, eos_every: int) -> None:
+    def start(
+        self, seed: int, trimmable: bool, pipelined: bool, eos_every: int, probe_steps: int = 0
+    ) -> None:
         config = RuntimeConfig(kv_budget_bytes=BUDGET, reservation_timeout_s=0.05)
         self.sim = Simulator(seed=seed, config=config)
         self.watched: weakref.WeakSet[EngineCore] = weakref.WeakSet()  # token sends checked
@@ -84,6 +89,8 @@ class RuntimeMachine(RuleBasedStateMachine):
             decode_s_per_token=0.002,
             pipelined=pipelined,
             eos_every=eos_every,
+            probe_steps=probe_steps,
+            probe_step_s=0.003,
         )
         self.eos_every = eos_every
         self.incarnation = 0

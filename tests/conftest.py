@@ -19,6 +19,10 @@ if TYPE_CHECKING:
 # A key in the developer's shell would reach every `mlxrt serve` the tests start and turn their
 # requests into 401s; the tests that are about keys set it themselves.
 os.environ.pop("MLXRT_API_KEY", None)
+# A first load probes before the model is ready, so that tests asserting reuse counts or batching
+# find the verdict in place whatever the probe cache holds; tests/test_background_probe.py (and
+# any test passing load_probe="background") cover the default, a probe run while idle.
+os.environ["MLXRT_LOAD_PROBE"] = "at_load"
 
 
 # Run every @pytest.mark.anyio test on plain asyncio and on uvloop: the runtime

@@ -32,6 +32,7 @@ from runtime.messages import (
     EndSession,
     EngineFailed,
     EngineLoadFailed,
+    EngineProbed,
     EngineReady,
     EpochReleased,
     Evict,
@@ -186,6 +187,9 @@ BUILDERS: dict[type[Message], Callable[[], Message]] = {
     Drain: lambda: Drain(epoch=3),
     EngineReady: lambda: EngineReady(
         epoch=3, reuse_path="checkpoint", bytes_per_token=64, context_length=4096
+    ),
+    EngineProbed: lambda: EngineProbed(
+        epoch=3, reuse_path="trim", limits={"batch_decode": "differs from a plain run"}
     ),
     EngineLoadFailed: lambda: EngineLoadFailed(epoch=3, code="model_load_failed", message="gone"),
     EngineFailed: lambda: EngineFailed(epoch=3, code="step_timeout", message="stuck"),

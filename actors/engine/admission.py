@@ -118,6 +118,10 @@ class Admission:
             if seq.tokens is not None and seq.phase is Phase.TOKENIZING:
                 self._tokenized(seq, ctx)
 
+    def probed(self, info: ModelInfo) -> None:
+        """The deferred load probe's verdict: sequences admitted from now on plan by ``info``."""
+        self._info = info
+
     def tokenized(self, job: TokenizeJob, ctx: Context) -> None:
         """A tokenize job came back; each of its sequences still waiting for tokens goes on."""
         # Only the sequences this job tokenized: others admitted meanwhile wait for the next one.

@@ -113,7 +113,8 @@ class BatchScheduler:
     """Membership of an engine's decode batch and its padding reservation (see module doc)."""
 
     def __init__(self, model: str, options: EngineOptions, epoch: int, counters: Counters) -> None:
-        self.enabled = options.batching
+        self._allowed = options.batching  # the model's option; the backend may forbid it too
+        self.enabled = self._allowed
         self.max_batch = options.max_batch
         self._model = model
         self._epoch = epoch
@@ -144,8 +145,9 @@ class BatchScheduler:
         return len(self._members)
 
     def loaded(self, info: ModelInfo, batchable: bool) -> None:
-        """The model is in: whether it can batch at all, and what one token of padding costs."""
-        self.enabled = self.enabled and batchable
+        """The model is in (or its deferred probe gave its verdict): whether it can batch at
+        all, and what one token of padding costs."""
+        self.enabled = self._allowed and batchable
         self._bytes_per_token = info.bytes_per_token
         self._alloc_step = info.alloc_step
 

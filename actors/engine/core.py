@@ -34,17 +34,25 @@ from actors.engine.jobs import (
     CloseJob,
     Job,
     LoadJob,
+    ProbeJob,
     StepJob,
     TogetherJob,
     TokenizeJob,
     run_load,
 )
 from actors.engine.outcomes import StepOutcomes
+from actors.engine.probing import DeferredProbing
 from actors.engine.retirement import Retirement
 from actors.engine.sequence import Phase, Sequence
 from actors.engine.turns import PromptTurns
 from actors.engine.watchdog import Watchdog
-from runtime.backends.contract import Backend, BackendLoader, DecodeBatchHandle, SequenceState
+from runtime.backends.contract import (
+    Backend,
+    BackendLoader,
+    DecodeBatchHandle,
+    ModelInfo,
+    SequenceState,
+)
 from runtime.backends.options import EngineOptions, ModelOptions, decode_options
 from runtime.errors import (
     EngineCrashed,
@@ -66,6 +74,7 @@ from runtime.messages import (
     EndSession,
     EngineInbox,
     EngineLoadFailed,
+    EngineProbed,
     EngineReady,
     EpochReleased,
     GetStats,
@@ -127,6 +136,7 @@ class EngineCore:
         self.counters = Counters()
         self._entries = EntryStore(spec.name, epoch, self.counters)
         self._batches = BatchScheduler(spec.name, options, epoch, self.counters)
+        self._probing = DeferredProbing(spec.name, self.counters)
         limits = AdmissionLimits(
             options.max_concurrent,  # past the admission gate; others wait FIFO
             reservation_timeout_s,
@@ -208,6 +218,7 @@ class EngineCore:
             # Process-wide (every model's): grammar states not released yet; 0 when none is live.
             "live_matchers": live_matchers(),
             **{f"capability_{name}": on for name, on in self._capabilities.items()},
+            "probe_pending": int(self._probing.pending),
         }
         return Stats(
             actor=engine_address(self.model, self.epoch),
@@ -314,6 +325,8 @@ class EngineCore:
             return
         if self._compute.start_next(self._backend, ctx):
             return
+        if not self._draining and self._probing.start(self._backend, self._compute, ctx):
+            return
         if self._draining and not self._sequences and not self._batches.has_leaving:
             self._closed = True
             backend, self._backend = self._backend, None
@@ -340,6 +353,9 @@ class EngineCore:
                     self._outcomes.step_done(step, seq, ctx)
             case BatchJob():
                 self._outcomes.batch_done(job, ctx)
+            case ProbeJob():
+                if (info := self._probing.done(job)) is not None:
+                    self._probed(info, job.batchable, ctx)
             case _:
                 assert_never(job)
 
@@ -354,6 +370,7 @@ class EngineCore:
         info = job.backend.info
         self._batches.loaded(info, job.batchable)
         self._sizer.loaded(info.pass_s, info.stop_checks)
+        self._probing.loaded(job.probe)
         # Debug: the router logs the load's one info line (actors/model_lifecycle.py).
         log.debug("model %s (epoch %d): prefix reuse path %s: %s",
                  self.model, self.epoch, info.reuse, info.reuse_reason)  # fmt: skip
@@ -371,6 +388,16 @@ class EngineCore:
             ),
         )
         self._admission.loaded(info, ctx)
+
+    def _probed(self, info: ModelInfo, batchable: bool, ctx: Context) -> None:
+        """The deferred load probe gave its verdict: from now on the model runs by ``info``."""
+        self._batches.loaded(info, batchable)
+        self._admission.probed(info)
+        self._capabilities = {str(v.capability): int(v.on) for v in info.capabilities}
+        self._limits = info.limits
+        ctx.send(
+            ROUTER, EngineProbed(epoch=self.epoch, reuse_path=str(info.reuse), limits=info.limits)
+        )
 
     def _closed_down(self, ctx: Context) -> None:
         """Compute has stopped for good: forget every entry and hand the epoch's memory back."""

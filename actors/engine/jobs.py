@@ -19,6 +19,8 @@ from runtime.backends.contract import (
     BackendLoader,
     CannotTrim,
     DecodeBatchHandle,
+    DeferredProbe,
+    ModelInfo,
     PrefillInterrupted,
     SequenceState,
     Snapshot,
@@ -42,9 +44,21 @@ class BatchWork:
 
 @dataclass
 class LoadJob:
-    """Load the model, and ask once whether it can batch."""
+    """Load the model, and ask once whether it can batch and whether its probe is left to run."""
 
     backend: Backend | None = None
+    batchable: bool = False
+    probe: DeferredProbe | None = None
+    error: BaseException | None = None
+
+
+@dataclass
+class ProbeJob:
+    """One piece of the model's deferred load probe, run while nothing else waits; once the
+    last is done, ``info`` is the model's from then on and ``batchable`` is asked anew."""
+
+    probe: DeferredProbe
+    info: ModelInfo | None = None
     batchable: bool = False
     error: BaseException | None = None
 
@@ -111,7 +125,7 @@ class CloseJob:
     """Close the backend: compute has stopped for good."""
 
 
-Job = LoadJob | TokenizeJob | StepJob | TogetherJob | BatchJob | CloseJob
+Job = LoadJob | TokenizeJob | StepJob | TogetherJob | BatchJob | ProbeJob | CloseJob
 
 
 def run_load(
@@ -120,8 +134,20 @@ def run_load(
     """Load the model with the options the engine decoded (the backend does not decode again)."""
     try:
         job.backend = load_backend(spec, options)
-        # Asked once: a model mlx-lm cannot batch (kv_bits, chunked caches) stays on B=1 for good.
+        # Asked once (and again after a deferred probe): a model mlx-lm cannot batch (kv_bits,
+        # chunked caches) stays on B=1 for good.
         job.batchable = job.backend.open_batch() is not None
+        job.probe = job.backend.deferred_probe()
+    except BaseException as exc:
+        job.error = exc
+
+
+def run_probe_step(job: ProbeJob, backend: Backend) -> None:
+    """A piece of the deferred probe; after the last, whether the model batches now."""
+    try:
+        job.info = job.probe.step()
+        if job.info is not None:
+            job.batchable = backend.open_batch() is not None
     except BaseException as exc:
         job.error = exc
 

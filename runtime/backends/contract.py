@@ -81,6 +81,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     capabilities: tuple[Verdict, ...] = ()
     probe_s: float = 0.0  # seconds the probe took when it ran (perhaps at an earlier load)
     probe_cached: bool = False  # this load took the verdict from the cache: it ran no probe
+    # The probe has not given its verdict yet: every capability is off until the engine has run
+    # the backend's ``deferred_probe`` (while idle), which returns the info to use from then on.
+    probe_pending: bool = False
 
     def capable(self, capability: Capability) -> bool:
         """Whether ``capability`` may be used (one the probe did not judge is on)."""
@@ -161,6 +164,15 @@ class DecodeBatchHandle(Protocol):
         ...
 
     def __len__(self) -> int: ...
+
+
+class DeferredProbe(Protocol):
+    """A load probe that runs after the model is serving, one bounded piece per call."""
+
+    def step(self) -> ModelInfo | None:
+        """Run one piece (a few short passes): None while more remain, else the model's info
+        with the verdict applied, which the engine uses from then on."""
+        ...
 
 
 class CannotTrim(Exception):
@@ -280,6 +292,11 @@ class Backend(Protocol):
     def constraint_engine(self) -> ConstraintEngine | None:
         """The grammar engine over this model's vocabulary (made at the first call), or None
         when the backend cannot constrain its output."""
+        ...
+
+    def deferred_probe(self) -> DeferredProbe | None:
+        """The load probe left to run while the engine is idle (``ModelInfo.probe_pending``),
+        handed over once (asked right after the load), or None."""
         ...
 
     def close(self) -> None:

@@ -4,7 +4,12 @@ engine decoded (the backend does not decode them again)."""
 from __future__ import annotations
 
 from runtime.backends.contract import Backend, BackendLoader
-from runtime.backends.options import ModelOptions, SimulatedModelOptions, options_type
+from runtime.backends.options import (
+    ModelOptions,
+    SimulatedModelOptions,
+    options_type,
+    probe_in_background,
+)
 from runtime.backends.simulated import ComputeClock, RealClock, SimulatedBackend
 from runtime.errors import InvalidModelSpec
 from runtime.messages import ModelSpec
@@ -26,6 +31,7 @@ def make_backend_loader(clock: ComputeClock | None = None) -> BackendLoader:
             return SimulatedBackend.load(spec, sim_clock, options)
         from runtime.backends.mlx.backend import MlxBackend
 
-        return MlxBackend.load(spec, options)
+        # An engine runs a deferred probe while idle; a direct MlxBackend.load has no engine.
+        return MlxBackend.load(spec, options, defer_probe=probe_in_background(options))
 
     return load

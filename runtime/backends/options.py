@@ -13,6 +13,7 @@ unknown backend is an ``InvalidModelSpec`` that names the option and says what i
 from __future__ import annotations
 
 import functools
+import os
 import types
 import typing
 from typing import Annotated, Any, Literal, TypeVar
@@ -68,6 +69,10 @@ class MlxOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields
     context_length: NonNegativeInt | None = None  # None (or 0): the model's own config decides
     # Only for a .gguf file or a known model: the format they are converted to.
     weights: WeightsOption | None = None
+    # A model's first load (no cached verdict): "background" serves at once with every probed
+    # capability off and runs the load probe while idle; "at_load" runs it before the model is
+    # ready. None: $MLXRT_LOAD_PROBE, else "background" (runtime/backends/mlx/capabilities.py).
+    load_probe: Literal["background", "at_load"] | None = None
 
 
 class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -91,9 +96,26 @@ class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unk
     # True: the engine pipelines decode steps as on MLX (Backend.pipelined): a step is built on a
     # token before it is read, and a lone stream's next step is queued behind the running one.
     pipelined: bool = False
+    # >0: the model loads as a first load with no cached probe verdict does on MLX: every probed
+    # capability off (no batching, no reuse path) until the engine has run its deferred probe, in
+    # this many pieces of ``probe_step_s`` each (``Backend.deferred_probe``).
+    probe_steps: NonNegativeInt = 0
+    probe_step_s: NonNegativeFloat = 0.0
 
 
 ModelOptions = MlxOptions | SimulatedModelOptions
+
+
+def probe_in_background(options: MlxOptions) -> bool:
+    """Whether a first load runs its probe in the background (``MlxOptions.load_probe``)."""
+    choice = options.load_probe or os.environ.get("MLXRT_LOAD_PROBE") or "background"
+    if choice not in ("background", "at_load"):
+        raise InvalidModelSpec(
+            f"MLXRT_LOAD_PROBE={choice!r} is not a load probe choice: use 'background' or 'at_load'"
+        )
+    return choice == "background"
+
+
 OPTIONS_BY_BACKEND: dict[str, type[ModelOptions]] = {
     "mlx": MlxOptions,
     "simulated": SimulatedModelOptions,

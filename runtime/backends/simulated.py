@@ -23,13 +23,17 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
+import msgspec
+
 from runtime.backends.contract import (
     CannotTrim,
+    Capability,
     ModelInfo,
     PrefillInterrupted,
     ReuseStrategy,
     SequenceState,
     Snapshot,
+    Verdict,
 )
 from runtime.backends.options import SimulatedModelOptions, options_as
 from runtime.messages import ModelSpec
@@ -143,6 +147,16 @@ class SimulatedBackend:
             together_snapshot_tokens=options.context_length,
             chat_template=False,  # chat_tokenizer below: the fallback format
         )
+        self._probe: SimulatedProbe | None = None
+        if options.probe_steps:
+            self._probe = SimulatedProbe(self, options.probe_steps, self._info)
+            pending = tuple(
+                Verdict(capability=c, on=False, why="the simulated load probe is pending")
+                for c in Capability
+            )
+            self._info = msgspec.structs.replace(
+                self._info, reuse=ReuseStrategy.NONE, capabilities=pending, probe_pending=True
+            )
 
     @classmethod
     def load(
@@ -176,7 +190,8 @@ class SimulatedBackend:
         return SimulatedState()
 
     def can_trim(self, state: SequenceState) -> bool:
-        return self._options.trimmable
+        # As on MLX, a state cached before the probe's verdict is kept whole (capabilities.py).
+        return self._options.trimmable and not self._info.probe_pending
 
     def copy_state(
         self, state: SequenceState, length: int, snapshot: Snapshot | None = None
@@ -246,6 +261,7 @@ class SimulatedBackend:
         snapshot_at: Sequence[Sequence[int]] = (),
     ) -> list[list[SimulatedSnapshot]]:
         """One prompt after the other (the virtual clock charges each as ``prefill`` does)."""
+        self._check_probed()
         if len(states) != len(token_ids) or any(len(ids) < 2 for ids in token_ids):
             raise ValueError("prefill_together takes 2 tokens or more per state")
         points = list(snapshot_at) or [[] for _ in token_ids]
@@ -290,8 +306,21 @@ class SimulatedBackend:
         self.prefill(state, [_read_token(token)])
         return self.logits(state)
 
-    def open_batch(self) -> SimulatedBatch:
-        return SimulatedBatch(self)
+    def open_batch(self) -> SimulatedBatch | None:
+        return None if self._info.probe_pending else SimulatedBatch(self)
+
+    def deferred_probe(self) -> SimulatedProbe | None:
+        probe, self._probe = self._probe, None
+        return probe
+
+    def _check_probed(self) -> None:
+        """What a real model's pending probe guards against: batched work before its verdict."""
+        if self._info.probe_pending:
+            raise AssertionError("a batched pass before the load probe's verdict")
+
+    def _probed(self, info: ModelInfo) -> ModelInfo:
+        self._info = info
+        return info
 
     def state_nbytes(self, state: SequenceState) -> int:
         return self._info.kv_bytes(state.length)
@@ -301,6 +330,21 @@ class SimulatedBackend:
 
     def close(self) -> None:
         pass
+
+
+class SimulatedProbe:
+    """A deferred load probe that spends ``probe_step_s`` per piece and then turns on what the
+    options declare (the info the model would have had with a cached verdict)."""
+
+    def __init__(self, backend: SimulatedBackend, steps: int, probed: ModelInfo) -> None:
+        self._backend = backend
+        self._left = steps
+        self._probed = probed
+
+    def step(self) -> ModelInfo | None:
+        self._backend._clock.spend(self._backend._options.probe_step_s)
+        self._left -= 1
+        return None if self._left > 0 else self._backend._probed(self._probed)
 
 
 def _read_token(token: int | mx.array) -> int:
@@ -347,6 +391,7 @@ class SimulatedBatch:
     def step(self, tokens: Mapping[int, int | mx.array]) -> dict[int, mx.array]:
         if set(tokens) != set(self._rows):
             raise ValueError("a batch step needs exactly one token for every member")
+        self._backend._check_probed()
         self._backend._clock.spend(self._backend._options.decode_s_per_token)
         ids = {slot: _read_token(t) for slot, t in tokens.items()}
         hashes = {

@@ -59,6 +59,15 @@ class EngineReady(Message, frozen=True):
     limits: dict[str, str] = {}  # noqa: RUF012 (a msgspec default; ruff cannot see the base here)
 
 
+class EngineProbed(Message, frozen=True):
+    """Engine → router: the model's deferred load probe gave its verdict (after ``EngineReady``,
+    which said every probed capability was off until then): its reuse path and limits now."""
+
+    epoch: int
+    reuse_path: str
+    limits: dict[str, str] = {}  # noqa: RUF012 (a msgspec default; ruff cannot see the base here)
+
+
 class EngineLoadFailed(Message, frozen=True):
     """Engine → router: the model could not be loaded."""
 

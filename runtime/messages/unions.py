@@ -15,6 +15,7 @@ from runtime.messages.engine import (
     Drained,
     EngineFailed,
     EngineLoadFailed,
+    EngineProbed,
     EngineReady,
     SequenceCancelled,
     SequenceFailed,
@@ -84,6 +85,7 @@ RouterInbox = (
     | GetStats
     | Shutdown
     | EngineReady
+    | EngineProbed
     | EngineLoadFailed
     | EngineFailed
     | SequenceStarted

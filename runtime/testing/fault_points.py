@@ -2,11 +2,11 @@
 
 ``FaultyBackend`` calls ``at(point)`` before a prefill chunk (``PREFILL``: a call with the
 sequence's abort flag, as the engine's chunks pass it, or newcomers' prompts prefilled together
-with ``prefill_together``), a B=1 decode step (``DECODE``: ``logits`` or
-``feed``), a prefill that takes checkpoint snapshots or ``snapshot`` (``SNAPSHOT``); its decode
-batches before each forward pass (``BATCH_STEP``). ``FaultyKeeper`` asks before granting a
-sequence's reservation (``RESERVE``); ``LOAD`` is asked by the plan's loader. What happens there is
-the plan's (runtime/testing/faults.py); these wrappers only know where.
+with ``prefill_together``), a B=1 decode step (``DECODE``: ``logits`` or ``feed``), a prefill that
+takes checkpoint snapshots or ``snapshot`` (``SNAPSHOT``), a piece of a deferred load probe
+(``PROBE``); its decode batches before each forward pass (``BATCH_STEP``). ``FaultyKeeper`` asks
+before granting a sequence's reservation (``RESERVE``); ``LOAD`` is asked by the plan's loader.
+What happens there is the plan's (runtime/testing/faults.py); these wrappers only know where.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from runtime.backends.contract import (
     Backend,
     DecodeBatchHandle,
+    DeferredProbe,
     ModelInfo,
     SequenceState,
     Snapshot,
@@ -40,6 +41,7 @@ class FaultPoint(enum.StrEnum):
     DECODE = "decode"
     BATCH_STEP = "batch_step"
     SNAPSHOT = "snapshot"
+    PROBE = "probe"
     RESERVE = "reserve"
 
 
@@ -137,6 +139,22 @@ class FaultyBackend:
     def open_batch(self) -> DecodeBatchHandle | None:
         batch = self._inner.open_batch()
         return None if batch is None else FaultyBatch(batch, self._at)
+
+    def deferred_probe(self) -> DeferredProbe | None:
+        probe = self._inner.deferred_probe()
+        return None if probe is None else FaultyProbe(probe, self._at)
+
+
+class FaultyProbe:
+    """A deferred load probe that calls ``at(PROBE)`` before each piece."""
+
+    def __init__(self, inner: DeferredProbe, at: Callable[[FaultPoint], None]) -> None:
+        self._inner = inner
+        self._at = at
+
+    def step(self) -> ModelInfo | None:
+        self._at(FaultPoint.PROBE)
+        return self._inner.step()
 
 
 class FaultyBatch:

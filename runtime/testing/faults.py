@@ -20,7 +20,8 @@ Points and what a fault there does (``FaultKind``):
   pass it), or one ``prefill_together`` pass (it fails every newcomer in it). ``DECODE``: a B=1
   decode step (``logits`` or ``feed``). ``BATCH_STEP``: one forward pass of the decode batch.
   ``SNAPSHOT``: a prefill that takes checkpoint snapshots, or
-  ``snapshot``. At these ``RAISE`` raises ``InjectedFault`` before the backend is touched,
+  ``snapshot``. ``PROBE``: a piece of a deferred load probe (a raise leaves the model as the
+  pending probe left it). At these ``RAISE`` raises ``InjectedFault`` before the backend is touched,
   ``SLOW`` spends ``seconds`` on the compute clock first, ``HANG`` never returns (on the simulator
   the job's ``ComputeDone`` never arrives; on a real thread it blocks until ``release_hangs``, then
   raises, long after the engine gave up on it).
@@ -84,6 +85,7 @@ KINDS_AT: Mapping[FaultPoint, frozenset[FaultKind]] = {
             FaultPoint.DECODE,
             FaultPoint.BATCH_STEP,
             FaultPoint.SNAPSHOT,
+            FaultPoint.PROBE,
         )
     },
 }

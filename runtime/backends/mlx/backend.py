@@ -23,9 +23,9 @@ from mlx_lm.models import cache as mlx_cache
 from runtime.backends.contract import (
     CannotTrim,
     DecodeBatchHandle,
+    DeferredProbe,
     ModelInfo,
     PrefillInterrupted,
-    ReuseStrategy,
     SequenceState,
     Snapshot,
 )
@@ -35,6 +35,7 @@ from runtime.backends.mlx.capabilities import limit_by_probe
 from runtime.backends.mlx.facts import (
     context_length_of,
     effective_eos_ids,
+    loading_info,
     quantization_group,
     reuse_strategy,
     vocab_size_of,
@@ -42,7 +43,7 @@ from runtime.backends.mlx.facts import (
 )
 from runtime.backends.mlx.interrupt import can_interrupt, interruptible, stop_checks
 from runtime.backends.mlx.probe import plain_run, probe_prompts
-from runtime.backends.mlx.state import MlxSnapshot, MlxState, own_state
+from runtime.backends.mlx.state import MlxSnapshot, MlxState, check_points, own_state
 from runtime.backends.mlx.together import prefill_together, together_snapshot_tokens
 from runtime.backends.mlx.upstream import patch_model
 from runtime.backends.model_source import prepare_model
@@ -77,14 +78,18 @@ class MlxBackend:
         self.whole_snapshots = False
         self.batch_decode = True  # whether the probe found batched decoding exact (set at load)
         self._constraints: ConstraintEngine | None = None  # made for the first constrained row
+        self._deferred: DeferredProbe | None = None  # the load probe, where left for later
 
     # ------------------------------------------------------------------ loading
 
     @classmethod
-    def load(cls, spec: ModelSpec, options: MlxOptions | None = None) -> MlxBackend:
+    def load(
+        cls, spec: ModelSpec, options: MlxOptions | None = None, *, defer_probe: bool = False
+    ) -> MlxBackend:
         """Load ``spec.path`` with its decoded ``options`` (decoded here when not given, as for a
         direct call); raises ``InvalidModelSpec`` (bad options) or ``ModelLoadFailed`` naming
-        what is missing."""
+        what is missing. ``defer_probe``: a probe with no cached verdict is left for the engine
+        (``deferred_probe``) rather than run now."""
         from mlx_lm.utils import load as mlx_load
 
         if options is None:
@@ -111,17 +116,19 @@ class MlxBackend:
             )
         for applied in patch_model(model):
             log.info("model %r: worked around an mlx-lm defect: %s", spec.name, applied)
-        backend = cls(model, tokenizer, _placeholder_info(), options.kv_bits)
+        backend = cls(model, tokenizer, loading_info(), options.kv_bits)
         backend._path = path
         # Refused here, not at a request: a cache class with no adapter cannot be served.
         check_supported(backend.new_state().caches, config.get("model_type"))
         try:
-            backend._info = backend._measure(spec.name, options, config)
+            backend._info = backend._measure(spec.name, options, config, defer_probe)
         except (ValueError, TypeError) as exc:  # e.g. an architecture the options do not fit
             raise ModelLoadFailed(f"the model at {path} failed its warm-up pass: {exc}") from exc
         return backend
 
-    def _measure(self, name: str, options: MlxOptions, config: dict[str, Any]) -> ModelInfo:
+    def _measure(
+        self, name: str, options: MlxOptions, config: dict[str, Any], defer_probe: bool
+    ) -> ModelInfo:
         """Run a tiny forward pass and read the cache layout off the real arrays."""
         # The warm-up pass (it also loads the weights: the timing follows) is the load probe's
         # plain run of its first prompt, which the probe then need not run again.
@@ -165,7 +172,8 @@ class MlxBackend:
             ),
             chat_template=templated,
         )
-        return limit_by_probe(self, name, state.caches, first)
+        info, self._deferred = limit_by_probe(self, name, state.caches, first, defer=defer_probe)
+        return info
 
     def _timed_pass(self, state: MlxState) -> float:
         start = time.perf_counter()
@@ -175,6 +183,10 @@ class MlxBackend:
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    @info.setter
+    def info(self, info: ModelInfo) -> None:
+        self._info = info  # a deferred probe's piece runs with the info as measured
 
     @property
     def path(self) -> Path:
@@ -262,7 +274,7 @@ class MlxBackend:
             return []
         ids, start = list(token_ids), own.n_tokens
         end = start + len(ids)
-        _check_points(snapshot_at, start, end)
+        check_points(snapshot_at, start, end)
         # Passes end where a snapshot cannot reach back from further on (a recurrent state holds
         # only its last step), and before the last token of a long pass that keeps logits.
         cuts = set() if self.reach_back else set(snapshot_at)
@@ -324,7 +336,7 @@ class MlxBackend:
                     f"cannot snapshot inside a {end}-token prompt prefilled together "
                     f"(at most {reach})"
                 )
-            _check_points(at, start, end)
+            check_points(at, start, end)
         return prefill_together(
             self._model, owns, token_ids, points, self.reach_back, self.whole_snapshots
         )
@@ -364,6 +376,10 @@ class MlxBackend:
             self._constraints = ConstraintEngine(self._tokenizer, self._info.eos_token_ids)
         return self._constraints
 
+    def deferred_probe(self) -> DeferredProbe | None:
+        deferred, self._deferred = self._deferred, None
+        return deferred
+
     def close(self) -> None:
         """Drop the model and return MLX's cached buffers to the system.
 
@@ -377,23 +393,3 @@ class MlxBackend:
         self._tokenizer = None
         gc.collect()
         mx.clear_cache()
-
-
-# ---------------------------------------------------------------------- helpers
-
-
-def _check_points(points: Sequence[int], start: int, end: int) -> None:
-    """Snapshot points must lie in what a prefill from ``start`` to ``end`` adds."""
-    if any(not start < p <= end for p in points):
-        raise ValueError(f"snapshot points {list(points)} outside ({start}, {end}]")
-
-
-def _placeholder_info() -> ModelInfo:
-    return ModelInfo(
-        context_length=1,
-        vocab_size=0,
-        eos_token_ids=frozenset(),
-        reuse=ReuseStrategy.NONE,
-        reuse_reason="loading",
-        bytes_per_token=0,
-    )

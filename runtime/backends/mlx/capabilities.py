@@ -7,23 +7,29 @@ inside a pass makes the backend cut its passes at snapshot points; trimming off 
 restore checkpoints that copy every layer; checkpoints that do not restore exactly even so leave
 the model with no prefix reuse. The load log line says what is off and why; ``ModelInfo.limits``
 carries the same to ``/v1/models``, ``stats()`` and ``/metrics``.
+
+A model's first load need not wait for the probe (``MlxOptions.load_probe``, "background" by
+default): it is then served as if every capability had failed (one stream at a time, prompts
+prefilled alone, no trimming or checkpoints: whatever the probe finds can only widen that) until
+the engine has run the probe in pieces while idle (``DeferredProbe``) and applied its verdict.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 
-from runtime.backends.contract import Capability, ModelInfo, ReuseStrategy
+from runtime.backends.contract import Capability, ModelInfo, ReuseStrategy, Verdict
 from runtime.backends.mlx.batch import DecodeBatch
 from runtime.backends.mlx.probe import (
     PROBE_PROMPT_TOKENS,
     Declared,
     ProbedBackend,
     ProbeResult,
+    probe_steps,
     run_probe,
 )
 from runtime.backends.mlx.state import MlxState
@@ -33,28 +39,56 @@ from runtime.backends.mlx.verdicts import cached, fingerprint, store
 log = logging.getLogger("mlx_actor_runtime.mlx_backend")
 
 
+PENDING = (
+    "not yet known: the load probe runs in the background on this first load of the model, "
+    "and the capability turns on once it proves exact"
+)
+
+
 def limit_by_probe(
-    backend: ProbedBackend, name: str, caches: Sequence[Any], first: MlxState | None = None
-) -> ModelInfo:
+    backend: ProbedBackend,
+    name: str,
+    caches: Sequence[Any],
+    first: MlxState | None = None,
+    *,
+    defer: bool = False,
+) -> tuple[ModelInfo, DeferredProbe | None]:
     """``backend.info`` as measured, limited by the probe's verdict on this model: the cached
-    one for its fingerprint, else the probe's run now (then cached). ``first``: the probe's
-    first prompt run alone, where the load's warm-up pass was that run (``probe.plain_run``)."""
+    one for its fingerprint, else the probe's run now (then cached), or with ``defer`` every
+    capability off until the returned ``DeferredProbe`` has run. ``first``: the probe's first
+    prompt run alone, where the load's warm-up pass was that run (``probe.plain_run``)."""
     info = backend.info
     key = fingerprint(backend.path, backend.kv_bits, caches) if backend.path.is_dir() else None
     result = None if key is None else cached(key)
-    from_cache = result is not None
-    if result is None:
-        declared = Declared(
-            reach_back=backend.reach_back,
-            checkpoints=info.reuse is ReuseStrategy.CHECKPOINT,
-            trims=info.reuse is ReuseStrategy.TRIM,
-            batch_refusal=DecodeBatch.unsupported_reason(backend),
-            together_points=info.reuse is ReuseStrategy.CHECKPOINT
-            and info.together_snapshot_tokens >= PROBE_PROMPT_TOKENS,
-        )
-        result = run_probe(backend, declared, info.vocab_size, first)
-        if key is not None:
-            store(key, result)
+    if result is not None:
+        return _applied(backend, name, info, caches, result, from_cache=True), None
+    declared = Declared(
+        reach_back=backend.reach_back,
+        checkpoints=info.reuse is ReuseStrategy.CHECKPOINT,
+        trims=info.reuse is ReuseStrategy.TRIM,
+        batch_refusal=DecodeBatch.unsupported_reason(backend),
+        together_points=info.reuse is ReuseStrategy.CHECKPOINT
+        and info.together_snapshot_tokens >= PROBE_PROMPT_TOKENS,
+    )
+    if defer:
+        deferred = DeferredProbe(backend, name, info, caches, key, declared, first)
+        log.info("model %r: load probe deferred: it runs while the engine is idle", name)
+        return _pending(backend, info), deferred
+    result = run_probe(backend, declared, info.vocab_size, first)
+    if key is not None:
+        store(key, result)
+    return _applied(backend, name, info, caches, result, from_cache=False), None
+
+
+def _applied(
+    backend: ProbedBackend,
+    name: str,
+    info: ModelInfo,
+    caches: Sequence[Any],
+    result: ProbeResult,
+    *,
+    from_cache: bool,
+) -> ModelInfo:
     limited = apply_verdict(backend, info, caches, result, from_cache)
     log.info(
         "model %r: load probe %s: %s",
@@ -63,6 +97,90 @@ def limit_by_probe(
         "; ".join(f"{c} off ({why})" for c, why in limited.limits.items()) or "every capability on",
     )
     return limited
+
+
+def _pending(backend: ProbedBackend, info: ModelInfo) -> ModelInfo:
+    """``info`` with every capability off until the probe's verdict: the paths that need no
+    evidence (whole copies of every layer, one stream at a time) are what a failed probe keeps."""
+    _Flags(reach_back=False, whole_snapshots=True, batch_decode=False).put(backend)
+    return msgspec.structs.replace(
+        info,
+        reuse=ReuseStrategy.NONE,
+        reuse_reason=f"prefix reuse is {PENDING}",
+        together_snapshot_tokens=0,
+        capabilities=tuple(Verdict(capability=c, on=False, why=PENDING) for c in Capability),
+        probe_pending=True,
+    )
+
+
+class _Flags(msgspec.Struct, frozen=True):
+    """What the probe both reads and sets on the backend: its switches and its info."""
+
+    reach_back: bool
+    whole_snapshots: bool
+    batch_decode: bool
+    info: ModelInfo | None = None  # None: leave the backend's as it is
+
+    @classmethod
+    def of(cls, backend: ProbedBackend) -> _Flags:
+        return cls(backend.reach_back, backend.whole_snapshots, backend.batch_decode, backend.info)
+
+    def put(self, backend: ProbedBackend) -> None:
+        backend.reach_back = self.reach_back
+        backend.whole_snapshots = self.whole_snapshots
+        backend.batch_decode = self.batch_decode
+        if self.info is not None:
+            backend.info = self.info
+
+
+class DeferredProbe:
+    """The load probe of a model that is already serving, run one piece at a time on its
+    compute thread whenever the engine has nothing else to run (``Backend.deferred_probe``).
+
+    Between pieces the backend serves with the pending switches (``_pending``); each piece puts
+    the probe's own switches in, runs, and puts the serving ones back, so the two never mix.
+    The last piece applies the verdict (and caches it) and returns the model's new info.
+    """
+
+    def __init__(
+        self,
+        backend: ProbedBackend,
+        name: str,
+        info: ModelInfo,
+        caches: Sequence[Any],
+        key: str | None,
+        declared: Declared,
+        first: MlxState | None,
+    ) -> None:
+        self._backend = backend
+        self._name = name
+        self._info = info  # as measured, before any limit
+        self._caches = caches
+        self._key = key
+        self._probing = _Flags(declared.reach_back, False, True, info)  # as measured
+        self._steps = probe_steps(backend, declared, info.vocab_size, first)
+
+    def step(self) -> ModelInfo | None:
+        """Run the next piece: None while more remain, else the info with the verdict applied.
+        An exception leaves the serving switches in place (the model stays as pending)."""
+        serving = _Flags.of(self._backend)
+        self._probing.put(self._backend)
+        try:
+            next(self._steps)
+        except StopIteration as done:
+            result = cast(ProbeResult, done.value)
+        except BaseException:
+            serving.put(self._backend)
+            raise
+        else:
+            self._probing = _Flags.of(self._backend)
+            serving.put(self._backend)
+            return None
+        if self._key is not None:
+            store(self._key, result)
+        return _applied(
+            self._backend, self._name, self._info, self._caches, result, from_cache=False
+        )
 
 
 def apply_verdict(
@@ -95,4 +213,5 @@ def apply_verdict(
         capabilities=result.verdicts,
         probe_s=result.seconds,
         probe_cached=from_cache,
+        probe_pending=False,
     )

@@ -10,7 +10,7 @@ from typing import Any, cast
 
 import mlx.core as mx
 
-from runtime.backends.contract import ReuseStrategy
+from runtime.backends.contract import ModelInfo, ReuseStrategy
 from runtime.backends.mlx.cache_kinds import kind_of
 from runtime.errors import ModelLoadFailed
 
@@ -126,4 +126,16 @@ def reuse_strategy(caches: list[Any]) -> tuple[ReuseStrategy, str]:
         ReuseStrategy.CHECKPOINT,
         f"{described}: such layers cannot be trimmed safely, so checkpoints snapshot only them "
         "and cut the full-attention layers back from the state they came from",
+    )
+
+
+def loading_info() -> ModelInfo:
+    """What a backend holds before its first pass has measured the model."""
+    return ModelInfo(
+        context_length=1,
+        vocab_size=0,
+        eos_token_ids=frozenset(),
+        reuse=ReuseStrategy.NONE,
+        reuse_reason="loading",
+        bytes_per_token=0,
     )

@@ -21,7 +21,7 @@ A check that crashes counts as failed. The verdict is cached by the model's fing
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 import mlx.core as mx
@@ -44,9 +44,7 @@ class ProbedBackend(Protocol):
     reach_back: bool
     whole_snapshots: bool
     batch_decode: bool
-
-    @property
-    def info(self) -> ModelInfo: ...
+    info: ModelInfo  # set while a deferred probe runs a piece (capabilities.py)
 
     @property
     def path(self) -> Path: ...
@@ -119,26 +117,50 @@ class Declared(msgspec.Struct, frozen=True, kw_only=True):
 def run_probe(
     backend: ProbedBackend, declared: Declared, vocab_size: int, first: MlxState | None = None
 ) -> ProbeResult:
-    """Check every declared capability on ``backend``'s model (``ProbeResult``). ``first``: the
-    first prompt's plain run (``plain_run(backend, probe_prompts(vocab_size)[0])``) where the
-    load already made it (its warm-up pass): not run again."""
+    """Check every declared capability on ``backend``'s model (``ProbeResult``), all at once.
+    ``first``: the first prompt's plain run (``plain_run(backend, probe_prompts(vocab_size)[0])``)
+    where the load already made it (its warm-up pass): not run again."""
+    steps = probe_steps(backend, declared, vocab_size, first)
+    while True:
+        try:
+            next(steps)
+        except StopIteration as done:
+            return cast(ProbeResult, done.value)
+
+
+def probe_steps(
+    backend: ProbedBackend, declared: Declared, vocab_size: int, first: MlxState | None = None
+) -> Generator[None, None, ProbeResult]:
+    """``run_probe`` in pieces of a few short passes each: it yields between its checks, so an
+    engine that runs it in the background (capabilities.py) serves a request between two pieces.
+    ``ProbeResult.seconds`` counts the pieces' own time, not the waits between them."""
+    spent = 0.0
     start = time.perf_counter()
     tol = _tolerance(backend.model)
     prompts = probe_prompts(vocab_size)
     base = _Baseline(backend, prompts, declared, first)
+    spent += time.perf_counter() - start
+    yield
+    start = time.perf_counter()
     trim = _trim(backend, declared, base, tol)
     if declared.trims and not trim.on:  # the fallback: checkpoints that copy every layer
         backend.whole_snapshots = True
         declared = msgspec.structs.replace(declared, checkpoints=True, reach_back=False)
+    spent += time.perf_counter() - start
+    yield
+    start = time.perf_counter()
     reach, exact = _snapshots(backend, declared, base, tol)
-    verdicts = (
-        reach,
-        _batch_prefill(backend, declared, base, tol),
-        _batch_decode(backend, declared, base, tol),  # last: it extends the baseline's states
-        trim,
-    )
+    spent += time.perf_counter() - start
+    yield
+    start = time.perf_counter()
+    together = _batch_prefill(backend, declared, base, tol)
+    spent += time.perf_counter() - start
+    yield
+    start = time.perf_counter()
+    decode = _batch_decode(backend, declared, base, tol)  # last: it extends the baseline's states
+    spent += time.perf_counter() - start
     return ProbeResult(
-        verdicts=verdicts, checkpoints_exact=exact, seconds=time.perf_counter() - start
+        verdicts=(reach, together, decode, trim), checkpoints_exact=exact, seconds=spent
     )
 
 

@@ -6,6 +6,7 @@ other. What a layer's cache does (copy, snapshot, cut back) is its kind's (``cac
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
@@ -57,3 +58,9 @@ def own_state(state: SequenceState) -> MlxState:
     if not isinstance(state, MlxState):
         raise TypeError(f"not an MLX state: {type(state).__name__}")
     return state
+
+
+def check_points(points: Sequence[int], start: int, end: int) -> None:
+    """Snapshot points must lie in what a prefill from ``start`` to ``end`` adds."""
+    if any(not start < p <= end for p in points):
+        raise ValueError(f"snapshot points {list(points)} outside ({start}, {end}]")

@@ -69,9 +69,14 @@ def _version(package: str) -> str:
         return "unknown"
 
 
+def probe_dir() -> Path:
+    """Where the verdicts are kept."""
+    return cache_root() / "probe"
+
+
 def verdict_file(key: str) -> Path:
     """Where the verdict of fingerprint ``key`` is kept."""
-    return cache_root() / "probe" / f"{key}.json"
+    return probe_dir() / f"{key}.json"
 
 
 def cached(key: str) -> ProbeResult | None:
