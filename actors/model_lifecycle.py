@@ -300,7 +300,13 @@ class ModelLifecycle:
         )
         if model.state in (ModelState.LOADING, ModelState.RESTARTING):
             restarted = model.state is ModelState.RESTARTING
-            _log_loaded(model.spec, model.loaded, ctx.now() - model.since, restarted=restarted)
+            _log_loaded(
+                model.spec,
+                model.loaded,
+                ctx.now() - model.since,
+                restarted=restarted,
+                pending=event.probe_pending,
+            )
             model.state = ModelState.READY
             if not self.keep_alive.live(model.epoch):
                 self.keep_alive.went_idle(
@@ -427,16 +433,19 @@ class ModelLifecycle:
         return model
 
 
-def _log_loaded(spec: ModelSpec, loaded: ModelLoaded, seconds: float, *, restarted: bool) -> None:
+def _log_loaded(
+    spec: ModelSpec, loaded: ModelLoaded, seconds: float, *, restarted: bool, pending: bool
+) -> None:
     """The one line each load (or reload after its engine failed) gets."""
     keep = spec.keep_alive_s
     log.info(
-        "%s %s in %.1f s (context %d tokens, prefix reuse by %s, keep-alive %s)",
+        "%s %s in %.1f s (context %d tokens, prefix reuse by %s%s, keep-alive %s)",
         "reloaded after its engine failed:" if restarted else "loaded",
         spec.name,
         seconds,
         loaded.context_length,
         loaded.reuse_path,
+        " until the load probe, running while idle, gives its verdict" if pending else "",
         "forever" if keep is None else f"{keep:g} s",
     )
 

@@ -385,6 +385,7 @@ class EngineCore:
                 context_length=info.context_length,
                 chat_template=info.chat_template,
                 limits=info.limits,
+                probe_pending=info.probe_pending,
             ),
         )
         self._admission.loaded(info, ctx)

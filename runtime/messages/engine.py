@@ -57,6 +57,8 @@ class EngineReady(Message, frozen=True):
     chat_template: bool = True
     # Capabilities the load probe switched off for this model, each with why (backend docs).
     limits: dict[str, str] = {}  # noqa: RUF012 (a msgspec default; ruff cannot see the base here)
+    # The probe runs in the background: every probed capability is off until ``EngineProbed``.
+    probe_pending: bool = False
 
 
 class EngineProbed(Message, frozen=True):

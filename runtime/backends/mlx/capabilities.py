@@ -91,9 +91,10 @@ def _applied(
 ) -> ModelInfo:
     limited = apply_verdict(backend, info, caches, result, from_cache)
     log.info(
-        "model %r: load probe %s: %s",
+        "model %r: load probe %s: prefix reuse by %s; %s",
         name,
         "verdict cached" if from_cache else f"ran in {result.seconds:.2f} s",
+        limited.reuse,
         "; ".join(f"{c} off ({why})" for c, why in limited.limits.items()) or "every capability on",
     )
     return limited
