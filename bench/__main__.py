@@ -26,7 +26,7 @@ from bench import (
     server,
     structured,
 )
-from bench.models import MODELS, REAL_MODELS, load_bench_model
+from bench.models import MODELS, REAL_MODELS, BenchModel, load_bench_model
 from bench.results import SYSTEMS, Sink, format_table
 from bench.serving import ServerCommand, mlx_lm_server
 from bench.workload import SIZES, build_workload
@@ -131,16 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _log(f"{kind}: backend-level batching (B=1 loop vs a DecodeBatch of four)")
                 batch_sizes = batching.BATCH_SIZES.pick(loaded, args.quick)
                 sink.extend(batching.measure(path, tokenizer, kind, batch_sizes))
-            llama_servers: list[ServerCommand] = []
-            for system in llamacpp.SYSTEMS:
-                if found is None or system not in args.systems:
-                    continue
-                command = found.command(system, loaded)
-                if isinstance(command, llamacpp.Unavailable):
-                    _log(f"{kind}: {system} skipped: {command.reason}")
-                    sink.add(llamacpp.skipped(system, loaded, command))
-                else:
-                    llama_servers.append(command)
+            llama_servers = [] if found is None else _llama_servers(found, loaded, sink)
             http_groups = [group for group in over_http.GROUPS if group in args.scenarios]
             if http_groups:
                 _log(f"{kind}: {', '.join(http_groups)} (the servers, over HTTP)")
@@ -179,6 +170,19 @@ def _find_llamacpp(args: argparse.Namespace) -> llamacpp.Found | None:
     for system, line in found.describe().items():
         _log(f"llama.cpp: {system}: {line}")
     return found
+
+
+def _llama_servers(found: llamacpp.Found, model: BenchModel, sink: Sink) -> list[ServerCommand]:
+    """The llama.cpp servers to start on ``model``; a row (and a log line) for each that cannot."""
+    commands = []
+    for system in found.wanted():
+        command = found.command(system, model)
+        if isinstance(command, llamacpp.Unavailable):
+            _log(f"{model.name}: {system} skipped: {command.reason}")
+            sink.add(llamacpp.skipped(system, model, command))
+        else:
+            commands.append(command)
+    return commands
 
 
 def _log(message: str) -> None:

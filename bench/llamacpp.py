@@ -41,6 +41,9 @@ class Unavailable:
     reason: str
 
 
+NOT_ASKED = Unavailable("not among --systems")
+
+
 @dataclass(frozen=True)
 class Binary:
     """A ``llama-server`` executable and what its ``--version`` says."""
@@ -56,6 +59,14 @@ class Found:
 
     llama_server: Binary | Unavailable
     ours: Unavailable | None
+
+    def wanted(self) -> list[str]:
+        """The systems of ``SYSTEMS`` the run asked for."""
+        asked = {
+            LLAMA_SERVER: self.llama_server != NOT_ASKED,
+            OURS_LLAMACPP: self.ours != NOT_ASKED,
+        }
+        return [system for system in SYSTEMS if asked[system]]
 
     def command(self, system: str, model: BenchModel) -> ServerCommand | Unavailable:
         """How to start ``system`` (one of ``SYSTEMS``) on ``model``, or why it cannot run."""
@@ -75,9 +86,9 @@ class Found:
         raise ValueError(f"unknown llama.cpp system {system!r}; choose from {SYSTEMS}")
 
     def describe(self) -> dict[str, str]:
-        """One line per system for the run's environment (the report's "The run" table)."""
+        """One line per system asked for, for the run's environment (the report's run table)."""
         server = self.llama_server
-        return {
+        lines = {
             LLAMA_SERVER: f"skipped: {server.reason}"
             if isinstance(server, Unavailable)
             else f"`{server.path}` ({server.version}); flags `{' '.join(FLAGS)}`, defaults "
@@ -86,6 +97,7 @@ class Found:
             if self.ours is not None
             else "`mlxrt serve --backend llamacpp` on the same GGUF file",
         }
+        return {system: lines[system] for system in self.wanted()}
 
 
 def llama_server(binary: Path, gguf: Path) -> ServerCommand:
@@ -101,10 +113,9 @@ def skipped(system: str, model: BenchModel, why: Unavailable) -> Measurement:
 def find(systems: set[str]) -> Found:
     """Look for what the llama.cpp systems in ``systems`` need (building llama-server if asked
     for and absent); a system not asked for is marked so, and nothing is looked for."""
-    not_asked = Unavailable("not among --systems")
     return Found(
-        find_llama_server() if LLAMA_SERVER in systems else not_asked,
-        ours_on_llamacpp() if OURS_LLAMACPP in systems else not_asked,
+        find_llama_server() if LLAMA_SERVER in systems else NOT_ASKED,
+        ours_on_llamacpp() if OURS_LLAMACPP in systems else NOT_ASKED,
     )
 
 

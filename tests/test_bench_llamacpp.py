@@ -71,6 +71,13 @@ def test_each_system_is_skipped_with_its_own_reason() -> None:
     assert "--threads 2" in Found(BINARY, None).describe()[LLAMA_SERVER]
 
 
+def test_a_system_not_asked_for_is_neither_started_nor_described() -> None:
+    found = Found(BINARY, llamacpp.NOT_ASKED)
+    assert found.wanted() == [LLAMA_SERVER]
+    assert list(found.describe()) == [LLAMA_SERVER]
+    assert Found(llamacpp.NOT_ASKED, None).wanted() == [OURS_LLAMACPP]
+
+
 @pytest.mark.parametrize(
     ("choices", "expected"),
     [(["mlx", "simulated"], ("mlx", "simulated")), (["mlx", "llamacpp"], ("mlx", "llamacpp"))],
