@@ -64,6 +64,13 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "ours-llamacpp (mlxrt serve --backend llamacpp; real models only)",
     )
     parser.add_argument(
+        "--llama-threads",
+        type=int,
+        default=llamacpp.THREADS,
+        metavar="N",
+        help=f"llama-server's --threads (default {llamacpp.THREADS}, this machine's cores)",
+    )
+    parser.add_argument(
         "--scenarios",
         default=",".join(SCENARIO_GROUPS),
         help="comma-separated subset of: existing (turn2, abandon, decode), generation "
@@ -91,6 +98,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown_systems = args.systems - set(SYSTEMS)
     if unknown_systems:
         parser.error(f"unknown systems {sorted(unknown_systems)}; choose from {SYSTEMS}")
+    if args.llama_threads < 1:
+        parser.error("--llama-threads must be at least 1")
     return args
 
 
@@ -166,7 +175,7 @@ def _find_llamacpp(args: argparse.Namespace) -> llamacpp.Found | None:
     if not wanted or not real or not args.scenarios & SERVER_GROUPS:
         return None
     _log(f"llama.cpp: looking for {', '.join(sorted(wanted))} (a first build takes ~12 min)")
-    found = llamacpp.find(args.systems)
+    found = llamacpp.find(args.systems, args.llama_threads)
     for system, line in found.describe().items():
         _log(f"llama.cpp: {system}: {line}")
     return found

