@@ -91,17 +91,24 @@ class Found:
 
     def describe(self) -> dict[str, str]:
         """One line per system asked for, for the run's environment (the report's run table)."""
-        server = self.llama_server
+        server, flag_text = self.llama_server, " ".join(flags(self.threads))
         lines = {
             LLAMA_SERVER: f"skipped: {server.reason}"
             if isinstance(server, Unavailable)
-            else f"`{server.path}` ({server.version}); flags `{' '.join(flags(self.threads))}`, "
+            else f"`{_home_relative(server.path)}` ({server.version}); flags `{flag_text}`, "
             "defaults otherwise (its slots share one KV cache; prompt cache on)",
             OURS_LLAMACPP: f"skipped: {self.ours.reason}"
             if self.ours is not None
             else "`mlxrt serve --backend llamacpp` on the same GGUF file",
         }
         return {system: lines[system] for system in self.wanted()}
+
+
+def _home_relative(path: Path) -> str:
+    """``path`` with the home directory as ``~``: the report is committed, the home is not."""
+    home = str(Path.home())
+    text = str(path)
+    return "~" + text[len(home) :] if text.startswith(home + os.sep) else text
 
 
 def flags(threads: int) -> tuple[str, ...]:
