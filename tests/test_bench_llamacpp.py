@@ -50,6 +50,7 @@ def test_ours_on_llamacpp_is_mlxrt_serve_with_that_backend_on_the_same_file() ->
     assert argv[:4] == (sys.executable, "-m", "runtime.cli", "serve")
     assert argv[argv.index("--model") + 1] == f"smollm2={GGUF}"
     assert argv[argv.index("--backend") + 1] == "llamacpp"
+    assert argv[argv.index("--model-option") + 1] == "n_threads=2"  # llama-server's threads
 
 
 def test_each_system_is_skipped_with_its_own_reason() -> None:
