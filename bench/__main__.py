@@ -1,4 +1,5 @@
-"""``python -m bench``: our runtime vs raw mlx-lm vs ``mlx_lm.server`` on the same models.
+"""``python -m bench``: our runtime vs raw mlx-lm, ``mlx_lm.server`` and llama.cpp's
+``llama-server`` on the same models (and our runtime on llama.cpp where it is installed).
 
 Prints one JSON object per measurement (to stdout, or to ``--json PATH``), then a table.
 """
@@ -24,14 +25,16 @@ from bench import (
     environment,
     generation,
     hop,
+    llamacpp,
     ours,
     over_http,
     raw_mlx,
     server,
     structured,
 )
-from bench.models import MODELS, load_bench_model
-from bench.results import Sink, format_table
+from bench.models import MODELS, REAL_MODELS, BenchModel, load_bench_model
+from bench.results import SYSTEMS, Sink, format_table
+from bench.serving import ServerCommand, mlx_lm_server
 from bench.workload import SIZES, build_workload
 
 SCENARIO_GROUPS = (
@@ -44,6 +47,7 @@ SCENARIO_GROUPS = (
     "hop",
 )
 MODEL_FREE_GROUPS = {"hop"}
+SERVER_GROUPS = {"existing", *over_http.GROUPS}  # the groups the llama.cpp systems have rows in
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -60,8 +64,17 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="write JSON lines here, not to stdout")
     parser.add_argument(
         "--systems",
-        default="runtime,mlx-lm,mlx_lm.server",
-        help="comma-separated subset of: runtime, mlx-lm, mlx_lm.server",
+        default=",".join(SYSTEMS),
+        help="comma-separated subset of: runtime, mlx-lm, mlx_lm.server, llama-server "
+        "(llama.cpp's own, built once by scripts/build-llama-server.sh; real models only), "
+        "ours-llamacpp (mlxrt serve --backend llamacpp; real models only)",
+    )
+    parser.add_argument(
+        "--llama-threads",
+        type=int,
+        default=llamacpp.THREADS,
+        metavar="N",
+        help=f"llama-server's --threads (default {llamacpp.THREADS}, this machine's cores)",
     )
     parser.add_argument(
         "--scenarios",
@@ -87,7 +100,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
     unknown = set(args.models) - set(MODELS)
     if unknown:
         parser.error(f"unknown models {sorted(unknown)}; choose from {MODELS}")
-    args.systems = set(args.systems.split(","))
+    args.systems = {s for s in args.systems.split(",") if s}
+    unknown_systems = args.systems - set(SYSTEMS)
+    if unknown_systems:
+        parser.error(f"unknown systems {sorted(unknown_systems)}; choose from {SYSTEMS}")
+    if args.llama_threads < 1:
+        parser.error("--llama-threads must be at least 1")
     return args
 
 
@@ -101,7 +119,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             out = stack.enter_context(open(args.json, "w", encoding="utf-8"))
         sink = Sink(out)
-        sink.meta(environment.describe("quick" if args.quick else "full"))
+        found = _find_llamacpp(args)
+        llama_meta = {} if found is None else {"llama.cpp": found.describe()}
+        sink.meta({**environment.describe("quick" if args.quick else "full"), **llama_meta})
         if "hop" in args.scenarios and "runtime" in args.systems:
             _log("hop: actor message hop and per-token cost (runtime, simulated backend)")
             sink.extend(hop.measure(hop.HOP_QUICK if args.quick else hop.HopSizes()))
@@ -126,10 +146,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _log(f"{kind}: backend-level batching (B=1 loop vs a DecodeBatch of four)")
                 batch_sizes = batching.BATCH_SIZES.pick(loaded, args.quick)
                 sink.extend(batching.measure(path, tokenizer, kind, batch_sizes))
+            llama_servers = [] if found is None else _llama_servers(found, loaded, sink)
             http_groups = [group for group in over_http.GROUPS if group in args.scenarios]
             if http_groups:
-                _log(f"{kind}: {', '.join(http_groups)} (mlxrt serve vs mlx_lm.server, over HTTP)")
-                sink.extend(over_http.measure(loaded, http_groups, args.systems, args.quick))
+                _log(f"{kind}: {', '.join(http_groups)} (the servers, over HTTP)")
+                sink.extend(
+                    over_http.measure(loaded, http_groups, args.systems, args.quick, llama_servers)
+                )
             if "existing" not in args.scenarios:
                 continue
             work = build_workload(tokenizer, SIZES.pick(loaded, args.quick))
@@ -139,14 +162,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "runtime" in args.systems:
                 _log(f"{kind}: runtime")
                 sink.extend(ours.measure(path, kind, work))
-            if "mlx_lm.server" in args.systems:
-                _log(f"{kind}: mlx_lm.server")
-                sink.extend(server.measure(path, kind, work))
+            mlx_server = [mlx_lm_server(path)] if "mlx_lm.server" in args.systems else []
+            for command in [*mlx_server, *llama_servers]:
+                _log(f"{kind}: {command.system}")
+                sink.extend(server.measure(command, kind, work))
     mode = "quick" if args.quick else "full"
     print(f"\n# bench ({mode}; {time.perf_counter() - began:.0f}s)", file=sys.stderr)
     print(format_table(sink.items), file=sys.stdout if args.json else sys.stderr)
     release_thread_resources()  # raw mlx-lm ran on this thread: MLX needs its streams cleared
     return 0
+
+
+def _find_llamacpp(args: argparse.Namespace) -> llamacpp.Found | None:
+    """What the llama.cpp systems need, when the run has rows for them (a real model, a server
+    group); None otherwise, so a run without them builds nothing."""
+    wanted = args.systems & set(llamacpp.SYSTEMS)
+    real = any(m in REAL_MODELS for m in args.models)
+    if not wanted or not real or not args.scenarios & SERVER_GROUPS:
+        return None
+    _log(f"llama.cpp: looking for {', '.join(sorted(wanted))} (a first build takes ~12 min)")
+    found = llamacpp.find(args.systems, args.llama_threads)
+    for system, line in found.describe().items():
+        _log(f"llama.cpp: {system}: {line}")
+    return found
+
+
+def _llama_servers(found: llamacpp.Found, model: BenchModel, sink: Sink) -> list[ServerCommand]:
+    """The llama.cpp servers to start on ``model``; a row (and a log line) for each that cannot."""
+    commands = []
+    for system in found.wanted():
+        command = found.command(system, model)
+        if isinstance(command, llamacpp.Unavailable):
+            _log(f"{model.name}: {system} skipped: {command.reason}")
+            sink.add(llamacpp.skipped(system, model, command))
+        else:
+            commands.append(command)
+    return commands
 
 
 def _log(message: str) -> None:

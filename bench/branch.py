@@ -9,7 +9,8 @@ streamed greedy completions; fresh notes every repetition, so nothing carries ov
 - ``branch.N.cold_ttft``: TTFT of the first request (nothing cached), ms;
 - ``branch.N.ttft``: TTFT of the second, ms;
 - ``branch.N.reprocessed``: the second's prompt tokens not served from a cache (its
-  ``prompt_tokens`` minus the ``cached_tokens`` the server reports);
+  ``prompt_tokens`` minus the ``cached_tokens`` the server reports; llama-server's own
+  ``timings.prompt_n``);
 - ``branch.N.cold/branch``: the ratio of the two TTFT medians (higher is better).
 
 Raw mlx-lm has no row: it keeps no cache between two calls unless its host writes one.
@@ -73,7 +74,10 @@ async def measure(servers: Sequence[Server], model: BenchModel, quick: bool) -> 
                 cold[server.system].append((await complete(server, first, sizes.max_tokens)).ttft)
                 reply = await complete(server, second, sizes.max_tokens)
                 branch[server.system].append(reply.ttft)
-                redone[server.system].append(reply.prompt_tokens - (reply.cached_tokens or 0))
+                prefilled = reply.prefilled_tokens  # None: no cache reported, so all of it
+                redone[server.system].append(
+                    reply.prompt_tokens if prefilled is None else prefilled
+                )
         for system in cold:
             prefix = f"branch.{size}"
             cold_m = timed(system, model.name, f"{prefix}.cold_ttft", cold[system])

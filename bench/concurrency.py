@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from bench.http_client import Reply, Server, complete, in_turn
+from bench.http_client import Reply, Server, complete, in_turn, speaks_our_api
 from bench.models import BenchModel, Scaled
 from bench.prompts import make_text
 from bench.results import Measurement, median
@@ -81,7 +81,7 @@ async def measure(servers: Sequence[Server], model: BenchModel, quick: bool) -> 
     for (system, n), level in results.items():
         note = ""
         if n == LEVELS[0]:
-            how = "over HTTP (mlxrt serve); " if system == "runtime" else ""
+            how = "over HTTP (mlxrt serve); " if speaks_our_api(system) else ""
             note = (
                 f"{how}N streamed completions sent together, {sizes.prompt_tokens}-token "
                 f"prompts, max_tokens {sizes.max_tokens}, median of {sizes.repetitions}"

@@ -1,7 +1,9 @@
-"""The performance goals of issue 10, and whether a run meets them.
+"""The performance goals of issues 10 and 22, and whether a run meets them.
 
-A goal bounds either the runtime's own value of a scenario (the actor hop, abandon's after/idle)
-or its ratio to another system on the same model and scenario (runtime / mlx_lm.server).
+A goal bounds either one of our systems' own value of a scenario (the actor hop, abandon's
+after/idle) or its ratio to another system on the same model and scenario: issue 10 sets the
+runtime on MLX against raw mlx-lm and mlx_lm.server, issue 22 the runtime on llama.cpp
+(``ours-llamacpp``) against llama.cpp's own ``llama-server``.
 """
 
 from __future__ import annotations
@@ -13,6 +15,9 @@ from bench.results import OVERHEAD_MODEL, ResultSet
 
 RAW = "mlx-lm"
 SERVER = "mlx_lm.server"
+RUNTIME = "runtime"
+LLAMA_SERVER = "llama-server"
+OURS_LLAMACPP = "ours-llamacpp"
 STREAMS = (1, 2, 4, 8)  # the concurrency scenarios' stream counts
 
 Verdict = Literal["met", "not met", "not measured"]
@@ -20,17 +25,22 @@ Verdict = Literal["met", "not met", "not measured"]
 
 @dataclass(frozen=True)
 class Goal:
-    """``scenario``'s runtime value, or its ratio to ``versus``, at most or at least ``limit``."""
+    """``system``'s value of ``scenario``, or its ratio to ``versus``'s, at most or at least
+    ``limit``."""
 
     scenario: str
     limit: float
     at_most: bool
     versus: str | None = None
     unit: str = "x"
+    system: str = RUNTIME
 
     @property
     def subject(self) -> str:
-        return f"runtime/{self.versus}" if self.versus else f"`{self.scenario}`"
+        if self.versus:
+            return f"{self.system}/{self.versus}"
+        own = "" if self.system == RUNTIME else f"{self.system} "
+        return f"{own}`{self.scenario}`"
 
     @property
     def text(self) -> str:
@@ -39,8 +49,8 @@ class Goal:
 
     def measure(self, results: ResultSet, model: str) -> float | None:
         if self.versus is None:
-            return results.value("runtime", model, self.scenario)
-        return results.versus(model, self.scenario, self.versus)
+            return results.value(self.system, model, self.scenario)
+        return results.versus(model, self.scenario, self.versus, self.system)
 
     def judge(self, value: float | None) -> Verdict:
         if value is None:
@@ -78,6 +88,27 @@ MODEL_GOALS = (  # judged on each model
     DECODE_VS_RAW,
     ABANDON,
     *CONCURRENCY.values(),
+)
+
+
+def _vs_llama_server(scenario: str, limit: float, at_most: bool) -> Goal:
+    return Goal(scenario, limit, at_most, versus=LLAMA_SERVER, system=OURS_LLAMACPP)
+
+
+# Issue 22: our runtime on llama.cpp's kernels against llama-server on the same GGUF file.
+LLAMACPP_DECODE = _vs_llama_server("decode.tokens_per_s", 0.95, at_most=False)
+LLAMACPP_COLD = _vs_llama_server("turn2.cold_ttft", 1.0, at_most=True)
+LLAMACPP_WARM = _vs_llama_server("turn2.warm_ttft", 1.0, at_most=True)
+LLAMACPP_CONCURRENCY = {n: _vs_llama_server(f"concurrency.{n}.tok_s", 1.0, False) for n in (4, 8)}
+LLAMACPP_ABANDON = Goal("abandon.after/idle", 1.5, at_most=True, system=OURS_LLAMACPP)
+LLAMACPP_BRANCH = {n: _vs_llama_server(f"branch.{n}.ttft", 1.0, True) for n in (900, 1800)}
+LLAMACPP_GOALS = (  # judged on each real model
+    LLAMACPP_DECODE,
+    LLAMACPP_COLD,
+    LLAMACPP_WARM,
+    *LLAMACPP_CONCURRENCY.values(),
+    LLAMACPP_ABANDON,
+    *LLAMACPP_BRANCH.values(),
 )
 HOP = Goal("hop.message_us_p50", 10.0, at_most=True, unit="us")
 

@@ -1,4 +1,5 @@
-"""README's headline block: the runtime against raw mlx-lm and mlx_lm.server on the real models.
+"""README's headline block: the runtime against raw mlx-lm and mlx_lm.server on the real models,
+then our runtime (on llama.cpp, and on MLX) against llama.cpp's own llama-server.
 
 The block sits between two markers in README.md; ``rewrite`` replaces what is between them and
 nothing else, so the rest of the README stays hand-written.
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import goals
-from bench.goals import RAW, SERVER, Goal, judged, show
+from bench.goals import LLAMA_SERVER, OURS_LLAMACPP, RAW, RUNTIME, SERVER, Goal, judged, show
 from bench.markdown import table
 from bench.results import ResultSet
 
@@ -42,6 +43,19 @@ HEADLINES = (
     Headline("8-stream tok/s", "concurrency.8.tok_s", (goals.CONCURRENCY[8],)),
     Headline("keystroke latency p50", "keystroke.latency_p50", ()),
 )
+# Issue 22: the rows where llama.cpp's own server is the bar, judged on ours-llamacpp.
+LLAMACPP_HEADLINES = (
+    Headline("cold TTFT", "turn2.cold_ttft", (goals.LLAMACPP_COLD,)),
+    Headline("turn-2 TTFT", "turn2.warm_ttft", (goals.LLAMACPP_WARM,)),
+    Headline("decode tok/s", "decode.tokens_per_s", (goals.LLAMACPP_DECODE,)),
+    Headline(
+        "TTFT after an abandoned prefill", "abandon.short_after_ttft", (goals.LLAMACPP_ABANDON,)
+    ),
+    Headline("4-stream tok/s", "concurrency.4.tok_s", (goals.LLAMACPP_CONCURRENCY[4],)),
+    Headline("8-stream tok/s", "concurrency.8.tok_s", (goals.LLAMACPP_CONCURRENCY[8],)),
+    Headline("branch TTFT, ~900 tokens", "branch.900.ttft", (goals.LLAMACPP_BRANCH[900],)),
+)
+LLAMACPP_SYSTEMS = (LLAMA_SERVER, OURS_LLAMACPP)
 
 
 def block(meta: dict[str, Any], results: ResultSet, source: str) -> str:
@@ -69,7 +83,7 @@ def block(meta: dict[str, Any], results: ResultSet, source: str) -> str:
     )
     return "\n".join(
         [
-            textwrap.fill(intro, width=100, break_long_words=False, break_on_hyphens=False),
+            _fill(intro),
             "",
             table(
                 ["", "model", "runtime/mlx-lm", "runtime/mlx_lm.server", "goal (issue 10)", "met"],
@@ -77,8 +91,59 @@ def block(meta: dict[str, Any], results: ResultSet, source: str) -> str:
             ),
             "",
             goals.hop_verdict(results),
+            "",
+            llamacpp_block(results),
         ]
     )
+
+
+def llamacpp_block(results: ResultSet) -> str:
+    """Our runtime on llama.cpp and on MLX over llama-server, the goals of issue 22, each
+    system's own after/idle on an abandon, and why a llama.cpp system did not run, if so."""
+    rows = []
+    for line in LLAMACPP_HEADLINES:
+        for model in REAL_MODELS:
+            rows.append(
+                [
+                    line.label,
+                    model,
+                    show(results.versus(model, line.scenario, LLAMA_SERVER, OURS_LLAMACPP), "x"),
+                    show(results.versus(model, line.scenario, LLAMA_SERVER, RUNTIME), "x"),
+                    "; ".join(g.text for g in line.goals),
+                    "; ".join(judged(g, results, model) for g in line.goals),
+                ]
+            )
+    intro = (
+        "Our runtime on llama.cpp's kernels (`ours-llamacpp`: `mlxrt serve --backend llamacpp`) "
+        "and on MLX (`runtime`) over llama.cpp's own `llama-server` on the same GGUF files, from "
+        "the same run (issue 22)."
+    )
+    waits = [
+        f"{system} {', '.join(_after_idle(results, system, m) for m in REAL_MODELS)}"
+        for system in (LLAMA_SERVER, OURS_LLAMACPP, RUNTIME)
+    ]
+    header = ["", "model", "ours-llamacpp/llama-server", "runtime/llama-server"]
+    parts = [
+        _fill(intro),
+        "",
+        table([*header, "goal (issue 22)", "met"], rows),
+        "",
+        _fill(
+            "A short request right after an abandoned long prefill, as a multiple of its idle "
+            f"TTFT (`abandon.after/idle`): {'; '.join(waits)}."
+        ),
+    ]
+    for why in results.skip_reasons(LLAMACPP_SYSTEMS, REAL_MODELS):
+        parts += ["", _fill(f"{why}.")]
+    return "\n".join(parts)
+
+
+def _after_idle(results: ResultSet, system: str, model: str) -> str:
+    return f"{model} {show(results.value(system, model, 'abandon.after/idle'), 'x')}"
+
+
+def _fill(text: str) -> str:
+    return textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)
 
 
 def rewrite(readme: Path, text: str) -> None:

@@ -19,6 +19,16 @@ CONNECT_TIMEOUT_S = 5.0
 REQUEST_TIMEOUT_S = 300.0  # a long prompt on a real model, behind other requests, on a busy CPU
 
 
+# The systems that are our runtime behind its HTTP API, on either backend: they take our extra
+# fields (``session``) and endpoints (``/v1/prewarm``).
+OUR_SYSTEMS = ("runtime", "ours-llamacpp")
+
+
+def speaks_our_api(system: str) -> bool:
+    """Whether ``system`` is our ``mlxrt serve`` (any backend), with our fields and endpoints."""
+    return system in OUR_SYSTEMS
+
+
 class RequestFailed(RuntimeError):
     """A server answered with something other than a 200 and a well-formed stream."""
 
@@ -44,6 +54,7 @@ class Reply:
 
     chunks: list[tuple[float, str]] = field(default_factory=list)
     usage: dict[str, Any] = field(default_factory=dict)
+    timings: dict[str, Any] = field(default_factory=dict)  # llama-server's per-request counters
     finished_s: float | None = None  # when the chunk with the finish_reason arrived
 
     @property
@@ -77,6 +88,18 @@ class Reply:
         details = self.usage.get("prompt_tokens_details") or {}
         value = details.get("cached_tokens")
         return None if value is None else int(value)
+
+    @property
+    def prefilled_tokens(self) -> int | None:
+        """Prompt tokens the server computed for this request, None where it does not say.
+
+        llama-server counts them itself (``timings.prompt_n``); the others report the
+        ``cached_tokens`` they reused, so the rest of the prompt is what they computed.
+        """
+        if "prompt_n" in self.timings:
+            return int(self.timings["prompt_n"])
+        cached = self.cached_tokens
+        return None if cached is None else self.prompt_tokens - cached
 
 
 class CompletionStream:
@@ -116,6 +139,8 @@ class CompletionStream:
                     raise RequestFailed(f"error event: {event['error']}")
                 if event.get("usage"):
                     self.reply.usage = event["usage"]
+                if event.get("timings"):
+                    self.reply.timings = event["timings"]
                 for choice in event.get("choices") or []:
                     now = time.perf_counter() - self._start
                     if choice.get("text"):

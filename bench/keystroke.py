@@ -35,6 +35,7 @@ from bench.http_client import (
     complete,
     in_turn,
     open_completion,
+    speaks_our_api,
 )
 from bench.models import BenchModel, Scaled
 from bench.prompts import encode
@@ -133,7 +134,7 @@ async def _type(
     into: Typed,
 ) -> None:
     """One typing session against ``server``, its measurements added to ``into``."""
-    extra = {"session": f"keystroke-{rep}"} if server.system == "runtime" else None
+    extra = {"session": f"keystroke-{rep}"} if speaks_our_api(server.system) else None
     await complete(server, opened, sizes.max_tokens, extra=extra)  # the editor opened the file
     previous: CompletionStream | None = None
     try:
@@ -193,7 +194,7 @@ async def _next_request(server: Server, prompt: str) -> str:
 
 
 def _rows(system: str, model: BenchModel, sizes: KeystrokeSizes, typed: Typed) -> list[Measurement]:
-    how = "over HTTP (mlxrt serve), " if system == "runtime" else ""
+    how = "over HTTP (mlxrt serve), " if speaks_our_api(system) else ""
     note = (
         f"{how}{sizes.repetitions} session(s) of {sizes.keystrokes} keystrokes on a "
         f"{sizes.file_tokens}-token file, max_tokens {sizes.max_tokens}; the previous stream "

@@ -30,6 +30,7 @@ class BenchModel:
     tokenizer: Any
     real: bool
     note: str = ""  # how the directory was made (real models)
+    gguf: Path | None = None  # the GGUF file it was converted from (real models): llama.cpp's input
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,14 @@ def load_bench_model(name: str) -> BenchModel:
         from mlx_lm import load
 
         from runtime.backends.model_source import prepare_model
+        from runtime.backends.model_store import fetch_model
         from runtime.messages import ModelSpec
 
         known = REAL_MODELS[name]
         prepared = prepare_model(ModelSpec(name=name, path=known))
         model, tokenizer = load(str(prepared.path))
-        return BenchModel(name, prepared.path, model, tokenizer, True, prepared.note or "")
+        gguf = fetch_model(known)  # cached by prepare_model: no work here
+        return BenchModel(name, prepared.path, model, tokenizer, True, prepared.note or "", gguf)
     from runtime.testing.tiny_models import TINY_MODEL_KINDS, load_tiny_model, tiny_model_path
 
     kind = next((k for k in TINY_MODEL_KINDS if k == name), None)

@@ -1,9 +1,10 @@
-"""The groups measured over HTTP (concurrency, prewarm, branch, keystroke): both servers at once.
+"""The groups measured over HTTP (concurrency, prewarm, branch, keystroke): all servers at once.
 
 For one model, ``mlxrt serve`` (system "runtime") and ``mlx_lm.server`` run at once, started by
-the same launcher on the same weights directory, and each group drives both through the same
-client with the same prompts and ``max_tokens``, the servers taking turns to go first. The idle
-server waits on a socket meanwhile, so the two never compute at the same time.
+the same launcher on the same weights directory, with the llama.cpp servers on the GGUF file
+those weights came from (bench/llamacpp.py). Each group drives them all through the same client
+with the same prompts and ``max_tokens``, the servers taking turns to go first. An idle server
+waits on a socket meanwhile, so no two compute at the same time.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ GROUPS: dict[str, Group] = {
 
 
 def commands(model: BenchModel, systems: set[str]) -> list[ServerCommand]:
-    """The servers to start for ``systems`` (raw mlx-lm has no server: it has no rows here)."""
+    """The MLX servers to start for ``systems`` (raw mlx-lm has no server: it has no rows here)."""
     wanted = []
     if "runtime" in systems:
         wanted.append(mlxrt_serve(model.path, model.name))
@@ -40,11 +41,15 @@ def commands(model: BenchModel, systems: set[str]) -> list[ServerCommand]:
 
 
 def measure(
-    model: BenchModel, groups: Sequence[str], systems: set[str], quick: bool
+    model: BenchModel,
+    groups: Sequence[str],
+    systems: set[str],
+    quick: bool,
+    others: Sequence[ServerCommand] = (),
 ) -> list[Measurement]:
-    """Every group in ``groups`` on every server of ``systems``, or a row per server saying why
-    none could be measured."""
-    wanted = commands(model, systems)
+    """Every group in ``groups`` on every server of ``systems`` and ``others`` (the llama.cpp
+    servers that can run), or a row per server saying why none could be measured."""
+    wanted = [*commands(model, systems), *others]
     if not wanted:
         return []
     try:

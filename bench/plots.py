@@ -9,12 +9,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bench.goals import STREAMS
-from bench.results import SYSTEMS, ResultSet
+from bench.results import ResultSet
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-COLORS = {"runtime": "#1f77b4", "mlx-lm": "#7f7f7f", "mlx_lm.server": "#ff7f0e"}
+COLORS = {
+    "runtime": "#1f77b4",
+    "mlx-lm": "#7f7f7f",
+    "mlx_lm.server": "#ff7f0e",
+    "llama-server": "#2ca02c",
+    "ours-llamacpp": "#9467bd",
+}
+OTHER_COLOR = "#000000"  # a system the run has but this table does not know
 COLUMNS = 3  # panels per row
 
 
@@ -40,6 +47,7 @@ FIGURES = (
             ("prewarm: cold", "prewarm.cold_ttft"),
             ("after prewarm", "prewarm.after_ttft"),
             ("keystroke p50", "keystroke.latency_p50"),
+            ("branch ~900", "branch.900.ttft"),
         ),
         log=True,
     ),
@@ -81,10 +89,11 @@ def _draw(figure: Figure, results: ResultSet, models: Sequence[str], path: Path)
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
+    systems = results.systems()
     measured = tuple(
         (label, scenario)
         for label, scenario in figure.groups
-        if any(results.value(s, m, scenario) is not None for s in SYSTEMS for m in models)
+        if any(results.value(s, m, scenario) is not None for s in systems for m in models)
     )
     groups = measured or figure.groups
     panels = list(models) or ["(no model)"]
@@ -94,12 +103,13 @@ def _draw(figure: Figure, results: ResultSet, models: Sequence[str], path: Path)
         rows, cols, figsize=(5.2 * cols, 3.6 * rows), squeeze=False, layout="constrained"
     )
     for ax, model in zip(axes.flat, panels, strict=False):
-        _panel(ax, figure, groups, results, model)
+        _panel(ax, figure, groups, systems, results, model)
     for ax in list(axes.flat)[len(panels) :]:
         ax.set_visible(False)
-    handles = [Rectangle((0, 0), 1, 1, color=COLORS[s]) for s in SYSTEMS]
+    handles = [Rectangle((0, 0), 1, 1, color=COLORS.get(s, OTHER_COLOR)) for s in systems]
     fig.suptitle(figure.title)
-    fig.legend(handles, SYSTEMS, loc="outside lower center", ncols=len(SYSTEMS), frameon=False)
+    ncols = max(1, len(systems))
+    fig.legend(handles, systems, loc="outside lower center", ncols=ncols, frameon=False)
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
@@ -109,21 +119,22 @@ def _panel(
     ax: Axes,
     figure: Figure,
     groups: Sequence[tuple[str, str]],
+    systems: Sequence[str],
     results: ResultSet,
     model: str,
 ) -> None:
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     ax.set_title(model)
-    width = 0.8 / len(SYSTEMS)
+    width = 0.8 / max(1, len(systems))
     drawn = False
-    for i, system in enumerate(SYSTEMS):
+    for i, system in enumerate(systems):
         for g, (_, scenario) in enumerate(groups):
             value = results.value(system, model, scenario)
             if value is None or (figure.log and value <= 0):
                 continue
-            x = g + (i - (len(SYSTEMS) - 1) / 2) * width
-            ax.bar(x, value, width, color=COLORS[system])
+            x = g + (i - (len(systems) - 1) / 2) * width
+            ax.bar(x, value, width, color=COLORS.get(system, OTHER_COLOR))
             ax.annotate(_short(value), (x, value), ha="center", va="bottom", fontsize=7)
             drawn = True
     ax.set_xticks(range(len(groups)), [label for label, _ in groups], fontsize=8)

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from bench.http_client import Reply, Server, complete, in_turn, post_json
+from bench.http_client import Reply, Server, complete, in_turn, post_json, speaks_our_api
 from bench.models import BenchModel, Scaled
 from bench.prompts import make_text
 from bench.results import Measurement, ratio, timed
@@ -38,7 +38,7 @@ SIZES = Scaled(
 
 async def _after_prewarm(server: Server, prompt: str, max_tokens: int, session: str) -> Reply:
     """The request for ``prompt`` once ``server``'s way of prewarming it has finished."""
-    if server.system == "runtime":
+    if speaks_our_api(server.system):
         body = {"model": server.model, "prompt": prompt, "max_tokens": max_tokens}
         await post_json(server, "/v1/prewarm", {**body, "session": session})
         return await complete(server, prompt, max_tokens, extra={"session": session})
@@ -66,7 +66,7 @@ async def measure(servers: Sequence[Server], model: BenchModel, quick: bool) -> 
         after_m = timed(system, model.name, "prewarm.after_ttft", after[system])
         how = (
             "over HTTP (mlxrt serve), POST /v1/prewarm then the request, one session"
-            if system == "runtime"
+            if speaks_our_api(system)
             else "no prewarm API: the same prompt with max_tokens 1 first"
         )
         note = (

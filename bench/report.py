@@ -15,13 +15,15 @@ from pathlib import Path
 from typing import Any
 
 from bench import goals, headline, plots
-from bench.goals import STREAMS, show
+from bench.goals import LLAMA_SERVER, OURS_LLAMACPP, STREAMS, show
 from bench.markdown import table
-from bench.results import OVERHEAD_MODEL, SYSTEMS, VERSUS, ResultSet, format_value, read
+from bench.results import OVERHEAD_MODEL, ResultSet, format_value, read
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATE = Path(__file__).with_name("performance_template.md")
 MODELS = ("llama", "sliding", "hybrid", "smollm2", "gemma3")  # the tiny kinds, then the real ones
+REAL_MODELS = ("smollm2", "gemma3")  # the only ones llama.cpp runs (the tiny ones have no GGUF)
+LLAMACPP_SYSTEMS = (LLAMA_SERVER, OURS_LLAMACPP)
 NOT_MEASURED = "not measured"
 ABSENT = "—"  # a cell of the all-results tables that the run did not measure
 
@@ -59,6 +61,7 @@ def render(meta: dict[str, Any], results: ResultSet, source: str) -> str:
         "source": f"From `{source}`: a {meta.get('mode', '?')} run of {meta.get('date', '?')}.",
         "machine": _machine(meta),
         "goals": _goals(results, models),
+        "llamacpp_goals": _llamacpp_goals(results, models),
         "plots": "\n\n".join(f"![{figure.title}](perf/{figure.name})" for figure in plots.FIGURES),
         "summary": _summary(results, models),
         "overhead": _overhead(results),
@@ -84,6 +87,7 @@ def _machine(meta: dict[str, Any]) -> str:
         ["Python", str(meta.get("python"))],
         *([name, str(version)] for name, version in versions.items()),
         ["BLAS", str(meta.get("blas"))],
+        *([system, line] for system, line in meta.get("llama.cpp", {}).items()),
         ["commit", f"`{meta.get('commit')}`"],
         ["mode", str(meta.get("mode"))],
         ["command", f"`python -m bench {' '.join(meta.get('argv', []))}`"],
@@ -94,12 +98,24 @@ def _machine(meta: dict[str, Any]) -> str:
 
 def _goals(results: ResultSet, models: Sequence[str]) -> str:
     """One row per goal, one column per model: the value and whether it meets the goal."""
+    per_model = _goal_table(results, goals.MODEL_GOALS, models)
+    return f"{per_model}\n\n{goals.hop_verdict(results)}"
+
+
+def _llamacpp_goals(results: ResultSet, models: Sequence[str]) -> str:
+    """Issue 22's goals on the real models, then why a llama.cpp system has no rows, if so."""
+    real = [m for m in models if m in REAL_MODELS] or list(REAL_MODELS)
+    parts = [_goal_table(results, goals.LLAMACPP_GOALS, real)]
+    parts += [f"{why}." for why in results.skip_reasons(LLAMACPP_SYSTEMS, real)]
+    return "\n\n".join(parts)
+
+
+def _goal_table(results: ResultSet, judged: Sequence[goals.Goal], models: Sequence[str]) -> str:
     rows = [
         [f"`{goal.scenario}`", goal.text, *(goals.judged(goal, results, m) for m in models)]
-        for goal in goals.MODEL_GOALS
+        for goal in judged
     ]
-    per_model = table(["scenario", "goal", *models], rows) if models else NOT_MEASURED
-    return f"{per_model}\n\n{goals.hop_verdict(results)}"
+    return table(["scenario", "goal", *models], rows) if models else NOT_MEASURED
 
 
 def _summary(results: ResultSet, models: Sequence[str]) -> str:
@@ -114,7 +130,7 @@ def _summary(results: ResultSet, models: Sequence[str]) -> str:
 def _pivot(results: ResultSet, scenario: str, models: Sequence[str]) -> str:
     """Systems down, models across; a system that measured it on no model is left out."""
     rows = []
-    for system in SYSTEMS:
+    for system in results.systems():
         cells = [_value(results, system, m, scenario) for m in models]
         if any(c != NOT_MEASURED for c in cells):
             rows.append([system, *cells])
@@ -124,13 +140,14 @@ def _pivot(results: ResultSet, scenario: str, models: Sequence[str]) -> str:
 def _concurrency(results: ResultSet, models: Sequence[str]) -> str:
     rows = []
     for model in models:
-        for system in SYSTEMS:
+        for system in results.systems():
             cells = [_value(results, system, model, f"concurrency.{n}.tok_s") for n in STREAMS]
             if any(c != NOT_MEASURED for c in cells):
                 rows.append([model, system, *cells])
-        server = [results.versus(model, f"concurrency.{n}.tok_s", goals.SERVER) for n in STREAMS]
-        if any(v is not None for v in server):
-            rows.append([model, "runtime/mlx_lm.server", *(show(v, "x") for v in server)])
+        for a, b in results.comparisons():
+            pair = [results.versus(model, f"concurrency.{n}.tok_s", b, a) for n in STREAMS]
+            if any(v is not None for v in pair):
+                rows.append([model, f"{a}/{b}", *(show(v, "x") for v in pair)])
     header = ["model", "system", *(f"{n} stream{'s' if n > 1 else ''}" for n in STREAMS)]
     return table(header, rows) if rows else NOT_MEASURED
 
@@ -156,16 +173,17 @@ def _overhead(results: ResultSet) -> str:
 
 
 def _model_results(results: ResultSet, model: str) -> str:
-    ratios = [f"runtime/{other}" for other in VERSUS]
+    systems, pairs = results.systems(), results.comparisons()
+    ratios = [f"{a}/{b}" for a, b in pairs]
     rows, notes = [], []
     for scenario in results.scenarios(model):
-        items = [results.get(s, model, scenario) for s in SYSTEMS]
+        items = [results.get(s, model, scenario) for s in systems]
         unit = next(i.unit for i in items if i is not None)
         cells = [ABSENT if i is None else format_value(i) for i in items]
-        cells += [_ratio(results.versus(model, scenario, other)) for other in VERSUS]
+        cells += [_ratio(results.versus(model, scenario, b, a)) for a, b in pairs]
         rows.append([f"`{scenario}`", unit, *cells])
         notes += [f"- {i.system}, `{scenario}`: {i.note}" for i in items if i and i.note]
-    parts = [f"### {model}", "", table(["scenario", "unit", *SYSTEMS, *ratios], rows)]
+    parts = [f"### {model}", "", table(["scenario", "unit", *systems, *ratios], rows)]
     if notes:
         parts += ["", "Notes:", "", *notes]
     return "\n".join(parts)

@@ -9,7 +9,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
-SYSTEMS = ("runtime", "mlx-lm", "mlx_lm.server")
+# Ours on MLX, raw mlx-lm, mlx_lm.server, llama.cpp's own server, ours on llama.cpp (llamacpp.py).
+SYSTEMS = ("runtime", "mlx-lm", "mlx_lm.server", "llama-server", "ours-llamacpp")
 OVERHEAD_MODEL = "simulated"  # the model of the hop.* rows: they run no model, or a simulated one
 SCENARIOS = (
     "turn2.cold_ttft",
@@ -48,7 +49,14 @@ SCENARIOS = (
 # Units a runtime/other ratio means something for, and which side of 1 is better for the runtime.
 LOWER_IS_BETTER = ("us", "ms", "s")
 HIGHER_IS_BETTER = ("tok/s",)
-VERSUS = ("mlx-lm", "mlx_lm.server")  # the systems the runtime is compared with
+# (system, other): the ratios shown; ours on MLX against each other system, ours on llama.cpp
+# against llama.cpp's own server (the pair issue 22's goals are about).
+COMPARISONS = (
+    ("runtime", "mlx-lm"),
+    ("runtime", "mlx_lm.server"),
+    ("runtime", "llama-server"),
+    ("ours-llamacpp", "llama-server"),
+)
 
 
 @dataclass(frozen=True)
@@ -99,7 +107,7 @@ def divide(num: float | None, den: float | None) -> float | None:
 
 
 def versus(ours: Measurement | None, other: Measurement | None) -> float | None:
-    """The runtime's value over another system's, for times and rates only."""
+    """One system's value over another's, for times and rates only."""
     if ours is None or other is None or ours.unit not in (*LOWER_IS_BETTER, *HIGHER_IS_BETTER):
         return None
     return divide(ours.value, other.value)
@@ -164,9 +172,30 @@ class ResultSet:
         item = self.get(system, model, scenario)
         return None if item is None else item.value
 
-    def versus(self, model: str, scenario: str, other: str) -> float | None:
-        """The runtime's value over ``other``'s (times and rates only)."""
-        return versus(self.get("runtime", model, scenario), self.get(other, model, scenario))
+    def versus(
+        self, model: str, scenario: str, other: str, system: str = "runtime"
+    ) -> float | None:
+        """``system``'s value over ``other``'s (times and rates only)."""
+        return versus(self.get(system, model, scenario), self.get(other, model, scenario))
+
+    def systems(self) -> list[str]:
+        """The systems with any row in the run (skipped ones included), in ``SYSTEMS`` order."""
+        return present_systems(self.items)
+
+    def skip_reasons(self, systems: Sequence[str], models: Sequence[str]) -> list[str]:
+        """One sentence per system of ``systems`` skipped on models of ``models``, the models
+        with the same reason together: ``llama-server skipped on smollm2, gemma3: <why>``."""
+        said: dict[tuple[str, str], list[str]] = {}
+        for system in systems:
+            for model in models:
+                item = self.get(system, model, "skipped")
+                if item is not None:
+                    said.setdefault((system, item.note.rstrip(".")), []).append(model)
+        return [f"{s} skipped on {', '.join(ms)}: {why}" for (s, why), ms in said.items()]
+
+    def comparisons(self) -> list[tuple[str, str]]:
+        """The pairs of ``COMPARISONS`` whose two systems both have rows in the run."""
+        return present_comparisons(self.items)
 
     def models(self, preferred: Sequence[str] = ()) -> list[str]:
         """Models with a measurement: those in ``preferred`` first, in its order."""
@@ -179,8 +208,21 @@ class ResultSet:
         return sorted(measured, key=_rank)
 
 
+def present_systems(items: Iterable[Measurement]) -> list[str]:
+    """The systems of ``items``, in ``SYSTEMS`` order (then any unknown ones, in run order)."""
+    present = dict.fromkeys(i.system for i in items)
+    return [s for s in SYSTEMS if s in present] + [s for s in present if s not in SYSTEMS]
+
+
+def present_comparisons(items: Iterable[Measurement]) -> list[tuple[str, str]]:
+    """The pairs of ``COMPARISONS`` whose two systems both appear in ``items``."""
+    present = set(present_systems(items))
+    return [(a, b) for a, b in COMPARISONS if a in present and b in present]
+
+
 def format_table(items: Sequence[Measurement]) -> str:
-    """Rows: model x scenario; columns: the three systems, then the runtime over each other system.
+    """Rows: model x scenario; columns: the systems the run has, then the ratios of
+    ``COMPARISONS`` between them (a run of two systems stays two columns wide).
 
     Notes are listed below the grid.
     """
@@ -194,7 +236,8 @@ def format_table(items: Sequence[Measurement]) -> str:
         if item.note:
             notes.append(f"[{item.system} {item.model} {item.scenario}] {item.note}")
     fmt: Callable[[Measurement | None], str] = format_value
-    columns = [*SYSTEMS, *(f"runtime/{other}" for other in VERSUS)]
+    systems, pairs = present_systems(items), present_comparisons(items)
+    columns = [*systems, *(f"{a}/{b}" for a, b in pairs)]
     widths = [max(15, len(c) + 2) for c in columns]
     models = list(dict.fromkeys(model for model, _ in rows))
     mw = max(8, *(len(m) for m in models)) if models else 8
@@ -205,15 +248,14 @@ def format_table(items: Sequence[Measurement]) -> str:
     order = sorted(rows, key=lambda k: (models.index(k[0]), _rank(k[1])))
     for model, scenario in order:
         by_system = rows[(model, scenario)]
-        ours = by_system.get("runtime")
-        cells = [fmt(by_system.get(s)) for s in SYSTEMS]
-        cells += [format_ratio(versus(ours, by_system.get(other))) for other in VERSUS]
+        cells = [fmt(by_system.get(s)) for s in systems]
+        cells += [format_ratio(versus(by_system.get(a), by_system.get(b))) for a, b in pairs]
         lines.append(
             f"{model:{mw}} {scenario:34} {units[(model, scenario)]:6}"
             + "".join(f"{c:>{w}}" for c, w in zip(cells, widths, strict=True))
         )
     lines.append(
-        f"runtime/X: below 1 is better for the runtime in {', '.join(LOWER_IS_BETTER)}, "
+        f"A/B: below 1 is better for A in {', '.join(LOWER_IS_BETTER)}, "
         f"above 1 in {', '.join(HIGHER_IS_BETTER)}; '-': a side not measured, or no ratio"
     )
     if notes:

@@ -1,8 +1,9 @@
-"""Model servers as subprocesses on 127.0.0.1: ``mlx_lm.server`` and our ``mlxrt serve``.
+"""Model servers as subprocesses on 127.0.0.1: ``mlx_lm.server``, our ``mlxrt serve`` and
+llama.cpp's ``llama-server`` (its command: bench/llama.py).
 
-One launcher for both, so they start alike: a free port, no hub access, output to a temporary log
+One launcher for all, so they start alike: a free port, no hub access, output to a temporary log
 (quoted when start-up fails), ready once ``GET /health`` answers 200, stopped with SIGTERM (then
-SIGKILL) on the way out. Both run with their default settings, as a person starting them by hand
+SIGKILL) on the way out. Each runs with its default settings, as a person starting it by hand
 would; ``mlx_lm.server`` therefore prefills in steps of 2,048 tokens (``--prefill-step-size``).
 """
 
@@ -47,10 +48,16 @@ def mlx_lm_server(model_dir: Path) -> ServerCommand:
     return ServerCommand("mlx_lm.server", (*argv, "--log-level", "WARNING"), "default_model")
 
 
-def mlxrt_serve(model_dir: Path, name: str) -> ServerCommand:
-    """``mlxrt serve`` (our runtime behind its OpenAI-compatible API) serving ``model_dir``."""
-    argv = (sys.executable, "-m", "runtime.cli", "serve", "--model", f"{name}={model_dir}")
-    return ServerCommand("runtime", (*argv, "--log-level", "warning", "--quiet"), name)
+def mlxrt_serve(
+    model_path: Path, name: str, backend: str = "mlx", system: str = "runtime"
+) -> ServerCommand:
+    """``mlxrt serve`` (our runtime behind its OpenAI-compatible API) serving ``model_path`` on
+    ``backend`` (its default, MLX, unless named), as bench system ``system``."""
+    argv: tuple[str, ...] = (sys.executable, "-m", "runtime.cli", "serve")
+    argv += ("--model", f"{name}={model_path}")
+    if backend != "mlx":
+        argv += ("--backend", backend)
+    return ServerCommand(system, (*argv, "--log-level", "warning", "--quiet"), name)
 
 
 @contextlib.contextmanager
