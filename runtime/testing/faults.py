@@ -169,6 +169,20 @@ class FaultPlan:
         self._released = threading.Event()
         self.injected: list[Injection] = []
 
+    def __getstate__(self) -> dict[str, object]:
+        """A copy for another process (an engine's Ray actor): the faults still to come, with a
+        lock and a hang release of its own (releasing here lets nothing go there; killing the
+        process does)."""
+        with self._lock:
+            state = dict(self.__dict__)
+        del state["_lock"], state["_released"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+
     # ------------------------------------------------------------------ switching
 
     @property
