@@ -21,8 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import assert_never
 
+import msgspec
+
 from actors.deadlines import Expiry, RequestGuards
 from actors.model_lifecycle import EngineFactory, ModelLifecycle, ModelState, not_loaded
+from actors.replicas import ModelTable, Replicas
 from runtime.errors import DuplicateRequestId
 from runtime.kernel.core import PREFIX_CACHE, Address, Context, engine_address, engine_model
 from runtime.kernel.stats import Counters
@@ -30,8 +33,10 @@ from runtime.kernel.supervision import RestartPolicy
 from runtime.messages import (
     Abort,
     Admit,
+    CachedElsewhere,
     Cancel,
     Cancelled,
+    CommandFailed,
     Drained,
     EndSession,
     EngineEvent,
@@ -79,6 +84,8 @@ class _Live:
     model: str
     epoch: int
     sequence_id: int
+    request: Generate | Prewarm  # as the host sent it: a move to another replica sends it again
+    moved: bool = False  # it was moved to another replica once already
 
 
 class RouterCore:
@@ -94,9 +101,15 @@ class RouterCore:
     ) -> None:
         """``stall_timeout_s``: the stall guard of a generate that sets none (None: off).
         ``auto_load``: a request for a loading or idle model waits for it (else: refused)."""
-        self._models = ModelLifecycle(
+        self._models = models = ModelLifecycle(
             engine_factory, engine_restart or RestartPolicy(), auto_load=auto_load
         )
+        self._replicas = Replicas(
+            ModelTable(
+                models.load, models.unload, models.knows, models.serving, models.live, models.loaded
+            )
+        )
+        self._started: set[int] = set()  # live sequences whose host has heard Started
         self._live_by_request: dict[str, _Live] = {}
         # Requests for a model its keep-alive is unloading: sent on once it is loaded again.
         self._parked: dict[str, tuple[Generate | Prewarm, Address]] = {}
@@ -159,6 +172,7 @@ class RouterCore:
                 self._not_live(message, ctx)
             case SequenceStarted() | TokensProduced():
                 live = self._live_by_sequence[message.sequence_id]
+                self._started.add(message.sequence_id)
                 self._guards.shown(message, ctx)
                 ctx.send(live.host, for_request(message, live.request_id, live.incarnation))
             case SequenceFinished() | SequenceCancelled() | SequenceFailed():
@@ -178,6 +192,8 @@ class RouterCore:
                     ctx.count_dead_letter("stale_idle_check")
             case ListModels():
                 ctx.send(sender, ModelsListed(models=self._models.statuses(ctx.now())))
+            case LoadModel(spec=spec) if spec.replicas > 1:
+                self._replicas.load(spec, sender, ctx)
             case LoadModel(spec=spec):
                 self._models.load(spec, sender, ctx)
             case EngineReady() | EngineLoadFailed() | EngineFailed() if not self._models.is_current(
@@ -187,6 +203,7 @@ class RouterCore:
             case EngineFailed(epoch=epoch, code=code, message=text):
                 self.counters.inc("engines_failed")
                 self.counters.inc(f"{ENGINES_FAILED_OF}{engine_model(sender)}")
+                self._move_unstarted(epoch, ctx)  # to another replica, if the model has one
                 self._end_orphans(epoch, ctx, lambda live: _failed(live, code, text))
                 self._guards.epoch_drained(epoch)  # a given-up engine answers nothing more
                 self._models.engine_failed(message, sender, ctx)
@@ -194,10 +211,15 @@ class RouterCore:
                 # Requests an auto-load admitted to the loading engine end with the load.
                 self._end_orphans(epoch, ctx, lambda live: _failed(live, code, text, retry=False))
                 self._models.engine_loaded(message, sender, ctx)
+                replica = engine_model(sender) or ""
+                self._replicas.engine_loaded(replica, CommandFailed(code=code, message=text), ctx)
+                self._replicas.drained(replica, ctx)
             case EngineReady():
                 self._models.engine_loaded(message, sender, ctx)
+                self._replicas.engine_loaded(engine_model(sender) or "", None, ctx)
             case UnloadModel(model=model):
-                self._models.unload(model, sender, ctx)
+                if not self._replicas.unload(model, sender, ctx):
+                    self._models.unload(model, sender, ctx)
             case Drained(epoch=epoch) if not self._models.is_draining(sender, epoch):
                 ctx.count_dead_letter("stale_engine_event")
             case Drained(epoch=epoch):
@@ -205,6 +227,7 @@ class RouterCore:
                 self._end_orphans(epoch, ctx, _unloaded)
                 self._guards.epoch_drained(epoch)
                 self._models.announce_unloaded(unloaded, ctx)
+                self._replicas.drained(unloaded.spec.name, ctx)
                 self._send_on_parked(unloaded.spec.name, ctx)
             case ResetPrefixes(model=model):
                 if self._models.ready(model) is None:
@@ -230,7 +253,10 @@ class RouterCore:
             case GetStats():
                 ctx.send(sender, self.statistics())
             case Shutdown():
+                self._replicas.clear()
                 self._models.shutdown(sender, ctx)
+            case CachedElsewhere():
+                self._cached_elsewhere(message, ctx)
             case _:
                 assert_never(message)
 
@@ -251,7 +277,17 @@ class RouterCore:
 
     # ------------------------------------------------------------------ requests
 
-    def _accept(self, request: Generate | Prewarm, host: Address, ctx: Context) -> None:
+    def _accept(
+        self,
+        request: Generate | Prewarm,
+        host: Address,
+        ctx: Context,
+        *,
+        replica: str | None = None,
+        avoid: str | None = None,
+    ) -> None:
+        """Admit ``request``; for a model with replicas, to ``replica`` or the one routing picks
+        (never ``avoid``, a replica it is being moved off)."""
         if request.request_id in self._live_by_request or request.request_id in self._parked:
             text = (
                 f"request id {request.request_id!r} is still running; wait for its end, "
@@ -259,6 +295,10 @@ class RouterCore:
             )
             self._reject(request, host, ctx, DuplicateRequestId.code, text)
             return
+        sent = request
+        if request.model in self._replicas:
+            chosen = replica or self._replicas.route(request.model, request.session, avoid)
+            request = msgspec.structs.replace(request, model=chosen)
         model = self._models.admitting(request.model, ctx)
         if model is None and self._models.reloads_after_drain(request.model):
             self.counters.inc("requests_parked")
@@ -271,7 +311,14 @@ class RouterCore:
         sequence_id = self._next_sequence_id
         self._next_sequence_id += 1
         live = _Live(
-            request.request_id, request.incarnation, host, model.spec.name, model.epoch, sequence_id
+            request.request_id,
+            request.incarnation,
+            host,
+            model.spec.name,
+            model.epoch,
+            sequence_id,
+            sent,
+            moved=avoid is not None,
         )
         self._live_by_request[request.request_id] = live
         self._live_by_sequence[sequence_id] = live
@@ -347,6 +394,7 @@ class RouterCore:
         (its engine may be unable to answer); the engine is told to abort the sequence."""
         live = self._live_by_sequence.pop(sequence_id)
         del self._live_by_request[live.request_id]
+        self._started.discard(sequence_id)
         self._models.request_ended(live.model, live.epoch, ctx)
         error = expiry.error
         ctx.send(
@@ -367,11 +415,51 @@ class RouterCore:
     def _end_request(self, event: EngineTerminal, ctx: Context) -> None:
         live = self._live_by_sequence.pop(event.sequence_id)
         del self._live_by_request[live.request_id]
+        self._started.discard(event.sequence_id)
         self._guards.ended(event.sequence_id)
         self._models.request_ended(live.model, live.epoch, ctx)
         terminal = for_request(event, live.request_id, live.incarnation)
         self.counters.inc(f"terminal_{type(terminal).__name__.lower()}")
         ctx.send(live.host, terminal)
+
+    # ------------------------------------------------------------------ replicas
+
+    def _cached_elsewhere(self, hint: CachedElsewhere, ctx: Context) -> None:
+        """Move a request that has not started to the replica holding more of its prompt."""
+        live = self._live_by_sequence.get(hint.sequence_id)
+        gain = hint.matched_there - hint.matched_here
+        if (
+            live is None
+            or live.request.model not in self._replicas
+            or live.epoch != hint.epoch
+            or live.moved
+            or hint.sequence_id in self._started
+            or not self._replicas.worth_moving(live.model, hint.elsewhere, gain)
+        ):
+            self.counters.inc("moves_declined")
+            return
+        self._move(live, hint.elsewhere, ctx)
+        self._replicas.stick(live.request.model, live.request.session, hint.elsewhere)
+
+    def _move_unstarted(self, epoch: int, ctx: Context) -> None:
+        """A replica's engine failed: what it had not started goes to another replica."""
+        for live in [v for v in self._live_by_sequence.values() if v.epoch == epoch]:
+            name = live.request.model
+            if live.sequence_id not in self._started and len(self._replicas.names(name)) > 1:
+                self._move(live, None, ctx)
+
+    def _move(self, live: _Live, to: str | None, ctx: Context) -> None:
+        """Send ``live``'s request to replica ``to`` (None: the one routing picks, never its
+        own) as if it came now; its first sequence is aborted (quietly dropped if it answers)."""
+        sequence_id = live.sequence_id
+        del self._live_by_sequence[sequence_id]
+        del self._live_by_request[live.request_id]
+        self._guards.ended(sequence_id)
+        self._models.request_ended(live.model, live.epoch, ctx)
+        abort = Abort(sequence_id=sequence_id, epoch=live.epoch, reason="moved")
+        ctx.send(engine_address(live.model, live.epoch), abort)
+        self.counters.inc("requests_moved")
+        self._accept(live.request, live.host, ctx, replica=to, avoid=live.model)
 
     def _end_orphans(
         self, epoch: int, ctx: Context, terminal: Callable[[_Live], EngineTerminal]

@@ -183,6 +183,11 @@ class Runtime:
                 f"keep_alive_s of model {spec.name!r} is {keep_alive_s}; give the seconds an idle "
                 "model stays loaded (0 or more), or None to keep it loaded"
             )
+        if spec.replicas < 1:
+            raise InvalidModelSpec(
+                f"replicas of model {spec.name!r} is {spec.replicas}; give how many engines "
+                "serve it (1 or more)"
+            )
         reply = await self._ask(LoadModel(spec=spec))
         return _expect(reply, ModelLoaded)
 

@@ -112,7 +112,7 @@ class ClusterLink:
 
     def wrap(self, spec: ModelSpec, epoch: int, build: Callable[[], ActorCore]) -> ActorCore:
         """The router's engine factory for ``spec``: a proxy to a process running ``build()``."""
-        return RemoteEngine(spec.name, epoch, build, self._link())
+        return RemoteEngine(spec.name, epoch, build, self._link(), spec.replicas)
 
     def _link(self) -> EngineLink:
         config = self._config

@@ -76,7 +76,7 @@ class EngineLink:
 
     start_engine: Callable[[Address, Callable[[], ActorCore]], Any]
     kill: Callable[[Any], None]
-    missing: Callable[[], str | None]  # why an engine can never be placed, or None
+    missing: Callable[[int], str | None]  # why N engines can never be placed, or None
     needs: dict[str, float]
     poll_s: float
     placement_timeout_s: float
@@ -87,9 +87,15 @@ class RemoteEngine:
     """The host-side stand-in of an engine in a Ray actor (see module docstring)."""
 
     def __init__(
-        self, model: str, epoch: int, build: Callable[[], ActorCore], link: EngineLink
+        self,
+        model: str,
+        epoch: int,
+        build: Callable[[], ActorCore],
+        link: EngineLink,
+        replicas: int = 1,
     ) -> None:
         self.model = model
+        self._replicas = replicas  # of its model: the cluster must have room for all of them
         self.epoch = epoch
         self._build = build
         self._link = link
@@ -107,7 +113,7 @@ class RemoteEngine:
 
     def on_start(self, ctx: Context) -> None:
         self._address = ctx.self_address
-        missing = self._link.missing()
+        missing = self._link.missing(self._replicas)
         if missing is not None:
             self._refuse(missing, ctx)
             return

@@ -117,6 +117,7 @@ from runtime.messages.kv_budget import (
     Transfer,
 )
 from runtime.messages.prefix_cache import (
+    CachedElsewhere,
     Commit,
     Committed,
     DropEntries,
@@ -248,6 +249,7 @@ __all__ = [
     # prefix_cache
     "Lookup",
     "LookupResult",
+    "CachedElsewhere",
     "Commit",
     "Committed",
     "ReleaseLease",

@@ -60,6 +60,7 @@ from runtime.messages.kv_budget import (
     Transfer,
 )
 from runtime.messages.prefix_cache import (
+    CachedElsewhere,
     Commit,
     Committed,
     DropEntries,
@@ -98,6 +99,7 @@ RouterInbox = (
     | StallCheck
     | IdleCheck
     | ListModels
+    | CachedElsewhere
 )
 
 EngineInbox = (
