@@ -87,6 +87,7 @@ class Model:
     failure: str = ""  # why a FAILED model was taken out of service, said to the host
     idle_unload: bool = False  # UNLOADING because its keep-alive ran out (not asked to)
     since: float = 0.0  # when its current load (or unload) began, for its log line
+    placement: str = ""  # where its engine runs, if in a process of its own
 
     @property
     def address(self) -> Address:
@@ -206,6 +207,7 @@ class ModelLifecycle:
             else None,
             context_length=None if model.loaded is None else model.loaded.context_length,
             failure=model.failure,
+            placement=model.placement,
             limits={} if model.loaded is None else model.loaded.limits,
         )
 
@@ -313,6 +315,7 @@ class ModelLifecycle:
                 ctx.send(asker, ModelUnloaded(model=model.spec.name, epoch=model.epoch))
             self._maybe_shutdown_complete(ctx)
             return
+        model.placement = event.placement
         model.loaded = ModelLoaded(
             model=model.spec.name,
             epoch=model.epoch,

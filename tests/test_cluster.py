@@ -14,6 +14,7 @@ import signal
 from collections.abc import Iterator
 
 import anyio
+import msgspec
 import pytest
 
 from runtime.api import Runtime
@@ -134,6 +135,39 @@ async def test_the_watchdog_kills_a_stuck_engine_process_and_the_model_comes_bac
             assert books_balance(rt)
 
 
+def replica_pids(rt: Runtime) -> dict[str, int]:
+    return {
+        address: stats.gauges["process_id"]
+        for address, stats in rt.stats().actors.items()
+        if address.startswith("engine:")
+    }
+
+
+async def test_two_replicas_in_two_processes_one_killed_the_other_serves_on() -> None:
+    with anyio.fail_after(180):
+        async with Runtime(config()) as rt:
+            loaded = await rt.load_model(msgspec.structs.replace(llama(), replicas=2))
+            assert loaded.model == "llama"
+            pids = replica_pids(rt)
+            assert len(set(pids.values())) == 2 and os.getpid() not in pids.values()
+            doomed = rt.generate("llama", PROMPT, max_tokens=1500, session="a")
+            async with doomed:
+                async for event in doomed:
+                    if isinstance(event, TokensEmitted):
+                        break
+                live = {a: s.gauges.get("sequences", 0) for a, s in rt.stats().actors.items()
+                        if a.startswith("engine:")}  # fmt: skip
+                busy = max(live, key=lambda a: live[a])
+                os.kill(pids[busy], signal.SIGKILL)
+                other = await rt.complete("llama", PROMPT + " again", max_tokens=6, session="b")
+                terminal = [e async for e in doomed][-1]
+            assert isinstance(terminal, Failed) and terminal.code == "engine_process_lost"
+            assert isinstance(other.terminal, Finished)  # the other replica served meanwhile
+            await wait_until(rt, lambda: reloaded(rt, 1), timeout=120)
+            assert books_balance(rt)
+            assert len(replica_pids(rt)) == 2 and pids[busy] not in replica_pids(rt).values()
+
+
 async def process_gone(pid: int) -> None:
     """An OS process's exit sends nothing to wait on: look again until it is gone."""
     with anyio.fail_after(30):
@@ -151,6 +185,11 @@ async def test_more_than_the_cluster_has_is_a_typed_error_naming_the_resource() 
         async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28, cluster=greedy)) as rt:
             with pytest.raises(ClusterResourcesMissing, match=r"3 CPU.*has 2"):
                 await rt.load_model(llama())
+    with anyio.fail_after(60):
+        async with Runtime(config()) as rt:  # one CPU each, three replicas, two CPUs
+            with pytest.raises(ClusterResourcesMissing, match=r"3 engine.*3 CPU.*has 2"):
+                await rt.load_model(msgspec.structs.replace(llama(), replicas=3))
+            assert not [s for s in await rt.list_models() if s.state != "unloading"]
     custom = ClusterConfig(engine_resources={"mac_studio": 1})
     with anyio.fail_after(60):
         async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28, cluster=custom)) as rt:

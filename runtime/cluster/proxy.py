@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
+
 from actors.engine.lost import LostEngine
 from runtime.cluster.outbox import Wired
 from runtime.errors import ClusterResourcesMissing, ModelLoadFailed
@@ -28,6 +30,7 @@ from runtime.messages import (
     ComputeDone,
     Drain,
     EngineLoadFailed,
+    EngineReady,
     Message,
     Stats,
     decode,
@@ -183,7 +186,11 @@ class RemoteEngine:
             self._stats = stats if isinstance(stats, Stats) else self._stats
         self.counters.inc("transport_batches_in")
         for to, data in poll.items:
-            ctx.send(to, decode(data))
+            message = decode(data)
+            if isinstance(message, EngineReady):  # the router lists where each engine runs
+                where = f"node {self.node[:8]} pid {self.pid}"
+                message = msgspec.structs.replace(message, placement=where)
+            ctx.send(to, message)
         self._poll(ctx)
 
     def _lose(self, why: str, ctx: Context) -> None:

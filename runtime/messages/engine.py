@@ -57,6 +57,8 @@ class EngineReady(Message, frozen=True):
     chat_template: bool = True
     # Capabilities the load probe switched off for this model, each with why (backend docs).
     limits: dict[str, str] = {}  # noqa: RUF012 (a msgspec default; ruff cannot see the base here)
+    # Where the engine runs when not in the host's process: "node NODE pid PID" (a Ray actor).
+    placement: str = ""
 
 
 class EngineLoadFailed(Message, frozen=True):
