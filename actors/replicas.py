@@ -18,6 +18,7 @@ live requests than the one it leaves). Decided on exact token prefixes, not on p
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +32,8 @@ SEPARATOR = "@"
 MOVE_MIN_GAIN = 16  # tokens: a move costs the first replica's tokenizing and a hop
 MOVE_MAX_SKEW = 4  # live requests: past this the cached replica counts as overloaded
 SESSIONS_KEPT = 4096  # sticky sessions remembered per model (least recently used forgotten)
+# ModelSpec.routing: ours, and two that know nothing of caches (for comparison, bench/cluster.py).
+ROUTING_POLICIES = ("affinity", "round_robin", "power_of_two")
 
 
 def replica_name(model: str, index: int) -> str:
@@ -52,6 +55,8 @@ class ReplicaSet:
     load_asker: Address | None
     loading: set[str]
     sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    turn: int = 0  # round robin's next replica
+    draws: random.Random = field(default_factory=lambda: random.Random(0))  # power of two's
 
 
 @dataclass
@@ -162,13 +167,19 @@ class Replicas:
         """The replica of ``name`` a request goes to (see module docstring); ``avoid``: one that
         just failed. A replica none serves is still returned: the router refuses it by its state."""
         rs = self._sets[name]
+        serving = [r for r in rs.names if r != avoid and self._table.serving(r)] or [rs.names[0]]
+        if rs.spec.routing == "round_robin":
+            rs.turn += 1
+            return serving[rs.turn % len(serving)]
+        if rs.spec.routing == "power_of_two":
+            two = rs.draws.sample(serving, min(2, len(serving)))
+            return min(two, key=self._table.live)
         if session is not None:
             kept = rs.sessions.get(session)
             if kept is not None and kept != avoid and self._table.serving(kept):
                 rs.sessions.move_to_end(session)
                 return kept
-        serving = [r for r in rs.names if r != avoid and self._table.serving(r)]
-        chosen = min(serving, key=self._table.live) if serving else rs.names[0]
+        chosen = min(serving, key=self._table.live)
         if session is not None:
             rs.sessions[session] = chosen
             rs.sessions.move_to_end(session)
@@ -176,10 +187,17 @@ class Replicas:
                 rs.sessions.popitem(last=False)
         return chosen
 
-    def worth_moving(self, here: str, there: str, gain: int) -> bool:
-        """Whether a request on ``here`` should move to ``there``, which holds ``gain`` more of
-        its prompt: enough to pay for the move, and not onto an overloaded replica."""
-        if gain < MOVE_MIN_GAIN or not self._table.serving(there):
+    def worth_moving(self, name: str, here: str, there: str, gain: int) -> bool:
+        """Whether a request of ``name`` on ``here`` should move to ``there``, which holds
+        ``gain`` more of its prompt: enough to pay for the move, and not onto an overloaded
+        replica (only with affinity routing)."""
+        rs = self._sets.get(name)
+        if (
+            rs is None
+            or rs.spec.routing != "affinity"
+            or gain < MOVE_MIN_GAIN
+            or not self._table.serving(there)
+        ):
             return False
         return self._table.live(there) <= self._table.live(here) + MOVE_MAX_SKEW
 

@@ -434,7 +434,7 @@ class RouterCore:
             or live.epoch != hint.epoch
             or live.moved
             or hint.sequence_id in self._started
-            or not self._replicas.worth_moving(live.model, hint.elsewhere, gain)
+            or not self._replicas.worth_moving(live.request.model, live.model, hint.elsewhere, gain)
         ):
             self.counters.inc("moves_declined")
             return

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import sys
 import time
 from collections.abc import Sequence
@@ -15,6 +16,7 @@ from typing import IO
 from bench import (
     batching,
     checkpoints,
+    cluster,
     environment,
     generation,
     hop,
@@ -27,6 +29,7 @@ from bench import (
 from bench.models import MODELS, load_bench_model
 from bench.results import Sink, format_table
 from bench.workload import SIZES, build_workload
+from runtime.messages import ModelSpec
 
 SCENARIO_GROUPS = (
     "existing",
@@ -36,8 +39,10 @@ SCENARIO_GROUPS = (
     "structured",
     *over_http.GROUPS,
     "hop",
+    "cluster",
 )
 MODEL_FREE_GROUPS = {"hop"}
+RAY = importlib.util.find_spec("ray") is not None  # the cluster group needs the [cluster] extra
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -70,7 +75,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "keystroke, each superseding the last), prewarm (TTFT after a prewarm vs cold), branch "
         "(TTFT and tokens re-processed when ~900/~1,800 tokens of notes are re-sent with their "
         "last line changed); hop "
-        "(hop.*: the actor message hop and the runtime's cost per streamed token, no model)",
+        "(hop.*: the actor message hop and the runtime's cost per streamed token, no model); "
+        "cluster (cluster.*: an engine as a Ray actor against in-process, and routing across "
+        "two replicas; real models only, docs/cluster.md)",
     )
     args = parser.parse_args(argv)
     args.scenarios = {s for s in args.scenarios.split(",") if s}
@@ -120,6 +127,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _log(f"{kind}: backend-level batching (B=1 loop vs a DecodeBatch of four)")
                 batch_sizes = batching.BATCH_SIZES.pick(loaded, args.quick)
                 sink.extend(batching.measure(path, tokenizer, kind, batch_sizes))
+            if "cluster" in args.scenarios and "runtime" in args.systems and loaded.real and RAY:
+                _log(f"{kind}: cluster (a Ray engine vs in-process; routing across 2 replicas)")
+                spec = ModelSpec(name=kind, path=str(path))
+                sizes = cluster.CLUSTER_QUICK if args.quick else cluster.ClusterSizes()
+                sink.extend(cluster.measure(spec, kind, sizes))
             http_groups = [group for group in over_http.GROUPS if group in args.scenarios]
             if http_groups:
                 _log(f"{kind}: {', '.join(http_groups)} (mlxrt serve vs mlx_lm.server, over HTTP)")

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, TypeVar
 import anyio
 import msgspec
 
+from actors.replicas import ROUTING_POLICIES
 from actors.standing import standing_actors
 from runtime.backends.contract import BackendLoader
 from runtime.backends.loader import make_backend_loader
@@ -182,6 +183,11 @@ class Runtime:
             raise InvalidModelSpec(
                 f"keep_alive_s of model {spec.name!r} is {keep_alive_s}; give the seconds an idle "
                 "model stays loaded (0 or more), or None to keep it loaded"
+            )
+        if spec.routing not in ROUTING_POLICIES:
+            raise InvalidModelSpec(
+                f"routing of model {spec.name!r} is {spec.routing!r}; choose one of "
+                f"{', '.join(ROUTING_POLICIES)}"
             )
         if spec.replicas < 1:
             raise InvalidModelSpec(

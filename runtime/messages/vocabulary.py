@@ -194,7 +194,9 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     ``replicas``: how many engines serve it (each its own load, ``NAME@i``, with its own KV and
     prefix cache; on Ray each in a process of its own); the router routes each request to one
-    (actors/replicas.py, docs/cluster.md).
+    (actors/replicas.py, docs/cluster.md): by ``routing``, "affinity" (sessions sticky, then the
+    replica holding the longest prefix of the prompt unless overloaded), or, for comparison,
+    "round_robin" or "power_of_two" (the less busy of two drawn replicas).
     """
 
     name: str
@@ -204,6 +206,7 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     prefill_chunk_tokens: int = 256
     keep_alive_s: float | None = None
     replicas: int = 1
+    routing: str = "affinity"
 
 
 class RequestKind(enum.StrEnum):
