@@ -6,7 +6,12 @@ unstarted requests go to another, its streams fail retryably, and it comes back.
 
 from __future__ import annotations
 
+import msgspec
+import pytest
+
+from runtime.api import Runtime
 from runtime.config import RuntimeConfig
+from runtime.errors import InvalidModelSpec
 from runtime.kernel.core import engine_model
 from runtime.messages import (
     Failed,
@@ -117,3 +122,23 @@ def test_a_lost_replica_fails_its_streams_and_its_unstarted_requests_go_to_anoth
     assert isinstance(listed, ModelsListed)
     assert {s.state for s in listed.models} == {"loaded"}  # the lost one came back
     assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes
+
+
+def test_round_robin_takes_turns_and_never_moves_a_request() -> None:
+    sim = Simulator(seed=1, config=RuntimeConfig(kv_budget_bytes=256 << 20))
+    sim.load(msgspec.structs.replace(SPEC, routing="round_robin"))
+    for i in range(4):
+        sim.send(generate(f"r{i}", (*LONG, i)))
+        sim.run_until_quiescent()
+    assert [replica_of(sim, f"r{i}") for i in range(4)] == ["m@1", "m@0", "m@1", "m@0"]
+    assert router(sim).statistics().counters.get("requests_moved", 0) == 0
+
+
+@pytest.mark.anyio
+async def test_replicas_and_routing_are_checked_before_anything_loads() -> None:
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 20)) as rt:
+        with pytest.raises(InvalidModelSpec, match="routing"):
+            await rt.load_model(msgspec.structs.replace(SPEC, routing="nearest"))
+        with pytest.raises(InvalidModelSpec, match="replicas"):
+            await rt.load_model(msgspec.structs.replace(SPEC, replicas=0))
+        assert await rt.list_models() == ()
