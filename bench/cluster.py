@@ -6,6 +6,10 @@ costs, and where requests land across replicas.
   (``runtime+ray``), alternating, medians of the repetitions. TTFT is from ``generate`` to the
   first token; decode is the time from the first token to the last over the tokens after the
   first. The transport's cost per token is the difference of the two.
+- ``cluster.overhead_ttft_ms`` / ``cluster.overhead_token_us``: the same on a simulated model
+  that computes nothing (model ``simulated``), so only the transport is timed: the time to the
+  first token (the engine's reservation and prefix lookup each cross the process boundary and
+  back) and microseconds per streamed token over a long stream.
 - ``cluster.cached_fraction`` / ``cluster.chat_ttft_ms_p50``: a multi-session chat (sessions take
   turns two at a time, each turn its history plus a new line, sent without a session id so that
   only the prompt can tell where its cache is) on a model with two replicas, routed by exact
@@ -16,6 +20,7 @@ costs, and where requests land across replicas.
 from __future__ import annotations
 
 import random
+import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,12 +53,15 @@ LINES = (
 class ClusterSizes:
     tokens: int = 64
     repetitions: int = 3
+    overhead_tokens: int = 1000
     sessions: int = 6
     turns: int = 4
     reply_tokens: int = 8
 
 
-CLUSTER_QUICK = ClusterSizes(tokens=16, repetitions=1, sessions=4, turns=2, reply_tokens=4)
+CLUSTER_QUICK = ClusterSizes(
+    tokens=16, repetitions=1, overhead_tokens=200, sessions=4, turns=2, reply_tokens=4
+)
 
 
 def measure(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
@@ -66,7 +74,8 @@ async def _measure(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Mea
 
     link = await anyio.to_thread.run_sync(connect, ClusterConfig(num_cpus=2))
     try:
-        out = await _transport(spec, model, sizes)
+        out = await _overhead(sizes)
+        out += await _transport(spec, model, sizes)
         out += await _routing(spec, model, sizes)
     finally:
         await anyio.to_thread.run_sync(link.close)
@@ -101,6 +110,46 @@ async def _transport(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[M
         rows.append(timed(system, model, "cluster.ttft_ms", ttft[ray]))
         rows.append(timed(system, model, "cluster.decode_ms_per_token", decode[ray]))
     return rows
+
+
+async def _overhead(sizes: ClusterSizes) -> list[Measurement]:
+    """The transport alone: a simulated model with no compute cost, in-process and on Ray."""
+    spec = ModelSpec(name="sim", backend="simulated", options={"context_length": 1 << 15})
+    ttft: dict[bool, list[float]] = {False: [], True: []}
+    per_token: dict[bool, list[float]] = {False: [], True: []}
+    async with Runtime(_config(False)) as local, Runtime(_config(True)) as remote:
+        runtimes = {False: local, True: remote}
+        for rt in runtimes.values():
+            await rt.load_model(spec)
+        for repetition in range(sizes.repetitions * 5 + 1):
+            for ray, rt in runtimes.items():
+                short = await _timed_stream(rt, "sim", f"s{repetition}", 1)
+                long = await _timed_stream(rt, "sim", f"l{repetition}", sizes.overhead_tokens)
+                if repetition:
+                    ttft[ray].append(short[0])
+                    per_token[ray].append((long[1] - long[0]) / max(long[2] - 1, 1))
+    rows = []
+    for ray in (False, True):
+        system = "runtime+ray" if ray else "runtime"
+        rows.append(timed(system, "simulated", "cluster.overhead_ttft_ms", ttft[ray]))
+        us = [round(t * 1e6, 2) for t in per_token[ray]]
+        rows.append(Measurement(system, "simulated", "cluster.overhead_token_us",
+                                statistics.median(us), "us", us))  # fmt: skip
+    return rows
+
+
+async def _timed_stream(rt: Runtime, name: str, salt: str, tokens: int) -> tuple[float, float, int]:
+    """(first token, last token, tokens) of one stream of a prompt, seconds from its start."""
+    began = time.perf_counter()
+    first = last = 0.0
+    n = 0
+    async with rt.generate(name, f"prompt {salt}", max_tokens=tokens, namespace=salt) as stream:
+        async for event in stream:
+            if isinstance(event, TokensEmitted):
+                last = time.perf_counter() - began
+                first = first or last
+                n += len(event.token_ids)
+    return first, last, n
 
 
 async def _one_stream(rt: Runtime, name: str, salt: int, tokens: int) -> tuple[float, float, int]:

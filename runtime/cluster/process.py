@@ -126,8 +126,9 @@ class EngineProcess:
         old.submit(release_thread_resources)
         old.shutdown(wait=False, cancel_futures=True)
 
-    def pid(self) -> int:
-        return os.getpid()
+    @property
+    def address(self) -> Address:
+        return self._address
 
 
 class _ProcessContext:
@@ -138,7 +139,7 @@ class _ProcessContext:
 
     @property
     def self_address(self) -> Address:
-        return self._process._address
+        return self._process.address
 
     def now(self) -> float:
         return time.monotonic()
