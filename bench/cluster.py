@@ -226,8 +226,31 @@ def _pairs(items: Sequence[int]) -> list[tuple[int, ...]]:
     return [tuple(seq[i : i + 2]) for i in range(0, len(seq), 2)]
 
 
+def plot(rows: Sequence[Measurement], path: str) -> None:
+    """The routing rows as two bar panels (cached fraction, chat TTFT p50) into ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display
+    import matplotlib.pyplot as plt
+
+    def values(prefix: str) -> list[float]:
+        by = {r.scenario: r.value for r in rows}
+        return [float(by.get(f"{prefix}.{policy}") or 0.0) for policy in POLICIES]
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
+    left.bar(POLICIES, values("cluster.cached_fraction"), color=["#2a7", "#999", "#999"])
+    left.set_title("prompt tokens served from cache")
+    left.set_ylim(0, 1)
+    right.bar(POLICIES, values("cluster.chat_ttft_ms_p50"), color=["#2a7", "#999", "#999"])
+    right.set_title("chat TTFT p50 (ms)")
+    figure.suptitle("2 replicas (Ray engines), multi-session chat, SmolLM2")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
 def main() -> None:
-    """``python -m bench.cluster [--quick]``: the rows for SmolLM2, printed as JSON lines."""
+    """``python -m bench.cluster [--quick] [--plot PATH]``: the rows for SmolLM2, as JSON lines."""
     import sys
 
     from runtime.backends.model_source import prepare_model
@@ -235,8 +258,11 @@ def main() -> None:
     spec = ModelSpec(name="smollm2", path="smollm2-135m-instruct")
     prepare_model(spec)
     sizes = CLUSTER_QUICK if "--quick" in sys.argv else ClusterSizes()
-    for row in measure(spec, "smollm2", sizes):
+    rows = measure(spec, "smollm2", sizes)
+    for row in rows:
         print(msgspec.json.encode(row).decode())
+    if "--plot" in sys.argv:
+        plot(rows, sys.argv[sys.argv.index("--plot") + 1])
 
 
 if __name__ == "__main__":
