@@ -187,6 +187,11 @@ class Replicas:
                 rs.sessions.popitem(last=False)
         return chosen
 
+    def holder(self, name: str, session: str) -> str:
+        """The load that holds ``session`` of ``name`` (its replica, or ``name`` itself)."""
+        rs = self._sets.get(name)
+        return name if rs is None else rs.sessions.get(session, rs.names[0])
+
     def worth_moving(self, name: str, here: str, there: str, gain: int) -> bool:
         """Whether a request of ``name`` on ``here`` should move to ``there``, which holds
         ``gain`` more of its prompt: enough to pay for the move, and not onto an overloaded

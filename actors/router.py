@@ -240,7 +240,7 @@ class RouterCore:
             case PrefixesReset():
                 ctx.send(self._reset_waiters.popleft(), message)
             case EndSession(model=model, session=session):
-                ready = self._models.ready(model)
+                ready = self._models.ready(self._replicas.holder(model, session))
                 if ready is None:
                     ctx.send(sender, not_loaded(model))
                     return

@@ -14,6 +14,7 @@ from runtime.config import RuntimeConfig
 from runtime.errors import InvalidModelSpec
 from runtime.kernel.core import engine_model
 from runtime.messages import (
+    EndSession,
     Failed,
     Finished,
     Generate,
@@ -23,6 +24,7 @@ from runtime.messages import (
     ModelSpec,
     ModelUnloaded,
     Prewarm,
+    SessionEnded,
     Started,
     UnloadModel,
 )
@@ -142,3 +144,12 @@ async def test_replicas_and_routing_are_checked_before_anything_loads() -> None:
         with pytest.raises(InvalidModelSpec, match="replicas"):
             await rt.load_model(msgspec.structs.replace(SPEC, replicas=0))
         assert await rt.list_models() == ()
+
+
+def test_ending_a_session_reaches_the_replica_that_holds_it() -> None:
+    sim = make()
+    sim.send(generate("busy", (9, 9), n=300))  # the session's first request goes to the other
+    sim.send(generate("s", LONG, session="editor"))
+    sim.run_until_quiescent()
+    ended = sim.ask(EndSession(model="m", session="editor"))
+    assert isinstance(ended, SessionEnded) and ended.model == replica_of(sim, "s"), ended
