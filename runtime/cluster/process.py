@@ -44,14 +44,15 @@ class EngineProcess:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=address)
         self._generation = 0  # grows when compute is abandoned: older jobs' ends are dropped
         self.dead_letters: Counter[str] = Counter()
+        # Made here, not in start(): Ray may run a deliver() before start() (no order promised).
+        self._mail: asyncio.Queue[tuple[Message, Address]] = asyncio.Queue()
+        self._mail_out = asyncio.Event()
 
     async def start(self) -> tuple[int, str]:
         """Build the core and start its mailbox loop; returns this process's id and Ray node."""
         import ray
 
         self._loop = asyncio.get_running_loop()
-        self._mail: asyncio.Queue[tuple[Message, Address]] = asyncio.Queue()
-        self._mail_out = asyncio.Event()
         self._core = self._build()
         self._task = self._loop.create_task(self._run(self._core))
         return os.getpid(), ray.get_runtime_context().get_node_id()
