@@ -1,13 +1,12 @@
 """Engines as Ray actors (``--scenarios cluster``; docs/cluster.md): what the process boundary
 costs, and where requests land across replicas.
 
-- ``cluster.ttft_ms`` / ``cluster.decode_ms_per_token``: one greedy stream on SmolLM2, in the
-  host's process (system ``runtime``) and in an engine process of its own on a local Ray
-  (``runtime+ray``), alternating, medians of the repetitions. TTFT is from ``generate`` to the
-  first token; decode is the time from the first token to the last over the tokens after the
-  first. The transport's cost per token is the difference of the two.
-- ``cluster.overhead_ttft_ms`` / ``cluster.overhead_token_us``: the same on a simulated model
-  that computes nothing (model ``simulated``), so only the transport is timed: the time to the
+- ``cluster.{in_process,ray}.ttft_ms`` / ``.decode_ms_per_token``: one greedy stream on SmolLM2,
+  in the host's process and in an engine process of its own on a local Ray, alternating, medians
+  of the repetitions. TTFT is from ``generate`` to the first token; decode is the time from the
+  first token to the last over the tokens after the first.
+- ``cluster.{in_process,ray}.ttft_ms`` / ``.token_us`` on the ``simulated`` model (the hop
+  rows' model): a model that computes nothing, so only the transport is timed: the time to the
   first token (the engine's reservation and prefix lookup each cross the process boundary and
   back) and microseconds per streamed token over a long stream.
 - ``cluster.cached_fraction`` / ``cluster.chat_ttft_ms_p50``: a multi-session chat (sessions take
@@ -28,13 +27,14 @@ from dataclasses import dataclass
 import anyio
 import msgspec
 
-from bench.results import Measurement, timed
+from bench.results import OVERHEAD_MODEL, Measurement, timed
 from runtime.api import Runtime
 from runtime.cluster.options import ClusterConfig
 from runtime.config import RuntimeConfig
 from runtime.messages import ChatMessage, Finished, ModelSpec, TokensEmitted
 from runtime.text.coalesce import CoalescePolicy
 
+SYSTEM = "runtime"  # every row is ours; where the engine ran is in the scenario's name
 KV_BUDGET_BYTES = 1 << 30
 POLICIES = ("affinity", "round_robin", "power_of_two")
 PER_TOKEN = CoalescePolicy(enabled=False)
@@ -106,10 +106,14 @@ async def _transport(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[M
                     decode[ray].append((last - first) / max(n - 1, 1))
     rows = []
     for ray in (False, True):
-        system = "runtime+ray" if ray else "runtime"
-        rows.append(timed(system, model, "cluster.ttft_ms", ttft[ray]))
-        rows.append(timed(system, model, "cluster.decode_ms_per_token", decode[ray]))
+        where = _where(ray)
+        rows.append(timed(SYSTEM, model, f"cluster.{where}.ttft_ms", ttft[ray]))
+        rows.append(timed(SYSTEM, model, f"cluster.{where}.decode_ms_per_token", decode[ray]))
     return rows
+
+
+def _where(ray: bool) -> str:
+    return "ray" if ray else "in_process"
 
 
 async def _overhead(sizes: ClusterSizes) -> list[Measurement]:
@@ -130,10 +134,10 @@ async def _overhead(sizes: ClusterSizes) -> list[Measurement]:
                     per_token[ray].append((long[1] - long[0]) / max(long[2] - 1, 1))
     rows = []
     for ray in (False, True):
-        system = "runtime+ray" if ray else "runtime"
-        rows.append(timed(system, "simulated", "cluster.overhead_ttft_ms", ttft[ray]))
+        where = _where(ray)
+        rows.append(timed(SYSTEM, OVERHEAD_MODEL, f"cluster.{where}.ttft_ms", ttft[ray]))
         us = [round(t * 1e6, 2) for t in per_token[ray]]
-        rows.append(Measurement(system, "simulated", "cluster.overhead_token_us",
+        rows.append(Measurement(SYSTEM, OVERHEAD_MODEL, f"cluster.{where}.token_us",
                                 statistics.median(us), "us", us))  # fmt: skip
     return rows
 
@@ -176,9 +180,9 @@ async def _routing(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Mea
         async with Runtime(_config(True)) as rt:
             await rt.load_model(replicated)
             cached, prompt, ttfts = await _chat(rt, spec.name, sizes)
-        rows.append(Measurement("runtime+ray", model, f"cluster.cached_fraction.{policy}",
+        rows.append(Measurement(SYSTEM, model, f"cluster.cached_fraction.{policy}",
                                 round(cached / prompt, 4), "fraction"))  # fmt: skip
-        rows.append(timed("runtime+ray", model, f"cluster.chat_ttft_ms_p50.{policy}", ttfts))
+        rows.append(timed(SYSTEM, model, f"cluster.chat_ttft_ms_p50.{policy}", ttfts))
     return rows
 
 
