@@ -168,6 +168,47 @@ async def test_two_replicas_in_two_processes_one_killed_the_other_serves_on() ->
             assert len(replica_pids(rt)) == 2 and pids[busy] not in replica_pids(rt).values()
 
 
+async def test_requests_a_killed_replica_had_not_started_are_served_by_the_other() -> None:
+    one_at_a_time = msgspec.structs.replace(llama(), replicas=2, options={"max_concurrent": 1})
+    with anyio.fail_after(180):
+        async with Runtime(config()) as rt:
+            await rt.load_model(one_at_a_time)
+            pids = replica_pids(rt)
+            running = rt.generate("llama", PROMPT, max_tokens=1500, session="s")
+            async with running:
+                async for event in running:
+                    if isinstance(event, TokensEmitted):
+                        break
+                # Same session, same replica: it waits behind the running one, not started.
+                async with anyio.create_task_group() as tg:
+                    waiting: list[object] = []
+
+                    async def wait_for_it() -> None:
+                        done = await rt.complete(
+                            "llama", PROMPT + " too", max_tokens=4, session="s"
+                        )
+                        waiting.append(done.terminal)
+
+                    tg.start_soon(wait_for_it)
+                    await wait_until(rt, lambda: router_live(rt) == 2)
+                    os.kill(pids[busy_engine(rt)], signal.SIGKILL)
+                terminal = [e async for e in running][-1]
+            assert isinstance(terminal, Failed) and terminal.code == "engine_process_lost"
+            assert isinstance(waiting[0], Finished)  # moved to the other replica, served there
+            assert rt.stats().actors["router"].counters["requests_moved"] == 1
+
+
+def busy_engine(rt: Runtime) -> str:
+    """The one engine holding sequences (its counts come with its process's last mail)."""
+    actors = rt.stats().actors.items()
+    (busy,) = [a for a, s in actors if a.startswith("engine:") and s.gauges.get("sequences")]
+    return busy
+
+
+def router_live(rt: Runtime) -> int:
+    return rt.stats().actors["router"].gauges["live_requests"]
+
+
 async def process_gone(pid: int) -> None:
     """An OS process's exit sends nothing to wait on: look again until it is gone."""
     with anyio.fail_after(30):
