@@ -25,7 +25,7 @@ import msgspec
 
 from actors.deadlines import Expiry, RequestGuards
 from actors.model_lifecycle import EngineFactory, ModelLifecycle, ModelState, not_loaded
-from actors.replicas import ModelTable, Replicas
+from actors.replicas import ModelTable, Replicas, ResetWait
 from runtime.errors import DuplicateRequestId
 from runtime.kernel.core import PREFIX_CACHE, Address, Context, engine_address, engine_model
 from runtime.kernel.stats import Counters
@@ -115,7 +115,7 @@ class RouterCore:
         self._parked: dict[str, tuple[Generate | Prewarm, Address]] = {}
         self._live_by_sequence: dict[int, _Live] = {}
         self._next_sequence_id = 1
-        self._reset_waiters: deque[Address] = deque()  # one prefix manager answers in order
+        self._reset_waiters: deque[ResetWait] = deque()  # one prefix manager answers in order
         # Engines answer independently of each other; one engine answers its own asks in order.
         self._session_waiters: dict[tuple[Address, str], deque[Address]] = {}
         self.counters = Counters()
@@ -230,15 +230,23 @@ class RouterCore:
                 self._replicas.drained(unloaded.spec.name, ctx)
                 self._send_on_parked(unloaded.spec.name, ctx)
             case ResetPrefixes(model=model):
-                if self._models.ready(model) is None:
+                # A model with replicas resets each serving one (a restarting one holds nothing).
+                loads = [
+                    n for n in self._replicas.names(model) or (model,) if self._models.ready(n)
+                ]
+                if not loads:
                     ctx.send(sender, not_loaded(model))
                     return
-                self._reset_waiters.append(sender)
-                ctx.send(PREFIX_CACHE, message)
+                wait = ResetWait(sender, model, len(loads))
+                for name in loads:
+                    self._reset_waiters.append(wait)
+                    ctx.send(PREFIX_CACHE, msgspec.structs.replace(message, model=name))
             case PrefixesReset() if sender != PREFIX_CACHE or not self._reset_waiters:
                 self._unmatched_reply(message, ctx)
             case PrefixesReset():
-                ctx.send(self._reset_waiters.popleft(), message)
+                wait = self._reset_waiters.popleft()
+                if (done := wait.answered(message)) is not None:
+                    ctx.send(wait.asker, done)
             case EndSession(model=model, session=session):
                 ready = self._models.ready(self._replicas.holder(model, session))
                 if ready is None:

@@ -23,7 +23,9 @@ from runtime.messages import (
     ModelsListed,
     ModelSpec,
     ModelUnloaded,
+    PrefixesReset,
     Prewarm,
+    ResetPrefixes,
     SessionEnded,
     Started,
     UnloadModel,
@@ -153,3 +155,16 @@ def test_ending_a_session_reaches_the_replica_that_holds_it() -> None:
     sim.run_until_quiescent()
     ended = sim.ask(EndSession(model="m", session="editor"))
     assert isinstance(ended, SessionEnded) and ended.model == replica_of(sim, "s"), ended
+
+
+def test_resetting_a_model_with_replicas_resets_every_replica_once() -> None:
+    sim = make()
+    sim.send(generate("a", (1, 2, 3, 4)))
+    sim.send(generate("b", (5, 6, 7, 8)))  # one on each replica, each leaves an entry
+    sim.run_until_quiescent()
+    assert {replica_of(sim, "a"), replica_of(sim, "b")} == {"m@0", "m@1"}
+    held = len(prefix_cache(sim).entries())
+    assert held >= 2
+    reset = sim.ask(ResetPrefixes(model="m"))
+    assert reset == PrefixesReset(model="m", dropped=held)
+    assert not prefix_cache(sim).entries()
