@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import assert_never
 
 import msgspec
 
 from actors.deadlines import Expiry, RequestGuards
+from actors.live_requests import Live, LiveRequests, cancelled_by_unload, failed_with
 from actors.model_lifecycle import EngineFactory, ModelLifecycle, ModelState, not_loaded
 from actors.replicas import ModelTable, Replicas, ResetWait
 from runtime.errors import DuplicateRequestId
@@ -76,18 +76,6 @@ from runtime.messages import (
 ENGINES_FAILED_OF = "engines_failed:"
 
 
-@dataclass(frozen=True)
-class _Live:
-    request_id: str
-    incarnation: int
-    host: Address
-    model: str
-    epoch: int
-    sequence_id: int
-    request: Generate | Prewarm  # as the host sent it: a move to another replica sends it again
-    moved: bool = False  # it was moved to another replica once already
-
-
 class RouterCore:
     """State and decisions of the router (see module docstring)."""
 
@@ -109,11 +97,9 @@ class RouterCore:
                 models.load, models.unload, models.knows, models.serving, models.live, models.loaded
             )
         )
-        self._started: set[int] = set()  # live sequences whose host has heard Started
-        self._live_by_request: dict[str, _Live] = {}
+        self._live = LiveRequests()
         # Requests for a model its keep-alive is unloading: sent on once it is loaded again.
         self._parked: dict[str, tuple[Generate | Prewarm, Address]] = {}
-        self._live_by_sequence: dict[int, _Live] = {}
         self._next_sequence_id = 1
         self._reset_waiters: deque[ResetWait] = deque()  # one prefix manager answers in order
         # Engines answer independently of each other; one engine answers its own asks in order.
@@ -129,7 +115,7 @@ class RouterCore:
 
     def statistics(self) -> Stats:
         gauges = {
-            "live_requests": len(self._live_by_request),
+            "live_requests": len(self._live),
             "models": len(self._models),
             "models_restarting": self._models.count(ModelState.RESTARTING),
             "models_failed": self._models.count(ModelState.FAILED),
@@ -147,7 +133,7 @@ class RouterCore:
 
     def live_sequences(self) -> dict[int, tuple[str, int]]:
         """Sequence id → (request id, incarnation) of every request still running (for tests)."""
-        return {s: (v.request_id, v.incarnation) for s, v in self._live_by_sequence.items()}
+        return self._live.sequences()
 
     def handle(self, message: Message, sender: Address, ctx: Context) -> None:
         """Apply one message; one outside ``RouterInbox`` is dropped and counted."""
@@ -168,11 +154,12 @@ class RouterCore:
                 | SequenceFinished()
                 | SequenceCancelled()
                 | SequenceFailed()
-            ) if not self._is_live(message.sequence_id, message.epoch):
+            ) if not self._live.is_live(message.sequence_id, message.epoch):
                 self._not_live(message, ctx)
             case SequenceStarted() | TokensProduced():
-                live = self._live_by_sequence[message.sequence_id]
-                self._started.add(message.sequence_id)
+                live = self._live.of_sequence(message.sequence_id)
+                assert live is not None  # the arm above sends the not-live ones elsewhere
+                self._live.started(message.sequence_id)
                 self._guards.shown(message, ctx)
                 ctx.send(live.host, for_request(message, live.request_id, live.incarnation))
             case SequenceFinished() | SequenceCancelled() | SequenceFailed():
@@ -204,12 +191,14 @@ class RouterCore:
                 self.counters.inc("engines_failed")
                 self.counters.inc(f"{ENGINES_FAILED_OF}{engine_model(sender)}")
                 self._move_unstarted(epoch, ctx)  # to another replica, if the model has one
-                self._end_orphans(epoch, ctx, lambda live: _failed(live, code, text))
+                self._end_orphans(epoch, ctx, lambda live: failed_with(live, code, text))
                 self._guards.epoch_drained(epoch)  # a given-up engine answers nothing more
                 self._models.engine_failed(message, sender, ctx)
             case EngineLoadFailed(epoch=epoch, code=code, message=text):
                 # Requests an auto-load admitted to the loading engine end with the load.
-                self._end_orphans(epoch, ctx, lambda live: _failed(live, code, text, retry=False))
+                self._end_orphans(
+                    epoch, ctx, lambda live: failed_with(live, code, text, retry=False)
+                )
                 self._models.engine_loaded(message, sender, ctx)
                 replica = engine_model(sender) or ""
                 self._replicas.engine_loaded(replica, CommandFailed(code=code, message=text), ctx)
@@ -224,7 +213,7 @@ class RouterCore:
                 ctx.count_dead_letter("stale_engine_event")
             case Drained(epoch=epoch):
                 unloaded = self._models.remove_drained(sender, epoch, ctx)
-                self._end_orphans(epoch, ctx, _unloaded)
+                self._end_orphans(epoch, ctx, cancelled_by_unload)
                 self._guards.epoch_drained(epoch)
                 self._models.announce_unloaded(unloaded, ctx)
                 self._replicas.drained(unloaded.spec.name, ctx)
@@ -296,7 +285,7 @@ class RouterCore:
     ) -> None:
         """Admit ``request``; for a model with replicas, to ``replica`` or the one routing picks
         (never ``avoid``, a replica it is being moved off)."""
-        if request.request_id in self._live_by_request or request.request_id in self._parked:
+        if self._live.has_request(request.request_id) or request.request_id in self._parked:
             text = (
                 f"request id {request.request_id!r} is still running; wait for its end, "
                 "cancel it, or use a new id"
@@ -318,7 +307,7 @@ class RouterCore:
             return
         sequence_id = self._next_sequence_id
         self._next_sequence_id += 1
-        live = _Live(
+        live = Live(
             request.request_id,
             request.incarnation,
             host,
@@ -328,8 +317,7 @@ class RouterCore:
             sent,
             moved=avoid is not None,
         )
-        self._live_by_request[request.request_id] = live
-        self._live_by_sequence[sequence_id] = live
+        self._live.add(live)
         self._models.request_started(model)
         if isinstance(request, Generate) and request.keep_alive_s is not None:
             self._models.keep_alive_from_now(model, request.keep_alive_s)
@@ -377,7 +365,7 @@ class RouterCore:
                 parked[1], Cancelled(request_id=request_id, incarnation=incarnation, usage=Usage())
             )
             return
-        live = self._live_by_request.get(request_id)
+        live = self._live.of_request(request_id)
         if live is None or live.incarnation != incarnation:
             self.counters.inc("cancels_noop")  # finished, unknown, or meant for another incarnation
             return
@@ -386,10 +374,6 @@ class RouterCore:
             engine_address(live.model, live.epoch),
             Abort(sequence_id=live.sequence_id, epoch=live.epoch),
         )
-
-    def _is_live(self, sequence_id: int, epoch: int) -> bool:
-        live = self._live_by_sequence.get(sequence_id)
-        return live is not None and live.epoch == epoch
 
     def _not_live(self, event: EngineEvent, ctx: Context) -> None:
         if self._guards.absorbs(event, ctx):  # its request already ended on a deadline or stall
@@ -400,9 +384,7 @@ class RouterCore:
     def _expire(self, sequence_id: int, expiry: Expiry, ctx: Context) -> None:
         """End a live request now, on its deadline or a stall: the host hears ``Failed`` at once
         (its engine may be unable to answer); the engine is told to abort the sequence."""
-        live = self._live_by_sequence.pop(sequence_id)
-        del self._live_by_request[live.request_id]
-        self._started.discard(sequence_id)
+        live = self._live.pop(sequence_id)
         self._models.request_ended(live.model, live.epoch, ctx)
         error = expiry.error
         ctx.send(
@@ -421,9 +403,7 @@ class RouterCore:
         ctx.send(live.host, failed)
 
     def _end_request(self, event: EngineTerminal, ctx: Context) -> None:
-        live = self._live_by_sequence.pop(event.sequence_id)
-        del self._live_by_request[live.request_id]
-        self._started.discard(event.sequence_id)
+        live = self._live.pop(event.sequence_id)
         self._guards.ended(event.sequence_id)
         self._models.request_ended(live.model, live.epoch, ctx)
         terminal = for_request(event, live.request_id, live.incarnation)
@@ -434,14 +414,14 @@ class RouterCore:
 
     def _cached_elsewhere(self, hint: CachedElsewhere, ctx: Context) -> None:
         """Move a request that has not started to the replica holding more of its prompt."""
-        live = self._live_by_sequence.get(hint.sequence_id)
+        live = self._live.of_sequence(hint.sequence_id)
         gain = hint.matched_there - hint.matched_here
         if (
             live is None
             or live.request.model not in self._replicas
             or live.epoch != hint.epoch
             or live.moved
-            or hint.sequence_id in self._started
+            or self._live.has_started(hint.sequence_id)
             or not self._replicas.worth_moving(live.request.model, live.model, hint.elsewhere, gain)
         ):
             self.counters.inc("moves_declined")
@@ -451,17 +431,16 @@ class RouterCore:
 
     def _move_unstarted(self, epoch: int, ctx: Context) -> None:
         """A replica's engine failed: what it had not started goes to another replica."""
-        for live in [v for v in self._live_by_sequence.values() if v.epoch == epoch]:
+        for live in self._live.of_epoch(epoch):
             name = live.request.model
-            if live.sequence_id not in self._started and len(self._replicas.names(name)) > 1:
+            if not self._live.has_started(live.sequence_id) and len(self._replicas.names(name)) > 1:
                 self._move(live, None, ctx)
 
-    def _move(self, live: _Live, to: str | None, ctx: Context) -> None:
+    def _move(self, live: Live, to: str | None, ctx: Context) -> None:
         """Send ``live``'s request to replica ``to`` (None: the one routing picks, never its
         own) as if it came now; its first sequence is aborted (quietly dropped if it answers)."""
         sequence_id = live.sequence_id
-        del self._live_by_sequence[sequence_id]
-        del self._live_by_request[live.request_id]
+        self._live.pop(sequence_id)
         self._guards.ended(sequence_id)
         self._models.request_ended(live.model, live.epoch, ctx)
         abort = Abort(sequence_id=sequence_id, epoch=live.epoch, reason="moved")
@@ -470,28 +449,10 @@ class RouterCore:
         self._accept(live.request, live.host, ctx, replica=to, avoid=live.model)
 
     def _end_orphans(
-        self, epoch: int, ctx: Context, terminal: Callable[[_Live], EngineTerminal]
+        self, epoch: int, ctx: Context, terminal: Callable[[Live], EngineTerminal]
     ) -> None:
         """End what an engine that drained or gave up left live: after ``Drained``, nothing
         (counted, defensively); after ``EngineFailed``, the requests admitted after it gave up."""
-        for live in [v for v in self._live_by_sequence.values() if v.epoch == epoch]:
+        for live in self._live.of_epoch(epoch):
             self.counters.inc("orphaned_requests")
             self._end_request(terminal(live), ctx)
-
-
-def _unloaded(live: _Live) -> EngineTerminal:
-    return SequenceCancelled(
-        sequence_id=live.sequence_id, epoch=live.epoch, usage=Usage(), reason="model_unloaded"
-    )
-
-
-def _failed(live: _Live, code: str, text: str, *, retry: bool = True) -> EngineTerminal:
-    """``retry``: after a crash the model is reloading (or failed: then the retry says so)."""
-    return SequenceFailed(
-        sequence_id=live.sequence_id,
-        epoch=live.epoch,
-        code=code,
-        message=text,
-        retryable=retry,
-        usage=Usage(),
-    )
