@@ -26,11 +26,12 @@ from runtime.messages import ModelSpec
 
 log = logging.getLogger("mlx_actor_runtime.cluster")
 
-EngineWrapper = Callable[[ModelSpec, int, Callable[[], ActorCore]], ActorCore]
+_KEEPER: _RayKeeper | None = None  # the Ray this process started, shared by its Runtimes
 
 
 def connect(config: ClusterConfig) -> ClusterLink:
     """Join (or start) the Ray cluster; raises ``ClusterUnavailable`` naming what is missing."""
+    global _KEEPER
     try:
         import ray
     except ImportError as error:
@@ -41,8 +42,10 @@ def connect(config: ClusterConfig) -> ClusterLink:
     address = config.address
     if address not in (None, "auto", "local"):
         _check_reachable(address, config.connect_timeout_s)
-    if ray.is_initialized():  # the host (or a test) joined a cluster already: use it as it is
-        return ClusterLink(config, keeper=None)
+    if ray.is_initialized():  # joined already: by another Runtime here (shared), or by the host
+        if _KEEPER is not None:
+            _KEEPER.users += 1
+        return ClusterLink(config, keeper=_KEEPER)
     os.environ.setdefault("RAY_IGNORE_UNHANDLED_ERRORS", "1")  # a killed engine's pending calls
     if address in (None, "local"):
         _share_code_path()
@@ -55,6 +58,7 @@ def connect(config: ClusterConfig) -> ClusterLink:
         )
     if keeper.failure is not None:
         raise ClusterUnavailable(f"could not reach {where}: {keeper.failure}") from keeper.failure
+    _KEEPER = keeper
     return ClusterLink(config, keeper=keeper)
 
 
@@ -69,6 +73,7 @@ class _RayKeeper:
         self._num_cpus = num_cpus
         self.started = threading.Event()
         self.failure: BaseException | None = None
+        self.users = 1  # the Runtimes of this process on this Ray: the last one to leave stops it
         self._leave = threading.Event()
         self._thread = threading.Thread(target=self._run, name="ray", daemon=True)
         self._thread.start()
@@ -91,6 +96,13 @@ class _RayKeeper:
         ray.shutdown()
 
     def close(self, timeout_s: float = 30.0) -> None:
+        """One user leaves; the last one shuts Ray down (here, on the thread that started it)."""
+        global _KEEPER
+        self.users -= 1
+        if self.users > 0:
+            return
+        if _KEEPER is self:
+            _KEEPER = None
         self._leave.set()
         self._thread.join(timeout_s)
 
@@ -102,7 +114,7 @@ class ClusterLink:
         import ray
 
         self._config = config
-        self._keeper = keeper  # set: this runtime started (or joined) Ray, so it leaves it
+        self._keeper = keeper  # set: Ray started here; this runtime is one of its users
         self._actor_class: Any = ray.remote(
             num_cpus=config.engine_num_cpus,
             num_gpus=config.engine_num_gpus,
