@@ -22,7 +22,7 @@ from runtime.cli_flags import (
     version_text,
 )
 from runtime.config import RuntimeConfig
-from runtime.errors import AddressInUse, MlxRuntimeError
+from runtime.errors import AddressInUse, ClusterUnavailable, MlxRuntimeError
 from runtime.generate_cli import generate
 from runtime.model_args import model_specs, prepare_specs
 from runtime.model_commands import add_commands, add_serve_flags, run_command
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:
             return serve_models(args, parser)
-        except AddressInUse as error:  # checked before any model loads
+        except (AddressInUse, ClusterUnavailable) as error:  # checked before any model loads
             print(f"mlxrt serve: {error}", file=sys.stderr)
             return 2
     if args.command in ("ps", "load", "unload", "models"):

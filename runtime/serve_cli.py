@@ -39,7 +39,8 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     """Load the models (fetched and converted first, with progress bars) and serve them until
     Ctrl-C or SIGTERM (then 0: open requests end properly, serving.py); 2 (a usage error) for a
     malformed --model, --model-option or --keep-alive. Raises ``AddressInUse`` before loading
-    anything when the port cannot be listened on."""
+    anything when the port cannot be listened on, ``ClusterUnavailable`` when no Ray head
+    answers at ``--ray ADDRESS``."""
     from runtime.server import OpenAIServer, ServerConfig
     from runtime.server.models import parse_keep_alive
     from runtime.server.serving import serve
@@ -55,6 +56,10 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     except ValueError as error:
         parser.error(str(error))
     check_port_free(args.host, args.port)
+    if args.ray not in (None, "local", "auto"):  # a head that does not answer: one line, now
+        from runtime.cluster.connect import check_reachable
+
+        check_reachable(args.ray)
     warn_if_exposed(args.host, args.port, access)
     models = tuple(
         msgspec.structs.replace(spec, keep_alive_s=named_s, replicas=args.replicas)

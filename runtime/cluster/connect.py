@@ -41,7 +41,7 @@ def connect(config: ClusterConfig) -> ClusterLink:
         ) from error
     address = config.address
     if address not in (None, "auto", "local"):
-        _check_reachable(address, config.connect_timeout_s)
+        check_reachable(address, config.connect_timeout_s)
     if ray.is_initialized():  # joined already: by another Runtime here (shared), or by the host
         if _KEEPER is not None:
             _KEEPER.users += 1
@@ -176,7 +176,7 @@ def _kill(handle: Any) -> None:
         log.debug("ray.kill: %s", error)
 
 
-def _check_reachable(address: str, timeout_s: float) -> None:
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """A head not accepting TCP at ``address`` is refused at once, not after Ray's retries."""
     host, _, port = address.removeprefix("ray://").rpartition(":")
     if not host or not port.isdigit():
