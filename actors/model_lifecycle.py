@@ -88,6 +88,7 @@ class Model:
     failure: str = ""  # why a FAILED model was taken out of service, said to the host
     idle_unload: bool = False  # UNLOADING because its keep-alive ran out (not asked to)
     since: float = 0.0  # when its current load (or unload) began, for its log line
+    placement: str = ""  # where its engine runs, if in a process of its own
 
     @property
     def address(self) -> Address:
@@ -207,6 +208,7 @@ class ModelLifecycle:
             else None,
             context_length=None if model.loaded is None else model.loaded.context_length,
             failure=model.failure,
+            placement=model.placement,
             limits={} if model.loaded is None else model.loaded.limits,
         )
 
@@ -235,18 +237,43 @@ class ModelLifecycle:
         model = self._at(engine, epoch)
         return model is not None and model.state is ModelState.UNLOADING
 
-    def load(self, spec: ModelSpec, asker: Address, ctx: Context) -> None:
+    def knows(self, name: str) -> bool:
+        """Whether ``name`` is in the table (in any state but idle)."""
+        return name in self._models
+
+    def serving(self, name: str) -> bool:
+        """Whether a request for ``name`` is admitted now (ready, or loading with auto-load)."""
+        model = self._models.get(name)
+        if model is None or self._shutdown_waiters:
+            return False
+        return model.state is ModelState.READY or (
+            self._auto_load and model.state is ModelState.LOADING
+        )
+
+    def live(self, name: str) -> int:
+        """Live requests of ``name``'s current epoch."""
+        model = self._models.get(name)
+        return 0 if model is None else self.keep_alive.live(model.epoch)
+
+    def loaded(self, name: str) -> ModelLoaded | None:
+        model = self._models.get(name)
+        return None if model is None else model.loaded
+
+    def load(self, spec: ModelSpec, asker: Address | None, ctx: Context) -> None:
+        """Load ``spec``; ``asker`` (if any) hears ``ModelLoaded`` or ``CommandFailed``."""
         failed = self._models.get(spec.name)
         if failed is not None and failed.state is ModelState.FAILED:
             del self._models[spec.name]  # loading a failed model again puts it back in service
         present = self._models.get(spec.name)
         if present is not None and present.state is ModelState.LOADING:
             text = f"model {spec.name!r} is loading; wait for it (it is listed as loading)"
-            ctx.send(asker, CommandFailed(code=ModelLoading.code, message=text))
+            if asker is not None:
+                ctx.send(asker, CommandFailed(code=ModelLoading.code, message=text))
             return
         if present is not None or self._shutdown_waiters:
             text = f"model {spec.name!r} is already loaded; unload it first to load it anew"
-            ctx.send(asker, CommandFailed(code=ModelAlreadyLoaded.code, message=text))
+            if asker is not None:
+                ctx.send(asker, CommandFailed(code=ModelAlreadyLoaded.code, message=text))
             return
         self._idle.pop(spec.name, None)  # loaded on purpose: this spec replaces the idle one
         self._start_load(spec, asker, ctx)
@@ -289,6 +316,7 @@ class ModelLifecycle:
                 ctx.send(asker, ModelUnloaded(model=model.spec.name, epoch=model.epoch))
             self._maybe_shutdown_complete(ctx)
             return
+        model.placement = event.placement
         model.loaded = ModelLoaded(
             model=model.spec.name,
             epoch=model.epoch,

@@ -19,9 +19,11 @@ from collections import Counter
 from typing import assert_never
 
 from actors.prefix_index import Entry, EntryKey, EntrySnapshot, PrefixIndex
-from runtime.kernel.core import Address, Context, engine_address
+from actors.replicas import replica_base
+from runtime.kernel.core import ROUTER, Address, Context, engine_address
 from runtime.kernel.stats import Counters
 from runtime.messages import (
+    CachedElsewhere,
     Commit,
     Committed,
     DropEntries,
@@ -178,6 +180,35 @@ class PrefixCacheCore:
             generation=self.generation(request.model, request.namespace),
         )
         ctx.send(sender, result)
+        if replica_base(request.model) is not None:
+            self._elsewhere(request, result.matched, ctx)
+
+    def _elsewhere(self, request: Lookup, matched_here: int, ctx: Context) -> None:
+        """Tell the router if another replica of the model holds more of this prompt."""
+        base = replica_base(request.model)
+        best: tuple[str, int] | None = None
+        for model, epoch, namespace in self._index.partitions():
+            if (
+                namespace != request.namespace
+                or model == request.model
+                or replica_base(model) != base
+                or (model, epoch) in self._invalidated_epochs
+            ):
+                continue
+            match = self._index.best_match((model, epoch, namespace), request.tokens)
+            if match is not None and match.matched > (matched_here if best is None else best[1]):
+                best = (model, match.matched)
+        if best is not None:
+            self.counters.inc("cached_elsewhere")
+            hint = CachedElsewhere(
+                sequence_id=request.sequence_id,
+                epoch=request.epoch,
+                model=request.model,
+                elsewhere=best[0],
+                matched_here=matched_here,
+                matched_there=best[1],
+            )
+            ctx.send(ROUTER, hint)
 
     def _commit(self, commit: Commit) -> Committed:
         key = EntryKey(commit.model, commit.epoch, commit.entry_id)

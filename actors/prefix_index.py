@@ -134,6 +134,10 @@ class PrefixIndex:
     def leased_keys(self) -> frozenset[EntryKey]:
         return frozenset(lease.key for lease in self._leases.values())
 
+    def partitions(self) -> list[Partition]:
+        """Every (model, epoch, namespace) with a trie."""
+        return list(self._tries)
+
     def best_match(self, partition: Partition, prompt: TokenIds) -> PrefixMatch | None:
         trie = self._tries.get(partition)
         return trie.best_match(prompt) if trie is not None else None

@@ -18,11 +18,14 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import assert_never
 
+import msgspec
+
 from actors.deadlines import Expiry, RequestGuards
+from actors.live_requests import Live, LiveRequests, cancelled_by_unload, failed_with
 from actors.model_lifecycle import EngineFactory, ModelLifecycle, ModelState, not_loaded
+from actors.replicas import ModelTable, Replicas, ResetWait
 from runtime.errors import DuplicateRequestId
 from runtime.kernel.core import PREFIX_CACHE, Address, Context, engine_address, engine_model
 from runtime.kernel.stats import Counters
@@ -30,8 +33,10 @@ from runtime.kernel.supervision import RestartPolicy
 from runtime.messages import (
     Abort,
     Admit,
+    CachedElsewhere,
     Cancel,
     Cancelled,
+    CommandFailed,
     Drained,
     EndSession,
     EngineEvent,
@@ -72,16 +77,6 @@ from runtime.messages import (
 ENGINES_FAILED_OF = "engines_failed:"
 
 
-@dataclass(frozen=True)
-class _Live:
-    request_id: str
-    incarnation: int
-    host: Address
-    model: str
-    epoch: int
-    sequence_id: int
-
-
 class RouterCore:
     """State and decisions of the router (see module docstring)."""
 
@@ -95,15 +90,19 @@ class RouterCore:
     ) -> None:
         """``stall_timeout_s``: the stall guard of a generate that sets none (None: off).
         ``auto_load``: a request for a loading or idle model waits for it (else: refused)."""
-        self._models = ModelLifecycle(
+        self._models = models = ModelLifecycle(
             engine_factory, engine_restart or RestartPolicy(), auto_load=auto_load
         )
-        self._live_by_request: dict[str, _Live] = {}
+        self._replicas = Replicas(
+            ModelTable(
+                models.load, models.unload, models.knows, models.serving, models.live, models.loaded
+            )
+        )
+        self._live = LiveRequests()
         # Requests for a model its keep-alive is unloading: sent on once it is loaded again.
         self._parked: dict[str, tuple[Generate | Prewarm, Address]] = {}
-        self._live_by_sequence: dict[int, _Live] = {}
         self._next_sequence_id = 1
-        self._reset_waiters: deque[Address] = deque()  # one prefix manager answers in order
+        self._reset_waiters: deque[ResetWait] = deque()  # one prefix manager answers in order
         # Engines answer independently of each other; one engine answers its own asks in order.
         self._session_waiters: dict[tuple[Address, str], deque[Address]] = {}
         self.counters = Counters()
@@ -117,7 +116,7 @@ class RouterCore:
 
     def statistics(self) -> Stats:
         gauges = {
-            "live_requests": len(self._live_by_request),
+            "live_requests": len(self._live),
             "models": len(self._models),
             "models_restarting": self._models.count(ModelState.RESTARTING),
             "models_failed": self._models.count(ModelState.FAILED),
@@ -135,7 +134,7 @@ class RouterCore:
 
     def live_sequences(self) -> dict[int, tuple[str, int]]:
         """Sequence id → (request id, incarnation) of every request still running (for tests)."""
-        return {s: (v.request_id, v.incarnation) for s, v in self._live_by_sequence.items()}
+        return self._live.sequences()
 
     def handle(self, message: Message, sender: Address, ctx: Context) -> None:
         """Apply one message; one outside ``RouterInbox`` is dropped and counted."""
@@ -156,10 +155,12 @@ class RouterCore:
                 | SequenceFinished()
                 | SequenceCancelled()
                 | SequenceFailed()
-            ) if not self._is_live(message.sequence_id, message.epoch):
+            ) if not self._live.is_live(message.sequence_id, message.epoch):
                 self._not_live(message, ctx)
             case SequenceStarted() | TokensProduced():
-                live = self._live_by_sequence[message.sequence_id]
+                live = self._live.of_sequence(message.sequence_id)
+                assert live is not None  # the arm above sends the not-live ones elsewhere
+                self._live.started(message.sequence_id)
                 self._guards.shown(message, ctx)
                 ctx.send(live.host, for_request(message, live.request_id, live.incarnation))
             case SequenceFinished() | SequenceCancelled() | SequenceFailed():
@@ -179,6 +180,8 @@ class RouterCore:
                     ctx.count_dead_letter("stale_idle_check")
             case ListModels():
                 ctx.send(sender, ModelsListed(models=self._models.statuses(ctx.now())))
+            case LoadModel(spec=spec) if spec.replicas > 1:
+                self._replicas.load(spec, sender, ctx)
             case LoadModel(spec=spec):
                 self._models.load(spec, sender, ctx)
             case EngineReady() | EngineProbed() | EngineLoadFailed() | EngineFailed() if (
@@ -188,39 +191,56 @@ class RouterCore:
             case EngineFailed(epoch=epoch, code=code, message=text):
                 self.counters.inc("engines_failed")
                 self.counters.inc(f"{ENGINES_FAILED_OF}{engine_model(sender)}")
-                self._end_orphans(epoch, ctx, lambda live: _failed(live, code, text))
+                self._move_unstarted(epoch, ctx)  # to another replica, if the model has one
+                self._end_orphans(epoch, ctx, lambda live: failed_with(live, code, text))
                 self._guards.epoch_drained(epoch)  # a given-up engine answers nothing more
                 self._models.engine_failed(message, sender, ctx)
             case EngineLoadFailed(epoch=epoch, code=code, message=text):
                 # Requests an auto-load admitted to the loading engine end with the load.
-                self._end_orphans(epoch, ctx, lambda live: _failed(live, code, text, retry=False))
+                self._end_orphans(
+                    epoch, ctx, lambda live: failed_with(live, code, text, retry=False)
+                )
                 self._models.engine_loaded(message, sender, ctx)
+                replica = engine_model(sender) or ""
+                self._replicas.engine_loaded(replica, CommandFailed(code=code, message=text), ctx)
+                self._replicas.drained(replica, ctx)
             case EngineReady():
                 self._models.engine_loaded(message, sender, ctx)
+                self._replicas.engine_loaded(engine_model(sender) or "", None, ctx)
             case EngineProbed():
                 self._models.engine_probed(message, sender)
             case UnloadModel(model=model):
-                self._models.unload(model, sender, ctx)
+                if not self._replicas.unload(model, sender, ctx):
+                    self._models.unload(model, sender, ctx)
             case Drained(epoch=epoch) if not self._models.is_draining(sender, epoch):
                 ctx.count_dead_letter("stale_engine_event")
             case Drained(epoch=epoch):
                 unloaded = self._models.remove_drained(sender, epoch, ctx)
-                self._end_orphans(epoch, ctx, _unloaded)
+                self._end_orphans(epoch, ctx, cancelled_by_unload)
                 self._guards.epoch_drained(epoch)
                 self._models.announce_unloaded(unloaded, ctx)
+                self._replicas.drained(unloaded.spec.name, ctx)
                 self._send_on_parked(unloaded.spec.name, ctx)
             case ResetPrefixes(model=model):
-                if self._models.ready(model) is None:
+                # A model with replicas resets each serving one (a restarting one holds nothing).
+                loads = [
+                    n for n in self._replicas.names(model) or (model,) if self._models.ready(n)
+                ]
+                if not loads:
                     ctx.send(sender, not_loaded(model))
                     return
-                self._reset_waiters.append(sender)
-                ctx.send(PREFIX_CACHE, message)
+                wait = ResetWait(sender, model, len(loads))
+                for name in loads:
+                    self._reset_waiters.append(wait)
+                    ctx.send(PREFIX_CACHE, msgspec.structs.replace(message, model=name))
             case PrefixesReset() if sender != PREFIX_CACHE or not self._reset_waiters:
                 self._unmatched_reply(message, ctx)
             case PrefixesReset():
-                ctx.send(self._reset_waiters.popleft(), message)
+                wait = self._reset_waiters.popleft()
+                if (done := wait.answered(message)) is not None:
+                    ctx.send(wait.asker, done)
             case EndSession(model=model, session=session):
-                ready = self._models.ready(model)
+                ready = self._models.ready(self._replicas.holder(model, session))
                 if ready is None:
                     ctx.send(sender, not_loaded(model))
                     return
@@ -233,7 +253,10 @@ class RouterCore:
             case GetStats():
                 ctx.send(sender, self.statistics())
             case Shutdown():
+                self._replicas.clear()
                 self._models.shutdown(sender, ctx)
+            case CachedElsewhere():
+                self._cached_elsewhere(message, ctx)
             case _:
                 assert_never(message)
 
@@ -254,14 +277,28 @@ class RouterCore:
 
     # ------------------------------------------------------------------ requests
 
-    def _accept(self, request: Generate | Prewarm, host: Address, ctx: Context) -> None:
-        if request.request_id in self._live_by_request or request.request_id in self._parked:
+    def _accept(
+        self,
+        request: Generate | Prewarm,
+        host: Address,
+        ctx: Context,
+        *,
+        replica: str | None = None,
+        avoid: str | None = None,
+    ) -> None:
+        """Admit ``request``; for a model with replicas, to ``replica`` or the one routing picks
+        (never ``avoid``, a replica it is being moved off)."""
+        if self._live.has_request(request.request_id) or request.request_id in self._parked:
             text = (
                 f"request id {request.request_id!r} is still running; wait for its end, "
                 "cancel it, or use a new id"
             )
             self._reject(request, host, ctx, DuplicateRequestId.code, text)
             return
+        sent = request
+        if request.model in self._replicas:
+            chosen = replica or self._replicas.route(request.model, request.session, avoid)
+            request = msgspec.structs.replace(request, model=chosen)
         model = self._models.admitting(request.model, ctx)
         if model is None and self._models.reloads_after_drain(request.model):
             self.counters.inc("requests_parked")
@@ -273,11 +310,17 @@ class RouterCore:
             return
         sequence_id = self._next_sequence_id
         self._next_sequence_id += 1
-        live = _Live(
-            request.request_id, request.incarnation, host, model.spec.name, model.epoch, sequence_id
+        live = Live(
+            request.request_id,
+            request.incarnation,
+            host,
+            model.spec.name,
+            model.epoch,
+            sequence_id,
+            sent,
+            moved=avoid is not None,
         )
-        self._live_by_request[request.request_id] = live
-        self._live_by_sequence[sequence_id] = live
+        self._live.add(live)
         self._models.request_started(model)
         if isinstance(request, Generate) and request.keep_alive_s is not None:
             self._models.keep_alive_from_now(model, request.keep_alive_s)
@@ -325,7 +368,7 @@ class RouterCore:
                 parked[1], Cancelled(request_id=request_id, incarnation=incarnation, usage=Usage())
             )
             return
-        live = self._live_by_request.get(request_id)
+        live = self._live.of_request(request_id)
         if live is None or live.incarnation != incarnation:
             self.counters.inc("cancels_noop")  # finished, unknown, or meant for another incarnation
             return
@@ -334,10 +377,6 @@ class RouterCore:
             engine_address(live.model, live.epoch),
             Abort(sequence_id=live.sequence_id, epoch=live.epoch),
         )
-
-    def _is_live(self, sequence_id: int, epoch: int) -> bool:
-        live = self._live_by_sequence.get(sequence_id)
-        return live is not None and live.epoch == epoch
 
     def _not_live(self, event: EngineEvent, ctx: Context) -> None:
         if self._guards.absorbs(event, ctx):  # its request already ended on a deadline or stall
@@ -348,8 +387,7 @@ class RouterCore:
     def _expire(self, sequence_id: int, expiry: Expiry, ctx: Context) -> None:
         """End a live request now, on its deadline or a stall: the host hears ``Failed`` at once
         (its engine may be unable to answer); the engine is told to abort the sequence."""
-        live = self._live_by_sequence.pop(sequence_id)
-        del self._live_by_request[live.request_id]
+        live = self._live.pop(sequence_id)
         self._models.request_ended(live.model, live.epoch, ctx)
         error = expiry.error
         ctx.send(
@@ -368,37 +406,56 @@ class RouterCore:
         ctx.send(live.host, failed)
 
     def _end_request(self, event: EngineTerminal, ctx: Context) -> None:
-        live = self._live_by_sequence.pop(event.sequence_id)
-        del self._live_by_request[live.request_id]
+        live = self._live.pop(event.sequence_id)
         self._guards.ended(event.sequence_id)
         self._models.request_ended(live.model, live.epoch, ctx)
         terminal = for_request(event, live.request_id, live.incarnation)
         self.counters.inc(f"terminal_{type(terminal).__name__.lower()}")
         ctx.send(live.host, terminal)
 
+    # ------------------------------------------------------------------ replicas
+
+    def _cached_elsewhere(self, hint: CachedElsewhere, ctx: Context) -> None:
+        """Move a request that has not started to the replica holding more of its prompt."""
+        live = self._live.of_sequence(hint.sequence_id)
+        gain = hint.matched_there - hint.matched_here
+        if (
+            live is None
+            or live.request.model not in self._replicas
+            or live.epoch != hint.epoch
+            or live.moved
+            or self._live.has_started(hint.sequence_id)
+            or not self._replicas.worth_moving(live.request.model, live.model, hint.elsewhere, gain)
+        ):
+            self.counters.inc("moves_declined")
+            return
+        self._move(live, hint.elsewhere, ctx)
+        self._replicas.stick(live.request.model, live.request.session, hint.elsewhere)
+
+    def _move_unstarted(self, epoch: int, ctx: Context) -> None:
+        """A replica's engine failed: what it had not started goes to another replica."""
+        for live in self._live.of_epoch(epoch):
+            name = live.request.model
+            if not self._live.has_started(live.sequence_id) and len(self._replicas.names(name)) > 1:
+                self._move(live, None, ctx)
+
+    def _move(self, live: Live, to: str | None, ctx: Context) -> None:
+        """Send ``live``'s request to replica ``to`` (None: the one routing picks, never its
+        own) as if it came now; its first sequence is aborted (quietly dropped if it answers)."""
+        sequence_id = live.sequence_id
+        self._live.pop(sequence_id)
+        self._guards.ended(sequence_id)
+        self._models.request_ended(live.model, live.epoch, ctx)
+        abort = Abort(sequence_id=sequence_id, epoch=live.epoch, reason="moved")
+        ctx.send(engine_address(live.model, live.epoch), abort)
+        self.counters.inc("requests_moved")
+        self._accept(live.request, live.host, ctx, replica=to, avoid=live.model)
+
     def _end_orphans(
-        self, epoch: int, ctx: Context, terminal: Callable[[_Live], EngineTerminal]
+        self, epoch: int, ctx: Context, terminal: Callable[[Live], EngineTerminal]
     ) -> None:
         """End what an engine that drained or gave up left live: after ``Drained``, nothing
         (counted, defensively); after ``EngineFailed``, the requests admitted after it gave up."""
-        for live in [v for v in self._live_by_sequence.values() if v.epoch == epoch]:
+        for live in self._live.of_epoch(epoch):
             self.counters.inc("orphaned_requests")
             self._end_request(terminal(live), ctx)
-
-
-def _unloaded(live: _Live) -> EngineTerminal:
-    return SequenceCancelled(
-        sequence_id=live.sequence_id, epoch=live.epoch, usage=Usage(), reason="model_unloaded"
-    )
-
-
-def _failed(live: _Live, code: str, text: str, *, retry: bool = True) -> EngineTerminal:
-    """``retry``: after a crash the model is reloading (or failed: then the retry says so)."""
-    return SequenceFailed(
-        sequence_id=live.sequence_id,
-        epoch=live.epoch,
-        code=code,
-        message=text,
-        retryable=retry,
-        usage=Usage(),
-    )

@@ -7,6 +7,8 @@ standing: the router spawns one per loaded model through the factory built here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from actors.engine.core import EngineCore
 from actors.kv_budget import KVBudgetCore
 from actors.prefix_cache import PrefixCacheCore
@@ -15,6 +17,9 @@ from runtime.backends.contract import BackendLoader
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, ActorCore, Address
 from runtime.kernel.supervision import RestartPolicy
 from runtime.messages import ModelSpec
+
+# Where an engine runs: (spec, epoch, build its core) -> the actor core at its address.
+EngineHost = Callable[[ModelSpec, int, Callable[[], ActorCore]], ActorCore]
 
 
 def standing_actors(
@@ -28,12 +33,20 @@ def standing_actors(
     engine_restart: RestartPolicy | None = None,
     auto_load: bool = True,
     strict_max_tokens: bool = False,
+    engine_host: EngineHost | None = None,
 ) -> list[tuple[Address, ActorCore]]:
     """The standing actors with their addresses; engines load their model with ``load_backend``,
     and are restarted (their model reloaded) after a crash as ``engine_restart`` allows;
-    ``auto_load``: a request for a loading or idle model waits for it rather than being refused."""
+    ``auto_load``: a request for a loading or idle model waits for it rather than being refused;
+    ``engine_host``: where an engine runs (given the spec, the epoch and how to build the engine
+    core), e.g. a Ray actor of its own (runtime/cluster/); None: in this process."""
 
     def engine_factory(spec: ModelSpec, epoch: int) -> ActorCore:
+        if engine_host is not None:
+            return engine_host(spec, epoch, lambda: build_engine(spec, epoch))
+        return build_engine(spec, epoch)
+
+    def build_engine(spec: ModelSpec, epoch: int) -> ActorCore:
         return EngineCore(
             spec,
             epoch,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.util
 import os
 import sys
 import time
@@ -22,6 +23,7 @@ os.environ.setdefault("MLXRT_LOAD_PROBE", "at_load")
 from bench import (
     batching,
     checkpoints,
+    cluster,
     environment,
     generation,
     hop,
@@ -36,6 +38,7 @@ from bench.models import MODELS, REAL_MODELS, BenchModel, load_bench_model
 from bench.results import SYSTEMS, Sink, format_table
 from bench.serving import ServerCommand, mlx_lm_server
 from bench.workload import SIZES, build_workload
+from runtime.messages import ModelSpec
 
 SCENARIO_GROUPS = (
     "existing",
@@ -45,9 +48,11 @@ SCENARIO_GROUPS = (
     "structured",
     *over_http.GROUPS,
     "hop",
+    "cluster",
 )
 MODEL_FREE_GROUPS = {"hop"}
 SERVER_GROUPS = {"existing", *over_http.GROUPS}  # the groups the llama.cpp systems have rows in
+RAY = importlib.util.find_spec("ray") is not None  # the cluster group needs the [cluster] extra
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -89,7 +94,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "keystroke, each superseding the last), prewarm (TTFT after a prewarm vs cold), branch "
         "(TTFT and tokens re-processed when ~900/~1,800 tokens of notes are re-sent with their "
         "last line changed); hop "
-        "(hop.*: the actor message hop and the runtime's cost per streamed token, no model)",
+        "(hop.*: the actor message hop and the runtime's cost per streamed token, no model); "
+        "cluster (cluster.*: an engine as a Ray actor against in-process, and routing across "
+        "two replicas; real models only, docs/cluster.md)",
     )
     args = parser.parse_args(argv)
     args.scenarios = {s for s in args.scenarios.split(",") if s}
@@ -147,6 +154,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 batch_sizes = batching.BATCH_SIZES.pick(loaded, args.quick)
                 sink.extend(batching.measure(path, tokenizer, kind, batch_sizes))
             llama_servers = [] if found is None else _llama_servers(found, loaded, sink)
+            if "cluster" in args.scenarios and "runtime" in args.systems and loaded.real and RAY:
+                _log(f"{kind}: cluster (a Ray engine vs in-process; routing across 2 replicas)")
+                spec = ModelSpec(name=kind, path=str(path))
+                sizes = cluster.CLUSTER_QUICK if args.quick else cluster.ClusterSizes()
+                sink.extend(cluster.measure(spec, kind, sizes))
             http_groups = [group for group in over_http.GROUPS if group in args.scenarios]
             if http_groups:
                 _log(f"{kind}: {', '.join(http_groups)} (the servers, over HTTP)")

@@ -30,7 +30,13 @@ from runtime.testing.simulator import Simulator
 
 STEP_TIMEOUT_S = 1.0
 PER_TOKEN = 0.001
-RETRYABLE_FAILURES = {"backend_error", "kv_budget_exhausted", "step_timeout", "engine_crashed"}
+RETRYABLE_FAILURES = {
+    "backend_error",
+    "kv_budget_exhausted",
+    "step_timeout",
+    "engine_crashed",
+    "engine_process_lost",  # a LOSE fault: the engine's process died
+}
 REFUSALS = {"model_restarting", "model_failed"}
 
 requests = st.lists(

@@ -20,6 +20,7 @@ use_fast_blas()
 if TYPE_CHECKING:
     from runtime.api import Runtime, RuntimeStats
     from runtime.backends.model_source import PreparedModel, default_model_spec, prepare_model
+    from runtime.cluster.options import ClusterConfig
     from runtime.config import RuntimeConfig
     from runtime.errors import (
         ActorStopped,
@@ -85,6 +86,7 @@ __all__ = [
     "RuntimeConfig",
     "RestartPolicy",
     "CoalescePolicy",
+    "ClusterConfig",
     "GenerationStream",
     "Completion",
     "RuntimeStats",
@@ -153,6 +155,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "runtime.api": ("Runtime", "RuntimeStats"),
     "runtime.streams": ("GenerationStream", "Completion"),
     "runtime.config": ("RuntimeConfig",),
+    "runtime.cluster.options": ("ClusterConfig",),
     "runtime.kernel.supervision": ("RestartPolicy",),
     "runtime.text.coalesce": ("CoalescePolicy",),
     "runtime.backends.model_source": ("default_model_spec", "prepare_model", "PreparedModel"),

@@ -14,11 +14,12 @@ import uuid
 from collections import Counter
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import anyio
 import msgspec
 
+from actors.replicas import ROUTING_POLICIES
 from actors.standing import standing_actors
 from runtime.backends.contract import BackendLoader
 from runtime.backends.loader import make_backend_loader
@@ -65,6 +66,9 @@ from runtime.streams import HOST, TERMINALS, Completion, GenerationStream, HostS
 from runtime.text.coalesce import CoalescePolicy
 from runtime.validation import validate_request
 
+if TYPE_CHECKING:
+    from runtime.cluster.connect import ClusterLink  # imports Ray: only when a cluster is set
+
 _T = TypeVar("_T")
 SHUTDOWN_WAIT_S = 30.0  # leaving the Runtime waits this long for models to unload, then stops all
 
@@ -90,12 +94,18 @@ class Runtime:
         self._load_backend = load_backend
         self._system: ActorSystem | None = None
         self._stack: contextlib.AsyncExitStack | None = None
+        self._cluster: ClusterLink | None = None  # set while engines run on Ray
         self._incarnations = itertools.count(1)
         self._streams = HostStreams(self._require_system)
 
     # ------------------------------------------------------------------ lifecycle
 
     async def __aenter__(self) -> Runtime:
+        cluster = self.config.cluster
+        if cluster is not None:  # Ray's start is blocking I/O: off the loop, with its own deadline
+            from runtime.cluster.connect import connect
+
+            self._cluster = await anyio.to_thread.run_sync(connect, cluster)
         stack = contextlib.AsyncExitStack()
         task_group = await stack.enter_async_context(anyio.create_task_group())
         system = ActorSystem(task_group, child_policy=self.config.engine_restart)
@@ -110,6 +120,7 @@ class Runtime:
             engine_restart=self.config.engine_restart,
             stall_timeout_s=self.config.stall_timeout_s,
             auto_load=self.config.auto_load,
+            engine_host=None if self._cluster is None else self._cluster.wrap,
         ):
             capacity = self.config.router_mailbox_capacity if address == ROUTER else math.inf
             system.spawn(address, core, capacity=capacity)
@@ -153,6 +164,10 @@ class Runtime:
             if exc is not None and len(group.exceptions) == 1 and group.exceptions[0] is exc:
                 raise exc from None
             raise
+        finally:
+            cluster, self._cluster = self._cluster, None
+            if cluster is not None:
+                await anyio.to_thread.run_sync(cluster.close)
 
     # ------------------------------------------------------------------ models
 
@@ -168,6 +183,16 @@ class Runtime:
             raise InvalidModelSpec(
                 f"keep_alive_s of model {spec.name!r} is {keep_alive_s}; give the seconds an idle "
                 "model stays loaded (0 or more), or None to keep it loaded"
+            )
+        if spec.routing not in ROUTING_POLICIES:
+            raise InvalidModelSpec(
+                f"routing of model {spec.name!r} is {spec.routing!r}; choose one of "
+                f"{', '.join(ROUTING_POLICIES)}"
+            )
+        if spec.replicas < 1:
+            raise InvalidModelSpec(
+                f"replicas of model {spec.name!r} is {spec.replicas}; give how many engines "
+                "serve it (1 or more)"
             )
         reply = await self._ask(LoadModel(spec=spec))
         return _expect(reply, ModelLoaded)

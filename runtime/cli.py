@@ -22,12 +22,12 @@ from runtime.cli_flags import (
     version_text,
 )
 from runtime.config import RuntimeConfig
-from runtime.errors import AddressInUse, MlxRuntimeError
+from runtime.errors import AddressInUse, ClusterUnavailable, MlxRuntimeError
 from runtime.generate_cli import generate
 from runtime.model_args import model_specs, prepare_specs
 from runtime.model_commands import add_commands, add_serve_flags, run_command
 from runtime.serve_cli import serve_models
-from runtime.serve_flags import add_request_flags
+from runtime.serve_flags import add_cluster_flags, add_request_flags
 from runtime.serve_keys import add_key_flags
 
 
@@ -103,6 +103,7 @@ _SERVE_EXAMPLES = """examples:
   mlxrt serve --model-option kv_bits=8 --kv-budget-mib 512 --host 0.0.0.0
   mlxrt serve --keep-alive 30m --no-auto-load  unload models idle 30 min; load none on demand
   mlxrt serve --host 0.0.0.0 --api-key-file keys.txt --max-concurrent-per-key 4
+  mlxrt serve --ray --replicas 2                each model as 2 engine processes on a local Ray
   curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
     -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
 """
@@ -275,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     add_serve_flags(serve)
     add_key_flags(serve)
     add_request_flags(serve)
+    add_cluster_flags(serve)
     serve.add_argument("--quiet", action="store_true", help="no progress bars")
     add_commands(commands)
     args = parser.parse_args(argv)
@@ -286,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         try:
             return serve_models(args, parser)
-        except AddressInUse as error:  # checked before any model loads
+        except (AddressInUse, ClusterUnavailable) as error:  # checked before any model loads
             print(f"mlxrt serve: {error}", file=sys.stderr)
             return 2
     if args.command in ("ps", "load", "unload", "models"):

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from runtime.cluster.options import ClusterConfig
 from runtime.errors import InvalidConfig
 from runtime.kernel.supervision import RestartPolicy
 from runtime.text.coalesce import CoalescePolicy
@@ -33,6 +34,8 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     # A request for a model still loading, or unloaded by its keep-alive (ModelSpec.keep_alive_s),
     # waits for the model (loading it again); False: such a request is refused (model_not_loaded).
     auto_load: bool = True
+    # Engines as Ray actors, each in a process of its own (docs/cluster.md); None: in this process.
+    cluster: ClusterConfig | None = None
 
     def __post_init__(self) -> None:
         # A zero mailbox or a negative timeout would not fail here but hang or misfire later.

@@ -204,6 +204,28 @@ class StepTimedOut(EngineCrashed):
     code = "step_timeout"
 
 
+class EngineProcessLost(EngineCrashed):
+    """Reported for in-flight requests of an engine running in a process of its own (a Ray
+    actor) when that process died (killed, out of memory, a crash in native code): the host
+    lives on and the engine is restarted in a new process."""
+
+    code = "engine_process_lost"
+
+
+class ClusterUnavailable(MlxRuntimeError):
+    """Raised at start when the Ray cluster the config names cannot be reached, or Ray (the
+    ``[cluster]`` extra) is not installed."""
+
+    code = "cluster_unavailable"
+
+
+class ClusterResourcesMissing(MlxRuntimeError):
+    """Raised when a model's replicas need more of a resource (CPUs, GPUs, a custom one) than the
+    Ray cluster has free; the message names the resource, what is asked and what is free."""
+
+    code = "cluster_resources_missing"
+
+
 class ModelRestarting(MlxRuntimeError):
     """Reported when a request names a model whose engine crashed and is being reloaded."""
 
@@ -303,6 +325,9 @@ ERRORS_BY_CODE: dict[str, type[MlxRuntimeError]] = {
         BackendError,
         EngineCrashed,
         StepTimedOut,
+        EngineProcessLost,
+        ClusterUnavailable,
+        ClusterResourcesMissing,
         ModelRestarting,
         ModelFailed,
         ModelUnloading,

@@ -152,7 +152,9 @@ def _request(
 
 
 def _ps_table(cards: list[dict[str, Any]]) -> str:
-    rows: list[tuple[str, ...]] = [("NAME", "STATE", "REQUESTS", "KEEP-ALIVE", "UNLOADS IN")]
+    rows: list[tuple[str, ...]] = [
+        ("NAME", "STATE", "REQUESTS", "KEEP-ALIVE", "UNLOADS IN", "WHERE")
+    ]
     now = time.time()
     for card in cards:
         if card.get("state") not in RUNTIME_STATES:
@@ -160,8 +162,9 @@ def _ps_table(cards: list[dict[str, Any]]) -> str:
         expires_at = card.get("expires_at")
         until = "-" if expires_at is None else _seconds(max(expires_at - now, 0))
         keep_alive = _seconds(card.get("keep_alive"))
+        where = card.get("placement") or "in process"  # a Ray engine: its node and pid
         rows.append(
-            (card["id"], card["state"], str(card.get("live_requests", 0)), keep_alive, until)
+            (card["id"], card["state"], str(card.get("live_requests", 0)), keep_alive, until, where)
         )
     return _table(rows) if len(rows) > 1 else "no model is loaded"
 

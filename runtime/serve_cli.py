@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import msgspec
 
 from runtime.cli_flags import check_shared, model_options
+from runtime.cluster.options import ClusterConfig
 from runtime.config import RuntimeConfig
 from runtime.errors import AddressInUse
 from runtime.model_args import model_specs, prepare_specs
@@ -38,7 +39,8 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     """Load the models (fetched and converted first, with progress bars) and serve them until
     Ctrl-C or SIGTERM (then 0: open requests end properly, serving.py); 2 (a usage error) for a
     malformed --model, --model-option or --keep-alive. Raises ``AddressInUse`` before loading
-    anything when the port cannot be listened on."""
+    anything when the port cannot be listened on, ``ClusterUnavailable`` when no Ray head
+    answers at ``--ray ADDRESS``."""
     from runtime.server import OpenAIServer, ServerConfig
     from runtime.server.models import parse_keep_alive
     from runtime.server.serving import serve
@@ -54,9 +56,13 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
     except ValueError as error:
         parser.error(str(error))
     check_port_free(args.host, args.port)
+    if args.ray not in (None, "local", "auto"):  # a head that does not answer: one line, now
+        from runtime.cluster.connect import check_reachable
+
+        check_reachable(args.ray)
     warn_if_exposed(args.host, args.port, access)
     models = tuple(
-        msgspec.structs.replace(spec, keep_alive_s=named_s)
+        msgspec.structs.replace(spec, keep_alive_s=named_s, replicas=args.replicas)
         for spec in prepare_specs(models, quiet=args.quiet)
     )
     # uvicorn configures its own loggers only; the runtime's (model loads, reuse paths) go here.
@@ -67,6 +73,7 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         kv_budget_fraction=args.kv_budget_fraction,
         auto_load=not args.no_auto_load,
         strict_max_tokens=args.strict_max_tokens,
+        cluster=None if args.ray is None else ClusterConfig(address=_ray_address(args.ray)),
     )
     config = ServerConfig(
         models=models,
@@ -116,3 +123,8 @@ def _uvicorn_config(server: OpenAIServer, args: argparse.Namespace) -> uvicorn.C
         log_level=args.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
+
+
+def _ray_address(flag: str) -> str | None:
+    """``--ray`` alone starts a local Ray (None); anything else names the cluster."""
+    return None if flag == "local" else flag

@@ -1,6 +1,7 @@
 """``mlxrt serve``'s flags for what a request gets when it leaves something out, and for who may
 call from a browser: ``--max-tokens``, ``--strict-max-tokens``, ``--allowed-origins``
-(docs/http.md). Apart from cli.py so the serve command's other flags can change without them."""
+(docs/http.md); and where engines run: ``--ray``, ``--replicas`` (docs/cluster.md). Apart from
+cli.py so the serve command's other flags can change without them."""
 
 from __future__ import annotations
 
@@ -31,7 +32,30 @@ def add_request_flags(serve: argparse.ArgumentParser) -> None:
     )
 
 
+def add_cluster_flags(serve: argparse.ArgumentParser) -> None:
+    """``--ray [ADDRESS]`` and ``--replicas N`` (docs/cluster.md)."""
+    serve.add_argument(
+        "--ray",
+        nargs="?",
+        const="local",
+        metavar="ADDRESS",
+        help="run every engine as a Ray actor in a process of its own (the [cluster] extra): "
+        "alone, on a local Ray started here; with ADDRESS, on the cluster whose head is there "
+        "(HOST:PORT from `ray start --head`, or auto)",
+    )
+    serve.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        metavar="N",
+        help="engines per model (NAME@0 ... NAME@N-1, each with its own KV), requests routed "
+        "to the one holding the longest prefix of their prompt (default 1)",
+    )
+
+
 def check_request_flags(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """A usage error (exit 2) for a ``--max-tokens`` below 1."""
     if args.max_tokens is not None and args.max_tokens < 1:
         parser.error(f"--max-tokens must be at least 1 (got {args.max_tokens})")
+    if args.replicas < 1:
+        parser.error(f"--replicas must be at least 1 (got {args.replicas})")

@@ -227,6 +227,28 @@ def test_serve_checks_its_port_before_loading_any_model(
     assert "pick another --port" in line
 
 
+def test_serve_checks_its_ray_address_before_loading_any_model(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import runtime.serve_cli
+
+    def no_load(*_: object, **__: object) -> None:
+        raise AssertionError("a model was prepared although no Ray head answers")
+
+    monkeypatch.setattr(runtime.serve_cli, "prepare_specs", no_load)
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    assert main(["serve", "--model", "/no/such/model", "--ray", f"127.0.0.1:{port}"]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"mlxrt serve: no Ray head answers at '127.0.0.1:{port}'")
+    assert "ray start --head" in line
+    with pytest.raises(SystemExit) as usage:  # a usage error, before anything starts
+        main(["serve", "--model", "m", "--backend", "simulated", "--replicas", "0"])
+    assert usage.value.code == 2
+    assert "--replicas must be at least 1" in capsys.readouterr().err
+
+
 def test_serve_keeps_named_models_loaded_unless_told(monkeypatch: pytest.MonkeyPatch) -> None:
     """issue 21: `serve --model X` used to unload X after 5 idle minutes. Now only --keep-alive
     does that; models loaded on demand still get the 5-minute default. --ctx-size reaches the

@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 import httpx
+import msgspec
 import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
@@ -228,3 +229,17 @@ def test_engine_failures_are_counted_per_model() -> None:
     assert failures.type == "counter"
     by_model = {(s.labels["model"], s.value) for s in failures.samples if s.name.endswith("_total")}
     assert by_model == {("a", 2), ("b", 1)}
+
+
+async def test_a_model_with_replicas_is_exposed_per_replica() -> None:
+    model = msgspec.structs.replace(sim_model(), replicas=2)
+    async with serving(model) as (client, _):
+        async with anyio.create_task_group() as tg:  # two at once: one on each replica
+            for prompt in ("first prompt", "second prompt"):
+                tg.start_soon(functools.partial(complete, client, prompt, max_tokens=30))
+        metrics = await scrape(client)
+        decoded = {
+            replica: metrics.value("mlxrt_decoded_tokens_total", model=replica)
+            for replica in ("m@0", "m@1")
+        }
+        assert decoded["m@0"] == decoded["m@1"] > 0, decoded  # each replica decoded one

@@ -19,6 +19,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("text", ("runtime.text",)),
     ("backends", ("runtime.backends",)),
     ("actors", ("actors",)),
+    ("cluster", ("runtime.cluster",)),
     ("face", ("runtime.config", "runtime.validation", "runtime.streams", "runtime.api")),
     ("server", ("runtime.server",)),
     ("entry points", ("runtime.cli", "runtime.demo", "runtime")),

@@ -17,6 +17,7 @@ from runtime.messages import (
     ALL_MESSAGE_TYPES,
     Abort,
     Admit,
+    CachedElsewhere,
     Cancel,
     Cancelled,
     ChatMessage,
@@ -260,6 +261,9 @@ BUILDERS: dict[type[Message], Callable[[], Message]] = {
         path=ReusePath.TRIM,
         lease_id=8,
         generation=1,
+    ),
+    CachedElsewhere: lambda: CachedElsewhere(
+        sequence_id=17, epoch=3, model="m@0", elsewhere="m@1", matched_here=2, matched_there=40
     ),
     Commit: lambda: Commit(
         model="m",

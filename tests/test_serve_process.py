@@ -106,8 +106,10 @@ def test_mlxrt_ps_load_and_unload_talk_to_the_server(capsys: pytest.CaptureFixtu
         assert main(["ps", "--url", url]) == 0
         table = capsys.readouterr().out.splitlines()
         assert table[0].split() == ["unloaded", "b"]
-        assert table[1].split() == ["NAME", "STATE", "REQUESTS", "KEEP-ALIVE", "UNLOADS", "IN"]
+        header = ["NAME", "STATE", "REQUESTS", "KEEP-ALIVE", "UNLOADS", "IN", "WHERE"]
+        assert table[1].split() == header
         assert table[2].split()[:4] == ["m", "loaded", "0", "forever"]
+        assert table[2].split()[-2:] == ["in", "process"]
         assert len(table) == 3  # b is available, not loaded: `mlxrt models` lists those
         assert main(["load", "b", "--keep-alive", "1h", "--url", url]) == 0
         assert "keep-alive 1h" in capsys.readouterr().out

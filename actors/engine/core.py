@@ -228,6 +228,11 @@ class EngineCore:
         )
 
     @property
+    def drain_requester(self) -> Address | None:
+        """Who asked this engine to drain, if anyone (what a lost process's stand-in answers)."""
+        return self._drain_requester if self._draining else None
+
+    @property
     def decode_batch(self) -> DecodeBatchHandle | None:
         """The decode batch, if one was opened (tests compare its real rows with the budget)."""
         return self._batches.handle

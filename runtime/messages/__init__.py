@@ -118,6 +118,7 @@ from runtime.messages.kv_budget import (
     Transfer,
 )
 from runtime.messages.prefix_cache import (
+    CachedElsewhere,
     Commit,
     Committed,
     DropEntries,
@@ -250,6 +251,7 @@ __all__ = [
     # prefix_cache
     "Lookup",
     "LookupResult",
+    "CachedElsewhere",
     "Commit",
     "Committed",
     "ReleaseLease",

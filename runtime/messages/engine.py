@@ -59,6 +59,8 @@ class EngineReady(Message, frozen=True):
     limits: dict[str, str] = {}  # noqa: RUF012 (a msgspec default; ruff cannot see the base here)
     # The probe runs in the background: every probed capability is off until ``EngineProbed``.
     probe_pending: bool = False
+    # Where the engine runs when not in the host's process: "node NODE pid PID" (a Ray actor).
+    placement: str = ""
 
 
 class EngineProbed(Message, frozen=True):

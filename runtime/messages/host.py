@@ -271,6 +271,7 @@ class ModelStatus(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     expires_in_s: float | None = None
     context_length: int | None = None
     failure: str = ""
+    placement: str = ""  # an engine in a process of its own: its Ray node and process id
     limits: dict[str, str] = {}  # capabilities switched off at load, and why
 
 

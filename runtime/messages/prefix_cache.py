@@ -36,6 +36,20 @@ class LookupResult(Message, frozen=True):
     generation: int
 
 
+class CachedElsewhere(Message, frozen=True):
+    """Prefix manager → router: a ``Lookup`` of replica ``model`` (actors/replicas.py) matched
+    ``matched_here`` tokens there, and another replica of the same model, ``elsewhere``, holds
+    ``matched_there`` (more) of the same prompt. The router may move the request, if it has not
+    started and ``elsewhere`` is not overloaded (docs/protocols.md, "Replicas and routing")."""
+
+    sequence_id: int
+    epoch: int
+    model: str
+    elsewhere: str
+    matched_here: int
+    matched_there: int
+
+
 class Commit(Message, frozen=True):
     """Register engine-owned state ``entry_id`` whose cache holds exactly ``tokens``.
 

@@ -61,6 +61,7 @@ from runtime.messages.kv_budget import (
     Transfer,
 )
 from runtime.messages.prefix_cache import (
+    CachedElsewhere,
     Commit,
     Committed,
     DropEntries,
@@ -100,6 +101,7 @@ RouterInbox = (
     | StallCheck
     | IdleCheck
     | ListModels
+    | CachedElsewhere
 )
 
 EngineInbox = (

@@ -191,6 +191,12 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     ``keep_alive_s``: once no request of the model has run for this long, the router unloads it
     (0: as soon as it is idle; None: never). Unloaded so, it stays known: with
     ``RuntimeConfig.auto_load`` a later request loads it again.
+
+    ``replicas``: how many engines serve it (each its own load, ``NAME@i``, with its own KV and
+    prefix cache; on Ray each in a process of its own); the router routes each request to one
+    (actors/replicas.py, docs/cluster.md): by ``routing``, "affinity" (sessions sticky, then the
+    replica holding the longest prefix of the prompt unless overloaded), or, for comparison,
+    "round_robin" or "power_of_two" (the less busy of two drawn replicas).
     """
 
     name: str
@@ -199,6 +205,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     options: dict[str, str | int | float | bool | None] = {}
     prefill_chunk_tokens: int = 256
     keep_alive_s: float | None = None
+    replicas: int = 1
+    routing: str = "affinity"
 
 
 class RequestKind(enum.StrEnum):

@@ -16,11 +16,14 @@ import msgspec
 from runtime.errors import (
     ActorStopped,
     BackendError,
+    ClusterResourcesMissing,
+    ClusterUnavailable,
     ConstraintDeadEnd,
     ConstraintsUnsupported,
     ContextLengthExceeded,
     DuplicateRequestId,
     EngineCrashed,
+    EngineProcessLost,
     InvalidApiKey,
     InvalidGrammar,
     InvalidModelSpec,
@@ -90,6 +93,9 @@ STATUS_BY_CODE: dict[str, int] = {
     BackendError.code: 500,
     EngineCrashed.code: 500,
     StepTimedOut.code: 500,
+    EngineProcessLost.code: 503,  # its process died; a new one is starting: retry
+    ClusterUnavailable.code: 503,
+    ClusterResourcesMissing.code: 503,
     ModelLoadFailed.code: 500,
     ModelFetchFailed.code: 503,  # the package index may answer later
     UnsupportedModelFormat.code: 400,

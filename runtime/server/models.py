@@ -258,6 +258,7 @@ class ModelManager:
             live_requests=status.live_requests,
             failure=status.failure or None,
             limits=status.limits or None,
+            placement=status.placement or None,
         )
 
     def _created(self, name: str) -> int:

@@ -389,6 +389,7 @@ class ModelCard(_Reply, frozen=True, kw_only=True):
     # Capabilities the load probe switched off for this model (batch_decode, batch_prefill,
     # snapshot_reach_back, trim), each with why; null: none off, or not loaded.
     limits: dict[str, str] | None = None
+    placement: str | None = None  # an engine in a process of its own: its Ray node and pid
     object: Literal["model"] = "model"
     owned_by: str = "mlx-actor-runtime"
 

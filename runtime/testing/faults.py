@@ -25,6 +25,11 @@ Points and what a fault there does (``FaultKind``):
   ``SLOW`` spends ``seconds`` on the compute clock first, ``HANG`` never returns (on the simulator
   the job's ``ComputeDone`` never arrives; on a real thread it blocks until ``release_hangs``, then
   raises, long after the engine gave up on it).
+- ``LOSE`` (at the compute points): the engine's *process* is lost in that call, as when it is
+  killed or runs out of memory. On the simulator the engine core is replaced by the stand-in the
+  Ray transport uses (``actors.engine.lost.LostEngine``) and the job never ends; in an engine's
+  Ray process (a plan sent there) the process kills itself with SIGKILL; in the host's own
+  process (no process to lose) it raises like ``RAISE``.
 - ``RESERVE``: a sequence's KV reservation. ``RAISE`` makes the keeper refuse it
   (``kv_budget_exhausted``, retryable) without looking at the budget.
 """
@@ -32,7 +37,9 @@ Points and what a fault there does (``FaultKind``):
 from __future__ import annotations
 
 import enum
+import os
 import random
+import signal
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -72,6 +79,7 @@ class FaultKind(enum.StrEnum):
     RAISE = "raise"
     SLOW = "slow"
     HANG = "hang"
+    LOSE = "lose_process"  # the engine's process dies in this call (see ``FaultPlan.apply``)
 
 
 # What each point can do: a load is not watched (it would never end), a reservation only refuses.
@@ -89,6 +97,10 @@ KINDS_AT: Mapping[FaultPoint, frozenset[FaultKind]] = {
         )
     },
 }
+
+
+def _kill_this_process(model: str) -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 class InjectedFault(RuntimeError):
@@ -170,6 +182,23 @@ class FaultPlan:
         self._enabled = True
         self._released = threading.Event()
         self.injected: list[Injection] = []
+        # What a LOSE fault does to the engine of a model (the simulator sets it; None: raise).
+        self.lose_process: Callable[[str], None] | None = None
+
+    def __getstate__(self) -> dict[str, object]:
+        """A copy for another process (an engine's Ray actor): the faults still to come, with a
+        lock and a hang release of its own (releasing here lets nothing go there; killing the
+        process does)."""
+        with self._lock:
+            state = dict(self.__dict__)
+        del state["_lock"], state["_released"], state["lose_process"]
+        return state
+
+    def __setstate__(self, state: dict[str, object]) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+        self._released = threading.Event()
+        self.lose_process = _kill_this_process  # unpickled in an engine's process: lose it
 
     # ------------------------------------------------------------------ switching
 
@@ -234,6 +263,11 @@ class FaultPlan:
         if fault.kind is FaultKind.SLOW:
             clock.spend(fault.seconds)
             return
+        if fault.kind is FaultKind.LOSE and self.lose_process is not None:
+            self.lose_process(model)
+            if hang is not None:
+                hang()  # the simulator: the lost engine's job never ends
+            raise InjectedFault(f"injected process loss at {point} of model {model!r}")
         if fault.kind is FaultKind.HANG:
             if hang is not None:
                 hang()  # the simulator: this job's done never arrives

@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from actors.engine.core import EngineCore
+from actors.engine.lost import LostEngine
 from actors.standing import standing_actors
 from runtime.backends.loader import make_backend_loader
 from runtime.config import RuntimeConfig
@@ -161,10 +163,13 @@ class Simulator:
         self._asks = 0
         self._replies: dict[Address, list[Message]] = {}
         self._step_checks: list[Callable[[], None]] = []
+        self._running_on: Address = ""  # the actor whose compute job runs inline now
+        self.lost_engines = 0  # engine processes lost to a LOSE fault
         self.faults = faults
         loader = make_backend_loader(self.clock)
         if faults is not None:
             loader = faults.wrap_loader(loader, self.clock, hang=self.clock.hang)
+            faults.lose_process = self._lose_engine
         for address, core in standing_actors(
             kv_budget_bytes=self.config.resolved_kv_budget_bytes(),
             load_backend=loader,
@@ -354,12 +359,33 @@ class Simulator:
         self._computing.add(address)
         self.clock.take_charged()
         self.clock.take_hung()
+        self._running_on = address
         job()
         due = self.clock.now + self.clock.take_charged()
         if self.clock.take_hung():  # it never returns: the actor's later jobs wait behind it
             return
         ended = _JobDone(done, self._compute_generation[address])
         heapq.heappush(self._timers, (due, next(self._order), address, ended))
+
+    def _lose_engine(self, model: str) -> None:
+        """The "engine process lost" fault (``FaultKind.LOSE``), from the engine's running job."""
+        self.lose_engine(self._running_on)
+
+    def lose_engine(self, address: Address) -> None:
+        """Lose the process of the engine at ``address`` now: its core is replaced by the
+        host-side stand-in a lost Ray process leaves (``LostEngine``), which releases the epoch
+        and reports the loss; its jobs are given up. A drain it had been asked for is answered,
+        as the Ray proxy remembers the drains it forwarded."""
+        engine = self._cores[address]
+        assert isinstance(engine, EngineCore), f"{address} is not an engine"
+        lost = LostEngine(engine.model, engine.epoch, "injected", engine.drain_requester)
+        self._cores[address] = lost
+        self.lost_engines += 1
+        self.abandon_compute(address)
+        ctx = _SimContext(self, address)
+        lost.on_start(ctx)
+        for effect in ctx.effects:
+            effect()
 
     def abandon_compute(self, address: Address) -> None:
         """Give up the actor's running and queued jobs (``Context.abandon_compute``)."""

@@ -1,0 +1,229 @@
+"""Replicas: several engines serving one model name, and which one a request goes to.
+
+A model loaded with ``ModelSpec.replicas`` N > 1 is N loads in the router's model table, named
+``NAME@0`` … ``NAME@N-1``: each has its own epoch, restarts on its own, and keeps its own KV
+entries in the prefix manager's tries (they are per model name), so the prefix manager knows
+exactly which replica holds which prefix. Loading and unloading the name fans out to the replicas
+and answers once for all of them.
+
+Routing (docs/cluster.md, protocols.md "Replicas and routing"): a request with a session goes to
+its session's replica while that replica serves (so a session's turns, and its prewarms, land
+where its prefixes are); any other goes to the least busy serving replica (live requests). When
+the replica it went to looks its prompt up, the prefix manager also matches it against the other
+replicas' tries (the tokens are known only then) and tells the router (``CachedElsewhere``) when
+another holds at least ``MOVE_MIN_GAIN`` more tokens of it; the router moves the request there
+(once, only if it has not started, and only if that replica has at most ``MOVE_MAX_SKEW`` more
+live requests than the one it leaves). Decided on exact token prefixes, not on past request text.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import msgspec
+
+from runtime.kernel.core import Address, Context
+from runtime.messages import CommandFailed, ModelLoaded, ModelSpec, ModelUnloaded, PrefixesReset
+
+SEPARATOR = "@"
+MOVE_MIN_GAIN = 16  # tokens: a move costs the first replica's tokenizing and a hop
+MOVE_MAX_SKEW = 4  # live requests: past this the cached replica counts as overloaded
+SESSIONS_KEPT = 4096  # sticky sessions remembered per model (least recently used forgotten)
+# ModelSpec.routing: ours, and two that know nothing of caches (for comparison, bench/cluster.py).
+ROUTING_POLICIES = ("affinity", "round_robin", "power_of_two")
+
+
+def replica_name(model: str, index: int) -> str:
+    return f"{model}{SEPARATOR}{index}"
+
+
+def replica_base(name: str) -> str | None:
+    """``NAME`` of a replica ``NAME@i``; None for other names."""
+    base, mark, index = name.rpartition(SEPARATOR)
+    return base if mark and base and index.isdigit() else None
+
+
+@dataclass
+class ReplicaSet:
+    """One model's replicas and who waits on them."""
+
+    spec: ModelSpec
+    names: tuple[str, ...]
+    load_asker: Address | None
+    loading: set[str]
+    sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    turn: int = 0  # round robin's next replica
+    draws: random.Random = field(default_factory=lambda: random.Random(0))  # power of two's
+
+
+@dataclass
+class ResetWait:
+    """A ``ResetPrefixes`` asker waiting for ``left`` replies (one per replica reset)."""
+
+    asker: Address
+    model: str
+    left: int
+    dropped: int = 0
+
+    def answered(self, reply: PrefixesReset) -> PrefixesReset | None:
+        """Count one reply; the asker's answer once the last one is in."""
+        self.left -= 1
+        self.dropped += reply.dropped
+        return PrefixesReset(model=self.model, dropped=self.dropped) if not self.left else None
+
+
+@dataclass
+class _Unloading:
+    askers: list[Address]
+    waiting: set[str]
+
+
+@dataclass(frozen=True)
+class ModelTable:
+    """What the replicas need of the router's model table (``ModelLifecycle``)."""
+
+    load: Callable[[ModelSpec, Address | None, Context], None]
+    unload: Callable[[str, Address | None, Context], None]
+    knows: Callable[[str], bool]
+    serving: Callable[[str], bool]  # ready, or loading (a request waits for it)
+    live: Callable[[str], int]  # live requests of its current epoch
+    loaded: Callable[[str], ModelLoaded | None]
+
+
+class Replicas:
+    """The router's replica sets (see module docstring)."""
+
+    def __init__(self, table: ModelTable) -> None:
+        self._table = table
+        self._sets: dict[str, ReplicaSet] = {}
+        self._unloading: dict[str, _Unloading] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._sets
+
+    def names(self, name: str) -> tuple[str, ...]:
+        rs = self._sets.get(name)
+        return () if rs is None else rs.names
+
+    # ------------------------------------------------------------------ load and unload
+
+    def load(self, spec: ModelSpec, asker: Address, ctx: Context) -> None:
+        """Load ``spec.replicas`` replicas; ``asker`` hears once, when all are in or one failed."""
+        names = tuple(replica_name(spec.name, i) for i in range(spec.replicas))
+        if spec.name in self._sets or self._table.knows(spec.name) or spec.name in self._unloading:
+            text = f"model {spec.name!r} is already loaded; unload it first to load it anew"
+            ctx.send(asker, CommandFailed(code="model_already_loaded", message=text))
+            return
+        self._sets[spec.name] = ReplicaSet(spec, names, asker, set(names))
+        for name in names:
+            # Each keeps ``replicas``: an engine placed on a cluster checks room for all of them.
+            self._table.load(msgspec.structs.replace(spec, name=name), None, ctx)
+
+    def engine_loaded(self, replica: str, failure: CommandFailed | None, ctx: Context) -> None:
+        """Replica ``replica``'s load ended (``failure`` None: it is in)."""
+        base = replica_base(replica)
+        rs = None if base is None else self._sets.get(base)
+        if rs is None or replica not in rs.loading:
+            return  # a restart's reload, or not a replica
+        rs.loading.discard(replica)
+        if failure is not None:  # one failed: the whole load fails, the others are unloaded
+            if rs.load_asker is not None:
+                ctx.send(rs.load_asker, failure)
+            rs.load_asker = None
+            self.unload(rs.spec.name, None, ctx)
+            return
+        if rs.loading or rs.load_asker is None:
+            return
+        first = self._table.loaded(replica)
+        if first is not None:
+            ctx.send(rs.load_asker, msgspec.structs.replace(first, model=rs.spec.name))
+        rs.load_asker = None
+
+    def unload(self, name: str, asker: Address | None, ctx: Context) -> bool:
+        """Unload every replica of ``name``; False if ``name`` has none."""
+        rs = self._sets.pop(name, None)
+        if rs is None:
+            return False
+        if rs.load_asker is not None:
+            ctx.send(rs.load_asker, CommandFailed(code="model_unloading",
+                                                  message="unloaded while loading"))  # fmt: skip
+        unloading = self._unloading.setdefault(name, _Unloading([], set()))
+        if asker is not None:
+            unloading.askers.append(asker)
+        for replica in rs.names:
+            if self._table.knows(replica):
+                unloading.waiting.add(replica)
+                self._table.unload(replica, None, ctx)
+        for replica in rs.names:  # a failed one is gone at once, with no drain to wait for
+            self.drained(replica, ctx)
+        return True
+
+    def drained(self, replica: str, ctx: Context) -> None:
+        """``replica`` left the model table; its model's unload ends with its last replica."""
+        base = replica_base(replica)
+        unloading = None if base is None else self._unloading.get(base)
+        if base is None or unloading is None or self._table.knows(replica):
+            return
+        unloading.waiting.discard(replica)
+        if not unloading.waiting:
+            del self._unloading[base]
+            for asker in unloading.askers:
+                ctx.send(asker, ModelUnloaded(model=base, epoch=0))
+
+    def clear(self) -> None:
+        """Shutdown: the table unloads every replica itself."""
+        self._sets.clear()
+
+    # ------------------------------------------------------------------ routing
+
+    def route(self, name: str, session: str | None, avoid: str | None = None) -> str:
+        """The replica of ``name`` a request goes to (see module docstring); ``avoid``: one that
+        just failed. A replica none serves is still returned: the router refuses it by its state."""
+        rs = self._sets[name]
+        serving = [r for r in rs.names if r != avoid and self._table.serving(r)] or [rs.names[0]]
+        if rs.spec.routing == "round_robin":
+            rs.turn += 1
+            return serving[rs.turn % len(serving)]
+        if rs.spec.routing == "power_of_two":
+            two = rs.draws.sample(serving, min(2, len(serving)))
+            return min(two, key=self._table.live)
+        if session is not None:
+            kept = rs.sessions.get(session)
+            if kept is not None and kept != avoid and self._table.serving(kept):
+                rs.sessions.move_to_end(session)
+                return kept
+        chosen = min(serving, key=self._table.live)
+        if session is not None:
+            rs.sessions[session] = chosen
+            rs.sessions.move_to_end(session)
+            while len(rs.sessions) > SESSIONS_KEPT:
+                rs.sessions.popitem(last=False)
+        return chosen
+
+    def holder(self, name: str, session: str) -> str:
+        """The load that holds ``session`` of ``name`` (its replica, or ``name`` itself)."""
+        rs = self._sets.get(name)
+        return name if rs is None else rs.sessions.get(session, rs.names[0])
+
+    def worth_moving(self, name: str, here: str, there: str, gain: int) -> bool:
+        """Whether a request of ``name`` on ``here`` should move to ``there``, which holds
+        ``gain`` more of its prompt: enough to pay for the move, and not onto an overloaded
+        replica (only with affinity routing)."""
+        rs = self._sets.get(name)
+        if (
+            rs is None
+            or rs.spec.routing != "affinity"
+            or gain < MOVE_MIN_GAIN
+            or not self._table.serving(there)
+        ):
+            return False
+        return self._table.live(there) <= self._table.live(here) + MOVE_MAX_SKEW
+
+    def stick(self, name: str, session: str | None, replica: str) -> None:
+        """A moved request's session follows it."""
+        rs = self._sets.get(name)
+        if rs is not None and session is not None:
+            rs.sessions[session] = replica

@@ -1,0 +1,273 @@
+"""Engines as Ray actors (``--scenarios cluster``; docs/cluster.md): what the process boundary
+costs, and where requests land across replicas.
+
+- ``cluster.{in_process,ray}.ttft_ms`` / ``.decode_ms_per_token``: one greedy stream on SmolLM2,
+  in the host's process and in an engine process of its own on a local Ray, alternating, medians
+  of the repetitions. TTFT is from ``generate`` to the first token; decode is the time from the
+  first token to the last over the tokens after the first.
+- ``cluster.{in_process,ray}.ttft_ms`` / ``.token_us`` on the ``simulated`` model (the hop
+  rows' model): a model that computes nothing, so only the transport is timed: the time to the
+  first token (the engine's reservation and prefix lookup each cross the process boundary and
+  back) and microseconds per streamed token over a long stream.
+- ``cluster.cached_fraction`` / ``cluster.chat_ttft_ms_p50``: a multi-session chat (sessions take
+  turns two at a time, each turn its history plus a new line, sent without a session id so that
+  only the prompt can tell where its cache is) on a model with two replicas, routed by exact
+  prefix affinity (ours), round robin and power-of-two choices: the share of prompt tokens served
+  from the cache, and the median time to first token.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import anyio
+import msgspec
+
+from bench.results import OVERHEAD_MODEL, Measurement, timed
+from runtime.api import Runtime
+from runtime.cluster.options import ClusterConfig
+from runtime.config import RuntimeConfig
+from runtime.messages import ChatMessage, Finished, ModelSpec, TokensEmitted
+from runtime.text.coalesce import CoalescePolicy
+
+SYSTEM = "runtime"  # every row is ours; where the engine ran is in the scenario's name
+KV_BUDGET_BYTES = 1 << 30
+POLICIES = ("affinity", "round_robin", "power_of_two")
+PER_TOKEN = CoalescePolicy(enabled=False)
+PROMPT = "Write a short poem about the sea, the wind over it and the boats that sail home at dusk."
+LINES = (
+    "Tell me about the old harbour and the people who worked there.",
+    "What did the fishermen eat before a long night at sea?",
+    "Describe the lighthouse keeper's daily routine in winter.",
+    "How did the town celebrate when the boats came back safely?",
+    "What stories did the children hear about the reef?",
+    "Which songs did the sailors sing while mending their nets?",
+)
+
+
+@dataclass(frozen=True)
+class ClusterSizes:
+    tokens: int = 64
+    repetitions: int = 3
+    overhead_tokens: int = 1000
+    sessions: int = 6
+    turns: int = 4
+    reply_tokens: int = 8
+
+
+CLUSTER_QUICK = ClusterSizes(
+    tokens=16, repetitions=1, overhead_tokens=200, sessions=4, turns=2, reply_tokens=4
+)
+
+
+def measure(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
+    """Every cluster row for ``spec`` (a prepared model), reported under ``model``."""
+    return anyio.run(_measure, spec, model, sizes)
+
+
+async def _measure(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
+    from runtime.cluster.connect import connect
+
+    link = await anyio.to_thread.run_sync(connect, ClusterConfig(num_cpus=2))
+    try:
+        out = await _overhead(sizes)
+        out += await _transport(spec, model, sizes)
+        out += await _routing(spec, model, sizes)
+    finally:
+        await anyio.to_thread.run_sync(link.close)
+    return out
+
+
+def _config(ray: bool, engine_cpus: float = 1.0) -> RuntimeConfig:
+    """``engine_cpus``: Ray sets an engine process's OMP_NUM_THREADS to its CPUs, and OpenBLAS
+    (MLX's matmuls on a CPU) follows it: the lone engine of the transport rows gets both CPUs,
+    the threads the in-process engine uses."""
+    cluster = ClusterConfig(engine_num_cpus=engine_cpus) if ray else None
+    # One host event per token: the first token is timed when it arrives, not when a chunk is full.
+    return RuntimeConfig(kv_budget_bytes=KV_BUDGET_BYTES, cluster=cluster, coalesce=PER_TOKEN)
+
+
+async def _transport(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
+    ttft: dict[bool, list[float]] = {False: [], True: []}
+    decode: dict[bool, list[float]] = {False: [], True: []}
+    async with Runtime(_config(False)) as local, Runtime(_config(True, 2.0)) as remote:
+        runtimes = {False: local, True: remote}
+        for rt in runtimes.values():
+            await rt.load_model(spec)
+        for repetition in range(sizes.repetitions + 1):  # the first is a warm-up
+            for ray, rt in runtimes.items():
+                first, last, n = await _one_stream(rt, spec.name, repetition, sizes.tokens)
+                if repetition:
+                    ttft[ray].append(first)
+                    decode[ray].append((last - first) / max(n - 1, 1))
+    rows = []
+    for ray in (False, True):
+        where = _where(ray)
+        rows.append(timed(SYSTEM, model, f"cluster.{where}.ttft_ms", ttft[ray]))
+        rows.append(timed(SYSTEM, model, f"cluster.{where}.decode_ms_per_token", decode[ray]))
+    return rows
+
+
+def _where(ray: bool) -> str:
+    return "ray" if ray else "in_process"
+
+
+async def _overhead(sizes: ClusterSizes) -> list[Measurement]:
+    """The transport alone: a simulated model with no compute cost, in-process and on Ray."""
+    spec = ModelSpec(name="sim", backend="simulated", options={"context_length": 1 << 15})
+    ttft: dict[bool, list[float]] = {False: [], True: []}
+    per_token: dict[bool, list[float]] = {False: [], True: []}
+    async with Runtime(_config(False)) as local, Runtime(_config(True)) as remote:
+        runtimes = {False: local, True: remote}
+        for rt in runtimes.values():
+            await rt.load_model(spec)
+        for repetition in range(sizes.repetitions * 5 + 1):
+            for ray, rt in runtimes.items():
+                short = await _timed_stream(rt, "sim", f"s{repetition}", 1)
+                long = await _timed_stream(rt, "sim", f"l{repetition}", sizes.overhead_tokens)
+                if repetition:
+                    ttft[ray].append(short[0])
+                    per_token[ray].append((long[1] - long[0]) / max(long[2] - 1, 1))
+    rows = []
+    for ray in (False, True):
+        where = _where(ray)
+        rows.append(timed(SYSTEM, OVERHEAD_MODEL, f"cluster.{where}.ttft_ms", ttft[ray]))
+        us = [round(t * 1e6, 2) for t in per_token[ray]]
+        rows.append(Measurement(SYSTEM, OVERHEAD_MODEL, f"cluster.{where}.token_us",
+                                statistics.median(us), "us", us))  # fmt: skip
+    return rows
+
+
+async def _timed_stream(rt: Runtime, name: str, salt: str, tokens: int) -> tuple[float, float, int]:
+    """(first token, last token, tokens) of one stream of a prompt, seconds from its start."""
+    began = time.perf_counter()
+    first = last = 0.0
+    n = 0
+    async with rt.generate(name, f"prompt {salt}", max_tokens=tokens, namespace=salt) as stream:
+        async for event in stream:
+            if isinstance(event, TokensEmitted):
+                last = time.perf_counter() - began
+                first = first or last
+                n += len(event.token_ids)
+    return first, last, n
+
+
+async def _one_stream(rt: Runtime, name: str, salt: int, tokens: int) -> tuple[float, float, int]:
+    began = time.perf_counter()
+    first = last = 0.0
+    n = 0
+    # A namespace per run: every stream is cold, so both systems prefill the same prompt.
+    ask = [ChatMessage(role="user", content=PROMPT)]
+    stream = rt.generate(name, messages=ask, max_tokens=tokens, namespace=f"run{salt}")
+    async with stream:
+        async for event in stream:
+            if isinstance(event, TokensEmitted):
+                now = time.perf_counter() - began
+                first = first or now
+                last = now
+                n += len(event.token_ids)
+    return first, last, n
+
+
+async def _routing(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
+    rows = []
+    for policy in POLICIES:
+        replicated = msgspec.structs.replace(spec, replicas=2, routing=policy)
+        async with Runtime(_config(True)) as rt:
+            await rt.load_model(replicated)
+            cached, prompt, ttfts = await _chat(rt, spec.name, sizes)
+        rows.append(Measurement(SYSTEM, model, f"cluster.cached_fraction.{policy}",
+                                round(cached / prompt, 4), "fraction"))  # fmt: skip
+        rows.append(timed(SYSTEM, model, f"cluster.chat_ttft_ms_p50.{policy}", ttfts))
+    return rows
+
+
+async def _chat(rt: Runtime, name: str, sizes: ClusterSizes) -> tuple[int, int, list[float]]:
+    histories = [
+        [ChatMessage(role="user", content=f"Session {i}. {LINES[i % len(LINES)]}")]
+        for i in range(sizes.sessions)
+    ]
+    cached = prompt = 0
+    ttfts: list[float] = []
+    order = random.Random(7)
+
+    async def turn(i: int, line: str) -> None:
+        nonlocal cached, prompt
+        began = time.perf_counter()
+        first = 0.0
+        text = []
+        async with rt.generate(name, messages=histories[i], max_tokens=sizes.reply_tokens) as s:
+            async for event in s:
+                if isinstance(event, TokensEmitted | Finished):  # a reply may be empty
+                    first = first or time.perf_counter() - began
+                if isinstance(event, TokensEmitted):
+                    text.append(event.text)
+                elif isinstance(event, Finished):
+                    cached += event.usage.cached_prompt_tokens
+                    prompt += event.usage.prompt_tokens
+        ttfts.append(first)
+        histories[i] += [
+            ChatMessage(role="assistant", content="".join(text)),
+            ChatMessage(role="user", content=line),
+        ]
+
+    for t in range(sizes.turns):
+        sessions = list(range(sizes.sessions))
+        order.shuffle(sessions)  # who speaks when varies, as in a real service
+        for pair in _pairs(sessions):
+            async with anyio.create_task_group() as tg:
+                for i in pair:
+                    tg.start_soon(turn, i, LINES[(i + t + 1) % len(LINES)])
+    return cached, prompt, ttfts
+
+
+def _pairs(items: Sequence[int]) -> list[tuple[int, ...]]:
+    seq = list(items)
+    return [tuple(seq[i : i + 2]) for i in range(0, len(seq), 2)]
+
+
+def plot(rows: Sequence[Measurement], path: str) -> None:
+    """The routing rows as two bar panels (cached fraction, chat TTFT p50) into ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display
+    import matplotlib.pyplot as plt
+
+    def values(prefix: str) -> list[float]:
+        by = {r.scenario: r.value for r in rows}
+        return [float(by.get(f"{prefix}.{policy}") or 0.0) for policy in POLICIES]
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
+    left.bar(POLICIES, values("cluster.cached_fraction"), color=["#2a7", "#999", "#999"])
+    left.set_title("prompt tokens served from cache")
+    left.set_ylim(0, 1)
+    right.bar(POLICIES, values("cluster.chat_ttft_ms_p50"), color=["#2a7", "#999", "#999"])
+    right.set_title("chat TTFT p50 (ms)")
+    figure.suptitle("2 replicas (Ray engines), multi-session chat, SmolLM2")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+
+
+def main() -> None:
+    """``python -m bench.cluster [--quick] [--plot PATH]``: the rows for SmolLM2, as JSON lines."""
+    import sys
+
+    from runtime.backends.model_source import prepare_model
+
+    spec = ModelSpec(name="smollm2", path="smollm2-135m-instruct")
+    prepare_model(spec)
+    sizes = CLUSTER_QUICK if "--quick" in sys.argv else ClusterSizes()
+    rows = measure(spec, "smollm2", sizes)
+    for row in rows:
+        print(msgspec.json.encode(row).decode())
+    if "--plot" in sys.argv:
+        plot(rows, sys.argv[sys.argv.index("--plot") + 1])
+
+
+if __name__ == "__main__":
+    main()

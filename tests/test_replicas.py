@@ -1,0 +1,170 @@
+"""Replicas on the simulator (actors/replicas.py): one name, several engines, each request routed
+to one. Loading and unloading answer once for all; a session stays on its replica (its prewarm
+lands where its requests do); a request routed away from the replica holding its prompt's prefix
+moves there (exact, by token prefix), unless that replica is overloaded; a lost replica's
+unstarted requests go to another, its streams fail retryably, and it comes back."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from runtime.api import Runtime
+from runtime.config import RuntimeConfig
+from runtime.errors import InvalidModelSpec
+from runtime.kernel.core import engine_model
+from runtime.messages import (
+    EndSession,
+    Failed,
+    Finished,
+    Generate,
+    ListModels,
+    ModelLoaded,
+    ModelsListed,
+    ModelSpec,
+    ModelUnloaded,
+    PrefixesReset,
+    Prewarm,
+    ResetPrefixes,
+    SessionEnded,
+    Started,
+    UnloadModel,
+)
+from runtime.testing.harness import engine_address_of, engines, kv_keeper, prefix_cache, router
+from runtime.testing.simulator import Simulator
+
+OPTIONS = {"prefill_s_per_token": 0.0001, "decode_s_per_token": 0.001}
+SPEC = ModelSpec(name="m", backend="simulated", options=OPTIONS, replicas=2)
+LONG = tuple(range(10, 90))  # 80 tokens
+
+
+def make(seed: int = 1) -> Simulator:
+    sim = Simulator(seed=seed, config=RuntimeConfig(kv_budget_bytes=256 << 20))
+    loaded = sim.load(SPEC)
+    assert isinstance(loaded, ModelLoaded) and loaded.model == "m", loaded
+    return sim
+
+
+def generate(rid: str, prompt: tuple[int, ...] = (1, 2, 3), n: int = 4, **kw: object) -> Generate:
+    return Generate(request_id=rid, incarnation=1, model="m", prompt_tokens=prompt, max_tokens=n,
+                    **kw)  # type: ignore[arg-type]  # fmt: skip
+
+
+def replica_of(sim: Simulator, rid: str) -> str:
+    """The replica whose engine started ``rid`` (by the epoch its Started names)."""
+    started = [e for e in sim.events(rid, 1) if isinstance(e, Started)][-1]
+    (engine,) = [e for e in engines(sim) if e.epoch == started.epoch]
+    return engine.model
+
+
+def test_a_model_with_replicas_loads_and_unloads_as_one_name() -> None:
+    sim = make()
+    listed = sim.ask(ListModels())
+    assert isinstance(listed, ModelsListed)
+    assert [(s.name, s.state) for s in listed.models] == [("m@0", "loaded"), ("m@1", "loaded")]
+    assert isinstance(sim.ask(UnloadModel(model="m")), ModelUnloaded)
+    assert not engines(sim)
+    assert kv_keeper(sim).reserved_bytes == 0
+
+
+def test_concurrent_requests_spread_and_a_session_stays_on_its_replica() -> None:
+    sim = make()
+    sim.send(generate("a", n=20))
+    sim.send(generate("b", n=20))
+    sim.run_until_quiescent()
+    assert {replica_of(sim, "a"), replica_of(sim, "b")} == {"m@0", "m@1"}
+    sim.send(Prewarm(request_id="w", incarnation=1, model="m", prompt_tokens=LONG, session="s"))
+    sim.run_until_quiescent()
+    for turn in range(3):
+        sim.send(generate(f"s{turn}", LONG + (5,) * turn, session="s"))
+        sim.send(generate(f"x{turn}", (7, 7, 7), n=30))  # other load, meanwhile
+        sim.run_until_quiescent()
+        assert replica_of(sim, f"s{turn}") == replica_of(sim, "w")
+    assert all(isinstance(sim.terminal(f"s{t}", 1), Finished) for t in range(3))
+
+
+def test_a_request_moves_to_the_replica_holding_its_prefix_unless_it_is_overloaded() -> None:
+    sim = make()
+    sim.send(generate("first", LONG))
+    sim.run_until_quiescent()
+    holder = replica_of(sim, "first")
+    sim.send(generate("busy", (9, 9, 9), n=400))  # the least busy is now the other replica
+    sim.advance(0.01)
+    sim.send(generate("again", (*LONG, 1, 2)))
+    sim.run_until_quiescent()
+    assert replica_of(sim, "again") == holder
+    assert router(sim).statistics().counters["requests_moved"] == 1
+    done = sim.terminal("again", 1)
+    assert isinstance(done, Finished) and done.usage.cached_prompt_tokens >= len(LONG) - 1
+    # With the holder far busier than the other replica, the request stays where it was routed.
+    for i in range(8):
+        sim.send(generate(f"load{i}", (8, i), n=400, session="pin"))  # all on one replica
+    sim.advance(0.01)
+    assert replica_of(sim, "load0") == holder  # both idle: ties go to the first replica
+    sim.send(generate("second", (*LONG, 3, 4), session="pin-elsewhere"))
+    sim.run_until_quiescent()
+    assert router(sim).statistics().counters["moves_declined"] >= 1
+    assert replica_of(sim, "second") != holder
+    assert router(sim).statistics().counters["requests_moved"] == 1
+    assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes
+
+
+def test_a_lost_replica_fails_its_streams_and_its_unstarted_requests_go_to_another() -> None:
+    sim = make()
+    sim.send(generate("stream", (4, 4, 4), n=200, session="one"))
+    sim.advance(0.02)
+    lost = engine_address_of(sim, replica_of(sim, "stream"))
+    sim.send(generate("queued", LONG, session="one"))  # same replica, not started yet
+    sim.lose_engine(lost)
+    sim.run_until_quiescent()
+    failed = sim.terminal("stream", 1)
+    assert isinstance(failed, Failed) and failed.code == "engine_process_lost" and failed.retryable
+    assert isinstance(sim.terminal("queued", 1), Finished)
+    assert replica_of(sim, "queued") != engine_model(lost)
+    assert router(sim).statistics().counters["requests_moved"] >= 1
+    listed = sim.ask(ListModels())
+    assert isinstance(listed, ModelsListed)
+    assert {s.state for s in listed.models} == {"loaded"}  # the lost one came back
+    assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes
+
+
+def test_round_robin_takes_turns_and_never_moves_a_request() -> None:
+    sim = Simulator(seed=1, config=RuntimeConfig(kv_budget_bytes=256 << 20))
+    sim.load(msgspec.structs.replace(SPEC, routing="round_robin"))
+    for i in range(4):
+        sim.send(generate(f"r{i}", (*LONG, i)))
+        sim.run_until_quiescent()
+    assert [replica_of(sim, f"r{i}") for i in range(4)] == ["m@1", "m@0", "m@1", "m@0"]
+    assert router(sim).statistics().counters.get("requests_moved", 0) == 0
+
+
+@pytest.mark.anyio
+async def test_replicas_and_routing_are_checked_before_anything_loads() -> None:
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 20)) as rt:
+        with pytest.raises(InvalidModelSpec, match="routing"):
+            await rt.load_model(msgspec.structs.replace(SPEC, routing="nearest"))
+        with pytest.raises(InvalidModelSpec, match="replicas"):
+            await rt.load_model(msgspec.structs.replace(SPEC, replicas=0))
+        assert await rt.list_models() == ()
+
+
+def test_ending_a_session_reaches_the_replica_that_holds_it() -> None:
+    sim = make()
+    sim.send(generate("busy", (9, 9), n=300))  # the session's first request goes to the other
+    sim.send(generate("s", LONG, session="editor"))
+    sim.run_until_quiescent()
+    ended = sim.ask(EndSession(model="m", session="editor"))
+    assert isinstance(ended, SessionEnded) and ended.model == replica_of(sim, "s"), ended
+
+
+def test_resetting_a_model_with_replicas_resets_every_replica_once() -> None:
+    sim = make()
+    sim.send(generate("a", (1, 2, 3, 4)))
+    sim.send(generate("b", (5, 6, 7, 8)))  # one on each replica, each leaves an entry
+    sim.run_until_quiescent()
+    assert {replica_of(sim, "a"), replica_of(sim, "b")} == {"m@0", "m@1"}
+    held = len(prefix_cache(sim).entries())
+    assert held >= 2
+    reset = sim.ask(ResetPrefixes(model="m"))
+    assert reset == PrefixesReset(model="m", dropped=held)
+    assert not prefix_cache(sim).entries()
