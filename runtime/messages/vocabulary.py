@@ -68,6 +68,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     for the chosen token's log-probability, ``top_logprobs`` for that many alternatives.
     ``constraint`` restricts the generated text to a JSON Schema, a regex or a grammar (see
     docs/structured.md): disallowed tokens are masked before the other samplers run.
+    ``speculative`` caps the tokens drafted per pass (see below); it changes speed, not output.
     """
 
     temperature: float = 0.0
@@ -91,6 +92,10 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     logprobs: bool = False
     top_logprobs: int = 0
     constraint: Constraint | None = None
+    # Prompt-lookup speculative decoding: the most tokens drafted per verification pass (0: off;
+    # None: the model's ``speculative`` option). Greedy output is unchanged by it and sampled
+    # output keeps its distribution (docs/design.md, speculative decoding).
+    speculative: int | None = None
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]

@@ -50,6 +50,7 @@ class _GenerationBody(_Body, frozen=True, kw_only=True):
     typical_p: float | None = None  # llama-server's and vLLM's: locally typical sampling
     repetition_penalty: float | None = None
     penalty_context: int | None = None
+    speculative: int | None = None  # most prompt-lookup drafts per pass (0: off)
     xtc_probability: float | None = None
     xtc_threshold: float | None = None
     dry_multiplier: float | None = None
