@@ -295,3 +295,151 @@ def test_judged_drafts_keep_the_sampling_distribution() -> None:
     # The test can fail: the draft always accepted is far from the distribution.
     assert _p_value({d1: n}, want1) < 1e-6
     backend.close()
+
+
+# ---------------------------------------------------------------------------- over HTTP
+
+
+@pytest.mark.anyio
+async def test_http_speculative_field_timings_and_metrics() -> None:
+    import httpx
+
+    from runtime.backends.simulated import greedy_continuation
+    from runtime.server import OpenAIServer, ServerConfig
+    from runtime.testing.harness import sim_spec
+
+    prompt = "the quick brown fox jumps over the lazy dog; " * 4
+    config = ServerConfig(
+        models=(sim_spec("m", chunk=64, context_length=512),),
+        runtime=RuntimeConfig(kv_budget_bytes=64 << 20),
+    )
+    app = OpenAIServer(config).app
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            body = {"model": "m", "prompt": prompt, "temperature": 0, "max_tokens": 60}
+            plain = (await client.post("/v1/completions", json=body)).json()
+            assert "draft_n" not in plain["timings"]
+            fast = (await client.post("/v1/completions", json={**body, "speculative": 4})).json()
+            want = bytes(greedy_continuation(list(prompt.encode()), 60)).decode()
+            assert fast["choices"][0]["text"] == plain["choices"][0]["text"] == want
+            drafted = fast["timings"]["draft_n"]
+            assert drafted > 0
+            assert 0 <= fast["timings"]["draft_n_accepted"] <= drafted
+            metrics = (await client.get("/metrics")).text
+            assert f'mlxrt_drafted_tokens_total{{model="m"}} {float(drafted)}' in metrics
+            bad = await client.post("/v1/completions", json={**body, "speculative": -1})
+            assert bad.status_code == 400
+            assert "speculative" in bad.text
+
+
+# ---------------------------------------------------------------------------- real models
+
+REWRITE = (
+    "Rewrite this function, renaming `orders` to `purchases`. Reply with the code only.\n\n"
+    "def compute_totals(orders, tax_rate):\n"
+    "    totals = {}\n"
+    "    for order in orders:\n"
+    '        customer = order["customer"]\n'
+    '        amount = order["amount"] * (1 + tax_rate)\n'
+    "        totals[customer] = totals.get(customer, 0) + amount\n"
+    "    return totals\n"
+)
+
+
+@pytest.mark.real_model
+@pytest.mark.anyio
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
+async def test_real_model_greedy_text_is_unchanged_and_drafts_are_accepted(
+    name: str, real_gguf: Any
+) -> None:
+    from runtime.messages import ChatMessage
+
+    real_gguf(name)  # skips (or fails under CI) like every real-model test
+    messages = [ChatMessage(role="user", content=REWRITE)]
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 30)) as rt:
+        await rt.load_model(ModelSpec(name=name, path=name))
+        plain = await rt.complete(name, messages=messages, max_tokens=64)
+        fast = await rt.complete(
+            name, messages=messages, max_tokens=64, sampling=Sampling(speculative=10)
+        )
+        assert fast.text == plain.text
+        assert list(fast.token_ids) == list(plain.token_ids)
+        counters = _counters(rt, name)
+        assert counters["accepted_tokens"] > counters["drafted_tokens"] // 2
+
+
+# ---------------------------------------------------------------------------- engine rules
+
+
+@pytest.mark.anyio
+async def test_the_model_option_is_the_default_and_a_request_overrides_it() -> None:
+    from runtime.testing.harness import sim_spec
+
+    prompt = list(b"the quick brown fox jumps over the lazy dog; " * 4)
+    async with Runtime(RuntimeConfig(kv_budget_bytes=64 << 20)) as rt:
+        await rt.load_model(sim_spec("m", context_length=512, speculative=4))
+        default = await rt.complete("m", prompt_tokens=prompt, max_tokens=60)
+        off = await rt.complete(
+            "m", prompt_tokens=prompt, max_tokens=60, sampling=Sampling(speculative=0)
+        )
+        assert isinstance(default.terminal, Finished)
+        assert isinstance(off.terminal, Finished)
+        assert default.terminal.usage.drafted_tokens > 0
+        assert off.terminal.usage.drafted_tokens == 0
+        assert default.token_ids == off.token_ids
+
+
+@pytest.mark.anyio
+async def test_a_speculating_request_reserves_the_untrimmable_layers_twice() -> None:
+    from runtime.messages import Failed
+    from runtime.testing.harness import sim_spec
+
+    fixed = 1 << 20  # a recurrent state of 1 MiB, held twice while a pass is verified
+    spec_ = sim_spec(
+        "m",
+        context_length=512,
+        trimmable=False,
+        bytes_per_token=16,
+        fixed_state_bytes=fixed,
+        checkpoint_every_tokens=0,
+    )
+    prompt = list(b"abcabcabc")
+    async with Runtime(RuntimeConfig(kv_budget_bytes=fixed + fixed // 2)) as rt:
+        await rt.load_model(spec_)
+        plain = await rt.complete("m", prompt_tokens=prompt, max_tokens=8)
+        assert isinstance(plain.terminal, Finished)
+        fast = await rt.complete(
+            "m", prompt_tokens=prompt, max_tokens=8, sampling=Sampling(speculative=4)
+        )
+        assert isinstance(fast.terminal, Failed)
+        assert fast.terminal.code == "kv_request_too_large"
+
+
+@pytest.mark.anyio
+async def test_a_cancel_stops_a_speculating_stream() -> None:
+    from runtime.messages import Cancelled
+    from runtime.testing.harness import sim_spec
+
+    prompt = list(b"ab" * 40)
+    async with Runtime(RuntimeConfig(kv_budget_bytes=64 << 20)) as rt:
+        # A pass takes 20 ms: the cancel arrives while one computes.
+        await rt.load_model(sim_spec("m", context_length=512, decode_s_per_token=0.02))
+        got: list[int] = []
+        async with rt.generate(
+            "m",
+            prompt_tokens=prompt,
+            max_tokens=200,
+            sampling=Sampling(speculative=8),
+            request_id="r",
+        ) as stream:
+            async for event in stream:
+                if isinstance(event, TokensEmitted):
+                    got += event.token_ids
+                    if len(got) >= 3:
+                        await rt.cancel("r")
+                elif isinstance(event, Cancelled):
+                    assert 3 <= event.usage.completion_tokens < 200
+                    break
+                else:
+                    assert not isinstance(event, Finished)

@@ -237,11 +237,14 @@ class Sequence:
         return self.tokens if self.decoding is None else tuple(self.decoding.history)
 
     def usage(self) -> Usage:
+        speculation = None if self.decoding is None else self.decoding.speculation
         return Usage(
             prompt_tokens=len(self.tokens or ()),
             cached_prompt_tokens=self.cached_tokens,
             completion_tokens=len(self.generated),
             max_tokens_clamped_to=self.max_tokens if self.max_tokens_clamped else None,
+            drafted_tokens=0 if speculation is None else speculation.drafted,
+            accepted_tokens=0 if speculation is None else speculation.accepted,
         )
 
     def live_successor(self) -> Sequence:

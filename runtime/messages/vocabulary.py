@@ -155,12 +155,16 @@ class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class Usage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Token counts of one request, exact on every terminal event. ``max_tokens_clamped_to``:
     the request's ``max_tokens`` was more than the room its prompt left in the context, and the
-    engine lowered it to this (``RuntimeConfig.strict_max_tokens`` off); None otherwise."""
+    engine lowered it to this (``RuntimeConfig.strict_max_tokens`` off); None otherwise.
+    ``drafted_tokens`` / ``accepted_tokens``: prompt-lookup drafts its speculative passes verified
+    and accepted (``Sampling.speculative``)."""
 
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
     max_tokens_clamped_to: int | None = None
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -228,6 +228,9 @@ class Timings(_Reply, frozen=True, kw_only=True):
     predicted_per_second: float | None
     cache_n: int
     max_tokens_clamped_to: int | msgspec.UnsetType = msgspec.UNSET  # as in usage
+    # llama-server's speculative fields: drafts verified and accepted (only when it drafted).
+    draft_n: int | msgspec.UnsetType = msgspec.UNSET
+    draft_n_accepted: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionLogprobs(_Reply, frozen=True, kw_only=True):
