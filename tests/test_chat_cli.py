@@ -258,3 +258,14 @@ def test_the_help_shows_the_commands_and_examples(capsys: pytest.CaptureFixture[
     text = capsys.readouterr().out
     for shown in ("Ctrl-C during a reply", "/reset", "/system TEXT", "/exit", "examples:"):
         assert shown in text
+
+
+def test_show_cache_says_how_many_drafts_were_accepted_on_a_speculating_model() -> None:
+    spec = ModelSpec(name="sim", backend="simulated", options={"speculative": 4})
+    out = io.StringIO()
+    line = "the quick brown fox jumps over the lazy dog; " * 4
+    _, read_line = scripted(line)
+    run_chat(spec, ChatSettings(max_tokens=40, show_cache=True), read_line=read_line, out=out)
+    [(accepted, drafted)] = re.findall(r"\[drafts accepted (\d+)/(\d+)\]", out.getvalue())
+    assert 0 <= int(accepted) <= int(drafted)
+    assert int(drafted) > 0

@@ -119,7 +119,7 @@ def test_the_draft_count_follows_the_acceptance_rate() -> None:
     for _ in range(10):
         speculation.passed(drafted=2, accepted=0)
     assert speculation.size(10) == 0  # free text: it decodes plainly
-    for _ in range(400):
+    for _ in range(1000):
         speculation.decoded_plainly()
     assert speculation.size(10) > 0  # and tries again later
 
@@ -443,3 +443,29 @@ async def test_a_cancel_stops_a_speculating_stream() -> None:
                     break
                 else:
                     assert not isinstance(event, Finished)
+
+
+@pytest.mark.anyio
+async def test_constrained_drafts_follow_the_grammar() -> None:
+    """A regex whose text repeats: drafts are accepted; the prompt's drafts the grammar forbids
+    ("world" after "hello") are cut before verification; the text is the one without them."""
+    import re
+
+    from runtime.messages import RegexConstraint
+
+    constraint = RegexConstraint(pattern="(hello |bye ){6,12}")
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        await rt.load_model(spec("llama"))
+        texts = []
+        for speculative in (0, 6):
+            done = await rt.complete(
+                "llama",
+                prompt="hello world hello world hello world hello ",
+                max_tokens=60,
+                sampling=Sampling(constraint=constraint, speculative=speculative),
+            )
+            assert isinstance(done.terminal, Finished)
+            assert re.fullmatch("(hello |bye ){6,12}", done.text)
+            texts.append(done.text)
+        assert texts[0] == texts[1]
+        assert _counters(rt, "llama")["accepted_tokens"] > 0

@@ -63,6 +63,9 @@ def _decode(job: StepJob, seq: Sequence, decoding: Decoding, backend: Backend) -
     speculation = decoding.speculation
     if speculation is not None and decoding.ahead is None and decoding.pending is not None:
         drafts = speculation.drafts(decoding.history, draft_room(seq, decoding))
+        matcher = None if decoding.sampler is None else decoding.sampler.matcher
+        if drafts and matcher is not None:  # drafts the grammar forbids are never verified
+            del drafts[matcher.valid_prefix(drafts) :]
         if drafts:
             speculate(job, seq, decoding, backend, drafts, read, _sampler)
             return
