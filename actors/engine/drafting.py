@@ -14,6 +14,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 NGRAMS = (3, 2)  # the longest suffix that matches wins; one token alone matches too often
+# A 2-gram match drafts only while drafts are being accepted (inside a copy): in free text two
+# tokens recur often ("of the") and what followed them is rarely what follows now.
+_SHORT_MATCH_RATE = 0.8
 # A pass of n tokens costs about 1 + SLOPE * (n - 1) one-token passes (float32 SmolLM2 on one CPU
 # core: ~0.3; a GPU pass is nearly flat). A constant, not timed: what a seeded request samples
 # must not depend on how busy the machine was.
@@ -32,8 +35,9 @@ class PromptLookup:
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAMS}
         self._indexed = 0  # n-grams ending before this position are indexed
 
-    def draft(self, history: Sequence[int], limit: int) -> list[int]:
-        """Up to ``limit`` tokens that followed the latest earlier match of the history's end."""
+    def draft(self, history: Sequence[int], limit: int, shortest: int = 2) -> list[int]:
+        """Up to ``limit`` tokens that followed the latest earlier match of the history's end
+        (of ``shortest`` tokens or more)."""
         if limit <= 0 or len(history) < 2:
             return []
         last = len(history) - 1
@@ -43,7 +47,7 @@ class PromptLookup:
                     index[tuple(history[end + 1 - n : end + 1])] = end
         self._indexed = max(self._indexed, last)
         for n, index in self._index.items():
-            if len(history) >= n:
+            if shortest <= n <= len(history):
                 found = index.get(tuple(history[len(history) - n :]))
                 if found is not None:
                     return _follow(history, found + 1, limit)
@@ -89,12 +93,15 @@ class Speculation:
 
     def drafts(self, history: Sequence[int], room: int) -> list[int]:
         """The drafts for the next pass (none: it decodes plainly)."""
-        return self.lookup.draft(history, self.size(room))
+        return self.lookup.draft(history, self.size(room), self._shortest())
 
     def expects_drafts(self, history: Sequence[int], room: int) -> bool:
         """Whether a pass is likely after the next token: the history's end is a copy already
         (asked before that token is read, to leave the step after it unbuilt)."""
-        return bool(self.lookup.draft(history, min(1, self.size(room))))
+        return bool(self.lookup.draft(history, min(1, self.size(room)), self._shortest()))
+
+    def _shortest(self) -> int:
+        return 2 if self.rate >= _SHORT_MATCH_RATE else 3
 
     def passed(self, drafted: int, accepted: int) -> None:
         """A verification pass accepted ``accepted`` of ``drafted``."""
