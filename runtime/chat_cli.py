@@ -301,6 +301,9 @@ class ChatTerminal:
         self.conversation.answered(reply.text)
         if self._settings.show_cache and reply.started is not None:
             self._say(f"[cached {reply.started.cached_tokens}/{reply.started.prompt_tokens}]")
+            usage = getattr(reply.terminal, "usage", None)
+            if usage is not None and usage.drafted_tokens:  # the model speculates
+                self._say(f"[drafts accepted {usage.accepted_tokens}/{usage.drafted_tokens}]")
         if self._settings.stats and reply.speed is not None:
             self._say(f"({reply.speed.line()})")
 

@@ -102,6 +102,9 @@ def _validate_stops(stop: tuple[object, ...], stop_token_ids: tuple[object, ...]
         raise InvalidRequest("stop_token_ids must be token ids (integers 0 or more)")
 
 
+MAX_DRAFTS = 64  # Sampling.speculative: a pass over more drafts costs more than it could save
+
+
 def validate_sampling(sampling: Sampling) -> None:
     """Refuse wrongly typed, NaN, infinite and out-of-range values, saying what to change."""
     s = sampling
@@ -150,6 +153,8 @@ def validate_sampling(sampling: Sampling) -> None:
         ("penalty_context", s.penalty_context, 0, math.inf, "0 (penalties off) or more tokens"),
         ("top_logprobs", s.top_logprobs, 0, max_top_logprobs, f"0 to {max_top_logprobs}"),
     )
+    if s.speculative is not None:
+        integers += (("speculative", s.speculative, 0, MAX_DRAFTS, f"0 (off) to {MAX_DRAFTS}"),)
     for name, value, low, high, allowed in integers:
         if isinstance(value, bool) or not isinstance(value, int):
             raise InvalidRequest(f"{name} must be an integer, {allowed} (got {value!r})")

@@ -258,3 +258,17 @@ def test_the_help_shows_the_commands_and_examples(capsys: pytest.CaptureFixture[
     text = capsys.readouterr().out
     for shown in ("Ctrl-C during a reply", "/reset", "/system TEXT", "/exit", "examples:"):
         assert shown in text
+
+
+def test_show_cache_says_how_many_drafts_were_accepted_on_a_speculating_model() -> None:
+    from runtime.testing.tiny_models import tiny_model_path
+
+    # The tiny sliding-window model's greedy text falls into a loop: drafts are found.
+    path = str(tiny_model_path("sliding"))
+    spec = ModelSpec(name="tiny", backend="mlx", path=path, options={"speculative": 4})
+    out = io.StringIO()
+    _, read_line = scripted("Once upon a time, in a land far away, there lived")
+    settings = ChatSettings(max_tokens=60, show_cache=True, framing="raw")
+    run_chat(spec, settings, read_line=read_line, out=out)
+    [(accepted, drafted)] = re.findall(r"\[drafts accepted (\d+)/(\d+)\]", out.getvalue())
+    assert 0 < int(accepted) <= int(drafted)

@@ -72,6 +72,7 @@ class AdmissionLimits:
     chunk_tokens: int  # prefill chunk size: a windowed cache holds a chunk beyond its window
     checkpoints: CheckpointPolicy  # where prefills of an untrimmable cache snapshot, and how much
     strict_max_tokens: bool = False  # False: a max_tokens past the room left is lowered to it
+    speculative: int = 0  # most drafts per pass for a generate that does not say (0: none)
 
 
 # --------------------------------------------------------------------------- admission
@@ -106,6 +107,9 @@ class Admission:
     def admit(self, admit: Admit, ctx: Context) -> None:
         """A new sequence for ``admit`` (of this engine's epoch, which is not draining)."""
         seq = Sequence.admitted(admit, self._model)
+        if seq.kind is RequestKind.GENERATE:
+            asked = seq.sampling.speculative
+            seq.drafts = self._limits.speculative if asked is None else asked
         self._sequences[seq.sequence_id] = seq
         self._counters.inc(f"admitted_{seq.kind}")
         if seq.tokens is not None and self._info is not None:
@@ -276,6 +280,10 @@ class Admission:
         assert self._info is not None
         seq.phase = Phase.RESERVING
         kv = self._info.kv_bytes(_tokens_to_reserve(seq), self._limits.chunk_tokens)
+        if seq.drafts:
+            # Drafts stay within max_tokens; a verification pass keeps the untrimmable layers
+            # as they were before it (a window per sliding layer, the recurrent state) meanwhile.
+            kv += self._info.snapshot_bytes
         ctx.send(
             KV_KEEPER,
             Reserve(

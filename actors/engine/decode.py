@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING
 
 from actors.engine.jobs import BatchJob, StepJob
 from actors.engine.sequence import Decoding, Sequence
+from actors.engine.speculate import draft_room, speculate
 from runtime.backends.contract import Backend, DecodeBatchHandle, ReuseStrategy
 from runtime.errors import ConstraintDeadEnd, ConstraintsUnsupported
 from runtime.messages import Constraint, TokenLogprob
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
     from runtime.text.constraints import TokenMatcher
-    from runtime.text.sampling import Draw, TokenSampler
+    from runtime.text.sampling import Draw, SampleResult, TokenSampler
 
 
 def run_decode(job: StepJob, seq: Sequence, backend: Backend) -> None:
@@ -59,6 +60,17 @@ def run_decode(job: StepJob, seq: Sequence, backend: Backend) -> None:
 
 def _decode(job: StepJob, seq: Sequence, decoding: Decoding, backend: Backend) -> None:
     assert seq.state is not None
+    speculation = decoding.speculation
+    if speculation is not None and decoding.ahead is None and decoding.pending is not None:
+        drafts = speculation.drafts(decoding.history, draft_room(seq, decoding))
+        matcher = None if decoding.sampler is None else decoding.sampler.matcher
+        if drafts and matcher is not None:  # drafts the grammar forbids are never verified
+            del drafts[matcher.valid_prefix(drafts) :]
+        if drafts:
+            speculate(job, seq, decoding, backend, drafts, read, _sampler)
+            return
+    if speculation is not None:
+        speculation.decoded_plainly()
     draw, decoding.ahead = decoding.ahead, None
     if draw is None:
         if decoding.pending is not None:
@@ -76,7 +88,7 @@ def _decode(job: StepJob, seq: Sequence, decoding: Decoding, backend: Backend) -
             decoding.ahead = sampler.draw(logits, decoding.history, seq.rng, fed=draw.token)
         except BaseException as exc:
             job.ahead_error = exc
-    _read(job, seq, decoding, draw)
+    read(job, seq, decoding, draw.read())
     if job.ahead_error is not None:
         decoding.ended = True
 
@@ -151,12 +163,18 @@ def _step_batch(
         job.stepped[seq.sequence_id] = step
     for slot, seq in slots.items():
         assert seq.decoding is not None
-        _read(job.stepped[seq.sequence_id], seq, seq.decoding, reads[slot])
+        read(job.stepped[seq.sequence_id], seq, seq.decoding, reads[slot].read())
 
 
 def _may_build_next(seq: Sequence, decoding: Decoding, backend: Backend) -> bool:
-    """Whether the step after the token being read may be built before it is read."""
+    """Whether the step after the token being read may be built before it is read (not where
+    the text is a copy so far: the step after it should verify drafts, which needs it read)."""
     assert decoding.sampler is not None
+    speculation = None if seq.batch_slot is not None else decoding.speculation
+    if speculation is not None and speculation.expects_drafts(
+        decoding.history, draft_room(seq, decoding)
+    ):
+        return False
     return (
         backend.pipelined
         and backend.info.reuse is ReuseStrategy.TRIM  # a token fed ahead can be cut back out
@@ -166,9 +184,8 @@ def _may_build_next(seq: Sequence, decoding: Decoding, backend: Backend) -> bool
     )
 
 
-def _read(job: StepJob, seq: Sequence, decoding: Decoding, draw: Draw) -> None:
-    """Wait for ``draw``: the token, its text (and logprob when asked) into ``job``."""
-    sampled = draw.read()
+def read(job: StepJob, seq: Sequence, decoding: Decoding, sampled: SampleResult) -> None:
+    """Take a read token: into the history, its text (and logprob when asked) into ``job``."""
     token = job.token = sampled.token
     decoding.history.append(token)
     decoding.read += 1

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 
+from actors.engine.drafting import Speculation
 from actors.engine.sequence import Decoding, Phase, Sequence
 from runtime.kernel.core import ROUTER, Context
 from runtime.kernel.stats import Counters
@@ -79,6 +80,8 @@ def start_decoding(seq: Sequence, decode: Callable[[Tokens[int]], str]) -> None:
     assert seq.tokens is not None
     seq.phase = Phase.DECODING
     seq.decoding = Decoding(history=list(seq.tokens), detokenizer=IncrementalDetokenizer(decode))
+    if seq.drafts:
+        seq.decoding.speculation = Speculation(seq.drafts)
     if seq.stop_strings:
         seq.stop_matcher = StopStringMatcher(seq.stop_strings)
 

@@ -97,6 +97,10 @@ class StepJob:
     snapshots: list[Snapshot] = field(default_factory=list)  # checkpoints' untrimmable layers
     checkpoints: list[int] | None = None
     passed: int = 0  # checkpoints (pin included) the chunk went past: each left one of the two
+    # A speculative step's tokens after ``token``, each read as a step of its own (speculate.py).
+    more: list[StepJob] = field(default_factory=list)
+    drafted: int = 0  # drafts its verification pass fed
+    accepted: int = 0  # of them, those its tokens agreed with
 
 
 @dataclass

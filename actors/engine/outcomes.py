@@ -92,16 +92,31 @@ class StepOutcomes:
         if seq.phase is Phase.PREFILLING:
             self.prefill_advanced(seq, ctx)
         elif seq.phase is Phase.DECODING and job.token is not None:
+            if job.drafted:
+                self._counters.inc("speculative_passes")
+                self._counters.inc("drafted_tokens", job.drafted)
+                self._counters.inc("accepted_tokens", job.accepted)
+            self._show(job, seq, ctx)
+
+    def _show(self, job: StepJob, seq: Sequence, ctx: Context) -> None:
+        """Show a decode step's token, then any more of its block (a speculative step's), each
+        as a step of its own, until one ends the sequence or failed."""
+        for record in (job, *job.more):
+            if record.error is not None:
+                self._ends.fail(seq, ctx, _step_failed(record.error))
+                return
+            assert record.token is not None
             shown = emission.take_token(
-                seq, job.token, job.text, job.logprob, job.completes_constraint
+                seq, record.token, record.text, record.logprob, record.completes_constraint
             )
             emission.emit(seq, shown, ctx)
             if shown.finish is not None:
                 # A state that saw the next step fail is never reused.
                 keep = job.ahead_error is None
                 self._ends.finish(seq, ctx, shown.finish, stop=shown.stop, keep=keep)
-            elif job.ahead_error is not None:
-                self._ends.fail(seq, ctx, _step_failed(job.ahead_error))
+                return
+        if job.ahead_error is not None:
+            self._ends.fail(seq, ctx, _step_failed(job.ahead_error))
 
     def prefill_advanced(self, seq: Sequence, ctx: Context) -> None:
         """A prefill chunk (or the restore before it) landed: announce the start once, and once

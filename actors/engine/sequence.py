@@ -29,6 +29,7 @@ from runtime.text.detokenizer import IncrementalDetokenizer
 from runtime.text.stop_strings import StopStringMatcher
 
 if TYPE_CHECKING:
+    from actors.engine.drafting import Speculation
     from runtime.text.sampling import Draw, TokenSampler
 
 
@@ -71,6 +72,7 @@ class Decoding:
     ahead: Draw | None = None  # the next token: drawn after the last one was fed, not read yet
     pending: int | None = None  # the last token read, not fed yet (no step was queued on it)
     ended: bool = False  # the last token read ends the sequence (EOS, stop token, max_tokens)
+    speculation: Speculation | None = None  # prompt-lookup drafting, where the request allows it
 
 
 _PREWARM_SAMPLING = Sampling()  # a prewarm never samples: the defaults keep its fields total
@@ -97,6 +99,7 @@ class Sequence:
     instructions_tokens: int = 0  # leading tokens that render the system messages alone
     message_ends: tuple[int, ...] = ()  # token counts where chat messages end (checkpoints)
     pin_at: int = 0  # >0: snapshot here and pin it as the session's instructions prefix
+    drafts: int = 0  # the most tokens a speculative pass drafts (0: none), set at admission
     phase: Phase = Phase.TOKENIZING
     # Set once, by the loop, when the sequence must stop; the compute thread checks it per step.
     abort: threading.Event = field(default_factory=threading.Event)
@@ -234,11 +237,14 @@ class Sequence:
         return self.tokens if self.decoding is None else tuple(self.decoding.history)
 
     def usage(self) -> Usage:
+        speculation = None if self.decoding is None else self.decoding.speculation
         return Usage(
             prompt_tokens=len(self.tokens or ()),
             cached_prompt_tokens=self.cached_tokens,
             completion_tokens=len(self.generated),
             max_tokens_clamped_to=self.max_tokens if self.max_tokens_clamped else None,
+            drafted_tokens=0 if speculation is None else speculation.drafted,
+            accepted_tokens=0 if speculation is None else speculation.accepted,
         )
 
     def live_successor(self) -> Sequence:

@@ -269,6 +269,20 @@ class Backend(Protocol):
         """The float32 ``(vocab,)`` logits after the last prefilled token (samplers act on them)."""
         ...
 
+    def verify(self, state: SequenceState, token_ids: Sequence[int]) -> mx.array:
+        """Run ``token_ids`` (2 or more: a token and the drafts after it) through the model in one
+        pass, extending ``state``; the float32 ``(len(token_ids), vocab)`` logits after each of
+        them, computed. Follow it with ``rewind`` before any other use of ``state``.
+        """
+        ...
+
+    def rewind(self, state: SequenceState, keep: int) -> None:
+        """After ``verify``: keep only the first ``keep`` (1 or more) of the tokens it fed, as if
+        only they had been prefilled (``logits()`` after the last one). Layers that cannot be cut
+        back are restored from what they were before the pass, and the kept tokens run again;
+        raises ``ValueError`` when no ``verify`` precedes it or ``keep`` is out of range."""
+        ...
+
     @property
     def pipelined(self) -> bool:
         """Whether the engine pipelines decode steps here: it builds the step that feeds a drawn

@@ -30,6 +30,9 @@ DEFAULT_PREFILL_CHUNK_MS = 10.0
 DEFAULT_MAX_BATCH = 8
 DEFAULT_DECODE_STALL_MS = 1000.0
 DEFAULT_MAX_CONCURRENT = 32
+# Prompt-lookup drafts per verification pass at most (Sampling.speculative; 0: off): how many a
+# pass takes is chosen from the acceptance rate (actors/engine/drafting.py).
+DEFAULT_SPECULATIVE = 0
 
 # Ranges, checked where options are decoded: a zero batch or admission gate would admit nothing.
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -60,6 +63,8 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     batching: bool = True  # False: every stream stays on the B=1 fast path
     max_batch: PositiveInt = DEFAULT_MAX_BATCH  # most sequences in one decode batch
     max_concurrent: PositiveInt = DEFAULT_MAX_CONCURRENT  # sequences past the admission gate
+    # The most prompt-lookup drafts a pass verifies for a request that does not say (0: off).
+    speculative: Annotated[int, msgspec.Meta(ge=0, le=64)] = DEFAULT_SPECULATIVE
 
 
 class MlxOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -130,6 +130,7 @@ class SimulatedBackend:
         self._prefill_calls = 0
         self._sample_calls = 0
         self._lock = threading.Lock()  # catches accidental use from two threads at once
+        self._verified: dict[int, int] = {}  # tokens each state's last ``verify`` fed, by id
         strategy = ReuseStrategy.TRIM if options.trimmable else ReuseStrategy.CHECKPOINT
         self._info = ModelInfo(
             context_length=options.context_length,
@@ -295,6 +296,35 @@ class SimulatedBackend:
             values = [noise() * 2.0 - 1.0 for _ in range(VOCAB_SIZE)]
             values[next_token_for(h, self._options.eos_every)] = _PEAK_LOGIT
             return mx.array(values, dtype=mx.float32)
+
+    def verify(self, state: SequenceState, token_ids: Sequence[int]) -> mx.array:
+        """One pass (charged as one decode step) over a token and its drafts."""
+        import mlx.core as mx
+
+        own = _own(state)
+        if len(token_ids) < 2:
+            raise ValueError("verify takes a token and at least one draft")
+        with self._lock:
+            self._clock.spend(self._options.decode_s_per_token)
+            before = own.length
+            h = own.hashes[-1] if own.hashes else 0
+            for token in token_ids:
+                h = extend_hash(h, token)
+                own.tokens.append(token)
+                own.hashes.append(h)
+            own.has_logits = True
+            self._verified[id(own)] = len(token_ids)
+        return mx.stack([self.logits_after(h) for h in own.hashes[before:]])
+
+    def rewind(self, state: SequenceState, keep: int) -> None:
+        """Drop the rejected drafts: the oracle's state is its tokens, whatever the cache kind."""
+        own = _own(state)
+        fed = self._verified.pop(id(own), 0)
+        if not 1 <= keep <= fed:
+            raise ValueError(f"rewind to {keep} tokens without a verify that fed as many")
+        end = own.length - (fed - keep)
+        del own.tokens[end:], own.hashes[end:]
+        own.has_logits = True
 
     @property
     def pipelined(self) -> bool:

@@ -68,6 +68,7 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     for the chosen token's log-probability, ``top_logprobs`` for that many alternatives.
     ``constraint`` restricts the generated text to a JSON Schema, a regex or a grammar (see
     docs/structured.md): disallowed tokens are masked before the other samplers run.
+    ``speculative`` caps the tokens drafted per pass (see below); it changes speed, not output.
     """
 
     temperature: float = 0.0
@@ -91,6 +92,10 @@ class Sampling(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     logprobs: bool = False
     top_logprobs: int = 0
     constraint: Constraint | None = None
+    # Prompt-lookup speculative decoding: the most tokens drafted per verification pass (0: off;
+    # None: the model's ``speculative`` option). Greedy output is unchanged by it and sampled
+    # output keeps its distribution (docs/design.md, speculative decoding).
+    speculative: int | None = None
 
 
 Role = Literal["system", "developer", "user", "assistant", "tool"]
@@ -150,12 +155,16 @@ class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class Usage(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Token counts of one request, exact on every terminal event. ``max_tokens_clamped_to``:
     the request's ``max_tokens`` was more than the room its prompt left in the context, and the
-    engine lowered it to this (``RuntimeConfig.strict_max_tokens`` off); None otherwise."""
+    engine lowered it to this (``RuntimeConfig.strict_max_tokens`` off); None otherwise.
+    ``drafted_tokens`` / ``accepted_tokens``: prompt-lookup drafts its speculative passes verified
+    and accepted (``Sampling.speculative``)."""
 
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
     max_tokens_clamped_to: int | None = None
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
 
 
 class TokenLogprob(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -50,6 +50,7 @@ class _GenerationBody(_Body, frozen=True, kw_only=True):
     typical_p: float | None = None  # llama-server's and vLLM's: locally typical sampling
     repetition_penalty: float | None = None
     penalty_context: int | None = None
+    speculative: int | None = None  # most prompt-lookup drafts per pass (0: off)
     xtc_probability: float | None = None
     xtc_threshold: float | None = None
     dry_multiplier: float | None = None
@@ -227,6 +228,9 @@ class Timings(_Reply, frozen=True, kw_only=True):
     predicted_per_second: float | None
     cache_n: int
     max_tokens_clamped_to: int | msgspec.UnsetType = msgspec.UNSET  # as in usage
+    # llama-server's speculative fields: drafts verified and accepted (only when it drafted).
+    draft_n: int | msgspec.UnsetType = msgspec.UNSET
+    draft_n_accepted: int | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionLogprobs(_Reply, frozen=True, kw_only=True):

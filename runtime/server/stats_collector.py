@@ -35,6 +35,17 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, str], ...] = (
     ("decoded_tokens", "Tokens the engine fed through decode steps.", "decoded_tokens"),
     ("aborts", "Sequences the engine cancelled (superseded, disconnected, ...).", "cancelled"),
     ("admission_waits", "Admissions that waited for a KV reservation.", "admission_waits"),
+    (
+        "speculative_passes",
+        "Speculative verification passes (prompt lookup).",
+        "speculative_passes",
+    ),
+    ("drafted_tokens", "Draft tokens verification passes fed.", "drafted_tokens"),
+    (
+        "accepted_tokens",
+        "Draft tokens accepted (their rate: accepted_tokens / drafted_tokens).",
+        "accepted_tokens",
+    ),
 )
 
 

@@ -61,6 +61,8 @@ class RequestClock:
                 if usage.max_tokens_clamped_to is None
                 else usage.max_tokens_clamped_to
             ),
+            draft_n=usage.drafted_tokens or msgspec.UNSET,
+            draft_n_accepted=usage.accepted_tokens if usage.drafted_tokens else msgspec.UNSET,
         )
 
 

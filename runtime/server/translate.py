@@ -45,6 +45,7 @@ _SAMPLER_FIELDS = (
     "presence_penalty",
     "frequency_penalty",
     "penalty_context",
+    "speculative",
     "xtc_probability",
     "xtc_threshold",
     "dry_multiplier",

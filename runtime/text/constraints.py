@@ -228,6 +228,13 @@ class TokenMatcher:
         self._prefetch()
         return False
 
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many of ``tokens``, in order, the grammar allows from here (the state is left as
+        it is): speculative drafts past that are cut before they are verified."""
+        assert self._next_mask is not None, "valid_prefix after release"
+        self._next_mask.result()  # the worker must be done with the state first
+        return int(self._inner.validate_tokens(tokens))
+
     def release(self) -> None:
         """Drop the grammar state (any mask being computed finishes on the worker first)."""
         if self._inner is None:

@@ -398,6 +398,40 @@ class TokenSampler:
             top = (top_ids, mx.take(logprobs, top_ids))
         return Draw(token, chosen, top)
 
+    def judge(
+        self, logits: mx.array, history: Sequence[int], rng: random.Random, draft: int
+    ) -> SampleResult:
+        """The token at a position where ``draft`` was proposed (speculative decoding), read.
+
+        Greedy: the argmax, as ``draw`` picks it (the draft is accepted when they agree). Else the
+        standard rule for a draft that is certain (prompt lookup): accept it with probability
+        ``p(draft)`` under the distribution ``draw`` would sample from (processors, constraint,
+        filters, temperature), else sample from that distribution with the draft removed and the
+        rest renormalised. Either way the token has exactly ``draw``'s distribution.
+        """
+        s = self.sampling
+        if self.greedy:
+            return self.draw(logits, history, rng).read()
+        processed = self.process(logits, history)
+        if self.matcher is not None:
+            processed = self.matcher.apply(processed)
+        logprobs = processed - mx.logsumexp(processed, keepdims=True)
+        kept = self.truncate(logprobs, rng) * (1.0 / s.temperature)
+        accept = rng.random()
+        key = mx.random.key(rng.getrandbits(32))
+        p_draft = mx.softmax(kept)[draft]
+        residual = mx.where(mx.arange(kept.shape[0]) == draft, _NEG_INF, kept)
+        token = mx.where(
+            p_draft > accept, mx.array(draft), mx.random.categorical(residual, key=key)
+        )
+        k = min(s.top_logprobs, self.vocab_size)
+        chosen = mx.take(logprobs, token) if s.logprobs else None
+        top = None
+        if k > 0:
+            top_ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
+            top = (top_ids, mx.take(logprobs, top_ids))
+        return Draw(token, chosen, top).read()
+
 
 def _top_n_sigma(logprobs: mx.array, n: float) -> mx.array:
     """Keep tokens whose logit is within ``n`` standard deviations of the best one.

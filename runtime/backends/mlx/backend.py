@@ -46,6 +46,7 @@ from runtime.backends.mlx.probe import plain_run, probe_prompts
 from runtime.backends.mlx.state import MlxSnapshot, MlxState, check_points, own_state
 from runtime.backends.mlx.together import prefill_together, together_snapshot_tokens
 from runtime.backends.mlx.upstream import patch_model
+from runtime.backends.mlx.verify import rewind_pass, verify_pass
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
 from runtime.blas import warn_if_slow
@@ -346,6 +347,12 @@ class MlxBackend:
         if own.logits is None:
             raise RuntimeError("logits() before any prefill")
         return own.logits
+
+    def verify(self, state: SequenceState, token_ids: Sequence[int]) -> mx.array:
+        return verify_pass(self._model, own_state(state), token_ids)
+
+    def rewind(self, state: SequenceState, keep: int) -> None:
+        rewind_pass(self._model, own_state(state), keep, cut=not self.whole_snapshots)
 
     @property
     def pipelined(self) -> bool:

@@ -18,16 +18,32 @@ from runtime.backends.mlx.cache_kinds import kind_of
 class MlxState:
     """A sequence's caches (one per layer), tokens consumed, and the logits after the last one."""
 
-    __slots__ = ("caches", "logits", "n_tokens")
+    __slots__ = ("caches", "logits", "n_tokens", "verified")
 
     def __init__(self, caches: list[Any], n_tokens: int = 0, logits: mx.array | None = None):
         self.caches = caches
         self.n_tokens = n_tokens
         self.logits = logits
+        self.verified: Verified | None = None  # the last ``verify``, until its ``rewind``
 
     @property
     def length(self) -> int:
         return self.n_tokens
+
+
+class Verified:
+    """What ``rewind`` needs of a verification pass: the caches as they were before it (shallow
+    copies: the pass writes past their end or makes new arrays), its tokens and logits."""
+
+    __slots__ = ("before", "logits", "start", "token_ids")
+
+    def __init__(
+        self, before: list[Any], start: int, token_ids: list[int], logits: mx.array
+    ) -> None:
+        self.before = before
+        self.start = start
+        self.token_ids = token_ids
+        self.logits = logits
 
 
 class MlxSnapshot:

@@ -29,6 +29,14 @@ class _FullAttention(CacheKind):
     def price(self, layer: Any) -> Price:
         return Price(per_token=kv_bytes_per_token(layer))
 
+    def rewind(self, layer: Any, drop: int) -> Any | None:
+        if type(layer) is mlx_cache.ConcatenateKVCache:
+            return self.copy(layer, drop)  # its arrays are exactly as long as its tokens
+        # mlx-lm's own trim: the buffer stays, the next update writes over the dropped tokens.
+        clone = clone_layer(layer)
+        clone.offset = _cut_offset(layer, drop)
+        return clone
+
 
 def _cut_offset(layer: Any, drop: int) -> int:
     """A copy's offset, ``drop`` tokens back. A layer the model never writes to (nemotron-nas's

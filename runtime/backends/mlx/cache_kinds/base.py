@@ -6,6 +6,8 @@ import copy
 import dataclasses
 from typing import Any
 
+from runtime.backends.contract import CannotTrim
+
 
 @dataclasses.dataclass(frozen=True)
 class Price:
@@ -67,6 +69,16 @@ class CacheKind:
         """The layer of a state restored at a checkpoint: from what it kept, or cut back from
         ``layer`` (the state the checkpoint came from, ``drop`` tokens past it)."""
         return self.copy(layer, drop) if kept is None else self.copy(kept, 0)
+
+    def rewind(self, layer: Any, drop: int) -> Any | None:
+        """The layer minus the last ``drop`` tokens of the multi-token pass it just ran (a
+        speculative verification), without copying what it keeps; None where it cannot be cut
+        back (the backend then restores it from before the pass and runs the kept tokens again).
+        ``layer`` itself is left as it is."""
+        try:
+            return self.copy(layer, drop)
+        except CannotTrim:
+            return None
 
     def reaches_back(self, layer: Any) -> bool:
         """Whether ``snapshot`` reaches back inside this layer's last multi-token update, so a

@@ -54,6 +54,10 @@ class CacheListKind(CacheKind):
             )
         )
 
+    def rewind(self, layer: Any, drop: int) -> Any | None:
+        children = [k.rewind(c, drop) for k, c in self._each(layer)]
+        return None if any(c is None for c in children) else _CacheList(*children)
+
     def reaches_back(self, layer: Any) -> bool:
         return all(k.reaches_back(c) for k, c in self._each(layer))
 

@@ -66,6 +66,20 @@ class RotatingKind(CacheKind):
             raise CannotTrim("a RotatingKVCache holds only its latest state here")
         return self.copy(layer, 0)
 
+    def rewind(self, layer: Any, drop: int) -> Any | None:
+        """A multi-token update leaves the ring in temporal order, ending with the update's own
+        tokens (``_update_concat``), so the update minus its last ``drop`` tokens is the same ring
+        cut short: exactly what feeding only the kept tokens would have left."""
+        keys, values = layer.keys, layer.values
+        if keys is None or values is None or layer._idx != int(keys.shape[2]):
+            return None
+        end = int(keys.shape[2]) - drop
+        clone = clone_layer(layer)
+        clone.keys, clone.values = keys[..., :end, :], values[..., :end, :]
+        clone.offset = layer.offset - drop
+        clone._idx = end
+        return clone
+
     def reaches_back(self, layer: Any) -> bool:
         return int(layer.keep) == 0
 

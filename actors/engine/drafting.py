@@ -1,0 +1,118 @@
+"""Prompt-lookup drafts and how many to verify: the speculative side of a decoding sequence.
+
+A draft is the run of tokens that followed the most recent earlier occurrence of the history's
+last few tokens (prompt and output: an editor's code, a quoted document), so no second model is
+needed. Verifying k drafts costs one pass over k + 1 tokens, which on a CPU grows with k, so the
+number drafted is chosen per pass to make the most tokens per unit of time from the acceptance
+rate seen so far (``Speculation.size``): where drafts keep failing (free text) it falls to 0 and
+the sequence decodes as it would without speculation, pipelined, while its estimate drifts back
+so that a later quote is noticed. See docs/design.md (speculative decoding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+NGRAMS = (3, 2)  # the longest suffix that matches wins; one token alone matches too often
+# A 2-gram match drafts only while drafts are being accepted (inside a copy): in free text two
+# tokens recur often ("of the") and what followed them is rarely what follows now.
+_SHORT_MATCH_RATE = 0.8
+# A pass of n tokens costs about 1 + SLOPE * (n - 1) one-token passes (float32 SmolLM2 on one CPU
+# core: ~0.3; a GPU pass is nearly flat). A constant, not timed: what a seeded request samples
+# must not depend on how busy the machine was.
+DEFAULT_SLOPE = 0.3
+PRIOR = 0.6  # the acceptance rate assumed before any pass, and drifted back to meanwhile
+_WEIGHT = 0.3  # of a pass's own rate in the running estimate
+_DRIFT = 0.003  # per token decoded plainly, back towards PRIOR: a retry ~20 tokens after a miss
+_GAIN = 1.1  # a pass must promise this many times a plain step's tokens per second
+
+
+class PromptLookup:
+    """The n-gram index of a growing history: each n-gram's latest end position before the last
+    token, updated as tokens arrive (the history only grows: rejected drafts never enter it)."""
+
+    def __init__(self) -> None:
+        self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAMS}
+        self._indexed = 0  # n-grams ending before this position are indexed
+
+    def draft(self, history: Sequence[int], limit: int, shortest: int = 2) -> list[int]:
+        """Up to ``limit`` tokens that followed the latest earlier match of the history's end
+        (of ``shortest`` tokens or more)."""
+        if limit <= 0 or len(history) < 2:
+            return []
+        last = len(history) - 1
+        for end in range(self._indexed, last):
+            for n, index in self._index.items():
+                if end + 1 >= n:
+                    index[tuple(history[end + 1 - n : end + 1])] = end
+        self._indexed = max(self._indexed, last)
+        for n, index in self._index.items():
+            if shortest <= n <= len(history):
+                found = index.get(tuple(history[len(history) - n :]))
+                if found is not None:
+                    return _follow(history, found + 1, limit)
+        return []
+
+
+def _follow(history: Sequence[int], start: int, limit: int) -> list[int]:
+    """``limit`` tokens from ``start`` on; past the history's end the drafts go on from their own
+    start (a match ``p`` tokens back is a loop of period ``p``: it repeats)."""
+    drafts = list(history[start : start + limit])
+    period = len(history) - start
+    while len(drafts) < limit:
+        drafts.append(drafts[len(drafts) - period])
+    return drafts
+
+
+class Speculation:
+    """One sequence's drafting: its lookup, its acceptance estimate, and what it has done.
+
+    ``most`` is the request's limit on drafts per pass. Not thread-safe: decode steps only.
+    """
+
+    def __init__(self, most: int, slope: float = DEFAULT_SLOPE) -> None:
+        self.most = most
+        self.lookup = PromptLookup()
+        self.rate = PRIOR  # estimated chance that each next draft is accepted
+        self.slope = slope
+        self.drafted = 0
+        self.accepted = 0
+        self.passes = 0
+        self.replays = 0  # passes whose rejected tail could not be cut back (recurrent layers)
+
+    def size(self, room: int) -> int:
+        """How many drafts the next pass should verify (0: decode plainly), at most ``room``."""
+        best, best_gain = 0, _GAIN
+        a = min(self.rate, 0.99)
+        for k in range(1, min(self.most, room) + 1):
+            expected = (1.0 - a ** (k + 1)) / (1.0 - a)  # tokens a pass of k drafts yields
+            gain = expected / (1.0 + self.slope * k)
+            if gain > best_gain:
+                best, best_gain = k, gain
+        return best
+
+    def drafts(self, history: Sequence[int], room: int) -> list[int]:
+        """The drafts for the next pass (none: it decodes plainly)."""
+        return self.lookup.draft(history, self.size(room), self._shortest())
+
+    def expects_drafts(self, history: Sequence[int], room: int) -> bool:
+        """Whether a pass is likely after the next token: the history's end is a copy already
+        (asked before that token is read, to leave the step after it unbuilt)."""
+        return bool(self.lookup.draft(history, min(1, self.size(room)), self._shortest()))
+
+    def _shortest(self) -> int:
+        return 2 if self.rate >= _SHORT_MATCH_RATE else 3
+
+    def passed(self, drafted: int, accepted: int) -> None:
+        """A verification pass accepted ``accepted`` of ``drafted``."""
+        self.drafted += drafted
+        self.accepted += accepted
+        self.passes += 1
+        # A pass stops at the first rejection: accepted of (accepted + 1) trials, unless all were.
+        trials = accepted + (accepted < drafted)
+        if trials:
+            self.rate += _WEIGHT * (accepted / trials - self.rate)
+
+    def decoded_plainly(self) -> None:
+        """A token came from a plain step: the estimate drifts back towards the prior."""
+        self.rate += _DRIFT * (PRIOR - self.rate)

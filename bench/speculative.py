@@ -1,0 +1,171 @@
+"""The speculative group: decode tok/s of the runtime with and without prompt-lookup speculation,
+and of raw mlx-lm (``generate_step``), on workloads that copy from their prompt and on free chat.
+
+Decode tok/s is measured from the first token to the last (prefill excluded), greedy, the same
+chat-templated prompt for every system; the runtime's greedy text must equal its text without
+speculation. ``python -m bench.speculative [model] [max_tokens] [reps] [workload,...]`` prints one
+row per workload and system, named ``speculative.<workload>.tok_s`` (the free-chat one contains
+``chat``), plus the ratios to raw mlx-lm and the acceptance rate. Not yet a group of ``make bench``
+(bench/__main__.py): a script of its own.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+import anyio
+import mlx.core as mx
+from mlx_lm.generate import generate_step
+from mlx_lm.models.cache import make_prompt_cache
+
+from bench.models import load_bench_model
+
+_FUNCTION = '''def compute_totals(orders, tax_rate):
+    """Sum each customer's orders and add tax."""
+    totals = {}
+    for order in orders:
+        customer = order["customer"]
+        amount = order["amount"] * (1 + tax_rate)
+        totals[customer] = totals.get(customer, 0) + amount
+    return totals
+'''
+_PASSAGE = (
+    "The lighthouse keeper, Elias Marr, kept a log for forty years. He wrote that 'the sea is "
+    "never the same twice, but the light must always be'. In 1911 a storm destroyed the lower "
+    "gallery, and Marr rebuilt it alone over one winter. The log records that 'no ship was lost "
+    "while the lamp was lit', a claim the harbour records confirm."
+)
+_CODE = """import math
+
+
+def area_of_circle(radius):
+    return math.pi * radius ** 2
+
+
+def area_of_square(side):
+    return side ** 2
+
+
+def perimeter_of_circle(radius):
+    return 2 * math.pi * radius
+
+
+def perimeter_of_square(side):
+"""
+WORKLOADS = {
+    "rewrite_rename": "Rewrite this function, renaming `orders` to `purchases` everywhere. "
+    "Reply with the code only.\n\n" + _FUNCTION,
+    "summarise_quotes": "Summarise this passage in two sentences, quoting it exactly where you "
+    "can.\n\n" + _PASSAGE,
+    "document_citations": "Answer from the document, citing the sentences you use in quotes: "
+    "what did Marr rebuild, and when?\n\nDocument:\n" + _PASSAGE,
+    "code_continue": "Continue this Python file with the next three functions.\n\n" + _CODE,
+    "free_chat": "Tell me a short story about a fox who learns to play the violin.",
+}
+SYSTEMS = ("mlx-lm", "runtime", "runtime+speculative")
+
+
+def _prompt(tokenizer: Any, text: str) -> list[int]:
+    messages = [{"role": "user", "content": text}]
+    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+
+
+def raw_rate(model: Any, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+    cache = make_prompt_cache(model)
+    stamps: list[float] = []
+    out: list[int] = []
+    for token, _ in generate_step(
+        mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache
+    ):
+        out.append(int(token))
+        stamps.append(time.perf_counter())
+    return (len(out) - 1) / (stamps[-1] - stamps[0]), out
+
+
+Row = dict[str, tuple[float, list[int]]]  # system -> (best decode tok/s, tokens)
+
+
+async def measure_all(
+    bench: Any, prompts: dict[str, list[int]], max_tokens: int, reps: int
+) -> dict[str, tuple[Row, dict[str, int]]]:
+    """Every workload, each system in turn ``reps`` times (interleaved, so that a busy machine
+    slows them alike); the best rate of each, and the speculative runs' counters."""
+    from runtime.api import Runtime
+    from runtime.config import RuntimeConfig
+    from runtime.messages import ModelSpec
+
+    results: dict[str, tuple[Row, dict[str, int]]] = {}
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 31)) as rt:
+        await rt.load_model(ModelSpec(name="m", backend="mlx", path=str(bench.path)))
+        for name, prompt in prompts.items():
+            row: Row = {}
+            before = _counters(rt)
+            for _ in range(reps):
+                runs = {
+                    "mlx-lm": raw_rate(bench.model, prompt, max_tokens),
+                    "runtime": await _runtime_rate(rt, prompt, max_tokens, 0),
+                    "runtime+speculative": await _runtime_rate(rt, prompt, max_tokens, 10),
+                }
+                for system, (rate, tokens) in runs.items():
+                    if system not in row or rate > row[system][0]:
+                        row[system] = (rate, tokens)
+            after = _counters(rt)
+            results[name] = (row, {k: after.get(k, 0) - before.get(k, 0) for k in after})
+    return results
+
+
+async def _runtime_rate(
+    rt: Any, prompt: list[int], max_tokens: int, drafts: int
+) -> tuple[float, list[int]]:
+    from runtime.messages import Sampling, TokensEmitted
+
+    stamps: list[float] = []
+    tokens: list[int] = []
+    async with rt.generate(
+        "m",
+        prompt_tokens=prompt,
+        max_tokens=max_tokens,
+        sampling=Sampling(speculative=drafts),
+        reuse_prefix=False,
+    ) as stream:
+        async for event in stream:
+            if isinstance(event, TokensEmitted) and event.token_ids:
+                tokens += event.token_ids
+                stamps += [time.perf_counter()] * len(event.token_ids)
+    return (len(tokens) - 1) / (stamps[-1] - stamps[0]), tokens
+
+
+def _counters(rt: Any) -> dict[str, int]:
+    return dict(next(s.counters for a, s in rt.stats().actors.items() if a.startswith("engine:")))
+
+
+def main() -> None:
+    model_name = sys.argv[1] if len(sys.argv) > 1 else "smollm2"
+    max_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 96
+    reps = int(sys.argv[3]) if len(sys.argv) > 3 else 3
+    bench = load_bench_model(model_name)
+    chosen = sys.argv[4].split(",") if len(sys.argv) > 4 else list(WORKLOADS)
+    prompts = {name: _prompt(bench.tokenizer, WORKLOADS[name]) for name in chosen}
+    results = anyio.run(measure_all, bench, prompts, max_tokens, reps)
+    print(
+        f"model {model_name}, {max_tokens} tokens, greedy, best of {reps} interleaved; "
+        "decode tok/s from the first token to the last"
+    )
+    for name, (row, counters) in results.items():
+        base = row["mlx-lm"][0]
+        plain, plain_tokens = row["runtime"]
+        fast, fast_tokens = row["runtime+speculative"]
+        drafted = counters.get("drafted_tokens", 0)
+        accepted = counters.get("accepted_tokens", 0)
+        print(
+            f"speculative.{name}.tok_s  mlx-lm {base:6.2f}  runtime {plain:6.2f} "
+            f"({plain / base:4.2f}x)  runtime+speculative {fast:6.2f} ({fast / base:4.2f}x)  "
+            f"accepted {accepted}/{drafted} in {counters.get('speculative_passes', 0)} passes  "
+            f"identical {fast_tokens == plain_tokens}"
+        )
+
+
+if __name__ == "__main__":
+    main()

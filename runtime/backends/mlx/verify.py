@@ -1,0 +1,58 @@
+"""Speculative verification on MLX: one pass over a token and its drafts, then the rejected tail
+taken back out.
+
+``verify_pass`` runs the tokens as one multi-token pass and keeps the logits of every position
+(a prefill keeps only the last). ``rewind_pass`` cuts each layer back by the rejected tokens with
+its kind's ``rewind``: full attention lowers its offset (mlx-lm's trim) and a sliding-window ring,
+which a multi-token update leaves in temporal order, is cut short, so neither copies anything. A
+recurrent state (``ArraysCache``) holds only its last step: the layers go back to shallow copies
+taken before the pass (the pass wrote past their ends or made new arrays, as for an interrupted
+prefill, interrupt.py) and the kept tokens run again. See docs/design.md (speculative decoding).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+
+from runtime.backends.mlx.cache_kinds import kind_of
+from runtime.backends.mlx.state import MlxState, Verified
+
+
+def verify_pass(model: Any, own: MlxState, token_ids: Sequence[int]) -> mx.array:
+    """``Backend.verify`` over ``model``'s caches in ``own``."""
+    ids = list(token_ids)
+    if len(ids) < 2:
+        raise ValueError("verify takes a token and at least one draft")
+    before = [kind_of(c).undo_copy(c) for c in own.caches]
+    start = own.n_tokens
+    out = model(mx.array([ids]), cache=own.caches)
+    logits: mx.array = out[0].astype(mx.float32)
+    mx.eval(logits, [c.state for c in own.caches])
+    own.n_tokens, own.logits = start + len(ids), logits[-1]
+    own.verified = Verified(before, start, ids, logits)
+    return logits
+
+
+def rewind_pass(model: Any, own: MlxState, keep: int, *, cut: bool = True) -> bool:
+    """``Backend.rewind``; ``cut`` False (the load probe found cutting back wrong) always runs
+    the kept tokens again. Returns whether it did (the cost a recurrent layer brings)."""
+    verified, own.verified = own.verified, None
+    if verified is None or not 1 <= keep <= len(verified.token_ids):
+        raise ValueError(f"rewind to {keep} tokens without a verify that fed as many")
+    own.logits = verified.logits[keep - 1]
+    drop = len(verified.token_ids) - keep
+    if drop == 0:
+        return False
+    layers = [kind_of(c).rewind(c, drop) for c in own.caches] if cut else []
+    if layers and all(c is not None for c in layers):
+        own.caches[:] = layers
+        own.n_tokens -= drop
+        return False
+    own.caches[:] = verified.before
+    model(mx.array([verified.token_ids[:keep]]), cache=own.caches)
+    mx.eval([c.state for c in own.caches])
+    own.n_tokens = verified.start + keep
+    return True
