@@ -86,3 +86,35 @@ def converted_gguf(
         return converted[name, weights]
 
     return get
+
+
+def require_llama_cpp() -> None:
+    """Skip (with one sentence) where llama-cpp-python is not installed; under ``CI``, which
+    must run the llama.cpp tests (``make venv`` builds it), fail instead."""
+    if importlib.util.find_spec("llama_cpp") is not None:
+        return
+    if _env_flag("CI"):
+        pytest.fail("CI must run the llama.cpp tests: llama-cpp-python is not installed")
+    pytest.skip("llama-cpp-python is not installed (pip install 'mlx-actor-runtime[llamacpp]')")
+
+
+@pytest.fixture(scope="session")
+def real_llama(real_gguf: Callable[[str], Path]) -> Callable[[str], object]:
+    """``real_llama(name)``: a known model loaded on the llama.cpp backend, once per session
+    (skips like ``real_gguf``, and where llama-cpp-python is missing)."""
+    from runtime.backends.llamacpp.backend import LlamaCppBackend
+    from runtime.messages import ModelSpec
+
+    loaded: dict[str, LlamaCppBackend] = {}
+
+    def get(name: str) -> LlamaCppBackend:
+        require_llama_cpp()
+        real_gguf(name)
+        if name not in loaded:
+            spec = ModelSpec(name=name, backend="llamacpp", path=name, options={"n_threads": 2})
+            loaded[name] = LlamaCppBackend.load(spec)
+        return loaded[name]
+
+    yield get
+    for backend in loaded.values():
+        backend.close()

@@ -4,7 +4,12 @@ engine decoded (the backend does not decode them again)."""
 from __future__ import annotations
 
 from runtime.backends.contract import Backend, BackendLoader
-from runtime.backends.options import ModelOptions, SimulatedModelOptions, options_type
+from runtime.backends.options import (
+    LlamaCppOptions,
+    ModelOptions,
+    SimulatedModelOptions,
+    options_type,
+)
 from runtime.backends.simulated import ComputeClock, RealClock, SimulatedBackend
 from runtime.errors import InvalidModelSpec
 from runtime.messages import ModelSpec
@@ -24,6 +29,10 @@ def make_backend_loader(clock: ComputeClock | None = None) -> BackendLoader:
             )
         if isinstance(options, SimulatedModelOptions):
             return SimulatedBackend.load(spec, sim_clock, options)
+        if isinstance(options, LlamaCppOptions):
+            from runtime.backends.llamacpp.backend import LlamaCppBackend
+
+            return LlamaCppBackend.load(spec, options)
         from runtime.backends.mlx.backend import MlxBackend
 
         return MlxBackend.load(spec, options)

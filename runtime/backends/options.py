@@ -29,6 +29,9 @@ DEFAULT_PREFILL_CHUNK_MS = 10.0
 DEFAULT_MAX_BATCH = 8
 DEFAULT_DECODE_STALL_MS = 1000.0
 DEFAULT_MAX_CONCURRENT = 32
+DEFAULT_LLAMACPP_KV_TOKENS = 16384
+DEFAULT_LLAMACPP_SEQUENCES = 64
+DEFAULT_LLAMACPP_BATCH = 512
 
 # Ranges, checked where options are decoded: a zero batch or admission gate would admit nothing.
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -70,6 +73,21 @@ class MlxOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields
     weights: WeightsOption | None = None
 
 
+class LlamaCppOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of a GGUF model run by llama.cpp (``backend="llamacpp"``, docs/models.md)."""
+
+    # The most tokens one sequence may hold; None (or 0): the model's training context, capped
+    # by kv_tokens.
+    context_length: NonNegativeInt | None = None
+    # KV cells of the one unified cache every sequence of the model shares (copies share cells).
+    kv_tokens: PositiveInt = DEFAULT_LLAMACPP_KV_TOKENS
+    # Sequences the llama.cpp context holds at once (n_seq_max); more states are kept by moving
+    # the least recently used ones to host memory.
+    max_sequences: Annotated[int, msgspec.Meta(ge=2, le=256)] = DEFAULT_LLAMACPP_SEQUENCES
+    n_threads: NonNegativeInt = 0  # 0: every CPU this process may run on
+    n_batch: PositiveInt = DEFAULT_LLAMACPP_BATCH  # tokens in one llama_decode (n_ubatch too)
+
+
 class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of a simulated model (``backend="simulated"``)."""
 
@@ -93,9 +111,10 @@ class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unk
     pipelined: bool = False
 
 
-ModelOptions = MlxOptions | SimulatedModelOptions
+ModelOptions = MlxOptions | LlamaCppOptions | SimulatedModelOptions
 OPTIONS_BY_BACKEND: dict[str, type[ModelOptions]] = {
     "mlx": MlxOptions,
+    "llamacpp": LlamaCppOptions,
     "simulated": SimulatedModelOptions,
 }
 BACKEND_KINDS = tuple(OPTIONS_BY_BACKEND)
