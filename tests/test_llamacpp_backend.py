@@ -23,7 +23,7 @@ from runtime.messages import ChatMessage, ChatOptions, ModelSpec
 from runtime.text.chat import prepare_chat
 from tests.test_real_model_reuse import CORPUS
 
-pytestmark = pytest.mark.real_model
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
 
 MODELS = ("smollm2-135m-instruct", "gemma3-270m")
 CHUNK = 256  # the engine's default prefill chunk
@@ -92,7 +92,7 @@ def test_token_ids_equal_llama_cpps_own(backend: LlamaCppBackend) -> None:
     tokens = backend.chat_tokenizer
     prepared = prepare_chat(tokens, messages, ChatOptions(), 16, backend.info.context_length)
     rendered = tokens.decode(prepared.tokens)
-    assert prepared.tokens == backend.context.tokenize(rendered, add_special=False)
+    assert list(prepared.tokens) == backend.context.tokenize(rendered, add_special=False)
 
 
 # ---------------------------------------------------------------------- greedy = llama.cpp's
@@ -240,7 +240,7 @@ def test_prefill_together_equals_each_alone(backend: LlamaCppBackend) -> None:
 
 
 def test_states_beyond_the_sequence_slots_move_to_host_and_back(real_gguf: Callable[[str], Any]) -> None:
-    """With 2 seq_ids, 5 live states: the least recently used ones are saved to host memory and
+    """With 3 seq_ids, 5 live states: the least recently used ones are saved to host memory and
     restored when used, each continuing as it would have."""
     from tests.conftest import require_llama_cpp
 
@@ -248,7 +248,7 @@ def test_states_beyond_the_sequence_slots_move_to_host_and_back(real_gguf: Calla
     real_gguf("smollm2-135m-instruct")
     spec = ModelSpec(
         name="small", backend="llamacpp", path="smollm2-135m-instruct",
-        options={"max_sequences": 2, "n_threads": 2, "kv_tokens": 4096},
+        options={"max_sequences": 4, "max_batch": 1, "n_threads": 2, "context_length": 1024},
     )
     backend = LlamaCppBackend.load(spec)
     try:
@@ -257,13 +257,15 @@ def test_states_beyond_the_sequence_slots_move_to_host_and_back(real_gguf: Calla
         for ids in prompts:
             states.append(backend.new_state())
             prefill(backend, states[-1], ids)
-        assert backend.pool.spills >= 3
-        assert sum(s.seq is None for s in states) >= 3
+        assert backend.pool.spills >= 2
+        assert sum(s.seq is None for s in states) >= 2
         for state, ids in zip(states, prompts, strict=True):
             assert greedy(backend, state, 4) == cold(backend, ids, 4)
-        del states
-        copy_src = backend.new_state()
-        prefill(backend, copy_src, prompts[0])
-        assert greedy(backend, backend.copy_state(copy_src, 10), 0) == []
+        del states  # their seq_ids come back: 3 more states need no spill
+        spills = backend.pool.spills
+        again = [backend.new_state() for _ in range(3)]
+        for state, ids in zip(again, prompts, strict=True):
+            prefill(backend, state, ids)
+        assert backend.pool.spills == spills
     finally:
         backend.close()

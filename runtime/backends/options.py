@@ -29,8 +29,7 @@ DEFAULT_PREFILL_CHUNK_MS = 10.0
 DEFAULT_MAX_BATCH = 8
 DEFAULT_DECODE_STALL_MS = 1000.0
 DEFAULT_MAX_CONCURRENT = 32
-DEFAULT_LLAMACPP_KV_TOKENS = 16384
-DEFAULT_LLAMACPP_SEQUENCES = 64
+DEFAULT_LLAMACPP_CONTEXT = 4096
 DEFAULT_LLAMACPP_BATCH = 512
 
 # Ranges, checked where options are decoded: a zero batch or admission gate would admit nothing.
@@ -76,14 +75,12 @@ class MlxOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields
 class LlamaCppOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of a GGUF model run by llama.cpp (``backend="llamacpp"``, docs/models.md)."""
 
-    # The most tokens one sequence may hold; None (or 0): the model's training context, capped
-    # by kv_tokens.
+    # The most tokens one sequence may hold; None (or 0): the model's training context, at most
+    # 4096. Every sequence slot gets this many KV cells, allocated at load.
     context_length: NonNegativeInt | None = None
-    # KV cells of the one unified cache every sequence of the model shares (copies share cells).
-    kv_tokens: PositiveInt = DEFAULT_LLAMACPP_KV_TOKENS
     # Sequences the llama.cpp context holds at once (n_seq_max); more states are kept by moving
-    # the least recently used ones to host memory.
-    max_sequences: Annotated[int, msgspec.Meta(ge=2, le=256)] = DEFAULT_LLAMACPP_SEQUENCES
+    # the least recently used ones to host memory. None: max_batch + 4.
+    max_sequences: Annotated[int, msgspec.Meta(ge=4, le=256)] | None = None
     n_threads: NonNegativeInt = 0  # 0: every CPU this process may run on
     n_batch: PositiveInt = DEFAULT_LLAMACPP_BATCH  # tokens in one llama_decode (n_ubatch too)
 

@@ -52,6 +52,7 @@ from runtime.backends.llamacpp.tokenizer import load_tokenizer, tokenizer_dir
 from runtime.backends.mlx.facts import effective_eos_ids
 from runtime.backends.model_source import converted_models_dir
 from runtime.backends.options import LlamaCppOptions, options_as
+from runtime.errors import InvalidModelSpec
 from runtime.messages import ModelSpec
 from runtime.text.chat import has_chat_template
 from runtime.text.constraints import ConstraintEngine
@@ -88,25 +89,37 @@ class LlamaCppBackend:
             options = options_as(spec, LlamaCppOptions)
         gguf, sha256 = gguf_file_of(spec)
         threads = options.n_threads or len(os.sched_getaffinity(0))
+        # Room for every batch member, a prefilling state, a copy in the making and the pad.
+        sequences = options.max_sequences or options.max_batch + 4
+        if sequences < options.max_batch + 3:
+            raise InvalidModelSpec(
+                f"option 'max_sequences' of model {spec.name!r} is {sequences}; it must be at "
+                f"least max_batch + 3 ({options.max_batch + 3})"
+            )
         context = Context(
             gguf,
-            n_ctx=options.kv_tokens,
+            context_length=options.context_length or 0,
             n_batch=options.n_batch,
-            n_seq_max=options.max_sequences,
+            n_seq_max=sequences,
             n_threads=threads,
         )
         try:
             tokenizer, facts = load_tokenizer(
                 tokenizer_dir(gguf, converted_models_dir(), sha256)
             )
-            backend = cls(context, tokenizer, SeqPool(context, options.max_sequences))
+            backend = cls(context, tokenizer, SeqPool(context, sequences))
             backend.path = gguf
             backend._info = backend._measure(spec.name, options, facts)
         except BaseException:
             context.close()
             raise
-        log.debug("model %r: llama.cpp with %d threads, %d KV cells", spec.name, threads,
-                  context.n_ctx)
+        log.debug(
+            "model %r: llama.cpp, %d threads, %d sequences of %d KV cells",
+            spec.name,
+            threads,
+            sequences,
+            context.n_ctx_seq,
+        )
         return backend
 
     def _measure(self, name: str, options: LlamaCppOptions, facts: dict[str, Any]) -> ModelInfo:
@@ -121,8 +134,7 @@ class LlamaCppBackend:
         per_token = sizes[2][0] - sizes[1][0]
         partial_per_token = sizes[2][1] - sizes[1][1]
         pass_s = min(self._timed_pass() for _ in range(_TIMED_PASSES))
-        train = ctx.model_int("n_ctx_train")
-        context = min(options.context_length or train or ctx.n_ctx, ctx.n_ctx)
+        context = ctx.n_ctx_seq
         if self._recurrent:
             reuse, reason = ReuseStrategy.CHECKPOINT, (
                 "a recurrent state cannot be cut back (llama_memory_seq_rm refuses part of a "
@@ -218,10 +230,8 @@ class LlamaCppBackend:
                 raise CannotTrim(f"the snapshot does not hold {length} tokens of this state")
         elif drop and not self.can_trim(source):
             raise CannotTrim("a sliding-window or recurrent cache cannot be cut back here")
-        src = self._pool.resident(source)
-        dst = self._pool.acquire(keep=(src,))
+        dst = self._pool.copy(source, source.n_tokens)
         ctx = self._context
-        ctx.seq_cp(src, dst, 0, -1 if drop == 0 else length)
         trimmed = ctx.seq_rm(dst, length, -1)
         if snapshot is not None and snapshot.data:
             trimmed = ctx.set_seq_data(snapshot.data, dst, PARTIAL_ONLY)
@@ -270,7 +280,10 @@ class LlamaCppBackend:
         seq = self._pool.resident(own)
         # A snapshot of partial state is read between calls, so calls end at each point.
         cuts = sorted({*(snapshot_at if self._partial else ()), end})
-        guard = self._guard_window(seq, start) if stop is not None else None
+        n_batch = self._context.n_batch
+        calls = sum(-(-(b - a) // n_batch) for a, b in itertools.pairwise([start, *cuts]))
+        # A call after the first may reuse sliding cells the state before this prefill needs.
+        saved = self.snapshot(own) if stop is not None and self._partial and calls > 1 else None
         before = (own.logits, own.high_water)
         snapshots: list[LlamaSnapshot] = []
         out: list[np.ndarray] = []
@@ -282,33 +295,24 @@ class LlamaCppBackend:
                         raise PrefillInterrupted("the sequence was aborted between llama_decode calls")
                     upto = min(cut, pos + self._context.n_batch)
                     rows = [Row(seq, p, ids[p - start], logits and p == end - 1) for p in range(pos, upto)]
-                    out = self._context.decode(rows, stop)
+                    out = self._context.decode(rows, stop, pad_seq=self._pool.pad)
                     pos = upto
                     own.n_tokens, own.high_water = pos, max(own.high_water, pos)
                 if cut in snapshot_at:
                     snapshots.append(self.snapshot(own))
         except PrefillInterrupted:
+            # llama.cpp drops what the interrupted call added; the calls before it are undone
+            # here, and the sliding cells they reused come back from the copy taken before.
             self._context.seq_rm(seq, start, -1)
+            if saved is not None and saved.data:
+                self._context.set_seq_data(saved.data, seq, PARTIAL_ONLY)
             own.n_tokens = start
             own.logits, own.high_water = before
             raise
-        finally:
-            if guard is not None:
-                self._pool.release(guard)
         own.logits = mx.array(out[0]) if logits else None
         snapshots += [LlamaSnapshot(b"", p) for p in snapshot_at if not self._partial]
         snapshots.sort(key=lambda s: s.n_tokens)
         return snapshots
-
-    def _guard_window(self, seq: int, start: int) -> int | None:
-        """Hold the sliding window before ``start`` under a second seq_id while an interruptible
-        prefill runs: llama.cpp reuses only cells one sequence holds, so the window is still
-        there when an interrupted prefill is undone."""
-        if not self._n_swa or start == 0:
-            return None
-        guard = self._pool.acquire(keep=(seq,))
-        self._context.seq_cp(seq, guard, max(0, start - self._n_swa), start)
-        return guard
 
     def prefill_together(
         self,
@@ -351,7 +355,8 @@ class LlamaCppBackend:
                     owners += [index] if last else []
             kept: list[np.ndarray] = []
             for begin in range(0, len(rows), self._context.n_batch):
-                kept += self._context.decode(rows[begin : begin + self._context.n_batch])
+                piece = rows[begin : begin + self._context.n_batch]
+                kept += self._context.decode(piece, pad_seq=self._pool.pad)
             for index, row_logits in zip(owners, kept, strict=True):
                 owns[index].logits = mx.array(row_logits)
             for index, own in enumerate(owns):
@@ -378,7 +383,8 @@ class LlamaCppBackend:
         own = own_state(state)
         self._pool.reclaim()
         seq = self._pool.resident(own)
-        (out,) = self._context.decode([Row(seq, own.n_tokens, int(token.item()), True)])
+        row = Row(seq, own.n_tokens, int(token.item()), True)
+        (out,) = self._context.decode([row], pad_seq=self._pool.pad)
         own.n_tokens += 1
         own.high_water = max(own.high_water, own.n_tokens)
         own.logits = mx.array(out)

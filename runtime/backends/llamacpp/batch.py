@@ -1,8 +1,7 @@
 """Continuous batching on llama.cpp: one ``llama_decode`` per step, one token per sequence.
 
 Each member is a seq_id of the model's one context. ``join`` copies the state's cells to a seq_id
-the batch owns (``llama_memory_seq_cp``: in a unified cache it only marks the cells as held by one
-more sequence, so a join costs no KV copy), ``step`` builds a ``llama_batch`` with one row per
+the batch owns (through host bytes: ``SeqPool.copy``), ``step`` builds a ``llama_batch`` with one row per
 member (its own seq_id and position, logits kept) and runs it, and ``leave`` hands the member's
 seq_id back as an ordinary state. Sequences of different lengths need no padding: each row
 attends to its own cells through llama.cpp's mask.
@@ -46,9 +45,7 @@ class LlamaDecodeBatch:
         if own.n_tokens <= 0:
             raise ValueError("join() needs a prefilled state (at least one token)")
         self._pool.reclaim()
-        src = self._pool.resident(own)
-        dst = self._pool.acquire(keep=(src,))
-        self._context.seq_cp(src, dst, 0, -1)
+        dst = self._pool.copy(own, own.n_tokens)
         slot = self._next_slot
         self._next_slot += 1
         self._members[slot] = _Member(dst, own.n_tokens, own.high_water, own.logits)
@@ -84,7 +81,9 @@ class LlamaDecodeBatch:
             rows.append(Row(member.seq, member.n_tokens, fed, True))
         out: dict[int, mx.array] = {}
         for begin in range(0, len(rows), self._context.n_batch):
-            piece = self._context.decode(rows[begin : begin + self._context.n_batch])
+            piece = self._context.decode(
+                rows[begin : begin + self._context.n_batch], pad_seq=self._pool.pad
+            )
             for slot, row_logits in zip(slots[begin:], piece, strict=False):
                 member = self._members[slot]
                 member.n_tokens += 1

@@ -21,6 +21,7 @@ import numpy as np
 from runtime.backends.contract import PrefillInterrupted
 from runtime.errors import BackendError, ModelLoadFailed, UnsupportedModelFormat
 
+DEFAULT_CONTEXT = 4096  # KV cells per sequence when neither the options nor the file say less
 # Flags of llama_state_seq_*_ext: only the sliding-window or recurrent part of a sequence.
 PARTIAL_ONLY = 1
 log = logging.getLogger("mlx_actor_runtime.llamacpp")
@@ -90,7 +91,7 @@ class Context:
         self,
         path: Path,
         *,
-        n_ctx: int,
+        context_length: int,
         n_batch: int,
         n_seq_max: int,
         n_threads: int,
@@ -110,28 +111,37 @@ class Context:
             )
         self._model = model
         params = lib.llama_context_default_params()
+        train = int(lib.llama_model_n_ctx_train(model))
+        n_ctx = n_seq_max * (context_length or min(train or DEFAULT_CONTEXT, DEFAULT_CONTEXT))
         params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_ubatch = n_batch
         params.n_seq_max = n_seq_max
         params.n_threads = n_threads
         params.n_threads_batch = n_threads
-        params.kv_unified = True  # copies share cells; one pool of cells for every sequence
+        # Reuse equal to a cold run, bit for bit, needs each sequence's cells laid out as a cold
+        # run lays them out (a softmax or a dot product sums its lanes by cell index): so one
+        # stream of cells per sequence, not the unified cache where copies share cells (measured
+        # on SmolLM2: logits 0.4-0.8 apart when another sequence's cells moved this one's).
+        params.kv_unified = False
         params.swa_full = False  # sliding-window layers keep their window, not the context
+        # The flash-attention kernel sums differently for few-token passes (measured: an
+        # 8-token pass after 200 gave other logits than one 208-token pass); the plain one not.
+        params.flash_attn_type = 0
         params.no_perf = True
         ctx = lib.llama_init_from_model(model, params)
         if not ctx:
             lib.llama_model_free(model)
             raise ModelLoadFailed(
-                f"llama.cpp could not make a context for {path} with {n_ctx} KV cells and "
-                f"{n_seq_max} sequences; lower kv_tokens or max_sequences"
+                f"llama.cpp could not make a context for {path} with {n_ctx} KV cells "
+                f"({n_seq_max} sequences); lower context_length or max_sequences"
             )
         self._ctx = ctx
         self._memory = lib.llama_get_memory(ctx)
         self._vocab = lib.llama_model_get_vocab(model)
         self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
         self.n_batch = n_batch
-        self.n_ctx = int(lib.llama_n_ctx(ctx))
+        self.n_ctx_seq = int(lib.llama_n_ctx_seq(ctx))  # KV cells of one sequence
         self._batch = lib.llama_batch_init(n_batch, 0, 1)
         self._stop: threading.Event | None = None
         # Kept referenced: llama.cpp holds the pointer while the context lives.
@@ -202,10 +212,20 @@ class Context:
 
     # ------------------------------------------------------------------ compute
 
-    def decode(self, rows: Sequence[Row], stop: threading.Event | None = None) -> list[np.ndarray]:
+    def decode(
+        self, rows: Sequence[Row], stop: threading.Event | None = None, *, pad_seq: int = -1
+    ) -> list[np.ndarray]:
         """One ``llama_decode`` of ``rows`` (at most ``n_batch``); the float32 logits of each
         row that asks for them, in order. With ``stop`` the pass gives up between graph nodes
-        once it is set (``PrefillInterrupted``; llama.cpp drops what the pass added)."""
+        once it is set (``PrefillInterrupted``; llama.cpp drops what the pass added).
+
+        A lone row is padded with a row of ``pad_seq`` (a seq_id of no state, emptied after):
+        llama.cpp's one-token pass multiplies with other kernels than a pass of two or more, so
+        a token computed alone would differ from the same token inside a prompt."""
+        if len(rows) == 1 and pad_seq >= 0:
+            out = self.decode([rows[0], Row(pad_seq, 0, rows[0].token, False)], stop)
+            self.seq_rm(pad_seq, 0, -1)
+            return out
         batch = self._batch
         for i, row in enumerate(rows):
             batch.token[i] = row.token
@@ -229,7 +249,7 @@ class Context:
             why = "no room in its KV cache" if rc == 1 else f"error {rc}"
             raise BackendError(
                 f"llama_decode of {len(rows)} tokens failed: {why}; load the model with a "
-                "larger kv_tokens, or lower max_concurrent"
+                "larger context_length"
             )
         wanted = [i for i, row in enumerate(rows) if row.logits]
         return [self._logits(i) for i in wanted]

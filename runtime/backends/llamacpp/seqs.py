@@ -87,7 +87,8 @@ class SeqPool:
 
     def __init__(self, context: Context, n_seq_max: int) -> None:
         self._context = context
-        self._free = list(range(n_seq_max - 1, -1, -1))  # pop() hands out 0 first
+        self.pad = n_seq_max - 1  # the seq_id a lone decode row is padded with (binding.py)
+        self._free = list(range(n_seq_max - 2, -1, -1))  # pop() hands out 0 first
         self._holders: dict[int, weakref.ref[LlamaState]] = {}
         self._dropped: collections.deque[int] = collections.deque()  # queued by finalizers
         self._clock = itertools.count(1)
@@ -135,12 +136,28 @@ class SeqPool:
                 self._free.append(seq)
                 raise BackendError(
                     "llama.cpp could not restore a sequence moved to host memory (its KV cache "
-                    "has no room); load the model with a larger kv_tokens"
+                    "has no room); load the model with a larger context_length"
                 )
             self.bind(state, seq)
         state.used = next(self._clock)
         assert state.seq is not None
         return state.seq
+
+    def copy(self, source: LlamaState, length: int) -> int:
+        """A new seq_id holding ``source``'s first ``length`` tokens' cells (False where the
+        memory refuses to cut the copy back: recurrent state). Copied through host bytes: a
+        copy between streams in llama.cpp is deferred to the next decode, after anything else
+        this call writes, and a copy must lay its cells out as the source's."""
+        src = self.resident(source)
+        data = self._context.get_seq_data(src)
+        dst = self.acquire(keep=(src,))
+        if not self._context.set_seq_data(data, dst):
+            self._free.append(dst)
+            raise BackendError(
+                "llama.cpp could not copy a sequence (no room in its KV cells); load the model "
+                "with a larger context_length"
+            )
+        return dst
 
     def reclaim(self) -> None:
         """Free the seq_ids of states the engine dropped (queued by their finalizers)."""
