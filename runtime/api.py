@@ -20,8 +20,8 @@ import anyio
 import msgspec
 
 from actors.standing import standing_actors
-from runtime.backends.contract import BackendLoader
 from runtime.backends.choice import resolve_backend
+from runtime.backends.contract import BackendLoader
 from runtime.backends.loader import make_backend_loader
 from runtime.backends.options import decode_options
 from runtime.config import RuntimeConfig

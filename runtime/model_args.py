@@ -8,8 +8,8 @@ from pathlib import Path
 
 import msgspec
 
-from runtime.backends.model_source import prepare_model, prepared_spec
 from runtime.backends.choice import resolve_backend
+from runtime.backends.model_source import prepare_model, prepared_spec
 from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS, fetch_model
 from runtime.backends.options import OptionValue, option_from_text
 from runtime.messages import ModelSpec
@@ -23,8 +23,9 @@ def prepare_specs(specs: tuple[ModelSpec, ...], *, quiet: bool) -> tuple[ModelSp
     prepared_specs: list[ModelSpec] = []
     with tqdm_progress(disable=quiet) as progress:
         for spec in specs:
-            if spec.backend == "llamacpp" and spec.path in KNOWN_MODELS:
-                fetch_model(spec.path, progress=progress)  # llama.cpp loads the file as it is
+            known = KNOWN_MODELS.get(spec.path or "")
+            if spec.backend == "llamacpp" and known is not None:
+                fetch_model(known, progress=progress)  # llama.cpp loads the file as it is
             elif spec.backend == "mlx":
                 prepared = prepare_model(spec, progress)
                 if prepared.note and not quiet:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -88,22 +88,13 @@ def converted_gguf(
     return get
 
 
-def require_llama_cpp() -> None:
-    """Skip (with one sentence) where llama-cpp-python is not installed; under ``CI``, which
-    must run the llama.cpp tests (``make venv`` builds it), fail instead."""
-    if importlib.util.find_spec("llama_cpp") is not None:
-        return
-    if _env_flag("CI"):
-        pytest.fail("CI must run the llama.cpp tests: llama-cpp-python is not installed")
-    pytest.skip("llama-cpp-python is not installed (pip install 'mlx-actor-runtime[llamacpp]')")
-
-
 @pytest.fixture(scope="session")
-def real_llama(real_gguf: Callable[[str], Path]) -> Callable[[str], object]:
+def real_llama(real_gguf: Callable[[str], Path]) -> Iterator[Callable[[str], object]]:
     """``real_llama(name)``: a known model loaded on the llama.cpp backend, once per session
     (skips like ``real_gguf``, and where llama-cpp-python is missing)."""
     from runtime.backends.llamacpp.backend import LlamaCppBackend
     from runtime.messages import ModelSpec
+    from tests.llamacpp_support import require_llama_cpp
 
     loaded: dict[str, LlamaCppBackend] = {}
 

@@ -55,7 +55,9 @@ def prefill(backend: LlamaCppBackend, state: LlamaState, ids: Sequence[int], **k
     for begin in range(0, len(ids), CHUNK):
         piece = ids[begin : begin + CHUNK]
         last = begin + CHUNK >= len(ids)
-        points = [p for p in kw.get("snapshot_at", ()) if state.length < p <= state.length + len(piece)]
+        points = [
+            p for p in kw.get("snapshot_at", ()) if state.length < p <= state.length + len(piece)
+        ]
         out += backend.prefill(state, piece, logits=last, snapshot_at=points)
     return out
 
@@ -239,15 +241,19 @@ def test_prefill_together_equals_each_alone(backend: LlamaCppBackend) -> None:
     assert greedy(backend, restored, 5) == cold(backend, edited, 5)
 
 
-def test_states_beyond_the_sequence_slots_move_to_host_and_back(real_gguf: Callable[[str], Any]) -> None:
+def test_states_beyond_the_sequence_slots_move_to_host_and_back(
+    real_gguf: Callable[[str], Any],
+) -> None:
     """With 3 seq_ids, 5 live states: the least recently used ones are saved to host memory and
     restored when used, each continuing as it would have."""
-    from tests.conftest import require_llama_cpp
+    from tests.llamacpp_support import require_llama_cpp
 
     require_llama_cpp()
     real_gguf("smollm2-135m-instruct")
     spec = ModelSpec(
-        name="small", backend="llamacpp", path="smollm2-135m-instruct",
+        name="small",
+        backend="llamacpp",
+        path="smollm2-135m-instruct",
         options={"max_sequences": 4, "max_batch": 1, "n_threads": 2, "context_length": 1024},
     )
     backend = LlamaCppBackend.load(spec)

@@ -104,9 +104,7 @@ class LlamaCppBackend:
             n_threads=threads,
         )
         try:
-            tokenizer, facts = load_tokenizer(
-                tokenizer_dir(gguf, converted_models_dir(), sha256)
-            )
+            tokenizer, facts = load_tokenizer(tokenizer_dir(gguf, converted_models_dir(), sha256))
             backend = cls(context, tokenizer, SeqPool(context, sequences))
             backend.path = gguf
             backend._info = backend._measure(spec.name, options, facts)
@@ -136,22 +134,32 @@ class LlamaCppBackend:
         pass_s = min(self._timed_pass() for _ in range(_TIMED_PASSES))
         context = ctx.n_ctx_seq
         if self._recurrent:
-            reuse, reason = ReuseStrategy.CHECKPOINT, (
-                "a recurrent state cannot be cut back (llama_memory_seq_rm refuses part of a "
-                "sequence): reuse restores snapshots of its state"
+            reuse, reason = (
+                ReuseStrategy.CHECKPOINT,
+                (
+                    "a recurrent state cannot be cut back (llama_memory_seq_rm refuses part of a "
+                    "sequence): reuse restores snapshots of its state"
+                ),
             )
         elif self._n_swa:
-            reuse, reason = ReuseStrategy.CHECKPOINT, (
-                f"sliding-window layers ({self._n_swa} tokens) reuse cells that leave the window: "
-                "checkpoints snapshot only those layers (llama_state_seq_get_data_ext) and cut "
-                "the full-attention layers back from the state they came from"
+            reuse, reason = (
+                ReuseStrategy.CHECKPOINT,
+                (
+                    f"sliding-window layers ({self._n_swa} tokens) reuse cells that leave the "
+                    "window: checkpoints snapshot only those layers "
+                    "(llama_state_seq_get_data_ext) and cut the full-attention layers back from "
+                    "the state they came from"
+                ),
             )
         else:
-            reuse, reason = ReuseStrategy.TRIM, (
-                "every layer is full attention: trim to the common prefix (llama_memory_seq_rm)"
+            reuse, reason = (
+                ReuseStrategy.TRIM,
+                ("every layer is full attention: trim to the common prefix (llama_memory_seq_rm)"),
             )
         templated = has_chat_template(self._tokenizer)
-        eos = effective_eos_ids(self._tokenizer, self.path, {"eos_token_id": facts.get("eos_token_id")})
+        eos = effective_eos_ids(
+            self._tokenizer, self.path, {"eos_token_id": facts.get("eos_token_id")}
+        )
         return ModelInfo(
             context_length=context,
             vocab_size=ctx.n_vocab,
@@ -292,9 +300,14 @@ class LlamaCppBackend:
             for cut in cuts:
                 while pos < cut:
                     if stop is not None and stop.is_set():
-                        raise PrefillInterrupted("the sequence was aborted between llama_decode calls")
+                        raise PrefillInterrupted(
+                            "the sequence was aborted between llama_decode calls"
+                        )
                     upto = min(cut, pos + self._context.n_batch)
-                    rows = [Row(seq, p, ids[p - start], logits and p == end - 1) for p in range(pos, upto)]
+                    rows = [
+                        Row(seq, p, ids[p - start], logits and p == end - 1)
+                        for p in range(pos, upto)
+                    ]
                     out = self._context.decode(rows, stop, pad_seq=self._pool.pad)
                     pos = upto
                     own.n_tokens, own.high_water = pos, max(own.high_water, pos)
@@ -344,7 +357,7 @@ class LlamaCppBackend:
         for round_ in range(max(len(s) for s in segments)):
             rows: list[Row] = []
             owners: list[int] = []  # the state of each row that keeps logits
-            for index, (seq, own, ids) in enumerate(zip(seqs, owns, token_ids, strict=True)):
+            for index, (seq, ids) in enumerate(zip(seqs, token_ids, strict=True)):
                 if round_ >= len(segments[index]):
                     continue
                 begin, until = segments[index][round_]
@@ -365,7 +378,9 @@ class LlamaCppBackend:
                     own.high_water = max(own.high_water, own.n_tokens)
                     if own.n_tokens in points[index]:
                         taken[index][own.n_tokens] = self.snapshot(own)
-        return [[taken[i].get(p) or LlamaSnapshot(b"", p) for p in at] for i, at in enumerate(points)]
+        return [
+            [taken[i].get(p) or LlamaSnapshot(b"", p) for p in at] for i, at in enumerate(points)
+        ]
 
     def logits(self, state: SequenceState) -> mx.array:
         own = own_state(state)
@@ -383,7 +398,8 @@ class LlamaCppBackend:
         own = own_state(state)
         self._pool.reclaim()
         seq = self._pool.resident(own)
-        row = Row(seq, own.n_tokens, int(token.item()), True)
+        fed = int(token.astype(mx.int32).item())  # type: ignore[arg-type]
+        row = Row(seq, own.n_tokens, fed, True)
         (out,) = self._context.decode([row], pad_seq=self._pool.pad)
         own.n_tokens += 1
         own.high_water = max(own.high_water, own.n_tokens)

@@ -1,8 +1,9 @@
 """Continuous batching on llama.cpp: one ``llama_decode`` per step, one token per sequence.
 
 Each member is a seq_id of the model's one context. ``join`` copies the state's cells to a seq_id
-the batch owns (through host bytes: ``SeqPool.copy``), ``step`` builds a ``llama_batch`` with one row per
-member (its own seq_id and position, logits kept) and runs it, and ``leave`` hands the member's
+the batch owns (through host bytes: ``SeqPool.copy``), ``step`` builds a ``llama_batch`` with one
+row per member (its own seq_id and position, logits kept) and runs it, and ``leave`` hands the
+member's
 seq_id back as an ordinary state. Sequences of different lengths need no padding: each row
 attends to its own cells through llama.cpp's mask.
 """
@@ -77,7 +78,7 @@ class LlamaDecodeBatch:
         rows = []
         for slot in slots:
             member, token = self._members[slot], tokens[slot]
-            fed = token if isinstance(token, int) else int(token.item())
+            fed = token if isinstance(token, int) else int(token.astype(mx.int32).item())  # type: ignore[arg-type]
             rows.append(Row(member.seq, member.n_tokens, fed, True))
         out: dict[int, mx.array] = {}
         for begin in range(0, len(rows), self._context.n_batch):

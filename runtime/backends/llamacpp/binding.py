@@ -38,7 +38,9 @@ def import_llama_cpp() -> Any:
     try:
         import llama_cpp
     except ImportError as exc:
-        raise ModelLoadFailed(f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}") from exc
+        raise ModelLoadFailed(
+            f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}"
+        ) from exc
     _route_log(llama_cpp)
     return llama_cpp
 
@@ -165,7 +167,9 @@ class Context:
 
     # ------------------------------------------------------------------ tokens (the oracle)
 
-    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
         """llama.cpp's own tokenization of ``text`` (tests compare ours against it)."""
         data = text.encode("utf-8")
         capacity = len(data) + 8
@@ -206,7 +210,7 @@ class Context:
         return bytes(buf[:written])
 
     def set_seq_data(self, data: bytes, seq: int, flags: int = 0) -> bool:
-        """Replace ``seq``'s cells (or its partial ones) with ``data``; False when it has no room."""
+        """Replace ``seq``'s cells (or its partial ones) with ``data``; False without room."""
         buf = (ctypes.c_uint8 * max(1, len(data))).from_buffer_copy(data or b"\0")
         return bool(self._lib.llama_state_seq_set_data_ext(self._ctx, buf, len(data), seq, flags))
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import collections
 import itertools
 import weakref
-from collections.abc import Callable
 
 import mlx.core as mx
 

@@ -64,5 +64,7 @@ def load_tokenizer(directory: Path) -> tuple[Any, dict[str, Any]]:
             f"the tokenizer files at {directory} are damaged ({exc}); delete that directory and "
             "load the model again"
         ) from exc
-    wrapper = mlx_load_tokenizer(directory, eos_token_ids=facts.get("eos_token_id"))
+    wrapper = mlx_load_tokenizer(  # type: ignore[no-untyped-call]
+        directory, eos_token_ids=facts.get("eos_token_id")
+    )
     return wrapper, dict(facts)
