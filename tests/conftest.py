@@ -102,7 +102,7 @@ def real_llama(real_gguf: Callable[[str], Path]) -> Iterator[Callable[[str], obj
         require_llama_cpp()
         real_gguf(name)
         if name not in loaded:
-            spec = ModelSpec(name=name, backend="llamacpp", path=name, options={"n_threads": 2})
+            spec = ModelSpec(name=name, backend="llamacpp", path=name, options={"n_threads": 1})
             loaded[name] = LlamaCppBackend.load(spec)
         return loaded[name]
 

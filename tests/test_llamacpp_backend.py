@@ -105,7 +105,7 @@ def test_greedy_equals_llama_cpps_own_greedy(backend: LlamaCppBackend) -> None:
     from llama_cpp import Llama
 
     ids = backend.encode(DOC + "\n\nQ: Who was the first keeper?\nA:")
-    oracle = Llama(model_path=str(backend.path), n_ctx=2048, n_threads=2, verbose=False)
+    oracle = Llama(model_path=str(backend.path), n_ctx=2048, n_threads=1, verbose=False)
     try:
         expected = []
         for token in oracle.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0):
@@ -254,7 +254,7 @@ def test_states_beyond_the_sequence_slots_move_to_host_and_back(
         name="small",
         backend="llamacpp",
         path="smollm2-135m-instruct",
-        options={"max_sequences": 4, "max_batch": 1, "n_threads": 2, "context_length": 1024},
+        options={"max_sequences": 4, "max_batch": 1, "n_threads": 1, "context_length": 1024},
     )
     backend = LlamaCppBackend.load(spec)
     try:

@@ -313,7 +313,7 @@ def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> 
     tokenizer_path = path
     if backend == "llamacpp":
         require_llama_cpp()
-        spec = ModelSpec(name=name, path=name, backend=backend, options={"n_threads": 2})
+        spec = ModelSpec(name=name, path=name, backend=backend, options={"n_threads": 1})
         tokenizer_path = tokenizer_dir(fetch_model(name), converted_models_dir())
     with contextlib.ExitStack() as stack:
         portal = stack.enter_context(anyio.from_thread.start_blocking_portal("asyncio"))
