@@ -238,7 +238,7 @@ class LlamaCppBackend:
                 raise CannotTrim(f"the snapshot does not hold {length} tokens of this state")
         elif drop and not self.can_trim(source):
             raise CannotTrim("a sliding-window or recurrent cache cannot be cut back here")
-        dst = self._pool.copy(source, source.n_tokens)
+        dst = self._pool.copy(source)
         ctx = self._context
         trimmed = ctx.seq_rm(dst, length, -1)
         if snapshot is not None and snapshot.data:

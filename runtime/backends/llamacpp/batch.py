@@ -46,7 +46,7 @@ class LlamaDecodeBatch:
         if own.n_tokens <= 0:
             raise ValueError("join() needs a prefilled state (at least one token)")
         self._pool.reclaim()
-        dst = self._pool.copy(own, own.n_tokens)
+        dst = self._pool.copy(own)
         slot = self._next_slot
         self._next_slot += 1
         self._members[slot] = _Member(dst, own.n_tokens, own.high_water, own.logits)

@@ -142,14 +142,18 @@ class SeqPool:
         assert state.seq is not None
         return state.seq
 
-    def copy(self, source: LlamaState, length: int) -> int:
-        """A new seq_id holding ``source``'s first ``length`` tokens' cells (False where the
-        memory refuses to cut the copy back: recurrent state). Copied through host bytes: a
-        copy between streams in llama.cpp is deferred to the next decode, after anything else
-        this call writes, and a copy must lay its cells out as the source's."""
-        src = self.resident(source)
-        data = self._context.get_seq_data(src)
-        dst = self.acquire(keep=(src,))
+    def copy(self, source: LlamaState) -> int:
+        """A new seq_id (bound to no state) holding a copy of ``source``'s cells. Copied through
+        host bytes: llama.cpp defers a copy between streams to the next decode, after anything
+        else written to the copy meanwhile; and a copy must lay its cells out as the source's.
+        Raises ``BackendError`` when llama.cpp has no room for it."""
+        keep: tuple[int, ...] = ()
+        if source.seq is None and source.spilled is not None:
+            data = source.spilled  # already host bytes: no need to restore it first
+        else:
+            src = self.resident(source)
+            data, keep = self._context.get_seq_data(src), (src,)
+        dst = self.acquire(keep=keep)
         if not self._context.set_seq_data(data, dst):
             self._free.append(dst)
             raise BackendError(
