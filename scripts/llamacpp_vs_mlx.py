@@ -63,8 +63,11 @@ async def _decode_rate(rt: Runtime, name: str, prompt: str, streams: int) -> flo
     return sum(counts) / (max(ends) - min(firsts))
 
 
-async def measure(model: str, backend: str, rounds: int) -> dict[str, float]:
-    spec = ModelSpec(name=model, path=model, backend=backend)
+async def measure(model: str, backend: str, rounds: int, threads: int) -> dict[str, float]:
+    options: dict[str, str | int | float | bool | None] = {}
+    if backend == "llamacpp" and threads:
+        options["n_threads"] = threads
+    spec = ModelSpec(name=model, path=model, backend=backend, options=options)
     tokenizer, _ = load_tokenizer(tokenizer_dir(fetch_model(model), converted_models_dir()))
     async with Runtime(RuntimeConfig()) as rt:
         await rt.load_model(spec)
@@ -85,8 +88,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("model", nargs="?", default="smollm2-135m-instruct")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--llama-threads", type=int, default=0, help="llama.cpp threads (0: every CPU)"
+    )
     args = parser.parse_args()
-    results = {b: asyncio.run(measure(args.model, b, args.rounds)) for b in ("llamacpp", "mlx")}
+    results = {
+        b: asyncio.run(measure(args.model, b, args.rounds, args.llama_threads))
+        for b in ("llamacpp", "mlx")
+    }
     for metric in results["mlx"]:
         llama, mlx = results["llamacpp"][metric], results["mlx"][metric]
         ratio = llama / mlx

@@ -227,9 +227,10 @@ class Context:
         llama.cpp's one-token pass multiplies with other kernels than a pass of two or more, so
         a token computed alone would differ from the same token inside a prompt."""
         if len(rows) == 1 and pad_seq >= 0:
-            out = self.decode([rows[0], Row(pad_seq, 0, rows[0].token, False)], stop)
-            self.seq_rm(pad_seq, 0, -1)
-            return out
+            try:
+                return self.decode([rows[0], Row(pad_seq, 0, rows[0].token, False)], stop)
+            finally:  # also after a failed or interrupted pass: the pad holds no cell after
+                self.seq_rm(pad_seq, 0, -1)
         batch = self._batch
         for i, row in enumerate(rows):
             batch.token[i] = row.token
