@@ -1,4 +1,4 @@
-"""The contract between an engine and a model backend (MLX or simulated).
+"""The contract between an engine and a model backend (MLX, llama.cpp or simulated).
 
 Every method runs on the engine's compute thread, never on the event loop. A backend owns the
 model; a ``SequenceState`` is an opaque per-sequence cache the engine hands back to it. The engine
@@ -172,7 +172,8 @@ class PrefillInterrupted(Exception):
 
 
 class Backend(Protocol):
-    """What an engine needs from a model. Implementations: ``mlx.backend``, ``simulated``."""
+    """What an engine needs from a model. Implementations: ``mlx.backend``, ``llamacpp.backend``,
+    ``simulated``."""
 
     @property
     def info(self) -> ModelInfo: ...

@@ -1,15 +1,16 @@
 """The llama.cpp backend: a GGUF model run by llama.cpp's kernels behind the same contract as MLX.
 
-Every sequence is a seq_id of one llama.cpp context with a unified KV cache (``seqs``), so a copy
-shares cells instead of copying them, a decode step carries one token of each of many sequences
-(``batch``), and several prompts prefill in one ``llama_decode`` (``prefill_together``). Logits
+Every sequence is a seq_id of one llama.cpp context, with a stream of KV cells of its own
+(``seqs``; binding.py says why not the unified cache), so a decode step carries one token of each
+of many sequences (``batch``) and several prompts prefill in one ``llama_decode``
+(``prefill_together``). Logits
 come back from llama.cpp as float32 and are handed to the engine as ``(vocab,)`` ``mx.array``s,
 so the runtime's own samplers, penalties and grammar masks act on them as on MLX.
 
 Reuse, per cache kind (decided at load, ``ModelInfo.reuse``):
 
-- full attention only: ``TRIM``: a copy is ``llama_memory_seq_cp`` then ``llama_memory_seq_rm``
-  of the tail;
+- full attention only: ``TRIM``: a copy (through host bytes, ``SeqPool.copy``) then
+  ``llama_memory_seq_rm`` of the tail;
 - sliding-window layers (Gemma 3's ISWA cache) or recurrent state: ``CHECKPOINT``: llama.cpp
   reuses a sliding layer's cells once they fall out of the window (and a recurrent state keeps
   only its last step), so a state is cut back only while it has never reached the window; other
@@ -19,7 +20,8 @@ Reuse, per cache kind (decided at load, ``ModelInfo.reuse``):
 
 Prefill runs in ``n_batch``-token ``llama_decode`` calls; with ``stop`` each call checks it between
 graph nodes (``llama_set_abort_callback``) and the calls check it between them; a call that gives
-up is undone (``llama_memory_seq_rm`` of what the prefill added), so the state is as before.
+up is undone (``llama_memory_seq_rm`` of what the prefill added, and on a sliding-window model the
+window put back from a copy taken first), so the state is as before.
 """
 
 from __future__ import annotations
