@@ -102,6 +102,9 @@ class Context:
         self._lib = lib
         lib.llama_backend_init()
         model_params = lib.llama_model_default_params()
+        # Repacked weights (Q4_K, Q4_0 on x86) multiply 4 rows at a time and the rest one by
+        # one, so a token's result would depend on its place in the pass; the plain path not.
+        model_params.use_extra_bufts = False
         model = lib.llama_model_load_from_file(str(path).encode(), model_params)
         if not model:
             said = recent_log()
