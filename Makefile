@@ -61,6 +61,10 @@ WITH_BLAS := MLXRT_BLAS=mlx
 BLAS_NOTE := BLAS: MLX built-in (BLAS_PRELOAD=0)
 endif
 
+# llama-cpp-python is built from source for this machine's CPU (its wheel lands in pip's cache,
+# so a later venv on the same machine does not build it again).
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+
 .PHONY: venv run lint test test-nightly fuzz-nightly bench bench-quick soak arch-report
 
 venv: $(VENV)/.installed
@@ -70,6 +74,9 @@ venv: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -e '.[test]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(PY) -m pip install --disable-pip-version-check \
+		-e '.[llamacpp]' || { test "$$CI" != true && \
+		echo "note: llama-cpp-python did not build here: the llama.cpp tests will skip"; }
 	touch $@
 
 run: venv

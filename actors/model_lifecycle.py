@@ -467,9 +467,10 @@ def _log_loaded(
     """The one line each load (or reload after its engine failed) gets."""
     keep = spec.keep_alive_s
     log.info(
-        "%s %s in %.1f s (context %d tokens, prefix reuse by %s%s, keep-alive %s)",
+        "%s %s on %s in %.1f s (context %d tokens, prefix reuse by %s%s, keep-alive %s)",
         "reloaded after its engine failed:" if restarted else "loaded",
         spec.name,
+        spec.backend,
         seconds,
         loaded.context_length,
         loaded.reuse_path,

@@ -21,6 +21,7 @@ import msgspec
 
 from actors.replicas import ROUTING_POLICIES
 from actors.standing import standing_actors
+from runtime.backends.choice import resolve_backend
 from runtime.backends.contract import BackendLoader
 from runtime.backends.loader import make_backend_loader
 from runtime.backends.options import decode_options
@@ -177,6 +178,7 @@ class Runtime:
         The reply says which prefix-reuse path the model uses and its KV bytes per token. A spec
         whose options do not decode (an unknown name, a wrong type) raises before anything loads.
         """
+        spec = resolve_backend(spec)  # "auto": a concrete kind from here on
         decode_options(spec)
         keep_alive_s = spec.keep_alive_s
         if keep_alive_s is not None and not keep_alive_s >= 0:  # NaN fails the test too

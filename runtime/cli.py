@@ -109,6 +109,12 @@ _SERVE_EXAMPLES = """examples:
 """
 
 
+BACKEND_CHOICES = ["mlx", "llamacpp", "auto", "simulated"]
+_BACKEND_HELP = (
+    "mlx (the default), llamacpp (a .gguf file or known model on llama.cpp's kernels; needs "
+    "llama-cpp-python), auto (llama.cpp for GGUF on a CPU where it is installed, else MLX), "
+    "or simulated: a deterministic stand-in model (gibberish), no MLX needed"
+)
 _ONE_MODEL_HELP = (
     f"an mlx-lm directory, a .gguf file or a known model ({', '.join(KNOWN_MODELS)}), named "
     f"NAME or after the file or directory; default {DEFAULT_MODEL}"
@@ -178,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument(
         "--backend",
         default="mlx",
-        choices=["mlx", "simulated"],
-        help="simulated: a deterministic stand-in model (gibberish), no MLX needed",
+        choices=BACKEND_CHOICES,
+        help=_BACKEND_HELP,
     )
     gen.add_argument("--prompt", help="the prompt (instead of PROMPT); - reads it from stdin")
     gen.add_argument(
@@ -206,8 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     chat.add_argument(
         "--backend",
         default="mlx",
-        choices=["mlx", "simulated"],
-        help="simulated: a deterministic stand-in model (gibberish), no MLX needed",
+        choices=BACKEND_CHOICES,
+        help=_BACKEND_HELP,
     )
     chat.add_argument("--system", metavar="TEXT", help="instructions for the whole chat")
     chat.add_argument(
@@ -250,8 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument(
         "--backend",
         default="mlx",
-        choices=["mlx", "simulated"],
-        help="simulated: deterministic stand-in models (NAME only, no PATH), no MLX needed",
+        choices=BACKEND_CHOICES,
+        help=_BACKEND_HELP + " (simulated: NAME only, no PATH)",
     )
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
     serve.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")

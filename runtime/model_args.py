@@ -8,8 +8,9 @@ from pathlib import Path
 
 import msgspec
 
+from runtime.backends.choice import resolve_backend
 from runtime.backends.model_source import prepare_model, prepared_spec
-from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS
+from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS, fetch_model
 from runtime.backends.options import OptionValue, option_from_text
 from runtime.messages import ModelSpec
 from runtime.progress import tqdm_progress
@@ -22,7 +23,10 @@ def prepare_specs(specs: tuple[ModelSpec, ...], *, quiet: bool) -> tuple[ModelSp
     prepared_specs: list[ModelSpec] = []
     with tqdm_progress(disable=quiet) as progress:
         for spec in specs:
-            if spec.backend == "mlx":
+            known = KNOWN_MODELS.get(spec.path or "")
+            if spec.backend == "llamacpp" and known is not None:
+                fetch_model(known, progress=progress)  # llama.cpp loads the file as it is
+            elif spec.backend == "mlx":
                 prepared = prepare_model(spec, progress)
                 if prepared.note and not quiet:
                     print(f"{spec.name}: {prepared.note}", file=sys.stderr)
@@ -57,18 +61,19 @@ def model_specs(values: list[str], backend: str, options: list[str]) -> tuple[Mo
             raise ValueError(f"--model-option {option!r}: write KEY=VALUE")
         texts[key] = text
     specs: list[ModelSpec] = []
-    for value in values or ([DEFAULT_MODEL] if backend == "mlx" else []):
+    files = backend != "simulated"  # every other kind loads a model from a path
+    for value in values or ([DEFAULT_MODEL] if files else []):
         name, equals, path = value.partition("=")
         if not equals or "/" in name:  # a bare path (which may itself contain "=")
-            name, path = (model_name(value), value) if backend == "mlx" else (value, "")
-        if not name or (backend == "mlx" and not path):
+            name, path = (model_name(value), value) if files else (value, "")
+        if not name or (files and not path):
             raise ValueError(
                 f"--model {value!r}: write PATH or NAME=PATH (an mlx-lm model directory, a "
                 f".gguf file, or a known model: {', '.join(KNOWN_MODELS)})"
             )
         if any(spec.name == name for spec in specs):
             raise ValueError(f"--model {name!r} is given twice; each model needs its own name")
-        spec = ModelSpec(name=name, path=path or None, backend=backend)
+        spec = resolve_backend(ModelSpec(name=name, path=path or None, backend=backend))
         parsed: dict[str, OptionValue] = {
             key: option_from_text(spec, key, text) for key, text in texts.items()
         }

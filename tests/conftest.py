@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -90,3 +90,26 @@ def converted_gguf(
         return converted[name, weights]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def real_llama(real_gguf: Callable[[str], Path]) -> Iterator[Callable[[str], object]]:
+    """``real_llama(name)``: a known model loaded on the llama.cpp backend, once per session
+    (skips like ``real_gguf``, and where llama-cpp-python is missing)."""
+    from runtime.backends.llamacpp.backend import LlamaCppBackend
+    from runtime.messages import ModelSpec
+    from tests.llamacpp_support import require_llama_cpp
+
+    loaded: dict[str, LlamaCppBackend] = {}
+
+    def get(name: str) -> LlamaCppBackend:
+        require_llama_cpp()
+        real_gguf(name)
+        if name not in loaded:
+            spec = ModelSpec(name=name, backend="llamacpp", path=name, options={"n_threads": 1})
+            loaded[name] = LlamaCppBackend.load(spec)
+        return loaded[name]
+
+    yield get
+    for backend in loaded.values():
+        backend.close()

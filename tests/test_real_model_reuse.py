@@ -32,7 +32,9 @@ from mlx_lm.utils import load_tokenizer
 
 from actors.engine.checkpoints import BRANCH_REACH, LINE_STARTS, WORD_SCAN_TOKENS
 from runtime.api import Runtime
-from runtime.backends.model_source import prepare_model
+from runtime.backends.llamacpp.tokenizer import tokenizer_dir
+from runtime.backends.model_source import converted_models_dir, prepare_model
+from runtime.backends.model_store import fetch_model
 from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY
 from runtime.config import RuntimeConfig
 from runtime.messages import (
@@ -48,10 +50,12 @@ from runtime.messages import (
 )
 from runtime.testing.harness import common_prefix_length, engine_stats, wait_until
 from runtime.text.chat import prepare_chat
+from tests.llamacpp_support import require_llama_cpp
 
 pytestmark = pytest.mark.real_model
 
 MODELS = ("smollm2-135m-instruct", "gemma3-270m")
+BACKENDS = ("mlx", "llamacpp")  # the same GGUF files: converted for MLX, as they are for llama.cpp
 MAX_TOKENS = 6
 CONFIG = RuntimeConfig(kv_budget_bytes=4 << 30)  # nothing is evicted or refused here
 
@@ -237,6 +241,7 @@ class RealModel:
     tokenizer: Any  # mlx-lm's TokenizerWrapper: the engine's own tokenizer and chat template
     texts: Texts
     window: int | None  # tokens a sliding-window layer keeps (config.json), None: no such layer
+    pipelined: bool  # the backend builds a decode step on a token before reading it (MLX)
     cold_outputs: dict[tuple[int, ...], tuple[int, ...]] = field(default_factory=dict)
     rows: list[str] = field(default_factory=list)
     _namespaces: Iterator[int] = field(default_factory=itertools.count)
@@ -294,19 +299,31 @@ class RealModel:
         return self.cold_outputs[tokens]
 
 
-@pytest.fixture(scope="module", params=MODELS)
+@pytest.fixture(
+    scope="module",
+    params=[(m, b) for b in BACKENDS for m in MODELS],
+    ids=[f"{m}-{b}" for b in BACKENDS for m in MODELS],
+)
 def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> Iterator[RealModel]:
-    name: str = request.param
+    name, backend = request.param
     real_gguf(name)  # skips (or fails under CI) like every real-model test
-    spec = ModelSpec(name=name, path=name)
-    path = prepare_model(spec).path
+    path = prepare_model(ModelSpec(name=name, path=name)).path  # its config: the window
     window = json.loads((path / "config.json").read_text()).get("sliding_window")
+    spec = ModelSpec(name=name, path=name)
+    tokenizer_path = path
+    if backend == "llamacpp":
+        require_llama_cpp()
+        spec = ModelSpec(name=name, path=name, backend=backend, options={"n_threads": 1})
+        tokenizer_path = tokenizer_dir(fetch_model(name), converted_models_dir())
     with contextlib.ExitStack() as stack:
         portal = stack.enter_context(anyio.from_thread.start_blocking_portal("asyncio"))
         rt = stack.enter_context(portal.wrap_async_context_manager(Runtime(CONFIG)))
         loaded = portal.call(rt.load_model, spec)
         assert loaded.reuse_path == ("trim" if name.startswith("smollm2") else "checkpoint")
-        model = RealModel(portal, rt, loaded, load_tokenizer(path), TEXTS[name], window)
+        tokenizer = load_tokenizer(tokenizer_path)
+        model = RealModel(
+            portal, rt, loaded, tokenizer, TEXTS[name], window, pipelined=backend == "mlx"
+        )
         yield model
         print("\n".join(model.rows))
 
@@ -333,7 +350,7 @@ class Walk:
         output: tuple[object, ...] = (*tokens, *run.tokens)
         if run.terminal.reason is FinishReason.LENGTH:
             output = output[:-1]  # the last allowed token is never fed
-        elif run.terminal.stop is None and not self.model.checkpointing:
+        elif run.terminal.stop is None and not self.model.checkpointing and self.real.pipelined:
             # On a model whose layers all trim, MLX builds the next step on the stop token before
             # reading it, so the cache (and the entry's key) holds it, unshown.
             output = (*output, AnyStopToken(frozenset(self.real.tokenizer.eos_token_ids)))
@@ -583,4 +600,8 @@ def test_the_answer_to_a_question_ends_where_the_model_ends_it(real: RealModel) 
         assert isinstance(done.terminal, Finished), done.terminal
         assert "Paris" in done.text, done.text
 
+    if real.loaded.reuse_path == "trim" and not real.pipelined:
+        # Checked on llama.cpp: its own greedy (llama_cpp.Llama) answers this Q4_1 prompt
+        # "L'Étoile, la Cité, ..." too; test_llamacpp_backend.py holds the runtime to that.
+        pytest.skip("SmolLM2 Q4_1 on llama.cpp's kernels does not answer 'Paris' here")
     real.portal.call(chat if real.loaded.reuse_path == "trim" else few_shot)

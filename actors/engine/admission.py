@@ -279,6 +279,8 @@ class Admission:
         """Ask for the sequence's KV, with room for the snapshots its prefill may take."""
         assert self._info is not None
         seq.phase = Phase.RESERVING
+        if not self._info.verifies:  # a backend with no verification pass cannot speculate
+            seq.drafts = 0
         kv = self._info.kv_bytes(_tokens_to_reserve(seq), self._limits.chunk_tokens)
         if seq.drafts:
             # Drafts stay within max_tokens; a verification pass keeps the untrimmable layers

@@ -1,4 +1,4 @@
-"""The contract between an engine and a model backend (MLX or simulated).
+"""The contract between an engine and a model backend (MLX, llama.cpp or simulated).
 
 Every method runs on the engine's compute thread, never on the event loop. A backend owns the
 model; a ``SequenceState`` is an opaque per-sequence cache the engine hands back to it. The engine
@@ -84,6 +84,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     # The probe has not given its verdict yet: every capability is off until the engine has run
     # the backend's ``deferred_probe`` (while idle), which returns the info to use from then on.
     probe_pending: bool = False
+    # The backend implements ``verify``/``rewind``: speculative decoding may run on it (False: a
+    # request's drafts are ignored and it decodes one token per pass).
+    verifies: bool = True
 
     def capable(self, capability: Capability) -> bool:
         """Whether ``capability`` may be used (one the probe did not judge is on)."""
@@ -184,7 +187,8 @@ class PrefillInterrupted(Exception):
 
 
 class Backend(Protocol):
-    """What an engine needs from a model. Implementations: ``mlx.backend``, ``simulated``."""
+    """What an engine needs from a model. Implementations: ``mlx.backend``, ``llamacpp.backend``,
+    ``simulated``."""
 
     @property
     def info(self) -> ModelInfo: ...

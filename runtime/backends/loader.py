@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from runtime.backends.contract import Backend, BackendLoader
 from runtime.backends.options import (
+    LlamaCppOptions,
     ModelOptions,
     SimulatedModelOptions,
     options_type,
@@ -29,6 +30,10 @@ def make_backend_loader(clock: ComputeClock | None = None) -> BackendLoader:
             )
         if isinstance(options, SimulatedModelOptions):
             return SimulatedBackend.load(spec, sim_clock, options)
+        if isinstance(options, LlamaCppOptions):
+            from runtime.backends.llamacpp.backend import LlamaCppBackend
+
+            return LlamaCppBackend.load(spec, options)
         from runtime.backends.mlx.backend import MlxBackend
 
         # An engine runs a deferred probe while idle; a direct MlxBackend.load has no engine.

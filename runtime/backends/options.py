@@ -33,6 +33,8 @@ DEFAULT_MAX_CONCURRENT = 32
 # Prompt-lookup drafts per verification pass at most (Sampling.speculative; 0: off): how many a
 # pass takes is chosen from the acceptance rate (actors/engine/drafting.py).
 DEFAULT_SPECULATIVE = 0
+DEFAULT_LLAMACPP_CONTEXT = 4096
+DEFAULT_LLAMACPP_BATCH = 512
 
 # Ranges, checked where options are decoded: a zero batch or admission gate would admit nothing.
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -80,6 +82,19 @@ class MlxOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields
     load_probe: Literal["background", "at_load"] | None = None
 
 
+class LlamaCppOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Options of a GGUF model run by llama.cpp (``backend="llamacpp"``, docs/models.md)."""
+
+    # The most tokens one sequence may hold; None (or 0): the model's training context, at most
+    # 4096. Every sequence slot gets this many KV cells, allocated at load.
+    context_length: NonNegativeInt | None = None
+    # Sequences the llama.cpp context holds at once (n_seq_max); more states are kept by moving
+    # the least recently used ones to host memory. None: max_batch + 4.
+    max_sequences: Annotated[int, msgspec.Meta(ge=4, le=256)] | None = None
+    n_threads: NonNegativeInt = 0  # 0: every CPU this process may run on
+    n_batch: PositiveInt = DEFAULT_LLAMACPP_BATCH  # tokens in one llama_decode (n_ubatch too)
+
+
 class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Options of a simulated model (``backend="simulated"``)."""
 
@@ -108,7 +123,7 @@ class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unk
     probe_step_s: NonNegativeFloat = 0.0
 
 
-ModelOptions = MlxOptions | SimulatedModelOptions
+ModelOptions = MlxOptions | LlamaCppOptions | SimulatedModelOptions
 
 
 def probe_in_background(options: MlxOptions) -> bool:
@@ -123,6 +138,7 @@ def probe_in_background(options: MlxOptions) -> bool:
 
 OPTIONS_BY_BACKEND: dict[str, type[ModelOptions]] = {
     "mlx": MlxOptions,
+    "llamacpp": LlamaCppOptions,
     "simulated": SimulatedModelOptions,
 }
 BACKEND_KINDS = tuple(OPTIONS_BY_BACKEND)

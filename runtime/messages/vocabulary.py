@@ -195,7 +195,8 @@ class FinishReason(enum.StrEnum):
 
 
 class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """What to load: ``backend`` names a backend kind ("mlx" or "simulated").
+    """What to load: ``backend`` names a backend kind ("mlx", "llamacpp", "simulated", or
+    "auto": chosen at load, ``runtime.backends.choice``).
 
     ``keep_alive_s``: once no request of the model has run for this long, the router unloads it
     (0: as soon as it is idle; None: never). Unloaded so, it stays known: with

@@ -1,0 +1,440 @@
+"""The llama.cpp backend: a GGUF model run by llama.cpp's kernels behind the same contract as MLX.
+
+Every sequence is a seq_id of one llama.cpp context, with a stream of KV cells of its own
+(``seqs``; binding.py says why not the unified cache), so a decode step carries one token of each
+of many sequences (``batch``) and several prompts prefill in one ``llama_decode``
+(``prefill_together``). Logits
+come back from llama.cpp as float32 and are handed to the engine as ``(vocab,)`` ``mx.array``s,
+so the runtime's own samplers, penalties and grammar masks act on them as on MLX.
+
+Reuse, per cache kind (decided at load, ``ModelInfo.reuse``):
+
+- full attention only: ``TRIM``: a copy (through host bytes, ``SeqPool.copy``) then
+  ``llama_memory_seq_rm`` of the tail;
+- sliding-window layers (Gemma 3's ISWA cache) or recurrent state: ``CHECKPOINT``: llama.cpp
+  reuses a sliding layer's cells once they fall out of the window (and a recurrent state keeps
+  only its last step), so a state is cut back only while it has never reached the window; other
+  reuse restores a snapshot, the sequence's partial state from ``llama_state_seq_get_data_ext``
+  (``PARTIAL_ONLY``: only the sliding-window or recurrent cells), over the full-attention cells
+  cut back from the longer state, as on MLX.
+
+Prefill runs in ``n_batch``-token ``llama_decode`` calls; with ``stop`` each call checks it between
+graph nodes (``llama_set_abort_callback``) and the calls check it between them; a call that gives
+up is undone (``llama_memory_seq_rm`` of what the prefill added, and on a sliding-window model the
+window put back from a copy taken first), so the state is as before.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from runtime.backends.contract import (
+    CannotTrim,
+    DecodeBatchHandle,
+    ModelInfo,
+    PrefillInterrupted,
+    ReuseStrategy,
+    SequenceState,
+    Snapshot,
+)
+from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context, Row
+from runtime.backends.llamacpp.files import gguf_file_of
+from runtime.backends.llamacpp.seqs import LlamaSnapshot, LlamaState, SeqPool, own_state
+from runtime.backends.llamacpp.tokenizer import load_tokenizer, tokenizer_dir
+from runtime.backends.mlx.facts import effective_eos_ids
+from runtime.backends.model_source import converted_models_dir
+from runtime.backends.options import LlamaCppOptions, options_as
+from runtime.errors import InvalidModelSpec
+from runtime.messages import ModelSpec
+from runtime.text.chat import has_chat_template
+from runtime.text.constraints import ConstraintEngine
+
+_TIMED_PASSES = 8  # the fastest of these is the fixed cost of a pass (noise only adds to it)
+log = logging.getLogger("mlx_actor_runtime.llamacpp")
+
+
+# ModelInfo.verifies is False here, so the engine never asks for a verification pass.
+_NO_SPECULATION = "speculative decoding is not implemented on the llama.cpp backend"
+
+
+class LlamaCppBackend:
+    """The backend contract (``runtime.backends.contract``) over llama.cpp, on one thread."""
+
+    def __init__(self, context: Context, tokenizer: Any, pool: SeqPool) -> None:
+        self._context = context
+        self._tokenizer = tokenizer
+        self._pool = pool
+        self._info: ModelInfo | None = None
+        self._n_swa = context.model_int("n_swa")
+        self._recurrent = context.model_flag("is_recurrent") or context.model_flag("is_hybrid")
+        self._partial = self._recurrent or self._n_swa > 0  # snapshots hold the partial state
+        self._constraints: ConstraintEngine | None = None
+        self.path = Path(".")
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def load(cls, spec: ModelSpec, options: LlamaCppOptions | None = None) -> LlamaCppBackend:
+        """Load ``spec.path`` (a .gguf file or a known model) into llama.cpp.
+
+        Raises ``InvalidModelSpec`` (bad options), ``UnsupportedModelFormat`` (not a GGUF file,
+        or an architecture llama.cpp cannot load) or ``ModelLoadFailed`` (llama-cpp-python
+        missing, the file unreadable), each saying what to do.
+        """
+        if options is None:
+            options = options_as(spec, LlamaCppOptions)
+        gguf, sha256 = gguf_file_of(spec)
+        threads = options.n_threads or len(os.sched_getaffinity(0))
+        # Room for every batch member, a prefilling state, a copy in the making and the pad.
+        sequences = options.max_sequences or options.max_batch + 4
+        if sequences < options.max_batch + 3:
+            raise InvalidModelSpec(
+                f"option 'max_sequences' of model {spec.name!r} is {sequences}; it must be at "
+                f"least max_batch + 3 ({options.max_batch + 3})"
+            )
+        context = Context(
+            gguf,
+            context_length=options.context_length or 0,
+            n_batch=options.n_batch,
+            n_seq_max=sequences,
+            n_threads=threads,
+        )
+        try:
+            tokenizer, facts = load_tokenizer(tokenizer_dir(gguf, converted_models_dir(), sha256))
+            backend = cls(context, tokenizer, SeqPool(context, sequences))
+            backend.path = gguf
+            backend._info = backend._measure(spec.name, options, facts)
+        except BaseException:
+            context.close()
+            raise
+        log.debug(
+            "model %r: llama.cpp, %d threads, %d sequences of %d KV cells",
+            spec.name,
+            threads,
+            sequences,
+            context.n_ctx_seq,
+        )
+        return backend
+
+    def _measure(self, name: str, options: LlamaCppOptions, facts: dict[str, Any]) -> ModelInfo:
+        """Read the cache layout off real sequence states, and time a one-token pass."""
+        ctx = self._context
+        state = self.new_state()
+        sizes = {}
+        for n in (1, 2):
+            self.prefill(state, [0] * (n - state.n_tokens), logits=False)
+            seq = self._pool.resident(state)
+            sizes[n] = (ctx.seq_size(seq), ctx.seq_size(seq, PARTIAL_ONLY))
+        per_token = sizes[2][0] - sizes[1][0]
+        partial_per_token = sizes[2][1] - sizes[1][1]
+        pass_s = min(self._timed_pass() for _ in range(_TIMED_PASSES))
+        context = ctx.n_ctx_seq
+        if self._recurrent:
+            reuse, reason = (
+                ReuseStrategy.CHECKPOINT,
+                (
+                    "a recurrent state cannot be cut back (llama_memory_seq_rm refuses part of a "
+                    "sequence): reuse restores snapshots of its state"
+                ),
+            )
+        elif self._n_swa:
+            reuse, reason = (
+                ReuseStrategy.CHECKPOINT,
+                (
+                    f"sliding-window layers ({self._n_swa} tokens) reuse cells that leave the "
+                    "window: checkpoints snapshot only those layers "
+                    "(llama_state_seq_get_data_ext) and cut the full-attention layers back from "
+                    "the state they came from"
+                ),
+            )
+        else:
+            reuse, reason = (
+                ReuseStrategy.TRIM,
+                ("every layer is full attention: trim to the common prefix (llama_memory_seq_rm)"),
+            )
+        templated = has_chat_template(self._tokenizer)
+        eos = effective_eos_ids(
+            self._tokenizer, self.path, {"eos_token_id": facts.get("eos_token_id")}
+        )
+        return ModelInfo(
+            context_length=context,
+            vocab_size=ctx.n_vocab,
+            eos_token_ids=eos,
+            reuse=reuse,
+            reuse_reason=reason,
+            bytes_per_token=per_token - (partial_per_token if self._n_swa else 0),
+            window_tokens=self._n_swa or None,
+            window_bytes_per_token=partial_per_token if self._n_swa else 0,
+            fixed_state_bytes=sizes[1][1] if self._recurrent else 0,
+            pass_s=pass_s,
+            stop_checks=ctx.model_int("n_layer"),
+            together_snapshot_tokens=context,
+            chat_template=templated,
+            verifies=False,  # no verification pass yet: requests decode one token per pass
+        )
+
+    def _timed_pass(self) -> float:
+        state = self.new_state()  # dropped after: its seq_id goes back to the pool
+        start = time.perf_counter()
+        self.prefill(state, [0], logits=False)
+        return time.perf_counter() - start
+
+    @property
+    def info(self) -> ModelInfo:
+        if self._info is None:
+            raise RuntimeError("the model is still loading")
+        return self._info
+
+    @property
+    def context(self) -> Context:
+        """The llama.cpp context (the decode batch and tests use it)."""
+        return self._context
+
+    @property
+    def pool(self) -> SeqPool:
+        return self._pool
+
+    # ------------------------------------------------------------------ tokens
+
+    @property
+    def chat_tokenizer(self) -> Any:
+        return self._tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(token_ids)))
+
+    # ------------------------------------------------------------------ states
+
+    def new_state(self) -> LlamaState:
+        return LlamaState()
+
+    def can_trim(self, state: SequenceState) -> bool:
+        """A sliding-window state cuts back only while it has never reached its window (llama.cpp
+        reuses a sliding layer's cells once no later token attends to them); recurrent never."""
+        own = own_state(state)
+        if self._recurrent:
+            return own.n_tokens == 0
+        return self._n_swa == 0 or own.high_water < self._n_swa
+
+    def copy_state(
+        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+    ) -> LlamaState:
+        source = own_state(state)
+        self._pool.reclaim()
+        if not 0 <= length <= source.n_tokens:
+            raise CannotTrim(f"cannot copy {length} tokens of a {source.n_tokens}-token state")
+        drop = source.n_tokens - length
+        copy = LlamaState()
+        if length == 0:
+            return copy
+        if snapshot is not None:
+            if not isinstance(snapshot, LlamaSnapshot) or snapshot.n_tokens != length:
+                raise CannotTrim(f"the snapshot does not hold {length} tokens of this state")
+        elif drop and not self.can_trim(source):
+            raise CannotTrim("a sliding-window or recurrent cache cannot be cut back here")
+        dst = self._pool.copy(source)
+        ctx = self._context
+        trimmed = ctx.seq_rm(dst, length, -1)
+        if snapshot is not None and snapshot.data:
+            trimmed = ctx.set_seq_data(snapshot.data, dst, PARTIAL_ONLY)
+        if not trimmed or ctx.seq_pos_max(dst) != length - 1:
+            self._pool.release(dst)
+            raise CannotTrim(f"llama.cpp could not cut this state back to {length} tokens")
+        self._pool.bind(copy, dst)
+        copy.n_tokens = length
+        copy.high_water = length if snapshot is not None else source.high_water
+        copy.logits = source.logits if drop == 0 else None
+        return copy
+
+    def snapshot(self, state: SequenceState) -> LlamaSnapshot:
+        """The sliding-window or recurrent cells at the state's length (empty: none)."""
+        own = own_state(state)
+        if not self._partial or own.n_tokens == 0:
+            return LlamaSnapshot(b"", own.n_tokens)
+        seq = self._pool.resident(own)
+        return LlamaSnapshot(self._context.get_seq_data(seq, PARTIAL_ONLY), own.n_tokens)
+
+    def state_nbytes(self, state: SequenceState) -> int:
+        own = own_state(state)
+        if own.seq is None and own.spilled is not None:
+            return len(own.spilled)
+        return self.info.kv_bytes(own.n_tokens)
+
+    # ------------------------------------------------------------------ prefill
+
+    def prefill(
+        self,
+        state: SequenceState,
+        token_ids: Sequence[int],
+        *,
+        logits: bool = True,
+        snapshot_at: Sequence[int] = (),
+        stop: threading.Event | None = None,
+    ) -> list[LlamaSnapshot]:
+        own = own_state(state)
+        if not token_ids:
+            return []
+        self._pool.reclaim()
+        ids, start = list(token_ids), own.n_tokens
+        end = start + len(ids)
+        if any(not start < p <= end for p in snapshot_at):
+            raise ValueError(f"snapshot points {list(snapshot_at)} outside ({start}, {end}]")
+        seq = self._pool.resident(own)
+        # A snapshot of partial state is read between calls, so calls end at each point.
+        cuts = sorted({*(snapshot_at if self._partial else ()), end})
+        n_batch = self._context.n_batch
+        calls = sum(-(-(b - a) // n_batch) for a, b in itertools.pairwise([start, *cuts]))
+        # A call after the first may reuse sliding cells the state before this prefill needs.
+        saved = self.snapshot(own) if stop is not None and self._partial and calls > 1 else None
+        before = (own.logits, own.high_water)
+        snapshots: list[LlamaSnapshot] = []
+        out: list[np.ndarray] = []
+        try:
+            pos = start
+            for cut in cuts:
+                while pos < cut:
+                    if stop is not None and stop.is_set():
+                        raise PrefillInterrupted(
+                            "the sequence was aborted between llama_decode calls"
+                        )
+                    upto = min(cut, pos + self._context.n_batch)
+                    rows = [
+                        Row(seq, p, ids[p - start], logits and p == end - 1)
+                        for p in range(pos, upto)
+                    ]
+                    out = self._context.decode(rows, stop, pad_seq=self._pool.pad)
+                    pos = upto
+                    own.n_tokens, own.high_water = pos, max(own.high_water, pos)
+                if cut in snapshot_at:
+                    snapshots.append(self.snapshot(own))
+        except PrefillInterrupted:
+            # llama.cpp drops what the interrupted call added; the calls before it are undone
+            # here, and the sliding cells they reused come back from the copy taken before.
+            self._context.seq_rm(seq, start, -1)
+            if saved is not None and saved.data:
+                self._context.set_seq_data(saved.data, seq, PARTIAL_ONLY)
+            own.n_tokens = start
+            own.logits, own.high_water = before
+            raise
+        own.logits = mx.array(out[0]) if logits else None
+        snapshots += [LlamaSnapshot(b"", p) for p in snapshot_at if not self._partial]
+        snapshots.sort(key=lambda s: s.n_tokens)
+        return snapshots
+
+    def prefill_together(
+        self,
+        states: Sequence[SequenceState],
+        token_ids: Sequence[Sequence[int]],
+        snapshot_at: Sequence[Sequence[int]] = (),
+    ) -> list[list[LlamaSnapshot]]:
+        """Every prompt's tokens as rows of shared ``llama_decode`` calls (each its own seq_id),
+        keeping each one's last logits. Each prompt is cut at its snapshot points into
+        segments; round k decodes every prompt's k-th segment, then snapshots those that end at
+        a point (other sequences' rows never change a sequence's cells)."""
+        owns = [own_state(s) for s in states]
+        points = list(snapshot_at) or [[] for _ in token_ids]
+        if len(points) != len(token_ids) or len(owns) != len(token_ids):
+            raise ValueError("prefill_together takes one list of tokens and points per state")
+        if any(len(ids) < 2 for ids in token_ids):
+            raise ValueError("prefill_together takes 2 tokens or more per state")
+        self._pool.reclaim()
+        seqs: list[int] = []
+        segments: list[list[tuple[int, int]]] = []
+        for own, ids, at in zip(owns, token_ids, points, strict=True):
+            start, end = own.n_tokens, own.n_tokens + len(ids)
+            if any(not start < p <= end for p in at):
+                raise ValueError(f"snapshot points {list(at)} outside ({start}, {end}]")
+            seqs.append(self._pool.resident(own, keep=tuple(seqs)))
+            cuts = [start, *sorted({*(at if self._partial else ()), end})]
+            segments.append(list(itertools.pairwise(cuts)))
+        taken: list[dict[int, LlamaSnapshot]] = [{} for _ in owns]
+        for round_ in range(max(len(s) for s in segments)):
+            rows: list[Row] = []
+            owners: list[int] = []  # the state of each row that keeps logits
+            for index, (seq, ids) in enumerate(zip(seqs, token_ids, strict=True)):
+                if round_ >= len(segments[index]):
+                    continue
+                begin, until = segments[index][round_]
+                start = segments[index][0][0]  # the state's length before this call
+                for pos in range(begin, until):
+                    last = pos == start + len(ids) - 1
+                    rows.append(Row(seq, pos, ids[pos - start], last))
+                    owners += [index] if last else []
+            kept: list[np.ndarray] = []
+            for begin in range(0, len(rows), self._context.n_batch):
+                piece = rows[begin : begin + self._context.n_batch]
+                kept += self._context.decode(piece, pad_seq=self._pool.pad)
+            for index, row_logits in zip(owners, kept, strict=True):
+                owns[index].logits = mx.array(row_logits)
+            for index, own in enumerate(owns):
+                if round_ < len(segments[index]):
+                    own.n_tokens = segments[index][round_][1]
+                    own.high_water = max(own.high_water, own.n_tokens)
+                    if own.n_tokens in points[index]:
+                        taken[index][own.n_tokens] = self.snapshot(own)
+        return [
+            [taken[i].get(p) or LlamaSnapshot(b"", p) for p in at] for i, at in enumerate(points)
+        ]
+
+    def logits(self, state: SequenceState) -> mx.array:
+        own = own_state(state)
+        if own.logits is None:
+            raise RuntimeError("logits() before any prefill")
+        return own.logits
+
+    # ------------------------------------------------------------------ decode
+
+    @property
+    def pipelined(self) -> bool:
+        return False  # llama_decode computes before it returns: nothing to queue behind it
+
+    def feed(self, state: SequenceState, token: mx.array) -> mx.array:
+        own = own_state(state)
+        self._pool.reclaim()
+        seq = self._pool.resident(own)
+        fed = int(token.astype(mx.int32).item())  # type: ignore[arg-type]
+        row = Row(seq, own.n_tokens, fed, True)
+        (out,) = self._context.decode([row], pad_seq=self._pool.pad)
+        own.n_tokens += 1
+        own.high_water = max(own.high_water, own.n_tokens)
+        own.logits = mx.array(out)
+        return own.logits
+
+    def open_batch(self) -> DecodeBatchHandle | None:
+        from runtime.backends.llamacpp.batch import LlamaDecodeBatch
+
+        return LlamaDecodeBatch(self._context, self._pool)
+
+    def verify(self, state: SequenceState, token_ids: Sequence[int]) -> mx.array:
+        raise NotImplementedError(_NO_SPECULATION)
+
+    def rewind(self, state: SequenceState, keep: int) -> None:
+        raise NotImplementedError(_NO_SPECULATION)
+
+    def deferred_probe(self) -> None:
+        return None  # nothing is left to probe after a llama.cpp load
+
+    def constraint_engine(self) -> ConstraintEngine:
+        if self._constraints is None:
+            self._constraints = ConstraintEngine(self._tokenizer, self.info.eos_token_ids)
+        return self._constraints
+
+    def close(self) -> None:
+        """Free the context and the model."""
+        if self._constraints is not None:
+            self._constraints.close()
+            self._constraints = None
+        self._context.close()

@@ -1,0 +1,98 @@
+"""Continuous batching on llama.cpp: one ``llama_decode`` per step, one token per sequence.
+
+Each member is a seq_id of the model's one context. ``join`` copies the state's cells to a seq_id
+the batch owns (through host bytes: ``SeqPool.copy``), ``step`` builds a ``llama_batch`` with one
+row per member (its own seq_id and position, logits kept) and runs it, and ``leave`` hands the
+member's
+seq_id back as an ordinary state. Sequences of different lengths need no padding: each row
+attends to its own cells through llama.cpp's mask.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+from runtime.backends.contract import SequenceState
+from runtime.backends.llamacpp.binding import Context, Row
+from runtime.backends.llamacpp.seqs import LlamaState, SeqPool, own_state
+
+
+@dataclass
+class _Member:
+    seq: int
+    n_tokens: int
+    high_water: int
+    logits: mx.array | None
+
+
+class LlamaDecodeBatch:
+    """Sequences decoded together (``runtime.backends.contract.DecodeBatchHandle``)."""
+
+    def __init__(self, context: Context, pool: SeqPool) -> None:
+        self._context = context
+        self._pool = pool
+        self._members: dict[int, _Member] = {}
+        self._next_slot = 0
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def join(self, state: SequenceState) -> int:
+        """Add a prefilled sequence (its cells are shared, the state left as it is); a slot."""
+        own = own_state(state)
+        if own.n_tokens <= 0:
+            raise ValueError("join() needs a prefilled state (at least one token)")
+        self._pool.reclaim()
+        dst = self._pool.copy(own)
+        slot = self._next_slot
+        self._next_slot += 1
+        self._members[slot] = _Member(dst, own.n_tokens, own.high_water, own.logits)
+        return slot
+
+    def leave(self, slot: int) -> LlamaState:
+        """Take ``slot`` out as an independent state (its seq_id and logits)."""
+        member = self._members.pop(self._check(slot))
+        state = LlamaState()
+        self._pool.bind(state, member.seq)
+        state.n_tokens, state.high_water, state.logits = (
+            member.n_tokens,
+            member.high_water,
+            member.logits,
+        )
+        return state
+
+    def step(self, tokens: Mapping[int, int | mx.array]) -> dict[int, mx.array]:
+        """One ``llama_decode`` feeding each member its token; each one's (vocab,) logits."""
+        if set(tokens) != set(self._members):
+            missing = sorted(set(self._members) - set(tokens))
+            extra = sorted(set(tokens) - set(self._members))
+            raise ValueError(
+                f"step() needs one token per member (missing {missing}, not members {extra})"
+            )
+        if not self._members:
+            return {}
+        slots = list(self._members)
+        rows = []
+        for slot in slots:
+            member, token = self._members[slot], tokens[slot]
+            fed = token if isinstance(token, int) else int(token.astype(mx.int32).item())  # type: ignore[arg-type]
+            rows.append(Row(member.seq, member.n_tokens, fed, True))
+        out: dict[int, mx.array] = {}
+        for begin in range(0, len(rows), self._context.n_batch):
+            piece = self._context.decode(
+                rows[begin : begin + self._context.n_batch], pad_seq=self._pool.pad
+            )
+            for slot, row_logits in zip(slots[begin:], piece, strict=False):
+                member = self._members[slot]
+                member.n_tokens += 1
+                member.high_water = max(member.high_water, member.n_tokens)
+                member.logits = out[slot] = mx.array(row_logits)
+        return out
+
+    def _check(self, slot: int) -> int:
+        if slot not in self._members:
+            raise KeyError(f"slot {slot} is not in this batch")
+        return slot

@@ -1,0 +1,279 @@
+"""The llama.cpp calls the backend makes, through llama-cpp-python's low-level ctypes API.
+
+One ``Context`` is one model and one llama.cpp context with a unified KV cache shared by every
+sequence (seq_ids). Everything here runs on the engine's compute thread. Errors are typed: a
+missing binding or a file llama.cpp cannot load is ``ModelLoadFailed`` with what to do; a failed
+decode is ``BackendError``; a decode the stop flag aborted is ``PrefillInterrupted``.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import logging
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from runtime.backends.contract import PrefillInterrupted
+from runtime.errors import BackendError, ModelLoadFailed, UnsupportedModelFormat
+
+DEFAULT_CONTEXT = 4096  # KV cells per sequence when neither the options nor the file say less
+# Flags of llama_state_seq_*_ext: only the sliding-window or recurrent part of a sequence.
+PARTIAL_ONLY = 1
+log = logging.getLogger("mlx_actor_runtime.llamacpp")
+_recent_log: collections.deque[str] = collections.deque(maxlen=20)  # for load errors
+_log_callback: Any = None  # kept referenced while llama.cpp holds it
+INSTALL_HINT = (
+    "install llama-cpp-python (pip install 'mlx-actor-runtime[llamacpp]', which builds it from "
+    "source in a few minutes; docs/models.md)"
+)
+
+
+def import_llama_cpp() -> Any:
+    """The ``llama_cpp`` module; raises ``ModelLoadFailed`` saying how to install it."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise ModelLoadFailed(
+            f"the llama.cpp backend needs llama-cpp-python: {INSTALL_HINT}"
+        ) from exc
+    _route_log(llama_cpp)
+    return llama_cpp
+
+
+def _route_log(lib: Any) -> None:
+    """Send llama.cpp's log (stderr by default) to our logger at debug level, keeping the last
+    lines so that a failed load can quote them."""
+    global _log_callback
+    if _log_callback is not None:
+        return
+
+    def forward(_level: int, text: bytes | None, _data: Any) -> None:
+        line = (text or b"").decode("utf-8", "replace").rstrip()
+        if line:
+            _recent_log.append(line)
+            log.debug("llama.cpp: %s", line)
+
+    _log_callback = lib.llama_log_callback(forward)
+    lib.llama_log_set(_log_callback, None)
+
+
+def recent_log() -> str:
+    """llama.cpp's last log lines that look like errors, joined (for an error message)."""
+    lines = [line for line in _recent_log if "error" in line.lower() or "unknown" in line.lower()]
+    return "; ".join(lines[-3:])
+
+
+def llama_cpp_available() -> bool:
+    """Whether llama-cpp-python can be imported here."""
+    try:
+        import_llama_cpp()
+    except ModelLoadFailed:
+        return False
+    return True
+
+
+class Row(NamedTuple):
+    """One token of a ``llama_batch``: its sequence, position, and whether to keep its logits."""
+
+    seq: int
+    pos: int
+    token: int
+    logits: bool
+
+
+class Context:
+    """A loaded model and its context; ``close`` frees both."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        context_length: int,
+        n_batch: int,
+        n_seq_max: int,
+        n_threads: int,
+    ) -> None:
+        lib = import_llama_cpp()
+        self._lib = lib
+        lib.llama_backend_init()
+        model_params = lib.llama_model_default_params()
+        # Repacked weights (Q4_K, Q4_0 on x86) multiply 4 rows at a time and the rest one by
+        # one, so a token's result would depend on its place in the pass; the plain path not.
+        model_params.use_extra_bufts = False
+        model = lib.llama_model_load_from_file(str(path).encode(), model_params)
+        if not model:
+            said = recent_log()
+            raise UnsupportedModelFormat(
+                f"llama.cpp could not load {path}"
+                + (f" ({said})" if said else "")
+                + ": an architecture or tensor type this llama.cpp build does not know, or a "
+                "damaged file; load it with backend='mlx', or update llama-cpp-python"
+            )
+        self._model = model
+        params = lib.llama_context_default_params()
+        train = int(lib.llama_model_n_ctx_train(model))
+        n_ctx = n_seq_max * (context_length or min(train or DEFAULT_CONTEXT, DEFAULT_CONTEXT))
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_batch
+        params.n_seq_max = n_seq_max
+        params.n_threads = n_threads
+        params.n_threads_batch = n_threads
+        # Reuse equal to a cold run, bit for bit, needs each sequence's cells laid out as a cold
+        # run lays them out (a softmax or a dot product sums its lanes by cell index): so one
+        # stream of cells per sequence, not the unified cache where copies share cells (measured
+        # on SmolLM2: logits 0.4-0.8 apart when another sequence's cells moved this one's).
+        params.kv_unified = False
+        params.swa_full = False  # sliding-window layers keep their window, not the context
+        # The flash-attention kernel sums differently for few-token passes (measured: an
+        # 8-token pass after 200 gave other logits than one 208-token pass); the plain one not.
+        params.flash_attn_type = 0
+        params.no_perf = True
+        ctx = lib.llama_init_from_model(model, params)
+        if not ctx:
+            lib.llama_model_free(model)
+            raise ModelLoadFailed(
+                f"llama.cpp could not make a context for {path} with {n_ctx} KV cells "
+                f"({n_seq_max} sequences); lower context_length or max_sequences"
+            )
+        self._ctx = ctx
+        self._memory = lib.llama_get_memory(ctx)
+        self._vocab = lib.llama_model_get_vocab(model)
+        self.n_vocab = int(lib.llama_vocab_n_tokens(self._vocab))
+        self.n_batch = n_batch
+        self.n_ctx_seq = int(lib.llama_n_ctx_seq(ctx))  # KV cells of one sequence
+        self._batch = lib.llama_batch_init(n_batch, 0, 1)
+        self._stop: threading.Event | None = None
+        # Kept referenced: llama.cpp holds the pointer while the context lives.
+        self._abort_cb = lib.ggml_abort_callback(self._should_abort)
+
+    # ------------------------------------------------------------------ facts
+
+    def model_int(self, name: str) -> int:
+        """An integer fact of the model (``n_layer``, ``n_swa``, ``n_ctx_train``...)."""
+        return int(getattr(self._lib, f"llama_model_{name}")(self._model))
+
+    def model_flag(self, name: str) -> bool:
+        """A boolean fact of the model (``is_recurrent``, ``is_hybrid``)."""
+        return bool(getattr(self._lib, f"llama_model_{name}")(self._model))
+
+    def meta(self, key: str) -> str | None:
+        """A metadata value of the GGUF file as text, or None."""
+        buf = ctypes.create_string_buffer(256)
+        n = self._lib.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf))
+        return None if n < 0 else buf.value.decode("utf-8", "replace")
+
+    # ------------------------------------------------------------------ tokens (the oracle)
+
+    def tokenize(
+        self, text: str, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """llama.cpp's own tokenization of ``text`` (tests compare ours against it)."""
+        data = text.encode("utf-8")
+        capacity = len(data) + 8
+        out = (ctypes.c_int32 * capacity)()
+        n = self._lib.llama_tokenize(
+            self._vocab, data, len(data), out, capacity, add_special, parse_special
+        )
+        if n < 0:
+            raise BackendError(f"llama_tokenize needed {-n} tokens, more than {capacity}")
+        return list(out[:n])
+
+    # ------------------------------------------------------------------ memory
+
+    def seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        """Remove ``seq``'s cells at positions [p0, p1) (p1 -1: to the end); False where the
+        memory cannot remove part of a sequence (recurrent state)."""
+        return bool(self._lib.llama_memory_seq_rm(self._memory, seq, p0, p1))
+
+    def seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        """Mark ``src``'s cells at positions [p0, p1) as also held by ``dst``."""
+        self._lib.llama_memory_seq_cp(self._memory, src, dst, p0, p1)
+
+    def seq_pos_max(self, seq: int) -> int:
+        """The highest position ``seq`` holds (-1: none)."""
+        return int(self._lib.llama_memory_seq_pos_max(self._memory, seq))
+
+    def seq_size(self, seq: int, flags: int = 0) -> int:
+        """Bytes ``get_seq_data`` would write for ``seq``."""
+        return int(self._lib.llama_state_seq_get_size_ext(self._ctx, seq, flags))
+
+    def get_seq_data(self, seq: int, flags: int = 0) -> bytes:
+        """``seq``'s cells (all, or with ``PARTIAL_ONLY`` the sliding-window/recurrent ones)."""
+        size = self.seq_size(seq, flags)
+        buf = (ctypes.c_uint8 * max(1, size))()
+        written = int(self._lib.llama_state_seq_get_data_ext(self._ctx, buf, size, seq, flags))
+        if written != size:
+            raise BackendError(f"llama.cpp wrote {written} of {size} bytes of a sequence state")
+        return bytes(buf[:written])
+
+    def set_seq_data(self, data: bytes, seq: int, flags: int = 0) -> bool:
+        """Replace ``seq``'s cells (or its partial ones) with ``data``; False without room."""
+        buf = (ctypes.c_uint8 * max(1, len(data))).from_buffer_copy(data or b"\0")
+        return bool(self._lib.llama_state_seq_set_data_ext(self._ctx, buf, len(data), seq, flags))
+
+    # ------------------------------------------------------------------ compute
+
+    def decode(
+        self, rows: Sequence[Row], stop: threading.Event | None = None, *, pad_seq: int = -1
+    ) -> list[np.ndarray]:
+        """One ``llama_decode`` of ``rows`` (at most ``n_batch``); the float32 logits of each
+        row that asks for them, in order. With ``stop`` the pass gives up between graph nodes
+        once it is set (``PrefillInterrupted``; llama.cpp drops what the pass added).
+
+        A lone row is padded with a row of ``pad_seq`` (a seq_id of no state, emptied after):
+        llama.cpp's one-token pass multiplies with other kernels than a pass of two or more, so
+        a token computed alone would differ from the same token inside a prompt."""
+        if len(rows) == 1 and pad_seq >= 0:
+            try:
+                return self.decode([rows[0], Row(pad_seq, 0, rows[0].token, False)], stop)
+            finally:  # also after a failed or interrupted pass: the pad holds no cell after
+                self.seq_rm(pad_seq, 0, -1)
+        batch = self._batch
+        for i, row in enumerate(rows):
+            batch.token[i] = row.token
+            batch.pos[i] = row.pos
+            batch.n_seq_id[i] = 1
+            batch.seq_id[i][0] = row.seq
+            batch.logits[i] = row.logits
+        batch.n_tokens = len(rows)
+        if stop is not None:
+            self._stop = stop
+            self._lib.llama_set_abort_callback(self._ctx, self._abort_cb, None)
+        try:
+            rc = int(self._lib.llama_decode(self._ctx, batch))
+        finally:
+            if stop is not None:
+                self._lib.llama_set_abort_callback(self._ctx, self._lib.ggml_abort_callback(), None)
+                self._stop = None
+        if rc == 2:
+            raise PrefillInterrupted("the sequence was aborted during this llama_decode")
+        if rc != 0:
+            why = "no room in its KV cache" if rc == 1 else f"error {rc}"
+            raise BackendError(
+                f"llama_decode of {len(rows)} tokens failed: {why}; load the model with a "
+                "larger context_length"
+            )
+        wanted = [i for i, row in enumerate(rows) if row.logits]
+        return [self._logits(i) for i in wanted]
+
+    def _logits(self, i: int) -> np.ndarray:
+        ptr = self._lib.llama_get_logits_ith(self._ctx, i)
+        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+
+    def _should_abort(self, _data: Any) -> bool:
+        stop = self._stop
+        return stop is not None and stop.is_set()
+
+    def close(self) -> None:
+        """Free the batch, the context and the model (idempotent)."""
+        if getattr(self, "_ctx", None):
+            self._lib.llama_batch_free(self._batch)
+            self._lib.llama_free(self._ctx)
+            self._lib.llama_model_free(self._model)
+            self._ctx = None

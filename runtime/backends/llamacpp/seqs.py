@@ -1,0 +1,186 @@
+"""Sequence states over llama.cpp's seq_ids: who holds which id, and moving idle ones to host.
+
+Every sequence of a model lives in one llama.cpp context as a seq_id of its unified KV cache, so
+a copy (``llama_memory_seq_cp``) only marks the same cells as held by one more sequence, and a
+decode step can carry one token of each of many sequences. A context has a fixed number of
+seq_ids (``n_seq_max``) while the engine may hold any number of states (the prefix cache's
+entries, sessions' pins). So a ``LlamaState`` is a handle that is *resident* (holds a seq_id) or
+*spilled* (its cells saved by ``llama_state_seq_get_data`` into host bytes, its seq_id freed):
+when no seq_id is free the least recently used state is spilled, and using it again restores it.
+
+States the engine drops give their seq_id back through ``weakref.finalize``; the finalizer may
+run on any thread, so it only queues the id, and the compute thread frees it at its next call.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import weakref
+
+import mlx.core as mx
+
+from runtime.backends.contract import SequenceState
+from runtime.backends.llamacpp.binding import Context
+from runtime.errors import BackendError
+
+
+class LlamaState:
+    """A sequence: its seq_id (None while spilled or still empty), the tokens it has consumed,
+    the logits after the last one, and ``high_water``, the longest it has ever been (a
+    sliding-window cache may have reused its cells below that; see ``LlamaCppBackend.can_trim``)."""
+
+    __slots__ = (
+        "__weakref__",
+        "_release",
+        "high_water",
+        "logits",
+        "n_tokens",
+        "seq",
+        "spilled",
+        "used",
+    )
+
+    def __init__(self) -> None:
+        self.seq: int | None = None
+        self.n_tokens = 0
+        self.high_water = 0
+        self.logits: mx.array | None = None
+        self.spilled: bytes | None = None
+        self.used = 0
+        self._release: weakref.finalize | None = None  # type: ignore[type-arg]
+
+    @property
+    def length(self) -> int:
+        return self.n_tokens
+
+
+class LlamaSnapshot:
+    """The partial state (sliding-window or recurrent cells) of a sequence at ``length`` tokens,
+    as ``llama_state_seq_get_data_ext(..., PARTIAL_ONLY)`` wrote it; empty on a model whose every
+    cache can be cut back."""
+
+    __slots__ = ("data", "n_tokens")
+
+    def __init__(self, data: bytes, n_tokens: int) -> None:
+        self.data = data
+        self.n_tokens = n_tokens
+
+    @property
+    def length(self) -> int:
+        return self.n_tokens
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+def own_state(state: SequenceState) -> LlamaState:
+    if not isinstance(state, LlamaState):
+        raise TypeError(f"not a llama.cpp state: {type(state).__name__}")
+    return state
+
+
+class SeqPool:
+    """The context's seq_ids: free ones, the states holding the others, and spilling."""
+
+    def __init__(self, context: Context, n_seq_max: int) -> None:
+        self._context = context
+        self.pad = n_seq_max - 1  # the seq_id a lone decode row is padded with (binding.py)
+        self._free = list(range(n_seq_max - 2, -1, -1))  # pop() hands out 0 first
+        self._holders: dict[int, weakref.ref[LlamaState]] = {}
+        self._dropped: collections.deque[int] = collections.deque()  # queued by finalizers
+        self._clock = itertools.count(1)
+        self.spills = 0  # states moved to host so far (a statistic)
+
+    def acquire(self, keep: tuple[int, ...] = ()) -> int:
+        """A free seq_id with no cells; spills the least recently used state not in ``keep``
+        when none is free. Raises ``BackendError`` when every seq_id is in use by a batch."""
+        self.reclaim()
+        if not self._free:
+            self._spill_one(keep)
+        return self._free.pop()
+
+    def release(self, seq: int) -> None:
+        """Free ``seq``'s cells and give the id back (one not bound to a state)."""
+        self._context.seq_rm(seq, 0, -1)
+        self._free.append(seq)
+
+    def bind(self, state: LlamaState, seq: int) -> None:
+        """Make ``state`` the holder of ``seq`` (its cells are the state's)."""
+        state.seq = seq
+        state.spilled = None
+        state.used = next(self._clock)
+        self._holders[seq] = weakref.ref(state)
+        state._release = weakref.finalize(state, self._dropped.append, seq)
+
+    def unbind(self, state: LlamaState) -> int:
+        """Take ``state``'s seq_id from it (its cells stay): the caller now owns the id."""
+        seq = state.seq
+        if seq is None:
+            raise ValueError("the state holds no seq_id")
+        if state._release is not None:
+            state._release.detach()
+            state._release = None
+        del self._holders[seq]
+        state.seq = None
+        return seq
+
+    def resident(self, state: LlamaState, keep: tuple[int, ...] = ()) -> int:
+        """``state``'s seq_id, restoring it from host bytes (or giving an empty state a fresh
+        one) first; marks it used now."""
+        if state.seq is None:
+            seq = self.acquire(keep)
+            if state.spilled is not None and not self._context.set_seq_data(state.spilled, seq):
+                self._free.append(seq)
+                raise BackendError(
+                    "llama.cpp could not restore a sequence moved to host memory (its KV cache "
+                    "has no room); load the model with a larger context_length"
+                )
+            self.bind(state, seq)
+        state.used = next(self._clock)
+        assert state.seq is not None
+        return state.seq
+
+    def copy(self, source: LlamaState) -> int:
+        """A new seq_id (bound to no state) holding a copy of ``source``'s cells. Copied through
+        host bytes: llama.cpp defers a copy between streams to the next decode, after anything
+        else written to the copy meanwhile; and a copy must lay its cells out as the source's.
+        Raises ``BackendError`` when llama.cpp has no room for it."""
+        keep: tuple[int, ...] = ()
+        if source.seq is None and source.spilled is not None:
+            data = source.spilled  # already host bytes: no need to restore it first
+        else:
+            src = self.resident(source)
+            data, keep = self._context.get_seq_data(src), (src,)
+        dst = self.acquire(keep=keep)
+        if not self._context.set_seq_data(data, dst):
+            self._free.append(dst)
+            raise BackendError(
+                "llama.cpp could not copy a sequence (no room in its KV cells); load the model "
+                "with a larger context_length"
+            )
+        return dst
+
+    def reclaim(self) -> None:
+        """Free the seq_ids of states the engine dropped (queued by their finalizers)."""
+        while self._dropped:
+            self.release(self._dropped.popleft())
+
+    def _spill_one(self, keep: tuple[int, ...]) -> None:
+        held = [
+            (state.used, seq, state)
+            for seq, ref in self._holders.items()
+            if seq not in keep and (state := ref()) is not None
+        ]
+        if not held:
+            raise BackendError(
+                "every llama.cpp sequence slot is in use by a running sequence; load the model "
+                "with a larger max_sequences"
+            )
+        _, seq, state = min(held, key=lambda item: item[0])
+        data = self._context.get_seq_data(seq)
+        self.unbind(state)
+        state.spilled = data
+        self.release(seq)
+        self.spills += 1

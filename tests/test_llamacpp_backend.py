@@ -1,0 +1,277 @@
+"""The llama.cpp backend on both real models, against llama.cpp itself where it can be.
+
+Token ids equal llama.cpp's own tokenizer's; greedy output equals llama-cpp-python's ``Llama``
+(the field's standard loop over the same GGUF); every state operation of the backend contract
+(trim, snapshot restore on Gemma 3's sliding window, an interrupted prefill, a decode batch, a
+batched prefill, states moved to host memory) gives what a cold run gives.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from runtime.backends.contract import CannotTrim, PrefillInterrupted, ReuseStrategy
+from runtime.backends.llamacpp.backend import LlamaCppBackend
+from runtime.backends.llamacpp.seqs import LlamaState
+from runtime.messages import ChatMessage, ChatOptions, ModelSpec
+from runtime.text.chat import prepare_chat
+from tests.test_real_model_reuse import CORPUS
+
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
+
+MODELS = ("smollm2-135m-instruct", "gemma3-270m")
+CHUNK = 256  # the engine's default prefill chunk
+DOC = "\n\n".join(CORPUS)  # ~800 tokens: past Gemma 3's 512-token window
+TOKEN_CORPUS = (
+    "Hello, world!",
+    "def f(x):\n    return {'a': [x ** 2 for x in range(10)]}  # squares\n",
+    "    \n\n\t\t  leading and   trailing   runs of   whitespace    \n\n\n",
+    "naïve café — Straße, Ελληνικά, русский, 中文字符, 日本語のテキスト, 한국어",
+    "emoji 🙂🚀👩‍👩‍👧‍👦 and flags 🇫🇷🇯🇵, combining e\u0301 and zero\u200bwidth",
+    "numbers 3.14159 1,000,000 0x1F 12345678901234567890 and dates 2024-06-01",
+    "<|im_start|>user\nliteral special tokens in text<|im_end|> <start_of_turn> <bos>",
+    "SELECT * FROM t WHERE name LIKE '%x%' AND id IN (1, 2, 3);\n",
+    "a" * 300 + " " + "ab" * 150,
+    DOC,
+)
+Backends = Callable[[str], Any]
+
+
+@pytest.fixture(params=MODELS)
+def backend(request: pytest.FixtureRequest, real_llama: Backends) -> LlamaCppBackend:
+    loaded: LlamaCppBackend = real_llama(request.param)
+    return loaded
+
+
+def prefill(backend: LlamaCppBackend, state: LlamaState, ids: Sequence[int], **kw: Any) -> Any:
+    """Prefill in the engine's chunks, logits kept after the last."""
+    out: list[Any] = []
+    for begin in range(0, len(ids), CHUNK):
+        piece = ids[begin : begin + CHUNK]
+        last = begin + CHUNK >= len(ids)
+        points = [
+            p for p in kw.get("snapshot_at", ()) if state.length < p <= state.length + len(piece)
+        ]
+        out += backend.prefill(state, piece, logits=last, snapshot_at=points)
+    return out
+
+
+def greedy(backend: LlamaCppBackend, state: LlamaState, n: int) -> list[int]:
+    """``n`` greedy tokens from the state's logits, fed one at a time (the B=1 path)."""
+    drawn: list[int] = []
+    logits = backend.logits(state)
+    for _ in range(n):
+        drawn.append(int(mx.argmax(logits).item()))
+        logits = backend.feed(state, mx.array(drawn[-1]))
+    return drawn
+
+
+def cold(backend: LlamaCppBackend, ids: Sequence[int], n: int = 8) -> list[int]:
+    state = backend.new_state()
+    prefill(backend, state, ids)
+    return greedy(backend, state, n)
+
+
+# ---------------------------------------------------------------------- one source of tokens
+
+
+def test_token_ids_equal_llama_cpps_own(backend: LlamaCppBackend) -> None:
+    """Our tokenizer (from the GGUF) and llama_tokenize agree on a varied corpus, chat too."""
+    for text in TOKEN_CORPUS:
+        assert backend.encode(text) == backend.context.tokenize(text), text[:40]
+    messages = [
+        ChatMessage("system", "You are terse. 🙂"),
+        ChatMessage("user", "Write `print('héllo')` in\n\n  Python."),
+        ChatMessage("assistant", "print('héllo')"),
+        ChatMessage("user", "And in C?"),
+    ]
+    tokens = backend.chat_tokenizer
+    prepared = prepare_chat(tokens, messages, ChatOptions(), 16, backend.info.context_length)
+    rendered = tokens.decode(prepared.tokens)
+    assert list(prepared.tokens) == backend.context.tokenize(rendered, add_special=False)
+
+
+# ---------------------------------------------------------------------- greedy = llama.cpp's
+
+
+def test_greedy_equals_llama_cpps_own_greedy(backend: LlamaCppBackend) -> None:
+    """Chunked prefill, then the B=1 path: the tokens ``llama_cpp.Llama`` picks greedily."""
+    from llama_cpp import Llama
+
+    ids = backend.encode(DOC + "\n\nQ: Who was the first keeper?\nA:")
+    oracle = Llama(model_path=str(backend.path), n_ctx=2048, n_threads=1, verbose=False)
+    try:
+        expected = []
+        for token in oracle.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0):
+            expected.append(token)
+            if len(expected) == 16:
+                break
+    finally:
+        oracle.close()
+    assert cold(backend, ids, 16) == expected
+
+
+# ---------------------------------------------------------------------- reuse
+
+
+def test_a_trimmed_copy_continues_like_a_cold_prefill(backend: LlamaCppBackend) -> None:
+    """Cut back to a common prefix (below Gemma's window, where it still trims), then a new
+    suffix: the same greedy tokens as the whole prompt computed anew; the source is untouched."""
+    window = backend.info.window_tokens or 10**9
+    ids = backend.encode(CORPUS[0] + " " + CORPUS[1])[: min(300, window - 1)]
+    edited = ids[:200] + backend.encode(" A different ending about ships.")[1:]
+    source = backend.new_state()
+    prefill(backend, source, ids)
+    source_logits = np.array(backend.logits(source))
+    assert backend.can_trim(source)
+    copy = backend.copy_state(source, 200)
+    prefill(backend, copy, edited[200:])
+    assert greedy(backend, copy, 8) == cold(backend, edited)
+    assert np.array_equal(np.array(backend.logits(source)), source_logits)
+    assert greedy(backend, source, 4) == cold(backend, ids, 4)
+
+
+def test_gemma_sliding_window_restores_from_snapshots(real_llama: Backends) -> None:
+    """Past the window a Gemma 3 state cannot be cut back, but restores exactly at a snapshot
+    (its sliding layers' cells) over its full-attention cells cut back."""
+    backend: LlamaCppBackend = real_llama("gemma3-270m")
+    assert backend.info.reuse is ReuseStrategy.CHECKPOINT
+    assert backend.info.window_tokens == 512
+    ids = backend.encode(DOC)
+    assert len(ids) > 700
+    state = backend.new_state()
+    (snap,) = prefill(backend, state, ids, snapshot_at=[600])
+    assert snap.length == 600 and 0 < snap.nbytes < backend.state_nbytes(state)
+    assert not backend.can_trim(state)
+    with pytest.raises(CannotTrim):
+        backend.copy_state(state, 600)
+    edited = ids[:600] + backend.encode(" The keepers sang.")[1:]
+    restored = backend.copy_state(state, 600, snap)
+    prefill(backend, restored, edited[600:])
+    assert greedy(backend, restored, 8) == cold(backend, edited)
+    # A whole copy needs no snapshot; the original still continues as it would have.
+    whole = backend.copy_state(state, len(ids))
+    assert greedy(backend, whole, 4) == greedy(backend, state, 4) == cold(backend, ids, 4)
+
+
+class _StopAfter(threading.Event):
+    """A stop flag that reads as set from its ``n``-th check on (llama.cpp checks it between
+    graph nodes, so a large ``n`` lands inside a ``llama_decode``)."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.checks = 0
+
+    def is_set(self) -> bool:
+        self.checks += 1
+        return self.checks >= self.n
+
+
+def test_an_interrupted_prefill_leaves_the_state_as_before(backend: LlamaCppBackend) -> None:
+    """Stopped inside its second ``llama_decode`` (past Gemma's window, where llama.cpp reuses
+    sliding cells): the state is as it was, and prefilling the same tokens again equals cold."""
+    ids = backend.encode(DOC + "\n\n" + DOC)
+    state = backend.new_state()
+    prefill(backend, state, ids[:600])
+    before = np.array(backend.logits(state))
+    stop = _StopAfter(400)
+    with pytest.raises(PrefillInterrupted):
+        backend.prefill(state, ids[600:1400], stop=stop)
+    assert stop.checks > 3, "it gave up before its first llama_decode ran"
+    assert state.length == 600
+    assert np.array_equal(np.array(backend.logits(state)), before)
+    assert backend.context.seq_pos_max(state.seq or 0) == 599
+    backend.prefill(state, ids[600:1400], stop=threading.Event())
+    assert greedy(backend, state, 6) == cold(backend, ids[:1400], 6)
+
+
+# ---------------------------------------------------------------------- batching
+
+
+def test_a_decode_batch_equals_each_sequence_alone(backend: LlamaCppBackend) -> None:
+    """Three sequences of different lengths, one ``llama_decode`` per step: each draws what it
+    draws alone; join leaves the state untouched and leave hands back a working state."""
+    prompts = [backend.encode(text) for text in (CORPUS[0], CORPUS[1] + CORPUS[2], "Hi")]
+    alone = [cold(backend, ids, 6) for ids in prompts]
+    batch = backend.open_batch()
+    assert batch is not None
+    states = []
+    for ids in prompts:
+        states.append(backend.new_state())
+        prefill(backend, states[-1], ids)
+    slots = [batch.join(state) for state in states]
+    drawn: dict[int, list[int]] = {slot: [] for slot in slots}
+    logits = {slot: backend.logits(state) for slot, state in zip(slots, states, strict=True)}
+    for _ in range(5):
+        tokens = {slot: int(mx.argmax(logits[slot]).item()) for slot in slots}
+        for slot, token in tokens.items():
+            drawn[slot].append(token)
+        logits = batch.step(tokens)
+    left = batch.leave(slots[0])
+    drawn[slots[0]].append(int(mx.argmax(backend.logits(left)).item()))
+    assert left.length == len(prompts[0]) + 5
+    assert drawn[slots[0]] == alone[0]
+    assert [drawn[s][:5] for s in slots[1:]] == [a[:5] for a in alone[1:]]
+    assert greedy(backend, states[2], 6) == alone[2]  # the joined state was left as it was
+
+
+def test_prefill_together_equals_each_alone(backend: LlamaCppBackend) -> None:
+    """Prompts in shared ``llama_decode`` calls, with snapshots inside them on Gemma."""
+    prompts = [backend.encode(text) for text in (DOC, CORPUS[3], CORPUS[4] + CORPUS[5])]
+    states = [backend.new_state() for _ in prompts]
+    points = [[600], [20], []]
+    snaps = backend.prefill_together(states, prompts, points)
+    for state, ids in zip(states, prompts, strict=True):
+        assert state.length == len(ids)
+        assert greedy(backend, state, 5) == cold(backend, ids, 5)
+    assert [s.length for s in snaps[0]] == [600]
+    edited = prompts[0][:600] + backend.encode(" Nobody knows.")[1:]
+    if backend.info.reuse is ReuseStrategy.CHECKPOINT:
+        restored = backend.copy_state(states[0], 600, snaps[0][0])
+    else:
+        restored = backend.copy_state(states[0], 600)
+    prefill(backend, restored, edited[600:])
+    assert greedy(backend, restored, 5) == cold(backend, edited, 5)
+
+
+def test_states_beyond_the_sequence_slots_move_to_host_and_back(
+    real_gguf: Callable[[str], Any],
+) -> None:
+    """With 3 seq_ids, 5 live states: the least recently used ones are saved to host memory and
+    restored when used, each continuing as it would have."""
+    from tests.llamacpp_support import require_llama_cpp
+
+    require_llama_cpp()
+    real_gguf("smollm2-135m-instruct")
+    spec = ModelSpec(
+        name="small",
+        backend="llamacpp",
+        path="smollm2-135m-instruct",
+        options={"max_sequences": 4, "max_batch": 1, "n_threads": 1, "context_length": 1024},
+    )
+    backend = LlamaCppBackend.load(spec)
+    try:
+        prompts = [backend.encode(CORPUS[i]) for i in range(5)]
+        states = []
+        for ids in prompts:
+            states.append(backend.new_state())
+            prefill(backend, states[-1], ids)
+        assert backend.pool.spills >= 2
+        assert sum(s.seq is None for s in states) >= 2
+        for state, ids in zip(states, prompts, strict=True):
+            assert greedy(backend, state, 4) == cold(backend, ids, 4)
+        del states  # their seq_ids come back: 3 more states need no spill
+        spills = backend.pool.spills
+        again = [backend.new_state() for _ in range(3)]
+        for state, ids in zip(again, prompts[:3], strict=True):
+            prefill(backend, state, ids)
+        assert backend.pool.spills == spills
+    finally:
+        backend.close()
