@@ -83,6 +83,14 @@ class SimulatedState:
     def length(self) -> int:
         return len(self.tokens)
 
+    def extend(self, token_ids: Sequence[int]) -> None:
+        """Consume ``token_ids``, the rolling hash after each one recorded."""
+        h = self.hashes[-1] if self.hashes else 0
+        for token in token_ids:
+            h = extend_hash(h, token)
+            self.tokens.append(token)
+            self.hashes.append(h)
+
 
 class SimulatedSnapshot:
     """The untrimmable part of a state: its rolling hash after ``length`` tokens."""
@@ -247,11 +255,7 @@ class SimulatedBackend:
                     if stop.is_set():
                         raise PrefillInterrupted("the sequence was aborted during this prefill")
                     self._clock.spend(cost)
-            h = state.hashes[-1] if state.hashes else 0
-            for token in token_ids:
-                h = extend_hash(h, token)
-                state.tokens.append(token)
-                state.hashes.append(h)
+            state.extend(token_ids)
             state.has_logits = logits
         return [self._snapshot(state, p) for p in snapshot_at]
 
@@ -307,11 +311,7 @@ class SimulatedBackend:
         with self._lock:
             self._clock.spend(self._options.decode_s_per_token)
             before = own.length
-            h = own.hashes[-1] if own.hashes else 0
-            for token in token_ids:
-                h = extend_hash(h, token)
-                own.tokens.append(token)
-                own.hashes.append(h)
+            own.extend(token_ids)
             own.has_logits = True
             self._verified[id(own)] = len(token_ids)
         return mx.stack([self.logits_after(h) for h in own.hashes[before:]])
