@@ -311,7 +311,10 @@ def test_each_load_and_unload_is_one_log_line(caplog: pytest.LogCaptureFixture) 
     sim.run_until(lambda: sim.terminal(*second) is not None)
     lines = [r.getMessage() for r in caplog.records if r.name == "mlx_actor_runtime.models"]
     assert len(lines) == 3, lines
-    assert lines[0].startswith("loaded m in 2.5 s (context") and "keep-alive 1 s" in lines[0]
+    assert (
+        lines[0].startswith("loaded m on simulated in 2.5 s (context")
+        and "keep-alive 1 s" in lines[0]
+    )
     assert lines[1].startswith("unloaded m (idle for its keep-alive of 1 s;")
-    assert lines[2].startswith("loaded m in 2.5 s")
+    assert lines[2].startswith("loaded m on simulated in 2.5 s")
     assert all(r.levelname == "INFO" for r in caplog.records if r.name.endswith(".models"))
