@@ -125,9 +125,9 @@ class EngineCore:
         options = self._options if isinstance(self._options, EngineOptions) else EngineOptions()
         chunk_tokens = max(1, spec.prefill_chunk_tokens)  # the most a chunk holds (KV is priced)
         self._backend: Backend | None = None
-        # The load probe's verdicts (1 on, 0 off) and the off ones' whys, for statistics().
-        self._capabilities: dict[str, int] = {}
-        self._limits: dict[str, str] = {}
+        # The info the model runs by (its load, then a deferred probe): statistics() shows its
+        # verdicts (capability_* gauges, 1 on, 0 off) and the off ones' whys (limits).
+        self._info: ModelInfo | None = None
         self._sequences: dict[int, Sequence] = {}
         self._draining = False
         self._drain_requester: Address | None = None
@@ -218,14 +218,17 @@ class EngineCore:
             "batch_padding_bytes": self._batches.padding_bytes,
             # Process-wide (every model's): grammar states not released yet; 0 when none is live.
             "live_matchers": live_matchers(),
-            **{f"capability_{name}": on for name, on in self._capabilities.items()},
+            **{
+                f"capability_{v.capability}": int(v.on)
+                for v in (self._info.capabilities if self._info else ())
+            },
             "probe_pending": int(self._probing.pending),
         }
         return Stats(
             actor=engine_address(self.model, self.epoch),
             counters=self.counters.snapshot(),
             gauges=gauges,
-            limits=self._limits,
+            limits=self._info.limits if self._info else {},
         )
 
     @property
@@ -380,8 +383,7 @@ class EngineCore:
         # Debug: the router logs the load's one info line (actors/model_lifecycle.py).
         log.debug("model %s (epoch %d): prefix reuse path %s: %s",
                  self.model, self.epoch, info.reuse, info.reuse_reason)  # fmt: skip
-        self._capabilities = {str(v.capability): int(v.on) for v in info.capabilities}
-        self._limits = info.limits
+        self._info = info
         ctx.send(
             ROUTER,
             EngineReady(
@@ -400,8 +402,7 @@ class EngineCore:
         """The deferred load probe gave its verdict: from now on the model runs by ``info``."""
         self._batches.loaded(info, batchable)
         self._admission.probed(info)
-        self._capabilities = {str(v.capability): int(v.on) for v in info.capabilities}
-        self._limits = info.limits
+        self._info = info
         ctx.send(
             ROUTER, EngineProbed(epoch=self.epoch, reuse_path=str(info.reuse), limits=info.limits)
         )
