@@ -210,12 +210,14 @@ class Context:
         written = int(self._lib.llama_state_seq_get_data_ext(self._ctx, buf, size, seq, flags))
         if written != size:
             raise BackendError(f"llama.cpp wrote {written} of {size} bytes of a sequence state")
-        return bytes(buf[:written])
+        # One memcpy: slicing a ctypes array builds a list of ints first (0.85 s for 34 MB).
+        return ctypes.string_at(buf, written)
 
     def set_seq_data(self, data: bytes, seq: int, flags: int = 0) -> bool:
         """Replace ``seq``'s cells (or its partial ones) with ``data``; False without room."""
-        buf = (ctypes.c_uint8 * max(1, len(data))).from_buffer_copy(data or b"\0")
-        return bool(self._lib.llama_state_seq_set_data_ext(self._ctx, buf, len(data), seq, flags))
+        # llama.cpp only reads it: a pointer into the bytes themselves, no copy.
+        src = ctypes.cast(ctypes.c_char_p(data or b"\0"), ctypes.POINTER(ctypes.c_uint8))
+        return bool(self._lib.llama_state_seq_set_data_ext(self._ctx, src, len(data), seq, flags))
 
     # ------------------------------------------------------------------ compute
 
