@@ -47,8 +47,9 @@ from runtime.backends.contract import (
     SequenceState,
     Snapshot,
 )
-from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context, Row
+from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context
 from runtime.backends.llamacpp.files import gguf_file_of
+from runtime.backends.llamacpp.passes import Row
 from runtime.backends.llamacpp.seqs import LlamaSnapshot, LlamaState, SeqPool, own_state
 from runtime.backends.llamacpp.tokenizer import load_tokenizer, tokenizer_dir
 from runtime.backends.mlx.facts import effective_eos_ids
@@ -95,12 +96,12 @@ class LlamaCppBackend:
             options = options_as(spec, LlamaCppOptions)
         gguf, sha256 = gguf_file_of(spec)
         threads = options.n_threads or len(os.sched_getaffinity(0))
-        # Room for every batch member, a prefilling state, a copy in the making and the pad.
-        sequences = options.max_sequences or options.max_batch + 4
-        if sequences < options.max_batch + 3:
+        # Room for every batch member, a prefilling state, a copy in the making and one more.
+        sequences = options.max_sequences or options.max_batch + 3
+        if sequences < options.max_batch + 2:
             raise InvalidModelSpec(
                 f"option 'max_sequences' of model {spec.name!r} is {sequences}; it must be at "
-                f"least max_batch + 3 ({options.max_batch + 3})"
+                f"least max_batch + 2 ({options.max_batch + 2})"
             )
         context = Context(
             gguf,
@@ -108,6 +109,7 @@ class LlamaCppBackend:
             n_batch=options.n_batch,
             n_seq_max=sequences,
             n_threads=threads,
+            exact_reuse=options.exact_reuse,
         )
         try:
             tokenizer, facts = load_tokenizer(tokenizer_dir(gguf, converted_models_dir(), sha256))
@@ -227,7 +229,9 @@ class LlamaCppBackend:
         own = own_state(state)
         if self._recurrent:
             return own.n_tokens == 0
-        return self._n_swa == 0 or own.high_water < self._n_swa
+        # A throwaway row one past the end (binding.Context.decode) reached one cell further.
+        reach = own.high_water + int(self._context.pads_lone_rows)
+        return self._n_swa == 0 or reach < self._n_swa
 
     def copy_state(
         self, state: SequenceState, length: int, snapshot: Snapshot | None = None
@@ -315,7 +319,7 @@ class LlamaCppBackend:
                         Row(seq, p, ids[p - start], logits and p == end - 1)
                         for p in range(pos, upto)
                     ]
-                    out = self._context.decode(rows, stop, pad_seq=self._pool.pad)
+                    out = self._context.decode(rows, stop)
                     pos = upto
                     own.n_tokens, own.high_water = pos, max(own.high_water, pos)
                 if cut in snapshot_at:
@@ -376,7 +380,7 @@ class LlamaCppBackend:
             kept: list[np.ndarray] = []
             for begin in range(0, len(rows), self._context.n_batch):
                 piece = rows[begin : begin + self._context.n_batch]
-                kept += self._context.decode(piece, pad_seq=self._pool.pad)
+                kept += self._context.decode(piece)
             for index, row_logits in zip(owners, kept, strict=True):
                 owns[index].logits = mx.array(row_logits)
             for index, own in enumerate(owns):
@@ -407,7 +411,7 @@ class LlamaCppBackend:
         seq = self._pool.resident(own)
         fed = int(token.astype(mx.int32).item())  # type: ignore[arg-type]
         row = Row(seq, own.n_tokens, fed, True)
-        (out,) = self._context.decode([row], pad_seq=self._pool.pad)
+        (out,) = self._context.decode([row])
         own.n_tokens += 1
         own.high_water = max(own.high_water, own.n_tokens)
         own.logits = mx.array(out)

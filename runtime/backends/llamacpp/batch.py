@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from runtime.backends.contract import SequenceState
-from runtime.backends.llamacpp.binding import Context, Row
+from runtime.backends.llamacpp.binding import Context
+from runtime.backends.llamacpp.passes import Row
 from runtime.backends.llamacpp.seqs import LlamaState, SeqPool, own_state
 
 
@@ -82,9 +83,7 @@ class LlamaDecodeBatch:
             rows.append(Row(member.seq, member.n_tokens, fed, True))
         out: dict[int, mx.array] = {}
         for begin in range(0, len(rows), self._context.n_batch):
-            piece = self._context.decode(
-                rows[begin : begin + self._context.n_batch], pad_seq=self._pool.pad
-            )
+            piece = self._context.decode(rows[begin : begin + self._context.n_batch])
             for slot, row_logits in zip(slots[begin:], piece, strict=False):
                 member = self._members[slot]
                 member.n_tokens += 1

@@ -14,11 +14,12 @@ import logging
 import threading
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from runtime.backends.contract import PrefillInterrupted
+from runtime.backends.llamacpp.passes import Row, plan_calls
 from runtime.errors import BackendError, ModelLoadFailed, UnsupportedModelFormat
 
 DEFAULT_CONTEXT = 4096  # KV cells per sequence when neither the options nor the file say less
@@ -77,15 +78,6 @@ def llama_cpp_available() -> bool:
     return True
 
 
-class Row(NamedTuple):
-    """One token of a ``llama_batch``: its sequence, position, and whether to keep its logits."""
-
-    seq: int
-    pos: int
-    token: int
-    logits: bool
-
-
 class Context:
     """A loaded model and its context; ``close`` frees both."""
 
@@ -97,6 +89,7 @@ class Context:
         n_batch: int,
         n_seq_max: int,
         n_threads: int,
+        exact_reuse: bool = True,
     ) -> None:
         lib = import_llama_cpp()
         self._lib = lib
@@ -151,6 +144,17 @@ class Context:
         self._stop: threading.Event | None = None
         # Kept referenced: llama.cpp holds the pointer while the context lives.
         self._abort_cb = lib.ggml_abort_callback(self._should_abort)
+        self.pads_lone_rows = exact_reuse and self._lone_rows_differ()
+
+    def _lone_rows_differ(self) -> bool:
+        """Whether this build computes a sequence's lone row in a pass with other kernels than
+        the same row inside a longer pass (passes.py): llamafile's kernels, on in llama.cpp's
+        default build, take only passes of two rows or more. Read off the build, not measured:
+        the two kernels' sums agree on some contexts and not others (measured on SmolLM2:
+        equal after 8, 16 or 33 tokens, 0.2-0.8 apart after 31, 32 or 256), so no short check
+        at load could tell. A build with ``GGML_LLAMAFILE=OFF`` multiplies every shape alike."""
+        info = self._lib.llama_print_system_info().decode("utf-8", "replace")
+        return "LLAMAFILE = 1" in info
 
     # ------------------------------------------------------------------ facts
 
@@ -221,21 +225,27 @@ class Context:
 
     # ------------------------------------------------------------------ compute
 
-    def decode(
-        self, rows: Sequence[Row], stop: threading.Event | None = None, *, pad_seq: int = -1
-    ) -> list[np.ndarray]:
-        """One ``llama_decode`` of ``rows`` (at most ``n_batch``); the float32 logits of each
-        row that asks for them, in order. With ``stop`` the pass gives up between graph nodes
-        once it is set (``PrefillInterrupted``; llama.cpp drops what the pass added).
+    def decode(self, rows: Sequence[Row], stop: threading.Event | None = None) -> list[np.ndarray]:
+        """``rows`` (at most ``n_batch``) through ``llama_decode``; the float32 logits of each
+        row that asks for them, in order. With ``stop`` a call gives up between graph nodes once
+        it is set (``PrefillInterrupted``; llama.cpp drops what that call added).
 
-        A lone row is padded with a row of ``pad_seq`` (a seq_id of no state, emptied after):
-        llama.cpp's one-token pass multiplies with other kernels than a pass of two or more, so
-        a token computed alone would differ from the same token inside a prompt."""
-        if len(rows) == 1 and pad_seq >= 0:
+        Where a sequence's lone row would be computed by other kernels than the same row inside
+        a longer pass (``pads_lone_rows``), the rows go in calls planned by ``passes.plan_calls``
+        (a throwaway row beside each lone one, equal rows per sequence)."""
+        calls = plan_calls(rows, self.n_batch, pad=self.pads_lone_rows)
+        kept: dict[int, np.ndarray] = {}
+        for call in calls:
             try:
-                return self.decode([rows[0], Row(pad_seq, 0, rows[0].token, False)], stop)
-            finally:  # also after a failed or interrupted pass: the pad holds no cell after
-                self.seq_rm(pad_seq, 0, -1)
+                self._decode_call(call.rows, stop)
+                for at, index in call.logits_at:
+                    kept[index] = self._logits(at)
+            finally:  # also after a failed or interrupted call (then there is nothing to drop)
+                for seq, pos in call.padded:
+                    self.seq_rm(seq, pos, -1)
+        return [kept[i] for i in sorted(kept)]
+
+    def _decode_call(self, rows: Sequence[Row], stop: threading.Event | None) -> None:
         batch = self._batch
         for i, row in enumerate(rows):
             batch.token[i] = row.token
@@ -261,8 +271,6 @@ class Context:
                 f"llama_decode of {len(rows)} tokens failed: {why}; load the model with a "
                 "larger context_length"
             )
-        wanted = [i for i, row in enumerate(rows) if row.logits]
-        return [self._logits(i) for i in wanted]
 
     def _logits(self, i: int) -> np.ndarray:
         ptr = self._lib.llama_get_logits_ith(self._ctx, i)

@@ -86,8 +86,7 @@ class SeqPool:
 
     def __init__(self, context: Context, n_seq_max: int) -> None:
         self._context = context
-        self.pad = n_seq_max - 1  # the seq_id a lone decode row is padded with (binding.py)
-        self._free = list(range(n_seq_max - 2, -1, -1))  # pop() hands out 0 first
+        self._free = list(range(n_seq_max - 1, -1, -1))  # pop() hands out 0 first
         self._holders: dict[int, weakref.ref[LlamaState]] = {}
         self._dropped: collections.deque[int] = collections.deque()  # queued by finalizers
         self._clock = itertools.count(1)
