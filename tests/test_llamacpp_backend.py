@@ -254,7 +254,7 @@ def test_states_beyond_the_sequence_slots_move_to_host_and_back(
         name="small",
         backend="llamacpp",
         path="smollm2-135m-instruct",
-        options={"max_sequences": 4, "max_batch": 1, "n_threads": 1, "context_length": 1024},
+        options={"max_sequences": 3, "max_batch": 1, "n_threads": 1, "context_length": 1024},
     )
     backend = LlamaCppBackend.load(spec)
     try:

@@ -90,12 +90,12 @@ class LlamaCppOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_f
     context_length: NonNegativeInt | None = None
     # Sequences the llama.cpp context holds at once (n_seq_max); more states are kept by moving
     # the least recently used ones to host memory. None: max_batch + 3.
-    max_sequences: Annotated[int, msgspec.Meta(ge=4, le=256)] | None = None
+    max_sequences: Annotated[int, msgspec.Meta(ge=3, le=256)] | None = None
     n_threads: NonNegativeInt = 0  # 0: every CPU this process may run on
     n_batch: PositiveInt = DEFAULT_LLAMACPP_BATCH  # tokens in one llama_decode (n_ubatch too)
     # True: a token decoded alone equals the same token inside a prompt, so reusing a reply's
     # KV equals prefilling it (llamacpp/passes.py). Costs a throwaway row per sequence and step:
-    # 1.75x a B=1 decode step on SmolLM2 (docs/models.md). False, as in llama-server: the reused
+    # 1.83x a B=1 decode step on SmolLM2 (docs/models.md). False, as in llama-server: the reused
     # output may differ from a cold run's where two tokens nearly tie.
     exact_reuse: bool = False
 

@@ -3,13 +3,14 @@
 Each member is a seq_id of the model's one context. ``join`` copies the state's cells to a seq_id
 the batch owns (through host bytes: ``SeqPool.copy``), ``step`` builds a ``llama_batch`` with one
 row per member (its own seq_id and position, logits kept) and runs it, and ``leave`` hands the
-member's
-seq_id back as an ordinary state. Sequences of different lengths need no padding: each row
-attends to its own cells through llama.cpp's mask.
+member's seq_id back as an ordinary state. Sequences of different lengths need no padding: each row
+attends to its own cells through llama.cpp's mask. A batch dropped with members (the engine drops
+a batch whose step failed) gives their seq_ids back to the pool, as a dropped state does.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -37,6 +38,9 @@ class LlamaDecodeBatch:
         self._pool = pool
         self._members: dict[int, _Member] = {}
         self._next_slot = 0
+        # A failed step makes the engine drop the batch without a leave() per member: without
+        # this their seq_ids were lost for good (found by tests/test_llamacpp_faults.py).
+        weakref.finalize(self, _give_back, pool, self._members)
 
     def __len__(self) -> int:
         return len(self._members)
@@ -95,3 +99,8 @@ class LlamaDecodeBatch:
         if slot not in self._members:
             raise KeyError(f"slot {slot} is not in this batch")
         return slot
+
+
+def _give_back(pool: SeqPool, members: dict[int, _Member]) -> None:
+    """The finalizer of a dropped batch (any thread): its members' seq_ids go back to the pool."""
+    pool.give_back_later(member.seq for member in members.values())

@@ -4,6 +4,10 @@ One ``Context`` is one model and one llama.cpp context with a unified KV cache s
 sequence (seq_ids). Everything here runs on the engine's compute thread. Errors are typed: a
 missing binding or a file llama.cpp cannot load is ``ModelLoadFailed`` with what to do; a failed
 decode is ``BackendError``; a decode the stop flag aborted is ``PrefillInterrupted``.
+
+A context is freed by ``close`` (the engine's close job), or else once nothing references it: an
+engine whose watchdog gave up leaves its backend to the stuck thread (it cannot be closed under a
+running ``llama_decode``), and the last reference goes when that thread's job ends.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import collections
 import ctypes
 import logging
 import threading
+import weakref
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,6 +33,8 @@ PARTIAL_ONLY = 1
 log = logging.getLogger("mlx_actor_runtime.llamacpp")
 _recent_log: collections.deque[str] = collections.deque(maxlen=20)  # for load errors
 _log_callback: Any = None  # kept referenced while llama.cpp holds it
+_live = 0  # contexts made and not yet freed, in this process (``live_contexts``)
+_live_lock = threading.Lock()
 INSTALL_HINT = (
     "install llama-cpp-python (pip install 'mlx-actor-runtime[llamacpp]', which builds it from "
     "source in a few minutes; docs/models.md)"
@@ -67,6 +74,25 @@ def recent_log() -> str:
     """llama.cpp's last log lines that look like errors, joined (for an error message)."""
     lines = [line for line in _recent_log if "error" in line.lower() or "unknown" in line.lower()]
     return "; ".join(lines[-3:])
+
+
+def live_contexts() -> int:
+    """How many llama.cpp contexts this process holds now (tests check that none is leaked)."""
+    return _live
+
+
+def _count_live(change: int) -> None:
+    global _live
+    with _live_lock:
+        _live += change
+
+
+def _free_native(lib: Any, batch: Any, ctx: Any, model: Any) -> None:
+    """Free a context's batch, context and model (once: ``Context.close`` or its finalizer)."""
+    lib.llama_batch_free(batch)
+    lib.llama_free(ctx)
+    lib.llama_model_free(model)
+    _count_live(-1)
 
 
 def llama_cpp_available() -> bool:
@@ -144,9 +170,15 @@ class Context:
         self._stop: threading.Event | None = None
         # Kept referenced: llama.cpp holds the pointer while the context lives.
         self._abort_cb = lib.ggml_abort_callback(self._should_abort)
-        self.pads_lone_rows = exact_reuse and self._lone_rows_differ()
+        # Freed when unreachable if no one closes it (module docstring): before, a context left
+        # to an abandoned thread kept its model and KV cells until the process exited. Not at
+        # exit: the OS frees it then, and llama.cpp would log through Python in its teardown.
+        _count_live(+1)
+        self._finalizer = weakref.finalize(self, _free_native, lib, self._batch, ctx, model)
+        self._finalizer.atexit = False
+        self.pads_lone_rows = exact_reuse and self.lone_rows_differ()
 
-    def _lone_rows_differ(self) -> bool:
+    def lone_rows_differ(self) -> bool:
         """Whether this build computes a sequence's lone row in a pass with other kernels than
         the same row inside a longer pass (passes.py): llamafile's kernels, on in llama.cpp's
         default build, take only passes of two rows or more. Read off the build, not measured:
@@ -282,8 +314,7 @@ class Context:
 
     def close(self) -> None:
         """Free the batch, the context and the model (idempotent)."""
-        if getattr(self, "_ctx", None):
-            self._lib.llama_batch_free(self._batch)
-            self._lib.llama_free(self._ctx)
-            self._lib.llama_model_free(self._model)
-            self._ctx = None
+        free = getattr(self, "_finalizer", None)
+        if free is not None:
+            free()  # a finalizer runs once: a second close, or collection after it, does nothing
+        self._ctx = None

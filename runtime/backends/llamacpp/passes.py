@@ -17,7 +17,7 @@ sequence in a call has the same number of rows, two or more, so llama.cpp never 
 a row of its own. A build without llamafile's kernels (``GGML_LLAMAFILE=OFF``) multiplies every
 shape alike and needs none of this.
 
-The cost is the throwaway's compute: 1.75x a B=1 decode step on SmolLM2, 1.5x a step of 4 or 8
+The cost is the throwaway's compute: 1.83x a B=1 decode step on SmolLM2, 1.5-1.6x a step of 4 or 8
 (measured in-process, 1 thread). And it makes SmolLM2 exact, not Gemma 3: its Q5_0/Q8_0 weights
 go through llamafile's tiled kernels, whose sums depend on the pass's row count even for two rows
 or more (a 302-token prompt in one pass and split 300 + 2 differ by 0.003 in the logits), and

@@ -8,8 +8,9 @@ entries, sessions' pins). So a ``LlamaState`` is a handle that is *resident* (ho
 *spilled* (its cells saved by ``llama_state_seq_get_data`` into host bytes, its seq_id freed):
 when no seq_id is free the least recently used state is spilled, and using it again restores it.
 
-States the engine drops give their seq_id back through ``weakref.finalize``; the finalizer may
-run on any thread, so it only queues the id, and the compute thread frees it at its next call.
+States the engine drops give their seq_id back through ``weakref.finalize`` (so does a decode
+batch it drops, for its members' ids); the finalizer may run on any thread, so it only queues the
+id, and the compute thread frees it at its next call.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import collections
 import itertools
 import weakref
+from collections.abc import Iterable
+from dataclasses import dataclass
 
 import mlx.core as mx
 
@@ -75,6 +78,23 @@ class LlamaSnapshot:
         return len(self.data)
 
 
+@dataclass(frozen=True)
+class SeqCensus:
+    """Where a pool's seq_ids (``0 .. size - 1``) are: free, held by a live state,
+    or queued to be freed. An id in none of them belongs to a decode batch, or is lost for good;
+    one in two of them (or twice in one) is handed out twice."""
+
+    size: int
+    free: tuple[int, ...]
+    held: tuple[int, ...]
+    dropped: tuple[int, ...]
+
+    @property
+    def sound(self) -> bool:
+        """Every id in exactly one place: what must hold while no decode batch has members."""
+        return sorted((*self.free, *self.held, *self.dropped)) == list(range(self.size))
+
+
 def own_state(state: SequenceState) -> LlamaState:
     if not isinstance(state, LlamaState):
         raise TypeError(f"not a llama.cpp state: {type(state).__name__}")
@@ -86,6 +106,7 @@ class SeqPool:
 
     def __init__(self, context: Context, n_seq_max: int) -> None:
         self._context = context
+        self.size = n_seq_max
         self._free = list(range(n_seq_max - 1, -1, -1))  # pop() hands out 0 first
         self._holders: dict[int, weakref.ref[LlamaState]] = {}
         self._dropped: collections.deque[int] = collections.deque()  # queued by finalizers
@@ -160,6 +181,22 @@ class SeqPool:
                 "with a larger context_length"
             )
         return dst
+
+    def give_back_later(self, seqs: Iterable[int]) -> None:
+        """Queue ``seqs`` (owned by no state) to be freed at the compute thread's next call; safe
+        from any thread, as a finalizer needs."""
+        self._dropped.extend(seqs)
+
+    def census(self) -> SeqCensus:
+        """Where every seq_id is now. Read-only; call it while no compute runs (a test at
+        quiescence), since the compute thread moves ids between these."""
+        held = [seq for seq, ref in self._holders.items() if ref() is not None]
+        return SeqCensus(
+            size=self.size,
+            free=tuple(sorted(self._free)),
+            held=tuple(sorted(held)),
+            dropped=tuple(sorted(self._dropped)),
+        )
 
     def reclaim(self) -> None:
         """Free the seq_ids of states the engine dropped (queued by their finalizers)."""
