@@ -111,8 +111,9 @@ _SERVE_EXAMPLES = """examples:
 
 BACKEND_CHOICES = ["mlx", "llamacpp", "auto", "simulated"]
 _BACKEND_HELP = (
-    "mlx (the default), llamacpp (a .gguf file or known model on llama.cpp's kernels; needs "
-    "llama-cpp-python), auto (llama.cpp for GGUF on a CPU where it is installed, else MLX), "
+    "auto (the default: llama.cpp for a GGUF file or known model on a CPU where llama-cpp-python "
+    "is installed, else MLX), mlx, llamacpp (a .gguf file or known model on llama.cpp's "
+    "kernels), "
     "or simulated: a deterministic stand-in model (gibberish), no MLX needed"
 )
 _ONE_MODEL_HELP = (
@@ -183,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     gen.add_argument(
         "--backend",
-        default="mlx",
+        default="auto",
         choices=BACKEND_CHOICES,
         help=_BACKEND_HELP,
     )
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     chat.add_argument(
         "--backend",
-        default="mlx",
+        default="auto",
         choices=BACKEND_CHOICES,
         help=_BACKEND_HELP,
     )
@@ -255,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     serve.add_argument(
         "--backend",
-        default="mlx",
+        default="auto",
         choices=BACKEND_CHOICES,
         help=_BACKEND_HELP + " (simulated: NAME only, no PATH)",
     )

@@ -82,7 +82,9 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         default_temperature=args.temperature,
         default_max_tokens=args.max_tokens,
         allowed_origins=tuple(args.allowed_origins),
-        offer_cached_models=args.backend == "mlx",  # cached models are MLX ones
+        # Known models and cached conversions: MLX's, or llama.cpp's where auto picks it.
+        offer_cached_models=args.backend in ("mlx", "auto"),
+        catalog_backend=args.backend,
         **access,
     )
     # Bars for what loads on demand too (fetch, convert, load), for as long as the server runs.

@@ -73,6 +73,8 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     runtime: RuntimeConfig = RuntimeConfig()
     max_body_bytes: int = 8 << 20
     offer_cached_models: bool = False
+    # The backend a catalog model loads on: "auto" picks per file (runtime/backends/choice.py).
+    catalog_backend: str = "mlx"
     keep_alive_s: float | None = None
     # The temperature of a request that sends none: OpenAI's 1.0 (``mlxrt serve --temp``: 0).
     default_temperature: float = 1.0
@@ -177,6 +179,7 @@ class OpenAIServer:
                 progress=self._progress,
                 loaded=self._declare,
                 catalog=available_models if config.offer_cached_models else list,
+                catalog_backend=config.catalog_backend,
             )
             for spec in config.models:
                 await manager.load_spec(spec)

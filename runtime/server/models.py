@@ -22,6 +22,7 @@ import anyio
 import msgspec
 
 from runtime.api import Runtime
+from runtime.backends.choice import resolve_backend
 from runtime.backends.model_source import (
     AvailableModel,
     available_models,
@@ -83,10 +84,11 @@ class ModelManager:
         progress: Progress = no_progress,
         loaded: Callable[[str], None] = lambda name: None,
         catalog: Callable[[], list[AvailableModel]] = available_models,
+        catalog_backend: str = "mlx",
     ) -> None:
         """``keep_alive_s``: of models loaded by name (not configured ones, whose spec says);
         ``loaded``: called with each model's name once it is in; ``catalog``: the loadable
-        models beyond the configured ones."""
+        models beyond the configured ones, loaded on ``catalog_backend``."""
         self._runtime = runtime
         self._configured = {spec.name: spec for spec in configured}
         self._keep_alive_s = keep_alive_s
@@ -94,6 +96,7 @@ class ModelManager:
         self._progress = progress
         self._loaded = loaded
         self._catalog = catalog
+        self._catalog_backend = catalog_backend
         self._preparing: dict[str, anyio.Event] = {}
         self._prepared: dict[str, ModelSpec] = {}  # loaded by name (not configured), prepared
         self._first_seen: dict[str, int] = {}
@@ -190,7 +193,14 @@ class ModelManager:
             entry = next((m for m in self._catalog() if m.name == name), None)
             if entry is None:
                 return None
-            spec = ModelSpec(name=name, path=entry.path, keep_alive_s=self._keep_alive_s)
+            spec = resolve_backend(
+                ModelSpec(
+                    name=name,
+                    path=entry.path,
+                    backend=self._catalog_backend,
+                    keep_alive_s=self._keep_alive_s,
+                )
+            )
         if not isinstance(keep_alive, _Unset):
             spec = msgspec.structs.replace(spec, keep_alive_s=keep_alive)
         return spec
