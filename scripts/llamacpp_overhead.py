@@ -5,6 +5,8 @@ each once, back to back, so they share that moment's load on a shared CPU), in o
 
 - ``raw``: ``binding.Context.decode`` of one row (padded as the backend pads it) and numpy's
   argmax, in a loop: the floor;
+- ``unpadded``: the same loop, the row alone, as llama-server decodes it (its tokens may differ:
+  not checked);
 - ``feed``: ``LlamaCppBackend.feed`` and an MLX argmax of the array it returns;
 - ``runtime``: the in-process ``Runtime`` (``rt.generate``), from its first token to its last;
 - ``http``: ``mlxrt serve --backend llamacpp``, streaming ``/v1/completions`` (``--http``; its
@@ -69,8 +71,11 @@ class Clock:
 # ---------------------------------------------------------------------- B=1
 
 
-def raw_loop(backend: LlamaCppBackend, prompt: list[int], n: int) -> tuple[Rate, list[int]]:
-    """The floor: one padded ``llama_decode`` and a numpy argmax per token."""
+def raw_loop(
+    backend: LlamaCppBackend, prompt: list[int], n: int, pad: bool = True
+) -> tuple[Rate, list[int]]:
+    """The floor: one ``llama_decode`` padded as the backend pads it (``pad=False``: the row
+    alone, as llama-server decodes it) and a numpy argmax per token."""
     state = backend.new_state()
     backend.prefill(state, prompt)
     ctx, pool = backend.context, backend.pool
@@ -79,7 +84,7 @@ def raw_loop(backend: LlamaCppBackend, prompt: list[int], n: int) -> tuple[Rate,
     out, pos, clock = [token], len(prompt), Clock()
     clock.start()
     for _ in range(n - 1):
-        (logits,) = ctx.decode([Row(seq, pos, token, True)], pad_seq=pool.pad)
+        (logits,) = ctx.decode([Row(seq, pos, token, True)], pad_seq=pool.pad if pad else -1)
         token = int(np.argmax(logits))
         out.append(token)
         pos += 1
@@ -254,7 +259,7 @@ async def _rounds(
     return rates
 
 
-async def main() -> None:
+def _arguments() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--gguf", default=str(GGUF))
     parser.add_argument("--threads", type=int, default=1)
@@ -263,7 +268,11 @@ async def main() -> None:
     parser.add_argument("--batch", default="", help="comma-separated batch sizes, e.g. 4,8")
     parser.add_argument("--http", action="store_true", help="also time mlxrt serve over HTTP")
     parser.add_argument("--only-runtime", type=int, default=0, help="run the runtime B=1 only")
-    args = parser.parse_args()
+    parser.add_argument("--uvloop", action="store_true", help="the in-process layers on uvloop")
+    return parser.parse_args()
+
+
+async def main(args: argparse.Namespace) -> None:
     sizes = [int(b) for b in args.batch.split(",") if b]
     max_batch = max(sizes, default=0)
     extra = {"max_batch": max_batch} if max_batch else {}
@@ -297,7 +306,10 @@ async def main() -> None:
             async def runtime_() -> Rate:
                 return (await runtime_streams(rt, prompts[:1], n))[0]
 
-            layers = {"raw": raw_, "feed": feed_, "runtime": runtime_}
+            async def alone_() -> Rate:
+                return raw_loop(backend, prompts[0], n, pad=False)[0]
+
+            layers = {"raw": raw_, "feed": feed_, "runtime": runtime_, "unpadded": alone_}
             if server is not None:
                 await server.ready()
                 await server.stream(prompts[0], n)  # warm-up: the prompt's prefix is cached
@@ -329,4 +341,5 @@ async def main() -> None:
 
 
 if __name__ == "__main__":
-    asyncio.run(main())
+    arguments = _arguments()
+    anyio.run(main, arguments, backend_options={"use_uvloop": arguments.uvloop})
