@@ -105,26 +105,28 @@ def feed_loop(backend: LlamaCppBackend, prompt: list[int], n: int) -> tuple[Rate
 
 
 async def runtime_streams(rt: Runtime, prompts: list[list[int]], n: int) -> tuple[Rate, list[int]]:
-    """``len(prompts)`` concurrent requests, timed from the first token any shows to the last;
-    the first request's tokens."""
-    clock, counted, first = Clock(), [0], [True]
+    """``len(prompts)`` concurrent requests, timed while all of them decode: from the last first
+    token to the first last one (so streams still joining or already done do not count); the
+    first request's tokens."""
+    events: list[list[tuple[float, float, int]]] = [[] for _ in prompts]  # wall, cpu, tokens
     outputs: list[list[int]] = [[] for _ in prompts]
 
     async def one(index: int) -> None:
         async with rt.generate("m", prompt_tokens=prompts[index], max_tokens=n) as stream:
             async for event in stream:
                 if isinstance(event, TokensEmitted):
-                    if first[0]:  # the clock starts after the first event's tokens
-                        first[0] = False
-                        clock.start()
-                    else:
-                        counted[0] += len(event.token_ids)
+                    now = (time.perf_counter(), time.process_time(), len(event.token_ids))
+                    events[index].append(now)
                     outputs[index] += event.token_ids
 
     async with anyio.create_task_group() as tg:
         for index in range(len(prompts)):
             tg.start_soon(one, index)
-    return clock.rate(counted[0]), outputs[0]
+    start = max(e[0] for e in events)
+    end = min(e[-1] for e in events)
+    tokens = sum(k for stream in events for t, _, k in stream if start[0] < t <= end[0])
+    wall, cpu = end[0] - start[0], end[1] - start[1]
+    return Rate(tokens / wall, 1000 * cpu / tokens), outputs[0]
 
 
 # ---------------------------------------------------------------------- B>1
