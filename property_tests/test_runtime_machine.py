@@ -2,9 +2,10 @@
 
 Hypothesis picks the simulator's seed (so which actor runs next), whether decode steps are
 pipelined (as on MLX: a step is built on a token before it is read, and a lone stream keeps one
-step queued) or only queued (as on llama.cpp) and a program of host actions (prewarms in the default session, named sessions or
-anonymous, alone or several at once: the same prompt, one extending or cutting another); after
-every step the invariants are checked. A failure shrinks to a short program and replays.
+step queued) or only queued (as on llama.cpp), and a program of host actions (prewarms in the
+default session, named sessions or anonymous, alone or several at once: the same prompt, one
+extending or cutting another); after every step the invariants are checked. A failure shrinks to
+a short program and replays.
 """
 
 from __future__ import annotations
