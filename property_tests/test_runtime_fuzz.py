@@ -107,6 +107,7 @@ class RuntimeFuzzMachine(RuntimeMachine):
         order=st.randoms(use_true_random=False),
         trimmable=st.booleans(),
         pipelined=st.booleans(),
+        queue_steps=st.booleans(),
         eos_every=st.sampled_from([0, 2]),
         probe_steps=st.sampled_from([0, 3]),
         first_faults=st.tuples(batch_faults).map(list) | st.lists(faults, min_size=1, max_size=3),
@@ -122,6 +123,7 @@ class RuntimeFuzzMachine(RuntimeMachine):
         order: random.Random,
         trimmable: bool,
         pipelined: bool,
+        queue_steps: bool,
         eos_every: int,
         probe_steps: int,
         first_faults: list[Fault],
@@ -141,6 +143,7 @@ class RuntimeFuzzMachine(RuntimeMachine):
             pipelined=pipelined,
             eos_every=eos_every,
             probe_steps=probe_steps,
+            queue_steps=queue_steps,
         )
         config = msgspec.structs.replace(
             self.sim.config,

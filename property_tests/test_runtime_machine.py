@@ -2,9 +2,10 @@
 
 Hypothesis picks the simulator's seed (so which actor runs next), whether decode steps are
 pipelined (as on MLX: a step is built on a token before it is read, and a lone stream keeps one
-step queued) and a program of host actions (prewarms in the default session, named sessions or
-anonymous, alone or several at once: the same prompt, one extending or cutting another); after
-every step the invariants are checked. A failure shrinks to a short program and replays.
+step queued) or only queued (as on llama.cpp), and a program of host actions (prewarms in the
+default session, named sessions or anonymous, alone or several at once: the same prompt, one
+extending or cutting another); after every step the invariants are checked. A failure shrinks to
+a short program and replays.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         seed=st.integers(0, 2**16),
         trimmable=st.booleans(),
         pipelined=st.booleans(),
+        queue_steps=st.booleans(),  # without pipelined: queued steps as on llama.cpp
         # 2: about every other token ends on an EOS, which a pipelined step has fed already.
         eos_every=st.sampled_from([0, 2]),
         # 3: a first load with no cached probe verdict: limited (no batching, no reuse path)
@@ -67,7 +69,13 @@ class RuntimeMachine(RuleBasedStateMachine):
         probe_steps=st.sampled_from([0, 3]),
     )
     def start(
-        self, seed: int, trimmable: bool, pipelined: bool, eos_every: int, probe_steps: int = 0
+        self,
+        seed: int,
+        trimmable: bool,
+        pipelined: bool,
+        eos_every: int,
+        probe_steps: int = 0,
+        queue_steps: bool = False,
     ) -> None:
         config = RuntimeConfig(kv_budget_bytes=BUDGET, reservation_timeout_s=0.05)
         self.sim = Simulator(seed=seed, config=config)
@@ -88,6 +96,7 @@ class RuntimeMachine(RuleBasedStateMachine):
             prefill_s_per_token=0.001,
             decode_s_per_token=0.002,
             pipelined=pipelined,
+            queue_steps=queue_steps,
             eos_every=eos_every,
             probe_steps=probe_steps,
             probe_step_s=0.003,

@@ -1,5 +1,7 @@
 """Pipelined decoding on the simulator (``pipelined=True``: steps are built on a token before it is
-read, and a lone stream keeps one step queued, as on MLX) against step-by-step decoding.
+read, and a lone stream keeps one step queued, as on MLX) and queued steps alone (``queue_steps``:
+the queued step feeds the token the one before it read, as on llama.cpp) against step-by-step
+decoding.
 
 The output never changes: tokens, text, logprobs, seeded draws and endings are the same. What may
 change is what the cache holds when a sequence ends: a token fed and never shown (an EOS, one read
@@ -95,14 +97,29 @@ def test_pipelined_output_equals_step_by_step(
     sampling: Sampling, n: int, eos_every: int, stop: tuple[str, ...]
 ) -> None:
     outputs = []
-    for pipelined in (False, True):
-        s = sim(pipelined, eos_every=eos_every)
+    for pipelined, queued in ((False, False), (True, True), (False, True)):
+        s = sim(pipelined, eos_every=eos_every, queue_steps=queued)
         s.send(generate("a", n, sampling=sampling, stop=stop))
         s.run_until_quiescent()
         outputs.append(events(s, "a"))
         entries_match_their_states(s)
         assert kv_keeper(s).reserved_bytes == prefix_cache(s).total_bytes
-    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["step-by-step", "queued"])
+def test_a_queued_step_feeds_the_token_read_before_the_loop_sees_it(queued: bool) -> None:
+    """Not pipelined: step-by-step, the step that read the token a stop string ends on was the
+    last, so the cache lacks that token; a step queued behind it has fed it already."""
+    s = sim(False, queue_steps=queued)
+    s.send(generate("a", 40, stop=("o",)))
+    s.run_until_quiescent()
+    end = s.terminal("a", 1)
+    assert isinstance(end, Finished) and end.stop == "o"
+    shown = s.emitted_tokens("a", 1)
+    [key] = entries_match_their_states(s)
+    assert key == (*PROMPT, *shown[: len(shown) - (0 if queued else 1)])
+    assert kv_keeper(s).reserved_bytes == prefix_cache(s).total_bytes
 
 
 @pytest.mark.parametrize("trimmable", [True, False], ids=["trimmable", "not-trimmable"])
@@ -125,8 +142,11 @@ def test_an_eos_is_fed_ahead_only_where_it_can_be_cut_back(trimmable: bool) -> N
     assert started.cached_tokens == len(PROMPT) + len(shown)
 
 
-def test_a_cancel_lands_before_the_next_token_and_the_entry_holds_what_was_fed() -> None:
-    s = sim(True)
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "queued"])
+def test_a_cancel_lands_before_the_next_token_and_the_entry_holds_what_was_fed(
+    pipelined: bool,
+) -> None:
+    s = sim(pipelined, queue_steps=True)
     s.send(generate("a", 40))
     s.run_until(lambda: len(s.emitted_tokens("a", 1)) >= 5)
     s.advance(DECODE_S / 2)  # the next token is computing, one more is queued
@@ -143,8 +163,11 @@ def test_a_cancel_lands_before_the_next_token_and_the_entry_holds_what_was_fed()
     assert kv_keeper(s).reserved_bytes == prefix_cache(s).total_bytes
 
 
-def test_a_stop_string_end_waits_for_the_queued_step_and_gives_everything_back_first() -> None:
-    s = sim(True)
+@pytest.mark.parametrize("pipelined", [True, False], ids=["pipelined", "queued"])
+def test_a_stop_string_end_waits_for_the_queued_step_and_gives_everything_back_first(
+    pipelined: bool,
+) -> None:
+    s = sim(pipelined, queue_steps=True)
     s.send(generate("a", 40, stop=("o",)))
     s.run_until(lambda: s.terminal("a", 1) is not None)
     end = s.terminal("a", 1)

@@ -261,6 +261,47 @@ def test_greedy_takes_the_argmax_after_the_processors() -> None:
     assert biased.sample(logits, [], random.Random(0)).token == 3
 
 
+GREEDY = {
+    "plain": {},
+    "penalty": {"repetition_penalty": 1.1},
+    "bias": {"logit_bias": {3: 3.5}},
+    "logprobs": {"logprobs": True, "top_logprobs": 2},
+}
+ROWS = {
+    "tie": [1.0, 3.0, 3.0, 2.0, 3.0, 0.0, 0.0, 0.0],
+    "last": [0.0] * 7 + [1.0],
+    "equal": [0.5] * 8,
+    "masked": [-math.inf, -math.inf, 1.0, -math.inf, 1.0, 0.0, 0.0, 0.0],
+    "nan": [1.0, math.nan, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0],
+}
+
+
+@pytest.mark.parametrize("row", ROWS.values(), ids=ROWS.keys())
+@pytest.mark.parametrize("fields", GREEDY.values(), ids=GREEDY.keys())
+def test_a_greedy_draw_on_computed_logits_picks_what_mlx_picks(
+    fields: dict[str, object], row: list[float]
+) -> None:
+    """``computed=True`` (logits of a backend that is not pipelined) may pick on the host: the
+    same token, logprobs and array to feed, ties and NaN included."""
+    s = sampler(**fields)
+    logits = mx.array(row, dtype=mx.float32)
+    on_host = s.draw(logits, [0, 2], random.Random(0), computed=True)
+    on_device = s.draw(logits, [0, 2], random.Random(0))
+    on_host.start()
+    assert repr(on_host.read()) == repr(on_device.read())  # repr: a NaN logprob equals itself
+    assert on_host.token.item() == on_device.token.item()
+
+
+def test_a_greedy_draw_on_computed_logits_of_a_real_vocabulary_is_the_argmax() -> None:
+    logits = np.random.default_rng(0).standard_normal(49152).astype(np.float32)
+    s = sampler(vocab=49152)
+    draw = s.draw(mx.array(logits), [], random.Random(0), computed=True)
+    expected = s.sample(mx.array(logits), [], random.Random(0)).token
+    assert draw.read().token == int(np.argmax(logits)) == expected
+    with pytest.raises(ValueError, match=r"shape \(49152,\)"):
+        s.draw(mx.array(logits[:8]), [], random.Random(0), computed=True)
+
+
 # --------------------------------------------------------------------------- DRY
 
 

@@ -9,10 +9,10 @@ hands it to the part that acts on what it left. A prefill chunk's size comes fro
 ``ChunkSizer``, which learns the model's rate from the chunks timed here (submission to result, on
 the context's clock: virtual in the simulator).
 
-A lone decoding stream on a pipelined backend keeps one more decode step queued behind its running
-one (``top_up``), so its next token computes while the loop shows the last one, without waiting
-for the loop to hand the executor more work. Only while nothing else is ready to run: anything
-else waits for at most that one queued step.
+A lone decoding stream keeps one more decode step queued behind its running one (``top_up``, where
+``Backend.queues_steps``), so its next token computes while the loop shows the last one, without
+waiting for the loop to hand the executor more work. Only while nothing else is ready to run:
+anything else waits for at most that one queued step.
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ class ComputeSlot:
 
     def top_up(self, backend: Backend, ctx: Context) -> None:
         """Queue a lone stream's next decode step behind its running one (module docstring)."""
-        if not backend.pipelined or len(self._jobs) != 1:
+        if not backend.queues_steps or len(self._jobs) != 1:
             return
         ((running, _),) = self._jobs.values()
         if not isinstance(running, StepJob):

@@ -77,7 +77,8 @@ def _decode(job: StepJob, seq: Sequence, decoding: Decoding, backend: Backend) -
             backend.prefill(seq.state, [decoding.pending])
             job.prefilled = 1
         logits = backend.logits(seq.state)
-        draw = _sampler(decoding, seq, backend, logits).draw(logits, decoding.history, seq.rng)
+        sampler = _sampler(decoding, seq, backend, logits)
+        draw = sampler.draw(logits, decoding.history, seq.rng, computed=not backend.pipelined)
     draw.start()
     if job.build_ahead and _may_build_next(seq, decoding, backend):
         try:
@@ -154,7 +155,7 @@ def _step_batch(
         sampler = _sampler(decoding, seq, backend, row)
         draw, decoding.ahead = decoding.ahead, None
         if draw is None:
-            draw = sampler.draw(row, decoding.history, seq.rng)
+            draw = sampler.draw(row, decoding.history, seq.rng, computed=not backend.pipelined)
         else:
             step.fed = True
             if _may_build_next(seq, decoding, backend):

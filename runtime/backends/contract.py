@@ -290,8 +290,17 @@ class Backend(Protocol):
     @property
     def pipelined(self) -> bool:
         """Whether the engine pipelines decode steps here: it builds the step that feeds a drawn
-        token before reading the token (``feed``, ``DecodeBatchHandle.step``), and queues a lone
-        stream's next step behind the running one (MLX: its arrays compute when evaluated)."""
+        token before reading the token (``feed``, ``DecodeBatchHandle.step``; MLX: its arrays
+        compute when evaluated). Where not, every logits array a backend returns is computed
+        already, and a sampler may read it on the host at once (``TokenSampler.draw``)."""
+        ...
+
+    @property
+    def queues_steps(self) -> bool:
+        """Whether the engine queues a lone stream's next decode step behind its running one, so
+        the compute thread goes from one token to the next without waiting for the event loop
+        (MLX, llama.cpp; ``ComputeSlot.top_up``). The queued step feeds what the running one
+        left: its draw (pipelined) or the token it read."""
         ...
 
     def feed(self, state: SequenceState, token: mx.array) -> mx.array:

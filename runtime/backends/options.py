@@ -121,6 +121,9 @@ class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unk
     # True: the engine pipelines decode steps as on MLX (Backend.pipelined): a step is built on a
     # token before it is read, and a lone stream's next step is queued behind the running one.
     pipelined: bool = False
+    # True: a lone stream's next step is queued behind the running one without pipelining, as on
+    # llama.cpp (Backend.queues_steps); ``pipelined`` implies it.
+    queue_steps: bool = False
     # >0: the model loads as a first load with no cached probe verdict does on MLX: every probed
     # capability off (no batching, no reuse path) until the engine has run its deferred probe, in
     # this many pieces of ``probe_step_s`` each (``Backend.deferred_probe``).

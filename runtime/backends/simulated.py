@@ -332,6 +332,11 @@ class SimulatedBackend:
         simulated step is charged when it is built, not when its token is read (as on MLX)."""
         return self._options.pipelined
 
+    @property
+    def queues_steps(self) -> bool:
+        """As the options say (``queue_steps``, or ``pipelined``, which queues as MLX does)."""
+        return self._options.pipelined or self._options.queue_steps
+
     def feed(self, state: SequenceState, token: mx.array) -> mx.array:
         self.prefill(state, [_read_token(token)])
         return self.logits(state)

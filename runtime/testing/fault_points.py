@@ -72,6 +72,10 @@ class FaultyBackend:
     def pipelined(self) -> bool:
         return self._inner.pipelined
 
+    @property
+    def queues_steps(self) -> bool:
+        return self._inner.queues_steps
+
     def encode(self, text: str) -> list[int]:
         return self._inner.encode(text)
 

@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, cast
 
 import mlx.core as mx
 import msgspec
+import numpy as np
 from mlx_lm.sample_utils import (
     apply_min_p,
     apply_top_k,
@@ -109,17 +110,27 @@ class Draw:
     """A token picked on the device and not read yet: its arrays (the token, and its
     log-probability and top alternatives when asked for) are evaluated by ``read``.
 
-    ``token`` is a scalar array a model step can be fed before it is read.
+    ``token`` is a scalar array a model step can be fed before it is read. A draw made on the host
+    (a greedy pick read off computed logits, ``TokenSampler.draw``) holds its token id already.
     """
 
-    __slots__ = ("_logprob", "_top", "token")
+    __slots__ = ("_logprob", "_token", "_top")
 
     def __init__(
-        self, token: mx.array, logprob: mx.array | None, top: tuple[mx.array, mx.array] | None
+        self,
+        token: mx.array | int,
+        logprob: mx.array | None = None,
+        top: tuple[mx.array, mx.array] | None = None,
     ) -> None:
-        self.token = token
+        self._token = token
         self._logprob = logprob
         self._top = top
+
+    @property
+    def token(self) -> mx.array:
+        if isinstance(self._token, int):
+            return mx.array(self._token, dtype=mx.int32)
+        return self._token
 
     @property
     def arrays(self) -> list[mx.array]:
@@ -129,12 +140,15 @@ class Draw:
 
     def start(self) -> None:
         """Start computing the draw on the device without waiting for it."""
-        mx.async_eval(self.arrays)  # type: ignore[no-untyped-call]
+        if not isinstance(self._token, int):  # a token picked on the host needs no MLX
+            mx.async_eval(self.arrays)  # type: ignore[no-untyped-call]
 
     def read(self) -> SampleResult:
         """Wait for the draw and return it as host values."""
+        if isinstance(self._token, int):
+            return SampleResult(token=self._token)
         mx.eval(self.arrays)
-        chosen = int(cast(int, self.token.item()))
+        chosen = int(cast(int, self._token.item()))
         logprob = None if self._logprob is None else float(cast(float, self._logprob.item()))
         top: tuple[tuple[int, float], ...] = ()
         if self._top is not None:
@@ -221,6 +235,16 @@ class TokenSampler:
             self._breakers = sequence_breaker_ids(
                 decode_token, vocab_size, tuple(sampling.dry_sequence_breakers)
             )
+        # Greedy with nothing to change the logits or report about them: the pick is their argmax.
+        self._plain_argmax = (
+            self.greedy
+            and self._bias is None
+            and not self._penalties
+            and not self._dry
+            and matcher is None
+            and not sampling.logprobs
+            and sampling.top_logprobs == 0
+        )
 
     @property
     def greedy(self) -> bool:
@@ -363,12 +387,24 @@ class TokenSampler:
         history: Sequence[int],
         rng: random.Random,
         fed: mx.array | None = None,
+        *,
+        computed: bool = False,
     ) -> Draw:
         """``sample`` without the wait: the pick as unevaluated arrays (see ``Draw``).
 
         ``fed``: the history's last token, still an unread draw (see ``process``). The host's
         ``rng`` is drawn from now, so draws made in step order give ``sample``'s tokens.
+        ``computed``: ``logits`` hold their values already (a backend that is not pipelined); a
+        plain greedy pick (no bias, penalty, DRY, constraint or logprobs) is then numpy's argmax
+        of them, made at once (the same token: both take the first of equal maxima), without an
+        MLX graph and the hand-off to MLX's thread.
         """
+        if computed and fed is None and self._plain_argmax and logits.dtype == mx.float32:
+            if logits.shape != (self.vocab_size,):
+                raise ValueError(
+                    f"expected logits of shape ({self.vocab_size},), got {tuple(logits.shape)}"
+                )
+            return Draw(int(np.argmax(np.asarray(logits))))
         s = self.sampling
         if fed is not None and self.matcher is not None:
             raise ValueError("a constraint's mask follows the last token: read the fed one first")

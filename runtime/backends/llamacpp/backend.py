@@ -403,7 +403,11 @@ class LlamaCppBackend:
 
     @property
     def pipelined(self) -> bool:
-        return False  # llama_decode computes before it returns: nothing to queue behind it
+        return False  # llama_decode computes before it returns: no graph to build ahead
+
+    @property
+    def queues_steps(self) -> bool:
+        return True  # the next step starts as this one ends, not when the loop has seen it
 
     def feed(self, state: SequenceState, token: mx.array) -> mx.array:
         own = own_state(state)

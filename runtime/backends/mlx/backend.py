@@ -358,6 +358,10 @@ class MlxBackend:
     def pipelined(self) -> bool:
         return True
 
+    @property
+    def queues_steps(self) -> bool:
+        return True
+
     def feed(self, state: SequenceState, token: mx.array) -> mx.array:
         """One decode step on an unread token: the graph only; whoever reads the logits (or a
         draw made from them) evaluates it, after the step in flight, like mlx-lm's pipeline."""
