@@ -3,10 +3,9 @@
 Greedy decode of the same ~100-token prompt through each layer, the layers in turns (a round runs
 each once, back to back, so they share that moment's load on a shared CPU), in one process:
 
-- ``raw``: ``binding.Context.decode`` of one row (padded as the backend pads it) and numpy's
-  argmax, in a loop: the floor;
-- ``unpadded``: the same loop, the row alone, as llama-server decodes it (its tokens may differ:
-  not checked);
+- ``raw``: ``binding.Context.decode`` of one row (alone, as llama-server decodes it; with
+  ``exact_reuse`` beside a throwaway row, as the backend then does) and numpy's argmax, in a loop:
+  the floor;
 - ``feed``: ``LlamaCppBackend.feed`` and an MLX argmax of the array it returns;
 - ``runtime``: the in-process ``Runtime`` (``rt.generate``), from its first token to its last;
 - ``http``: ``mlxrt serve --backend llamacpp``, streaming ``/v1/completions`` (``--http``; its
@@ -44,7 +43,7 @@ import numpy as np
 from bench.prompts import make_text
 from runtime.api import Runtime
 from runtime.backends.llamacpp.backend import LlamaCppBackend
-from runtime.backends.llamacpp.binding import Row
+from runtime.backends.llamacpp.passes import Row
 from runtime.backends.options import LlamaCppOptions
 from runtime.config import RuntimeConfig
 from runtime.messages import ModelSpec, TokensEmitted
@@ -71,20 +70,18 @@ class Clock:
 # ---------------------------------------------------------------------- B=1
 
 
-def raw_loop(
-    backend: LlamaCppBackend, prompt: list[int], n: int, pad: bool = True
-) -> tuple[Rate, list[int]]:
-    """The floor: one ``llama_decode`` padded as the backend pads it (``pad=False``: the row
-    alone, as llama-server decodes it) and a numpy argmax per token."""
+def raw_loop(backend: LlamaCppBackend, prompt: list[int], n: int) -> tuple[Rate, list[int]]:
+    """The floor: one ``llama_decode`` per token as the backend makes it (the row alone, as
+    llama-server decodes it, unless the model has ``exact_reuse``) and a numpy argmax."""
     state = backend.new_state()
     backend.prefill(state, prompt)
-    ctx, pool = backend.context, backend.pool
-    seq = pool.resident(state)
+    ctx = backend.context
+    seq = backend.pool.resident(state)
     token = int(np.argmax(np.asarray(backend.logits(state))))
     out, pos, clock = [token], len(prompt), Clock()
     clock.start()
     for _ in range(n - 1):
-        (logits,) = ctx.decode([Row(seq, pos, token, True)], pad_seq=pool.pad if pad else -1)
+        (logits,) = ctx.decode([Row(seq, pos, token, True)])
         token = int(np.argmax(logits))
         out.append(token)
         pos += 1
@@ -145,7 +142,7 @@ def raw_batch(backend: LlamaCppBackend, prompts: list[list[int]], n: int) -> Rat
     clock.start()
     for _ in range(n - 1):
         rows = [Row(s, p, t, True) for s, p, t in zip(seqs, pos, tokens, strict=True)]
-        tokens = [int(np.argmax(row)) for row in ctx.decode(rows, pad_seq=pool.pad)]
+        tokens = [int(np.argmax(row)) for row in ctx.decode(rows)]
         pos = [p + 1 for p in pos]
     return clock.rate(len(prompts) * (n - 1))
 
@@ -308,10 +305,7 @@ async def main(args: argparse.Namespace) -> None:
             async def runtime_() -> Rate:
                 return (await runtime_streams(rt, prompts[:1], n))[0]
 
-            async def alone_() -> Rate:
-                return raw_loop(backend, prompts[0], n, pad=False)[0]
-
-            layers = {"raw": raw_, "feed": feed_, "runtime": runtime_, "unpadded": alone_}
+            layers = {"raw": raw_, "feed": feed_, "runtime": runtime_}
             if server is not None:
                 await server.ready()
                 await server.stream(prompts[0], n)  # warm-up: the prompt's prefix is cached
