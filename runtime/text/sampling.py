@@ -260,6 +260,13 @@ class TokenSampler:
 
     # ------------------------------------------------------------------ pipeline stages
 
+    def _check_shape(self, logits: mx.array) -> None:
+        """``ValueError`` unless ``logits`` is the ``(vocab_size,)`` vector of one position."""
+        if logits.shape != (self.vocab_size,):
+            raise ValueError(
+                f"expected logits of shape ({self.vocab_size},), got {tuple(logits.shape)}"
+            )
+
     def process(
         self, logits: mx.array, history: Sequence[int], fed: mx.array | None = None
     ) -> mx.array:
@@ -269,10 +276,7 @@ class TokenSampler:
         ``fed`` is the history's last token when it is still an unread draw (``history`` then
         holds the tokens before it); raises ``ValueError`` if DRY is on, which needs it read.
         """
-        if logits.shape != (self.vocab_size,):
-            raise ValueError(
-                f"expected logits of shape ({self.vocab_size},), got {tuple(logits.shape)}"
-            )
+        self._check_shape(logits)
         out = logits.astype(mx.float32)
         if self._bias is not None:
             ids, values = self._bias
@@ -400,10 +404,7 @@ class TokenSampler:
         MLX graph and the hand-off to MLX's thread.
         """
         if computed and fed is None and self._plain_argmax and logits.dtype == mx.float32:
-            if logits.shape != (self.vocab_size,):
-                raise ValueError(
-                    f"expected logits of shape ({self.vocab_size},), got {tuple(logits.shape)}"
-                )
+            self._check_shape(logits)
             return Draw(int(np.argmax(np.asarray(logits))))
         s = self.sampling
         if fed is not None and self.matcher is not None:

@@ -1,9 +1,10 @@
 """The llama.cpp calls the backend makes, through llama-cpp-python's low-level ctypes API.
 
-One ``Context`` is one model and one llama.cpp context with a unified KV cache shared by every
-sequence (seq_ids). Everything here runs on the engine's compute thread. Errors are typed: a
-missing binding or a file llama.cpp cannot load is ``ModelLoadFailed`` with what to do; a failed
-decode is ``BackendError``; a decode the stop flag aborted is ``PrefillInterrupted``.
+One ``Context`` is one model and one llama.cpp context whose sequences (seq_ids) each have a
+stream of KV cells of their own (``kv_unified`` off: below). Everything here runs on the engine's
+compute thread. Errors are typed: a missing binding or a file llama.cpp cannot load is
+``ModelLoadFailed`` with what to do; a failed decode is ``BackendError``; a decode the stop flag
+aborted is ``PrefillInterrupted``.
 
 A context is freed by ``close`` (the engine's close job), or else once nothing references it: an
 engine whose watchdog gave up leaves its backend to the stuck thread (it cannot be closed under a
@@ -115,7 +116,7 @@ class Context:
         n_batch: int,
         n_seq_max: int,
         n_threads: int,
-        exact_reuse: bool = True,
+        exact_reuse: bool = False,
     ) -> None:
         lib = import_llama_cpp()
         self._lib = lib
