@@ -8,6 +8,7 @@ nothing else, so the rest of the README stays hand-written.
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -61,19 +62,7 @@ LLAMACPP_SYSTEMS = (LLAMA_SERVER, OURS_LLAMACPP)
 def block(meta: dict[str, Any], results: ResultSet, source: str) -> str:
     """The markdown between the markers (markers excluded)."""
     machine = meta.get("machine", {})
-    rows = []
-    for line in HEADLINES:
-        for model in REAL_MODELS:
-            rows.append(
-                [
-                    line.label,
-                    model,
-                    show(results.versus(model, line.scenario, RAW), "x"),
-                    show(results.versus(model, line.scenario, SERVER), "x"),
-                    "; ".join(g.text for g in line.goals) or "none set",
-                    "; ".join(judged(g, results, model) for g in line.goals) or "-",
-                ]
-            )
+    rows = _rows(results, HEADLINES, ((RAW, RUNTIME), (SERVER, RUNTIME)))
     intro = (
         "Runtime over raw mlx-lm and over `mlx_lm.server` on the real models (times: below 1 is "
         f"better for the runtime; tok/s: above 1), from a {meta.get('mode', '?')} bench run on "
@@ -100,19 +89,9 @@ def block(meta: dict[str, Any], results: ResultSet, source: str) -> str:
 def llamacpp_block(results: ResultSet) -> str:
     """Our runtime on llama.cpp and on MLX over llama-server, the goals of issue 22, each
     system's own after/idle on an abandon, and why a llama.cpp system did not run, if so."""
-    rows = []
-    for line in LLAMACPP_HEADLINES:
-        for model in REAL_MODELS:
-            rows.append(
-                [
-                    line.label,
-                    model,
-                    show(results.versus(model, line.scenario, LLAMA_SERVER, OURS_LLAMACPP), "x"),
-                    show(results.versus(model, line.scenario, LLAMA_SERVER, RUNTIME), "x"),
-                    "; ".join(g.text for g in line.goals),
-                    "; ".join(judged(g, results, model) for g in line.goals),
-                ]
-            )
+    rows = _rows(
+        results, LLAMACPP_HEADLINES, ((LLAMA_SERVER, OURS_LLAMACPP), (LLAMA_SERVER, RUNTIME))
+    )
     intro = (
         "Our runtime on llama.cpp's kernels (`ours-llamacpp`: `mlxrt serve --backend llamacpp`) "
         "and on MLX (`runtime`) over llama.cpp's own `llama-server` on the same GGUF files, from "
@@ -136,6 +115,26 @@ def llamacpp_block(results: ResultSet) -> str:
     for why in results.skip_reasons(LLAMACPP_SYSTEMS, REAL_MODELS):
         parts += ["", _fill(f"{why}.")]
     return "\n".join(parts)
+
+
+def _rows(
+    results: ResultSet, lines: Sequence[Headline], ratios: Sequence[tuple[str, str]]
+) -> list[list[str]]:
+    """A table row per headline and real model: each (versus, system) ratio, the goals, verdicts."""
+    rows = []
+    for line in lines:
+        for model in REAL_MODELS:
+            shown = [show(results.versus(model, line.scenario, *ratio), "x") for ratio in ratios]
+            rows.append(
+                [
+                    line.label,
+                    model,
+                    *shown,
+                    "; ".join(g.text for g in line.goals) or "none set",
+                    "; ".join(judged(g, results, model) for g in line.goals) or "-",
+                ]
+            )
+    return rows
 
 
 def _after_idle(results: ResultSet, system: str, model: str) -> str:
