@@ -465,12 +465,19 @@ def test_reused_prompts_equal_cold_runs(real: RealModel, request: pytest.Fixture
     real.portal.call(scenario)
 
 
-def test_resume_after_an_aborted_prefill_equals_cold(real: RealModel) -> None:
+def test_resume_after_an_aborted_prefill_equals_cold(
+    real: RealModel, request: pytest.FixtureRequest
+) -> None:
     """Cancelled once its first chunk is in: the chunks it finished are reused, the rest prefilled.
 
     The chunk under way when the cancel lands completes and is kept too (on Gemma the kept state
     then holds exactly its 512-token window, and the resumed prefill wraps the ring).
     """
+    if request.node.callspec.id.endswith("gemma3-270m-llamacpp"):
+        # Known and open (issue 22), as in the walk above: where the cancel lands decides how the
+        # prompt is split into passes, and Gemma 3's Q5_0/Q8_0 weights sum by a pass's row count
+        # on llama.cpp (passes.py); failed once in CI at a near-tie, passes most runs.
+        request.applymarker(pytest.mark.xfail(reason="llama.cpp: reused != cold at a near-tie"))
 
     async def scenario() -> None:
         walk = Walk.start(real, "abort")
