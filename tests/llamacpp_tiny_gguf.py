@@ -11,6 +11,8 @@ runtime's tokenizer conversion and chat template work as on a real file.
 - ``lfm2``: LFM2's short-convolution layers between full-attention ones; llama.cpp's memory is
   hybrid (``llama_model_is_hybrid``): a KV cache for the attention layers beside a recurrent
   state (the convolution's last tokens) for the others.
+- ``lfm2-swa``: the same with a 32-token attention window: llama.cpp's hybrid memory with a
+  sliding-window cache (``llama_memory_hybrid_iswa``).
 
 The output projection is scaled up so greedy picks are far apart (no near-ties for the kernels'
 summation order to flip). A few MB each, written in well under a second.
@@ -28,6 +30,7 @@ import numpy as np
 VOCAB = 49152  # SmolLM2's
 EMBED = 64
 CONTEXT = 2048  # the training context the files claim
+WINDOW = 32  # lfm2-swa's attention window
 
 
 @functools.cache
@@ -137,8 +140,10 @@ def write_mamba(path: Path, tokens: Path, *, layers: int = 2, seed: int = 0) -> 
     return _write(path, "mamba", meta, tensors, tokens)
 
 
-def write_lfm2(path: Path, tokens: Path, *, seed: int = 0) -> Path:
-    """An LFM2 model (``LLM_ARCH_LFM2``): short-convolution layers 0 and 2, attention 1 and 3."""
+def write_lfm2(path: Path, tokens: Path, *, seed: int = 0, window: int = 0) -> Path:
+    """An LFM2 model (``LLM_ARCH_LFM2``): short-convolution layers 0 and 2, attention 1 and 3;
+    with ``window`` its attention layers see only that many tokens (llama.cpp's hybrid memory
+    then holds a sliding-window cache beside the recurrent state)."""
     w = _Weights(seed)
     heads, head_dim, ffn, l_cache = 4, EMBED // 4, 128, 3
     kv_heads = [0, heads, 0, heads]  # 0: a convolution layer (llama.cpp's is_recr)
@@ -183,10 +188,16 @@ def write_lfm2(path: Path, tokens: Path, *, seed: int = 0) -> Path:
         "shortconv.l_cache": l_cache,
         "vocab_size": VOCAB,
     }
+    if window:
+        meta["attention.sliding_window"] = window
     return _write(path, "lfm2", meta, tensors, tokens)
 
 
-WRITERS: dict[str, Callable[[Path, Path], Path]] = {"mamba": write_mamba, "lfm2": write_lfm2}
+WRITERS: dict[str, Callable[[Path, Path], Path]] = {
+    "mamba": write_mamba,
+    "lfm2": write_lfm2,
+    "lfm2-swa": functools.partial(write_lfm2, window=WINDOW),
+}
 
 
 def tiny_gguf(arch: str, directory: Path, tokens: Path) -> Path:

@@ -1,12 +1,12 @@
 """The llama.cpp backend on recurrent and hybrid models: every state operation on real GGUF files.
 
 No recurrent or hybrid GGUF can be fetched here, so tests/llamacpp_tiny_gguf.py writes tiny ones
-(random weights, SmolLM2's tokenizer): ``mamba`` (llama.cpp's memory is recurrent only) and
-``lfm2`` (hybrid: a KV cache for its attention layers beside a recurrent state for its
-short-convolution layers). llama.cpp refuses to cut back part of a recurrent state
-(``llama_memory_seq_rm`` returns false), so reuse restores snapshots
-(``llama_state_seq_get_data_ext`` with ``PARTIAL_ONLY``); each operation here must give what a
-cold run gives, with the real state bytes charged.
+(random weights, SmolLM2's tokenizer): ``mamba`` (llama.cpp's memory is recurrent only), ``lfm2``
+(hybrid: a KV cache for its attention layers beside a recurrent state for its short-convolution
+layers) and ``lfm2-swa`` (the same with a 32-token attention window). llama.cpp refuses to cut
+back part of a recurrent state (``llama_memory_seq_rm`` returns false), so reuse restores
+snapshots (``llama_state_seq_get_data_ext`` with ``PARTIAL_ONLY``); each operation here must give
+what a cold run gives, with the real state bytes charged.
 """
 
 from __future__ import annotations
@@ -20,14 +20,16 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from actors.engine.checkpoints import CheckpointPolicy
 from runtime.backends.contract import CannotTrim, PrefillInterrupted, ReuseStrategy
 from runtime.backends.llamacpp.backend import LlamaCppBackend
 from runtime.backends.llamacpp.binding import PARTIAL_ONLY
 from runtime.backends.llamacpp.seqs import LlamaState
+from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY
 from runtime.messages import ModelSpec
 from tests.test_real_model_reuse import CORPUS
 
-ARCHS = ("mamba", "lfm2")
+ARCHS = ("mamba", "lfm2", "lfm2-swa")
 N_BATCH = 64  # several llama_decode calls per prefill, with prompts of a few hundred tokens
 TEXT = " ".join(CORPUS[:3])
 
@@ -76,20 +78,30 @@ def assert_equals_cold(backend: LlamaCppBackend, state: LlamaState, ids: Sequenc
 def test_llama_cpp_loads_them_as_the_architectures_they_are(
     tiny_llama_gguf: Callable[[str], Path],
 ) -> None:
-    kinds = {}
+    """Recurrent or hybrid as llama.cpp reports them, reused through checkpoints, at the
+    periodic spacing docs/reuse.md gives them by default."""
+    facts = {}
     for arch in ARCHS:
         backend = load(tiny_llama_gguf(arch))
         try:
             ctx = backend.context
-            kinds[arch] = (ctx.model_flag("is_recurrent"), ctx.model_flag("is_hybrid"))
             info = backend.info
+            spacing = CheckpointPolicy(DEFAULT_CHECKPOINT_EVERY, 1 << 30).spacing(info)
+            flags = (ctx.model_flag("is_recurrent"), ctx.model_flag("is_hybrid"))
+            facts[arch] = (*flags, info.window_tokens, spacing)
             assert info.reuse is ReuseStrategy.CHECKPOINT
-            assert info.window_tokens is None
             assert info.vocab_size == 49152
             assert backend.encode("Hello, world!") == ctx.tokenize("Hello, world!")
         finally:
             backend.close()
-    assert kinds == {"mamba": (True, False), "lfm2": (False, True)}
+    assert facts == {
+        "mamba": (True, False, None, 64),  # no full-attention KV: the narrowest spacing
+        "lfm2": (False, True, None, 64),  # a snapshot costs ~2 tokens of its attention KV
+        # Every attention layer is windowed: the only state that grows past the window is
+        # llama.cpp's 12 bytes of cell bookkeeping per token, so a snapshot weighs ~1,500
+        # tokens of it and the spacing is the widest, checkpoint_every_tokens.
+        "lfm2-swa": (False, True, 32, DEFAULT_CHECKPOINT_EVERY),
+    }
 
 
 def test_the_kv_budget_charges_llama_cpps_real_state_bytes(backend: LlamaCppBackend) -> None:
