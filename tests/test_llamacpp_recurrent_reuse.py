@@ -23,12 +23,15 @@ import anyio
 import anyio.from_thread
 import pytest
 
+from actors.engine.checkpoints import MAX_POINTS, CheckpointRule, plan_checkpoints
 from runtime.api import Runtime
 from runtime.backends.llamacpp.tokenizer import load_tokenizer, tokenizer_dir
 from runtime.backends.model_source import converted_models_dir
 from runtime.config import RuntimeConfig
 from runtime.messages import (
     Cancelled,
+    ChatMessage,
+    ChatOptions,
     Failed,
     Finished,
     FinishReason,
@@ -40,14 +43,17 @@ from runtime.messages import (
 from runtime.testing.arch_harness import (
     CANCELLED,
     CHAT_NEXT,
+    CONCURRENT,
     MAX_TOKENS,
     REUSE_CASES,
     SPACING,
+    TAILS,
     case_prompt,
     prompt_tokens,
 )
 from runtime.testing.arch_oracle import ReuseOracle
 from runtime.testing.harness import engine_stats, wait_until
+from runtime.text.chat import PreparedPrompt, prepare_chat
 
 ARCHS = ("mamba", "lfm2", "lfm2-swa")
 CHUNK = 32  # prefill chunk: the cancelled prompt takes ~47, so a cancel lands midway
@@ -60,6 +66,14 @@ class Run:
     tokens: tuple[int, ...]
     started: Started
     prefilled: int
+    text: str
+
+
+class Chat(tuple[ChatMessage, ...]):
+    """Chat messages sent as such (the engine renders them with the model's template)."""
+
+
+Prompt = Sequence[int] | Chat
 
 
 @dataclass
@@ -91,22 +105,31 @@ class Tiny:
     def oracle(self) -> ReuseOracle:
         return ReuseOracle(True, SPACING, self.tokenizer.decode)
 
-    async def complete(self, prompt: Sequence[int], namespace: str) -> Run:
+    async def complete(self, prompt: Prompt, namespace: str) -> Run:
         before = self.counter("prefilled_tokens")
-        done = await self.rt.complete(
-            self.name, prompt_tokens=list(prompt), max_tokens=MAX_TOKENS, namespace=namespace
+        sent: dict[str, Any] = (
+            {"messages": list(prompt)} if isinstance(prompt, Chat) else {"prompt_tokens": prompt}
         )
+        done = await self.rt.complete(self.name, **sent, max_tokens=MAX_TOKENS, namespace=namespace)
         assert isinstance(done.terminal, Finished), done.terminal
         assert done.terminal.reason is FinishReason.LENGTH, done.terminal
         assert done.started is not None
-        return Run(done.token_ids, done.started, self.counter("prefilled_tokens") - before)
+        prefilled = self.counter("prefilled_tokens") - before
+        return Run(done.token_ids, done.started, prefilled, done.text)
 
-    async def cold(self, prompt: Sequence[int]) -> tuple[int, ...]:
+    def prepared(self, chat: Chat) -> PreparedPrompt:
+        """The engine's own preparation of ``chat``: its tokens and message ends."""
+        return prepare_chat(
+            self.tokenizer, chat, ChatOptions(), MAX_TOKENS, self.loaded.context_length
+        )
+
+    async def cold(self, prompt: Prompt) -> tuple[int, ...]:
         """The output of ``prompt`` computed from nothing, in a namespace of its own."""
         key = tuple(prompt)
         if key not in self.cold_outputs:
+            n = len(self.prepared(prompt).tokens) if isinstance(prompt, Chat) else len(prompt)
             run = await self.complete(prompt, self.namespace())
-            assert (str(run.started.path), run.prefilled) == ("miss", len(prompt))
+            assert (str(run.started.path), run.prefilled) == ("miss", n)
             self.cold_outputs[key] = run.tokens
         return self.cold_outputs[key]
 
@@ -164,6 +187,103 @@ def test_every_reuse_case_prefills_what_the_semantics_predict_and_equals_cold(
         assert tiny.counter("fallback_trim_refused") == 0
 
     tiny.portal.call(scenario)
+
+
+def test_a_chats_second_turn_restores_the_first_at_a_message_end(tiny: Tiny) -> None:
+    """Chat messages through the model's template, the checkpoints at the messages' ends
+    predicted too (docs/reuse.md, points 4-5): the second turn, which re-renders the first
+    reply, restores the whole first turn and equals a cold run."""
+    system = ChatMessage("system", "You are a terse assistant.")
+    turn_1 = Chat((system, ChatMessage("user", "Where is the lighthouse at Carrow Point?")))
+    oracle = tiny.oracle()
+
+    def commit(prepared: PreparedPrompt, output: Sequence[int], reused: int) -> None:
+        rule = CheckpointRule(SPACING, MAX_POINTS)
+        points = plan_checkpoints(
+            prepared.tokens,
+            reused,
+            len(prepared.tokens),
+            tiny.tokenizer.decode,
+            rule,
+            message_ends=prepared.message_ends,
+            instructions_end=prepared.instructions_tokens,
+        )
+        oracle.commit((*prepared.tokens, *output[:-1]), set(points))
+
+    async def turn(chat: Chat, namespace: str) -> Run:
+        prepared = tiny.prepared(chat)
+        reused, paths = oracle.reusable(prepared.tokens)
+        run = await tiny.complete(chat, namespace)
+        assert (run.started.cached_tokens, run.prefilled) == (
+            reused,
+            len(prepared.tokens) - reused,
+        )
+        assert str(run.started.path) in paths
+        commit(prepared, run.tokens, reused)
+        assert run.tokens == await tiny.cold(chat), "reused != cold"
+        return run
+
+    async def scenario() -> None:
+        namespace = tiny.namespace()
+        first = await turn(turn_1, namespace)
+        reply = ChatMessage("assistant", first.text)
+        turn_2 = Chat((*turn_1, reply, ChatMessage("user", "And when was it built?")))
+        second = await turn(turn_2, namespace)
+        # The reply re-renders to the tokens drawn: the whole first entry is restored (its
+        # prompt and reply, less the reply's last token, which was never fed).
+        entry = (*tiny.prepared(turn_1).tokens, *first.tokens[:-1])
+        assert tiny.prepared(turn_2).tokens[: len(entry)] == entry
+        assert second.started.cached_tokens == len(entry)
+
+    tiny.portal.call(scenario)
+
+
+def test_concurrent_streams_decode_in_one_batch_and_each_equals_cold(tiny: Tiny) -> None:
+    """Four fresh prompts at once, decoded in one ``llama_decode`` per step (the recurrent
+    states joined into a batch by copy); each equals its prompt alone."""
+
+    async def scenario() -> None:
+        namespace, joins = tiny.namespace(), tiny.counter("batch_joins")
+        runs = await run_together(tiny, CONCURRENT, namespace)
+        assert tiny.counter("batch_joins") - joins >= 2, "no decode batch was formed"
+        for index, prompt in enumerate(CONCURRENT):
+            assert runs[index].tokens == await tiny.cold(prompt), f"stream {index}"
+
+    tiny.portal.call(scenario)
+
+
+def test_prompts_extending_a_cached_one_restore_it_and_prefill_together(tiny: Tiny) -> None:
+    """A prompt, then four extending it by 6-30 tokens at once: each restores the whole first
+    entry (its state, not a cut), their rests go in shared batched passes, each equals cold."""
+    base = prompt_tokens(220, seed=1)
+    prompts = [base + prompt_tokens(n, seed=30 + n) for n in TAILS]
+
+    async def scenario() -> None:
+        namespace, oracle = tiny.namespace(), tiny.oracle()
+        await tiny.expect(base, namespace, oracle)
+        together, before = tiny.counter("prefills_together"), tiny.counter("prefilled_tokens")
+        runs = await run_together(tiny, prompts, namespace)
+        assert tiny.counter("prefills_together") > together, "no batched prefill"
+        reused = [oracle.reusable(prompt)[0] for prompt in prompts]
+        assert [runs[i].started.cached_tokens for i in range(len(prompts))] == reused
+        rests = sum(len(prompt) - n for prompt, n in zip(prompts, reused, strict=True))
+        assert tiny.counter("prefilled_tokens") - before == rests
+        for index, prompt in enumerate(prompts):
+            assert runs[index].tokens == await tiny.cold(prompt), f"stream {index}"
+
+    tiny.portal.call(scenario)
+
+
+async def run_together(tiny: Tiny, prompts: list[list[int]], namespace: str) -> dict[int, Run]:
+    runs: dict[int, Run] = {}
+
+    async def one(index: int) -> None:
+        runs[index] = await tiny.complete(prompts[index], namespace)
+
+    async with anyio.create_task_group() as tg:
+        for index in range(len(prompts)):
+            tg.start_soon(one, index)
+    return runs
 
 
 def test_the_first_cold_run_equals_llama_cpps_own_greedy(tiny: Tiny) -> None:
