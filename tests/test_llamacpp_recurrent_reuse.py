@@ -85,7 +85,7 @@ class Tiny:
     rt: Runtime
     loaded: ModelLoaded
     tokenizer: Any
-    cold_outputs: dict[tuple[int, ...], tuple[int, ...]] = field(default_factory=dict)
+    cold_outputs: dict[tuple[object, ...], tuple[int, ...]] = field(default_factory=dict)
     namespaces: int = 0
 
     @property
@@ -234,6 +234,27 @@ def test_a_chats_second_turn_restores_the_first_at_a_message_end(tiny: Tiny) -> 
         entry = (*tiny.prepared(turn_1).tokens, *first.tokens[:-1])
         assert tiny.prepared(turn_2).tokens[: len(entry)] == entry
         assert second.started.cached_tokens == len(entry)
+
+    tiny.portal.call(scenario)
+
+
+def test_a_generate_after_a_prewarm_restores_the_prewarmed_prompt(tiny: Tiny) -> None:
+    """A prewarm prefills all but the prompt's last token and caches that state; a generate of
+    the prompt and a question restores all of it and equals a cold run."""
+    prompt = prompt_tokens(250, seed=5)
+    asked = prompt + prompt_tokens(12, seed=6)
+
+    async def scenario() -> None:
+        namespace, oracle = tiny.namespace(), tiny.oracle()
+        before = tiny.counter("prefilled_tokens")
+        ended = await tiny.rt.prewarm(tiny.name, prompt_tokens=prompt, namespace=namespace)
+        assert isinstance(ended, Finished) and ended.reason is FinishReason.PREWARMED, ended
+        assert tiny.counter("prefilled_tokens") - before == len(prompt) - 1
+        target = len(prompt) - 1
+        points = {p for p in oracle.snapshots(prompt, 0) if p < target}
+        oracle.commit(prompt[:target], points)
+        run = await tiny.expect(asked, namespace, oracle)
+        assert run.started.cached_tokens == len(prompt) - 1
 
     tiny.portal.call(scenario)
 
