@@ -113,3 +113,26 @@ def real_llama(real_gguf: Callable[[str], Path]) -> Iterator[Callable[[str], obj
     yield get
     for backend in loaded.values():
         backend.close()
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_gguf(
+    real_gguf: Callable[[str], Path], tmp_path_factory: pytest.TempPathFactory
+) -> Callable[[str], Path]:
+    """``tiny_llama_gguf(arch)``: a tiny random-weight GGUF of a llama.cpp recurrent (``mamba``)
+    or hybrid (``lfm2``) architecture (tests/llamacpp_tiny_gguf.py), written once per session.
+    Its tokenizer is SmolLM2's, read off that model's cached GGUF (fetched like ``real_gguf``
+    where it is not cached yet). Skips where llama-cpp-python is missing."""
+    from runtime.backends.model_store import cached_model_file
+    from tests.llamacpp_support import require_llama_cpp
+    from tests.llamacpp_tiny_gguf import tiny_gguf
+
+    directory = tmp_path_factory.mktemp("tiny-gguf")
+
+    def get(arch: str) -> Path:
+        require_llama_cpp()
+        source = "smollm2-135m-instruct"
+        tokens = cached_model_file(source) or real_gguf(source)
+        return tiny_gguf(arch, directory, tokens)
+
+    return get

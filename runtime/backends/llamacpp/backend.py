@@ -20,8 +20,11 @@ Reuse, per cache kind (decided at load, ``ModelInfo.reuse``):
 
 Prefill runs in ``n_batch``-token ``llama_decode`` calls; with ``stop`` each call checks it between
 graph nodes (``llama_set_abort_callback``) and the calls check it between them; a call that gives
-up is undone (``llama_memory_seq_rm`` of what the prefill added, and on a sliding-window model the
-window put back from a copy taken first), so the state is as before.
+up is undone (on a sliding-window or recurrent model the partial state put back from a copy taken
+first, then ``llama_memory_seq_rm`` of what the prefill added), so the state is as before.
+
+Recurrent and hybrid models are exercised on tiny GGUF files written by the tests (mamba, lfm2:
+tests/llamacpp_tiny_gguf.py), since none can be fetched here.
 """
 
 from __future__ import annotations
@@ -55,7 +58,7 @@ from runtime.backends.llamacpp.tokenizer import load_tokenizer, tokenizer_dir
 from runtime.backends.mlx.facts import effective_eos_ids
 from runtime.backends.model_source import converted_models_dir
 from runtime.backends.options import LlamaCppOptions, options_as
-from runtime.errors import InvalidModelSpec
+from runtime.errors import BackendError, InvalidModelSpec
 from runtime.messages import ModelSpec
 from runtime.text.chat import has_chat_template
 from runtime.text.constraints import ConstraintEngine
@@ -79,6 +82,11 @@ class LlamaCppBackend:
         self._n_swa = context.model_int("n_swa")
         self._recurrent = context.model_flag("is_recurrent") or context.model_flag("is_hybrid")
         self._partial = self._recurrent or self._n_swa > 0  # snapshots hold the partial state
+        if self._recurrent and context.pads_lone_rows:
+            # A throwaway row (passes.py) advances a recurrent state, and llama.cpp cannot take
+            # one token back out of it: so no padding here (docs/models.md).
+            log.info("exact_reuse has no effect on a recurrent or hybrid model")
+            context.pads_lone_rows = False
         self._constraints: ConstraintEngine | None = None
         self.path = Path(".")
 
@@ -177,7 +185,8 @@ class LlamaCppBackend:
             bytes_per_token=per_token - (partial_per_token if self._n_swa else 0),
             window_tokens=self._n_swa or None,
             window_bytes_per_token=partial_per_token if self._n_swa else 0,
-            fixed_state_bytes=sizes[1][1] if self._recurrent else 0,
+            # What does not grow with the sequence: the recurrent state and the headers.
+            fixed_state_bytes=sizes[1][0] - per_token if self._recurrent else 0,
             pass_s=pass_s,
             stop_checks=ctx.model_int("n_layer"),
             together_snapshot_tokens=context,
@@ -251,9 +260,12 @@ class LlamaCppBackend:
             raise CannotTrim("a sliding-window or recurrent cache cannot be cut back here")
         dst = self._pool.copy(source)
         ctx = self._context
-        trimmed = ctx.seq_rm(dst, length, -1)
-        if snapshot is not None and snapshot.data:
-            trimmed = ctx.set_seq_data(snapshot.data, dst, PARTIAL_ONLY)
+        # The snapshot first: a recurrent state refuses to be cut back, and on a hybrid model
+        # its refusal leaves the attention cells uncut too; once the state is at ``length``,
+        # removing what lies past it removes only attention cells.
+        data = snapshot.data if snapshot is not None else b""
+        restored = not data or ctx.set_seq_data(data, dst, PARTIAL_ONLY)
+        trimmed = restored and ctx.seq_rm(dst, length, -1)
         if not trimmed or ctx.seq_pos_max(dst) != length - 1:
             self._pool.release(dst)
             raise CannotTrim(f"llama.cpp could not cut this state back to {length} tokens")
@@ -301,8 +313,11 @@ class LlamaCppBackend:
         cuts = sorted({*(snapshot_at if self._partial else ()), end})
         n_batch = self._context.n_batch
         calls = sum(-(-(b - a) // n_batch) for a, b in itertools.pairwise([start, *cuts]))
-        # A call after the first may reuse sliding cells the state before this prefill needs.
-        saved = self.snapshot(own) if stop is not None and self._partial and calls > 1 else None
+        # A call after the first may reuse sliding cells the state before this prefill needs;
+        # and llama.cpp cannot take back what even one interrupted call added to a recurrent
+        # state (it logs the removal and leaves the state advanced).
+        undone_by_copy = self._recurrent or (self._partial and calls > 1)
+        saved = self.snapshot(own) if stop is not None and undone_by_copy else None
         before = (own.logits, own.high_water)
         snapshots: list[LlamaSnapshot] = []
         out: list[np.ndarray] = []
@@ -325,11 +340,15 @@ class LlamaCppBackend:
                 if cut in snapshot_at:
                     snapshots.append(self.snapshot(own))
         except PrefillInterrupted:
-            # llama.cpp drops what the interrupted call added; the calls before it are undone
-            # here, and the sliding cells they reused come back from the copy taken before.
-            self._context.seq_rm(seq, start, -1)
-            if saved is not None and saved.data:
-                self._context.set_seq_data(saved.data, seq, PARTIAL_ONLY)
+            # llama.cpp drops what the interrupted call added (not from a recurrent state); the
+            # rest is undone here: the partial state put back first (copy_state says why), then
+            # the cells past ``start`` removed.
+            data = saved.data if saved is not None else b""
+            restored = not data or self._context.set_seq_data(data, seq, PARTIAL_ONLY)
+            if not (restored and self._context.seq_rm(seq, start, -1)):
+                raise BackendError(
+                    "llama.cpp could not undo an interrupted prefill; load the model again"
+                ) from None
             own.n_tokens = start
             own.logits, own.high_water = before
             raise
