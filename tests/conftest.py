@@ -94,8 +94,8 @@ def converted_gguf(
 
 @pytest.fixture(scope="session")
 def real_llama(real_gguf: Callable[[str], Path]) -> Iterator[Callable[[str], object]]:
-    """``real_llama(name)``: a known model loaded on the llama.cpp backend, once per session
-    (skips like ``real_gguf``, and where llama-cpp-python is missing)."""
+    """``real_llama(name)``: a known model loaded on the llama.cpp backend with ``exact_reuse``,
+    once per session (skips like ``real_gguf``, and where llama-cpp-python is missing)."""
     from runtime.backends.llamacpp.backend import LlamaCppBackend
     from runtime.messages import ModelSpec
     from tests.llamacpp_support import require_llama_cpp
@@ -106,7 +106,9 @@ def real_llama(real_gguf: Callable[[str], Path]) -> Iterator[Callable[[str], obj
         require_llama_cpp()
         real_gguf(name)
         if name not in loaded:
-            spec = ModelSpec(name=name, backend="llamacpp", path=name, options={"n_threads": 1})
+            # exact_reuse: these tests hold every state operation to a cold run, bit for bit.
+            options = {"n_threads": 1, "exact_reuse": True}
+            spec = ModelSpec(name=name, backend="llamacpp", path=name, options=options)
             loaded[name] = LlamaCppBackend.load(spec)
         return loaded[name]
 

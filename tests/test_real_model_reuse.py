@@ -313,9 +313,10 @@ def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> 
     tokenizer_path = path
     if backend == "llamacpp":
         require_llama_cpp()
-        # exact_reuse makes a decoded token equal to the same token prefilled (passes.py) where
-        # the kernels allow it: SmolLM2's, not Gemma 3's (the xfails below).
-        options = {"n_threads": 1, "exact_reuse": name.startswith("smollm2")}
+        # exact_reuse: the kernels and passes that make a decoded token equal to the same token
+        # prefilled (passes.py), where the weights allow it: SmolLM2's, not Gemma 3's (the
+        # xfails below).
+        options = {"n_threads": 1, "exact_reuse": True}
         spec = ModelSpec(name=name, path=name, backend=backend, options=options)
         tokenizer_path = tokenizer_dir(fetch_model(name), converted_models_dir())
     with contextlib.ExitStack() as stack:

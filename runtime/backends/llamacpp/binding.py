@@ -124,7 +124,8 @@ class Context:
         model_params = lib.llama_model_default_params()
         # Repacked weights (Q4_K, Q4_0 on x86) multiply 4 rows at a time and the rest one by
         # one, so a token's result would depend on its place in the pass; the plain path not.
-        model_params.use_extra_bufts = False
+        # Faster where the model has such weights, so only ``exact_reuse`` gives them up.
+        model_params.use_extra_bufts = not exact_reuse
         model = lib.llama_model_load_from_file(str(path).encode(), model_params)
         if not model:
             said = recent_log()
@@ -152,7 +153,10 @@ class Context:
         params.swa_full = False  # sliding-window layers keep their window, not the context
         # The flash-attention kernel sums differently for few-token passes (measured: an
         # 8-token pass after 200 gave other logits than one 208-token pass); the plain one not.
-        params.flash_attn_type = 0
+        # Otherwise llama.cpp's own choice (auto: on where the backend has it), as llama-server.
+        params.flash_attn_type = (
+            lib.LLAMA_FLASH_ATTN_TYPE_DISABLED if exact_reuse else lib.LLAMA_FLASH_ATTN_TYPE_AUTO
+        )
         params.no_perf = True
         ctx = lib.llama_init_from_model(model, params)
         if not ctx:
