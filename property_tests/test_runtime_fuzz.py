@@ -108,6 +108,7 @@ class RuntimeFuzzMachine(RuntimeMachine):
         trimmable=st.booleans(),
         pipelined=st.booleans(),
         queue_steps=st.booleans(),
+        decode_block=st.sampled_from([1, 3]),
         eos_every=st.sampled_from([0, 2]),
         probe_steps=st.sampled_from([0, 3]),
         first_faults=st.tuples(batch_faults).map(list) | st.lists(faults, min_size=1, max_size=3),
@@ -124,6 +125,7 @@ class RuntimeFuzzMachine(RuntimeMachine):
         trimmable: bool,
         pipelined: bool,
         queue_steps: bool,
+        decode_block: int,
         eos_every: int,
         probe_steps: int,
         first_faults: list[Fault],
@@ -144,6 +146,7 @@ class RuntimeFuzzMachine(RuntimeMachine):
             eos_every=eos_every,
             probe_steps=probe_steps,
             queue_steps=queue_steps,
+            decode_block=decode_block,
         )
         config = msgspec.structs.replace(
             self.sim.config,

@@ -67,6 +67,8 @@ class RuntimeMachine(RuleBasedStateMachine):
         # 3: a first load with no cached probe verdict: limited (no batching, no reuse path)
         # until the engine has run the probe's pieces while idle (actors/engine/probing.py).
         probe_steps=st.sampled_from([0, 3]),
+        # 3: a lone stream's step reads up to 3 tokens (decode blocks, as on llama.cpp).
+        decode_block=st.sampled_from([1, 3]),
     )
     def start(
         self,
@@ -76,6 +78,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         eos_every: int,
         probe_steps: int = 0,
         queue_steps: bool = False,
+        decode_block: int = 1,
     ) -> None:
         config = RuntimeConfig(kv_budget_bytes=BUDGET, reservation_timeout_s=0.05)
         self.sim = Simulator(seed=seed, config=config)
@@ -97,6 +100,7 @@ class RuntimeMachine(RuleBasedStateMachine):
             decode_s_per_token=0.002,
             pipelined=pipelined,
             queue_steps=queue_steps,
+            decode_block=decode_block,
             eos_every=eos_every,
             probe_steps=probe_steps,
             probe_step_s=0.003,

@@ -17,6 +17,7 @@ anything else waits for at most that one queued step.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from actors.engine.batch import BatchScheduler
@@ -68,6 +69,8 @@ class ComputeSlot:
         self._jobs: dict[int, tuple[Job, float]] = {}  # by id: the job and when it was submitted
         self._next_job_id = 1
         self._last_served = 0  # sequence id of the last single step: the round-robin's place
+        # Set while other work waits for the slot: a running decode block ends early (decode.py).
+        self._waiting = threading.Event()
 
     @property
     def busy(self) -> bool:
@@ -120,6 +123,7 @@ class ComputeSlot:
 
     def start_next(self, backend: Backend, ctx: Context) -> bool:
         """Start the next job for the sequences, if any is ready (False: nothing to run)."""
+        self._waiting.clear()  # the slot is free: whatever waited is scheduled from here
         waiting = [s for s in self._sequences.values() if s.phase is Phase.TOKENIZING]
         if waiting:
             tokenize = TokenizeJob()
@@ -181,7 +185,7 @@ class ComputeSlot:
         self._last_served = seq.sequence_id
         if seq.phase is Phase.DECODING:
             seq.in_compute = True
-            step = StepJob(seq, build_ahead=not ahead_of_decoding)
+            step = StepJob(seq, build_ahead=not ahead_of_decoding, yield_to=self._waiting)
             self.submit(ctx, step, lambda: run_decode(step, seq, backend))
             if not ahead_of_decoding:
                 self._turns.decode_ran()
@@ -230,6 +234,17 @@ class ComputeSlot:
                 tokens -= other.prefill_rest
         return group
 
+    def note_waiting(self) -> None:
+        """While the slot is busy: if a sequence other than those in flight has compute work,
+        ask a running decode block to end after its current token."""
+        if self._waiting.is_set():
+            return
+        held = {id(job.seq) for job, _ in self._jobs.values() if isinstance(job, StepJob)}
+        if len(self._batches) or any(
+            s.phase in _SCHEDULED and id(s) not in held for s in self._sequences.values()
+        ):
+            self._waiting.set()
+
     def top_up(self, backend: Backend, ctx: Context) -> None:
         """Queue a lone stream's next decode step behind its running one (module docstring)."""
         if not backend.queues_steps or len(self._jobs) != 1:
@@ -247,7 +262,7 @@ class ComputeSlot:
             or any(s is not seq and s.phase in _SCHEDULED for s in self._sequences.values())
         ):
             return
-        step = StepJob(seq, queued=True)
+        step = StepJob(seq, queued=True, yield_to=self._waiting)
         self.submit(ctx, step, lambda: run_decode(step, seq, backend))
 
 

@@ -330,6 +330,7 @@ class EngineCore:
         if self._closed or self._backend is None:
             return
         if self._compute.busy:
+            self._compute.note_waiting()
             self._compute.top_up(self._backend, ctx)
             return
         if self._compute.start_next(self._backend, ctx):

@@ -92,6 +92,37 @@ def _decode(job: StepJob, seq: Sequence, decoding: Decoding, backend: Backend) -
     read(job, seq, decoding, draw.read())
     if job.ahead_error is not None:
         decoding.ended = True
+    elif job.prefilled and not backend.pipelined:  # a sequence's first token is shown at once
+        _decode_more(job, seq, decoding, backend)
+
+
+def _decode_more(job: StepJob, seq: Sequence, decoding: Decoding, backend: Backend) -> None:
+    """Up to ``Backend.decode_block`` tokens in this step (module docstring): each fed and read
+    as a step of its own, into ``job.more``, until one ends the sequence or fails, the abort
+    flag is set, or the loop asks the slot back (``job.yield_to``)."""
+    assert seq.state is not None
+    room = backend.decode_block - 1 if job.build_ahead and not seq.stop_strings else 0
+    record = job
+    while room > 0 and not decoding.ended and record.error is None and not seq.abort.is_set():
+        if job.yield_to is not None and job.yield_to.is_set():
+            return
+        assert decoding.pending is not None
+        assert decoding.sampler is not None
+        record = StepJob(seq)
+        job.more.append(record)
+        try:
+            backend.prefill(seq.state, [decoding.pending])
+            job.prefilled += 1
+            logits = backend.logits(seq.state)
+            draw = decoding.sampler.draw(logits, decoding.history, seq.rng, computed=True)
+            draw.start()
+            sampled = draw.read()
+        except BaseException as exc:  # the tokens before it are still shown (outcomes.py)
+            record.error = exc
+            decoding.ended = True
+            return
+        read(record, seq, decoding, sampled)
+        room -= 1
 
 
 def run_batch(job: BatchJob, backend: Backend, batch: DecodeBatchHandle | None) -> None:

@@ -8,6 +8,7 @@ record type, so a job carries only its own fields; ``Job`` is their union.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -88,6 +89,9 @@ class StepJob:
     # False: a first draw that went ahead of decode work (turns.py) builds nothing past its token:
     # the sequence joins the batch next, and a step of its own would only delay the others.
     build_ahead: bool = True
+    # Set by the loop when other work waits for the compute slot: a decode step reading a block
+    # of tokens (Backend.decode_block) stops after the token it is on.
+    yield_to: threading.Event | None = None
     state: SequenceState | None = None
     error: BaseException | None = None
     skipped: bool = False  # the abort flag stopped it: before it began, or mid-chunk (undone)

@@ -303,6 +303,13 @@ class Backend(Protocol):
         left: its draw (pipelined) or the token it read."""
         ...
 
+    @property
+    def decode_block(self) -> int:
+        """How many tokens a lone stream's decode step may read back to back on the compute
+        thread (1 on a pipelined backend, whose steps are built ahead instead): the event loop
+        sees them together (actors/engine/decode.py)."""
+        ...
+
     def feed(self, state: SequenceState, token: mx.array) -> mx.array:
         """``prefill`` of one token given as a scalar array, possibly not read yet (a sampler's
         draw); returns the next float32 ``(vocab,)`` logits, which MLX has not computed yet."""

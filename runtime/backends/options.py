@@ -98,6 +98,10 @@ class LlamaCppOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_f
     # 1.83x a B=1 decode step on SmolLM2 (docs/models.md). False, as in llama-server: the reused
     # output may differ from a cold run's where two tokens nearly tie.
     exact_reuse: bool = False
+    # Tokens a lone stream's decode step may decode back to back on the compute thread before
+    # the event loop sees them (Backend.decode_block): fewer loop round trips per token, which
+    # on a CPU the model's threads fill cost decode speed; an abort still lands at the next token.
+    decode_block: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
 
 
 class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -124,6 +128,9 @@ class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unk
     # True: a lone stream's next step is queued behind the running one without pipelining, as on
     # llama.cpp (Backend.queues_steps); ``pipelined`` implies it.
     queue_steps: bool = False
+    # >1: a lone stream's decode step reads up to this many tokens (Backend.decode_block; not
+    # with ``pipelined``).
+    decode_block: Annotated[int, msgspec.Meta(ge=1, le=64)] = 1
     # >0: the model loads as a first load with no cached probe verdict does on MLX: every probed
     # capability off (no batching, no reuse path) until the engine has run its deferred probe, in
     # this many pieces of ``probe_step_s`` each (``Backend.deferred_probe``).

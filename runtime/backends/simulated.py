@@ -337,6 +337,10 @@ class SimulatedBackend:
         """As the options say (``queue_steps``, or ``pipelined``, which queues as MLX does)."""
         return self._options.pipelined or self._options.queue_steps
 
+    @property
+    def decode_block(self) -> int:
+        return 1 if self._options.pipelined else self._options.decode_block
+
     def feed(self, state: SequenceState, token: mx.array) -> mx.array:
         self.prefill(state, [_read_token(token)])
         return self.logits(state)

@@ -76,6 +76,10 @@ class FaultyBackend:
     def queues_steps(self) -> bool:
         return self._inner.queues_steps
 
+    @property
+    def decode_block(self) -> int:
+        return self._inner.decode_block
+
     def encode(self, text: str) -> list[int]:
         return self._inner.encode(text)
 

@@ -88,6 +88,7 @@ class LlamaCppBackend:
             log.info("exact_reuse has no effect on a recurrent or hybrid model")
             context.pads_lone_rows = False
         self._constraints: ConstraintEngine | None = None
+        self._decode_block = 1
         self.path = Path(".")
 
     # ------------------------------------------------------------------ loading
@@ -123,6 +124,7 @@ class LlamaCppBackend:
             tokenizer, facts = load_tokenizer(tokenizer_dir(gguf, converted_models_dir(), sha256))
             backend = cls(context, tokenizer, SeqPool(context, sequences))
             backend.path = gguf
+            backend._decode_block = options.decode_block
             backend._info = backend._measure(spec.name, options, facts)
         except BaseException:
             context.close()
@@ -427,6 +429,10 @@ class LlamaCppBackend:
     @property
     def queues_steps(self) -> bool:
         return True  # the next step starts as this one ends, not when the loop has seen it
+
+    @property
+    def decode_block(self) -> int:
+        return self._decode_block
 
     def feed(self, state: SequenceState, token: mx.array) -> mx.array:
         own = own_state(state)

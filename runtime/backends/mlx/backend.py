@@ -362,6 +362,10 @@ class MlxBackend:
     def queues_steps(self) -> bool:
         return True
 
+    @property
+    def decode_block(self) -> int:
+        return 1  # pipelined: the next step is built before a token is read instead
+
     def feed(self, state: SequenceState, token: mx.array) -> mx.array:
         """One decode step on an unread token: the graph only; whoever reads the logits (or a
         draw made from them) evaluates it, after the step in flight, like mlx-lm's pipeline."""
