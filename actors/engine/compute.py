@@ -166,7 +166,7 @@ class ComputeSlot:
             self._turns.decode_ran()
             return True
         if ready:
-            self._run_single(ready[0], backend, ctx, ready)
+            self._run_single(ready[0], backend, ctx, ready, lone=not decoders_wait)
             return True
         return False
 
@@ -178,6 +178,7 @@ class ComputeSlot:
         ready: list[Sequence],
         *,
         ahead_of_decoding: bool = False,
+        lone: bool = False,
     ) -> None:
         """A step of one sequence: a decode step, a restore or a prefill chunk; or the fresh
         prompts' rests of several, ``seq``'s among them, together. One that goes ahead of the decode
@@ -191,7 +192,7 @@ class ComputeSlot:
                 self._turns.decode_ran()
                 self.top_up(backend, ctx)
             return
-        chunk = self._sizer.tokens() if seq.phase is Phase.PREFILLING else 0
+        chunk = self._sizer.tokens(lone) if seq.phase is Phase.PREFILLING else 0
         group = (
             self._together(seq, ready, chunk, backend.info.together_snapshot_tokens)
             if backend.info.capable(Capability.BATCH_PREFILL)  # the load probe may forbid it

@@ -123,7 +123,8 @@ class EngineCore:
         except InvalidModelSpec as error:  # reported at start as the failed load; nothing runs
             self._options = error
         options = self._options if isinstance(self._options, EngineOptions) else EngineOptions()
-        chunk_tokens = max(1, spec.prefill_chunk_tokens)  # the most a chunk holds (KV is priced)
+        # The most a chunk holds (KV is priced with it).
+        chunk_tokens = max(1, spec.prefill_chunk_tokens or options.chunk_tokens)
         self._backend: Backend | None = None
         # The info the model runs by (its load, then a deferred probe): statistics() shows its
         # verdicts (capability_* gauges, 1 on, 0 off) and the off ones' whys (limits).

@@ -35,6 +35,7 @@ DEFAULT_MAX_CONCURRENT = 32
 DEFAULT_SPECULATIVE = 0
 DEFAULT_LLAMACPP_CONTEXT = 4096
 DEFAULT_LLAMACPP_BATCH = 512
+DEFAULT_CHUNK_TOKENS = 256  # ModelSpec.prefill_chunk_tokens's default, but on llama.cpp
 
 # Ranges, checked where options are decoded: a zero batch or admission gate would admit nothing.
 NonNegativeInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -67,6 +68,11 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_concurrent: PositiveInt = DEFAULT_MAX_CONCURRENT  # sequences past the admission gate
     # The most prompt-lookup drafts a pass verifies for a request that does not say (0: off).
     speculative: Annotated[int, msgspec.Meta(ge=0, le=64)] = DEFAULT_SPECULATIVE
+
+    @property
+    def chunk_tokens(self) -> int:
+        """A prefill chunk's most tokens where ``ModelSpec.prefill_chunk_tokens`` is None."""
+        return DEFAULT_CHUNK_TOKENS
 
 
 class MlxOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -102,6 +108,14 @@ class LlamaCppOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_f
     # the event loop sees them (Backend.decode_block): fewer loop round trips per token, which
     # on a CPU the model's threads fill cost decode speed; an abort still lands at the next token.
     decode_block: Annotated[int, msgspec.Meta(ge=1, le=64)] = 4
+
+    @property
+    def chunk_tokens(self) -> int:
+        """One ``llama_decode`` call's tokens: an abort stops a call between graph nodes, so a
+        chunk need not be shorter, and a lone prompt prefills fastest in calls this long (a
+        1,400-token prompt: 1.00x llama-server's TTFT on SmolLM2 in 512-token chunks, 1.07x in
+        256, flash attention on)."""
+        return self.n_batch
 
 
 class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):

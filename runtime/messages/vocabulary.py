@@ -213,7 +213,8 @@ class ModelSpec(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     backend: str = "mlx"
     path: str | None = None
     options: dict[str, str | int | float | bool | None] = {}
-    prefill_chunk_tokens: int = 256
+    # The most tokens a prefill chunk takes; None: the backend's (256; llama.cpp: n_batch).
+    prefill_chunk_tokens: int | None = None
     keep_alive_s: float | None = None
     replicas: int = 1
     routing: str = "affinity"

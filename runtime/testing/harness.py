@@ -49,7 +49,7 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
 # --------------------------------------------------------------------------- the simulator
 
 
-def sim_spec(name: str = "m", /, *, chunk: int = 256, **options: ModelOption) -> ModelSpec:
+def sim_spec(name: str = "m", /, *, chunk: int | None = None, **options: ModelOption) -> ModelSpec:
     """A ``ModelSpec`` of the simulated backend: ``chunk`` prefill tokens per step, and
     ``options`` as the backend reads them (``bytes_per_token``, ``prefill_s_per_token``...)."""
     return ModelSpec(name=name, backend="simulated", prefill_chunk_tokens=chunk, options=options)

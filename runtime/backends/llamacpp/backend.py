@@ -150,6 +150,10 @@ class LlamaCppBackend:
         per_token = sizes[2][0] - sizes[1][0]
         partial_per_token = sizes[2][1] - sizes[1][1]
         pass_s = min(self._timed_pass() for _ in range(_TIMED_PASSES))
+        # An abort lands between graph nodes: as many chances per pass as the graph has nodes.
+        asked = ctx.abort_checks
+        self.prefill(self.new_state(), [0], logits=False, stop=threading.Event())
+        stop_checks = max(ctx.model_int("n_layer"), ctx.abort_checks - asked)
         context = ctx.n_ctx_seq
         if self._recurrent:
             reuse, reason = (
@@ -190,7 +194,7 @@ class LlamaCppBackend:
             # What does not grow with the sequence: the recurrent state and the headers.
             fixed_state_bytes=sizes[1][0] - per_token if self._recurrent else 0,
             pass_s=pass_s,
-            stop_checks=ctx.model_int("n_layer"),
+            stop_checks=stop_checks,
             together_snapshot_tokens=context,
             chat_template=templated,
             verifies=False,  # no verification pass yet: requests decode one token per pass

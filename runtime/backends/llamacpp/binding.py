@@ -151,9 +151,11 @@ class Context:
         # on SmolLM2: logits 0.4-0.8 apart when another sequence's cells moved this one's).
         params.kv_unified = False
         params.swa_full = False  # sliding-window layers keep their window, not the context
-        # The flash-attention kernel sums differently for few-token passes (measured: an
-        # 8-token pass after 200 gave other logits than one 208-token pass); the plain one not.
-        # Otherwise llama.cpp's own choice (auto: on where the backend has it), as llama-server.
+        # llama.cpp's own choice (auto: on for the CPU), as llama-server's: a 1,400-token prompt
+        # in 512-token calls took 0.91x (SmolLM2) and 0.98x (Gemma 3) the time without it (in
+        # 50-token calls 1.36x and 1.16x: the engine's lone prompts go in whole calls). Its
+        # few-token passes sum differently (an 8-token pass after 200 gave other logits than
+        # one 208-token pass), so not with exact_reuse.
         params.flash_attn_type = (
             lib.LLAMA_FLASH_ATTN_TYPE_DISABLED if exact_reuse else lib.LLAMA_FLASH_ATTN_TYPE_AUTO
         )
@@ -173,6 +175,7 @@ class Context:
         self.n_ctx_seq = int(lib.llama_n_ctx_seq(ctx))  # KV cells of one sequence
         self._batch = lib.llama_batch_init(n_batch, 0, 1)
         self._stop: threading.Event | None = None
+        self.abort_checks = 0  # times llama.cpp asked whether to stop (once per graph node)
         # Kept referenced: llama.cpp holds the pointer while the context lives.
         self._abort_cb = lib.ggml_abort_callback(self._should_abort)
         # Freed when unreachable if no one closes it (module docstring): before, a context left
@@ -314,6 +317,7 @@ class Context:
         return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
 
     def _should_abort(self, _data: Any) -> bool:
+        self.abort_checks += 1
         stop = self._stop
         return stop is not None and stop.is_set()
 
