@@ -19,7 +19,7 @@ from actors.engine.jobs import StepJob
 from actors.engine.sequence import Decoding, Phase, Sequence
 from runtime.backends.simulated import SimulatedBackend, greedy_continuation
 from runtime.messages import Admit, Failed, Finished, Generate, Sampling, TokensEmitted
-from runtime.testing.harness import ModelOption, make_sim, sim_spec
+from runtime.testing.harness import ModelOption, engine, make_sim, sim_spec
 from runtime.testing.simulator import Simulator
 from runtime.text.detokenizer import IncrementalDetokenizer
 from tests.test_engine_pipelined import PROMPT, SAMPLINGS, entries_match_their_states, events
@@ -152,3 +152,25 @@ def test_a_block_stops_at_max_tokens_and_never_with_stop_strings() -> None:
     job = StepJob(stopping)
     run_decode(job, stopping, backend)
     assert job.more == []  # a stop string is matched on the loop: it sees every token
+
+
+def test_batched_streams_in_blocks_give_the_output_of_single_steps() -> None:
+    outputs = []
+    for block in (1, 4):
+        s = sim(decode_block=block, eos_every=9)
+        for i in range(3):
+            prompt = (*PROMPT, *bytes([65 + i]))
+            s.send(
+                Generate(
+                    request_id=f"r{i}",
+                    incarnation=1,
+                    model="m",
+                    prompt_tokens=prompt,
+                    max_tokens=12 + 5 * i,
+                )
+            )
+        s.run_until_quiescent()
+        outputs.append([events(s, f"r{i}") for i in range(3)])
+        entries_match_their_states(s)
+        assert engine(s).counters.snapshot().get("batch_steps", 0) > 0
+    assert outputs[0] == outputs[1]

@@ -160,7 +160,7 @@ class ComputeSlot:
         if work is not None and batch_now:
             for seq in (*work.leavers, *work.joiners, *work.members):
                 seq.in_compute = True
-            job = BatchJob(work)
+            job = BatchJob(work, yield_to=self._waiting)
             batch = self._batches.handle
             self.submit(ctx, job, lambda: run_batch(job, backend, batch))
             self._turns.decode_ran()
@@ -240,10 +240,13 @@ class ComputeSlot:
         ask a running decode block to end after its current token."""
         if self._waiting.is_set():
             return
-        held = {id(job.seq) for job, _ in self._jobs.values() if isinstance(job, StepJob)}
-        if len(self._batches) or any(
-            s.phase in _SCHEDULED and id(s) not in held for s in self._sequences.values()
-        ):
+        held: set[int] = set()
+        for job, _ in self._jobs.values():
+            if isinstance(job, StepJob):
+                held.add(id(job.seq))
+            elif isinstance(job, BatchJob):
+                held.update(id(s) for s in (*job.work.joiners, *job.work.members))
+        if any(s.phase in _SCHEDULED and id(s) not in held for s in self._sequences.values()):
             self._waiting.set()
 
     def top_up(self, backend: Backend, ctx: Context) -> None:

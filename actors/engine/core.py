@@ -335,6 +335,7 @@ class EngineCore:
             self._compute.top_up(self._backend, ctx)
             return
         if self._compute.start_next(self._backend, ctx):
+            self._compute.note_waiting()  # what it left ready ends a block after one step
             return
         if not self._draining and self._probing.start(self._backend, self._compute, ctx):
             return

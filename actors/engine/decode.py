@@ -164,6 +164,8 @@ def run_batch(job: BatchJob, backend: Backend, batch: DecodeBatchHandle | None) 
             _step_batch(job, backend, batch, slots)
     except BaseException as exc:
         job.error = exc
+        return
+    _batch_more(job, backend, batch, slots)
 
 
 def _step_batch(
@@ -196,6 +198,53 @@ def _step_batch(
     for slot, seq in slots.items():
         assert seq.decoding is not None
         read(job.stepped[seq.sequence_id], seq, seq.decoding, reads[slot].read())
+
+
+def _batch_more(
+    job: BatchJob, backend: Backend, batch: DecodeBatchHandle, slots: dict[int, Sequence]
+) -> None:
+    """Up to ``Backend.decode_block`` steps of the batch in this job, as ``_decode_more`` does
+    for a lone stream: each member's tokens after the first go to its step's ``more``. Only
+    while every member goes on (none ended, failed, aborted or with stop strings) and the loop
+    does not want the slot back; a failing step fails each member after its tokens so far."""
+    if backend.pipelined or not slots:
+        return
+    for _ in range(backend.decode_block - 1):
+        if job.yield_to is not None and job.yield_to.is_set():
+            return
+        records = {slot: job.stepped[seq.sequence_id] for slot, seq in slots.items()}
+        fed: dict[int, int | mx.array] = {}
+        for slot, seq in slots.items():
+            decoding, last = seq.decoding, records[slot]
+            last = last.more[-1] if last.more else last
+            if (
+                decoding is None
+                or decoding.ended
+                or decoding.pending is None
+                or decoding.sampler is None
+                or last.error is not None
+                or seq.abort.is_set()
+                or seq.stop_strings
+            ):
+                return
+            fed[slot] = decoding.pending
+        try:
+            logits = batch.step(fed)
+        except BaseException as exc:  # each member's tokens before it are still shown
+            for slot, seq in slots.items():
+                records[slot].more.append(StepJob(seq, error=exc))
+                assert seq.decoding is not None
+                seq.decoding.ended = True
+            return
+        for slot, seq in slots.items():
+            decoding = seq.decoding
+            assert decoding is not None
+            assert decoding.sampler is not None
+            record = StepJob(seq)
+            records[slot].more.append(record)
+            records[slot].prefilled += 1
+            draw = decoding.sampler.draw(logits[slot], decoding.history, seq.rng, computed=True)
+            read(record, seq, decoding, draw.read())
 
 
 def _may_build_next(seq: Sequence, decoding: Decoding, backend: Backend) -> bool:

@@ -117,6 +117,7 @@ class BatchJob:
     joined: dict[int, int] = field(default_factory=dict)
     stepped: dict[int, StepJob] = field(default_factory=dict)
     error: BaseException | None = None
+    yield_to: threading.Event | None = None  # as StepJob's: a block of steps ends early
 
 
 @dataclass
