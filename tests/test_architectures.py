@@ -36,12 +36,8 @@ from runtime.config import RuntimeConfig
 from runtime.errors import UnsupportedCache
 from runtime.messages import (
     Cancelled,
-    Failed,
-    Finished,
     ModelLoaded,
     ModelSpec,
-    Started,
-    TokensEmitted,
 )
 from runtime.testing.arch_harness import (
     CANCELLED,
@@ -53,6 +49,7 @@ from runtime.testing.arch_harness import (
     TAILS,
     ArchModel,
     References,
+    cancel_mid_prefill,
     case_prompt,
     prompt_tokens,
     run_concurrently,
@@ -64,7 +61,7 @@ from runtime.testing.arch_models import (
     mlx_lm_architectures,
 )
 from runtime.testing.arch_oracle import cache_kinds
-from runtime.testing.harness import engine_stats, wait_until
+from runtime.testing.harness import engine_stats
 
 pytestmark = [
     pytest.mark.architectures,
@@ -297,31 +294,8 @@ def test_cancel_mid_prefill_then_rerun(model: ArchModel, request: pytest.Fixture
         async def scenario() -> None:
             namespace, oracle = model.namespace(), model.oracle()
             before = model.counter("prefilled_tokens")
-            terminal: object = None
-
-            async def cancel_midway() -> None:
-                progress = lambda: model.counter("prefilled_tokens") - before >= 2 * CHUNK  # noqa: E731
-                await wait_until(model.rt, progress)
-                await model.rt.cancel("doomed")
-
-            async with (
-                model.rt.generate(
-                    model.arch,
-                    prompt_tokens=prompt,
-                    max_tokens=MAX_TOKENS,
-                    namespace=namespace,
-                    request_id="doomed",
-                ) as stream,
-                anyio.create_task_group() as tg,
-            ):
-                async for event in stream:
-                    assert not isinstance(event, TokensEmitted), "the prefill was not interrupted"
-                    if isinstance(event, Started):
-                        tg.start_soon(cancel_midway)
-                    elif isinstance(event, (Cancelled, Failed, Finished)):
-                        terminal = event
-                        tg.cancel_scope.cancel()  # a failed request is never cancelled
-                        break
+            progressed = lambda: model.counter("prefilled_tokens") - before >= 2 * CHUNK  # noqa: E731
+            terminal = await cancel_mid_prefill(model.rt, model.arch, prompt, namespace, progressed)
             assert isinstance(terminal, Cancelled), f"ended {terminal}"[:300]
             stopped_at = model.counter("prefilled_tokens") - before
             assert 2 * CHUNK <= stopped_at < len(prompt), "the cancel missed the prefill"

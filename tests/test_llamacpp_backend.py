@@ -21,6 +21,7 @@ from runtime.backends.llamacpp.backend import LlamaCppBackend
 from runtime.backends.llamacpp.seqs import LlamaState
 from runtime.messages import ChatMessage, ChatOptions, ModelSpec
 from runtime.text.chat import prepare_chat
+from tests.llamacpp_support import StopAfter, batch_greedy, greedy
 from tests.test_real_model_reuse import CORPUS
 
 pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
@@ -60,16 +61,6 @@ def prefill(backend: LlamaCppBackend, state: LlamaState, ids: Sequence[int], **k
         ]
         out += backend.prefill(state, piece, logits=last, snapshot_at=points)
     return out
-
-
-def greedy(backend: LlamaCppBackend, state: LlamaState, n: int) -> list[int]:
-    """``n`` greedy tokens from the state's logits, fed one at a time (the B=1 path)."""
-    drawn: list[int] = []
-    logits = backend.logits(state)
-    for _ in range(n):
-        drawn.append(int(mx.argmax(logits).item()))
-        logits = backend.feed(state, mx.array(drawn[-1]))
-    return drawn
 
 
 def cold(backend: LlamaCppBackend, ids: Sequence[int], n: int = 8) -> list[int]:
@@ -160,20 +151,6 @@ def test_gemma_sliding_window_restores_from_snapshots(real_llama: Backends) -> N
     assert greedy(backend, whole, 4) == greedy(backend, state, 4) == cold(backend, ids, 4)
 
 
-class _StopAfter(threading.Event):
-    """A stop flag that reads as set from its ``n``-th check on (llama.cpp checks it between
-    graph nodes, so a large ``n`` lands inside a ``llama_decode``)."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n = n
-        self.checks = 0
-
-    def is_set(self) -> bool:
-        self.checks += 1
-        return self.checks >= self.n
-
-
 def test_an_interrupted_prefill_leaves_the_state_as_before(backend: LlamaCppBackend) -> None:
     """Stopped inside its second ``llama_decode`` (past Gemma's window, where llama.cpp reuses
     sliding cells): the state is as it was, and prefilling the same tokens again equals cold."""
@@ -181,7 +158,7 @@ def test_an_interrupted_prefill_leaves_the_state_as_before(backend: LlamaCppBack
     state = backend.new_state()
     prefill(backend, state, ids[:600])
     before = np.array(backend.logits(state))
-    stop = _StopAfter(400)
+    stop = StopAfter(400)
     with pytest.raises(PrefillInterrupted):
         backend.prefill(state, ids[600:1400], stop=stop)
     assert stop.checks > 3, "it gave up before its first llama_decode ran"
@@ -200,20 +177,11 @@ def test_a_decode_batch_equals_each_sequence_alone(backend: LlamaCppBackend) -> 
     draws alone; join leaves the state untouched and leave hands back a working state."""
     prompts = [backend.encode(text) for text in (CORPUS[0], CORPUS[1] + CORPUS[2], "Hi")]
     alone = [cold(backend, ids, 6) for ids in prompts]
-    batch = backend.open_batch()
-    assert batch is not None
     states = []
     for ids in prompts:
         states.append(backend.new_state())
         prefill(backend, states[-1], ids)
-    slots = [batch.join(state) for state in states]
-    drawn: dict[int, list[int]] = {slot: [] for slot in slots}
-    logits = {slot: backend.logits(state) for slot, state in zip(slots, states, strict=True)}
-    for _ in range(5):
-        tokens = {slot: int(mx.argmax(logits[slot]).item()) for slot in slots}
-        for slot, token in tokens.items():
-            drawn[slot].append(token)
-        logits = batch.step(tokens)
+    batch, slots, drawn = batch_greedy(backend, states, 5)
     left = batch.leave(slots[0])
     drawn[slots[0]].append(int(mx.argmax(backend.logits(left)).item()))
     assert left.length == len(prompts[0]) + 5

@@ -16,7 +16,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -27,6 +26,7 @@ from runtime.backends.llamacpp.binding import PARTIAL_ONLY
 from runtime.backends.llamacpp.seqs import LlamaState
 from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY
 from runtime.messages import ModelSpec
+from tests.llamacpp_support import StopAfter, batch_greedy, greedy
 from tests.test_real_model_reuse import CORPUS
 
 ARCHS = ("mamba", "lfm2", "lfm2-swa")
@@ -50,15 +50,6 @@ def backend(
     loaded = load(tiny_llama_gguf(request.param))
     yield loaded
     loaded.close()
-
-
-def greedy(backend: LlamaCppBackend, state: LlamaState, n: int = 6) -> list[int]:
-    drawn: list[int] = []
-    logits = backend.logits(state)
-    for _ in range(n):
-        drawn.append(int(mx.argmax(logits).item()))
-        logits = backend.feed(state, mx.array(drawn[-1]))
-    return drawn
 
 
 def cold(backend: LlamaCppBackend, ids: Sequence[int]) -> tuple[list[int], np.ndarray]:
@@ -146,20 +137,6 @@ def test_a_recurrent_state_is_never_cut_back_but_restores_at_a_snapshot(
     assert_equals_cold(backend, source, ids)
 
 
-class _StopAfter(threading.Event):
-    """A stop flag that reads as set from its ``n``-th check on (llama.cpp checks it between
-    graph nodes, the backend between ``llama_decode`` calls): an abort at a known point."""
-
-    def __init__(self, n: int) -> None:
-        super().__init__()
-        self.n = n
-        self.checks = 0
-
-    def is_set(self) -> bool:
-        self.checks += 1
-        return self.checks >= self.n
-
-
 @pytest.mark.parametrize(
     ("added", "stop_at"),
     # A llama_decode of these models checks the flag 58-88 times: 100 lands in the second call.
@@ -176,7 +153,7 @@ def test_an_interrupted_prefill_leaves_the_state_as_before(
     state = backend.new_state()
     backend.prefill(state, ids[:50])
     before = np.array(backend.logits(state))
-    stop = _StopAfter(stop_at)
+    stop = StopAfter(stop_at)
     with pytest.raises(PrefillInterrupted):
         backend.prefill(state, ids[50 : 50 + added], stop=stop)
     assert stop.checks >= 2, "it gave up before its first llama_decode ran"
@@ -190,20 +167,11 @@ def test_an_interrupted_prefill_leaves_the_state_as_before(
 def test_a_decode_batch_equals_each_sequence_alone(backend: LlamaCppBackend) -> None:
     prompts = [backend.encode(text) for text in (CORPUS[0], CORPUS[1] + CORPUS[2], "Hi")]
     alone = [cold(backend, ids)[0] for ids in prompts]
-    batch = backend.open_batch()
-    assert batch is not None
     states = []
     for ids in prompts:
         states.append(backend.new_state())
         backend.prefill(states[-1], ids)
-    slots = [batch.join(state) for state in states]
-    drawn: dict[int, list[int]] = {slot: [] for slot in slots}
-    logits = {slot: backend.logits(state) for slot, state in zip(slots, states, strict=True)}
-    for _ in range(6):
-        tokens = {slot: int(mx.argmax(logits[slot]).item()) for slot in slots}
-        for slot, token in tokens.items():
-            drawn[slot].append(token)
-        logits = batch.step(tokens)
+    batch, slots, drawn = batch_greedy(backend, states, 6)
     assert [drawn[slot] for slot in slots] == alone
     left = batch.leave(slots[0])
     assert left.length == len(prompts[0]) + 6

@@ -32,13 +32,11 @@ from runtime.messages import (
     Cancelled,
     ChatMessage,
     ChatOptions,
-    Failed,
     Finished,
     FinishReason,
     ModelLoaded,
     ModelSpec,
     Started,
-    TokensEmitted,
 )
 from runtime.testing.arch_harness import (
     CANCELLED,
@@ -48,11 +46,13 @@ from runtime.testing.arch_harness import (
     REUSE_CASES,
     SPACING,
     TAILS,
+    cancel_mid_prefill,
     case_prompt,
     prompt_tokens,
+    run_concurrently,
 )
 from runtime.testing.arch_oracle import ReuseOracle
-from runtime.testing.harness import engine_stats, wait_until
+from runtime.testing.harness import engine_stats
 from runtime.text.chat import PreparedPrompt, prepare_chat
 
 ARCHS = ("mamba", "lfm2", "lfm2-swa")
@@ -265,7 +265,7 @@ def test_concurrent_streams_decode_in_one_batch_and_each_equals_cold(tiny: Tiny)
 
     async def scenario() -> None:
         namespace, joins = tiny.namespace(), tiny.counter("batch_joins")
-        runs = await run_together(tiny, CONCURRENT, namespace)
+        runs = await run_concurrently(tiny, CONCURRENT, namespace)
         assert tiny.counter("batch_joins") - joins >= 2, "no decode batch was formed"
         for index, prompt in enumerate(CONCURRENT):
             assert runs[index].tokens == await tiny.cold(prompt), f"stream {index}"
@@ -283,7 +283,7 @@ def test_prompts_extending_a_cached_one_restore_it_and_prefill_together(tiny: Ti
         namespace, oracle = tiny.namespace(), tiny.oracle()
         await tiny.expect(base, namespace, oracle)
         together, before = tiny.counter("prefills_together"), tiny.counter("prefilled_tokens")
-        runs = await run_together(tiny, prompts, namespace)
+        runs = await run_concurrently(tiny, prompts, namespace)
         assert tiny.counter("prefills_together") > together, "no batched prefill"
         reused = [oracle.reusable(prompt)[0] for prompt in prompts]
         assert [runs[i].started.cached_tokens for i in range(len(prompts))] == reused
@@ -293,18 +293,6 @@ def test_prompts_extending_a_cached_one_restore_it_and_prefill_together(tiny: Ti
             assert runs[index].tokens == await tiny.cold(prompt), f"stream {index}"
 
     tiny.portal.call(scenario)
-
-
-async def run_together(tiny: Tiny, prompts: list[list[int]], namespace: str) -> dict[int, Run]:
-    runs: dict[int, Run] = {}
-
-    async def one(index: int) -> None:
-        runs[index] = await tiny.complete(prompts[index], namespace)
-
-    async with anyio.create_task_group() as tg:
-        for index in range(len(prompts)):
-            tg.start_soon(one, index)
-    return runs
 
 
 def test_the_first_cold_run_equals_llama_cpps_own_greedy(tiny: Tiny) -> None:
@@ -331,30 +319,8 @@ def test_resume_after_a_cancelled_prefill_reuses_where_it_stopped(tiny: Tiny) ->
     async def scenario() -> None:
         namespace, oracle = tiny.namespace(), tiny.oracle()
         before = tiny.counter("prefilled_tokens")
-        terminal: object = None
-
-        async def cancel_midway() -> None:
-            await wait_until(tiny.rt, lambda: tiny.counter("prefilled_tokens") - before >= CHUNK)
-            await tiny.rt.cancel("doomed")
-
-        async with (
-            tiny.rt.generate(
-                tiny.name,
-                prompt_tokens=prompt,
-                max_tokens=MAX_TOKENS,
-                namespace=namespace,
-                request_id="doomed",
-            ) as stream,
-            anyio.create_task_group() as tg,
-        ):
-            async for event in stream:
-                assert not isinstance(event, TokensEmitted), "the prefill was not interrupted"
-                if isinstance(event, Started):
-                    tg.start_soon(cancel_midway)
-                elif isinstance(event, (Cancelled, Failed, Finished)):
-                    terminal = event
-                    tg.cancel_scope.cancel()
-                    break
+        progressed = lambda: tiny.counter("prefilled_tokens") - before >= CHUNK  # noqa: E731
+        terminal = await cancel_mid_prefill(tiny.rt, tiny.name, prompt, namespace, progressed)
         assert isinstance(terminal, Cancelled), f"ended {terminal}"[:300]
         stopped_at = tiny.counter("prefilled_tokens") - before
         assert CHUNK <= stopped_at < len(prompt), "the cancel missed the prefill"

@@ -11,17 +11,28 @@ tokens against raw mlx-lm's, its reuse against ``ReuseOracle``'s prediction.
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import anyio
 import anyio.from_thread
 
 from runtime.api import Runtime
-from runtime.messages import Finished, FinishReason, ModelLoaded, Started, Usage
+from runtime.messages import (
+    Cancelled,
+    Failed,
+    Finished,
+    FinishReason,
+    ModelLoaded,
+    Started,
+    TokensEmitted,
+    Usage,
+)
 from runtime.testing.arch_oracle import Reference, ReuseOracle, raw_greedy
-from runtime.testing.harness import engine_stats
+from runtime.testing.harness import engine_stats, wait_until
+
+R_co = TypeVar("R_co", covariant=True)
 
 MAX_TOKENS = 8
 CHUNK = 32  # prefill chunk: a 300-token prompt takes ~10, so a cancel lands midway
@@ -187,10 +198,17 @@ class ArchModel:
         return run
 
 
+class Completes(Protocol[R_co]):
+    """What ``run_concurrently`` drives: a model harness that runs one prompt to its end."""
+
+    async def complete(self, prompt: list[int], namespace: str) -> R_co: ...
+
+
 async def run_concurrently(
-    model: ArchModel, prompts: list[list[int]], namespace: str
-) -> dict[int, Run]:
-    runs: dict[int, Run] = {}
+    model: Completes[R_co], prompts: list[list[int]], namespace: str
+) -> dict[int, R_co]:
+    """Every prompt at once, each to its end; the runs by index."""
+    runs: dict[int, R_co] = {}
 
     async def one(index: int) -> None:
         runs[index] = await model.complete(prompts[index], namespace)
@@ -199,3 +217,35 @@ async def run_concurrently(
         for index in range(len(prompts)):
             tg.start_soon(one, index)
     return runs
+
+
+async def cancel_mid_prefill(
+    rt: Runtime, model: str, prompt: list[int], namespace: str, progressed: Callable[[], bool]
+) -> object:
+    """Generate ``prompt`` as request "doomed", cancel it once ``progressed()`` holds (polled
+    with ``wait_until``) and return its terminal event; asserts that no token came first."""
+    terminal: object = None
+
+    async def cancel_midway() -> None:
+        await wait_until(rt, progressed)
+        await rt.cancel("doomed")
+
+    async with (
+        rt.generate(
+            model,
+            prompt_tokens=prompt,
+            max_tokens=MAX_TOKENS,
+            namespace=namespace,
+            request_id="doomed",
+        ) as stream,
+        anyio.create_task_group() as tg,
+    ):
+        async for event in stream:
+            assert not isinstance(event, TokensEmitted), "the prefill was not interrupted"
+            if isinstance(event, Started):
+                tg.start_soon(cancel_midway)
+            elif isinstance(event, (Cancelled, Failed, Finished)):
+                terminal = event
+                tg.cancel_scope.cancel()  # a failed request is never cancelled
+                break
+    return terminal
