@@ -164,17 +164,17 @@ class SeqPool:
 
     def copy(self, source: LlamaState) -> int:
         """A new seq_id (bound to no state) holding a copy of ``source``'s cells. Copied through
-        host bytes: llama.cpp defers a copy between streams to the next decode, after anything
+        a host buffer (``Context.copy_seq``): llama.cpp defers a copy between streams to the next decode, after anything
         else written to the copy meanwhile; and a copy must lay its cells out as the source's.
         Raises ``BackendError`` when llama.cpp has no room for it."""
-        keep: tuple[int, ...] = ()
         if source.seq is None and source.spilled is not None:
-            data = source.spilled  # already host bytes: no need to restore it first
+            dst = self.acquire()  # already host bytes: no need to restore it first
+            copied = self._context.set_seq_data(source.spilled, dst)
         else:
             src = self.resident(source)
-            data, keep = self._context.get_seq_data(src), (src,)
-        dst = self.acquire(keep=keep)
-        if not self._context.set_seq_data(data, dst):
+            dst = self.acquire(keep=(src,))
+            copied = self._context.copy_seq(src, dst)
+        if not copied:
             self._free.append(dst)
             raise BackendError(
                 "llama.cpp could not copy a sequence (no room in its KV cells); load the model "
