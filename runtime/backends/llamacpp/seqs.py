@@ -164,8 +164,9 @@ class SeqPool:
 
     def copy(self, source: LlamaState) -> int:
         """A new seq_id (bound to no state) holding a copy of ``source``'s cells. Copied through
-        a host buffer (``Context.copy_seq``): llama.cpp defers a copy between streams to the next decode, after anything
-        else written to the copy meanwhile; and a copy must lay its cells out as the source's.
+        a host buffer (``Context.copy_seq``): llama.cpp defers a copy between streams to the next
+        decode, after anything else written to the copy meanwhile; and a copy must lay its cells
+        out as the source's.
         Raises ``BackendError`` when llama.cpp has no room for it."""
         if source.seq is None and source.spilled is not None:
             dst = self.acquire()  # already host bytes: no need to restore it first
