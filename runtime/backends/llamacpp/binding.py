@@ -250,27 +250,29 @@ class Context:
 
     def get_seq_data(self, seq: int, flags: int = 0) -> bytes:
         """``seq``'s cells (all, or with ``PARTIAL_ONLY`` the sliding-window/recurrent ones)."""
+        size = self._read_seq(seq, flags)
+        # One memcpy: slicing a ctypes array builds a list of ints first (0.85 s for 34 MB).
+        return ctypes.string_at(self._scratch, size)
+
+    def _read_seq(self, seq: int, flags: int) -> int:
+        """``seq``'s cells written into the kept host buffer (grown as needed); their size."""
         size = self.seq_size(seq, flags)
-        buf = (ctypes.c_uint8 * max(1, size))()
-        written = int(self._lib.llama_state_seq_get_data_ext(self._ctx, buf, size, seq, flags))
+        if len(self._scratch) < size:
+            self._scratch = (ctypes.c_uint8 * size)()
+        written = int(
+            self._lib.llama_state_seq_get_data_ext(self._ctx, self._scratch, size, seq, flags)
+        )
         if written != size:
             raise BackendError(f"llama.cpp wrote {written} of {size} bytes of a sequence state")
-        # One memcpy: slicing a ctypes array builds a list of ints first (0.85 s for 34 MB).
-        return ctypes.string_at(buf, written)
+        return size
 
     def copy_seq(self, src: int, dst: int) -> bool:
         """Replace ``dst``'s cells with a copy of ``src``'s, through a host buffer kept for the
         next copy and never made into ``bytes``; False without room. Measured on a 1,800-token
         SmolLM2 state (41 MB): 41 ms through ``get_seq_data`` and ``set_seq_data`` (a fresh
         allocation's page faults and one more copy), 5 ms so (900 tokens: 21 against 2.6 ms)."""
-        size = self.seq_size(src)
-        if len(self._scratch) < size:
-            self._scratch = (ctypes.c_uint8 * size)()
-        buf = self._scratch
-        written = int(self._lib.llama_state_seq_get_data_ext(self._ctx, buf, size, src, 0))
-        if written != size:
-            raise BackendError(f"llama.cpp wrote {written} of {size} bytes of a sequence state")
-        return bool(self._lib.llama_state_seq_set_data_ext(self._ctx, buf, size, dst, 0))
+        size = self._read_seq(src, 0)
+        return bool(self._lib.llama_state_seq_set_data_ext(self._ctx, self._scratch, size, dst, 0))
 
     def set_seq_data(self, data: bytes, seq: int, flags: int = 0) -> bool:
         """Replace ``seq``'s cells (or its partial ones) with ``data``; False without room."""
