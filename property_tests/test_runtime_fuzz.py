@@ -109,6 +109,7 @@ class RuntimeFuzzMachine(RuntimeMachine):
         pipelined=st.booleans(),
         queue_steps=st.booleans(),
         decode_block=st.sampled_from([1, 3]),
+        tidy_pieces=st.sampled_from([0, 2]),
         eos_every=st.sampled_from([0, 2]),
         probe_steps=st.sampled_from([0, 3]),
         first_faults=st.tuples(batch_faults).map(list) | st.lists(faults, min_size=1, max_size=3),
@@ -126,6 +127,7 @@ class RuntimeFuzzMachine(RuntimeMachine):
         pipelined: bool,
         queue_steps: bool,
         decode_block: int,
+        tidy_pieces: int,
         eos_every: int,
         probe_steps: int,
         first_faults: list[Fault],
@@ -147,6 +149,7 @@ class RuntimeFuzzMachine(RuntimeMachine):
             probe_steps=probe_steps,
             queue_steps=queue_steps,
             decode_block=decode_block,
+            tidy_pieces=tidy_pieces,
         )
         config = msgspec.structs.replace(
             self.sim.config,

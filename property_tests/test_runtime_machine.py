@@ -69,6 +69,9 @@ class RuntimeMachine(RuleBasedStateMachine):
         probe_steps=st.sampled_from([0, 3]),
         # 3: a lone stream's step reads up to 3 tokens (decode blocks, as on llama.cpp).
         decode_block=st.sampled_from([1, 3]),
+        # 2: each prefill leaves two pieces of idle housekeeping (Backend.tidy), run once the
+        # engine has idled a while (actors/engine/tidying.py).
+        tidy_pieces=st.sampled_from([0, 2]),
     )
     def start(
         self,
@@ -79,6 +82,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         probe_steps: int = 0,
         queue_steps: bool = False,
         decode_block: int = 1,
+        tidy_pieces: int = 0,
     ) -> None:
         config = RuntimeConfig(kv_budget_bytes=BUDGET, reservation_timeout_s=0.05)
         self.sim = Simulator(seed=seed, config=config)
@@ -104,6 +108,8 @@ class RuntimeMachine(RuleBasedStateMachine):
             eos_every=eos_every,
             probe_steps=probe_steps,
             probe_step_s=0.003,
+            tidy_pieces=tidy_pieces,
+            tidy_step_s=0.004,
         )
         self.eos_every = eos_every
         self.incarnation = 0

@@ -245,6 +245,45 @@ def test_states_beyond_the_sequence_slots_move_to_host_and_back(
         backend.close()
 
 
+def test_tidy_frees_two_slots_ahead_of_need_so_a_branch_copies_without_a_spill(
+    real_gguf: Callable[[str], Any],
+) -> None:
+    """Every seq_id held by a state: ``tidy`` spills the least recently used ones, one per call,
+    until two are free, then has nothing to do; a copy (a request branching from a cached
+    prefix) and a new state then take those two without spilling, and the spilled state still
+    continues as it would have."""
+    from tests.llamacpp_support import require_llama_cpp
+
+    require_llama_cpp()
+    real_gguf("smollm2-135m-instruct")
+    spec = ModelSpec(
+        name="small",
+        backend="llamacpp",
+        path="smollm2-135m-instruct",
+        options={"max_sequences": 4, "max_batch": 2, "n_threads": 1, "context_length": 1024},
+    )
+    backend = LlamaCppBackend.load(spec)
+    try:
+        prompts = [backend.encode(CORPUS[i]) for i in range(4)]
+        states = []
+        for ids in prompts:
+            states.append(backend.new_state())
+            prefill(backend, states[-1], ids)
+        assert backend.pool.spills == 0 and not backend.pool.census().free
+        assert [backend.tidy() for _ in range(3)] == [True, True, False]
+        assert len(backend.pool.census().free) == 2 and backend.pool.spills == 2
+        assert states[0].seq is None and states[1].seq is None  # the least recently used
+        branch = backend.copy_state(states[3], len(prompts[3]) - 5)
+        fresh = backend.new_state()
+        prefill(backend, fresh, prompts[2][:40])
+        assert backend.pool.spills == 2  # neither paid a spill
+        prefill(backend, branch, prompts[3][-5:])
+        assert greedy(backend, branch, 4) == cold(backend, prompts[3], 4)
+        assert greedy(backend, states[0], 4) == cold(backend, prompts[0], 4)
+    finally:
+        backend.close()
+
+
 # ---------------------------------------------------------------------- exact_reuse
 
 

@@ -81,6 +81,7 @@ from runtime.messages import (
     StallCheck,
     Started,
     Stats,
+    TidyDue,
     TokensEmitted,
     TokensProduced,
     Transfer,
@@ -285,6 +286,7 @@ BUILDERS: dict[type[Message], Callable[[], Message]] = {
     # engine internal
     ComputeDone: lambda: ComputeDone(job_id=42),
     ComputeWatch: lambda: ComputeWatch(),
+    TidyDue: lambda: TidyDue(idle_period=3),
 }
 
 TYPES = sorted(BUILDERS, key=lambda cls: cls.__name__)

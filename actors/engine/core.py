@@ -36,6 +36,7 @@ from actors.engine.jobs import (
     LoadJob,
     ProbeJob,
     StepJob,
+    TidyJob,
     TogetherJob,
     TokenizeJob,
     run_load,
@@ -44,6 +45,7 @@ from actors.engine.outcomes import StepOutcomes
 from actors.engine.probing import DeferredProbing
 from actors.engine.retirement import Retirement
 from actors.engine.sequence import Phase, Sequence
+from actors.engine.tidying import Tidying
 from actors.engine.turns import PromptTurns
 from actors.engine.watchdog import Watchdog
 from runtime.backends.contract import (
@@ -88,6 +90,7 @@ from runtime.messages import (
     Reserved,
     SessionEnded,
     Stats,
+    TidyDue,
 )
 from runtime.text.constraints import live_matchers
 
@@ -138,6 +141,7 @@ class EngineCore:
         self._entries = EntryStore(spec.name, epoch, self.counters)
         self._batches = BatchScheduler(spec.name, options, epoch, self.counters)
         self._probing = DeferredProbing(spec.name, self.counters)
+        self._tidying = Tidying(spec.name, self.counters)
         limits = AdmissionLimits(
             options.max_concurrent,  # past the admission gate; others wait FIFO
             reservation_timeout_s,
@@ -278,6 +282,9 @@ class EngineCore:
                 self.counters.inc("aborts_noop")
             case ComputeDone(job_id=job_id):
                 self._job_done(self._compute.done(job_id, ctx), ctx)
+            case TidyDue():
+                if not self._tidying.timer(message):
+                    ctx.count_dead_letter("stale_tidy_timer")
             case ComputeWatch():
                 if self._compute.overdue(ctx):
                     self._give_up(self._compute.overran(self.model), ctx)
@@ -335,9 +342,13 @@ class EngineCore:
             self._compute.top_up(self._backend, ctx)
             return
         if self._compute.start_next(self._backend, ctx):
+            self._tidying.work_started()
             self._compute.note_waiting()  # what it left ready ends a block after one step
             return
-        if not self._draining and self._probing.start(self._backend, self._compute, ctx):
+        if not self._draining and (
+            self._probing.start(self._backend, self._compute, ctx)
+            or self._tidying.start(self._backend, self._compute, ctx)
+        ):
             return
         if self._draining and not self._sequences and not self._batches.has_leaving:
             self._closed = True
@@ -368,6 +379,8 @@ class EngineCore:
             case ProbeJob():
                 if (info := self._probing.done(job)) is not None:
                     self._probed(info, job.batchable, ctx)
+            case TidyJob():
+                self._tidying.done(job)
             case _:
                 assert_never(job)
 

@@ -65,6 +65,14 @@ class ProbeJob:
 
 
 @dataclass
+class TidyJob:
+    """One piece of the backend's idle housekeeping (``Backend.tidy``): whether it did some."""
+
+    did: bool = False
+    error: BaseException | None = None
+
+
+@dataclass
 class TokenizeJob:
     """Tokenize the prompts of the sequences admitted so far, by sequence id."""
 
@@ -134,7 +142,7 @@ class CloseJob:
     """Close the backend: compute has stopped for good."""
 
 
-Job = LoadJob | TokenizeJob | StepJob | TogetherJob | BatchJob | ProbeJob | CloseJob
+Job = LoadJob | TokenizeJob | StepJob | TogetherJob | BatchJob | ProbeJob | TidyJob | CloseJob
 
 
 def run_load(
@@ -147,6 +155,13 @@ def run_load(
         # chunked caches) stays on B=1 for good.
         job.batchable = job.backend.open_batch() is not None
         job.probe = job.backend.deferred_probe()
+    except BaseException as exc:
+        job.error = exc
+
+
+def run_tidy(job: TidyJob, backend: Backend) -> None:
+    try:
+        job.did = backend.tidy()
     except BaseException as exc:
         job.error = exc
 

@@ -333,6 +333,13 @@ class Backend(Protocol):
         handed over once (asked right after the load), or None."""
         ...
 
+    def tidy(self) -> bool:
+        """One bounded piece of housekeeping that would otherwise land on a later request's way
+        to its first token (llama.cpp: moving an idle state to host memory so a sequence slot
+        is free), run on the compute thread once the engine has been idle a while; True when
+        it did some (the engine asks again), False when nothing is left to do."""
+        ...
+
     def close(self) -> None:
         """Free the model and its buffers (called on the compute thread at unload)."""
         ...

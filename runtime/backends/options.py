@@ -150,6 +150,10 @@ class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unk
     # this many pieces of ``probe_step_s`` each (``Backend.deferred_probe``).
     probe_steps: NonNegativeInt = 0
     probe_step_s: NonNegativeFloat = 0.0
+    # >0: each prefill leaves the backend this many pieces of idle housekeeping, each
+    # ``tidy_step_s`` long (Backend.tidy, as llama.cpp's spilling a state ahead of need).
+    tidy_pieces: NonNegativeInt = 0
+    tidy_step_s: NonNegativeFloat = 0.0
 
 
 ModelOptions = MlxOptions | LlamaCppOptions | SimulatedModelOptions

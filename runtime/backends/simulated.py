@@ -157,6 +157,8 @@ class SimulatedBackend:
             chat_template=False,  # chat_tokenizer below: the fallback format
         )
         self._probe: SimulatedProbe | None = None
+        self.tidy_calls = 0
+        self._tidy_left = 0  # pieces of housekeeping the last prefill left
         if options.probe_steps:
             self._probe = SimulatedProbe(self, options.probe_steps, self._info)
             pending = tuple(
@@ -257,6 +259,7 @@ class SimulatedBackend:
                     self._clock.spend(cost)
             state.extend(token_ids)
             state.has_logits = logits
+            self._tidy_left = self._options.tidy_pieces
         return [self._snapshot(state, p) for p in snapshot_at]
 
     def prefill_together(
@@ -351,6 +354,15 @@ class SimulatedBackend:
     def deferred_probe(self) -> SimulatedProbe | None:
         probe, self._probe = self._probe, None
         return probe
+
+    def tidy(self) -> bool:
+        with self._lock:
+            self.tidy_calls += 1  # for tests: how often the engine asked
+            if not self._tidy_left:
+                return False
+            self._tidy_left -= 1
+            self._clock.spend(self._options.tidy_step_s)
+            return True
 
     def _check_probed(self) -> None:
         """What a real model's pending probe guards against: batched work before its verdict."""

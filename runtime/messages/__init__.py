@@ -74,6 +74,7 @@ from runtime.messages.engine import (
     SequenceFailed,
     SequenceFinished,
     SequenceStarted,
+    TidyDue,
     TokensProduced,
 )
 from runtime.messages.host import (
@@ -236,6 +237,7 @@ __all__ = [
     "Drained",
     "ComputeDone",
     "ComputeWatch",
+    "TidyDue",
     # kv_budget
     "HolderKind",
     "Holder",

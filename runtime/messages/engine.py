@@ -1,7 +1,7 @@
 """The router ↔ engine protocol: the router admits, aborts and drains sequences; the engine
 reports its model's load and each sequence's events (the host's request events less the request's
 identity, which the router adds: ``runtime.messages.for_request``). Also the messages the engine
-sends itself (``ComputeDone``, ``ComputeWatch``).
+sends itself (``ComputeDone``, ``ComputeWatch``, ``TidyDue``).
 """
 
 from __future__ import annotations
@@ -160,3 +160,10 @@ class ComputeDone(Message, frozen=True):
 
 class ComputeWatch(Message, frozen=True):
     """Engine → itself (timer): has the compute step in flight overrun ``step_timeout_s``?"""
+
+
+class TidyDue(Message, frozen=True):
+    """Engine → itself (timer): the compute slot has been idle since idle period ``idle_period``
+    began; if no work came since, the backend may tidy (``Backend.tidy``)."""
+
+    idle_period: int

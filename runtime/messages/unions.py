@@ -21,6 +21,7 @@ from runtime.messages.engine import (
     SequenceFailed,
     SequenceFinished,
     SequenceStarted,
+    TidyDue,
     TokensProduced,
 )
 from runtime.messages.host import (
@@ -112,6 +113,7 @@ EngineInbox = (
     | GetStats
     | ComputeDone
     | ComputeWatch
+    | TidyDue
     | Reserved
     | ReservationRefused
     | LookupResult

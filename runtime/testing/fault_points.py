@@ -4,9 +4,10 @@
 sequence's abort flag, as the engine's chunks pass it, or newcomers' prompts prefilled together
 with ``prefill_together``), a B=1 decode step (``DECODE``: ``logits`` or ``feed``), a prefill that
 takes checkpoint snapshots or ``snapshot`` (``SNAPSHOT``), a piece of a deferred load probe
-(``PROBE``); its decode batches before each forward pass (``BATCH_STEP``). ``FaultyKeeper`` asks
-before granting a sequence's reservation (``RESERVE``); ``LOAD`` is asked by the plan's loader.
-What happens there is the plan's (runtime/testing/faults.py); these wrappers only know where.
+(``PROBE``), a piece of idle housekeeping (``TIDY``); its decode batches before each forward pass
+(``BATCH_STEP``). ``FaultyKeeper`` asks before granting a sequence's reservation (``RESERVE``);
+``LOAD`` is asked by the plan's loader. What happens there is the plan's
+(runtime/testing/faults.py); these wrappers only know where.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ class FaultPoint(enum.StrEnum):
     BATCH_STEP = "batch_step"
     SNAPSHOT = "snapshot"
     PROBE = "probe"
+    TIDY = "tidy"
     RESERVE = "reserve"
 
 
@@ -151,6 +153,10 @@ class FaultyBackend:
     def deferred_probe(self) -> DeferredProbe | None:
         probe = self._inner.deferred_probe()
         return None if probe is None else FaultyProbe(probe, self._at)
+
+    def tidy(self) -> bool:
+        self._at(FaultPoint.TIDY)
+        return self._inner.tidy()
 
 
 class FaultyProbe:

@@ -94,6 +94,7 @@ KINDS_AT: Mapping[FaultPoint, frozenset[FaultKind]] = {
             FaultPoint.BATCH_STEP,
             FaultPoint.SNAPSHOT,
             FaultPoint.PROBE,
+            FaultPoint.TIDY,
         )
     },
 }

@@ -1,12 +1,13 @@
 """Sequence states over llama.cpp's seq_ids: who holds which id, and moving idle ones to host.
 
-Every sequence of a model lives in one llama.cpp context as a seq_id of its unified KV cache, so
-a copy (``llama_memory_seq_cp``) only marks the same cells as held by one more sequence, and a
-decode step can carry one token of each of many sequences. A context has a fixed number of
-seq_ids (``n_seq_max``) while the engine may hold any number of states (the prefix cache's
-entries, sessions' pins). So a ``LlamaState`` is a handle that is *resident* (holds a seq_id) or
-*spilled* (its cells saved by ``llama_state_seq_get_data`` into host bytes, its seq_id freed):
-when no seq_id is free the least recently used state is spilled, and using it again restores it.
+Every sequence of a model lives in one llama.cpp context as a seq_id with a stream of KV cells of
+its own (binding.py), and a decode step can carry one token of each of many sequences. A context
+has a fixed number of seq_ids (``n_seq_max``) while the engine may hold any number of states (the
+prefix cache's entries, sessions' pins). So a ``LlamaState`` is a handle that is *resident* (holds
+a seq_id) or *spilled* (its cells saved by ``llama_state_seq_get_data`` into host bytes, its seq_id
+freed): when no seq_id is free the least recently used state is spilled, and using it again
+restores it. An idle engine spills ahead of need (``make_spare``, through
+``LlamaCppBackend.tidy``).
 
 States the engine drops give their seq_id back through ``weakref.finalize`` (so does a decode
 batch it drops, for its members' ids); the finalizer may run on any thread, so it only queues the
@@ -182,6 +183,14 @@ class SeqPool:
                 "with a larger context_length"
             )
         return dst
+
+    def make_spare(self, count: int) -> bool:
+        """Spill the least recently used state if fewer than ``count`` ids are free and one is
+        held by a state (not a batch); whether it did."""
+        if len(self._free) >= count or all(ref() is None for ref in self._holders.values()):
+            return False
+        self._spill_one(keep=())
+        return True
 
     def give_back_later(self, seqs: Iterable[int]) -> None:
         """Queue ``seqs`` (owned by no state) to be freed at the compute thread's next call; safe

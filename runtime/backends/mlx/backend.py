@@ -395,6 +395,9 @@ class MlxBackend:
         deferred, self._deferred = self._deferred, None
         return deferred
 
+    def tidy(self) -> bool:
+        return False  # MLX arrays need no slots: nothing to do ahead of a request
+
     def close(self) -> None:
         """Drop the model and return MLX's cached buffers to the system.
 

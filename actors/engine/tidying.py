@@ -1,0 +1,81 @@
+"""The backend's idle housekeeping (``Backend.tidy``), run a piece at a time once the engine idles.
+
+Some work can be done ahead of the request that needs it: on llama.cpp, moving an idle state to
+host memory so that a sequence slot is free (else the next request pays that move before its
+first token). It runs only after the compute slot has had nothing to do for ``TIDY_AFTER_S``, so a
+client that sends its next request right after a reply (a bench, an agent loop) finds no
+housekeeping in its way, while a person's next turn, seconds later, finds it done. One piece at a
+time, each started only when no sequence has work: a request waits at most one piece behind it.
+
+Each idle period has a number; work starting ends the period, so a ``TidyDue`` timer armed in an
+earlier one is stale and does nothing. A piece that raises stops tidying for the engine's epoch
+(the housekeeping is an optimisation: requests pay for it as before).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from actors.engine.compute import ComputeSlot
+from actors.engine.jobs import TidyJob, run_tidy
+from runtime.backends.contract import Backend
+from runtime.kernel.core import Context
+from runtime.kernel.stats import Counters
+from runtime.messages import TidyDue
+
+log = logging.getLogger("mlx_actor_runtime.engine")
+
+# Idle this long before housekeeping: longer than a client's turnaround between two requests
+# (a few ms here), far shorter than a person's next turn.
+TIDY_AFTER_S = 0.1
+
+
+class Tidying:
+    """Whether housekeeping is due, and its pieces' jobs."""
+
+    def __init__(self, model: str, counters: Counters) -> None:
+        self._model = model
+        self._counters = counters
+        self._period = 0  # the current idle period's number
+        self._armed = False  # a TidyDue for this period is pending
+        self._due = False  # this period's timer fired, or the last piece did something
+        self._finished = False  # nothing left to do until work runs again
+        self._broken = False  # a piece raised: no more tidying this epoch
+
+    def work_started(self) -> None:
+        """Other compute started: the idle period ends, and there may be housekeeping again."""
+        self._period += 1
+        self._armed = self._due = self._finished = False
+
+    def start(self, backend: Backend, compute: ComputeSlot, ctx: Context) -> bool:
+        """With the slot idle: run a piece if one is due, else arm this period's timer (False:
+        nothing started)."""
+        if self._broken or self._finished or compute.busy:
+            return False
+        if self._due:
+            job = TidyJob()
+            compute.submit(ctx, job, lambda: run_tidy(job, backend))
+            return True
+        if not self._armed:
+            self._armed = True
+            ctx.send_later(TIDY_AFTER_S, TidyDue(idle_period=self._period))
+        return False
+
+    def timer(self, message: TidyDue) -> bool:
+        """A ``TidyDue`` came: whether it is this period's (the core then pumps)."""
+        if message.idle_period != self._period:
+            return False
+        self._due = True
+        return True
+
+    def done(self, job: TidyJob) -> None:
+        """A piece came back: another is due at once if it did something."""
+        if job.error is not None:
+            self._broken = True
+            self._counters.inc("tidy_failed")
+            log.warning("model %s: idle housekeeping failed (%r); it stops", self._model, job.error)
+        elif job.did:
+            self._counters.inc("tidy_pieces")
+        else:
+            self._finished = True
+        self._due = job.did and job.error is None
