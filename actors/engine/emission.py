@@ -113,6 +113,19 @@ def take_token(
     return Emission((token,), shown, logprobs, finish)
 
 
+def emit_block(seq: Sequence, emissions: list[Emission], ctx: Context) -> None:
+    """Send what one job's tokens show (a decode block's, a speculative block's) as one
+    ``TokensProduced``: the router and the host handle a message per block, not per token
+    (the loop's work per token is taken from the model's threads on a CPU they fill). With
+    logprobs, one message per token: the HTTP layer pairs each token's text with its logprob."""
+    if len(emissions) == 1 or any(e.logprobs for e in emissions):
+        for each in emissions:
+            emit(seq, each, ctx)
+        return
+    token_ids = tuple(t for e in emissions for t in e.token_ids)
+    emit(seq, Emission(token_ids, "".join(e.text for e in emissions)), ctx)
+
+
 def emit(seq: Sequence, emission: Emission, ctx: Context) -> None:
     """Send the tokens and text of ``emission`` to the router, unless there are none."""
     if not emission.token_ids and not emission.text:

@@ -99,22 +99,27 @@ class StepOutcomes:
             self._show(job, seq, ctx)
 
     def _show(self, job: StepJob, seq: Sequence, ctx: Context) -> None:
-        """Show a decode step's token, then any more of its block (a speculative step's), each
-        as a step of its own, until one ends the sequence or failed."""
+        """Show a decode step's token, then any more of its block (a decode or speculative
+        block's), each taken as a step of its own, until one ends the sequence or failed; what
+        they show goes out together (``emission.emit_block``), before that ending."""
+        shown: list[emission.Emission] = []
         for record in (job, *job.more):
             if record.error is not None:
+                emission.emit_block(seq, shown, ctx)
                 self._ends.fail(seq, ctx, _step_failed(record.error))
                 return
             assert record.token is not None
-            shown = emission.take_token(
+            taken = emission.take_token(
                 seq, record.token, record.text, record.logprob, record.completes_constraint
             )
-            emission.emit(seq, shown, ctx)
-            if shown.finish is not None:
+            shown.append(taken)
+            if taken.finish is not None:
+                emission.emit_block(seq, shown, ctx)
                 # A state that saw the next step fail is never reused.
                 keep = job.ahead_error is None
-                self._ends.finish(seq, ctx, shown.finish, stop=shown.stop, keep=keep)
+                self._ends.finish(seq, ctx, taken.finish, stop=taken.stop, keep=keep)
                 return
+        emission.emit_block(seq, shown, ctx)
         if job.ahead_error is not None:
             self._ends.fail(seq, ctx, _step_failed(job.ahead_error))
 
