@@ -15,7 +15,7 @@
 #                      README untouched)
 #   make soak          scripts/soak.py: 2,000 simulated requests through the Runtime, then 200
 #                      HTTP requests on the default real model; leaks and wrong replies fail it
-#                      (docs/reliability-soak.md)
+#                      (docs/reliability.md, section Soak)
 #
 # Variables: PYTHON (interpreter used to create the venv), PYTEST_ARGS (extra
 # pytest arguments), BLAS_PRELOAD=0 (MLX's own BLAS, no OpenBLAS), BENCH_ARGS (extra
