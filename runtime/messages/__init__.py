@@ -105,6 +105,7 @@ from runtime.messages.host import (
     UnloadModel,
 )
 from runtime.messages.kv_budget import (
+    EnginePlaced,
     EpochReleased,
     Holder,
     HolderKind,
@@ -247,6 +248,7 @@ __all__ = [
     "ReservationExpired",
     "ReservationPressure",
     "ReleaseEpoch",
+    "EnginePlaced",
     "EpochReleased",
     # prefix_cache
     "Lookup",

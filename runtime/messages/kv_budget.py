@@ -99,6 +99,20 @@ class ReleaseEpoch(Message, frozen=True):
     epoch: int
 
 
+class EnginePlaced(Message, frozen=True):
+    """Engine's proxy → keeper: the engine of ``model`` at ``epoch`` runs on Ray node ``node``
+    (IP address ``node_ip``); its reservations are made against that node's budget.
+
+    Sent before any of the engine's own mail is handed on. A model epoch never announced is on
+    the host (the host's budget). ``ReleaseEpoch`` forgets the placement with the bytes.
+    """
+
+    model: str
+    epoch: int
+    node: str
+    node_ip: str = ""
+
+
 class EpochReleased(Message, frozen=True):
     """Reply to ``ReleaseEpoch``: nothing of that epoch holds budget any more."""
 

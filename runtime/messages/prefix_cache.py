@@ -93,10 +93,16 @@ class Unpin(Message, frozen=True):
 
 
 class Evict(Message, frozen=True):
-    """Keeper → prefix manager: free at least ``nbytes`` from unleased entries, LRU first."""
+    """Keeper → prefix manager: free at least ``nbytes`` from unleased entries, LRU first.
+
+    ``epochs``: only entries of these (model, epoch) pairs, the ones holding bytes on the node
+    whose budget is short (None: any entry; the keeper sends None while every engine is on the
+    host).
+    """
 
     nbytes: int
     include_pinned: bool = False
+    epochs: tuple[tuple[str, int], ...] | None = None
 
 
 class InvalidateEpoch(Message, frozen=True):

@@ -50,6 +50,7 @@ from runtime.messages.host import (
     UnloadModel,
 )
 from runtime.messages.kv_budget import (
+    EnginePlaced,
     EpochReleased,
     Release,
     ReleaseEpoch,
@@ -125,6 +126,7 @@ KVInbox = (
     | Release
     | Transfer
     | ReleaseEpoch
+    | EnginePlaced
     | ReservationExpired
     | ReservationPressure
     | GetStats
