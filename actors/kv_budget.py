@@ -15,6 +15,8 @@ Policy
         whole queue's shortfall, and it is refused at its deadline (``timeout_s``, default
         ``default_timeout_s``); half-way there it asks again, now letting pinned entries go.
         Only the earliest deadline and half-way point have a timer pending (``kv_timers``).
+        A ``then_lookup`` it carries is sent to the prefix manager right after ``Reserved``
+        (``reply_to`` the requester), and never for a refused or dropped one.
         ``timeout_s=0`` means "only if it fits now": refused at once
         (retryable), never queued, never evicting for it (batch padding and pinned copies). A
         holder may reserve more than once; its amounts add up.
@@ -69,6 +71,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple, assert_never
 
+import msgspec
+
 from actors.kv_ledgers import HOST_NODE, Ledger, Ledgers
 from actors.kv_timers import QueueTimers
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge, MlxRuntimeError
@@ -81,6 +85,7 @@ from runtime.messages import (
     GetStats,
     Holder,
     KVInbox,
+    Lookup,
     Message,
     Release,
     ReleaseEpoch,
@@ -103,6 +108,7 @@ _COUNTER_NAMES = (
     "transfer_short", "transfer_invalid", "transfer_unknown_source", "dropped_waiting",
     "stale_timer", "stale_epoch", "unexpected_message", "evict_pinned_requests",
     "released_partial", "release_short", "release_invalid", "placements", "transfer_across_nodes",
+    "lookups_sent_on",
 )
 # fmt: on
 
@@ -125,6 +131,7 @@ class _Waiting:
     requester: Address
     pressure_at: float  # half-way to the deadline: pinned entries may be evicted for it from then
     node: str  # whose budget it waits for
+    then_lookup: Lookup | None  # sent on once granted
 
 
 def _describe(holder: Holder) -> str:
@@ -278,7 +285,7 @@ class KVBudgetCore:
             self._refuse(sender, holder, nbytes, KVRequestTooLarge, text, ctx)
             return
         if not self._waits_on(ledger.node) and nbytes <= ledger.free:
-            self._grant(holder, nbytes, ledger, sender, ctx)
+            self._grant(holder, nbytes, ledger, sender, ctx, request.then_lookup)
             return
         if timeout_s == 0:  # "only if it fits now": never queue, never evict for it
             self.counters.inc("refused_no_wait")
@@ -296,6 +303,7 @@ class KVBudgetCore:
             sender,
             now + timeout_s / 2,
             ledger.node,
+            request.then_lookup,
         )
         self.counters.inc("queued")
         self.counters.inc("evict_requests")
@@ -418,13 +426,23 @@ class KVBudgetCore:
     # ------------------------------------------------------------------ helpers
 
     def _grant(
-        self, holder: Holder, nbytes: int, ledger: Ledger, requester: Address, ctx: Context
+        self,
+        holder: Holder,
+        nbytes: int,
+        ledger: Ledger,
+        requester: Address,
+        ctx: Context,
+        then_lookup: Lookup | None = None,
     ) -> None:
         self._holdings[holder] = self._holdings.get(holder, 0) + nbytes
         ledger.reserved += nbytes
         self._ledgers.hold(holder, ledger)
         self.counters.inc("granted")
         ctx.send(requester, Reserved(holder=holder, nbytes=nbytes))
+        if then_lookup is not None:  # after Reserved: the requester hears the grant first
+            self.counters.inc("lookups_sent_on")
+            lookup = msgspec.structs.replace(then_lookup, reply_to=requester)
+            ctx.send(self._prefix_cache, lookup)
 
     def _evict(self, ledger: Ledger, include_pinned: bool = False) -> Evict:
         """Ask for ``ledger``'s queue's shortfall, from the entries holding bytes on its node."""
@@ -449,7 +467,7 @@ class KVBudgetCore:
                 blocked.add(head.node)
                 continue
             del self._waiting[head.ticket]
-            self._grant(head.holder, head.nbytes, ledger, head.requester, ctx)
+            self._grant(head.holder, head.nbytes, ledger, head.requester, ctx, head.then_lookup)
 
     def _waits_on(self, node: str) -> bool:
         return any(w.node == node for w in self._waiting.values())

@@ -179,7 +179,7 @@ class PrefixCacheCore:
             lease_id=lease_id,
             generation=self.generation(request.model, request.namespace),
         )
-        ctx.send(sender, result)
+        ctx.send(request.reply_to or sender, result)  # reply_to: a lookup the keeper sent on
         if replica_base(request.model) is not None:
             self._elsewhere(request, result.matched, ctx)
 

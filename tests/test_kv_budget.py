@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from actors.kv_budget import KVBudgetCore, QueuedReservation
@@ -15,6 +16,7 @@ from runtime.messages import (
     GetStats,
     Holder,
     HolderKind,
+    Lookup,
     Message,
     Release,
     ReleaseEpoch,
@@ -792,3 +794,42 @@ def test_a_lost_engines_epoch_is_released_from_its_node(ctx: RecordingContext) -
 
     assert keeper.nodes()["node-a"] == (300, 0)
     assert not keeper.holdings()
+
+
+# --------------------------------------------------------------------------- a lookup riding on it
+
+
+def lookup_of(seq_id: int) -> Lookup:
+    return Lookup(model="m", epoch=1, namespace="n", tokens=(1, 2, 3), sequence_id=seq_id)
+
+
+def test_a_granted_reservation_sends_its_lookup_on_right_after_reserved(
+    keeper: KVBudgetCore, ctx: RecordingContext
+) -> None:
+    keeper.handle(Reserve(holder=seq(1), nbytes=100, then_lookup=lookup_of(1)), ENGINE, ctx)
+
+    assert ctx.take_sent() == [
+        (ENGINE, Reserved(holder=seq(1), nbytes=100)),
+        (PREFIX_CACHE, msgspec.structs.replace(lookup_of(1), reply_to=ENGINE)),
+    ]
+
+
+def test_a_queued_reservation_sends_its_lookup_only_when_granted_never_when_refused(
+    keeper: KVBudgetCore, ctx: RecordingContext
+) -> None:
+    reserve(keeper, ctx, seq(1), 900)
+    for seq_id in (2, 3):
+        request = Reserve(holder=seq(seq_id), nbytes=600, timeout_s=10.0,
+                          then_lookup=lookup_of(seq_id))  # fmt: skip
+        keeper.handle(request, ENGINE, ctx)
+    ctx.take_sent()  # the grant and the evictions
+
+    keeper.handle(Release(holder=seq(1)), ENGINE, ctx)  # seq(2) fits now; seq(3) does not
+    granted = ctx.take_sent()
+    assert granted[:2] == [
+        (ENGINE, Reserved(holder=seq(2), nbytes=600)),
+        (PREFIX_CACHE, msgspec.structs.replace(lookup_of(2), reply_to=ENGINE)),
+    ]
+    advance(keeper, ctx, 10.0)  # seq(3) is refused at its deadline: no lookup for it
+    assert not any(isinstance(m, Lookup) for _, m in ctx.take_sent())
+    assert stats(keeper, ctx).counters["lookups_sent_on"] == 1

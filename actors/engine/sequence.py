@@ -107,6 +107,7 @@ class Sequence:
     state: SequenceState | None = None
     in_compute: bool = False
     reserved: bool = False
+    lookup_sent_on: bool = False  # its Reserve carried its Lookup: the keeper sends it on
     lease_id: int | None = None
     generation: int = 0
     restore_entry: int | None = None

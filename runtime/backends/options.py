@@ -68,6 +68,9 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_concurrent: PositiveInt = DEFAULT_MAX_CONCURRENT  # sequences past the admission gate
     # The most prompt-lookup drafts a pass verifies for a request that does not say (0: off).
     speculative: Annotated[int, msgspec.Meta(ge=0, le=64)] = DEFAULT_SPECULATIVE
+    # A sequence's prefix lookup rides on its KV reservation: the keeper sends it on once it
+    # grants (actors/engine/admission.py). False: the engine asks after the grant (to measure).
+    lookup_with_reserve: bool = True
 
     @property
     def chunk_tokens(self) -> int:

@@ -10,7 +10,9 @@ from runtime.messages.vocabulary import Message, ReusePath, TokenIds
 class Lookup(Message, frozen=True):
     """Find the longest usable cached prefix of ``tokens``; answered ``LookupResult``.
 
-    ``sequence_id`` names the sequence that will hold the lease on a hit.
+    ``sequence_id`` names the sequence that will hold the lease on a hit. ``reply_to``: who hears
+    the answer (None: the sender); the keeper sets it to the engine when it sends the lookup an
+    engine's ``Reserve`` carried (``Reserve.then_lookup``).
     """
 
     model: str
@@ -18,6 +20,7 @@ class Lookup(Message, frozen=True):
     namespace: str
     tokens: TokenIds
     sequence_id: int
+    reply_to: str | None = None
 
 
 class LookupResult(Message, frozen=True):
