@@ -207,6 +207,8 @@ class PrefixCacheCore:
                 elsewhere=best[0],
                 matched_here=matched_here,
                 matched_there=best[1],
+                tokens=request.tokens,
+                facts=request.facts,
             )
             ctx.send(ROUTER, hint)
 

@@ -252,10 +252,12 @@ class RouterCore:
         ctx: Context,
         *,
         replica: str | None = None,
-        avoid: str | None = None,
+        moved: Live | None = None,
+        carried: CachedElsewhere | None = None,
     ) -> None:
         """Admit ``request``; for a model with replicas, to ``replica`` or the one routing picks
-        (never ``avoid``, a replica it is being moved off)."""
+        (never the one ``moved`` ran on: it is being moved off, keeping its deadline, with its
+        prompt as its first replica tokenized it if ``carried`` says)."""
         if self._live.has_request(request.request_id) or request.request_id in self._parked:
             text = (
                 f"request id {request.request_id!r} is still running; wait for its end, "
@@ -265,6 +267,7 @@ class RouterCore:
             return
         sent = request
         if request.model in self._replicas:
+            avoid = None if moved is None else moved.model
             chosen = replica or self._replicas.route(request.model, request.session, avoid)
             request = msgspec.structs.replace(request, model=chosen)
         model = self._models.admitting(request.model, ctx)
@@ -286,7 +289,8 @@ class RouterCore:
             model.epoch,
             sequence_id,
             sent,
-            moved=avoid is not None,
+            accepted_at=ctx.now() if moved is None else moved.accepted_at,
+            moved=moved is not None,
         )
         self._live.add(live)
         self._models.request_started(model)
@@ -294,7 +298,7 @@ class RouterCore:
             self._models.keep_alive_from_now(model, request.keep_alive_s)
         is_generate = isinstance(request, Generate)
         self.counters.inc("accepted_generate" if is_generate else "accepted_prewarm")
-        self._guards.accepted(request, sequence_id, model.epoch, ctx)
+        self._guards.accepted(request, sequence_id, model.epoch, ctx, since=live.accepted_at)
         ctx.send(
             model.address,
             Admit(
@@ -302,12 +306,16 @@ class RouterCore:
                 epoch=model.epoch,
                 session=request.session or f"{request.model}/{request.namespace}",
                 request=request,
+                tokens=carried.tokens if carried and carried.tokens else None,
+                facts=None if carried is None else carried.facts,
             ),
         )
 
-    def _resend(self, live: Live, replica: str | None, ctx: Context) -> None:
+    def _resend(
+        self, live: Live, replica: str | None, hint: CachedElsewhere | None, ctx: Context
+    ) -> None:
         """``live``'s request moved off its replica: accepted again, on ``replica``."""
-        self._accept(live.request, live.host, ctx, replica=replica, avoid=live.model)
+        self._accept(live.request, live.host, ctx, replica=replica, moved=live, carried=hint)
 
     def _reject(
         self, request: Generate | Prewarm, host: Address, ctx: Context, code: str, text: str

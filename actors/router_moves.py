@@ -4,7 +4,10 @@ Two things move a request (docs/cluster.md, "Routing across replicas"): the pref
 another replica holds more of its prompt (``CachedElsewhere``: moved there once, if worth it and
 that replica is not overloaded), and its replica's engine failing (``EngineFailed``: what it had
 not started goes to another replica). A move lets the first sequence go (aborted quietly: what
-its engine still says is stale) and sends the request again through the router's acceptance.
+its engine still says is stale) and sends the request again through the router's acceptance,
+keeping its deadline (``timeout_s`` counts from its first acceptance) and, when the prefix
+manager's hint carries them, its prompt's tokens, so the replica it moves to does not tokenize it
+again.
 """
 
 from __future__ import annotations
@@ -19,8 +22,9 @@ from runtime.kernel.core import Context, engine_address
 from runtime.kernel.stats import Counters
 from runtime.messages import Abort, CachedElsewhere
 
-# Accept ``live``'s request again on replica ``to`` (None: the one routing picks, never its own).
-Resend = Callable[[Live, str | None, Context], None]
+# Accept ``live``'s request again on replica ``to`` (None: the one routing picks, never its own),
+# with the tokens a hint carried (None: none known).
+Resend = Callable[[Live, str | None, CachedElsewhere | None, Context], None]
 
 
 class Moves:
@@ -56,7 +60,7 @@ class Moves:
         ):
             self._counters.inc("moves_declined")
             return
-        self._move(live, hint.elsewhere, ctx)
+        self._move(live, hint.elsewhere, ctx, hint)
         self._replicas.stick(live.request.model, live.request.session, hint.elsewhere)
 
     def unstarted_of(self, epoch: int, ctx: Context) -> None:
@@ -66,9 +70,11 @@ class Moves:
             if not self._live.has_started(live.sequence_id) and len(self._replicas.names(name)) > 1:
                 self._move(live, None, ctx)
 
-    def _move(self, live: Live, to: str | None, ctx: Context) -> None:
+    def _move(
+        self, live: Live, to: str | None, ctx: Context, hint: CachedElsewhere | None = None
+    ) -> None:
         """Send ``live``'s request to replica ``to`` (None: the one routing picks, never its
-        own) as if it came now; its first sequence is aborted (quietly dropped if it answers)."""
+        own); its first sequence is aborted (quietly dropped if it answers)."""
         sequence_id = live.sequence_id
         self._live.pop(sequence_id)
         self._guards.ended(sequence_id)
@@ -76,4 +82,4 @@ class Moves:
         abort = Abort(sequence_id=sequence_id, epoch=live.epoch, reason="moved")
         ctx.send(engine_address(live.model, live.epoch), abort)
         self._counters.inc("requests_moved")
-        self._resend(live, to, ctx)
+        self._resend(live, to, hint, ctx)

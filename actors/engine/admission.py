@@ -37,6 +37,7 @@ from actors.engine.entries import EntryStore
 from actors.engine.jobs import TokenizeJob
 from actors.engine.sequence import Phase, Sequence
 from actors.engine.supersede import Adopt, Join, Supersede, identical_leader, plan_supersede
+from actors.replicas import replica_base
 from runtime.backends.contract import ModelInfo
 from runtime.errors import ContextLengthExceeded, InvalidRequest, MlxRuntimeError
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Context
@@ -117,6 +118,8 @@ class Admission:
             seq.drafts = self._limits.speculative if asked is None else asked
         self._sequences[seq.sequence_id] = seq
         self._counters.inc(f"admitted_{seq.kind}")
+        if admit.tokens is not None:
+            self._counters.inc("admitted_tokenized")  # moved here: tokenized by its first replica
         if seq.tokens is not None and self._info is not None:
             self._tokenized(seq, ctx)
 
@@ -354,12 +357,15 @@ class Admission:
 
     def _lookup(self, seq: Sequence) -> Lookup:
         assert seq.tokens is not None
+        # A replica's request may move to another replica: its prompt's rendering goes with it.
+        replica = replica_base(self._model) is not None
         return Lookup(
             model=self._model,
             epoch=seq.epoch,
             namespace=seq.namespace,
             tokens=seq.tokens,
             sequence_id=seq.sequence_id,
+            facts=seq.facts() if replica else None,
         )
 
     def looked_up(self, result: LookupResult, ctx: Context) -> None:

@@ -353,6 +353,7 @@ class EngineCore:
             case LoadJob():
                 self._loaded(job, ctx)
             case TokenizeJob():
+                self.counters.inc("prompts_tokenized", len(job.results) + len(job.failures))
                 self._admission.tokenized(job, ctx)
             case CloseJob():
                 self._closed_down(ctx)

@@ -156,6 +156,7 @@ from runtime.messages.vocabulary import (
     JsonSchemaConstraint,
     Message,
     ModelSpec,
+    PromptFacts,
     RegexConstraint,
     RequestKind,
     ReusePath,
@@ -171,6 +172,7 @@ from runtime.messages.wire import decode, encode
 
 __all__ = [
     # vocabulary
+    "PromptFacts",
     "TokenIds",
     "Message",
     "JsonSchemaConstraint",

@@ -4,7 +4,7 @@ dropping a model epoch's entries (the manager tells the owning engine which to f
 
 from __future__ import annotations
 
-from runtime.messages.vocabulary import Message, ReusePath, TokenIds
+from runtime.messages.vocabulary import Message, PromptFacts, ReusePath, TokenIds
 
 
 class Lookup(Message, frozen=True):
@@ -12,7 +12,8 @@ class Lookup(Message, frozen=True):
 
     ``sequence_id`` names the sequence that will hold the lease on a hit. ``reply_to``: who hears
     the answer (None: the sender); the keeper sets it to the engine when it sends the lookup an
-    engine's ``Reserve`` carried (``Reserve.then_lookup``).
+    engine's ``Reserve`` carried (``Reserve.then_lookup``). ``facts``: a replica's chat prompt's
+    rendering, passed on in ``CachedElsewhere`` should the request move.
     """
 
     model: str
@@ -21,6 +22,7 @@ class Lookup(Message, frozen=True):
     tokens: TokenIds
     sequence_id: int
     reply_to: str | None = None
+    facts: PromptFacts | None = None
 
 
 class LookupResult(Message, frozen=True):
@@ -43,7 +45,8 @@ class CachedElsewhere(Message, frozen=True):
     """Prefix manager → router: a ``Lookup`` of replica ``model`` (actors/replicas.py) matched
     ``matched_here`` tokens there, and another replica of the same model, ``elsewhere``, holds
     ``matched_there`` (more) of the same prompt. The router may move the request, if it has not
-    started and ``elsewhere`` is not overloaded (docs/protocols.md, "Replicas and routing")."""
+    started and ``elsewhere`` is not overloaded (docs/protocols.md, "Replicas and routing");
+    it sends the prompt's ``tokens`` and ``facts`` (the lookup's) with it, not to tokenize twice."""
 
     sequence_id: int
     epoch: int
@@ -51,6 +54,8 @@ class CachedElsewhere(Message, frozen=True):
     elsewhere: str
     matched_here: int
     matched_there: int
+    tokens: TokenIds = ()
+    facts: PromptFacts | None = None
 
 
 class Commit(Message, frozen=True):
