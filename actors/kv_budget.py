@@ -64,16 +64,15 @@ its deadline; if anything waits on a node, that node's head does not fit.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import NamedTuple, assert_never
+from typing import assert_never
 
 import msgspec
 
 from actors.kv_ledgers import HOST_NODE, Ledger, Ledgers
+from actors.kv_queue import QueuedReservation, Waiting, WaitingQueue
 from actors.kv_timers import QueueTimers
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge, MlxRuntimeError
 from runtime.kernel.core import PREFIX_CACHE, Address, Context
@@ -113,27 +112,6 @@ _COUNTER_NAMES = (
 # fmt: on
 
 
-class QueuedReservation(NamedTuple):
-    """A reservation waiting for bytes, as seen from outside the keeper."""
-
-    holder: Holder
-    nbytes: int
-    deadline: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Waiting:
-    ticket: int
-    holder: Holder
-    nbytes: int
-    deadline: float
-    timeout_s: float
-    requester: Address
-    pressure_at: float  # half-way to the deadline: pinned entries may be evicted for it from then
-    node: str  # whose budget it waits for
-    then_lookup: Lookup | None  # sent on once granted
-
-
 def _describe(holder: Holder) -> str:
     return f"{holder.kind} {holder.id} of {holder.model}#{holder.epoch}"
 
@@ -164,9 +142,7 @@ class KVBudgetCore:
         self._default_timeout_s = default_timeout_s
         self._prefix_cache = prefix_cache
         self._holdings: dict[Holder, int] = {}
-        # Keyed by ticket; dict order is arrival order, which is the FIFO order.
-        self._waiting: dict[int, _Waiting] = {}
-        self._tickets = itertools.count(1)
+        self._waiting = WaitingQueue()  # FIFO per node
         self._retired_epochs: dict[str, int] = {}
         self._timers = QueueTimers()
         self.counters = Counters(_COUNTER_NAMES)
@@ -206,9 +182,7 @@ class KVBudgetCore:
 
     def queued(self) -> tuple[QueuedReservation, ...]:
         """Waiting reservations, head first."""
-        return tuple(
-            QueuedReservation(w.holder, w.nbytes, w.deadline) for w in self._waiting.values()
-        )
+        return self._waiting.snapshot()
 
     # ------------------------------------------------------------------ actor interface
 
@@ -284,7 +258,7 @@ class KVBudgetCore:
             )
             self._refuse(sender, holder, nbytes, KVRequestTooLarge, text, ctx)
             return
-        if not self._waits_on(ledger.node) and nbytes <= ledger.free:
+        if not self._waiting.waits_on(ledger.node) and nbytes <= ledger.free:
             self._grant(holder, nbytes, ledger, sender, ctx, request.then_lookup)
             return
         if timeout_s == 0:  # "only if it fits now": never queue, never evict for it
@@ -292,19 +266,8 @@ class KVBudgetCore:
             text = f"{nbytes} bytes of KV cache were asked for only if free now; they are not."
             self._refuse(sender, holder, nbytes, KVBudgetExhausted, text, ctx)
             return
-        ticket = next(self._tickets)
-        now = ctx.now()
-        self._waiting[ticket] = _Waiting(
-            ticket,
-            holder,
-            nbytes,
-            now + timeout_s,
-            timeout_s,
-            sender,
-            now + timeout_s / 2,
-            ledger.node,
-            request.then_lookup,
-        )
+        node, then_lookup = ledger.node, request.then_lookup
+        self._waiting.add(holder, nbytes, ctx.now(), timeout_s, sender, node, then_lookup)
         self.counters.inc("queued")
         self.counters.inc("evict_requests")
         # Ask for the node's whole queue's shortfall: everything ahead is served before this one.
@@ -384,11 +347,7 @@ class KVBudgetCore:
         the earliest had a timer; one that an earlier refusal let in was granted instead), and
         the next deadline gets one."""
         self._timers.expiry_fired(ticket)
-        due = sorted(
-            (w for w in self._waiting.values() if w.deadline <= ctx.now()),
-            key=lambda w: (w.deadline, w.ticket),
-        )
-        for waiting in due:
+        for waiting in self._waiting.due(ctx.now()):
             # An earlier one's expiry may have let this one in (granted): it no longer waits.
             if waiting.ticket in self._waiting:
                 self._expire(waiting.holder, waiting.ticket, ctx)
@@ -399,9 +358,9 @@ class KVBudgetCore:
         entries may go too (one ``Evict`` asks for the whole queue's shortfall)."""
         self._timers.pressure_fired(ticket)
         now = ctx.now()
-        pressed = {w.node for w in self._waiting.values() if w.pressure_at <= now}
-        if ticket in self._waiting:
-            pressed.add(self._waiting[ticket].node)
+        pressed = self._waiting.pressed_nodes(now)
+        if (waiting := self._waiting.get(ticket)) is not None:
+            pressed.add(waiting.node)
         for node in sorted(pressed):
             self.counters.inc("evict_pinned_requests")
             ctx.send(self._prefix_cache, self._evict(self._ledgers[node], include_pinned=True))
@@ -446,42 +405,31 @@ class KVBudgetCore:
 
     def _evict(self, ledger: Ledger, include_pinned: bool = False) -> Evict:
         """Ask for ``ledger``'s queue's shortfall, from the entries holding bytes on its node."""
-        shortfall = self._queued_bytes(ledger.node) - ledger.free
+        shortfall = self._waiting.queued_bytes(ledger.node) - ledger.free
         epochs = self._ledgers.epochs_on(ledger.node)
         return Evict(nbytes=shortfall, include_pinned=include_pinned, epochs=epochs)
 
     def _ask_eviction_again(self, ctx: Context) -> None:
         """Entries cached since the last ask (a finished request's state) may be evictable now."""
-        for node in sorted({w.node for w in self._waiting.values()}):
+        for node in self._waiting.nodes():
             self.counters.inc("evict_requests")
             ctx.send(self._prefix_cache, self._evict(self._ledgers[node]))
 
     def _grant_waiting(self, ctx: Context) -> None:
         """Each node's queue, from its head, as long as its reservations fit its free bytes."""
-        blocked: set[str] = set()
-        for head in list(self._waiting.values()):
-            if head.node in blocked:
-                continue
+        for head in self._waiting.fitting_heads(lambda node: self._ledgers[node].free):
             ledger = self._ledgers[head.node]
-            if head.nbytes > ledger.free:
-                blocked.add(head.node)
-                continue
-            del self._waiting[head.ticket]
             self._grant(head.holder, head.nbytes, ledger, head.requester, ctx, head.then_lookup)
-
-    def _waits_on(self, node: str) -> bool:
-        return any(w.node == node for w in self._waiting.values())
 
     def _release_holding(self, holder: Holder) -> None:
         self._ledgers.forget(holder).reserved -= self._holdings.pop(holder)
         self.counters.inc("released")
 
-    def _drop_waiting(self, doomed: Callable[[_Waiting], bool], ctx: Context) -> int:
-        tickets = [w.ticket for w in self._waiting.values() if doomed(w)]
-        for ticket in tickets:
-            del self._waiting[ticket]
+    def _drop_waiting(self, doomed: Callable[[Waiting], bool], ctx: Context) -> int:
+        dropped = self._waiting.drop(doomed)
+        for _ in range(dropped):
             self._count_dropped("dropped_waiting", ctx)
-        return len(tickets)
+        return dropped
 
     def _refuse(
         self,
@@ -501,9 +449,6 @@ class KVBudgetCore:
         retired = self._retired_epochs.get(holder.model)
         return retired is not None and holder.epoch <= retired
 
-    def _queued_bytes(self, node: str | None = None) -> int:
-        return sum(w.nbytes for w in self._waiting.values() if node in (None, w.node))
-
     def _count_dropped(self, reason: str, ctx: Context) -> None:
         self.counters.inc(reason)
         ctx.count_dead_letter(reason)
@@ -515,14 +460,12 @@ class KVBudgetCore:
             "reserved": self.reserved_bytes,
             "free": self.free_bytes,
             "queued": len(self._waiting),
-            "queued_bytes": self._queued_bytes(),
+            "queued_bytes": self._waiting.queued_bytes(),
             "holders": len(self._holdings),
         }
         if self._ledgers.spread:  # per node, once an engine runs off the host
             for ledger in self._ledgers:
                 gauges[f"node_budget:{ledger.node}"] = ledger.budget
                 gauges[f"node_reserved:{ledger.node}"] = ledger.reserved
-                gauges[f"node_queued:{ledger.node}"] = sum(
-                    1 for w in self._waiting.values() if w.node == ledger.node
-                )
+                gauges[f"node_queued:{ledger.node}"] = self._waiting.count_on(ledger.node)
         return Stats(actor="kv", counters=self.counters.snapshot(), gauges=gauges)
