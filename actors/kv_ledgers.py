@@ -1,7 +1,7 @@
 """The KV keeper's books per node: each node's budget and reserved bytes, and who is where.
 
 An engine's KV lives in its node's memory, so its reservations are checked against its node's
-budget, never against another node's free bytes (docs/cluster.md, "Each node's KV budget"). An
+budget, never against another node's free bytes (docs/cluster.md, "Where the actors live"). An
 engine in the host's process is on ``HOST_NODE``, whose budget is the runtime's; an engine on a
 Ray node is placed there by ``EnginePlaced`` (its proxy sends it before any of the engine's mail),
 and that node's ledger is opened with its configured budget. A holder stays in the ledger it was
