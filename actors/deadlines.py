@@ -107,9 +107,16 @@ class RequestGuards:
         return len(self._expired)
 
     def accepted(
-        self, request: Generate | Prewarm, sequence_id: int, epoch: int, ctx: Context
+        self,
+        request: Generate | Prewarm,
+        sequence_id: int,
+        epoch: int,
+        ctx: Context,
+        since: float | None = None,
     ) -> None:
-        """A request was accepted: guard it if it has a deadline or (a generate) a stall guard."""
+        """A request was accepted: guard it if it has a deadline or (a generate) a stall guard.
+        ``since``: when it was first accepted (a request moved to another replica keeps its
+        deadline); None: now."""
         stall_s = None
         if isinstance(request, Generate):
             own = request.stall_timeout_s
@@ -118,7 +125,8 @@ class RequestGuards:
             return
         self._guarded[sequence_id] = _Guarded(epoch, request.timeout_s, stall_s)
         if request.timeout_s is not None:
-            self._schedule(request.timeout_s, RequestDeadline(sequence_id=sequence_id), ctx)
+            left = request.timeout_s - (0.0 if since is None else ctx.now() - since)
+            self._schedule(max(0.0, left), RequestDeadline(sequence_id=sequence_id), ctx)
 
     def shown(self, event: SequenceStarted | TokensProduced, ctx: Context) -> None:
         """The router forwarded ``event`` to the host: count it; the first token arms the

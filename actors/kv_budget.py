@@ -15,6 +15,8 @@ Policy
         whole queue's shortfall, and it is refused at its deadline (``timeout_s``, default
         ``default_timeout_s``); half-way there it asks again, now letting pinned entries go.
         Only the earliest deadline and half-way point have a timer pending (``kv_timers``).
+        A ``then_lookup`` it carries is sent to the prefix manager right after ``Reserved``
+        (``reply_to`` the requester), and never for a refused or dropped one.
         ``timeout_s=0`` means "only if it fits now": refused at once
         (retryable), never queued, never evicting for it (batch padding and pinned copies). A
         holder may reserve more than once; its amounts add up.
@@ -42,36 +44,47 @@ Policy
         (retryable); a ticket already granted or dropped is counted (``stale_timer``). Either
         way every other reservation due by now is refused too, earliest first (one that an
         earlier refusal let in is granted instead), and the next deadline armed.
+    ``EnginePlaced(model, epoch, node)``
+        The engine of that model epoch runs on Ray node ``node``: its holders are booked on that
+        node's ledger, against the node's budget (kv_ledgers.py). Everything above holds per
+        node: a reservation is checked against its node's free bytes, each node's queue is FIFO
+        on its own, and an ``Evict`` for a node's shortfall names the model epochs holding bytes
+        there. Without placements there is one ledger, the host's, as before.
     ``GetStats``
-        Answered with ``Stats(actor="kv")``: counters plus gauges of the budget.
+        Answered with ``Stats(actor="kv")``: counters plus gauges of the budget (totals over the
+        nodes; per node too, ``node_budget:NODE`` etc., once an engine is placed off the host).
 
 After anything that frees bytes or shortens the queue, waiting reservations are granted from the
 head, in order, as long as they fit (stopping at the first that does not).
 
-Invariants: ``free + reserved == budget``; ``reserved <= budget``; ``reserved`` is the sum of the
-holdings; a waiting reservation is gone once a deadline timer fires at or after its deadline;
-if anything waits, the head does not fit.
+Invariants, per node: ``free + reserved == budget``; ``reserved <= budget``; ``reserved`` is the
+sum of the node's holdings; a waiting reservation is gone once a deadline timer fires at or after
+its deadline; if anything waits on a node, that node's head does not fit.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import NamedTuple, assert_never
+from typing import assert_never
 
+import msgspec
+
+from actors.kv_ledgers import HOST_NODE, Ledger, Ledgers
+from actors.kv_queue import QueuedReservation, Waiting, WaitingQueue
 from actors.kv_timers import QueueTimers
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge, MlxRuntimeError
 from runtime.kernel.core import PREFIX_CACHE, Address, Context
 from runtime.kernel.stats import Counters
 from runtime.messages import (
+    EnginePlaced,
     EpochReleased,
     Evict,
     GetStats,
     Holder,
     KVInbox,
+    Lookup,
     Message,
     Release,
     ReleaseEpoch,
@@ -93,28 +106,10 @@ _COUNTER_NAMES = (
     "refused_timeout", "refused_no_wait", "released", "released_unknown", "transfers",
     "transfer_short", "transfer_invalid", "transfer_unknown_source", "dropped_waiting",
     "stale_timer", "stale_epoch", "unexpected_message", "evict_pinned_requests",
-    "released_partial", "release_short", "release_invalid",
+    "released_partial", "release_short", "release_invalid", "placements", "transfer_across_nodes",
+    "lookups_sent_on",
 )
 # fmt: on
-
-
-class QueuedReservation(NamedTuple):
-    """A reservation waiting for bytes, as seen from outside the keeper."""
-
-    holder: Holder
-    nbytes: int
-    deadline: float
-
-
-@dataclass(frozen=True, slots=True)
-class _Waiting:
-    ticket: int
-    holder: Holder
-    nbytes: int
-    deadline: float
-    timeout_s: float
-    requester: Address
-    pressure_at: float  # half-way to the deadline: pinned entries may be evicted for it from then
 
 
 def _describe(holder: Holder) -> str:
@@ -129,19 +124,25 @@ class KVBudgetCore:
         budget_bytes: int,
         default_timeout_s: float = 30.0,
         prefix_cache: Address = PREFIX_CACHE,
+        *,
+        node_budgets: Mapping[str, int] | None = None,
+        node_default_bytes: int | None = None,
     ) -> None:
+        """``budget_bytes``: the host's budget (its in-process engines'); ``node_budgets``: a Ray
+        node's, by node id or IP address; other nodes have ``node_default_bytes`` (None: the
+        host's)."""
         if budget_bytes < 0:
             raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
         if not (default_timeout_s >= 0 and math.isfinite(default_timeout_s)):
             raise ValueError(f"default_timeout_s must be finite and >= 0, got {default_timeout_s}")
-        self._budget_bytes = budget_bytes
+        node_default = budget_bytes if node_default_bytes is None else node_default_bytes
+        if node_default < 0 or any(b < 0 for b in (node_budgets or {}).values()):
+            raise ValueError("node budgets must be >= 0")
+        self._ledgers = Ledgers(budget_bytes, node_budgets or {}, node_default)
         self._default_timeout_s = default_timeout_s
         self._prefix_cache = prefix_cache
-        self._reserved_bytes = 0
         self._holdings: dict[Holder, int] = {}
-        # Keyed by ticket; dict order is arrival order, which is the FIFO order.
-        self._waiting: dict[int, _Waiting] = {}
-        self._tickets = itertools.count(1)
+        self._waiting = WaitingQueue()  # FIFO per node
         self._retired_epochs: dict[str, int] = {}
         self._timers = QueueTimers()
         self.counters = Counters(_COUNTER_NAMES)
@@ -150,18 +151,26 @@ class KVBudgetCore:
 
     @property
     def budget_bytes(self) -> int:
-        """The whole budget, in bytes."""
-        return self._budget_bytes
+        """The whole budget, in bytes (summed over the nodes' ledgers)."""
+        return sum(ledger.budget for ledger in self._ledgers)
 
     @property
     def reserved_bytes(self) -> int:
-        """Bytes currently granted to holders."""
-        return self._reserved_bytes
+        """Bytes currently granted to holders (on every node)."""
+        return sum(ledger.reserved for ledger in self._ledgers)
 
     @property
     def free_bytes(self) -> int:
         """Bytes not granted to anyone (``budget_bytes - reserved_bytes``)."""
-        return self._budget_bytes - self._reserved_bytes
+        return self.budget_bytes - self.reserved_bytes
+
+    def nodes(self) -> dict[str, tuple[int, int]]:
+        """Each node's (budget, reserved bytes); ``"host"`` is the host's own process."""
+        return {ledger.node: (ledger.budget, ledger.reserved) for ledger in self._ledgers}
+
+    def node_of(self, holder: Holder) -> str | None:
+        """The node ``holder`` holds bytes on (None: it holds nothing)."""
+        return self._ledgers.holds(holder)
 
     def holding(self, holder: Holder) -> int:
         """Bytes granted to ``holder`` (0 if it holds nothing)."""
@@ -173,9 +182,7 @@ class KVBudgetCore:
 
     def queued(self) -> tuple[QueuedReservation, ...]:
         """Waiting reservations, head first."""
-        return tuple(
-            QueuedReservation(w.holder, w.nbytes, w.deadline) for w in self._waiting.values()
-        )
+        return self._waiting.snapshot()
 
     # ------------------------------------------------------------------ actor interface
 
@@ -203,6 +210,9 @@ class KVBudgetCore:
             case ReleaseEpoch(model=model, epoch=epoch):
                 self._release_epoch(model, epoch, ctx)
                 ctx.send(sender, EpochReleased(model=model, epoch=epoch))
+            case EnginePlaced(model=model, epoch=epoch, node=node, node_ip=node_ip):
+                self._ledgers.place(model, epoch, node, node_ip)
+                self.counters.inc("placements")
             case ReservationExpired(holder=holder, ticket=ticket) if not self._still_waits(
                 holder, ticket
             ):
@@ -236,32 +246,32 @@ class KVBudgetCore:
             )
             self._refuse(sender, holder, nbytes, InvalidRequest, text, ctx)
             return
-        if nbytes > self._budget_bytes:
+        ledger = self._ledgers.for_holder(holder)
+        if nbytes > ledger.budget:
             self.counters.inc("refused_too_large")
+            where = "" if ledger.node == HOST_NODE else f" of its node {ledger.node[:12]}"
             text = (
-                f"the request needs {nbytes} bytes of KV cache, more than the whole KV budget "
-                f"({self._budget_bytes} bytes); shorten the prompt or lower max_tokens (or give "
-                "the runtime a larger kv_budget_bytes)."
+                f"the request needs {nbytes} bytes of KV cache, more than the whole KV budget"
+                f"{where} ({ledger.budget} bytes); shorten the prompt or lower max_tokens (or "
+                "give the runtime a larger kv_budget_bytes, or the node a larger "
+                "ClusterConfig.node_kv_budget_bytes)."
             )
             self._refuse(sender, holder, nbytes, KVRequestTooLarge, text, ctx)
             return
-        if not self._waiting and nbytes <= self.free_bytes:
-            self._grant(holder, nbytes, sender, ctx)
+        if not self._waiting.waits_on(ledger.node) and nbytes <= ledger.free:
+            self._grant(holder, nbytes, ledger, sender, ctx, request.then_lookup)
             return
         if timeout_s == 0:  # "only if it fits now": never queue, never evict for it
             self.counters.inc("refused_no_wait")
             text = f"{nbytes} bytes of KV cache were asked for only if free now; they are not."
             self._refuse(sender, holder, nbytes, KVBudgetExhausted, text, ctx)
             return
-        ticket = next(self._tickets)
-        now = ctx.now()
-        self._waiting[ticket] = _Waiting(
-            ticket, holder, nbytes, now + timeout_s, timeout_s, sender, now + timeout_s / 2
-        )
+        node, then_lookup = ledger.node, request.then_lookup
+        self._waiting.add(holder, nbytes, ctx.now(), timeout_s, sender, node, then_lookup)
         self.counters.inc("queued")
         self.counters.inc("evict_requests")
-        # Ask for the whole queue's shortfall: everything ahead must be served before this one.
-        ctx.send(self._prefix_cache, Evict(nbytes=self._queued_bytes() - self.free_bytes))
+        # Ask for the node's whole queue's shortfall: everything ahead is served before this one.
+        ctx.send(self._prefix_cache, self._evict(ledger))
         # Half-way to the deadline, pinned entries (session instructions) may be evicted too:
         # they never make a reservation wait out its whole deadline.
         self._timers.arm(self._waiting.values(), ctx)
@@ -287,7 +297,7 @@ class KVBudgetCore:
         if freed < nbytes:
             self._count_dropped("release_short", ctx)
         self._holdings[holder] = held - freed
-        self._reserved_bytes -= freed
+        self._ledgers.for_holder(holder).reserved -= freed
         self.counters.inc("released_partial")
         self._grant_waiting(ctx)
         self._ask_eviction_again(ctx)
@@ -304,12 +314,19 @@ class KVBudgetCore:
             # The target's epoch is gone, so nothing would ever release it: keep the bytes put.
             self._count_dropped("stale_epoch", ctx)
             return
+        ledger = self._ledgers.for_holder(source)
+        there = self._ledgers.holds(target)
+        if there is not None and there != ledger.node:
+            # Bytes live in one node's memory: a holder cannot take them from another node.
+            self._count_dropped("transfer_across_nodes", ctx)
+            return
         held = self._holdings[source]
         moved = min(transfer.nbytes, held)
         if moved < transfer.nbytes:
             self._count_dropped("transfer_short", ctx)
         self._holdings[source] = held - moved
         self._holdings[target] = self._holdings.get(target, 0) + moved
+        self._ledgers.hold(target, ledger)
         self.counters.inc("transfers")
 
     def _release_epoch(self, model: str, epoch: int, ctx: Context) -> None:
@@ -317,6 +334,7 @@ class KVBudgetCore:
         self._drop_waiting(lambda w: w.holder.model == model and w.holder.epoch == epoch, ctx)
         for holder in [h for h in self._holdings if h.model == model and h.epoch == epoch]:
             self._release_holding(holder)
+        self._ledgers.forget_epoch(model, epoch)
         self._grant_waiting(ctx)
         self._ask_eviction_again(ctx)
 
@@ -329,11 +347,7 @@ class KVBudgetCore:
         the earliest had a timer; one that an earlier refusal let in was granted instead), and
         the next deadline gets one."""
         self._timers.expiry_fired(ticket)
-        due = sorted(
-            (w for w in self._waiting.values() if w.deadline <= ctx.now()),
-            key=lambda w: (w.deadline, w.ticket),
-        )
-        for waiting in due:
+        for waiting in self._waiting.due(ctx.now()):
             # An earlier one's expiry may have let this one in (granted): it no longer waits.
             if waiting.ticket in self._waiting:
                 self._expire(waiting.holder, waiting.ticket, ctx)
@@ -344,19 +358,22 @@ class KVBudgetCore:
         entries may go too (one ``Evict`` asks for the whole queue's shortfall)."""
         self._timers.pressure_fired(ticket)
         now = ctx.now()
-        if ticket in self._waiting or any(w.pressure_at <= now for w in self._waiting.values()):
+        pressed = self._waiting.pressed_nodes(now)
+        if (waiting := self._waiting.get(ticket)) is not None:
+            pressed.add(waiting.node)
+        for node in sorted(pressed):
             self.counters.inc("evict_pinned_requests")
-            shortfall = self._queued_bytes() - self.free_bytes
-            ctx.send(self._prefix_cache, Evict(nbytes=shortfall, include_pinned=True))
+            ctx.send(self._prefix_cache, self._evict(self._ledgers[node], include_pinned=True))
         self._timers.arm(self._waiting.values(), ctx)
 
     def _expire(self, holder: Holder, ticket: int, ctx: Context) -> None:
         waiting = self._waiting.pop(ticket)
         self.counters.inc("refused_timeout")
         # Who else holds or waits is other clients' business: the log has it, the message not.
-        log.info("%s waited %gs for %d bytes of KV (%d of %d free, %d still waiting)",
-                 _describe(holder), waiting.timeout_s, waiting.nbytes, self.free_bytes,
-                 self._budget_bytes, len(self._waiting))  # fmt: skip
+        ledger = self._ledgers[waiting.node]
+        log.info("%s waited %gs for %d bytes of KV (%d of %d free on %s, %d still waiting)",
+                 _describe(holder), waiting.timeout_s, waiting.nbytes, ledger.free, ledger.budget,
+                 ledger.node, len(self._waiting))  # fmt: skip
         text = (
             f"the request waited {waiting.timeout_s:g}s for {waiting.nbytes} bytes of KV cache "
             "and the server is still busy; retry later, or lower max_tokens."
@@ -367,36 +384,52 @@ class KVBudgetCore:
 
     # ------------------------------------------------------------------ helpers
 
-    def _grant(self, holder: Holder, nbytes: int, requester: Address, ctx: Context) -> None:
+    def _grant(
+        self,
+        holder: Holder,
+        nbytes: int,
+        ledger: Ledger,
+        requester: Address,
+        ctx: Context,
+        then_lookup: Lookup | None = None,
+    ) -> None:
         self._holdings[holder] = self._holdings.get(holder, 0) + nbytes
-        self._reserved_bytes += nbytes
+        ledger.reserved += nbytes
+        self._ledgers.hold(holder, ledger)
         self.counters.inc("granted")
         ctx.send(requester, Reserved(holder=holder, nbytes=nbytes))
+        if then_lookup is not None:  # after Reserved: the requester hears the grant first
+            self.counters.inc("lookups_sent_on")
+            lookup = msgspec.structs.replace(then_lookup, reply_to=requester)
+            ctx.send(self._prefix_cache, lookup)
+
+    def _evict(self, ledger: Ledger, include_pinned: bool = False) -> Evict:
+        """Ask for ``ledger``'s queue's shortfall, from the entries holding bytes on its node."""
+        shortfall = self._waiting.queued_bytes(ledger.node) - ledger.free
+        epochs = self._ledgers.epochs_on(ledger.node)
+        return Evict(nbytes=shortfall, include_pinned=include_pinned, epochs=epochs)
 
     def _ask_eviction_again(self, ctx: Context) -> None:
         """Entries cached since the last ask (a finished request's state) may be evictable now."""
-        if self._waiting:
+        for node in self._waiting.nodes():
             self.counters.inc("evict_requests")
-            ctx.send(self._prefix_cache, Evict(nbytes=self._queued_bytes() - self.free_bytes))
+            ctx.send(self._prefix_cache, self._evict(self._ledgers[node]))
 
     def _grant_waiting(self, ctx: Context) -> None:
-        while self._waiting:
-            head = next(iter(self._waiting.values()))
-            if head.nbytes > self.free_bytes:
-                return
-            del self._waiting[head.ticket]
-            self._grant(head.holder, head.nbytes, head.requester, ctx)
+        """Each node's queue, from its head, as long as its reservations fit its free bytes."""
+        for head in self._waiting.fitting_heads(lambda node: self._ledgers[node].free):
+            ledger = self._ledgers[head.node]
+            self._grant(head.holder, head.nbytes, ledger, head.requester, ctx, head.then_lookup)
 
     def _release_holding(self, holder: Holder) -> None:
-        self._reserved_bytes -= self._holdings.pop(holder)
+        self._ledgers.forget(holder).reserved -= self._holdings.pop(holder)
         self.counters.inc("released")
 
-    def _drop_waiting(self, doomed: Callable[[_Waiting], bool], ctx: Context) -> int:
-        tickets = [w.ticket for w in self._waiting.values() if doomed(w)]
-        for ticket in tickets:
-            del self._waiting[ticket]
+    def _drop_waiting(self, doomed: Callable[[Waiting], bool], ctx: Context) -> int:
+        dropped = self._waiting.drop(doomed)
+        for _ in range(dropped):
             self._count_dropped("dropped_waiting", ctx)
-        return len(tickets)
+        return dropped
 
     def _refuse(
         self,
@@ -416,9 +449,6 @@ class KVBudgetCore:
         retired = self._retired_epochs.get(holder.model)
         return retired is not None and holder.epoch <= retired
 
-    def _queued_bytes(self) -> int:
-        return sum(w.nbytes for w in self._waiting.values())
-
     def _count_dropped(self, reason: str, ctx: Context) -> None:
         self.counters.inc(reason)
         ctx.count_dead_letter(reason)
@@ -426,11 +456,16 @@ class KVBudgetCore:
     def statistics(self) -> Stats:
         """The keeper's counters and gauges now (an immutable snapshot)."""
         gauges = {
-            "budget": self._budget_bytes,
-            "reserved": self._reserved_bytes,
+            "budget": self.budget_bytes,
+            "reserved": self.reserved_bytes,
             "free": self.free_bytes,
             "queued": len(self._waiting),
-            "queued_bytes": self._queued_bytes(),
+            "queued_bytes": self._waiting.queued_bytes(),
             "holders": len(self._holdings),
         }
+        if self._ledgers.spread:  # per node, once an engine runs off the host
+            for ledger in self._ledgers:
+                gauges[f"node_budget:{ledger.node}"] = ledger.budget
+                gauges[f"node_reserved:{ledger.node}"] = ledger.reserved
+                gauges[f"node_queued:{ledger.node}"] = self._waiting.count_on(ledger.node)
         return Stats(actor="kv", counters=self.counters.snapshot(), gauges=gauges)

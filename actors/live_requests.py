@@ -32,6 +32,7 @@ class Live:
     epoch: int
     sequence_id: int
     request: Generate | Prewarm  # as the host sent it: a move to another replica sends it again
+    accepted_at: float  # its timeout_s counts from here, across a move
     moved: bool = False  # it was moved to another replica once already
 
 

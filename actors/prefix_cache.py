@@ -137,8 +137,8 @@ class PrefixCacheCore:
             case Unpin(model=model, epoch=epoch, entry_id=entry_id):
                 self._index[EntryKey(model, epoch, entry_id)].pinned = False
                 self.counters.inc("unpinned")
-            case Evict(nbytes=nbytes, include_pinned=include_pinned):
-                self._evict(nbytes, include_pinned, ctx)
+            case Evict(nbytes=nbytes, include_pinned=include_pinned, epochs=epochs):
+                self._evict(nbytes, include_pinned, epochs, ctx)
             case InvalidateEpoch(model=model, epoch=epoch):
                 self._invalidate_epoch(model, epoch)
             case ResetPrefixes(model=model, namespace=namespace):
@@ -179,7 +179,7 @@ class PrefixCacheCore:
             lease_id=lease_id,
             generation=self.generation(request.model, request.namespace),
         )
-        ctx.send(sender, result)
+        ctx.send(request.reply_to or sender, result)  # reply_to: a lookup the keeper sent on
         if replica_base(request.model) is not None:
             self._elsewhere(request, result.matched, ctx)
 
@@ -207,6 +207,8 @@ class PrefixCacheCore:
                 elsewhere=best[0],
                 matched_here=matched_here,
                 matched_there=best[1],
+                tokens=request.tokens,
+                facts=request.facts,
             )
             ctx.send(ROUTER, hint)
 
@@ -265,15 +267,24 @@ class PrefixCacheCore:
             self._index.forget(entry)
             self._send_drops([entry.key], ctx)
 
-    def _evict(self, nbytes: int, include_pinned: bool, ctx: Context) -> None:
+    def _evict(
+        self,
+        nbytes: int,
+        include_pinned: bool,
+        epochs: tuple[tuple[str, int], ...] | None,
+        ctx: Context,
+    ) -> None:
         self.counters.inc("evict_requests")
         freed = 0
         evicted: list[EntryKey] = []
+        on_node = None if epochs is None else set(epochs)  # the short node's entries only
         for key in self._index.least_recently_used():
             if freed >= nbytes:
                 break
             entry = self._index[key]
             if entry.leases or (entry.pinned and not include_pinned):
+                continue
+            if on_node is not None and (key.model, key.epoch) not in on_node:
                 continue
             self._index.forget(entry)
             evicted.append(key)

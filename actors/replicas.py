@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from runtime.kernel.core import Address, Context
-from runtime.messages import CommandFailed, ModelLoaded, ModelSpec, ModelUnloaded, PrefixesReset
+from runtime.messages import CommandFailed, ModelLoaded, ModelSpec, ModelUnloaded
 
 SEPARATOR = "@"
 MOVE_MIN_GAIN = 16  # tokens: a move costs the first replica's tokenizing and a hop
@@ -57,22 +57,6 @@ class ReplicaSet:
     sessions: OrderedDict[str, str] = field(default_factory=OrderedDict)
     turn: int = 0  # round robin's next replica
     draws: random.Random = field(default_factory=lambda: random.Random(0))  # power of two's
-
-
-@dataclass
-class ResetWait:
-    """A ``ResetPrefixes`` asker waiting for ``left`` replies (one per replica reset)."""
-
-    asker: Address
-    model: str
-    left: int
-    dropped: int = 0
-
-    def answered(self, reply: PrefixesReset) -> PrefixesReset | None:
-        """Count one reply; the asker's answer once the last one is in."""
-        self.left -= 1
-        self.dropped += reply.dropped
-        return PrefixesReset(model=self.model, dropped=self.dropped) if not self.left else None
 
 
 @dataclass

@@ -6,7 +6,9 @@ is the host event it means; the router adds the request's identity), and fences 
 unloading model admits nothing, and anything from an epoch other than the model's current one is
 dropped and counted. The model table itself (loads, unloads, shutdown) is ``ModelLifecycle``;
 deadlines and the stall guard, which end a request without waiting for its engine, are
-``RequestGuards`` (deadlines.py).
+``RequestGuards`` (deadlines.py); commands passed on to another actor and their replies
+(``ResetPrefixes``, ``EndSession``) are ``CommandReplies`` (router_commands.py); moving requests
+between replicas is ``Moves`` (router_moves.py).
 
 Keep-alive and auto-load (docs/protocols.md): the router's own ``IdleCheck`` timer unloads a model
 idle for its keep-alive; a request for a model the keep-alive is unloading is *parked* until the
@@ -16,7 +18,6 @@ either admitted to the old epoch (it came first: the timer is then stale) or to 
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Callable
 from typing import assert_never
 
@@ -24,10 +25,12 @@ import msgspec
 
 from actors.deadlines import Expiry, RequestGuards
 from actors.live_requests import Live, LiveRequests, cancelled_by_unload, failed_with
-from actors.model_lifecycle import EngineFactory, ModelLifecycle, ModelState, not_loaded
-from actors.replicas import ModelTable, Replicas, ResetWait
+from actors.model_lifecycle import EngineFactory, ModelLifecycle, ModelState
+from actors.replicas import ModelTable, Replicas
+from actors.router_commands import CommandReplies
+from actors.router_moves import Moves
 from runtime.errors import DuplicateRequestId
-from runtime.kernel.core import PREFIX_CACHE, Address, Context, engine_address, engine_model
+from runtime.kernel.core import Address, Context, engine_address, engine_model
 from runtime.kernel.stats import Counters
 from runtime.kernel.supervision import RestartPolicy
 from runtime.messages import (
@@ -102,11 +105,12 @@ class RouterCore:
         # Requests for a model its keep-alive is unloading: sent on once it is loaded again.
         self._parked: dict[str, tuple[Generate | Prewarm, Address]] = {}
         self._next_sequence_id = 1
-        self._reset_waiters: deque[ResetWait] = deque()  # one prefix manager answers in order
-        # Engines answer independently of each other; one engine answers its own asks in order.
-        self._session_waiters: dict[tuple[Address, str], deque[Address]] = {}
         self.counters = Counters()
+        self._commands = CommandReplies(models, self._replicas, self.counters)
         self._guards = RequestGuards(stall_timeout_s, self.counters)
+        self._moves = Moves(
+            self._live, self._guards, models, self._replicas, self.counters, self._resend
+        )
 
     def on_start(self, ctx: Context) -> None:
         pass
@@ -191,7 +195,7 @@ class RouterCore:
             case EngineFailed(epoch=epoch, code=code, message=text):
                 self.counters.inc("engines_failed")
                 self.counters.inc(f"{ENGINES_FAILED_OF}{engine_model(sender)}")
-                self._move_unstarted(epoch, ctx)  # to another replica, if the model has one
+                self._moves.unstarted_of(epoch, ctx)  # to another replica, if the model has one
                 self._end_orphans(epoch, ctx, lambda live: failed_with(live, code, text))
                 self._guards.epoch_drained(epoch)  # a given-up engine answers nothing more
                 self._models.engine_failed(message, sender, ctx)
@@ -221,59 +225,23 @@ class RouterCore:
                 self._models.announce_unloaded(unloaded, ctx)
                 self._replicas.drained(unloaded.spec.name, ctx)
                 self._send_on_parked(unloaded.spec.name, ctx)
-            case ResetPrefixes(model=model):
-                # A model with replicas resets each serving one (a restarting one holds nothing).
-                loads = [
-                    n for n in self._replicas.names(model) or (model,) if self._models.ready(n)
-                ]
-                if not loads:
-                    ctx.send(sender, not_loaded(model))
-                    return
-                wait = ResetWait(sender, model, len(loads))
-                for name in loads:
-                    self._reset_waiters.append(wait)
-                    ctx.send(PREFIX_CACHE, msgspec.structs.replace(message, model=name))
-            case PrefixesReset() if sender != PREFIX_CACHE or not self._reset_waiters:
-                self._unmatched_reply(message, ctx)
+            case ResetPrefixes():
+                self._commands.reset_prefixes(message, sender, ctx)
             case PrefixesReset():
-                wait = self._reset_waiters.popleft()
-                if (done := wait.answered(message)) is not None:
-                    ctx.send(wait.asker, done)
-            case EndSession(model=model, session=session):
-                ready = self._models.ready(self._replicas.holder(model, session))
-                if ready is None:
-                    ctx.send(sender, not_loaded(model))
-                    return
-                self._session_waiters.setdefault((ready.address, session), deque()).append(sender)
-                ctx.send(ready.address, message)
-            case SessionEnded() if not self._session_waiters.get((sender, message.session)):
-                self._unmatched_reply(message, ctx)
+                self._commands.prefixes_reset(message, sender, ctx)
+            case EndSession():
+                self._commands.end_session(message, sender, ctx)
             case SessionEnded():
-                self._session_ended(message, sender, ctx)
+                self._commands.session_ended(message, sender, ctx)
             case GetStats():
                 ctx.send(sender, self.statistics())
             case Shutdown():
                 self._replicas.clear()
                 self._models.shutdown(sender, ctx)
             case CachedElsewhere():
-                self._cached_elsewhere(message, ctx)
+                self._moves.cached_elsewhere(message, ctx)
             case _:
                 assert_never(message)
-
-    # ------------------------------------------------------------------ command replies
-
-    def _session_ended(self, reply: SessionEnded, engine: Address, ctx: Context) -> None:
-        key = (engine, reply.session)
-        waiters = self._session_waiters[key]
-        asker = waiters.popleft()
-        if not waiters:
-            del self._session_waiters[key]
-        ctx.send(asker, reply)
-
-    def _unmatched_reply(self, reply: Message, ctx: Context) -> None:
-        """A reply nobody is waiting for (a bug elsewhere, or a stray sender): drop and count it."""
-        self.counters.inc("unmatched_replies")
-        ctx.count_dead_letter(f"unmatched_reply:{type(reply).__name__}")
 
     # ------------------------------------------------------------------ requests
 
@@ -284,10 +252,12 @@ class RouterCore:
         ctx: Context,
         *,
         replica: str | None = None,
-        avoid: str | None = None,
+        moved: Live | None = None,
+        carried: CachedElsewhere | None = None,
     ) -> None:
         """Admit ``request``; for a model with replicas, to ``replica`` or the one routing picks
-        (never ``avoid``, a replica it is being moved off)."""
+        (never the one ``moved`` ran on: it is being moved off, keeping its deadline, with its
+        prompt as its first replica tokenized it if ``carried`` says)."""
         if self._live.has_request(request.request_id) or request.request_id in self._parked:
             text = (
                 f"request id {request.request_id!r} is still running; wait for its end, "
@@ -297,6 +267,7 @@ class RouterCore:
             return
         sent = request
         if request.model in self._replicas:
+            avoid = None if moved is None else moved.model
             chosen = replica or self._replicas.route(request.model, request.session, avoid)
             request = msgspec.structs.replace(request, model=chosen)
         model = self._models.admitting(request.model, ctx)
@@ -318,7 +289,8 @@ class RouterCore:
             model.epoch,
             sequence_id,
             sent,
-            moved=avoid is not None,
+            accepted_at=ctx.now() if moved is None else moved.accepted_at,
+            moved=moved is not None,
         )
         self._live.add(live)
         self._models.request_started(model)
@@ -326,7 +298,7 @@ class RouterCore:
             self._models.keep_alive_from_now(model, request.keep_alive_s)
         is_generate = isinstance(request, Generate)
         self.counters.inc("accepted_generate" if is_generate else "accepted_prewarm")
-        self._guards.accepted(request, sequence_id, model.epoch, ctx)
+        self._guards.accepted(request, sequence_id, model.epoch, ctx, since=live.accepted_at)
         ctx.send(
             model.address,
             Admit(
@@ -334,8 +306,16 @@ class RouterCore:
                 epoch=model.epoch,
                 session=request.session or f"{request.model}/{request.namespace}",
                 request=request,
+                tokens=carried.tokens if carried and carried.tokens else None,
+                facts=None if carried is None else carried.facts,
             ),
         )
+
+    def _resend(
+        self, live: Live, replica: str | None, hint: CachedElsewhere | None, ctx: Context
+    ) -> None:
+        """``live``'s request moved off its replica: accepted again, on ``replica``."""
+        self._accept(live.request, live.host, ctx, replica=replica, moved=live, carried=hint)
 
     def _reject(
         self, request: Generate | Prewarm, host: Address, ctx: Context, code: str, text: str
@@ -412,44 +392,6 @@ class RouterCore:
         terminal = for_request(event, live.request_id, live.incarnation)
         self.counters.inc(f"terminal_{type(terminal).__name__.lower()}")
         ctx.send(live.host, terminal)
-
-    # ------------------------------------------------------------------ replicas
-
-    def _cached_elsewhere(self, hint: CachedElsewhere, ctx: Context) -> None:
-        """Move a request that has not started to the replica holding more of its prompt."""
-        live = self._live.of_sequence(hint.sequence_id)
-        gain = hint.matched_there - hint.matched_here
-        if (
-            live is None
-            or live.request.model not in self._replicas
-            or live.epoch != hint.epoch
-            or live.moved
-            or self._live.has_started(hint.sequence_id)
-            or not self._replicas.worth_moving(live.request.model, live.model, hint.elsewhere, gain)
-        ):
-            self.counters.inc("moves_declined")
-            return
-        self._move(live, hint.elsewhere, ctx)
-        self._replicas.stick(live.request.model, live.request.session, hint.elsewhere)
-
-    def _move_unstarted(self, epoch: int, ctx: Context) -> None:
-        """A replica's engine failed: what it had not started goes to another replica."""
-        for live in self._live.of_epoch(epoch):
-            name = live.request.model
-            if not self._live.has_started(live.sequence_id) and len(self._replicas.names(name)) > 1:
-                self._move(live, None, ctx)
-
-    def _move(self, live: Live, to: str | None, ctx: Context) -> None:
-        """Send ``live``'s request to replica ``to`` (None: the one routing picks, never its
-        own) as if it came now; its first sequence is aborted (quietly dropped if it answers)."""
-        sequence_id = live.sequence_id
-        self._live.pop(sequence_id)
-        self._guards.ended(sequence_id)
-        self._models.request_ended(live.model, live.epoch, ctx)
-        abort = Abort(sequence_id=sequence_id, epoch=live.epoch, reason="moved")
-        ctx.send(engine_address(live.model, live.epoch), abort)
-        self.counters.inc("requests_moved")
-        self._accept(live.request, live.host, ctx, replica=to, avoid=live.model)
 
     def _end_orphans(
         self, epoch: int, ctx: Context, terminal: Callable[[Live], EngineTerminal]

@@ -7,7 +7,7 @@ standing: the router spawns one per loaded model through the factory built here.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from actors.engine.core import EngineCore
 from actors.kv_budget import KVBudgetCore
@@ -34,12 +34,16 @@ def standing_actors(
     auto_load: bool = True,
     strict_max_tokens: bool = False,
     engine_host: EngineHost | None = None,
+    node_kv_budgets: Mapping[str, int] | None = None,
+    node_kv_default: int | None = None,
 ) -> list[tuple[Address, ActorCore]]:
     """The standing actors with their addresses; engines load their model with ``load_backend``,
     and are restarted (their model reloaded) after a crash as ``engine_restart`` allows;
     ``auto_load``: a request for a loading or idle model waits for it rather than being refused;
     ``engine_host``: where an engine runs (given the spec, the epoch and how to build the engine
-    core), e.g. a Ray actor of its own (runtime/cluster/); None: in this process."""
+    core), e.g. a Ray actor of its own (runtime/cluster/); None: in this process;
+    ``node_kv_budgets`` / ``node_kv_default``: the KV budget of an engine's Ray node (by node id
+    or IP / any other; None: ``kv_budget_bytes``), the host's being ``kv_budget_bytes``."""
 
     def engine_factory(spec: ModelSpec, epoch: int) -> ActorCore:
         if engine_host is not None:
@@ -59,7 +63,15 @@ def standing_actors(
         )
 
     return [
-        (KV_KEEPER, KVBudgetCore(kv_budget_bytes, default_timeout_s=reservation_timeout_s)),
+        (
+            KV_KEEPER,
+            KVBudgetCore(
+                kv_budget_bytes,
+                default_timeout_s=reservation_timeout_s,
+                node_budgets=node_kv_budgets,
+                node_default_bytes=node_kv_default,
+            ),
+        ),
         (PREFIX_CACHE, PrefixCacheCore()),
         (
             ROUTER,

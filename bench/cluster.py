@@ -7,8 +7,10 @@ costs, and where requests land across replicas.
   first token to the last over the tokens after the first.
 - ``cluster.{in_process,ray}.ttft_ms`` / ``.token_us`` on the ``simulated`` model (the hop
   rows' model): a model that computes nothing, so only the transport is timed: the time to the
-  first token (the engine's reservation and prefix lookup each cross the process boundary and
-  back) and microseconds per streamed token over a long stream.
+  first token (the admission, the engine's reservation with its prefix lookup riding on it, and
+  the first token cross the process boundary) and microseconds per streamed token over a long
+  stream. ``cluster.ray_lookup_apart.*``: the same on Ray with the lookup asked after the grant
+  (``lookup_with_reserve=False``, a round trip more), in the same run, for the ratio.
 - ``cluster.cached_fraction`` / ``cluster.chat_ttft_ms_p50``: a multi-session chat (sessions take
   turns two at a time, each turn its history plus a new line, sent without a session id so that
   only the prompt can tell where its cache is) on a model with two replicas, routed by exact
@@ -18,6 +20,7 @@ costs, and where requests land across replicas.
 
 from __future__ import annotations
 
+import contextlib
 import random
 import statistics
 import time
@@ -82,6 +85,16 @@ async def _measure(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Mea
     return out
 
 
+async def _overhead_alone(sizes: ClusterSizes) -> list[Measurement]:
+    from runtime.cluster.connect import connect
+
+    link = await anyio.to_thread.run_sync(connect, ClusterConfig(num_cpus=2))
+    try:
+        return await _overhead(sizes)
+    finally:
+        await anyio.to_thread.run_sync(link.close)
+
+
 def _config(ray: bool, engine_cpus: float = 1.0) -> RuntimeConfig:
     """``engine_cpus``: Ray sets an engine process's OMP_NUM_THREADS to its CPUs, and OpenBLAS
     (MLX's matmuls on a CPU) follows it: the lone engine of the transport rows gets both CPUs,
@@ -117,26 +130,31 @@ def _where(ray: bool) -> str:
 
 
 async def _overhead(sizes: ClusterSizes) -> list[Measurement]:
-    """The transport alone: a simulated model with no compute cost, in-process and on Ray."""
-    spec = ModelSpec(name="sim", backend="simulated", options={"context_length": 1 << 15})
-    ttft: dict[bool, list[float]] = {False: [], True: []}
-    per_token: dict[bool, list[float]] = {False: [], True: []}
-    async with Runtime(_config(False)) as local, Runtime(_config(True)) as remote:
-        runtimes = {False: local, True: remote}
-        for rt in runtimes.values():
-            await rt.load_model(spec)
+    """The transport alone: a simulated model with no compute cost, in-process and on Ray (with
+    the prefix lookup riding on the reservation, and asked apart after it), alternating."""
+    options = {"context_length": 1 << 15}
+    spec = ModelSpec(name="sim", backend="simulated", options=options)
+    apart = ModelSpec(name="sim", backend="simulated",
+                      options={**options, "lookup_with_reserve": False})  # fmt: skip
+    systems = {"in_process": (False, spec), "ray": (True, spec), "ray_lookup_apart": (True, apart)}
+    ttft: dict[str, list[float]] = {where: [] for where in systems}
+    per_token: dict[str, list[float]] = {where: [] for where in systems}
+    async with contextlib.AsyncExitStack() as stack:
+        runtimes = {}
+        for where, (ray, model) in systems.items():
+            runtimes[where] = rt = await stack.enter_async_context(Runtime(_config(ray)))
+            await rt.load_model(model)
         for repetition in range(sizes.repetitions * 5 + 1):
-            for ray, rt in runtimes.items():
+            for where, rt in runtimes.items():
                 short = await _timed_stream(rt, "sim", f"s{repetition}", 1)
                 long = await _timed_stream(rt, "sim", f"l{repetition}", sizes.overhead_tokens)
                 if repetition:
-                    ttft[ray].append(short[0])
-                    per_token[ray].append((long[1] - long[0]) / max(long[2] - 1, 1))
+                    ttft[where].append(short[0])
+                    per_token[where].append((long[1] - long[0]) / max(long[2] - 1, 1))
     rows = []
-    for ray in (False, True):
-        where = _where(ray)
-        rows.append(timed(SYSTEM, OVERHEAD_MODEL, f"cluster.{where}.ttft_ms", ttft[ray]))
-        us = [round(t * 1e6, 2) for t in per_token[ray]]
+    for where in systems:
+        rows.append(timed(SYSTEM, OVERHEAD_MODEL, f"cluster.{where}.ttft_ms", ttft[where]))
+        us = [round(t * 1e6, 2) for t in per_token[where]]
         rows.append(Measurement(SYSTEM, OVERHEAD_MODEL, f"cluster.{where}.token_us",
                                 statistics.median(us), "us", us))  # fmt: skip
     return rows
@@ -254,15 +272,19 @@ def plot(rows: Sequence[Measurement], path: str) -> None:
 
 
 def main() -> None:
-    """``python -m bench.cluster [--quick] [--plot PATH]``: the rows for SmolLM2, as JSON lines."""
+    """``python -m bench.cluster [--quick] [--overhead] [--plot PATH]``: the rows for SmolLM2 (or
+    the transport's alone), as JSON lines."""
     import sys
 
     from runtime.backends.model_source import prepare_model
 
-    spec = ModelSpec(name="smollm2", path="smollm2-135m-instruct")
-    prepare_model(spec)
     sizes = CLUSTER_QUICK if "--quick" in sys.argv else ClusterSizes()
-    rows = measure(spec, "smollm2", sizes)
+    if "--overhead" in sys.argv:  # the transport rows alone (no model to load, ~a minute)
+        rows = anyio.run(_overhead_alone, sizes)
+    else:
+        spec = ModelSpec(name="smollm2", path="smollm2-135m-instruct")
+        prepare_model(spec)
+        rows = measure(spec, "smollm2", sizes)
     for row in rows:
         print(msgspec.json.encode(row).decode())
     if "--plot" in sys.argv:

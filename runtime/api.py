@@ -111,6 +111,7 @@ class Runtime:
         task_group = await stack.enter_async_context(anyio.create_task_group())
         system = ActorSystem(task_group, child_policy=self.config.engine_restart)
         system.register_sink(HOST, self._streams.deliver)
+        cluster = self.config.cluster
         for address, core in standing_actors(
             kv_budget_bytes=self.config.resolved_kv_budget_bytes(),
             load_backend=self._load_backend or make_backend_loader(),
@@ -122,6 +123,8 @@ class Runtime:
             stall_timeout_s=self.config.stall_timeout_s,
             auto_load=self.config.auto_load,
             engine_host=None if self._cluster is None else self._cluster.wrap,
+            node_kv_budgets=None if cluster is None else cluster.node_kv_budget_bytes,
+            node_kv_default=None if cluster is None else cluster.kv_budget_bytes_per_node,
         ):
             capacity = self.config.router_mailbox_capacity if address == ROUTER else math.inf
             system.spawn(address, core, capacity=capacity)

@@ -156,7 +156,8 @@ def _ps_table(cards: list[dict[str, Any]]) -> str:
         ("NAME", "STATE", "REQUESTS", "KEEP-ALIVE", "UNLOADS IN", "WHERE")
     ]
     now = time.time()
-    for card in cards:
+    # A model with replicas: one line per replica (each has its own state, requests and place).
+    for card in [replica for model in cards for replica in model.get("replicas") or [model]]:
         if card.get("state") not in RUNTIME_STATES:
             continue  # available, not loaded: `mlxrt models` lists those
         expires_at = card.get("expires_at")

@@ -1,7 +1,9 @@
 """Two Ray nodes on one machine (``ray.cluster_utils.Cluster``), one CPU each, joined by address:
 a model's two replicas are placed one per node (each engine asks for one CPU), both serve, and
 when one node is lost the other replica serves on while the lost one, with nowhere to go, is
-refused with a typed error naming what the cluster lacks, rather than waiting forever."""
+refused with a typed error naming what the cluster lacks, rather than waiting forever. Each node's
+KV is budgeted on that node: the worker's budget is set by its node id, the head has the
+per-node default, and a stream's bytes are booked on its engine's node, never on the host."""
 
 from __future__ import annotations
 
@@ -45,7 +47,14 @@ async def test_two_replicas_land_on_two_nodes_and_survive_the_loss_of_one(
     cluster, worker = two_nodes
     address = cluster.address  # type: ignore[attr-defined]
     spec = ModelSpec(name="llama", path=str(tiny_model_path("llama")), backend="mlx", replicas=2)
-    joined = ClusterConfig(address=address, placement_timeout_s=10, unresponsive_s=10)
+    worker_id = worker.node_id  # type: ignore[attr-defined]
+    joined = ClusterConfig(
+        address=address,
+        placement_timeout_s=10,
+        unresponsive_s=10,
+        kv_budget_bytes_per_node=1 << 27,
+        node_kv_budget_bytes={worker_id: 3 << 26},
+    )
     with anyio.fail_after(240):
         async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28, cluster=joined)) as rt:
             await rt.load_model(spec)
@@ -57,6 +66,12 @@ async def test_two_replicas_land_on_two_nodes_and_survive_the_loss_of_one(
                 async for event in stream:
                     if isinstance(event, TokensEmitted):
                         break
+                kv = rt.stats().actors["kv"].gauges
+                budgets = {k.split(":", 1)[1]: v for k, v in kv.items() if "node_budget:" in k}
+                assert budgets.pop("host") == 1 << 28 and budgets.pop(worker_id) == 3 << 26
+                assert list(budgets.values()) == [1 << 27]  # the head: the per-node default
+                on_nodes = sum(v for k, v in kv.items() if k.startswith("node_reserved:"))
+                assert kv["node_reserved:host"] == 0 and on_nodes == kv["reserved"] > 0
                 cluster.remove_node(worker)  # type: ignore[attr-defined]
                 end = [e async for e in stream][-1]
             # The stream was on either node: it finished, or failed retryably with its node.

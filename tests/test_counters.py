@@ -15,7 +15,8 @@ KV_NAMES = [
     "refused_timeout", "refused_no_wait", "released", "released_unknown", "transfers",
     "transfer_short", "transfer_invalid", "transfer_unknown_source", "dropped_waiting",
     "stale_timer", "stale_epoch", "unexpected_message", "evict_pinned_requests",
-    "released_partial", "release_short", "release_invalid",
+    "released_partial", "release_short", "release_invalid", "placements", "transfer_across_nodes",
+    "lookups_sent_on",
 ]  # fmt: skip
 
 PREFIX_NAMES = [

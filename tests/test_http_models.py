@@ -167,3 +167,26 @@ async def test_unloading_an_idle_model_forgets_it_and_a_request_loads_it_again()
         assert (response.status_code, error_code(response)) == (404, "model_not_loaded")
         assert (await models(client))["m"]["state"] == "available"
         assert completed_text(await complete(client)) == EXPECTED
+
+
+async def test_a_model_with_replicas_is_listed_once_with_its_replicas() -> None:
+    from runtime.model_commands import _ps_table
+
+    async with serving(msgspec.structs.replace(sim_model("r"), replicas=2)) as (client, _):
+        assert completed_text(await complete(client, "r")) == EXPECTED
+        cards = await models(client)
+        assert set(cards) == {"r"}  # one model, as an OpenAI client expects: no "available" twin
+        card = cards["r"]
+        assert (card["state"], card["source"], card["context_length"]) == (
+            "loaded",
+            "configured",
+            4096,
+        )
+        assert [(r["id"], r["state"]) for r in card["replicas"]] == [
+            ("r@0", "loaded"),
+            ("r@1", "loaded"),
+        ]
+        replica = (await client.get("/v1/models/r@1")).json()
+        assert replica["id"] == "r@1" and replica.get("replicas") is None
+        table = _ps_table(list(cards.values())).splitlines()
+        assert [line.split()[0] for line in table[1:]] == ["r@0", "r@1"]  # `mlxrt ps`: each

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from actors.kv_budget import KVBudgetCore, QueuedReservation
@@ -9,11 +10,13 @@ from runtime.backends.mlx.memory import default_kv_budget_bytes
 from runtime.errors import InvalidRequest, KVBudgetExhausted, KVRequestTooLarge
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Address, engine_address
 from runtime.messages import (
+    EnginePlaced,
     EpochReleased,
     Evict,
     GetStats,
     Holder,
     HolderKind,
+    Lookup,
     Message,
     Release,
     ReleaseEpoch,
@@ -731,3 +734,102 @@ def test_a_zero_timeout_reservation_is_granted_only_if_it_fits_now(
     assert keeper.queued() == () and ctx.timers == []
     reserve(keeper, ctx, entry(3), 100, timeout_s=0.0)
     assert [type(m) for _, m in ctx.take_sent()] == [Reserved]
+
+
+# --------------------------------------------------------------------------- budgets per node
+
+
+def placed_keeper(ctx: RecordingContext) -> KVBudgetCore:
+    """Host budget 1000; engine m@0#1 on node-a (budget 300 by IP), m@1#1 on node-b (default)."""
+    keeper = KVBudgetCore(1000, node_budgets={"10.0.0.1": 300}, node_default_bytes=500)
+    for model, node, ip in (("m@0", "node-a", "10.0.0.1"), ("m@1", "node-b", "10.0.0.2")):
+        placed = EnginePlaced(model=model, epoch=1, node=node, node_ip=ip)
+        keeper.handle(placed, engine_address(model, 1), ctx)
+    return keeper
+
+
+def test_a_reservation_is_checked_against_its_engines_node_budget(ctx: RecordingContext) -> None:
+    keeper = placed_keeper(ctx)
+    reserve(keeper, ctx, seq(1, model="m@0"), 400)  # over node-a's 300, under the host's 1000
+    reserve(keeper, ctx, seq(2, model="m@1"), 400)  # node-b: 500
+    reserve(keeper, ctx, seq(3, model="m"), 900)  # the host's own engine
+
+    (_, refused), (_, granted), (_, on_host) = ctx.take_sent()
+    assert isinstance(refused, ReservationRefused) and refused.code == KVRequestTooLarge.code
+    assert "of its node node-a" in refused.message
+    assert isinstance(granted, Reserved) and isinstance(on_host, Reserved)
+    assert keeper.nodes() == {"host": (1000, 900), "node-a": (300, 0), "node-b": (500, 400)}
+    assert keeper.node_of(seq(2, model="m@1")) == "node-b"
+
+
+def test_a_full_node_queues_and_evicts_its_own_entries_while_others_are_granted(
+    ctx: RecordingContext,
+) -> None:
+    keeper = placed_keeper(ctx)
+    reserve(keeper, ctx, entry(1, model="m@0"), 250)
+    reserve(keeper, ctx, entry(1, model="m@1"), 100)
+    ctx.take_sent()
+    reserve(keeper, ctx, seq(1, model="m@0"), 100)  # node-a has 50 free: it waits
+    reserve(keeper, ctx, seq(2, model="m@1"), 100)  # node-b's queue is its own: granted
+
+    (_, evict), (_, granted) = ctx.take_sent()
+    assert evict == Evict(nbytes=50, epochs=(("m@0", 1),))  # only node-a's entries free node-a
+    assert isinstance(granted, Reserved) and granted.holder == seq(2, model="m@1")
+    keeper.handle(Release(holder=entry(1, model="m@0")), ENGINE, ctx)
+    assert ctx.take_sent() == [(ENGINE, Reserved(holder=seq(1, model="m@0"), nbytes=100))]
+
+    gauges = stats(keeper, ctx).gauges
+    assert gauges["node_budget:node-a"] == 300 and gauges["node_reserved:node-a"] == 100
+    assert gauges["node_reserved:node-b"] == 200 and gauges["node_queued:node-b"] == 0
+    assert gauges["budget"] == 1800  # the totals add the nodes up
+
+
+def test_a_lost_engines_epoch_is_released_from_its_node(ctx: RecordingContext) -> None:
+    keeper = placed_keeper(ctx)
+    reserve(keeper, ctx, seq(1, model="m@0"), 200)
+    keeper.handle(Transfer(source=seq(1, model="m@0"), target=entry(5, model="m@0"), nbytes=150),
+                  ENGINE, ctx)  # fmt: skip
+    assert keeper.node_of(entry(5, model="m@0")) == "node-a"  # an entry stays on its node
+    keeper.handle(ReleaseEpoch(model="m@0", epoch=1), ENGINE, ctx)
+
+    assert keeper.nodes()["node-a"] == (300, 0)
+    assert not keeper.holdings()
+
+
+# --------------------------------------------------------------------------- a lookup riding on it
+
+
+def lookup_of(seq_id: int) -> Lookup:
+    return Lookup(model="m", epoch=1, namespace="n", tokens=(1, 2, 3), sequence_id=seq_id)
+
+
+def test_a_granted_reservation_sends_its_lookup_on_right_after_reserved(
+    keeper: KVBudgetCore, ctx: RecordingContext
+) -> None:
+    keeper.handle(Reserve(holder=seq(1), nbytes=100, then_lookup=lookup_of(1)), ENGINE, ctx)
+
+    assert ctx.take_sent() == [
+        (ENGINE, Reserved(holder=seq(1), nbytes=100)),
+        (PREFIX_CACHE, msgspec.structs.replace(lookup_of(1), reply_to=ENGINE)),
+    ]
+
+
+def test_a_queued_reservation_sends_its_lookup_only_when_granted_never_when_refused(
+    keeper: KVBudgetCore, ctx: RecordingContext
+) -> None:
+    reserve(keeper, ctx, seq(1), 900)
+    for seq_id in (2, 3):
+        request = Reserve(holder=seq(seq_id), nbytes=600, timeout_s=10.0,
+                          then_lookup=lookup_of(seq_id))  # fmt: skip
+        keeper.handle(request, ENGINE, ctx)
+    ctx.take_sent()  # the grant and the evictions
+
+    keeper.handle(Release(holder=seq(1)), ENGINE, ctx)  # seq(2) fits now; seq(3) does not
+    granted = ctx.take_sent()
+    assert granted[:2] == [
+        (ENGINE, Reserved(holder=seq(2), nbytes=600)),
+        (PREFIX_CACHE, msgspec.structs.replace(lookup_of(2), reply_to=ENGINE)),
+    ]
+    advance(keeper, ctx, 10.0)  # seq(3) is refused at its deadline: no lookup for it
+    assert not any(isinstance(m, Lookup) for _, m in ctx.take_sent())
+    assert stats(keeper, ctx).counters["lookups_sent_on"] == 1

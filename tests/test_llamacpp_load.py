@@ -71,3 +71,21 @@ def test_auto_picks_a_backend_and_says_why() -> None:
     assert "GGUF" in why
     assert resolve_backend(ModelSpec(name="m", backend="auto", path="m.gguf")).backend == backend
     assert resolve_backend(ModelSpec(name="m", backend="mlx", path="m.gguf")).backend == "mlx"
+
+
+def test_the_default_threads_follow_omp_num_threads_as_ray_sets_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import os
+
+    from runtime.backends.llamacpp.backend import cpus_given
+
+    may_run_on = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert cpus_given() == may_run_on  # a plain process: every CPU it may run on
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # a Ray engine asking for one CPU
+    assert cpus_given() == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", str(may_run_on + 8))  # never past what it may run on
+    assert cpus_given() == may_run_on
+    monkeypatch.setenv("OMP_NUM_THREADS", "four")
+    assert cpus_given() == may_run_on

@@ -478,3 +478,16 @@ def test_unexpected_message_is_a_dead_letter(core: PrefixCacheCore, ctx: Recordi
     assert ctx.dead_letters["prefix_unexpected_message"] == 1
     core.on_start(ctx)
     core.on_stop(ctx)
+
+
+def test_a_lookup_the_keeper_sent_on_is_answered_to_its_engine(
+    core: PrefixCacheCore, ctx: RecordingContext
+) -> None:
+    commit(core, ctx, 1, (1, 2, 3))
+    sent_on = Lookup(model=MODEL, epoch=1, namespace="a", tokens=(1, 2, 3, 4), sequence_id=9,
+                     reply_to=ENGINE)  # fmt: skip
+    core.handle(sent_on, "kv", ctx)
+
+    [(to, reply)] = ctx.take_sent()
+    assert to == ENGINE  # not the keeper that sent it
+    assert isinstance(reply, LookupResult) and hit(reply) == (1, 3, ReusePath.EXACT)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from actors.deadlines import RequestGuards
 from runtime.api import Runtime
 from runtime.config import RuntimeConfig
-from runtime.errors import InvalidModelSpec
-from runtime.kernel.core import engine_model
+from runtime.errors import InvalidModelSpec, RequestTimedOut
+from runtime.kernel.core import ROUTER, engine_model
+from runtime.kernel.stats import Counters
 from runtime.messages import (
     EndSession,
     Failed,
@@ -31,6 +33,7 @@ from runtime.messages import (
     UnloadModel,
 )
 from runtime.testing.harness import engine_address_of, engines, kv_keeper, prefix_cache, router
+from runtime.testing.recording import RecordingContext
 from runtime.testing.simulator import Simulator
 
 OPTIONS = {"prefill_s_per_token": 0.0001, "decode_s_per_token": 0.001}
@@ -107,6 +110,40 @@ def test_a_request_moves_to_the_replica_holding_its_prefix_unless_it_is_overload
     assert replica_of(sim, "second") != holder
     assert router(sim).statistics().counters["requests_moved"] == 1
     assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes
+
+
+def test_a_moved_request_is_not_tokenized_again() -> None:
+    sim = make()
+    text = "the quick brown fox jumps over the lazy dog " * 3  # the simulated tokenizer: bytes
+    first = Generate(request_id="first", incarnation=1, model="m", prompt=text, max_tokens=4)
+    sim.send(first)
+    sim.run_until_quiescent()
+    holder = replica_of(sim, "first")
+    sim.send(generate("busy", (9, 9, 9), n=400))  # the least busy is now the other replica
+    sim.advance(0.01)
+    sim.send(msgspec.structs.replace(first, request_id="again", prompt=text + "again"))
+    sim.run_until_quiescent()
+    assert replica_of(sim, "again") == holder
+    done = sim.terminal("again", 1)
+    assert isinstance(done, Finished) and done.usage.cached_prompt_tokens >= len(text) - 1
+    # Two text prompts, one tokenization each: the replica it moved to took its first tokens.
+    counters = [engine.counters.snapshot() for engine in engines(sim)]
+    assert sum(c.get("prompts_tokenized", 0) for c in counters) == 2  # "busy" came as tokens
+    assert sum(c.get("admitted_tokenized", 0) for c in counters) == 1
+
+
+def test_a_moved_request_keeps_the_deadline_it_was_first_accepted_with() -> None:
+    guards = RequestGuards(None, Counters())
+    ctx = RecordingContext(ROUTER, clock=100.0)
+    request = generate("r", timeout_s=60.0)
+    guards.accepted(request, 1, 1, ctx)
+    guards.ended(1)  # moved: its first sequence is let go ...
+    ctx.clock = 103.0
+    guards.accepted(request, 2, 2, ctx, since=100.0)  # ... and it is accepted again elsewhere
+    ctx.clock = 160.0
+    expiries = guards.fired(ctx)
+    assert [sequence_id for sequence_id, _ in expiries] == [2]  # at 160 s, not 163 s
+    assert isinstance(expiries[0][1].error, RequestTimedOut)
 
 
 def test_a_lost_replica_fails_its_streams_and_its_unstarted_requests_go_to_another() -> None:

@@ -14,9 +14,13 @@
    others wait FIFO.
 4. ``Reserve`` its KV (prompt plus ``max_tokens``, and room for the checkpoint snapshots of its
    prefill when the cache cannot be trimmed), then ``Lookup`` the prefix cache; the sequence
-   then restores (``RESTORING``) and the engine core's pump takes it from there. A generate that
-   adopted a prewarm skips the lookup: once reserved it resumes where the prewarm was. A generate
-   sent with ``reuse_prefix=False`` skips it too and restores nothing (a cold prefill).
+   then restores (``RESTORING``) and the engine core's pump takes it from there. The ``Lookup``
+   rides on the ``Reserve`` (``then_lookup``): the keeper sends it on once it grants, so the
+   lookup never waits for a grant to reach the engine and come back (two of the six crossings
+   before a Ray engine's first token; the ``lookup_with_reserve`` option turns it off, to
+   measure). A generate that adopted a prewarm skips the lookup: once reserved it resumes where
+   the prewarm was. A generate sent with ``reuse_prefix=False`` skips it too and restores
+   nothing (a cold prefill).
 
 Admission ends sequences through ``SequenceEnds`` (the engine's ``Endings``, endings.py).
 """
@@ -33,6 +37,7 @@ from actors.engine.entries import EntryStore
 from actors.engine.jobs import TokenizeJob
 from actors.engine.sequence import Phase, Sequence
 from actors.engine.supersede import Adopt, Join, Supersede, identical_leader, plan_supersede
+from actors.replicas import replica_base
 from runtime.backends.contract import ModelInfo
 from runtime.errors import ContextLengthExceeded, InvalidRequest, MlxRuntimeError
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Context
@@ -73,6 +78,7 @@ class AdmissionLimits:
     checkpoints: CheckpointPolicy  # where prefills of an untrimmable cache snapshot, and how much
     strict_max_tokens: bool = False  # False: a max_tokens past the room left is lowered to it
     speculative: int = 0  # most drafts per pass for a generate that does not say (0: none)
+    lookup_with_reserve: bool = True  # a sequence's Lookup rides on its Reserve
 
 
 # --------------------------------------------------------------------------- admission
@@ -112,6 +118,8 @@ class Admission:
             seq.drafts = self._limits.speculative if asked is None else asked
         self._sequences[seq.sequence_id] = seq
         self._counters.inc(f"admitted_{seq.kind}")
+        if admit.tokens is not None:
+            self._counters.inc("admitted_tokenized")  # moved here: tokenized by its first replica
         if seq.tokens is not None and self._info is not None:
             self._tokenized(seq, ctx)
 
@@ -286,12 +294,17 @@ class Admission:
             # Drafts stay within max_tokens; a verification pass keeps the untrimmable layers
             # as they were before it (a window per sliding layer, the recurrent state) meanwhile.
             kv += self._info.snapshot_bytes
+        # The lookup follows the grant at the keeper, not a round trip later (module docstring).
+        seq.lookup_sent_on = (
+            self._limits.lookup_with_reserve and seq.resume_phase is None and seq.reuse_prefix
+        )
         ctx.send(
             KV_KEEPER,
             Reserve(
                 holder=seq.holder,
                 nbytes=kv + self._plan_snapshots(seq, kv),
                 timeout_s=self._limits.reservation_timeout_s,
+                then_lookup=self._lookup(seq) if seq.lookup_sent_on else None,
             ),
         )
 
@@ -338,18 +351,22 @@ class Admission:
             seq.phase = Phase.RESTORING
             return None
         seq.phase = Phase.LOOKING_UP
-        assert seq.tokens is not None
-        ctx.send(
-            PREFIX_CACHE,
-            Lookup(
-                model=self._model,
-                epoch=seq.epoch,
-                namespace=seq.namespace,
-                tokens=seq.tokens,
-                sequence_id=seq.sequence_id,
-            ),
-        )
+        if not seq.lookup_sent_on:  # else the keeper sent it on after Reserved: it answers next
+            ctx.send(PREFIX_CACHE, self._lookup(seq))
         return None
+
+    def _lookup(self, seq: Sequence) -> Lookup:
+        assert seq.tokens is not None
+        # A replica's request may move to another replica: its prompt's rendering goes with it.
+        replica = replica_base(self._model) is not None
+        return Lookup(
+            model=self._model,
+            epoch=seq.epoch,
+            namespace=seq.namespace,
+            tokens=seq.tokens,
+            sequence_id=seq.sequence_id,
+            facts=seq.facts() if replica else None,
+        )
 
     def looked_up(self, result: LookupResult, ctx: Context) -> None:
         """The prefix cache answered: restore from its hit (leased), or from nothing."""

@@ -150,6 +150,7 @@ class EngineCore:
             CheckpointPolicy(options.checkpoint_every_tokens, kv_budget_bytes),
             strict_max_tokens,
             options.speculative,
+            options.lookup_with_reserve,
         )
         self._sizer = ChunkSizer(chunk_tokens, options.prefill_chunk_ms / 1000)
         turns = PromptTurns(options.decode_stall_ms / 1000, options.max_batch, options.batching)
@@ -363,6 +364,7 @@ class EngineCore:
             case LoadJob():
                 self._loaded(job, ctx)
             case TokenizeJob():
+                self.counters.inc("prompts_tokenized", len(job.results) + len(job.failures))
                 self._admission.tokenized(job, ctx)
             case CloseJob():
                 self._closed_down(ctx)

@@ -16,6 +16,7 @@ from runtime.messages import (
     Holder,
     HolderKind,
     Prewarm,
+    PromptFacts,
     RequestKind,
     ReusePath,
     Sampling,
@@ -107,6 +108,7 @@ class Sequence:
     state: SequenceState | None = None
     in_compute: bool = False
     reserved: bool = False
+    lookup_sent_on: bool = False  # its Reserve carried its Lookup: the keeper sends it on
     lease_id: int | None = None
     generation: int = 0
     restore_entry: int | None = None
@@ -134,14 +136,30 @@ class Sequence:
         """A new sequence of engine ``model`` for ``admit``, before its prompt is tokenized."""
         request = admit.request
         generate = request if isinstance(request, Generate) else None
-        return cls(
+        seq = cls(
             admit=admit,
             model=model,
             max_tokens=request.max_tokens or 0,
             stop_token_ids=frozenset(generate.stop_token_ids if generate else ()),
-            tokens=request.prompt_tokens,
+            # A moved request's tokens, as the replica it left made them (not tokenized again).
+            tokens=request.prompt_tokens if admit.tokens is None else admit.tokens,
             # Unseeded requests draw from OS entropy; a seed makes the output repeatable.
             rng=random.Random(generate.sampling.seed if generate else None),
+        )
+        if admit.facts is not None:
+            seq.instructions_tokens = admit.facts.instructions_tokens
+            seq.message_ends = admit.facts.message_ends
+            seq.dropped_turns = admit.facts.dropped_turns
+            seq.reasoning_open = admit.facts.reasoning_open
+        return seq
+
+    def facts(self) -> PromptFacts:
+        """What rendering its chat prompt found (defaults for a plain prompt)."""
+        return PromptFacts(
+            instructions_tokens=self.instructions_tokens,
+            message_ends=self.message_ends,
+            dropped_turns=self.dropped_turns,
+            reasoning_open=self.reasoning_open,
         )
 
     # ------------------------------------------------------------------ the request, read through

@@ -68,6 +68,9 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_concurrent: PositiveInt = DEFAULT_MAX_CONCURRENT  # sequences past the admission gate
     # The most prompt-lookup drafts a pass verifies for a request that does not say (0: off).
     speculative: Annotated[int, msgspec.Meta(ge=0, le=64)] = DEFAULT_SPECULATIVE
+    # A sequence's prefix lookup rides on its KV reservation: the keeper sends it on once it
+    # grants (actors/engine/admission.py). False: the engine asks after the grant (to measure).
+    lookup_with_reserve: bool = True
 
     @property
     def chunk_tokens(self) -> int:
@@ -97,7 +100,7 @@ class LlamaCppOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_f
     # Sequences the llama.cpp context holds at once (n_seq_max); more states are kept by moving
     # the least recently used ones to host memory. None: max_batch + 3.
     max_sequences: Annotated[int, msgspec.Meta(ge=3, le=256)] | None = None
-    n_threads: NonNegativeInt = 0  # 0: every CPU this process may run on
+    n_threads: NonNegativeInt = 0  # 0: $OMP_NUM_THREADS (Ray: the engine's CPUs), else every CPU
     n_batch: PositiveInt = DEFAULT_LLAMACPP_BATCH  # tokens in one llama_decode (n_ubatch too)
     # True: a token decoded alone equals the same token inside a prompt, so reusing a reply's
     # KV equals prefilling it (llamacpp/passes.py). Costs a throwaway row per sequence and step:

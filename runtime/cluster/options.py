@@ -16,7 +16,10 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True):
     dashboard, ``num_cpus`` CPUs); ``"auto"`` joins the cluster ``ray start`` made on this
     machine; ``"HOST:PORT"`` joins a head started with ``ray start --head --port PORT``.
     Each engine process asks for ``engine_num_cpus`` CPUs, ``engine_num_gpus`` GPUs and
-    ``engine_resources`` (custom resources, e.g. ``{"mac_studio": 1}``)."""
+    ``engine_resources`` (custom resources, e.g. ``{"mac_studio": 1}``).
+    Each node's engines reserve KV against that node's budget: ``node_kv_budget_bytes`` by Ray
+    node id or node IP address, else ``kv_budget_bytes_per_node`` (None: the runtime's
+    ``kv_budget_bytes``)."""
 
     address: str | None = None
     num_cpus: int | None = None  # only for a local start: what Ray may schedule here
@@ -28,6 +31,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True):
     poll_s: float = 1.0  # the longest an idle engine's mail poll waits before it asks again
     # An engine process whose loop answers no poll for this long is killed and restarted.
     unresponsive_s: float = 30.0
+    node_kv_budget_bytes: dict[str, int] = {}
+    kv_budget_bytes_per_node: int | None = None
 
     def __post_init__(self) -> None:
         for name, value in (
@@ -40,6 +45,12 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True):
         ):
             if value < 0 or (name.endswith("_s") and value == 0):
                 raise InvalidConfig(f"ClusterConfig.{name} must be > 0 (got {value!r})")
+        budgets = {**self.node_kv_budget_bytes, "(per node)": self.kv_budget_bytes_per_node or 0}
+        for node, nbytes in budgets.items():
+            if nbytes < 0:
+                raise InvalidConfig(
+                    f"the KV budget of node {node!r} must be >= 0 bytes (got {nbytes!r})"
+                )
         if self.num_cpus is not None and self.num_cpus < 1:
             raise InvalidConfig(f"ClusterConfig.num_cpus must be >= 1 (got {self.num_cpus!r})")
 

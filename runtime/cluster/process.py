@@ -48,14 +48,16 @@ class EngineProcess:
         self._mail: asyncio.Queue[tuple[Message, Address]] = asyncio.Queue()
         self._mail_out = asyncio.Event()
 
-    async def start(self) -> tuple[int, str]:
-        """Build the core and start its mailbox loop; returns this process's id and Ray node."""
+    async def start(self) -> tuple[int, str, str]:
+        """Build the core and start its mailbox loop; returns this process's id, its Ray node's
+        id and that node's IP address."""
         import ray
 
         self._loop = asyncio.get_running_loop()
         self._core = self._build()
         self._task = self._loop.create_task(self._run(self._core))
-        return os.getpid(), ray.get_runtime_context().get_node_id()
+        node = ray.get_runtime_context().get_node_id()
+        return os.getpid(), node, ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
 
     async def deliver(self, number: int, items: list[Wired]) -> None:
         """Batch ``number`` of mail from the host: (sender, wire bytes) pairs, in order."""

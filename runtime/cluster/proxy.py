@@ -24,12 +24,13 @@ import msgspec
 from actors.engine.lost import LostEngine
 from runtime.cluster.outbox import Wired
 from runtime.errors import ClusterResourcesMissing, ModelLoadFailed
-from runtime.kernel.core import ROUTER, ActorCore, Address, Context
+from runtime.kernel.core import KV_KEEPER, ROUTER, ActorCore, Address, Context
 from runtime.kernel.stats import Counters
 from runtime.messages import (
     ComputeDone,
     Drain,
     EngineLoadFailed,
+    EnginePlaced,
     EngineReady,
     Message,
     Stats,
@@ -51,7 +52,7 @@ class _Poll:
     start_timeout_s: float = 0.0
     items: list[Wired] = field(default_factory=list)
     stats: bytes | None = None
-    started: tuple[int, str] | None = None  # its pid and Ray node, on the first poll
+    started: tuple[int, str, str] | None = None  # its pid, Ray node and IP, on the first poll
     unplaced: bool = False
     lost: str | None = None  # why the process is gone
 
@@ -172,9 +173,13 @@ class RemoteEngine:
         if job_id != self._polls or self._lost is not None or self._handle is None:
             return
         if poll.started is not None:
-            self.pid, self.node = poll.started
+            self.pid, self.node, node_ip = poll.started
             log.info("engine %s runs in process %d on Ray node %s", self._address, self.pid,
                      self.node[:12])  # fmt: skip
+            # Before any of the engine's mail: its reservations are booked on its node's budget.
+            placed = EnginePlaced(model=self.model, epoch=self.epoch, node=self.node,
+                                  node_ip=node_ip)  # fmt: skip
+            ctx.send(KV_KEEPER, placed)
         if poll.unplaced:
             self._refuse(self._unplaced_text(), ctx)
             return

@@ -106,6 +106,7 @@ from runtime.messages.host import (
     UnloadModel,
 )
 from runtime.messages.kv_budget import (
+    EnginePlaced,
     EpochReleased,
     Holder,
     HolderKind,
@@ -156,6 +157,7 @@ from runtime.messages.vocabulary import (
     JsonSchemaConstraint,
     Message,
     ModelSpec,
+    PromptFacts,
     RegexConstraint,
     RequestKind,
     ReusePath,
@@ -171,6 +173,7 @@ from runtime.messages.wire import decode, encode
 
 __all__ = [
     # vocabulary
+    "PromptFacts",
     "TokenIds",
     "Message",
     "JsonSchemaConstraint",
@@ -249,6 +252,7 @@ __all__ = [
     "ReservationExpired",
     "ReservationPressure",
     "ReleaseEpoch",
+    "EnginePlaced",
     "EpochReleased",
     # prefix_cache
     "Lookup",

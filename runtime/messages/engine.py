@@ -10,6 +10,7 @@ from runtime.messages.host import Generate, Prewarm
 from runtime.messages.vocabulary import (
     FinishReason,
     Message,
+    PromptFacts,
     ReusePath,
     TokenIds,
     TokenLogprob,
@@ -25,12 +26,16 @@ class Admit(Message, frozen=True):
 
     Beside it only what the router decided: the ``sequence_id`` (never reused), the engine's
     ``epoch``, and the resolved ``session`` (the request's own, else ``"{model}/{namespace}"``).
+    ``tokens`` / ``facts``: a request moved from another replica of the model comes with its
+    prompt as that replica tokenized (and rendered) it; the engine does not tokenize it again.
     """
 
     sequence_id: int
     epoch: int
     session: str
     request: Generate | Prewarm
+    tokens: TokenIds | None = None
+    facts: PromptFacts | None = None
 
 
 class Abort(Message, frozen=True):

@@ -8,6 +8,7 @@ import enum
 
 import msgspec
 
+from runtime.messages.prefix_cache import Lookup
 from runtime.messages.vocabulary import Message
 
 
@@ -32,11 +33,16 @@ class Reserve(Message, frozen=True):
 
     Larger than the whole budget: refused at once. Otherwise granted, or queued FIFO (after asking
     the prefix manager to evict) until ``timeout_s``, then refused as retryable.
+    ``then_lookup``: once granted (never if refused or dropped), the keeper sends this lookup to
+    the prefix manager right after ``Reserved``, answered to the requester: a sequence's lookup
+    follows its grant without a round trip back to the engine (one crossing saved each way for
+    an engine in another process).
     """
 
     holder: Holder
     nbytes: int
     timeout_s: float | None = None
+    then_lookup: Lookup | None = None
 
 
 class Reserved(Message, frozen=True):
@@ -97,6 +103,20 @@ class ReleaseEpoch(Message, frozen=True):
 
     model: str
     epoch: int
+
+
+class EnginePlaced(Message, frozen=True):
+    """Engine's proxy → keeper: the engine of ``model`` at ``epoch`` runs on Ray node ``node``
+    (IP address ``node_ip``); its reservations are made against that node's budget.
+
+    Sent before any of the engine's own mail is handed on. A model epoch never announced is on
+    the host (the host's budget). ``ReleaseEpoch`` forgets the placement with the bytes.
+    """
+
+    model: str
+    epoch: int
+    node: str
+    node_ip: str = ""
 
 
 class EpochReleased(Message, frozen=True):

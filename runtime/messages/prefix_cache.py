@@ -4,13 +4,16 @@ dropping a model epoch's entries (the manager tells the owning engine which to f
 
 from __future__ import annotations
 
-from runtime.messages.vocabulary import Message, ReusePath, TokenIds
+from runtime.messages.vocabulary import Message, PromptFacts, ReusePath, TokenIds
 
 
 class Lookup(Message, frozen=True):
     """Find the longest usable cached prefix of ``tokens``; answered ``LookupResult``.
 
-    ``sequence_id`` names the sequence that will hold the lease on a hit.
+    ``sequence_id`` names the sequence that will hold the lease on a hit. ``reply_to``: who hears
+    the answer (None: the sender); the keeper sets it to the engine when it sends the lookup an
+    engine's ``Reserve`` carried (``Reserve.then_lookup``). ``facts``: a replica's chat prompt's
+    rendering, passed on in ``CachedElsewhere`` should the request move.
     """
 
     model: str
@@ -18,6 +21,8 @@ class Lookup(Message, frozen=True):
     namespace: str
     tokens: TokenIds
     sequence_id: int
+    reply_to: str | None = None
+    facts: PromptFacts | None = None
 
 
 class LookupResult(Message, frozen=True):
@@ -40,7 +45,8 @@ class CachedElsewhere(Message, frozen=True):
     """Prefix manager → router: a ``Lookup`` of replica ``model`` (actors/replicas.py) matched
     ``matched_here`` tokens there, and another replica of the same model, ``elsewhere``, holds
     ``matched_there`` (more) of the same prompt. The router may move the request, if it has not
-    started and ``elsewhere`` is not overloaded (docs/protocols.md, "Replicas and routing")."""
+    started and ``elsewhere`` is not overloaded (docs/protocols.md, "Replicas and routing");
+    it sends the prompt's ``tokens`` and ``facts`` (the lookup's) with it, not to tokenize twice."""
 
     sequence_id: int
     epoch: int
@@ -48,6 +54,8 @@ class CachedElsewhere(Message, frozen=True):
     elsewhere: str
     matched_here: int
     matched_there: int
+    tokens: TokenIds = ()
+    facts: PromptFacts | None = None
 
 
 class Commit(Message, frozen=True):
@@ -93,10 +101,16 @@ class Unpin(Message, frozen=True):
 
 
 class Evict(Message, frozen=True):
-    """Keeper → prefix manager: free at least ``nbytes`` from unleased entries, LRU first."""
+    """Keeper → prefix manager: free at least ``nbytes`` from unleased entries, LRU first.
+
+    ``epochs``: only entries of these (model, epoch) pairs, the ones holding bytes on the node
+    whose budget is short (None: any entry; the keeper sends None while every engine is on the
+    host).
+    """
 
     nbytes: int
     include_pinned: bool = False
+    epochs: tuple[tuple[str, int], ...] | None = None
 
 
 class InvalidateEpoch(Message, frozen=True):

@@ -51,6 +51,7 @@ from runtime.messages.host import (
     UnloadModel,
 )
 from runtime.messages.kv_budget import (
+    EnginePlaced,
     EpochReleased,
     Release,
     ReleaseEpoch,
@@ -127,6 +128,7 @@ KVInbox = (
     | Release
     | Transfer
     | ReleaseEpoch
+    | EnginePlaced
     | ReservationExpired
     | ReservationPressure
     | GetStats

@@ -16,6 +16,17 @@ import msgspec
 TokenIds = tuple[int, ...]
 
 
+class PromptFacts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What rendering a chat prompt found beside its tokens (``runtime.text.chat.PreparedPrompt``):
+    carried with the tokens when a request moves to another replica of its model, so the replica
+    it moves to skips tokenizing it again."""
+
+    instructions_tokens: int = 0
+    message_ends: TokenIds = ()
+    dropped_turns: int = 0
+    reasoning_open: bool = False
+
+
 class Message(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag=True):
     """Base of every message: immutable, strict, tagged with its class name."""
 

@@ -21,6 +21,7 @@ from collections.abc import Callable
 import anyio
 import msgspec
 
+from actors.replicas import replica_base
 from runtime.api import Runtime
 from runtime.backends.choice import resolve_backend
 from runtime.backends.model_source import (
@@ -44,6 +45,10 @@ log = logging.getLogger("mlx_actor_runtime.server")
 
 _DURATION = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*(ms|s|m|h)?\s*$")
 _UNIT_S = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
+# A model's card shows the first of its replicas' states in this order.
+_REPLICAS_STATE_ORDER: tuple[wire.ModelCardState, ...] = (
+    "loaded", "loading", "restarting", "unloading", "idle", "failed",
+)  # fmt: skip
 
 
 class _Unset(enum.Enum):
@@ -211,7 +216,9 @@ class ModelManager:
         """Every model the runtime knows (its state), then those being prepared, then the
         available ones not loaded (``GET /v1/models``)."""
         now = time.time()
-        cards = [self._card_of(status, now) for status in await self._runtime.list_models()]
+        cards = self._one_per_name(
+            [self._card_of(status, now) for status in await self._runtime.list_models()]
+        )
         seen = {card.id for card in cards}
         for name in self._preparing:
             if name not in seen:
@@ -243,8 +250,48 @@ class ModelManager:
         return cards
 
     async def card(self, name: str) -> wire.ModelCard | None:
-        """One model's card (``GET /v1/models/{model}``), None if the server has no such model."""
-        return next((card for card in await self.cards() if card.id == name), None)
+        """One model's card (``GET /v1/models/{model}``; a replica's too, ``NAME@i``), None if
+        the server has no such model."""
+        cards = await self.cards()
+        everyone = [*cards, *(r for card in cards for r in card.replicas or ())]
+        return next((card for card in everyone if card.id == name), None)
+
+    def _one_per_name(self, cards: list[wire.ModelCard]) -> list[wire.ModelCard]:
+        """The replicas of a model as one card for its name (an OpenAI client sees one model),
+        each replica's card inside it; other cards as they are, in order."""
+        out: list[wire.ModelCard] = []
+        groups: dict[str, list[wire.ModelCard]] = {}
+        for card in cards:
+            base = replica_base(card.id)
+            if base is None:
+                out.append(card)
+            elif base not in groups:
+                groups[base] = [card]
+                out.append(card)  # replaced below by the name's card, at the first one's place
+            else:
+                groups[base].append(card)
+        for base, replicas in groups.items():
+            out[out.index(replicas[0])] = self._name_card(base, replicas)
+        return out
+
+    def _name_card(self, name: str, replicas: list[wire.ModelCard]) -> wire.ModelCard:
+        states = {card.state for card in replicas}
+        # The name serves while any replica does; else the most hopeful of their states.
+        state = next(s for s in _REPLICAS_STATE_ORDER if s in states)
+        first = replicas[0]
+        return wire.ModelCard(
+            id=name,
+            created=self._created(name),
+            state=state,
+            source=self._source(name),
+            context_length=next((c.context_length for c in replicas if c.context_length), None),
+            keep_alive=first.keep_alive,
+            expires_at=first.expires_at,
+            live_requests=sum(card.live_requests for card in replicas),
+            failure=first.failure if state == "failed" else None,
+            limits=first.limits,
+            replicas=replicas,
+        )
 
     async def _status(self, name: str) -> ModelStatus | None:
         return next((s for s in await self._runtime.list_models() if s.name == name), None)

@@ -394,6 +394,9 @@ class ModelCard(_Reply, frozen=True, kw_only=True):
     # snapshot_reach_back, trim), each with why; null: none off, or not loaded.
     limits: dict[str, str] | None = None
     placement: str | None = None  # an engine in a process of its own: its Ray node and pid
+    # A model served by several replicas (ModelSpec.replicas): one card for the name, and here
+    # each replica's own (id NAME@i, its state, requests and placement); null: one engine.
+    replicas: list[ModelCard] | None = None
     object: Literal["model"] = "model"
     owned_by: str = "mlx-actor-runtime"
 

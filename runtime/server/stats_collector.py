@@ -174,6 +174,17 @@ def _kv_families(kv: Stats) -> Iterator[Metric]:
         "Reservations that had to wait for KV memory.",
         value=kv.counters.get("queued", 0),
     )
+    # Per node once engines run on Ray nodes (each node's KV is budgeted on that node).
+    for gauge, documentation in (
+        ("node_budget", "The KV memory budget of one node (host: the host's own process)."),
+        ("node_reserved", "KV bytes reserved on one node now."),
+        ("node_queued", "Reservations waiting for one node's KV memory now."),
+    ):
+        family = GaugeMetricFamily(f"mlxrt_kv_{gauge}", documentation, labels=["node"])
+        for key, value in sorted(gauges.items()):
+            if key.startswith(f"{gauge}:"):
+                family.add_metric([key.removeprefix(f"{gauge}:")], value)
+        yield family
 
 
 def _router_families(router: Stats) -> Iterator[Metric]:

@@ -107,7 +107,7 @@ class LlamaCppBackend:
         if options is None:
             options = options_as(spec, LlamaCppOptions)
         gguf, sha256 = gguf_file_of(spec)
-        threads = options.n_threads or len(os.sched_getaffinity(0))
+        threads = options.n_threads or cpus_given()
         # Room for every batch member, a prefilling state, a copy in the making and one more.
         sequences = options.max_sequences or options.max_batch + 3
         if sequences < options.max_batch + 2:
@@ -486,3 +486,12 @@ class LlamaCppBackend:
             self._constraints.close()
             self._constraints = None
         self._context.close()
+
+
+def cpus_given() -> int:
+    """The threads a computation of this process should use: ``$OMP_NUM_THREADS`` where set (Ray
+    sets it to an engine's CPUs, so engines sharing a node do not run more threads than it has
+    cores; OpenBLAS, MLX's CPU matmuls, follows it too), else every CPU it may run on."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    may_run_on = len(os.sched_getaffinity(0))
+    return min(int(given), may_run_on) if given.isdigit() and int(given) > 0 else may_run_on
