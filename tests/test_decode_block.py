@@ -1,10 +1,11 @@
 """Decode blocks (``Backend.decode_block``, as on llama.cpp): a lone stream's decode step reads up
 to that many tokens on the compute thread before the loop sees them.
 
-The output never changes (tokens, text, logprobs, seeded draws, endings; a block's tokens reach
-the client in one event); a sequence's first token is still shown by a step of its own; a block ends early at an end, an abort, or when other work
-waits for the slot (``StepJob.yield_to``); a step that fails inside a block still shows the tokens
-before it. Virtual time, and ``run_decode`` on the simulated backend directly.
+The output never changes (tokens, text, logprobs, seeded draws, endings; a block's tokens reach the
+client in one event); a sequence's first token is still shown by a step of its own; a block ends
+early at an end, an abort, or when other work waits for the slot (``StepJob.yield_to``); a step
+that fails inside a block still shows the tokens before it. Virtual time, and ``run_decode`` on the
+simulated backend directly.
 """
 
 from __future__ import annotations
