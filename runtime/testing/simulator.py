@@ -128,6 +128,14 @@ class _SimContext:
     def compute(self, job: Callable[[], None], done: Message) -> None:
         self.effects.append(lambda: self._sim.run_inline(self._address, job, done))
 
+    def background(self, job: Callable[[], None], done: Message) -> None:
+        # I/O costs no virtual time: run it at once, its end is mail like any other.
+        def run() -> None:
+            job()
+            self._sim.deliver(self._address, done, self._address)
+
+        self.effects.append(run)
+
     def abandon_compute(self) -> None:
         self.effects.append(lambda: self._sim.abandon_compute(self._address))
 
