@@ -122,6 +122,7 @@ class Runtime:
             stall_timeout_s=self.config.stall_timeout_s,
             auto_load=self.config.auto_load,
             engine_host=None if self._cluster is None else self._cluster.wrap,
+            disk_cache=self.config.disk_cache,
         ):
             capacity = self.config.router_mailbox_capacity if address == ROUTER else math.inf
             system.spawn(address, core, capacity=capacity)

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import msgspec
 
-from actors.engine.sequence import Sequence
+from actors.engine.sequence import RestoreSource, Sequence
 from runtime.backends.contract import Backend, SequenceState, Snapshot
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Context
 from runtime.kernel.stats import Counters
@@ -36,15 +36,25 @@ SessionKey = tuple[str, str]  # (namespace, session)
 class _Entry:
     state: SequenceState
     nbytes: int
+    namespace: str
+    tokens: TokenIds
     pending: Commit | None = None  # a pinned copy waiting for its own reservation before commit
     points: dict[int, Snapshot] = field(default_factory=dict)  # restorable at these lengths too
+    trimmable: bool = True
 
 
-class RestoreSource(NamedTuple):
-    """What a lookup hit restores from: an entry's state, and its snapshot at the hit's length."""
+class Kept(NamedTuple):
+    """An entry as the disk tier writes it: its key, its state and its points' snapshots."""
 
+    namespace: str
+    tokens: TokenIds
+    trimmable: bool
     state: SequenceState
-    snapshot: Snapshot | None
+    points: dict[int, Snapshot]
+    nbytes: int
+
+
+__all__ = ["EntryStore", "Kept", "RestoreSource"]
 
 
 class EntryStore:
@@ -83,6 +93,10 @@ class EntryStore:
             ),
             "pins": len(self._pins),
         }
+
+    def kept(self) -> list[Kept]:
+        """Every committed entry, most recently made last (what a clean shutdown writes)."""
+        return [_kept(e) for e in self._entries.values() if e.pending is None]
 
     def clear(self) -> None:
         self._entries.clear()
@@ -160,14 +174,20 @@ class EntryStore:
         self._counters.inc("snapshots_refused")
         return True
 
-    def drop(self, entry_ids: tuple[int, ...], ctx: Context) -> None:
-        """Free these entries (evicted, superseded, refused) and return their bytes."""
+    def drop(self, entry_ids: tuple[int, ...], ctx: Context) -> list[Kept]:
+        """Free these entries (evicted, superseded, refused) and return their bytes; what they
+        held, for the disk tier (their arrays live on only as long as it keeps them)."""
         self._forget_pins(entry_ids)
+        dropped = []
         for entry_id in entry_ids:
-            if self._entries.pop(entry_id, None) is None:
+            entry = self._entries.pop(entry_id, None)
+            if entry is None:
                 ctx.count_dead_letter("drop_unknown_entry")
                 continue
             ctx.send(KV_KEEPER, Release(holder=self.holder(entry_id)))
+            if entry.pending is None:
+                dropped.append(_kept(entry))
+        return dropped
 
     def _allocate_id(self) -> int:
         allocated = self._next_id
@@ -177,15 +197,17 @@ class EntryStore:
     def _new(self, seq: Sequence, state: SequenceState, backend: Backend) -> tuple[int, Commit]:
         entry_id = self._allocate_id()
         nbytes = backend.state_nbytes(state)
-        self._entries[entry_id] = _Entry(state=state, nbytes=nbytes)
+        tokens = seq.cache_tokens[: state.length]
+        trimmable = backend.can_trim(state)
+        self._entries[entry_id] = _Entry(state, nbytes, seq.namespace, tokens, trimmable=trimmable)
         commit = Commit(
             model=self._model,
             epoch=self._epoch,
             namespace=seq.namespace,
             entry_id=entry_id,
-            tokens=seq.cache_tokens[: state.length],
+            tokens=tokens,
             nbytes=nbytes,
-            trimmable=backend.can_trim(state),
+            trimmable=trimmable,
             generation=seq.generation,
         )
         return entry_id, commit
@@ -222,3 +244,8 @@ class EntryStore:
         for key, (_, pinned_id) in list(self._pins.items()):
             if pinned_id in entry_ids:  # refused or evicted: the next request pins again
                 del self._pins[key]
+
+
+def _kept(entry: _Entry) -> Kept:
+    points = {} if entry.trimmable else dict(entry.points)
+    return Kept(entry.namespace, entry.tokens, entry.trimmable, entry.state, points, entry.nbytes)

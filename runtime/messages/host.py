@@ -16,6 +16,7 @@ from runtime.messages.vocabulary import (
     Message,
     ModelSpec,
     ReusePath,
+    ReuseTier,
     Sampling,
     TokenIds,
     TokenLogprob,
@@ -162,6 +163,7 @@ class Started(Message, frozen=True):
     # The rendered chat prompt ends inside an open reasoning block (``<think>``): the output
     # starts as reasoning (runtime/text/reasoning.py).
     reasoning_open: bool = False
+    tier: ReuseTier = ReuseTier.COLD  # where the reused state came from
 
 
 class TokensEmitted(Message, frozen=True):

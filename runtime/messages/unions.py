@@ -11,6 +11,7 @@ from runtime.messages.engine import (
     Admit,
     ComputeDone,
     ComputeWatch,
+    DiskDone,
     Drain,
     Drained,
     EngineFailed,
@@ -111,6 +112,7 @@ EngineInbox = (
     | Drain
     | GetStats
     | ComputeDone
+    | DiskDone
     | ComputeWatch
     | Reserved
     | ReservationRefused

@@ -1,0 +1,208 @@
+"""The disk tier through the Runtime on the real MLX backend (tiny offline models, all three
+cache kinds): an evicted entry is written and served back from disk, an unload writes what RAM
+holds, a fresh process reuses it; greedy output after a disk hit equals a cold run and only the
+rest of the prompt is prefilled; every kind of bad file costs a recompute, never a wrong output."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from runtime.api import Runtime
+from runtime.backends.disk import DiskCacheConfig
+from runtime.backends.mlx.backend import MlxBackend
+from runtime.config import RuntimeConfig
+from runtime.messages import ModelLoaded, ModelSpec, ReusePath, ReuseTier, Stats
+from runtime.testing.harness import engine_stats, wait_until
+from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
+
+pytestmark = pytest.mark.anyio
+
+KINDS: tuple[TinyModelKind, ...] = ("llama", "sliding", "hybrid")
+CHUNK = 16
+MAX_TOKENS = 6
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def spec(kind: TinyModelKind, name: str = "m") -> ModelSpec:
+    return ModelSpec(
+        name=name,
+        backend="mlx",
+        path=str(tiny_model_path(kind)),
+        prefill_chunk_tokens=CHUNK,
+        options={"checkpoint_every_tokens": 32},
+    )
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(5, 500) for _ in range(n)]
+
+
+BASE = tokens(200, seed=1)
+NEXT = BASE + tokens(30, seed=2)  # what a later request sends: the first prompt, and more
+
+
+async def cold(kind: TinyModelKind, prompt: list[int]) -> tuple[int, ...]:
+    """The reference: greedy output of a model that reuses nothing (no disk tier)."""
+    async with Runtime(RuntimeConfig(kv_budget_bytes=256 << 20)) as rt:
+        await rt.load_model(spec(kind))
+        result = await rt.complete("m", prompt_tokens=prompt, max_tokens=MAX_TOKENS)
+    return result.token_ids
+
+
+def disk_config(directory: Path, kv_budget_bytes: int = 256 << 20) -> RuntimeConfig:
+    return RuntimeConfig(
+        kv_budget_bytes=kv_budget_bytes, disk_cache=DiskCacheConfig(directory=str(directory))
+    )
+
+
+def counter(stats: Stats, name: str) -> int:
+    return stats.counters.get(name, 0)
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> TinyModelKind:
+    return request.param  # type: ignore[no-any-return]
+
+
+async def test_an_evicted_entry_is_written_and_served_back_from_disk(tmp_path: Path) -> None:
+    """Real budget pressure on a trimmable model: the budget holds one request's KV, so the
+    second request evicts the first one's entry, which the disk tier keeps."""
+    reference = await cold("llama", NEXT)
+    info = MlxBackend.load(spec("llama")).info
+    one = info.kv_bytes(len(NEXT) + MAX_TOKENS, CHUNK)
+    async with Runtime(disk_config(tmp_path, kv_budget_bytes=one * 3 // 2)) as rt:
+        loaded = await rt.load_model(spec("llama"))
+        await rt.complete("m", prompt_tokens=BASE, max_tokens=MAX_TOKENS)
+        await rt.complete("m", prompt_tokens=tokens(200, seed=9), max_tokens=MAX_TOKENS)
+        await wait_until(rt, lambda: counter(engine_stats(rt, loaded), "disk_spills") >= 1)
+        before = counter(engine_stats(rt, loaded), "prefilled_tokens")
+        result = await rt.complete("m", prompt_tokens=NEXT, max_tokens=MAX_TOKENS)
+        stats = engine_stats(rt, loaded)
+    assert result.started is not None
+    assert result.started.tier is ReuseTier.DISK
+    assert result.started.path is ReusePath.TRIM
+    assert result.started.cached_tokens == len(BASE)
+    assert counter(stats, "prefilled_tokens") - before == len(NEXT) - len(BASE)
+    assert result.token_ids == reference
+    assert counter(stats, "disk_hits") == 1
+    assert counter(stats, "tier_disk") == 1
+    assert stats.gauges["disk_entries"] >= 1
+
+
+async def reload_and_run(
+    rt: Runtime, kind: TinyModelKind, prompt: list[int]
+) -> tuple[ModelLoaded, int, object]:
+    loaded = await rt.load_model(spec(kind))
+    result = await rt.complete("m", prompt_tokens=prompt, max_tokens=MAX_TOKENS)
+    return loaded, counter(engine_stats(rt, loaded), "prefilled_tokens"), result
+
+
+async def test_every_cache_kind_equals_cold_after_a_disk_hit(
+    kind: TinyModelKind, tmp_path: Path
+) -> None:
+    """An unload writes the entries still in RAM; the next load of the model finds them (its
+    RAM empty) and prefills only what the disk did not hold."""
+    reference = await cold(kind, NEXT)
+    async with Runtime(disk_config(tmp_path)) as rt:
+        await rt.load_model(spec(kind))
+        await rt.complete("m", prompt_tokens=BASE, max_tokens=MAX_TOKENS)
+        await rt.unload_model("m")
+        loaded, prefilled, result = await reload_and_run(rt, kind, NEXT)
+        stats = engine_stats(rt, loaded)
+    started = result.started  # type: ignore[attr-defined]
+    assert started.tier is ReuseTier.DISK
+    # Trimmable: the whole first prompt; a checkpoint entry: whole (its prompt and reply are not
+    # all in the next prompt), so one of its points, at most one checkpoint spacing back.
+    if kind == "llama":
+        assert started.cached_tokens == len(BASE)
+    else:
+        assert started.path is ReusePath.CHECKPOINT
+        assert len(BASE) - 32 <= started.cached_tokens < len(BASE)
+    assert prefilled == len(NEXT) - started.cached_tokens
+    assert result.token_ids == reference  # type: ignore[attr-defined]
+    assert counter(stats, "disk_hits") == 1
+
+
+def _entry_files(root: Path) -> list[Path]:
+    return list(root.rglob("*.safetensors"))
+
+
+def _flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+
+
+def _wrong_model(path: Path) -> None:
+    # As if another model's file were copied here: its header names the model that wrote it.
+    ours = path.parent.name.encode()  # the folder is named by the fingerprint's start
+    other = bytes(reversed(ours)) if bytes(reversed(ours)) != ours else b"0" * len(ours)
+    path.write_bytes(path.read_bytes().replace(ours, other))
+
+
+@pytest.mark.parametrize("damage", [_flip, _truncate, _wrong_model])
+async def test_a_bad_file_costs_a_recompute_never_a_wrong_output(
+    tmp_path: Path, damage: Callable[[Path], None]
+) -> None:
+    reference = await cold("llama", NEXT)
+    async with Runtime(disk_config(tmp_path)) as rt:
+        await rt.load_model(spec("llama"))
+        await rt.complete("m", prompt_tokens=BASE, max_tokens=MAX_TOKENS)
+        await rt.unload_model("m")
+        files = _entry_files(tmp_path)
+        assert len(files) == 1
+        damage(files[0])
+        loaded, prefilled, result = await reload_and_run(rt, "llama", NEXT)
+        stats = engine_stats(rt, loaded)
+    assert result.started.tier is ReuseTier.COLD  # type: ignore[attr-defined]
+    assert prefilled == len(NEXT)
+    assert result.token_ids == reference  # type: ignore[attr-defined]
+    assert counter(stats, "disk_dropped") == 1
+    assert not files[0].exists()
+
+
+def _child(directory: Path, prompt: list[int], tmp_path: Path) -> dict[str, object]:
+    prompt_file = tmp_path / f"prompt-{len(prompt)}.json"
+    prompt_file.write_text(json.dumps(prompt))
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "runtime.testing.disk_child",
+            str(directory),
+            str(tiny_model_path("hybrid")),
+            str(prompt_file),
+            str(MAX_TOKENS),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
+    )
+    result: dict[str, object] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+async def test_a_fresh_process_reuses_what_an_earlier_one_wrote(tmp_path: Path) -> None:
+    """Two real processes, one after the other, on one directory (a hybrid recurrent model)."""
+    directory = tmp_path / "cache"
+    reference = await cold("hybrid", NEXT)
+    first = _child(directory, BASE, tmp_path)
+    assert first["tier"] == "cold"
+    second = _child(directory, NEXT, tmp_path)
+    assert second["tier"] == "disk"
+    assert len(BASE) - 32 <= second["cached_tokens"] < len(BASE)  # type: ignore[operator]
+    assert tuple(second["tokens"]) == reference  # type: ignore[arg-type]
