@@ -394,6 +394,8 @@ class ModelCard(_Reply, frozen=True, kw_only=True):
     # snapshot_reach_back, trim), each with why; null: none off, or not loaded.
     limits: dict[str, str] | None = None
     placement: str | None = None  # an engine in a process of its own: its Ray node and pid
+    # The prefix cache's disk tier for this model: entries, bytes, hits, load_ms (null: off).
+    disk_cache: dict[str, int] | None = None
     object: Literal["model"] = "model"
     owned_by: str = "mlx-actor-runtime"
 

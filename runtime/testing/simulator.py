@@ -188,6 +188,7 @@ class Simulator:
             engine_restart=self.config.engine_restart,
             stall_timeout_s=self.config.stall_timeout_s,
             auto_load=self.config.auto_load,
+            disk_cache=self.config.disk_cache,
         ):
             if faults is not None and address == KV_KEEPER:
                 core = faults.wrap_keeper(core)
