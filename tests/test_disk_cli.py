@@ -5,6 +5,7 @@ the user cache folder), `mlxrt cache show|clear`, and what `/metrics` and the mo
 from __future__ import annotations
 
 import argparse
+import io
 import json
 from pathlib import Path
 
@@ -86,3 +87,28 @@ async def test_metrics_and_the_model_card_show_the_disk_tier(tmp_path: Path) -> 
     assert f"{card['disk_cache']['entries']} entries" in row
     assert "1 hits" in row
     json.dumps(card)  # the card stays plain JSON
+
+
+def test_a_restarted_chat_answers_its_first_turn_from_disk(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`mlxrt chat` quit and started again: the same instructions and first message are served
+    from what the first run left on disk (all but the last prompt token cached)."""
+    argv = ["chat", "--backend", "simulated", "--model", "sim", "--show-cache", "--quiet"]
+    argv += [
+        "--disk-cache",
+        str(tmp_path),
+        "--system",
+        "answer in one short line",
+        "--max-tokens",
+        "4",
+    ]
+    shown = []
+    for _ in range(2):
+        monkeypatch.setattr("sys.stdin", io.StringIO("hello there, my friend\n"))
+        assert main(argv) == 0
+        [line] = [x for x in capsys.readouterr().out.splitlines() if "[cached" in x]
+        shown.append(line)
+    first, second = (line.partition("[cached ")[2].rstrip("]").split("/") for line in shown)
+    assert first[0] == "0"
+    assert int(second[0]) == int(second[1]) - 1  # warm: one token left to run
