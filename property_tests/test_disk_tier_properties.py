@@ -1,14 +1,15 @@
 """The disk tier's protocol on the simulator (docs/protocols.md, "Disk tier").
 
 Hypothesis draws a program of generates (prompts over a tiny alphabet, so they share prefixes),
-restarts (an unload and a load: RAM empty, the disk's files kept) and damaged files, on a
+restarts (an unload and a load: RAM empty, the disk's files kept), resets and damaged files, on a
 trimmable or a checkpointing simulated model under a KV budget that forces evictions. After every
 generate:
 
 * greedy output equals the oracle (``greedy_continuation``): a state read back from disk never
   changes what the model says, whatever was evicted, restarted or damaged;
 * ``Started`` is honest: ``tier`` is ``disk`` only with cached tokens, ``cold`` only without,
-  at most all but one prompt token reused, and only tokens some earlier sequence computed;
+  at most all but one prompt token reused, and only tokens some earlier sequence computed
+  since the last reset;
 * only the rest of the prompt is prefilled (the engine's ``prefilled_tokens``);
 * the disk's files stay within their byte budget, and KV bytes are conserved.
 """
@@ -28,6 +29,7 @@ from runtime.messages import (
     Generate,
     LoadModel,
     ModelLoaded,
+    ResetPrefixes,
     ReuseTier,
     Started,
     UnloadModel,
@@ -44,6 +46,7 @@ steps = st.lists(
         prompts.map(lambda p: ("generate", p)),
         st.just(("restart", ())),
         st.just(("damage", ())),
+        st.just(("reset", ())),
     ),
     min_size=1,
     max_size=14,
@@ -82,6 +85,10 @@ def test_a_disk_hit_never_changes_output_and_started_says_where_it_came_from(
                 continue
             if step == "damage":
                 _damage(root)
+                continue
+            if step == "reset":  # nothing computed before it may be reused, from RAM or disk
+                sim.ask(ResetPrefixes(model="m"))
+                computed.clear()
                 continue
             core = engine(sim)
             before = core.counters.snapshot().get("prefilled_tokens", 0)

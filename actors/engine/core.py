@@ -89,6 +89,7 @@ from runtime.messages import (
     ReleaseEpoch,
     ReservationRefused,
     Reserved,
+    ResetPrefixes,
     SessionEnded,
     Stats,
 )
@@ -327,6 +328,8 @@ class EngineCore:
                 evicted = self._entries.drop(ids, ctx)
                 if spill:
                     self._disk.spill(evicted, lambda job: self._export(job, ctx))
+            case ResetPrefixes(namespace=namespace):  # the router's copy: the disk tier's part
+                self._disk.forget(namespace, ctx)
             case DiskDone():
                 job = self._disk.done(message)
                 if isinstance(job, ReadJob):

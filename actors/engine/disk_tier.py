@@ -13,6 +13,7 @@ are written too, within ``DiskCacheConfig.shutdown_s``. See docs/design.md, "The
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -73,6 +74,13 @@ class ReadJob:
 
 
 @dataclass(eq=False)
+class DeleteJob:
+    """Delete the files a reset put out of service."""
+
+    paths: list[Path]
+
+
+@dataclass(eq=False)
 class ExportJob:
     """A compute job: host views of entries about to be written (``Persistent.export_state``)."""
 
@@ -82,7 +90,7 @@ class ExportJob:
     error: BaseException | None = None
 
 
-DiskJob = WriteJob | ReadJob
+DiskJob = WriteJob | ReadJob | DeleteJob
 
 _COUNTERS = (
     "disk_scans",
@@ -98,6 +106,7 @@ _COUNTERS = (
     "disk_evictions",
     "disk_dropped",  # files that failed a check (at a scan or a read), deleted
     "disk_flush_skipped",
+    "disk_reset_entries",
 )
 
 
@@ -217,6 +226,17 @@ class DiskTier:
             write = WriteJob(kept, host, job.deadline)
             self._background(ctx, write, lambda w=write: _write(w, store))  # type: ignore[misc]
 
+    def forget(self, namespace: str | None, ctx: Context) -> None:
+        """A reset of this model (``namespace`` None: every one): its files serve nothing from
+        now on, and are deleted on the I/O thread."""
+        if self._store is None:
+            return
+        paths = self._store.forget(namespace)
+        self._counters.inc("disk_reset_entries", len(paths))
+        if paths:
+            job = DeleteJob(paths)
+            self._background(ctx, job, lambda: _delete(paths))
+
     def flush(self, kept: list[Kept], submit: Callable[[ExportJob], None]) -> None:
         """A clean unload: write what RAM still holds, within ``shutdown_s``; once."""
         self.flushed = True
@@ -251,7 +271,7 @@ class DiskTier:
                 else:
                     self._counters.inc("disk_hits")
                     self._counters.inc("disk_load_ms", round(seconds * 1000))
-            case None:
+            case DeleteJob() | None:
                 pass
         return job
 
@@ -279,6 +299,12 @@ def _write(job: WriteJob, store: DiskStore) -> None:
         job.outcome = store.write(job.kept.namespace, job.kept.tokens, job.kept.trimmable, job.host)
     except Exception as exc:  # e.g. arrays the format cannot hold: counted, never fatal
         log.warning("prefix cache: could not write an entry: %r", exc)
+
+
+def _delete(paths: list[Path]) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _read(

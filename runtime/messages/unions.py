@@ -120,6 +120,7 @@ EngineInbox = (
     | Committed
     | DropEntries
     | EpochReleased
+    | ResetPrefixes
 )
 
 KVInbox = (

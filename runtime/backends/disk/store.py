@@ -184,6 +184,13 @@ class DiskStore:
             os.utime(entry.path)
         return host
 
+    def forget(self, namespace: str | None) -> list[Path]:
+        """Stop serving this model's entries of ``namespace`` (None: all) at once; their paths,
+        for the caller to delete off the loop (a reset: nothing from before it is reused)."""
+        with self._lock:
+            gone = [n for n, e in self._index.items() if namespace in (None, e.namespace)]
+            return [self._index.pop(name).path for name in gone]
+
     def clear(self) -> int:
         """Delete every entry file of every model under ``root``; how many were deleted."""
         deleted = 0
