@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Protocol, assert_never
 
 from actors.engine.checkpoints import CheckpointPolicy
-from actors.engine.disk_tier import DiskTier, ReadJob
+from actors.engine.disk_tier import DiskTier
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import TokenizeJob
 from actors.engine.sequence import Phase, Sequence
@@ -380,30 +380,6 @@ class Admission:
         if (on_disk := self._disk.better(seq, matched)) is not None:
             seq.phase = Phase.LOADING  # the RAM hit stays leased in case the file fails
             self._disk.load(seq, on_disk, ctx)
-
-    def disk_loaded(self, job: ReadJob, ctx: Context) -> None:
-        """The disk tier read an entry back: restore from it (or from what RAM had)."""
-        seq = self._sequences.get(job.sequence_id)
-        if seq is None or seq.phase is not Phase.LOADING:
-            ctx.count_dead_letter("stale_disk_read")  # it ended meanwhile
-            return
-        seq.phase = Phase.RESTORING
-        if job.source is None:
-            return  # dropped and counted: the RAM hit (or a cold prefill) it had stands
-        if seq.lease_id is not None:
-            ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
-            seq.lease_id = None
-        match = job.match
-        whole = match.matched == len(match.tokens)
-        seq.restore_entry, seq.restore_length = None, match.matched
-        seq.disk_source, seq.from_disk, seq.cached_tokens = job.source, True, match.matched
-        seq.path = (
-            ReusePath.CHECKPOINT
-            if not match.trimmable
-            else ReusePath.EXACT
-            if whole
-            else ReusePath.TRIM
-        )
 
     def restore_fell_back(self, seq: Sequence, reason: str, ctx: Context) -> None:
         """The restore could not use the lookup's hit (``reason``): the prompt is prefilled cold."""

@@ -333,7 +333,7 @@ class EngineCore:
             case DiskDone():
                 job = self._disk.done(message)
                 if isinstance(job, ReadJob):
-                    self._admission.disk_loaded(job, ctx)
+                    self._disk.loaded_back(job, self._sequences.get(job.sequence_id), ctx)
             case Drain(epoch=epoch) if epoch == self.epoch:
                 self._drain(sender, ctx)
             case EpochReleased(epoch=epoch) if epoch == self.epoch and self._draining:

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from actors.engine.entries import Kept, RestoreSource
-from actors.engine.sequence import Sequence
+from actors.engine.sequence import Phase, Sequence
 from runtime.backends.contract import Backend
 from runtime.backends.disk import (
     DiskCacheConfig,
@@ -35,9 +35,9 @@ from runtime.backends.disk import (
     WriteOutcome,
     persistent,
 )
-from runtime.kernel.core import Context
+from runtime.kernel.core import PREFIX_CACHE, Context
 from runtime.kernel.stats import Counters
-from runtime.messages import DiskDone
+from runtime.messages import DiskDone, ReleaseLease, ReusePath
 
 log = logging.getLogger("mlx_actor_runtime.disk")
 
@@ -185,6 +185,25 @@ class DiskTier:
         job = ReadJob(seq.sequence_id, match)
         namespace, stop = seq.namespace, seq.abort
         self._background(ctx, job, lambda: _read(job, store, model, namespace, stop))
+
+    def loaded_back(self, job: ReadJob, seq: Sequence | None, ctx: Context) -> None:
+        """A read came back for ``seq``: restore from it (or from what RAM had, if it failed)."""
+        if seq is None or seq.phase is not Phase.LOADING:
+            ctx.count_dead_letter("stale_disk_read")  # it ended meanwhile
+            return
+        seq.phase = Phase.RESTORING
+        if job.source is None:
+            return  # dropped and counted: the RAM hit (or a cold prefill) it had stands
+        if seq.lease_id is not None:
+            ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
+            seq.lease_id = None
+        match = job.match
+        seq.restore_entry, seq.restore_length = None, match.matched
+        seq.disk_source, seq.from_disk, seq.cached_tokens = job.source, True, match.matched
+        if not match.trimmable:
+            seq.path = ReusePath.CHECKPOINT
+        else:
+            seq.path = ReusePath.EXACT if match.matched == len(match.tokens) else ReusePath.TRIM
 
     # ------------------------------------------------------------------ writing
 

@@ -2,7 +2,8 @@
 
 ``python -m runtime.testing.disk_child DIR MODEL_PATH PROMPT_JSON [MAX_TOKENS]`` loads the model
 (an mlx-lm directory), sends the prompt's tokens once and prints one JSON line: the reuse tier,
-cached tokens, prompt tokens, the output tokens and the seconds from sending to the first token.
+cached tokens, prompt tokens, the output tokens, the seconds from sending to the first token, and
+the disk tier's load milliseconds and bytes.
 Leaving the Runtime unloads the model, which writes what RAM holds to the disk tier. Used by
 tests/test_disk_tier.py (a real second process) and the bench's ``disk`` group.
 """
@@ -26,7 +27,7 @@ async def run(
 ) -> dict[str, object]:
     config = RuntimeConfig(disk_cache=DiskCacheConfig(directory=directory))
     async with Runtime(config) as rt:
-        await rt.load_model(ModelSpec(name="m", backend="mlx", path=model_path))
+        loaded = await rt.load_model(ModelSpec(name="m", backend="mlx", path=model_path))
         tokens: list[int] = []
         started: Started | None = None
         first: float | None = None
@@ -40,6 +41,7 @@ async def run(
                     tokens.extend(event.token_ids)
                 elif isinstance(event, Finished):
                     break
+        engine = rt.stats().actors[f"engine:m#{loaded.epoch}"]
     assert started is not None
     return {
         "tier": str(started.tier),
@@ -47,6 +49,8 @@ async def run(
         "prompt_tokens": started.prompt_tokens,
         "tokens": tokens,
         "ttft_s": (first or time.perf_counter()) - sent,
+        "disk_load_ms": engine.counters.get("disk_load_ms", 0),
+        "disk_bytes": engine.gauges.get("disk_bytes", 0),
     }
 
 

@@ -3,8 +3,8 @@
 Written whole to a temporary name in the same folder, flushed, then renamed over the final name
 (``os.replace``): a reader, in this process or another, sees either no file or a whole one, and a
 crash leaves at worst a temporary file (removed by the next scan). The header carries the model
-fingerprint, the namespace, the exact tokens and a BLAKE2b digest of every array (name, dtype,
-shape, bytes); a file that fails any check is never used (``EntryInvalid``), so a truncated,
+fingerprint, the namespace, the exact tokens and a CRC-32 of every array (name, dtype, shape,
+bytes); a file that fails any check is never used (``EntryInvalid``), so a truncated,
 corrupt, foreign or wrong-model file can only cost a recompute.
 """
 
@@ -14,6 +14,7 @@ import hashlib
 import os
 import threading
 import uuid
+import zlib
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -66,11 +67,14 @@ def entry_name(namespace: str, tokens: Iterable[int]) -> str:
 
 
 def _digest(arrays: Iterable[tuple[str, np.ndarray]]) -> str:
-    h = hashlib.blake2b(digest_size=32)
+    """CRC-32 of every array's name, dtype, shape and bytes, in order: it catches the accidents a
+    file meets (a torn or truncated write, a flipped bit) at ~3.5 GB/s here, where BLAKE2b's ~0.7
+    GB/s would add a tenth of a second to reading 92 MB back (the header checks the rest)."""
+    crc = 0
     for name, array in arrays:
-        h.update(f"{name}|{array.dtype.str}|{array.shape}|".encode())
-        h.update(np.ascontiguousarray(array).view(np.uint8).data)
-    return h.hexdigest()
+        crc = zlib.crc32(f"{name}|{array.dtype.str}|{array.shape}|".encode(), crc)
+        crc = zlib.crc32(np.ascontiguousarray(array).view(np.uint8).data, crc)
+    return f"crc32:{crc:08x}"
 
 
 def write_entry(
