@@ -18,8 +18,28 @@ from runtime.api import Runtime
 from runtime.backends.disk import DiskCacheConfig
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.config import RuntimeConfig
-from runtime.messages import ModelLoaded, ModelSpec, ReusePath, ReuseTier, Stats
-from runtime.testing.harness import engine_stats, wait_until
+from actors.engine.sequence import Phase
+from runtime.messages import (
+    Cancel,
+    Cancelled,
+    Generate,
+    LoadModel,
+    ModelLoaded,
+    ModelSpec,
+    ReusePath,
+    ReuseTier,
+    Stats,
+    UnloadModel,
+)
+from runtime.testing.harness import (
+    engine,
+    engine_stats,
+    kv_keeper,
+    make_sim,
+    prefix_cache,
+    sim_spec,
+    wait_until,
+)
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 
 pytestmark = pytest.mark.anyio
@@ -206,3 +226,40 @@ async def test_a_fresh_process_reuses_what_an_earlier_one_wrote(tmp_path: Path) 
     assert second["tier"] == "disk"
     assert len(BASE) - 32 <= second["cached_tokens"] < len(BASE)  # type: ignore[operator]
     assert tuple(second["tokens"]) == reference  # type: ignore[arg-type]
+
+
+def test_a_request_cancelled_while_its_entry_loads_ends_at_once_and_gives_everything_back(
+    tmp_path: Path,
+) -> None:
+    """On the simulator, whose I/O jobs run after the mail before them: the request is cancelled
+    while it waits in LOADING; it ends Cancelled at once, its RAM lease and KV come back, and the
+    read that then runs stops at its abort flag (its reply is a counted stale dead letter)."""
+    model = sim_spec(chunk=4, bytes_per_token=100)
+    sim = make_sim(model, disk_cache=DiskCacheConfig(directory=str(tmp_path)))
+    prompt = tuple(t % 250 for t in tokens(40, seed=5))  # the simulated vocabulary: bytes
+
+    def send(request_id: str, sent: tuple[int, ...]) -> None:
+        sim.send(Generate(request_id=request_id, incarnation=1, model="m", prompt_tokens=sent,
+                          max_tokens=2))  # fmt: skip
+
+    send("first", prompt)
+    sim.run_until_quiescent()
+    sim.ask(UnloadModel(model="m"))  # writes the entry
+    sim.ask(LoadModel(spec=model))
+    send("second", (*prompt, 7))
+    sim.run_until_idle()
+    while not any(s.phase is Phase.LOADING for s in engine(sim)._sequences.values()):
+        assert sim.fire_next_timer(), "the request never waited for the disk"
+        sim.run_until_idle()
+    sim.send(Cancel(request_id="second", incarnation=1))
+    sim.run_until_quiescent()
+    assert isinstance(sim.terminal("second", 1), Cancelled)
+    counters = engine(sim).counters.snapshot()
+    assert counters["disk_loads_aborted"] == 1
+    assert counters["disk_hits"] == 0
+    assert sim.dead_letters["stale_disk_read"] == 1
+    assert prefix_cache(sim).leased_entry_ids() == frozenset()
+    assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes
+    send("third", (*prompt, 7))  # the file is still good: the next request is served from it
+    sim.run_until_quiescent()
+    assert engine(sim).counters.snapshot()["disk_hits"] == 1
