@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from actors.engine.sequence import Phase
 from runtime.api import Runtime
 from runtime.backends.disk import DiskCacheConfig
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.config import RuntimeConfig
-from actors.engine.sequence import Phase
 from runtime.messages import (
     Cancel,
     Cancelled,
