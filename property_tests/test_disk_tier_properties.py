@@ -112,3 +112,50 @@ def test_a_disk_hit_never_changes_output_and_started_says_where_it_came_from(
             files = sum(p.stat().st_size for p in root.rglob("*.safetensors"))
             assert files <= DISK_BUDGET
             assert prefix_cache(sim).total_bytes <= kv_keeper(sim).reserved_bytes
+
+
+entries = st.lists(
+    st.tuples(
+        st.lists(st.integers(0, 2), min_size=1, max_size=12).map(tuple),
+        st.booleans(),
+        st.sets(st.integers(1, 11), max_size=3),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+@settings(max_examples=80, deadline=None)
+@given(stored=entries, prompt=st.lists(st.integers(0, 2), min_size=1, max_size=14).map(tuple))
+def test_the_store_matches_a_prompt_as_the_prefix_cache_would(
+    stored: list[tuple[tuple[int, ...], bool, set[int]]], prompt: tuple[int, ...]
+) -> None:
+    """``DiskStore.best`` against a naive model: a trimmable file serves its longest common
+    prefix with the prompt, another only whole or at a point that prefixes it; at most all but
+    the last prompt token, the longest wins."""
+    import numpy as np
+
+    from runtime.backends.disk import DiskStore, HostState
+
+    with tempfile.TemporaryDirectory() as directory:
+        store = DiskStore(Path(directory), "f" * 64, 1 << 30)
+        model: dict[tuple[int, ...], tuple[bool, tuple[int, ...]]] = {}  # the last write wins
+        for tokens, trimmable, points in stored:
+            kept = () if trimmable else tuple(sorted(p for p in points if p < len(tokens)))
+            host = HostState(len(tokens), "{}", {"x": np.zeros(1, np.float32)}, kept)
+            store.write("n", tokens, trimmable, host)
+            model[tokens] = (trimmable, kept)
+        expected = 0
+        for tokens, (trimmable, kept) in model.items():
+            limit = len(prompt) - 1
+            if trimmable:
+                n = 0
+                while n < min(len(tokens), limit) and tokens[n] == prompt[n]:
+                    n += 1
+            else:
+                usable = [p for p in (*kept, len(tokens)) if p <= limit]
+                n = max((p for p in usable if tokens[:p] == prompt[:p]), default=0)
+            expected = max(expected, n)
+        found = store.best("n", prompt)
+        assert (0 if found is None else found.matched) == expected
+        assert store.best("other", prompt) is None

@@ -121,10 +121,17 @@ class DiskStore:
         over any shared prefix, another whole or at one of its points."""
         limit = len(tokens) - 1
         best: DiskMatch | None = None
-        with self._lock:
-            candidates = [(n, e) for n, e in self._index.items() if e.namespace == namespace]
+        prompt = tuple(tokens)
+        if not prompt:
+            return None
+        with self._lock:  # on the event loop: a cheap filter first, then C-speed slice compares
+            candidates = [
+                (n, e)
+                for n, e in self._index.items()
+                if e.namespace == namespace and e.tokens[:1] == prompt[:1]
+            ]
         for name, entry in candidates:
-            matched = _usable(entry, tokens, limit)
+            matched = _usable(entry, prompt, limit)
             if matched > 0 and (best is None or matched > best.matched):
                 best = DiskMatch(name, entry.tokens, matched, entry.trimmable)
         return best
@@ -253,19 +260,28 @@ class DiskStore:
             }
 
 
-def _usable(entry: _Indexed, tokens: tuple[int, ...] | list[int], limit: int) -> int:
+def _usable(entry: _Indexed, tokens: tuple[int, ...], limit: int) -> int:
+    """How many tokens of ``tokens`` (at most ``limit``) ``entry`` restores."""
     if entry.trimmable:
-        n = 0
-        for a, b in zip(entry.tokens, tokens[:limit], strict=False):
-            if a != b:
-                break
-            n += 1
-        return n
+        return _common_prefix(entry.tokens, tokens, limit)
     usable = [p for p in (*entry.points, len(entry.tokens)) if p <= limit]
     for point in sorted(usable, reverse=True):
-        if tuple(tokens[:point]) == entry.tokens[:point]:
+        if tokens[:point] == entry.tokens[:point]:
             return point
     return 0
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
+    """The length of the longest common prefix (at most ``limit``), by bisection on slice
+    equality, which compares in C: a 2,000-token prompt against hundreds of files stays cheap."""
+    low, high = 0, min(len(a), len(b), limit)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 def _name(namespace: str, tokens: tuple[int, ...]) -> str:
