@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import random
+import resource
+import signal
 import subprocess
 import sys
 from collections.abc import Callable
@@ -18,6 +20,7 @@ from actors.engine.sequence import Phase
 from runtime.api import Runtime
 from runtime.backends.disk import DiskCacheConfig
 from runtime.backends.mlx.backend import MlxBackend
+from runtime.backends.simulated import greedy_continuation
 from runtime.config import RuntimeConfig
 from runtime.messages import (
     Cancel,
@@ -263,3 +266,28 @@ def test_a_request_cancelled_while_its_entry_loads_ends_at_once_and_gives_everyt
     send("third", (*prompt, 7))  # the file is still good: the next request is served from it
     sim.run_until_quiescent()
     assert engine(sim).counters.snapshot()["disk_hits"] == 1
+
+
+def test_a_full_disk_is_counted_and_never_fails_a_request(tmp_path: Path) -> None:
+    """The files cannot be written (a file size limit stands in for a full disk): each write is
+    a counted failure, the requests are served as without a disk tier."""
+    model = sim_spec(chunk=4, bytes_per_token=100)
+    sim = make_sim(model, budget=6000, disk_cache=DiskCacheConfig(directory=str(tmp_path)))
+    prompts = [tuple(t % 250 for t in tokens(30, seed=s)) for s in range(4)]
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    previous = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # EFBIG instead of a signal
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))
+    try:
+        for index, prompt in enumerate(prompts):  # each evicts what the one before left
+            sim.send(Generate(request_id=f"r{index}", incarnation=1, model="m",
+                              prompt_tokens=prompt, max_tokens=3))  # fmt: skip
+            sim.run_until_quiescent()
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, previous)
+    for index, prompt in enumerate(prompts):
+        assert sim.emitted_tokens(f"r{index}", 1) == greedy_continuation(prompt, 3)
+    counters = engine(sim).counters.snapshot()
+    assert counters["disk_write_failed"] >= 1
+    assert counters["disk_spills"] == 0
+    assert not list(tmp_path.rglob("*.safetensors"))
