@@ -320,8 +320,10 @@ class Runtime:
         request_id: str | None = None,
         timeout_s: float | None = None,
         anonymous: bool = False,
+        keep_on_disk: bool = False,
     ) -> Finished | Cancelled | Failed:
         """Prefill and cache a prompt without sampling; returns how the warmup ended.
+        ``keep_on_disk``: write the cached state to the disk tier at once (``Prewarm``).
 
         ``Finished(reason="prewarmed")`` when cached (by it, or by an identical prewarm it
         followed), ``"adopted"`` when a request that extends it took it over,
@@ -341,6 +343,7 @@ class Runtime:
             session=session,
             timeout_s=timeout_s,
             anonymous=anonymous,
+            keep_on_disk=keep_on_disk,
         )
         validate_request(request)
         async with GenerationStream(

@@ -19,6 +19,7 @@ import pytest
 from actors.engine.sequence import Phase
 from runtime.api import Runtime
 from runtime.backends.disk import DiskCacheConfig
+from runtime.backends.disk.entry_file import entry_name
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.backends.simulated import greedy_continuation
 from runtime.config import RuntimeConfig
@@ -29,6 +30,7 @@ from runtime.messages import (
     LoadModel,
     ModelLoaded,
     ModelSpec,
+    Prewarm,
     ReusePath,
     ReuseTier,
     Stats,
@@ -291,3 +293,23 @@ def test_a_full_disk_is_counted_and_never_fails_a_request(tmp_path: Path) -> Non
     assert counters["disk_write_failed"] >= 1
     assert counters["disk_spills"] == 0
     assert not list(tmp_path.rglob("*.safetensors"))
+
+
+def test_a_prewarm_can_ask_for_its_prefix_to_be_kept_on_disk_at_once(tmp_path: Path) -> None:
+    """An app's instructions prewarmed with ``keep_on_disk`` are written as soon as cached (not
+    only when evicted), and stay in RAM too; a plain prewarm writes nothing yet."""
+    model = sim_spec(chunk=4, bytes_per_token=100)
+    sim = make_sim(model, disk_cache=DiskCacheConfig(directory=str(tmp_path)))
+    plain = tuple(t % 250 for t in tokens(30, seed=7))
+    kept = tuple(t % 250 for t in tokens(30, seed=8))
+    for request_id, prompt, keep in (("plain", plain, False), ("kept", kept, True)):
+        sim.send(Prewarm(request_id=request_id, incarnation=1, model="m", prompt_tokens=prompt,
+                         keep_on_disk=keep))  # fmt: skip
+        sim.run_until_quiescent()
+    counters = engine(sim).counters.snapshot()
+    assert counters["disk_spills"] == 1
+    assert len(_entry_files(tmp_path)) == 1
+    assert engine(sim).statistics().gauges["entries"] == 2  # both still in RAM
+    # The file's name is a digest of the namespace and the tokens: the kept prewarm's (all but
+    # its last token: a prewarm leaves that one to the generate).
+    assert _entry_files(tmp_path)[0].name == entry_name("default", kept[:-1])

@@ -321,6 +321,8 @@ class EngineCore:
             case Committed(entry_id=entry_id, accepted=accepted, superseded=superseded):
                 dropped = superseded if accepted else (entry_id, *superseded)
                 self._entries.drop(dropped, ctx)
+                if accepted and (kept := self._entries.to_keep_on_disk(entry_id)) is not None:
+                    self._disk.spill([kept], lambda job: self._export(job, ctx))
             case EndSession(session=session, namespace=namespace):
                 unpinned = self._entries.unpin((namespace, session), ctx)
                 ctx.send(sender, SessionEnded(model=self.model, session=session, unpinned=unpinned))

@@ -27,7 +27,17 @@ from actors.engine.sequence import RestoreSource, Sequence
 from runtime.backends.contract import Backend, SequenceState, Snapshot
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Context
 from runtime.kernel.stats import Counters
-from runtime.messages import Commit, Holder, HolderKind, Release, Reserve, TokenIds, Transfer, Unpin
+from runtime.messages import (
+    Commit,
+    Holder,
+    HolderKind,
+    Prewarm,
+    Release,
+    Reserve,
+    TokenIds,
+    Transfer,
+    Unpin,
+)
 
 SessionKey = tuple[str, str]  # (namespace, session)
 
@@ -41,6 +51,7 @@ class _Entry:
     pending: Commit | None = None  # a pinned copy waiting for its own reservation before commit
     points: dict[int, Snapshot] = field(default_factory=dict)  # restorable at these lengths too
     trimmable: bool = True
+    keep_on_disk: bool = False  # a prewarm asked: written to the disk tier once committed
 
 
 class Kept(NamedTuple):
@@ -94,6 +105,14 @@ class EntryStore:
             "pins": len(self._pins),
         }
 
+    def to_keep_on_disk(self, entry_id: int) -> Kept | None:
+        """Entry ``entry_id`` was committed: what to write to disk now, if a prewarm asked."""
+        entry = self._entries.get(entry_id)
+        if entry is None or not entry.keep_on_disk:
+            return None
+        entry.keep_on_disk = False
+        return _kept(entry)
+
     def kept(self) -> list[Kept]:
         """Every committed entry, most recently made last (what a clean shutdown writes)."""
         return [_kept(e) for e in self._entries.values() if e.pending is None]
@@ -119,6 +138,8 @@ class EntryStore:
             return
         entry_id, commit = self._new(seq, state, backend)
         entry = self._entries[entry_id]
+        request = seq.admit.request
+        entry.keep_on_disk = isinstance(request, Prewarm) and request.keep_on_disk
         if not commit.trimmable:  # a trimmable entry serves every prefix without snapshots
             for taken in seq.snapshots:
                 if 0 < taken.length < state.length:

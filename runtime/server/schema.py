@@ -168,6 +168,7 @@ class PrewarmRequest(_Body, frozen=True, kw_only=True):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # as the chat request's
     reasoning_effort: str | None = None
+    keep_on_disk: bool = False  # also write it to the server's disk tier at once
 
 
 completion_request_decoder = msgspec.json.Decoder(CompletionRequest)
