@@ -151,6 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if "disk" in args.scenarios and "runtime" in args.systems:
                 _log(f"{kind}: disk (TTFT in a fresh process: a disk hit vs cold)")
                 sink.extend(disk.measure(loaded, args.quick))
+                sink.extend(disk.pressure(loaded, args.quick))
             if "structured" in args.scenarios and "runtime" in args.systems:
                 _log(f"{kind}: constrained decoding (a JSON Schema vs none, runtime)")
                 rounds = structured.ROUNDS.pick(loaded, args.quick)

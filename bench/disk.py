@@ -11,7 +11,10 @@ disk. Time to first token is measured from sending the request (the model alread
   imported), against the disk's own read rate (``disk.read_mb_per_s``: the same file read
   straight after a page-cache drop is not possible without root; this reads it once, cold or
   warm as the system left it, as a ceiling);
-- ``disk.cached_tokens``: what the hit reused (all but the last prompt token).
+- ``disk.cached_tokens``: what the hit reused (all but the last prompt token);
+- ``disk.pressure_cached_ram`` / ``disk.pressure_cached_disk``: more sessions than the KV budget
+  holds each send a document, then come back to it: the fraction of the second round's prompt
+  tokens served from a cache, RAM only against RAM and the disk tier (one process).
 """
 
 from __future__ import annotations
@@ -85,3 +88,59 @@ def measure(model: BenchModel, quick: bool) -> list[Measurement]:
 def _median(values: list[float]) -> float | None:
     ordered = sorted(values)
     return round(ordered[len(ordered) // 2], 1) if ordered else None
+
+
+# More sessions than the KV budget holds: each sends its own document, then comes back to it.
+SESSIONS = Scaled(tiny=8, tiny_quick=6, real=6, real_quick=4)
+DOCUMENT_TOKENS = Scaled(tiny=600, tiny_quick=400, real=500, real_quick=300)
+HELD = 2.5  # the KV budget holds about this many sessions' KV
+
+
+def pressure(model: BenchModel, quick: bool) -> list[Measurement]:
+    """``disk.pressure_cached_ram`` / ``disk.pressure_cached_disk``: the fraction of the second
+    round's prompt tokens served from a cache, with RAM only and with the disk tier."""
+    import anyio
+
+    n, size = SESSIONS.pick(model, quick), DOCUMENT_TOKENS.pick(model, quick)
+    documents = [
+        encode(model.tokenizer, make_text(model.tokenizer, size, seed=100 + s))[:size]
+        for s in range(n)
+    ]
+    follow_up = encode(model.tokenizer, make_text(model.tokenizer, 24, seed=99))[:24]
+    fractions: dict[str, float] = {}
+    for mode in ("ram", "disk"):
+        with tempfile.TemporaryDirectory() as folder:
+            fractions[mode] = anyio.run(_pressure_run, model, documents, follow_up, mode, folder)
+    return [
+        Measurement(SYSTEM, model.name, "disk.pressure_cached_ram", fractions["ram"], "fraction"),
+        Measurement(SYSTEM, model.name, "disk.pressure_cached_disk", fractions["disk"], "fraction"),
+    ]
+
+
+async def _pressure_run(
+    model: BenchModel, documents: list[list[int]], follow_up: list[int], mode: str, folder: str
+) -> float:
+    from runtime.api import Runtime
+    from runtime.backends.disk import DiskCacheConfig
+    from runtime.backends.mlx.backend import MlxBackend
+    from runtime.config import RuntimeConfig
+    from runtime.messages import ModelSpec
+
+    spec = ModelSpec(name=model.name, path=str(model.path))
+    info = MlxBackend.load(spec).info
+    one = info.kv_bytes(len(documents[0]) + len(follow_up) + MAX_TOKENS, 256)
+    one += info.snapshot_bytes * 32  # a checkpointing model's snapshot room
+    disk = DiskCacheConfig(directory=folder) if mode == "disk" else None
+    config = RuntimeConfig(kv_budget_bytes=int(one * HELD), disk_cache=disk)
+    cached = total = 0
+    async with Runtime(config) as rt:
+        await rt.load_model(spec)
+        for document in documents:  # round one: every session reads its document
+            await rt.complete(model.name, prompt_tokens=document, max_tokens=MAX_TOKENS)
+        for document in documents:  # round two: each comes back with a question
+            prompt = document + follow_up
+            result = await rt.complete(model.name, prompt_tokens=prompt, max_tokens=MAX_TOKENS)
+            assert result.started is not None
+            cached += result.started.cached_tokens
+            total += len(prompt)
+    return round(cached / total, 3)

@@ -50,6 +50,8 @@ SCENARIOS = (
     "disk.cached_tokens",
     "disk.load_mb_per_s",
     "disk.read_mb_per_s",
+    "disk.pressure_cached_ram",
+    "disk.pressure_cached_disk",
     "skipped",
 )
 # Units a runtime/other ratio means something for, and which side of 1 is better for the runtime.

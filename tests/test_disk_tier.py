@@ -33,6 +33,7 @@ from runtime.messages import (
     Prewarm,
     ReusePath,
     ReuseTier,
+    Started,
     Stats,
     UnloadModel,
 )
@@ -313,3 +314,25 @@ def test_a_prewarm_can_ask_for_its_prefix_to_be_kept_on_disk_at_once(tmp_path: P
     # The file's name is a digest of the namespace and the tokens: the kept prewarm's (all but
     # its last token: a prewarm leaves that one to the generate).
     assert _entry_files(tmp_path)[0].name == entry_name("default", kept[:-1])
+
+
+def test_a_request_whose_reservation_evicts_its_own_prefix_is_served_from_the_spill(
+    tmp_path: Path,
+) -> None:
+    """The KV budget holds one request: the next request's reservation evicts the very entry its
+    lookup then wants. The entry's arrays live until written, so the disk tier serves it from
+    them (before the file exists) and only the new tokens are prefilled."""
+    model = sim_spec(chunk=4, bytes_per_token=100)
+    sim = make_sim(model, budget=5000, disk_cache=DiskCacheConfig(directory=str(tmp_path)))
+    first = tuple(t % 250 for t in tokens(30, seed=11))
+    second = (*first, 1, 2, 3)
+    for request_id, prompt in (("first", first), ("second", second)):
+        sim.send(Generate(request_id=request_id, incarnation=1, model="m", prompt_tokens=prompt,
+                          max_tokens=3))  # fmt: skip
+        sim.run_until_quiescent()
+    [started] = [e for e in sim.events("second", 1) if isinstance(e, Started)]
+    assert (started.tier, started.cached_tokens) == (ReuseTier.DISK, len(first))
+    assert sim.emitted_tokens("second", 1) == greedy_continuation(second, 3)
+    counters = engine(sim).counters.snapshot()
+    assert counters["disk_hits_in_flight"] == 1
+    assert counters["prefilled_tokens"] == len(first) + 3

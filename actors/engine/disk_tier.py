@@ -35,6 +35,8 @@ from runtime.backends.disk import (
     WriteOutcome,
     persistent,
 )
+from runtime.backends.disk.entry_file import entry_name
+from runtime.backends.disk.store import usable
 from runtime.kernel.core import PREFIX_CACHE, Context
 from runtime.kernel.stats import Counters
 from runtime.messages import DiskDone, ReleaseLease, ReusePath
@@ -100,6 +102,7 @@ _COUNTERS = (
     "disk_write_failed",
     "disk_lookups",
     "disk_hits",
+    "disk_hits_in_flight",  # served from an evicted entry whose write had not finished
     "disk_load_ms",
     "disk_loads_aborted",
     "disk_load_failed",
@@ -123,6 +126,9 @@ class DiskTier:
         self._store: DiskStore | None = None
         self._persistent: Persistent | None = None
         self._jobs: dict[int, DiskJob] = {}
+        # Evicted entries not written yet, by file name: their arrays are alive until written, so
+        # a lookup serves from them (a request's reservation may evict the very entry it needs).
+        self._in_flight: dict[str, Kept] = {}
         self._exports = 0
         self._next_id = 1
         self.flushed = False
@@ -175,6 +181,14 @@ class DiskTier:
             return None
         self._counters.inc("disk_lookups")
         found = self._store.best(seq.namespace, seq.tokens)
+        prompt, limit = tuple(seq.tokens), len(seq.tokens) - 1
+        for name, kept in self._in_flight.items():
+            if kept.namespace != seq.namespace:
+                continue
+            points = tuple(sorted(kept.points))
+            n = usable(tuple(kept.tokens), kept.trimmable, points, prompt, limit)
+            if n > 0 and (found is None or n > found.matched):
+                found = DiskMatch(name, tuple(kept.tokens), n, kept.trimmable)
         return found if found is not None and found.matched > matched else None
 
     def load(self, seq: Sequence, match: DiskMatch, ctx: Context) -> None:
@@ -183,6 +197,14 @@ class DiskTier:
         assert store is not None
         assert model is not None
         job = ReadJob(seq.sequence_id, match)
+        kept = self._in_flight.get(match.name)
+        if kept is not None and kept.tokens == match.tokens:  # still in memory: no read needed
+            snapshot = None if match.trimmable else kept.points.get(match.matched)
+            job.source = RestoreSource(kept.state, snapshot)
+            self._counters.inc("disk_hits_in_flight")
+            self._counters.inc("disk_hits")
+            self.loaded_back(job, seq, ctx)
+            return
         namespace, stop = seq.namespace, seq.abort
         self._background(ctx, job, lambda: _read(job, store, model, namespace, stop))
 
@@ -226,6 +248,7 @@ class DiskTier:
                 self._counters.inc("disk_spill_skipped")
             else:
                 self._pending += entry.nbytes
+                self._in_flight[entry_name(entry.namespace, entry.tokens)] = entry
                 chosen.append(entry)
         if chosen:
             self._exports += 1
@@ -238,6 +261,8 @@ class DiskTier:
             log.warning("prefix cache: could not export entries for the disk: %r", job.error)
             self._counters.inc("disk_write_failed", len(job.kept))
             self._pending -= sum(k.nbytes for k in job.kept)
+            for kept in job.kept:
+                self._in_flight.pop(entry_name(kept.namespace, kept.tokens), None)
             return
         store = self._store
         assert store is not None
@@ -270,6 +295,7 @@ class DiskTier:
         match job:
             case WriteJob(kept=kept, outcome=outcome, skipped=skipped):
                 self._pending -= kept.nbytes
+                self._in_flight.pop(entry_name(kept.namespace, kept.tokens), None)
                 if skipped:
                     self._counters.inc("disk_flush_skipped")
                 elif outcome is not None and outcome.written:

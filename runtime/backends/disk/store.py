@@ -131,7 +131,7 @@ class DiskStore:
                 if e.namespace == namespace and e.tokens[:1] == prompt[:1]
             ]
         for name, entry in candidates:
-            matched = _usable(entry, prompt, limit)
+            matched = usable(entry.tokens, entry.trimmable, entry.points, prompt, limit)
             if matched > 0 and (best is None or matched > best.matched):
                 best = DiskMatch(name, entry.tokens, matched, entry.trimmable)
         return best
@@ -260,13 +260,20 @@ class DiskStore:
             }
 
 
-def _usable(entry: _Indexed, tokens: tuple[int, ...], limit: int) -> int:
-    """How many tokens of ``tokens`` (at most ``limit``) ``entry`` restores."""
-    if entry.trimmable:
-        return _common_prefix(entry.tokens, tokens, limit)
-    usable = [p for p in (*entry.points, len(entry.tokens)) if p <= limit]
-    for point in sorted(usable, reverse=True):
-        if tokens[:point] == entry.tokens[:point]:
+def usable(
+    tokens: tuple[int, ...],
+    trimmable: bool,
+    points: tuple[int, ...],
+    prompt: tuple[int, ...],
+    limit: int,
+) -> int:
+    """How many tokens of ``prompt`` (at most ``limit``) an entry of ``tokens`` restores: any
+    common prefix of a trimmable one, else all of it or one of its ``points``."""
+    if trimmable:
+        return _common_prefix(tokens, prompt, limit)
+    candidates = [p for p in (*points, len(tokens)) if p <= limit]
+    for point in sorted(candidates, reverse=True):
+        if prompt[:point] == tokens[:point]:
             return point
     return 0
 
