@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import msgspec
@@ -13,9 +12,11 @@ DEFAULT_DISK_BUDGET_BYTES = 4 << 30  # a modest default: a few dozen long prompt
 
 
 def default_cache_dir() -> Path:
-    """The user cache directory's ``prefix-cache`` folder (``$XDG_CACHE_HOME`` or ``~/.cache``)."""
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "mlx-actor-runtime" / "prefix-cache"
+    """The runtime's cache folder's ``prefix-cache`` (``$MLXRT_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/mlx-actor-runtime``, else ``~/.cache/mlx-actor-runtime``)."""
+    from runtime.backends.model_store import cache_root
+
+    return cache_root() / "prefix-cache"
 
 
 class DiskCacheConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
