@@ -112,3 +112,13 @@ def test_a_restarted_chat_answers_its_first_turn_from_disk(
     first, second = (line.partition("[cached ")[2].rstrip("]").split("/") for line in shown)
     assert first[0] == "0"
     assert int(second[0]) == int(second[1]) - 1  # warm: one token left to run
+
+
+def test_a_bad_disk_cache_config_is_refused_with_its_name() -> None:
+    from runtime.errors import InvalidConfig
+
+    for bad in ({"budget_bytes": -1}, {"shutdown_s": -1.0}):
+        with pytest.raises(InvalidConfig, match="DiskCacheConfig"):
+            DiskCacheConfig(directory="/tmp/x", **bad)  # type: ignore[arg-type]
+    with pytest.raises(InvalidConfig, match="directory"):
+        DiskCacheConfig(directory="")
