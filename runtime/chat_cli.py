@@ -53,6 +53,7 @@ from runtime.messages import (
     Finished,
     ModelLoaded,
     ModelSpec,
+    ReuseTier,
     Sampling,
     Started,
     TokensEmitted,
@@ -303,7 +304,10 @@ class ChatTerminal:
                 self._say("(cancelled)")
         self.conversation.answered(reply.text)
         if self._settings.show_cache and reply.started is not None:
-            self._say(f"[cached {reply.started.cached_tokens}/{reply.started.prompt_tokens}]")
+            started = reply.started
+            # Served by the disk tier (an earlier run's entries): said, as it explains the speed.
+            where = " from disk" if started.tier is ReuseTier.DISK else ""
+            self._say(f"[cached {started.cached_tokens}/{started.prompt_tokens}{where}]")
             usage = getattr(reply.terminal, "usage", None)
             if usage is not None and usage.drafted_tokens:  # the model speculates
                 self._say(f"[drafts accepted {usage.accepted_tokens}/{usage.drafted_tokens}]")

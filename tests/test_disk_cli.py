@@ -109,7 +109,12 @@ def test_a_restarted_chat_answers_its_first_turn_from_disk(
         assert main(argv) == 0
         [line] = [x for x in capsys.readouterr().out.splitlines() if "[cached" in x]
         shown.append(line)
-    first, second = (line.partition("[cached ")[2].rstrip("]").split("/") for line in shown)
+    assert shown[0].endswith("]") and "from disk" not in shown[0]
+    assert shown[1].endswith(" from disk]")  # --show-cache says where it came from
+    first, second = (
+        line.partition("[cached ")[2].removesuffix("]").removesuffix(" from disk").split("/")
+        for line in shown
+    )
     assert first[0] == "0"
     assert int(second[0]) == int(second[1]) - 1  # warm: one token left to run
 
