@@ -293,7 +293,7 @@ class PrefixCacheCore:
             self.counters.inc("evict_shortfalls")
         self.counters.inc("evictions", len(evicted))
         self.counters.inc("evicted_bytes", freed)
-        self._send_drops(evicted, ctx)
+        self._send_drops(evicted, ctx, spill=True)
 
     def _invalidate_epoch(self, model: str, epoch: int) -> None:
         # The draining engine frees its own arrays, so no DropEntries: just forget.
@@ -339,12 +339,13 @@ class PrefixCacheCore:
     # ------------------------------------------------------------------ bookkeeping
 
     @staticmethod
-    def _send_drops(keys: list[EntryKey], ctx: Context) -> None:
+    def _send_drops(keys: list[EntryKey], ctx: Context, spill: bool = False) -> None:
         """One ``DropEntries`` per owning engine, ids in the order they were dropped."""
         by_engine: dict[tuple[str, int], list[int]] = {}
         for key in keys:
             by_engine.setdefault((key.model, key.epoch), []).append(key.entry_id)
         for (model, epoch), entry_ids in by_engine.items():
             ctx.send(
-                engine_address(model, epoch), DropEntries(epoch=epoch, entry_ids=tuple(entry_ids))
+                engine_address(model, epoch),
+                DropEntries(epoch=epoch, entry_ids=tuple(entry_ids), spill=spill),
             )

@@ -58,7 +58,11 @@ class CommandReplies:
         wait = ResetWait(asker, model, len(loads))
         for name in loads:
             self._reset_waiters.append(wait)
-            ctx.send(PREFIX_CACHE, msgspec.structs.replace(message, model=name))
+            one = msgspec.structs.replace(message, model=name)
+            ctx.send(PREFIX_CACHE, one)
+            serving = self._models.ready(name)
+            if serving is not None:  # its disk tier forgets the scope too, before new work
+                ctx.send(serving.address, one)
 
     def prefixes_reset(self, reply: PrefixesReset, sender: Address, ctx: Context) -> None:
         if sender != PREFIX_CACHE or not self._reset_waiters:

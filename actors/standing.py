@@ -14,6 +14,7 @@ from actors.kv_budget import KVBudgetCore
 from actors.prefix_cache import PrefixCacheCore
 from actors.router import RouterCore
 from runtime.backends.contract import BackendLoader
+from runtime.backends.disk import DiskCacheConfig
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, ActorCore, Address
 from runtime.kernel.supervision import RestartPolicy
 from runtime.messages import ModelSpec
@@ -36,6 +37,7 @@ def standing_actors(
     engine_host: EngineHost | None = None,
     node_kv_budgets: Mapping[str, int] | None = None,
     node_kv_default: int | None = None,
+    disk_cache: DiskCacheConfig | None = None,
 ) -> list[tuple[Address, ActorCore]]:
     """The standing actors with their addresses; engines load their model with ``load_backend``,
     and are restarted (their model reloaded) after a crash as ``engine_restart`` allows;
@@ -60,6 +62,7 @@ def standing_actors(
             default_max_tokens,
             step_timeout_s=step_timeout_s,
             strict_max_tokens=strict_max_tokens,
+            disk=disk_cache,
         )
 
     return [

@@ -24,6 +24,7 @@ from bench import (
     batching,
     checkpoints,
     cluster,
+    disk,
     environment,
     generation,
     hop,
@@ -49,6 +50,7 @@ SCENARIO_GROUPS = (
     *over_http.GROUPS,
     "hop",
     "cluster",
+    "disk",
 )
 MODEL_FREE_GROUPS = {"hop"}
 SERVER_GROUPS = {"existing", *over_http.GROUPS}  # the groups the llama.cpp systems have rows in
@@ -95,6 +97,7 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "(TTFT and tokens re-processed when ~900/~1,800 tokens of notes are re-sent with their "
         "last line changed); hop "
         "(hop.*: the actor message hop and the runtime's cost per streamed token, no model); "
+        "disk (disk.*: TTFT of a 2,000-token prompt in a fresh process, a disk hit vs cold); "
         "cluster (cluster.*: an engine as a Ray actor against in-process, and routing across "
         "two replicas; real models only, docs/cluster.md)",
     )
@@ -145,6 +148,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _log(f"{kind}: checkpoint memory (runtime vs mlx-lm whole-cache copies)")
                 ckpt_tokens = checkpoints.PROMPT_TOKENS.pick(loaded, args.quick)
                 sink.extend(checkpoints.measure(path, model, tokenizer, kind, ckpt_tokens))
+            if "disk" in args.scenarios and "runtime" in args.systems:
+                _log(f"{kind}: disk (TTFT in a fresh process: a disk hit vs cold)")
+                sink.extend(disk.measure(loaded, args.quick))
+                sink.extend(disk.pressure(loaded, args.quick))
             if "structured" in args.scenarios and "runtime" in args.systems:
                 _log(f"{kind}: constrained decoding (a JSON Schema vs none, runtime)")
                 rounds = structured.ROUNDS.pick(loaded, args.quick)

@@ -44,6 +44,14 @@ SCENARIOS = (
     "keystroke.latency_p50",
     "keystroke.latency_p90",
     "keystroke.cached_fraction",
+    "disk.cold_ttft",
+    "disk.hit_ttft",
+    "disk.hit/cold",
+    "disk.cached_tokens",
+    "disk.load_mb_per_s",
+    "disk.read_mb_per_s",
+    "disk.pressure_cached_ram",
+    "disk.pressure_cached_disk",
     "skipped",
 )
 # Units a runtime/other ratio means something for, and which side of 1 is better for the runtime.

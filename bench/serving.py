@@ -57,7 +57,10 @@ def mlxrt_serve(
     argv += ("--model", f"{name}={model_path}")
     if backend != "mlx":
         argv += ("--backend", backend)
-    return ServerCommand(system, (*argv, "--log-level", "warning", "--quiet"), name)
+    # Memory only: a disk tier would carry one run's states into the next, so "cold" were not.
+    return ServerCommand(
+        system, (*argv, "--log-level", "warning", "--quiet", "--no-disk-cache"), name
+    )
 
 
 @contextlib.contextmanager

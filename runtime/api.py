@@ -125,6 +125,7 @@ class Runtime:
             engine_host=None if self._cluster is None else self._cluster.wrap,
             node_kv_budgets=None if cluster is None else cluster.node_kv_budget_bytes,
             node_kv_default=None if cluster is None else cluster.kv_budget_bytes_per_node,
+            disk_cache=self.config.disk_cache,
         ):
             capacity = self.config.router_mailbox_capacity if address == ROUTER else math.inf
             system.spawn(address, core, capacity=capacity)
@@ -322,8 +323,10 @@ class Runtime:
         request_id: str | None = None,
         timeout_s: float | None = None,
         anonymous: bool = False,
+        keep_on_disk: bool = False,
     ) -> Finished | Cancelled | Failed:
         """Prefill and cache a prompt without sampling; returns how the warmup ended.
+        ``keep_on_disk``: write the cached state to the disk tier at once (``Prewarm``).
 
         ``Finished(reason="prewarmed")`` when cached (by it, or by an identical prewarm it
         followed), ``"adopted"`` when a request that extends it took it over,
@@ -343,6 +346,7 @@ class Runtime:
             session=session,
             timeout_s=timeout_s,
             anonymous=anonymous,
+            keep_on_disk=keep_on_disk,
         )
         validate_request(request)
         async with GenerationStream(

@@ -30,6 +30,7 @@ import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from runtime.api import Runtime
+from runtime.backends.disk import DiskCacheConfig
 from runtime.chat_commands import (
     HELP,
     Exit,
@@ -42,6 +43,7 @@ from runtime.chat_commands import (
     parse_line,
 )
 from runtime.cli_flags import Framing, Speed, framed_raw, raw_note
+from runtime.config import RuntimeConfig
 from runtime.errors import MlxRuntimeError
 from runtime.messages import (
     Cancelled,
@@ -51,6 +53,7 @@ from runtime.messages import (
     Finished,
     ModelLoaded,
     ModelSpec,
+    ReuseTier,
     Sampling,
     Started,
     TokensEmitted,
@@ -89,6 +92,7 @@ class ChatSettings:
     stats: bool = False  # the speed after each reply
     framing: Framing = "auto"  # auto: raw for a model without a chat template
     quiet: bool = False  # no note that the chat is a raw completion
+    disk_cache: DiskCacheConfig | None = None  # the prefix cache's disk tier (None: memory only)
 
 
 @dataclass(slots=True)
@@ -300,7 +304,10 @@ class ChatTerminal:
                 self._say("(cancelled)")
         self.conversation.answered(reply.text)
         if self._settings.show_cache and reply.started is not None:
-            self._say(f"[cached {reply.started.cached_tokens}/{reply.started.prompt_tokens}]")
+            started = reply.started
+            # Served by the disk tier (an earlier run's entries): said, as it explains the speed.
+            where = " from disk" if started.tier is ReuseTier.DISK else ""
+            self._say(f"[cached {started.cached_tokens}/{started.prompt_tokens}{where}]")
             usage = getattr(reply.terminal, "usage", None)
             if usage is not None and usage.drafted_tokens:  # the model speculates
                 self._say(f"[drafts accepted {usage.accepted_tokens}/{usage.drafted_tokens}]")
@@ -329,7 +336,9 @@ class ChatTerminal:
 
 
 @contextmanager
-def running_runtime(spec: ModelSpec) -> Iterator[tuple[BlockingPortal, Runtime, ModelLoaded]]:
+def running_runtime(
+    spec: ModelSpec, config: RuntimeConfig | None = None
+) -> Iterator[tuple[BlockingPortal, Runtime, ModelLoaded]]:
     """A ``Runtime`` with ``spec`` loaded, on an event loop in a background thread: the portal,
     the runtime and the model's load reply (its context length, whether it has a template)."""
     with contextlib.ExitStack() as stack:
@@ -337,7 +346,7 @@ def running_runtime(spec: ModelSpec) -> Iterator[tuple[BlockingPortal, Runtime, 
             portal = stack.enter_context(
                 start_blocking_portal(backend_options={"use_uvloop": _HAVE_UVLOOP})
             )
-        rt = stack.enter_context(portal.wrap_async_context_manager(Runtime()))
+        rt = stack.enter_context(portal.wrap_async_context_manager(Runtime(config)))
         loaded = portal.call(rt.load_model, spec)
         yield portal, rt, loaded
 
@@ -366,7 +375,8 @@ def run_chat(
     """Load ``spec`` (already prepared: fetched and converted) and chat until the user leaves."""
     with contextlib.suppress(ImportError):  # readline: input() gets line editing and history
         import readline  # noqa: F401
-    with running_runtime(spec) as (portal, rt, loaded):
+    config = RuntimeConfig(disk_cache=settings.disk_cache)
+    with running_runtime(spec, config) as (portal, rt, loaded):
         raw = framed_raw(settings.framing, loaded.chat_template)
         if raw and settings.framing == "auto" and not settings.quiet:
             print(raw_note(spec.name, "chat"), file=sys.stderr, flush=True)

@@ -22,6 +22,13 @@ from runtime.cli_flags import (
     version_text,
 )
 from runtime.config import RuntimeConfig
+from runtime.disk_cli import (
+    add_cache_command,
+    add_disk_flags,
+    disk_config,
+    disk_note,
+    run_cache_command,
+)
 from runtime.errors import AddressInUse, ClusterUnavailable, MlxRuntimeError
 from runtime.generate_cli import generate
 from runtime.model_args import model_specs, prepare_specs
@@ -52,7 +59,10 @@ def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         stats=args.stats,
         framing=args.framing,
         quiet=args.quiet,
+        disk_cache=disk_config(args, parser),
     )
+    if not args.quiet:
+        print(disk_note(settings.disk_cache), file=sys.stderr, flush=True)
     run_chat(spec, settings)
     return 0
 
@@ -66,6 +76,7 @@ _EXAMPLES = """examples:
   mlxrt serve                                            the default model on :8000
   mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
   mlxrt ps                                               what the server on :8000 has loaded
+  mlxrt cache clear                                      empty the prefix cache kept on disk
 """
 
 
@@ -286,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     add_cluster_flags(serve)
     serve.add_argument("--quiet", action="store_true", help="no progress bars")
     add_commands(commands)
+    add_cache_command(commands)
+    add_disk_flags(chat)
+    add_disk_flags(serve)
     args = parser.parse_args(argv)
     if args.command == "demo":
         from runtime.demo import main as demo
@@ -300,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.command in ("ps", "load", "unload", "models"):
         return run_command(args)
+    if args.command == "cache":
+        return run_cache_command(args)
     if args.command == "chat":
         try:
             return _chat(args, parser)

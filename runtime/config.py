@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from runtime.backends.disk.config import DiskCacheConfig
 from runtime.cluster.options import ClusterConfig
 from runtime.errors import InvalidConfig
 from runtime.kernel.supervision import RestartPolicy
@@ -36,6 +37,9 @@ class RuntimeConfig(msgspec.Struct, frozen=True, kw_only=True):
     auto_load: bool = True
     # Engines as Ray actors, each in a process of its own (docs/cluster.md); None: in this process.
     cluster: ClusterConfig | None = None
+    # The prefix cache's disk tier: evicted entries are written there and outlive the process
+    # (docs/design.md, "The disk tier"); None: off (`mlxrt serve` and `mlxrt chat` turn it on).
+    disk_cache: DiskCacheConfig | None = None
 
     def __post_init__(self) -> None:
         # A zero mailbox or a negative timeout would not fail here but hang or misfire later.

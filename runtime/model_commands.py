@@ -153,7 +153,7 @@ def _request(
 
 def _ps_table(cards: list[dict[str, Any]]) -> str:
     rows: list[tuple[str, ...]] = [
-        ("NAME", "STATE", "REQUESTS", "KEEP-ALIVE", "UNLOADS IN", "WHERE")
+        ("NAME", "STATE", "REQUESTS", "KEEP-ALIVE", "UNLOADS IN", "WHERE", "DISK CACHE")
     ]
     now = time.time()
     # A model with replicas: one line per replica (each has its own state, requests and place).
@@ -164,10 +164,19 @@ def _ps_table(cards: list[dict[str, Any]]) -> str:
         until = "-" if expires_at is None else _seconds(max(expires_at - now, 0))
         keep_alive = _seconds(card.get("keep_alive"))
         where = card.get("placement") or "in process"  # a Ray engine: its node and pid
-        rows.append(
-            (card["id"], card["state"], str(card.get("live_requests", 0)), keep_alive, until, where)
-        )
+        requests = str(card.get("live_requests", 0))
+        rows.append((card["id"], card["state"], requests, keep_alive, until, where, _disk(card)))
     return _table(rows) if len(rows) > 1 else "no model is loaded"
+
+
+def _disk(card: dict[str, Any]) -> str:
+    disk = card.get("disk_cache")
+    if not disk:
+        return "off"
+    return (
+        f"{disk['entries']} entries {disk['bytes'] / 2**20:.1f} MiB, {disk['hits']} hits "
+        f"{disk['load_ms']} ms"
+    )
 
 
 def _models_table() -> str:

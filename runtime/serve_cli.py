@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import logging
 import socket
+import sys
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -18,6 +19,7 @@ import msgspec
 from runtime.cli_flags import check_shared, model_options
 from runtime.cluster.options import ClusterConfig
 from runtime.config import RuntimeConfig
+from runtime.disk_cli import disk_config, disk_note
 from runtime.errors import AddressInUse
 from runtime.model_args import model_specs, prepare_specs
 from runtime.model_commands import DEFAULT_KEEP_ALIVE
@@ -74,7 +76,10 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         auto_load=not args.no_auto_load,
         strict_max_tokens=args.strict_max_tokens,
         cluster=None if args.ray is None else ClusterConfig(address=_ray_address(args.ray)),
+        disk_cache=disk_config(args, parser),
     )
+    if not args.quiet:
+        print(disk_note(runtime.disk_cache), file=sys.stderr, flush=True)
     config = ServerConfig(
         models=models,
         runtime=runtime,

@@ -229,7 +229,7 @@ def test_mlxrt_chat_reads_the_terminal_and_ends_at_its_end(
 ) -> None:
     monkeypatch.setattr("sys.stdin", io.StringIO("hello\nagain\n"))
     argv = ["chat", "--backend", "simulated", "--model", "sim", "--show-cache", "--quiet"]
-    assert main([*argv, "--max-tokens", "5"]) == 0
+    assert main([*argv, "--max-tokens", "5", "--no-disk-cache"]) == 0
     captured = capsys.readouterr()
     assert len(cached(captured.out)) == 2
     assert captured.err == ""  # --quiet: no load note

@@ -96,7 +96,9 @@ def start_chat(terminal: Terminal, *args: str) -> None:
         "TERM": "xterm",
         **{k: v for k, v in os.environ.items() if k in ("LD_PRELOAD", "HOME", "MLXRT_CACHE_DIR")},
     }
-    command = [sys.executable, "-m", "runtime.cli", "chat", "--show-cache", *args]
+    # Memory only: a test never writes to the user's cache folder.
+    command = [sys.executable, "-m", "runtime.cli", "chat", "--show-cache", "--no-disk-cache"]
+    command += args
     assignments = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
     # The pane outlives the process, so its exit status can be read off the screen.
     shell = f"env {assignments} {shlex.join(command)}; echo {EXITED} $?; sleep 600"

@@ -46,7 +46,8 @@ def mlxrt_serve(*args: str) -> Iterator[Served]:
     with socket.socket() as probe:
         probe.bind((HOST, 0))
         port = probe.getsockname()[1]
-    argv = [sys.executable, "-m", "runtime.cli", "serve", "--quiet", "--backend", "simulated"]
+    argv = [sys.executable, "-m", "runtime.cli", "serve", "--quiet", "--no-disk-cache"]
+    argv += ["--backend", "simulated"]
     argv += ["--model", "m", "--model-option", SLOW_DECODE, *args, "--port", str(port)]
     # Ctrl-C's SIGINT must reach Python as KeyboardInterrupt would (not ignored, as a background
     # job's is): the child starts with the default handler.

@@ -27,6 +27,7 @@ from runtime.messages import (
     Committed,
     ComputeDone,
     ComputeWatch,
+    DiskDone,
     Drain,
     Drained,
     DropEntries,
@@ -287,6 +288,7 @@ BUILDERS: dict[type[Message], Callable[[], Message]] = {
     DropEntries: lambda: DropEntries(epoch=3, entry_ids=(5, 6)),
     # engine internal
     ComputeDone: lambda: ComputeDone(job_id=42),
+    DiskDone: lambda: DiskDone(job_id=7),
     ComputeWatch: lambda: ComputeWatch(),
     TidyDue: lambda: TidyDue(idle_period=3),
 }

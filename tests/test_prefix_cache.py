@@ -171,7 +171,7 @@ def test_a_checkpoint_entry_also_serves_at_its_points(
             core.handle(ReleaseLease(lease_id=result.lease_id), ENGINE, ctx)
     ctx.take_sent()
     core.handle(Evict(nbytes=1), "kv", ctx)
-    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(2,)))]
+    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(2,), spill=True))]
     assert hit(lookup(core, ctx, (1, 2, 9))) == (1, 2, ReusePath.CHECKPOINT)
 
 
@@ -243,7 +243,7 @@ def test_removed_entry_is_never_found_through_a_surviving_sibling(
     commit(core, ctx, 1, (1, 2, 4), pinned=True)
     commit(core, ctx, 2, (1, 2, 3))  # the most recent entry below (1, 2)
     core.handle(Evict(nbytes=1), PREFIX_CACHE, ctx)
-    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(2,)))]
+    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(2,), spill=True))]
     assert hit(lookup(core, ctx, (1, 2, 9))) == (1, 2, ReusePath.TRIM)
 
 
@@ -271,12 +271,12 @@ def test_lease_protects_entry_from_eviction(core: PrefixCacheCore, ctx: Recordin
     lease = lookup(core, ctx, (1, 2, 3, 4)).lease_id
     assert lease is not None
     core.handle(Evict(nbytes=1000), PREFIX_CACHE, ctx)
-    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(2,)))]
+    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(2,), spill=True))]
     assert [e.entry_id for e in core.entries()] == [1]
 
     core.handle(ReleaseLease(lease_id=lease), ENGINE, ctx)
     core.handle(Evict(nbytes=1000), PREFIX_CACHE, ctx)
-    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(1,)))]
+    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(1,), spill=True))]
     assert core.total_bytes == 0
 
 
@@ -286,7 +286,7 @@ def test_evicts_least_recently_used_first(core: PrefixCacheCore, ctx: RecordingC
     lease = lookup(core, ctx, (1, 0, 0)).lease_id  # entry 1 becomes most recent
     core.handle(ReleaseLease(lease_id=lease or 0), ENGINE, ctx)
     core.handle(Evict(nbytes=15), PREFIX_CACHE, ctx)
-    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(2, 3)))]
+    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(2, 3), spill=True))]
     stats_reply = stats(core, ctx)
     assert stats_reply.counters["evictions"] == 2
     assert stats_reply.counters["evicted_bytes"] == 20
@@ -299,7 +299,7 @@ def test_pinned_entries_evicted_only_when_asked(
     core.handle(Evict(nbytes=10), PREFIX_CACHE, ctx)
     assert ctx.take_sent() == []
     core.handle(Evict(nbytes=10, include_pinned=True), PREFIX_CACHE, ctx)
-    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(1,)))]
+    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(1,), spill=True))]
 
 
 def test_evict_sends_one_drop_per_engine(core: PrefixCacheCore, ctx: RecordingContext) -> None:
@@ -308,8 +308,8 @@ def test_evict_sends_one_drop_per_engine(core: PrefixCacheCore, ctx: RecordingCo
     commit(core, ctx, 2, (3, 4), epoch=1)
     core.handle(Evict(nbytes=30), PREFIX_CACHE, ctx)
     assert ctx.take_sent() == [
-        (engine_address(MODEL, 1), DropEntries(epoch=1, entry_ids=(1, 2))),
-        (engine_address(MODEL, 2), DropEntries(epoch=2, entry_ids=(1,))),
+        (engine_address(MODEL, 1), DropEntries(epoch=1, entry_ids=(1, 2), spill=True)),
+        (engine_address(MODEL, 2), DropEntries(epoch=2, entry_ids=(1,), spill=True)),
     ]
 
 

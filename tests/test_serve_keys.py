@@ -121,7 +121,8 @@ def test_a_key_over_its_limit_is_429_and_a_disconnect_frees_its_slot(tmp_path: P
 def listening_output(*args: str) -> list[str]:
     """What ``mlxrt serve ARGS`` (simulated, on an ephemeral port) prints up to the line saying
     it listens; the process is stopped then."""
-    argv = [sys.executable, "-m", "runtime.cli", "serve", "--quiet", "--backend", "simulated"]
+    argv = [sys.executable, "-m", "runtime.cli", "serve", "--quiet", "--no-disk-cache"]
+    argv += ["--backend", "simulated"]
     lines: list[str] = []
     with subprocess.Popen(
         [*argv, "--model", "m", "--port", "0", *args],

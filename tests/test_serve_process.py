@@ -30,7 +30,8 @@ EXPECTED = bytes(greedy_continuation(list(b"hello"), 3)).decode()
 def mlxrt_serve(*args: str) -> Iterator[str]:
     """``mlxrt serve ARGS`` on a free loopback port until it answers ``/health``; its URL. The
     bench's launcher starts, waits for and stops it (SIGTERM, then SIGKILL), as it does its own."""
-    argv = (sys.executable, "-m", "runtime.cli", "serve", "--quiet", *args)
+    # Memory only: a test never writes to the user's cache folder.
+    argv = (sys.executable, "-m", "runtime.cli", "serve", "--quiet", "--no-disk-cache", *args)
     with running([ServerCommand("runtime", argv, model="")]) as [server]:
         yield f"http://{HOST}:{server.port}"
 
@@ -106,10 +107,10 @@ def test_mlxrt_ps_load_and_unload_talk_to_the_server(capsys: pytest.CaptureFixtu
         assert main(["ps", "--url", url]) == 0
         table = capsys.readouterr().out.splitlines()
         assert table[0].split() == ["unloaded", "b"]
-        header = ["NAME", "STATE", "REQUESTS", "KEEP-ALIVE", "UNLOADS", "IN", "WHERE"]
-        assert table[1].split() == header
+        header = ["NAME", "STATE", "REQUESTS", "KEEP-ALIVE", "UNLOADS", "IN", "WHERE", "DISK"]
+        assert table[1].split() == [*header, "CACHE"]
         assert table[2].split()[:4] == ["m", "loaded", "0", "forever"]
-        assert table[2].split()[-2:] == ["in", "process"]
+        assert table[2].split()[-3:] == ["in", "process", "off"]
         assert len(table) == 3  # b is available, not loaded: `mlxrt models` lists those
         assert main(["load", "b", "--keep-alive", "1h", "--url", url]) == 0
         assert "keep-alive 1h" in capsys.readouterr().out

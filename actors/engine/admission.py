@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Protocol, assert_never
 
 from actors.engine.checkpoints import CheckpointPolicy
+from actors.engine.disk_tier import DiskTier
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import TokenizeJob
 from actors.engine.sequence import Phase, Sequence
@@ -100,7 +101,9 @@ class Admission:
         counters: Counters,
         *,
         ends: SequenceEnds,
+        disk: DiskTier,
     ) -> None:
+        self._disk = disk
         self._limits = limits
         self._model = model
         self._sequences = sequences
@@ -391,6 +394,9 @@ class Admission:
         seq.restore_entry, seq.restore_length = entry_id, matched
         seq.cached_tokens, seq.path = matched, path
         seq.phase = Phase.RESTORING
+        if (on_disk := self._disk.better(seq, matched)) is not None:
+            seq.phase = Phase.LOADING  # the RAM hit stays leased in case the file fails
+            self._disk.load(seq, on_disk, ctx)
 
     def restore_fell_back(self, seq: Sequence, reason: str, ctx: Context) -> None:
         """The restore could not use the lookup's hit (``reason``): the prompt is prefilled cold."""

@@ -207,7 +207,10 @@ class ComputeSlot:
         seq.in_compute = True
         step = StepJob(seq, chunk_tokens=chunk)
         # Leased: never dropped meanwhile.
-        source = self._entries.restore_source(seq.restore_entry, seq.restore_length)
+        source = seq.disk_source or self._entries.restore_source(
+            seq.restore_entry, seq.restore_length
+        )
+        seq.disk_source = None  # the job holds it now; the restore copies what it needs
         self.submit(ctx, step, lambda: run_step(step, seq, backend, source))
 
     def _together(

@@ -27,6 +27,7 @@ from actors.engine.batch import BatchScheduler
 from actors.engine.checkpoints import CheckpointPolicy
 from actors.engine.chunking import ChunkSizer
 from actors.engine.compute import ComputeSlot
+from actors.engine.disk_tier import DiskTier, ExportJob, ReadJob, run_export
 from actors.engine.endings import Endings
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import (
@@ -55,6 +56,7 @@ from runtime.backends.contract import (
     ModelInfo,
     SequenceState,
 )
+from runtime.backends.disk import DiskCacheConfig
 from runtime.backends.options import EngineOptions, ModelOptions, decode_options
 from runtime.errors import (
     EngineCrashed,
@@ -70,6 +72,7 @@ from runtime.messages import (
     Committed,
     ComputeDone,
     ComputeWatch,
+    DiskDone,
     Drain,
     Drained,
     DropEntries,
@@ -88,6 +91,7 @@ from runtime.messages import (
     ReleaseEpoch,
     ReservationRefused,
     Reserved,
+    ResetPrefixes,
     SessionEnded,
     Stats,
     TidyDue,
@@ -114,6 +118,7 @@ class EngineCore:
         default_max_tokens: int = 4096,
         step_timeout_s: float | None = None,
         strict_max_tokens: bool = False,
+        disk: DiskCacheConfig | None = None,
     ) -> None:
         self.model = spec.name
         self.epoch = epoch
@@ -139,6 +144,8 @@ class EngineCore:
         self._retired: Retirement | None = None  # set once it gave up (a crash, a stuck step)
         self.counters = Counters()
         self._entries = EntryStore(spec.name, epoch, self.counters)
+        # Evicted entries wait for their write beyond the KV budget: at most a quarter of it.
+        self._disk = DiskTier(disk, self.counters, pending_cap=kv_budget_bytes // 4)
         self._batches = BatchScheduler(spec.name, options, epoch, self.counters)
         self._probing = DeferredProbing(spec.name, self.counters)
         self._tidying = Tidying(spec.name, self.counters)
@@ -172,7 +179,13 @@ class EngineCore:
             let_go=lambda followers, ctx: self._admission.let_go(followers, ctx),
         )
         self._admission = Admission(
-            limits, spec.name, self._sequences, self._entries, self.counters, ends=self._ends
+            limits,
+            spec.name,
+            self._sequences,
+            self._entries,
+            self.counters,
+            ends=self._ends,
+            disk=self._disk,
         )
         self._outcomes = StepOutcomes(
             self._sequences,
@@ -192,9 +205,13 @@ class EngineCore:
             self._loaded(LoadJob(error=options), ctx)
             return
         job = LoadJob()
-        self._compute.submit(
-            ctx, job, lambda: run_load(job, self._load_backend, self._spec, options)
-        )
+
+        def load() -> None:
+            run_load(job, self._load_backend, self._spec, options)
+            if job.backend is not None:  # its index is ready before the first lookup
+                job.disk = self._disk.open(job.backend)
+
+        self._compute.submit(ctx, job, load)
 
     def on_stop(self, ctx: Context) -> None:
         self._sequences.clear()
@@ -229,6 +246,7 @@ class EngineCore:
                 for v in (self._info.capabilities if self._info else ())
             },
             "probe_pending": int(self._probing.pending),
+            **self._disk.gauges(),
         }
         return Stats(
             actor=engine_address(self.model, self.epoch),
@@ -311,11 +329,21 @@ class EngineCore:
             case Committed(entry_id=entry_id, accepted=accepted, superseded=superseded):
                 dropped = superseded if accepted else (entry_id, *superseded)
                 self._entries.drop(dropped, ctx)
+                if accepted and (kept := self._entries.to_keep_on_disk(entry_id)) is not None:
+                    self._disk.spill([kept], lambda job: self._export(job, ctx))
             case EndSession(session=session, namespace=namespace):
                 unpinned = self._entries.unpin((namespace, session), ctx)
                 ctx.send(sender, SessionEnded(model=self.model, session=session, unpinned=unpinned))
-            case DropEntries(epoch=epoch, entry_ids=ids) if epoch == self.epoch:
-                self._entries.drop(ids, ctx)
+            case DropEntries(epoch=epoch, entry_ids=ids, spill=spill) if epoch == self.epoch:
+                evicted = self._entries.drop(ids, ctx)
+                if spill:
+                    self._disk.spill(evicted, lambda job: self._export(job, ctx))
+            case ResetPrefixes(namespace=namespace):  # the router's copy: the disk tier's part
+                self._disk.forget(namespace, ctx)
+            case DiskDone():
+                job = self._disk.done(message)
+                if isinstance(job, ReadJob):
+                    self._disk.loaded_back(job, self._sequences.get(job.sequence_id), ctx)
             case Drain(epoch=epoch) if epoch == self.epoch:
                 self._drain(sender, ctx)
             case EpochReleased(epoch=epoch) if epoch == self.epoch and self._draining:
@@ -352,10 +380,19 @@ class EngineCore:
         ):
             return
         if self._draining and not self._sequences and not self._batches.has_leaving:
+            if not self._disk.flushed:  # a clean unload keeps what RAM holds, if it can
+                self._disk.flush(self._entries.kept(), lambda job: self._export(job, ctx))
+            if self._disk.busy or self._compute.busy:
+                return
             self._closed = True
             backend, self._backend = self._backend, None
             self._batches.handle = None
             self._compute.submit(ctx, CloseJob(), backend.close)
+
+    def _export(self, job: ExportJob, ctx: Context) -> None:
+        backend = self._backend
+        assert backend is not None
+        self._compute.submit(ctx, job, lambda: run_export(job, backend))
 
     # ------------------------------------------------------------------ finished jobs
 
@@ -383,6 +420,8 @@ class EngineCore:
                     self._probed(info, job.batchable, ctx)
             case TidyJob():
                 self._tidying.done(job)
+            case ExportJob():
+                self._disk.exported(job, ctx)
             case _:
                 assert_never(job)
 
@@ -415,6 +454,7 @@ class EngineCore:
             ),
         )
         self._admission.loaded(info, ctx)
+        self._disk.opened(job.disk, job.backend)
 
     def _probed(self, info: ModelInfo, batchable: bool, ctx: Context) -> None:
         """The deferred load probe gave its verdict: from now on the model runs by ``info``."""

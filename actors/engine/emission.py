@@ -22,6 +22,7 @@ from runtime.kernel.stats import Counters
 from runtime.messages import (
     FinishReason,
     ReusePath,
+    ReuseTier,
     SequenceCancelled,
     SequenceFailed,
     SequenceFinished,
@@ -57,6 +58,11 @@ def announce_start(seq: Sequence, counters: Counters, ctx: Context) -> None:
     if seq.path is ReusePath.ADOPTED:
         seq.cached_tokens = seq.state.length  # what the prewarm had computed when it ended
     counters.inc(f"path_{seq.path}")
+    if seq.path is ReusePath.MISS:
+        tier = ReuseTier.COLD
+    else:
+        tier = ReuseTier.DISK if seq.from_disk else ReuseTier.RAM
+    counters.inc(f"tier_{tier}")
     log.debug("sequence %d: %s, %d of %d prompt tokens reused", seq.sequence_id, seq.path,
               seq.cached_tokens, len(seq.tokens))  # fmt: skip
     counters.inc("cached_prompt_tokens", seq.cached_tokens)
@@ -70,6 +76,7 @@ def announce_start(seq: Sequence, counters: Counters, ctx: Context) -> None:
             path=seq.path,
             dropped_turns=seq.dropped_turns,
             reasoning_open=seq.reasoning_open,
+            tier=tier,
         ),
     )
 

@@ -23,11 +23,21 @@ from typing import NamedTuple
 
 import msgspec
 
-from actors.engine.sequence import Sequence
+from actors.engine.sequence import RestoreSource, Sequence
 from runtime.backends.contract import Backend, SequenceState, Snapshot
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Context
 from runtime.kernel.stats import Counters
-from runtime.messages import Commit, Holder, HolderKind, Release, Reserve, TokenIds, Transfer, Unpin
+from runtime.messages import (
+    Commit,
+    Holder,
+    HolderKind,
+    Prewarm,
+    Release,
+    Reserve,
+    TokenIds,
+    Transfer,
+    Unpin,
+)
 
 SessionKey = tuple[str, str]  # (namespace, session)
 
@@ -36,15 +46,26 @@ SessionKey = tuple[str, str]  # (namespace, session)
 class _Entry:
     state: SequenceState
     nbytes: int
+    namespace: str
+    tokens: TokenIds
     pending: Commit | None = None  # a pinned copy waiting for its own reservation before commit
     points: dict[int, Snapshot] = field(default_factory=dict)  # restorable at these lengths too
+    trimmable: bool = True
+    keep_on_disk: bool = False  # a prewarm asked: written to the disk tier once committed
 
 
-class RestoreSource(NamedTuple):
-    """What a lookup hit restores from: an entry's state, and its snapshot at the hit's length."""
+class Kept(NamedTuple):
+    """An entry as the disk tier writes it: its key, its state and its points' snapshots."""
 
+    namespace: str
+    tokens: TokenIds
+    trimmable: bool
     state: SequenceState
-    snapshot: Snapshot | None
+    points: dict[int, Snapshot]
+    nbytes: int
+
+
+__all__ = ["EntryStore", "Kept", "RestoreSource"]
 
 
 class EntryStore:
@@ -84,6 +105,18 @@ class EntryStore:
             "pins": len(self._pins),
         }
 
+    def to_keep_on_disk(self, entry_id: int) -> Kept | None:
+        """Entry ``entry_id`` was committed: what to write to disk now, if a prewarm asked."""
+        entry = self._entries.get(entry_id)
+        if entry is None or not entry.keep_on_disk:
+            return None
+        entry.keep_on_disk = False
+        return _kept(entry)
+
+    def kept(self) -> list[Kept]:
+        """Every committed entry, most recently made last (what a clean shutdown writes)."""
+        return [_kept(e) for e in self._entries.values() if e.pending is None]
+
     def clear(self) -> None:
         self._entries.clear()
         self._pins.clear()
@@ -105,6 +138,8 @@ class EntryStore:
             return
         entry_id, commit = self._new(seq, state, backend)
         entry = self._entries[entry_id]
+        request = seq.admit.request
+        entry.keep_on_disk = isinstance(request, Prewarm) and request.keep_on_disk
         if not commit.trimmable:  # a trimmable entry serves every prefix without snapshots
             for taken in seq.snapshots:
                 if 0 < taken.length < state.length:
@@ -160,14 +195,20 @@ class EntryStore:
         self._counters.inc("snapshots_refused")
         return True
 
-    def drop(self, entry_ids: tuple[int, ...], ctx: Context) -> None:
-        """Free these entries (evicted, superseded, refused) and return their bytes."""
+    def drop(self, entry_ids: tuple[int, ...], ctx: Context) -> list[Kept]:
+        """Free these entries (evicted, superseded, refused) and return their bytes; what they
+        held, for the disk tier (their arrays live on only as long as it keeps them)."""
         self._forget_pins(entry_ids)
+        dropped = []
         for entry_id in entry_ids:
-            if self._entries.pop(entry_id, None) is None:
+            entry = self._entries.pop(entry_id, None)
+            if entry is None:
                 ctx.count_dead_letter("drop_unknown_entry")
                 continue
             ctx.send(KV_KEEPER, Release(holder=self.holder(entry_id)))
+            if entry.pending is None:
+                dropped.append(_kept(entry))
+        return dropped
 
     def _allocate_id(self) -> int:
         allocated = self._next_id
@@ -177,15 +218,17 @@ class EntryStore:
     def _new(self, seq: Sequence, state: SequenceState, backend: Backend) -> tuple[int, Commit]:
         entry_id = self._allocate_id()
         nbytes = backend.state_nbytes(state)
-        self._entries[entry_id] = _Entry(state=state, nbytes=nbytes)
+        tokens = seq.cache_tokens[: state.length]
+        trimmable = backend.can_trim(state)
+        self._entries[entry_id] = _Entry(state, nbytes, seq.namespace, tokens, trimmable=trimmable)
         commit = Commit(
             model=self._model,
             epoch=self._epoch,
             namespace=seq.namespace,
             entry_id=entry_id,
-            tokens=seq.cache_tokens[: state.length],
+            tokens=tokens,
             nbytes=nbytes,
-            trimmable=backend.can_trim(state),
+            trimmable=trimmable,
             generation=seq.generation,
         )
         return entry_id, commit
@@ -222,3 +265,8 @@ class EntryStore:
         for key, (_, pinned_id) in list(self._pins.items()):
             if pinned_id in entry_ids:  # refused or evicted: the next request pins again
                 del self._pins[key]
+
+
+def _kept(entry: _Entry) -> Kept:
+    points = {} if entry.trimmable else dict(entry.points)
+    return Kept(entry.namespace, entry.tokens, entry.trimmable, entry.state, points, entry.nbytes)

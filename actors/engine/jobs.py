@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from actors.engine.checkpoints import plan_checkpoints
+from actors.engine.disk_tier import ExportJob, ScanJob
 from actors.engine.sequence import Phase, Sequence
 from runtime.backends.contract import (
     Backend,
@@ -51,6 +52,7 @@ class LoadJob:
     batchable: bool = False
     probe: DeferredProbe | None = None
     error: BaseException | None = None
+    disk: ScanJob | None = None  # the disk tier, opened right after the model (disk_tier.py)
 
 
 @dataclass
@@ -142,7 +144,17 @@ class CloseJob:
     """Close the backend: compute has stopped for good."""
 
 
-Job = LoadJob | TokenizeJob | StepJob | TogetherJob | BatchJob | ProbeJob | TidyJob | CloseJob
+Job = (
+    LoadJob
+    | TokenizeJob
+    | StepJob
+    | TogetherJob
+    | BatchJob
+    | ProbeJob
+    | TidyJob
+    | CloseJob
+    | ExportJob
+)
 
 
 def run_load(

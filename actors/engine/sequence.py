@@ -34,12 +34,20 @@ if TYPE_CHECKING:
     from runtime.text.sampling import Draw, TokenSampler
 
 
+class RestoreSource(NamedTuple):
+    """What a lookup hit restores from: an entry's state, and its snapshot at the hit's length."""
+
+    state: SequenceState
+    snapshot: Snapshot | None
+
+
 class Phase(enum.Enum):
     TOKENIZING = enum.auto()  # waiting for the compute thread to tokenize the prompt
     WAITING = enum.auto()  # at the admission gate: the engine runs its most sequences
     FOLLOWING = enum.auto()  # a prewarm waiting for an identical one (its leader) to end
     RESERVING = enum.auto()  # waiting for the KV keeper
     LOOKING_UP = enum.auto()  # waiting for the prefix-cache manager
+    LOADING = enum.auto()  # waiting for the disk tier's I/O thread to read an entry back
     RESTORING = enum.auto()  # compute: copy (and trim) a cached state, or make an empty one
     PREFILLING = enum.auto()  # compute: prompt chunks
     DECODING = enum.auto()  # compute: one token per step
@@ -113,6 +121,9 @@ class Sequence:
     generation: int = 0
     restore_entry: int | None = None
     restore_length: int = 0
+    # An entry the disk tier read back, restored from instead of ``restore_entry``.
+    disk_source: RestoreSource | None = None
+    from_disk: bool = False
     path: ReusePath = ReusePath.MISS
     checkpoint_rule: CheckpointRule | None = None  # None: the cache trims, no checkpoints
     checkpoints: list[int] = field(default_factory=list)  # token counts to snapshot at

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 
+from runtime.backends import simulated_persist
 from runtime.backends.contract import (
     CannotTrim,
     Capability,
@@ -35,6 +36,7 @@ from runtime.backends.contract import (
     Snapshot,
     Verdict,
 )
+from runtime.backends.disk.host import HostState
 from runtime.backends.options import SimulatedModelOptions, options_as
 from runtime.messages import ModelSpec
 
@@ -372,6 +374,15 @@ class SimulatedBackend:
     def _probed(self, info: ModelInfo) -> ModelInfo:
         self._info = info
         return info
+
+    def fingerprint(self) -> str:
+        return simulated_persist.fingerprint(self._options)
+
+    def export_state(self, state: SequenceState, points: Mapping[int, Snapshot]) -> HostState:
+        return simulated_persist.export_state(state, points)
+
+    def import_state(self, host: HostState) -> tuple[SequenceState, dict[int, Snapshot]]:
+        return simulated_persist.import_state(host)
 
     def state_nbytes(self, state: SequenceState) -> int:
         return self._info.kv_bytes(state.length)

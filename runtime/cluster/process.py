@@ -42,6 +42,7 @@ class EngineProcess:
         self._next_batch = 1
         self._early: dict[int, list[Wired]] = {}  # batches that came before their turn
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=address)
+        self._io: ThreadPoolExecutor | None = None  # the I/O thread, made at the first job
         self._generation = 0  # grows when compute is abandoned: older jobs' ends are dropped
         self.dead_letters: Counter[str] = Counter()
         # Made here, not in start(): Ray may run a deliver() before start() (no order promised).
@@ -122,6 +123,19 @@ class EngineProcess:
 
         self._executor.submit(job).add_done_callback(finished)
 
+    def background(self, job: Callable[[], None], done: Message) -> None:
+        if self._io is None:
+            self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="io")
+
+        def finished(future: Future[None]) -> None:
+            if future.exception() is not None:
+                log.error("engine %s: an I/O job raised past its handler", self._address,
+                          exc_info=future.exception())  # fmt: skip
+                os._exit(EXIT_ON_BUG)
+            self._loop.call_soon_threadsafe(self._mail.put_nowait, (done, self._address))
+
+        self._io.submit(job).add_done_callback(finished)
+
     def abandon_compute(self) -> None:
         """Leave a stuck job behind (its thread dies with the process, which the host kills)."""
         self._generation += 1
@@ -161,6 +175,9 @@ class _ProcessContext:
 
     def compute(self, job: Callable[[], None], done: Message) -> None:
         self._process.compute(job, done)
+
+    def background(self, job: Callable[[], None], done: Message) -> None:
+        self._process.background(job, done)
 
     def abandon_compute(self) -> None:
         self._process.abandon_compute()

@@ -61,6 +61,7 @@ class _Actor:
     computes: bool
     executor: ThreadPoolExecutor | None = None
     executor_generation: int = 0  # grows when its compute is abandoned: older jobs' ends drop
+    io: ThreadPoolExecutor | None = None  # its I/O thread (``Context.background``), made at need
     space: anyio.Event | None = None
     pending_asks: dict[Address, anyio.Event] = field(default_factory=dict)
     stopped: bool = False
@@ -94,6 +95,9 @@ class _ActorContext:
 
     def compute(self, job: Callable[[], None], done: Message) -> None:
         self._system.run_compute(self._actor, job, done)
+
+    def background(self, job: Callable[[], None], done: Message) -> None:
+        self._system.run_background(self._actor, job, done)
 
     def abandon_compute(self) -> None:
         self._system.abandon_compute(self._actor)
@@ -271,6 +275,21 @@ class ActorSystem:
 
         future.add_done_callback(finished)
 
+    def run_background(self, actor: _Actor, job: Callable[[], None], done: Message) -> None:
+        """``Context.background``: ``job`` on the actor's I/O thread, then ``done`` to it."""
+        if actor.io is None:
+            actor.io = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{actor.address}/io")
+
+        def finished(fut: Future[None]) -> None:
+            if fut.cancelled():
+                return
+            error = fut.exception()
+            message: Message | _Crash = done if error is None else _Crash(error)
+            with contextlib.suppress(RuntimeError):  # the loop may be gone at shutdown
+                self._loop.call_soon_threadsafe(self._deliver_compute, actor, message)
+
+        actor.io.submit(job).add_done_callback(finished)
+
     def abandon_compute(self, actor: _Actor) -> None:
         """Give up ``actor``'s running and queued jobs (``Context.abandon_compute``). A thread
         stuck in a job cannot be killed: it is left behind; the actor computes on a fresh one."""
@@ -340,6 +359,8 @@ class ActorSystem:
             # Wait for the running job: memory is freed only once compute has stopped.
             actor.executor.submit(release_thread_resources)
             await anyio.to_thread.run_sync(actor.executor.shutdown)
+        if actor.io is not None:  # a write under way finishes: a file is whole or not there
+            await anyio.to_thread.run_sync(actor.io.shutdown)
         if self._actors.get(actor.address) is actor:
             del self._actors[actor.address]
         for waiting in actor.pending_asks.values():

@@ -68,6 +68,15 @@ class Context(Protocol):
         """
         ...
 
+    def background(self, job: Callable[[], None], done: Message) -> None:
+        """Run blocking I/O ``job`` on this actor's I/O thread, then deliver ``done`` to itself.
+
+        Beside compute, never behind it (the disk tier's reads and writes: a decode step does not
+        wait for them). One job at a time per actor, in submission order; a job hands its own
+        errors back in its record, like a compute job.
+        """
+        ...
+
     def abandon_compute(self) -> None:
         """Stop waiting for this actor's compute: its running and queued jobs are given up (a
         thread stuck in one cannot be killed, only left behind), their ``done`` never arrives

@@ -12,6 +12,7 @@ from runtime.messages.vocabulary import (
     Message,
     PromptFacts,
     ReusePath,
+    ReuseTier,
     TokenIds,
     TokenLogprob,
     Usage,
@@ -106,6 +107,7 @@ class SequenceStarted(Message, frozen=True):
     path: ReusePath
     dropped_turns: int = 0
     reasoning_open: bool = False
+    tier: ReuseTier = ReuseTier.COLD  # where the reused state came from
 
 
 class TokensProduced(Message, frozen=True):
@@ -159,6 +161,13 @@ class Drained(Message, frozen=True):
 
 class ComputeDone(Message, frozen=True):
     """Engine → itself: the compute job ``job_id`` finished (its result stays in the engine)."""
+
+    job_id: int
+
+
+class DiskDone(Message, frozen=True):
+    """Engine → itself: the disk-tier job ``job_id`` (a scan, write or read on its I/O thread)
+    finished; its result stays in the engine (actors/engine/disk_tier.py)."""
 
     job_id: int
 

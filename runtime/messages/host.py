@@ -16,6 +16,7 @@ from runtime.messages.vocabulary import (
     Message,
     ModelSpec,
     ReusePath,
+    ReuseTier,
     Sampling,
     TokenIds,
     TokenLogprob,
@@ -71,7 +72,9 @@ class Prewarm(Message, frozen=True):
     ``timeout_s``: it ends ``Failed(request_timeout)`` that long after the router accepted it.
     A prewarm supersedes its session's older prewarms, or adopts one it extends; identical
     concurrent prewarms (same tokens and namespace, any session) compute once. ``session`` and
-    ``anonymous`` as for ``Generate``.
+    ``anonymous`` as for ``Generate``. ``keep_on_disk``: its state is also written to the prefix
+    cache's disk tier as soon as it is cached (an app's instructions, a document), not only once
+    evicted; without a disk tier it changes nothing.
     """
 
     request_id: str
@@ -86,6 +89,7 @@ class Prewarm(Message, frozen=True):
     session: str | None = None
     timeout_s: float | None = None
     anonymous: bool = False
+    keep_on_disk: bool = False
 
 
 class Cancel(Message, frozen=True):
@@ -162,6 +166,7 @@ class Started(Message, frozen=True):
     # The rendered chat prompt ends inside an open reasoning block (``<think>``): the output
     # starts as reasoning (runtime/text/reasoning.py).
     reasoning_open: bool = False
+    tier: ReuseTier = ReuseTier.COLD  # where the reused state came from
 
 
 class TokensEmitted(Message, frozen=True):

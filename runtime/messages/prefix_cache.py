@@ -125,3 +125,5 @@ class DropEntries(Message, frozen=True):
 
     epoch: int
     entry_ids: tuple[int, ...]
+    # Evicted for room (not reset or superseded): worth keeping in the disk tier, if it has one.
+    spill: bool = False

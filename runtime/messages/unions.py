@@ -11,6 +11,7 @@ from runtime.messages.engine import (
     Admit,
     ComputeDone,
     ComputeWatch,
+    DiskDone,
     Drain,
     Drained,
     EngineFailed,
@@ -113,6 +114,7 @@ EngineInbox = (
     | Drain
     | GetStats
     | ComputeDone
+    | DiskDone
     | ComputeWatch
     | TidyDue
     | Reserved
@@ -121,6 +123,7 @@ EngineInbox = (
     | Committed
     | DropEntries
     | EpochReleased
+    | ResetPrefixes
 )
 
 KVInbox = (

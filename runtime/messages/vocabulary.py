@@ -196,6 +196,14 @@ class ReusePath(enum.StrEnum):
     MISS = "miss"  # cold prefill
 
 
+class ReuseTier(enum.StrEnum):
+    """Where a sequence's reused prompt state came from (``Started.tier``)."""
+
+    RAM = "ram"  # a prefix entry held in memory (or an adopted prewarm)
+    DISK = "disk"  # an entry the disk tier loaded back (docs/design.md, "The disk tier")
+    COLD = "cold"  # nothing reused: the whole prompt was prefilled
+
+
 class FinishReason(enum.StrEnum):
     """Why a sequence stopped normally."""
 

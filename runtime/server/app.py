@@ -305,9 +305,8 @@ class OpenAIServer:
     async def _prewarm(self, request: Request) -> Response:
         """Not cancelled when the client goes away: a client may send it and not wait."""
         body = await self._read_body(request)
-        call = scoped(
-            request, prewarm_call(await self._named(_decode(body, wire.prewarm_request_decoder)))
-        )
+        named = await self._named(_decode(body, wire.prewarm_request_decoder))
+        call = scoped(request, prewarm_call(named))
         try:
             await self.models.ensure_loaded(call.model)
             ended = await self.runtime.prewarm(
@@ -320,6 +319,7 @@ class OpenAIServer:
                 namespace=call.namespace,
                 session=call.session,
                 anonymous=call.session is None,  # as for a generate (_generation)
+                keep_on_disk=named.keep_on_disk,
             )
         except ModelNotLoaded:
             self.metrics.prewarm_ended(self._model_label(call.model), None)

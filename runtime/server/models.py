@@ -36,6 +36,7 @@ from runtime.errors import (
     ModelNotAvailable,
     ModelUnloading,
 )
+from runtime.kernel.core import engine_address
 from runtime.messages import ModelLoaded, ModelSpec, ModelStatus, ModelUnloaded
 from runtime.progress import Progress, no_progress
 from runtime.server import schema as wire
@@ -316,7 +317,19 @@ class ModelManager:
             failure=status.failure or None,
             limits=status.limits or None,
             placement=status.placement or None,
+            disk_cache=self._disk_cache(status),
         )
+
+    def _disk_cache(self, status: ModelStatus) -> dict[str, int] | None:
+        stats = self._runtime.stats().actors.get(engine_address(status.name, status.epoch))
+        if stats is None or "disk_entries" not in stats.gauges:
+            return None
+        return {
+            "entries": stats.gauges["disk_entries"],
+            "bytes": stats.gauges["disk_bytes"],
+            "hits": stats.counters.get("disk_hits", 0),
+            "load_ms": stats.counters.get("disk_load_ms", 0),
+        }
 
     def _created(self, name: str) -> int:
         # OpenAI's ``created``: here, when this server first listed the model.

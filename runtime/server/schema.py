@@ -168,6 +168,7 @@ class PrewarmRequest(_Body, frozen=True, kw_only=True):
     parallel_tool_calls: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # as the chat request's
     reasoning_effort: str | None = None
+    keep_on_disk: bool = False  # also write it to the server's disk tier at once
 
 
 completion_request_decoder = msgspec.json.Decoder(CompletionRequest)
@@ -397,6 +398,8 @@ class ModelCard(_Reply, frozen=True, kw_only=True):
     # A model served by several replicas (ModelSpec.replicas): one card for the name, and here
     # each replica's own (id NAME@i, its state, requests and placement); null: one engine.
     replicas: list[ModelCard] | None = None
+    # The prefix cache's disk tier for this model: entries, bytes, hits, load_ms (null: off).
+    disk_cache: dict[str, int] | None = None
     object: Literal["model"] = "model"
     owned_by: str = "mlx-actor-runtime"
 

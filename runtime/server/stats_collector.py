@@ -17,7 +17,7 @@ from prometheus_client.registry import Collector
 from actors.router import ENGINES_FAILED_OF
 from runtime.api import RuntimeStats
 from runtime.kernel.core import engine_model
-from runtime.messages import ReusePath, Stats
+from runtime.messages import ReusePath, ReuseTier, Stats
 
 EngineStats = tuple[str, Stats]  # an engine's model, and its stats
 # Engine counters shown per model: (metric name without mlxrt_ and _total, help, engine counter).
@@ -41,6 +41,11 @@ _ENGINE_COUNTERS: tuple[tuple[str, str, str], ...] = (
         "speculative_passes",
     ),
     ("drafted_tokens", "Draft tokens verification passes fed.", "drafted_tokens"),
+    ("disk_hits", "Lookups the prefix cache's disk tier served.", "disk_hits"),
+    ("disk_load_ms", "Milliseconds spent reading disk-tier entries back.", "disk_load_ms"),
+    ("disk_spills", "Evicted (or unloaded) prefix entries written to disk.", "disk_spills"),
+    ("disk_dropped", "Disk-tier files that failed a check and were deleted.", "disk_dropped"),
+    ("disk_write_failures", "Disk-tier writes that failed (a full disk).", "disk_write_failed"),
     (
         "accepted_tokens",
         "Draft tokens accepted (their rate: accepted_tokens / drafted_tokens).",
@@ -118,6 +123,27 @@ def _engine_families(
         for path in ReusePath:  # every path, at zero until taken: a rate needs a first sample
             reuse.add_metric([model, path.value], counts[f"path_{path}"])
     yield reuse
+    tiers = CounterMetricFamily(
+        "mlxrt_prefix_tier",
+        "Requests by where their reused prompt state came from (cold: nothing reused).",
+        labels=["model", "tier"],
+    )
+    for model, counts in sorted(totals.items()):
+        for tier in ReuseTier:
+            tiers.add_metric([model, tier.value], counts[f"tier_{tier}"])
+    yield tiers
+    disk = GaugeMetricFamily(
+        "mlxrt_disk_cache_bytes", "Bytes of the model's disk-tier files.", labels=["model"]
+    )
+    disk_entries = GaugeMetricFamily(
+        "mlxrt_disk_cache_entries", "Files in the model's disk tier.", labels=["model"]
+    )
+    for model, stats in sorted({m: s for m, s in live.values()}.items()):
+        if "disk_entries" in stats.gauges:
+            disk.add_metric([model], stats.gauges["disk_bytes"])
+            disk_entries.add_metric([model], stats.gauges["disk_entries"])
+    yield disk
+    yield disk_entries
     batch = GaugeMetricFamily(
         "mlxrt_batch_size", "Sequences in the model's decode batch now.", labels=["model"]
     )

@@ -45,6 +45,9 @@ class RecordingContext:
     def compute(self, job: Callable[[], None], done: Message) -> None:
         self.jobs.append((job, done))
 
+    def background(self, job: Callable[[], None], done: Message) -> None:
+        self.jobs.append((job, done))
+
     def abandon_compute(self) -> None:
         self.abandoned_jobs += len(self.jobs)
         self.jobs.clear()

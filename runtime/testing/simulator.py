@@ -92,6 +92,16 @@ class _JobDone:
 
 
 @dataclass(frozen=True)
+class _Background:
+    """An I/O job (``Context.background``) due to run: it runs when time reaches it, after the
+    mail before it (so an abort can come first, as on a real I/O thread), then ``done`` is mailed.
+    It takes no virtual time."""
+
+    job: Callable[[], None]
+    done: Message
+
+
+@dataclass(frozen=True)
 class _Envelope:
     message: Message | None  # None: stop the actor
     sender: Address
@@ -128,6 +138,10 @@ class _SimContext:
     def compute(self, job: Callable[[], None], done: Message) -> None:
         self.effects.append(lambda: self._sim.run_inline(self._address, job, done))
 
+    def background(self, job: Callable[[], None], done: Message) -> None:
+        due = self._sim.clock.now
+        self.effects.append(lambda: self._sim.at(due, self._address, _Background(job, done)))
+
     def abandon_compute(self) -> None:
         self.effects.append(lambda: self._sim.abandon_compute(self._address))
 
@@ -154,7 +168,7 @@ class Simulator:
         self.trace: list[str] = []
         self._cores: dict[Address, ActorCore] = {}
         self._mail: dict[Address, deque[_Envelope]] = {}
-        self._timers: list[tuple[float, int, Address, Message | _JobDone]] = []
+        self._timers: list[tuple[float, int, Address, Message | _JobDone | _Background]] = []
         # Compute runs one job at a time per actor, in order, like its executor.
         self._computing: set[Address] = set()
         self._compute_queue: dict[Address, deque[tuple[Callable[[], None], Message]]] = {}
@@ -180,6 +194,7 @@ class Simulator:
             engine_restart=self.config.engine_restart,
             stall_timeout_s=self.config.stall_timeout_s,
             auto_load=self.config.auto_load,
+            disk_cache=self.config.disk_cache,
         ):
             if faults is not None and address == KV_KEEPER:
                 core = faults.wrap_keeper(core)
@@ -278,10 +293,7 @@ class Simulator:
         while self._timers and self._timers[0][0] <= until:
             due, _, address, message = heapq.heappop(self._timers)
             self.clock.now = max(self.clock.now, due)
-            if isinstance(message, _JobDone):
-                self._job_done(address, message)
-            else:
-                self.deliver(address, message, address)
+            self._fire(address, message)
             self.run_until_idle()
         self.clock.now = until
 
@@ -294,11 +306,17 @@ class Simulator:
             return False
         due, _, address, message = heapq.heappop(self._timers)
         self.clock.now = max(self.clock.now, due)
+        self._fire(address, message)
+        return True
+
+    def _fire(self, address: Address, message: Message | _JobDone | _Background) -> None:
         if isinstance(message, _JobDone):
             self._job_done(address, message)
+        elif isinstance(message, _Background):
+            message.job()
+            self.deliver(address, message.done, address)
         else:
             self.deliver(address, message, address)
-        return True
 
     def run_until(self, condition: Callable[[], bool], max_seconds: float = 3600.0) -> None:
         """Run, jumping time to each next event, until ``condition()`` holds (raise if never)."""
@@ -337,7 +355,7 @@ class Simulator:
         if mail is not None:
             mail.append(_Envelope(None, address))
 
-    def at(self, due: float, address: Address, message: Message) -> None:
+    def at(self, due: float, address: Address, message: Message | _Background) -> None:
         heapq.heappush(self._timers, (due, next(self._order), address, message))
 
     def spawn(self, address: Address, core: ActorCore) -> None:

@@ -13,7 +13,7 @@ import gc
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, cast
 
@@ -29,6 +29,8 @@ from runtime.backends.contract import (
     SequenceState,
     Snapshot,
 )
+from runtime.backends.disk.host import HostState
+from runtime.backends.mlx import persist
 from runtime.backends.mlx.batch import DecodeBatch
 from runtime.backends.mlx.cache_kinds import check_supported, kind_of, price_of, snapshot_layers
 from runtime.backends.mlx.capabilities import limit_by_probe
@@ -385,6 +387,17 @@ class MlxBackend:
 
     def state_nbytes(self, state: SequenceState) -> int:
         return sum(kind_of(c).nbytes(c) for c in own_state(state).caches)
+
+    # ------------------------------------------------------------------ the disk tier (persist.py)
+
+    def fingerprint(self) -> str:
+        return persist.fingerprint(self._path, self._model, self._kv_bits)
+
+    def export_state(self, state: SequenceState, points: Mapping[int, Snapshot]) -> HostState:
+        return persist.export_state(state, points)
+
+    def import_state(self, host: HostState) -> tuple[MlxState, dict[int, MlxSnapshot]]:
+        return persist.import_state(host)
 
     def constraint_engine(self) -> ConstraintEngine:
         if self._constraints is None:
