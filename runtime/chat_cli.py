@@ -24,11 +24,13 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TextIO
 
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from runtime import chat_history
 from runtime.api import Runtime
 from runtime.backends.disk import DiskCacheConfig
 from runtime.chat_commands import (
@@ -93,6 +95,10 @@ class ChatSettings:
     framing: Framing = "auto"  # auto: raw for a model without a chat template
     quiet: bool = False  # no note that the chat is a raw completion
     disk_cache: DiskCacheConfig | None = None  # the prefix cache's disk tier (None: memory only)
+    # Where the conversation is kept after each reply (None: not kept), and whether to go on
+    # from what is kept there (runtime/chat_history.py).
+    history: Path | None = None
+    resume: bool = False
 
 
 @dataclass(slots=True)
@@ -237,10 +243,29 @@ class ChatTerminal:
         self._read_line, self._out = read_line, out or sys.stdout
         self.conversation = Conversation(system=settings.system, raw=raw)
         self._last_speed: Speed | None = None
+        self._resumed_note = self._resume() if settings.resume else None
+
+    def _resume(self) -> str:
+        """Take the kept conversation (``--system``, if given, replaces its instructions)."""
+        saved, note = chat_history.resume(self._settings.history)
+        if saved is not None:
+            self.conversation.turns = list(saved.turns)
+            if self._settings.system is None:
+                self.conversation.system = saved.system
+        return note
+
+    def _keep(self) -> None:
+        trouble = chat_history.keep(
+            self._settings.history, self.conversation.system, self.conversation.turns
+        )
+        if trouble is not None:
+            self._say(trouble)
 
     def run(self) -> None:
         """Until ``/exit``, Ctrl-D or Ctrl-C at the prompt."""
         self._say(HELP)
+        if self._resumed_note is not None:
+            self._say(self._resumed_note)
         while True:
             try:
                 line = self._read_line(PROMPT)
@@ -260,6 +285,7 @@ class ChatTerminal:
                 case Reset():
                     self._end_session()
                     self.conversation.reset()
+                    self._keep()
                     self._say("(new conversation)")
                 case SetSystem(text=text):
                     self.conversation.system = text
@@ -303,6 +329,7 @@ class ChatTerminal:
             case Cancelled() | None:
                 self._say("(cancelled)")
         self.conversation.answered(reply.text)
+        self._keep()
         if self._settings.show_cache and reply.started is not None:
             started = reply.started
             # Served by the disk tier (an earlier run's entries): said, as it explains the speed.

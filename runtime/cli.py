@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import anyio
 
@@ -40,6 +41,7 @@ from runtime.serve_keys import add_key_flags
 
 def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from runtime.chat_cli import ChatSettings, run_chat
+    from runtime.chat_history import history_path
 
     if args.max_tokens < 1:
         parser.error("--max-tokens must be at least 1")
@@ -60,6 +62,8 @@ def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         framing=args.framing,
         quiet=args.quiet,
         disk_cache=disk_config(args, parser),
+        history=None if args.history == "none" else Path(args.history or history_path(spec.name)),
+        resume=args.resume,
     )
     if not args.quiet:
         print(disk_note(settings.disk_cache), file=sys.stderr, flush=True)
@@ -152,6 +156,7 @@ each line continuing the text so far (one line says so; --chat frames it anyway)
 _CHAT_EXAMPLES = """examples:
   mlxrt chat                                   the default model
   mlxrt chat --show-cache                      print `cached n/m` after each reply
+  mlxrt chat --resume --show-cache             go on with the last chat: `cached n/m from disk`
   mlxrt chat --stats --temp 0.7 --ctx-size 4096  the speed after each reply
   mlxrt chat --model gemma3-270m               a known model
   mlxrt chat --model ~/models/llama.Q4_0.gguf --system "You are terse." --max-tokens 512
@@ -241,6 +246,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     chat.add_argument(
         "--stats", action="store_true", help="after each reply print its speed (as /stats does)"
+    )
+    chat.add_argument(
+        "--history",
+        metavar="PATH",
+        help="where the conversation is kept after each reply (default: chats/MODEL.json under "
+        "the cache folder; 'none' keeps nothing)",
+    )
+    chat.add_argument(
+        "--resume",
+        action="store_true",
+        help="go on with the last chat with this model (kept after each reply under the cache "
+        "folder); with the disk cache its next reply reuses the KV the last run left",
     )
     chat.add_argument("--quiet", action="store_true", help="no progress bars or load notes")
     serve = commands.add_parser(

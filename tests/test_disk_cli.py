@@ -119,6 +119,47 @@ def test_a_restarted_chat_answers_its_first_turn_from_disk(
     assert int(second[0]) == int(second[1]) - 1  # warm: one token left to run
 
 
+def test_a_resumed_chat_goes_on_at_warm_speed_from_what_the_last_run_left(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`mlxrt chat` quit after a reply, then `mlxrt chat --resume`: the conversation goes on (the
+    kept history), and the next turn's prompt (instructions, the first turn and its reply) is
+    served from the disk tier the first run left, all but the new message."""
+    history = tmp_path / "chats" / "sim.json"
+    argv = ["chat", "--backend", "simulated", "--model", "sim", "--show-cache", "--quiet"]
+    argv += ["--disk-cache", str(tmp_path / "disk"), "--history", str(history)]
+    argv += ["--system", "answer in one short line", "--max-tokens", "4"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hello there, my friend\n"))
+    assert main(argv) == 0
+    first = capsys.readouterr().out
+    assert history.is_file()
+    monkeypatch.setattr("sys.stdin", io.StringIO("and one more thing\n"))
+    assert main([*argv, "--resume"]) == 0
+    second = capsys.readouterr().out
+    assert f"(resumed 1 replies from {history})" in second
+    [shown] = [x for x in second.splitlines() if "[cached" in x]
+    assert shown.endswith(" from disk]")
+    cached, prompt = map(int, shown.partition("[cached ")[2].split(" ")[0].split("/"))
+    [before] = [x for x in first.splitlines() if "[cached" in x]
+    first_prompt = int(before.partition("[cached ")[2].removesuffix("]").split("/")[1])
+    assert cached > first_prompt  # the first turn and its reply came from disk, not just the
+    assert prompt > cached  # instructions; the new message was prefilled
+
+
+def test_a_damaged_chat_history_is_said_and_the_chat_starts_afresh(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    history = tmp_path / "sim.json"
+    history.write_text("{not json")
+    argv = ["chat", "--backend", "simulated", "--model", "sim", "--quiet", "--no-disk-cache"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("hi\n"))
+    assert main([*argv, "--history", str(history), "--resume", "--max-tokens", "2"]) == 0
+    out = capsys.readouterr().out
+    assert f"(not resumed: {history} is not a saved chat" in out
+    assert "starting afresh)" in out
+    assert history.read_bytes().startswith(b"{")  # the reply was kept over it
+
+
 def test_a_bad_disk_cache_config_is_refused_with_its_name() -> None:
     from runtime.errors import InvalidConfig
 
