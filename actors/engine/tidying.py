@@ -8,8 +8,10 @@ housekeeping in its way, while a person's next turn, seconds later, finds it don
 time, each started only when no sequence has work: a request waits at most one piece behind it.
 
 Each idle period has a number; work starting ends the period, so a ``TidyDue`` timer armed in an
-earlier one is stale and does nothing. A piece that raises stops tidying for the engine's epoch
-(the housekeeping is an optimisation: requests pay for it as before).
+earlier one is stale and does nothing. A timer cannot be cancelled, so one is in flight at a time:
+a period that starts while a stale one sleeps arms its own once that one has fired. A piece that
+raises stops tidying for the engine's epoch (the housekeeping is an optimisation: requests pay for
+it as before).
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ class Tidying:
         self._counters = counters
         self._period = 0  # the current idle period's number
         self._armed = False  # a TidyDue for this period is pending
+        self._in_flight = False  # a TidyDue of any period is (a timer cannot be cancelled: one
+        # at a time, so an engine that idles often leaves at most one sleeping)
         self._due = False  # this period's timer fired, or the last piece did something
         self._finished = False  # nothing left to do until work runs again
         self._broken = False  # a piece raised: no more tidying this epoch
@@ -56,13 +60,15 @@ class Tidying:
             job = TidyJob()
             compute.submit(ctx, job, lambda: run_tidy(job, backend))
             return True
-        if not self._armed:
-            self._armed = True
+        if not self._armed and not self._in_flight:
+            self._armed = self._in_flight = True
             ctx.send_later(TIDY_AFTER_S, TidyDue(idle_period=self._period))
         return False
 
     def timer(self, message: TidyDue) -> bool:
-        """A ``TidyDue`` came: whether it is this period's (the core then pumps)."""
+        """A ``TidyDue`` came: whether it is this period's (either way the core then pumps, which
+        arms one for the current period if it idles)."""
+        self._in_flight = False
         if message.idle_period != self._period:
             return False
         self._due = True

@@ -38,11 +38,13 @@ from runtime.testing.soak_plan import (
 # Named so by ``ActorSystem.start_timer``: a timer is a task that sleeps until its deadline, and
 # cannot be cancelled. What may still sleep at quiescence, whatever the load: the KV keeper's one
 # deadline and one half-way timer (actors/kv_timers.py), the router's one timer for its request
-# guards (actors/deadlines.py), and each engine load's one watchdog timer.
+# guards (actors/deadlines.py), and each engine load's one watchdog timer and one idle
+# housekeeping timer (actors/engine/tidying.py).
 TIMER_TASK = "timer for "
 KEEPER_TIMERS = 2
 ROUTER_TIMERS = 1
 ENGINE_LOADS = 3  # two models, one reloaded
+TIMERS_PER_ENGINE = 2
 
 
 @dataclass
@@ -101,7 +103,7 @@ class SoakReport:
             any(not name.startswith(TIMER_TASK) for name in extra_tasks)
             or keeper_timers > KEEPER_TIMERS
             or router_timers > ROUTER_TIMERS
-            or engine_timers > ENGINE_LOADS
+            or engine_timers > TIMERS_PER_ENGINE * ENGINE_LOADS
         ):
             found.append(f"asyncio tasks left inside the runtime: {dict(extra_tasks)}")
         if self.threads_loaded != self.threads_quiescent:
