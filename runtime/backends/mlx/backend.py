@@ -51,9 +51,11 @@ from runtime.backends.mlx.upstream import patch_model
 from runtime.backends.mlx.verify import rewind_pass, verify_pass
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
+from runtime.backends.vision.load import VisionMedia, load_vision, vision_family
+from runtime.backends.vision.media import refuse_media
 from runtime.blas import warn_if_slow
 from runtime.errors import ModelLoadFailed
-from runtime.messages import ModelSpec
+from runtime.messages import ChatMessage, ModelSpec
 from runtime.text.chat import has_chat_template
 from runtime.text.constraints import ConstraintEngine
 
@@ -82,6 +84,7 @@ class MlxBackend:
         self.batch_decode = True  # whether the probe found batched decoding exact (set at load)
         self._constraints: ConstraintEngine | None = None  # made for the first constrained row
         self._deferred: DeferredProbe | None = None  # the load probe, where left for later
+        self._media: VisionMedia | None = None  # a vision-language model's images (vision/)
 
     # ------------------------------------------------------------------ loading
 
@@ -102,15 +105,20 @@ class MlxBackend:
         path = prepared.path
         if prepared.note:
             log.info("model %r: %s", spec.name, prepared.note)
-        # mlx-lm and transformers meet a damaged directory with many kinds of error (a config
-        # that is a list: TypeError; no model_type: KeyError); to the host each means the same.
-        try:
-            loaded = mlx_load(str(path), return_config=True)
-            model, tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], loaded)
-        except Exception as exc:
-            raise ModelLoadFailed(
-                f"could not load the model at {path}: {type(exc).__name__}: {exc}"
-            ) from exc
+        media: VisionMedia | None = None
+        if vision_family(path) is not None:  # the directory's config decides
+            model, tokenizer, config, media = load_vision(path, options)
+        else:
+            # mlx-lm and transformers meet a damaged directory with many kinds of error (a
+            # config that is a list: TypeError; no model_type: KeyError); to the host each
+            # means the same.
+            try:
+                loaded = mlx_load(str(path), return_config=True)
+                model, tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], loaded)
+            except Exception as exc:
+                raise ModelLoadFailed(
+                    f"could not load the model at {path}: {type(exc).__name__}: {exc}"
+                ) from exc
         if mx.default_device() == mx.cpu and widen_half_quantized(model):
             log.info(
                 "model %r: quantized with half-precision scales; widened them (and the other "
@@ -121,6 +129,7 @@ class MlxBackend:
             log.info("model %r: worked around an mlx-lm defect: %s", spec.name, applied)
         backend = cls(model, tokenizer, loading_info(), options.kv_bits)
         backend._path = path
+        backend._media = media
         # Refused here, not at a request: a cache class with no adapter cannot be served.
         check_supported(backend.new_state().caches, config.get("model_type"))
         try:
@@ -204,7 +213,15 @@ class MlxBackend:
 
     @property
     def chat_tokenizer(self) -> Any:
+        if self._media is not None:  # images' keyed markers become their spans
+            return self._media.chat_tokenizer
         return self._tokenizer  # mlx-lm's wrapper: encode() and the model's chat template
+
+    def prepare_media(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
+        if self._media is None:
+            refuse_media(messages, "this model is text-only")
+            return messages
+        return self._media.prepare(messages)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text))

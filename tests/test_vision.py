@@ -1,0 +1,164 @@
+"""Vision-language models through mlx-vlm: tiny random-weight Gemma 3 and Idefics3 (SmolVLM)
+directories built offline from mlx-vlm's own classes (runtime/testing/tiny_vlms.py).
+
+Images enter chat messages; their soft tokens are priced and keyed on their pixels, so the same
+image in a later turn reuses its KV (greedy equals cold) and a different one never does; bad
+images and images sent to a text-only model are typed errors. docs/models.md (vision).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+
+pytest.importorskip("mlx_vlm")
+
+from PIL import Image  # noqa: E402
+
+from runtime.api import Completion, Runtime  # noqa: E402
+from runtime.backends.mlx.backend import MlxBackend  # noqa: E402
+from runtime.backends.vision.media import is_media  # noqa: E402
+from runtime.config import RuntimeConfig  # noqa: E402
+from runtime.messages import (  # noqa: E402
+    ChatMessage,
+    ChatOptions,
+    Failed,
+    Finished,
+    ImagePart,
+    ModelSpec,
+    ReusePath,
+)
+from runtime.testing.tiny_models import tiny_model_path  # noqa: E402
+from runtime.testing.tiny_vlms import TinyVlmKind, tiny_vlm_path  # noqa: E402
+from runtime.text.chat import prepare_chat  # noqa: E402
+
+pytestmark = [pytest.mark.anyio, pytest.mark.mlx]
+# Soft tokens one image becomes: Gemma 3's 16 per image; Idefics3's 4 per tile, 2 x 2 tiles and a
+# global view for a 40 x 50 image (its processor splits at 32 pixels a side).
+SOFT_TOKENS = {"gemma3": 16, "idefics3": 20}
+
+
+def image_bytes(seed: int, fmt: str = "PNG", size: tuple[int, int] = (40, 50)) -> bytes:
+    pixels = (np.random.RandomState(seed).rand(size[0], size[1], 3) * 255).astype(np.uint8)
+    out = io.BytesIO()
+    Image.fromarray(pixels).save(out, format=fmt)
+    return out.getvalue()
+
+
+def spec(kind: TinyVlmKind) -> ModelSpec:
+    return ModelSpec(name=kind, path=str(tiny_vlm_path(kind)), backend="mlx")
+
+
+def ask(text: str, *images: bytes) -> ChatMessage:
+    return ChatMessage(
+        role="user", content=text, images=tuple(ImagePart(data=data) for data in images)
+    )
+
+
+@pytest.fixture(params=["gemma3", "idefics3"])
+async def vlm(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Runtime, str]]:
+    kind: TinyVlmKind = request.param
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        await rt.load_model(spec(kind))
+        yield rt, kind
+
+
+async def greedy(rt: Runtime, model: str, messages: list[ChatMessage]) -> Completion:
+    done = await rt.complete(model, messages=messages, max_tokens=6)
+    assert isinstance(done.terminal, Finished), done.terminal
+    return done
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "idefics3"])
+def test_an_image_becomes_its_processors_soft_tokens_between_the_models_own_markers(
+    kind: TinyVlmKind,
+) -> None:
+    backend = MlxBackend.load(spec(kind))
+    try:
+        messages = (ask("What is <|image|> here?", image_bytes(1)),)
+        prepared = prepare_chat(
+            backend.chat_tokenizer, backend.prepare_media(messages), ChatOptions(), 8, 2048
+        )
+        soft = [i for i, t in enumerate(prepared.tokens) if is_media(t)]
+        assert len(soft) == SOFT_TOKENS[kind]
+        vocab = backend.chat_tokenizer._inner.get_vocab()
+        opening = "<start_of_image>" if kind == "gemma3" else "<fake_token_around_image>"
+        closing = "<end_of_image>" if kind == "gemma3" else "<fake_token_around_image>"
+        assert vocab[opening] in prepared.tokens[: soft[0]]
+        assert prepared.tokens[soft[-1] + 1] == vocab[closing]
+        # The price is the cache the prompt really fills (the issue's bound: within 10%).
+        state = backend.new_state()
+        backend.prefill(state, prepared.tokens)
+        real = backend.state_nbytes(state)
+        priced = backend.info.kv_bytes(len(prepared.tokens))
+        assert real <= priced <= 1.1 * real
+    finally:
+        backend.close()
+
+
+async def test_the_same_image_in_turn_two_reuses_its_kv_and_equals_cold(
+    vlm: tuple[Runtime, str],
+) -> None:
+    rt, model = vlm
+    turn1 = [ask("Describe this picture.", image_bytes(1))]
+    first = await greedy(rt, model, turn1)
+    turn2 = [
+        *turn1,
+        ChatMessage(role="assistant", content=first.text),
+        ChatMessage(role="user", content="And its colours?"),
+    ]
+    warm = await greedy(rt, model, turn2)
+    assert warm.started is not None
+    assert warm.started.path is not ReusePath.MISS
+    assert warm.started.cached_tokens > SOFT_TOKENS[model]  # the image's span came from cache
+    await rt.reset(model)
+    cold = await greedy(rt, model, turn2)
+    assert cold.started is not None and cold.started.cached_tokens == 0
+    assert warm.token_ids == cold.token_ids
+
+
+async def test_a_different_image_at_the_same_position_never_reuses_past_it(
+    vlm: tuple[Runtime, str],
+) -> None:
+    rt, model = vlm
+    await greedy(rt, model, [ask("Describe this picture.", image_bytes(1))])
+    other = await greedy(rt, model, [ask("Describe this picture.", image_bytes(2))])
+    assert other.started is not None
+    assert other.started.cached_tokens <= first_soft_token(model, image_bytes(2))
+    await rt.reset(model)
+    cold = await greedy(rt, model, [ask("Describe this picture.", image_bytes(2))])
+    assert other.token_ids == cold.token_ids
+
+
+def first_soft_token(kind: TinyVlmKind, image: bytes) -> int:
+    """Where the image's first soft token stands in the prompt of ``ask(..., image)``."""
+    backend = MlxBackend.load(spec(kind))
+    try:
+        messages = backend.prepare_media((ask("Describe this picture.", image),))
+        prepared = prepare_chat(backend.chat_tokenizer, messages, ChatOptions(), 8, 2048)
+        return next(i for i, t in enumerate(prepared.tokens) if is_media(t))
+    finally:
+        backend.close()
+
+
+async def test_equal_pixels_in_another_file_format_are_the_same_image(
+    vlm: tuple[Runtime, str],
+) -> None:
+    rt, model = vlm
+    await greedy(rt, model, [ask("Describe this picture.", image_bytes(3, "PNG"))])
+    again = await greedy(rt, model, [ask("Describe this picture.", image_bytes(3, "BMP"))])
+    assert again.started is not None
+    assert again.started.cached_tokens == again.started.prompt_tokens - 1
+
+
+async def test_text_only_requests_to_a_vlm_keep_the_text_path(vlm: tuple[Runtime, str]) -> None:
+    rt, model = vlm
+    chat = [ChatMessage(role="user", content="Name a colour.")]
+    first = await greedy(rt, model, chat)
+    second = await greedy(rt, model, chat)
+    assert second.started is not None
+    assert second.started.cached_tokens == second.started.prompt_tokens - 1
+    assert first.token_ids == second.token_ids
