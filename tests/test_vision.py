@@ -16,13 +16,13 @@ import pytest
 
 pytest.importorskip("mlx_vlm")
 
-from PIL import Image  # noqa: E402
+from PIL import Image
 
-from runtime.api import Completion, Runtime  # noqa: E402
-from runtime.backends.mlx.backend import MlxBackend  # noqa: E402
-from runtime.backends.vision.media import is_media  # noqa: E402
-from runtime.config import RuntimeConfig  # noqa: E402
-from runtime.messages import (  # noqa: E402
+from runtime.api import Completion, Runtime
+from runtime.backends.mlx.backend import MlxBackend
+from runtime.backends.vision.media import is_media
+from runtime.config import RuntimeConfig
+from runtime.messages import (
     ChatMessage,
     ChatOptions,
     Failed,
@@ -31,9 +31,9 @@ from runtime.messages import (  # noqa: E402
     ModelSpec,
     ReusePath,
 )
-from runtime.testing.tiny_models import tiny_model_path  # noqa: E402
-from runtime.testing.tiny_vlms import TinyVlmKind, tiny_vlm_path  # noqa: E402
-from runtime.text.chat import prepare_chat  # noqa: E402
+from runtime.testing.tiny_models import tiny_model_path
+from runtime.testing.tiny_vlms import TinyVlmKind, tiny_vlm_path
+from runtime.text.chat import prepare_chat
 
 pytestmark = [pytest.mark.anyio, pytest.mark.mlx]
 # Soft tokens one image becomes: Gemma 3's 16 per image; Idefics3's 4 per tile, 2 x 2 tiles and a
@@ -162,3 +162,92 @@ async def test_text_only_requests_to_a_vlm_keep_the_text_path(vlm: tuple[Runtime
     assert second.started is not None
     assert second.started.cached_tokens == second.started.prompt_tokens - 1
     assert first.token_ids == second.token_ids
+
+
+def failure(done: Completion) -> Failed:
+    assert isinstance(done.terminal, Failed), done.terminal
+    return done.terminal
+
+
+@pytest.mark.parametrize(
+    ("images", "code", "names"),
+    [
+        ((b"not an image at all",), "invalid_media", "messages[0].images[0]"),
+        ((image_bytes(1)[:60],), "invalid_media", "messages[0].images[0]"),
+        ((image_bytes(1), image_bytes(1, "TIFF")), "invalid_media", "messages[0].images[1]"),
+        ((image_bytes(1, size=(300, 300)),), "invalid_media", "messages[0].images[0]"),
+        ((image_bytes(1),) * 3, "too_many_images", "3 images"),
+    ],
+    ids=["undecodable", "truncated", "tiff", "oversized", "too-many"],
+)
+async def test_bad_images_are_typed_errors_naming_the_part_and_spare_the_rest(
+    images: tuple[bytes, ...], code: str, names: str
+) -> None:
+    limited = ModelSpec(
+        name="gemma3",
+        path=str(tiny_vlm_path("gemma3")),
+        backend="mlx",
+        options={"max_images": 2, "max_image_pixels": 200 * 200},
+    )
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        await rt.load_model(limited)
+        bad = failure(await rt.complete("gemma3", messages=[ask("Look.", *images)], max_tokens=4))
+        assert bad.code == code and names in bad.message
+        good = await greedy(rt, "gemma3", [ask("Look.", image_bytes(1))])
+        assert good.started is not None
+
+
+async def test_a_placeholder_count_that_does_not_match_the_images_is_refused() -> None:
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        await rt.load_model(spec("gemma3"))
+        two = ask("<|image|> and <|image|>", image_bytes(1))
+        bad = failure(await rt.complete("gemma3", messages=[two], max_tokens=4))
+        assert bad.code == "invalid_request" and "messages[0]" in bad.message
+        forged = ChatMessage(role="user", content="<|mlxrt-image:000000000001|>")
+        bad = failure(await rt.complete("gemma3", messages=[forged], max_tokens=4))
+        assert bad.code == "invalid_request" and "reserved image marker" in bad.message
+
+
+async def test_images_sent_to_a_text_only_model_are_refused() -> None:
+    text = ModelSpec(name="llama", path=str(tiny_model_path("llama")), backend="mlx")
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        await rt.load_model(text)
+        bad = failure(await rt.complete("llama", messages=[ask("Look.", image_bytes(1))]))
+        assert bad.code == "media_unsupported" and "messages[0]" in bad.message
+
+
+async def test_media_the_kv_budget_cannot_hold_is_refused_at_once() -> None:
+    backend = MlxBackend.load(spec("idefics3"))
+    per_token = backend.info.kv_bytes(256) // 256
+    backend.close()
+    # Room for a short text prompt and its reply, not for an image's soft tokens as well.
+    async with Runtime(RuntimeConfig(kv_budget_bytes=per_token * 256)) as rt:
+        await rt.load_model(spec("idefics3"))
+        text = await greedy(rt, "idefics3", [ChatMessage(role="user", content="Hi")])
+        assert text.started is not None
+        big = image_bytes(1, size=(64, 64))  # 2 x 2 tiles and a global view: 20 soft tokens
+        many = [ask("Compare " + "<|image|>" * 8, *([big] * 8))]
+        bad = failure(await rt.complete("idefics3", messages=many, max_tokens=4))
+        assert bad.code == "kv_request_too_large"
+
+
+async def test_concurrent_image_streams_equal_each_alone(vlm: tuple[Runtime, str]) -> None:
+    import anyio
+
+    rt, model = vlm
+    chats = [[ask("Describe this picture.", image_bytes(seed))] for seed in (4, 5, 6)]
+    alone = []
+    for chat in chats:
+        alone.append(await greedy(rt, model, chat))
+        await rt.reset(model)
+    together: dict[int, Completion] = {}
+
+    async def run(i: int) -> None:
+        together[i] = await greedy(rt, model, chats[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(chats)):
+            tg.start_soon(run, i)
+    assert [together[i].token_ids for i in range(len(chats))] == [a.token_ids for a in alone]
+    engine = next(s for a, s in rt.stats().actors.items() if a.startswith(f"engine:{model}#"))
+    assert engine.counters["batch_steps"] > 0  # they really decoded as one batch

@@ -138,6 +138,9 @@ class ImagePart(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     data URL or an allowed local file held them. Decoded on the engine's compute thread."""
 
     data: bytes
+    # Where the client put it, for error messages (the HTTP server: ``messages[0].content[1]``);
+    # None: ``messages[i].images[j]``.
+    part: str | None = None
 
 
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

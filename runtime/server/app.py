@@ -92,6 +92,9 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     default_max_tokens: int | None = None
     # Browser origins allowed to call the API (CORS; "*": any); empty: no CORS headers at all.
     allowed_origins: tuple[str, ...] = ()
+    # Directories whose files ``image_url`` parts may name (``mlxrt serve --media-dir``); empty:
+    # only data URLs. Remote URLs are always refused (server/media.py).
+    media_dirs: tuple[str, ...] = ()
 
 
 class OpenAIServer:
@@ -282,7 +285,7 @@ class OpenAIServer:
         body = await self._read_body(request)
         decoded = await self._named(_decode(body, wire.chat_request_decoder))
         self._field_notes.note(decoded)
-        call = scoped(request, chat_call(self._defaulted(decoded)))
+        call = scoped(request, chat_call(self._defaulted(decoded), self.config.media_dirs))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs, include_usage = call.sampling.logprobs, call.include_usage
         render: Render
@@ -306,7 +309,7 @@ class OpenAIServer:
         """Not cancelled when the client goes away: a client may send it and not wait."""
         body = await self._read_body(request)
         named = await self._named(_decode(body, wire.prewarm_request_decoder))
-        call = scoped(request, prewarm_call(named))
+        call = scoped(request, prewarm_call(named, self.config.media_dirs))
         try:
             await self.models.ensure_loaded(call.model)
             ended = await self.runtime.prewarm(

@@ -59,7 +59,7 @@ def prepare(
         pieces = content.split(IMAGE_PLACEHOLDER)
         keyed = [pieces[0]]
         for j, (part, rest) in enumerate(zip(message.images, pieces[1:], strict=True)):
-            where = f"messages[{i}].images[{j}]"
+            where = part.part or f"messages[{i}].images[{j}]"
             item = store.register(decode_image(part.data, where, limits), where)
             keyed += [keyed_marker(item.key), rest]
         out.append(msgspec.structs.replace(message, content="".join(keyed), images=()))
