@@ -251,3 +251,15 @@ async def test_concurrent_image_streams_equal_each_alone(vlm: tuple[Runtime, str
     assert [together[i].token_ids for i in range(len(chats))] == [a.token_ids for a in alone]
     engine = next(s for a, s in rt.stats().actors.items() if a.startswith(f"engine:{model}#"))
     assert engine.counters["batch_steps"] > 0  # they really decoded as one batch
+
+
+async def test_a_prewarmed_image_chat_is_reused_exactly(vlm: tuple[Runtime, str]) -> None:
+    rt, model = vlm
+    chat = [ask("Describe this picture.", image_bytes(7))]
+    warm = await rt.prewarm(model, messages=chat)
+    assert isinstance(warm, Finished)
+    hot = await greedy(rt, model, chat)
+    assert hot.started is not None and hot.started.path is ReusePath.EXACT
+    await rt.reset(model)
+    cold = await greedy(rt, model, chat)
+    assert hot.token_ids == cold.token_ids
