@@ -20,7 +20,7 @@ from PIL import Image
 
 from runtime.api import Completion, Runtime
 from runtime.backends.mlx.backend import MlxBackend
-from runtime.backends.vision.media import is_media
+from runtime.backends.vision.media import is_media, split_media
 from runtime.config import RuntimeConfig
 from runtime.messages import (
     ChatMessage,
@@ -263,3 +263,27 @@ async def test_a_prewarmed_image_chat_is_reused_exactly(vlm: tuple[Runtime, str]
     await rt.reset(model)
     cold = await greedy(rt, model, chat)
     assert hot.token_ids == cold.token_ids
+
+
+def test_an_aborted_prefill_stops_before_the_next_images_encoding() -> None:
+    import threading
+
+    from runtime.backends.contract import PrefillInterrupted
+
+    backend = MlxBackend.load(spec("gemma3"))
+    try:
+        messages = backend.prepare_media((ask("Compare.", image_bytes(8), image_bytes(9)),))
+        prepared = prepare_chat(backend.chat_tokenizer, messages, ChatOptions(), 8, 2048)
+        store = backend._media.store  # type: ignore[union-attr]
+        keys = list(dict.fromkeys(split_media(t)[0] for t in prepared.tokens if is_media(t)))
+        stop = threading.Event()
+        stop.set()
+        state = backend.new_state()
+        with pytest.raises(PrefillInterrupted):
+            backend.prefill(state, prepared.tokens, stop=stop)
+        assert state.length == 0
+        assert all(store._items[k].features is None for k in keys)  # no tower ran
+        backend.prefill(state, prepared.tokens, stop=threading.Event())
+        assert all(store._items[k].features is not None for k in keys)
+    finally:
+        backend.close()

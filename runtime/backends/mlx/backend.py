@@ -295,6 +295,8 @@ class MlxBackend:
         ids, start = list(token_ids), own.n_tokens
         end = start + len(ids)
         check_points(snapshot_at, start, end)
+        if self._media is not None:  # the vision tower, an image at a time, stoppable between
+            self._media.store.encode(ids, stop)
         # Passes end where a snapshot cannot reach back from further on (a recurrent state holds
         # only its last step), and before the last token of a long pass that keeps logits.
         cuts = set() if self.reach_back else set(snapshot_at)

@@ -4,21 +4,25 @@
 for the image (Gemma 3: ``<start_of_image>``, 256 soft tokens, ``<end_of_image>``; SmolVLM: a
 ``<fake_token_around_image>`` row per tile and a global view), so the prompt holds the exact number
 of soft tokens the model will read and the KV reservation prices them before admission. The
-vision tower runs later, on the first prefill pass that reaches the span (``features``), inside
-the prefill job that a superseding request's abort stops at its next layer. Items are kept in
+vision tower runs later, in the prefill job whose chunk reaches the span, image by image ahead of
+its passes (``encode``): an abort stops it before the next image, and the passes after it at
+their next layer (runtime/backends/mlx/interrupt.py). Items are kept in
 LRU order, at most ``capacity`` of them; one evicted before its prefill fails that request
 ``MediaEvicted`` (retryable), never another image's features.
 """
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from collections.abc import Sequence
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
 
-from runtime.backends.vision.media import DecodedImage, media_ids
+from runtime.backends.contract import PrefillInterrupted
+from runtime.backends.vision.media import DecodedImage, is_media, media_ids, split_media
 from runtime.errors import InvalidMedia, MediaEvicted
 
 
@@ -101,6 +105,16 @@ class MediaStore:
             mx.eval(item.features)
             item.inputs = {}  # the pixels are not needed again
         return item.features
+
+    def encode(self, token_ids: Sequence[int], stop: threading.Event | None) -> None:
+        """Run the vision tower for each image ``token_ids`` reach whose features are not
+        computed yet, one image at a time, ahead of the prefill pass that reads them: an abort
+        set meanwhile stops before the next image (``PrefillInterrupted``; nothing changed)."""
+        keys = dict.fromkeys(split_media(t)[0] for t in token_ids if is_media(t))
+        for key in keys:
+            if stop is not None and stop.is_set():
+                raise PrefillInterrupted("the sequence was aborted before an image's encoding")
+            self.features(key)
 
     def _item(self, key: int) -> MediaItem:
         item = self._items.get(key)
