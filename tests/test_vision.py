@@ -82,6 +82,8 @@ def test_an_image_becomes_its_processors_soft_tokens_between_the_models_own_mark
         prepared = prepare_chat(
             backend.chat_tokenizer, backend.prepare_media(messages), ChatOptions(), 8, 2048
         )
+        # The template (from chat_template.json, the processor's file) framed the prompt.
+        assert backend.info.chat_template and prepared.text.startswith("<|im_start|>user\n")
         soft = [i for i, t in enumerate(prepared.tokens) if is_media(t)]
         assert len(soft) == SOFT_TOKENS[kind]
         vocab = backend.chat_tokenizer._inner.get_vocab()

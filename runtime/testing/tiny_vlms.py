@@ -30,7 +30,7 @@ from runtime.testing.tiny_tokenizer import (
 
 TinyVlmKind = Literal["gemma3", "idefics3"]
 TINY_VLM_KINDS: Final[tuple[TinyVlmKind, ...]] = ("gemma3", "idefics3")
-VLM_FACTORY_VERSION: Final = 1
+VLM_FACTORY_VERSION: Final = 2
 IMAGE_SIZE: Final = 32  # pixels a side the processors resize to: 4 x 4 patches of 8
 # Each family's added tokens, after the tiny BPE's 512 ids, in this order.
 _IMAGE_TOKENS: Final[dict[str, tuple[str, ...]]] = {
@@ -175,10 +175,10 @@ def _write_tokenizer(kind: TinyVlmKind, directory: Path, tok: Any) -> dict[str, 
         "add_eos_token": False,
         "clean_up_tokenization_spaces": False,
         "model_max_length": MAX_POSITION_EMBEDDINGS,
-        "chat_template": _CHAT_TEMPLATE,
         **extra,
     }
     write_json(directory / "tokenizer_config.json", config)
+    # Only the processor's file holds the template, as in many real VLM directories.
     write_json(directory / "chat_template.json", {"chat_template": _CHAT_TEMPLATE})
     return ids
 

@@ -90,6 +90,13 @@ def load_vision(path: Path, options: MlxOptions) -> tuple[Any, Any, dict[str, An
         raise ModelLoadFailed(
             f"could not load the vision-language model at {path}: {type(exc).__name__}: {exc}"
         ) from exc
+    template = getattr(processor, "chat_template", None) or getattr(
+        processor.tokenizer, "chat_template", None
+    )
+    if not tokenizer.has_chat_template and isinstance(template, str):
+        # VLM directories often keep it in chat_template.json, which mlx-vlm reads (mlx-lm not).
+        tokenizer._tokenizer.chat_template = template
+        tokenizer.has_chat_template = True
     store = MediaStore(vlm, processor)
     limits = MediaLimits(
         max_images=options.max_images,
