@@ -373,6 +373,11 @@ ERRORS_BY_CODE: dict[str, type[MlxRuntimeError]] = {
         ActorStopped,
         RuntimeClosed,
         SupervisionEscalated,
+        InvalidMedia,
+        TooManyImages,
+        MediaUnsupported,
+        MediaSourceRefused,
+        MediaEvicted,
     )
 }
 

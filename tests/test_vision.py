@@ -22,6 +22,7 @@ from runtime.api import Completion, Runtime
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.backends.vision.media import is_media, split_media
 from runtime.config import RuntimeConfig
+from runtime.errors import error_for_code
 from runtime.messages import (
     ChatMessage,
     ChatOptions,
@@ -195,6 +196,7 @@ async def test_bad_images_are_typed_errors_naming_the_part_and_spare_the_rest(
         await rt.load_model(limited)
         bad = failure(await rt.complete("gemma3", messages=[ask("Look.", *images)], max_tokens=4))
         assert bad.code == code and names in bad.message
+        assert error_for_code(bad.code, bad.message).code == code  # the typed error, by code
         good = await greedy(rt, "gemma3", [ask("Look.", image_bytes(1))])
         assert good.started is not None
 

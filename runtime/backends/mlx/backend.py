@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
@@ -44,6 +44,7 @@ from runtime.backends.mlx.facts import (
     widen_half_quantized,
 )
 from runtime.backends.mlx.interrupt import can_interrupt, interruptible, stop_checks
+from runtime.backends.mlx.loading import load_directory
 from runtime.backends.mlx.probe import plain_run, probe_prompts
 from runtime.backends.mlx.state import MlxSnapshot, MlxState, check_points, own_state
 from runtime.backends.mlx.together import prefill_together, together_snapshot_tokens
@@ -51,7 +52,7 @@ from runtime.backends.mlx.upstream import patch_model
 from runtime.backends.mlx.verify import rewind_pass, verify_pass
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
-from runtime.backends.vision.load import VisionMedia, load_vision, vision_family
+from runtime.backends.vision.load import VisionMedia
 from runtime.backends.vision.media import refuse_media
 from runtime.blas import warn_if_slow
 from runtime.errors import ModelLoadFailed
@@ -96,8 +97,6 @@ class MlxBackend:
         direct call); raises ``InvalidModelSpec`` (bad options) or ``ModelLoadFailed`` naming
         what is missing. ``defer_probe``: a probe with no cached verdict is left for the engine
         (``deferred_probe``) rather than run now."""
-        from mlx_lm.utils import load as mlx_load
-
         if options is None:
             options = options_as(spec, MlxOptions)
         warn_if_slow()
@@ -105,20 +104,7 @@ class MlxBackend:
         path = prepared.path
         if prepared.note:
             log.info("model %r: %s", spec.name, prepared.note)
-        media: VisionMedia | None = None
-        if vision_family(path) is not None:  # the directory's config decides
-            model, tokenizer, config, media = load_vision(path, options)
-        else:
-            # mlx-lm and transformers meet a damaged directory with many kinds of error (a
-            # config that is a list: TypeError; no model_type: KeyError); to the host each
-            # means the same.
-            try:
-                loaded = mlx_load(str(path), return_config=True)
-                model, tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], loaded)
-            except Exception as exc:
-                raise ModelLoadFailed(
-                    f"could not load the model at {path}: {type(exc).__name__}: {exc}"
-                ) from exc
+        model, tokenizer, config, media = load_directory(path, options)
         if mx.default_device() == mx.cpu and widen_half_quantized(model):
             log.info(
                 "model %r: quantized with half-precision scales; widened them (and the other "
