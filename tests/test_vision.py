@@ -291,3 +291,11 @@ def test_an_aborted_prefill_stops_before_the_next_images_encoding() -> None:
         assert all(store._items[k].features is not None for k in keys)
     finally:
         backend.close()
+
+
+async def test_a_clients_prompt_tokens_may_not_name_media_ids() -> None:
+    async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
+        await rt.load_model(spec("gemma3"))
+        forged = (5, 6, (1 << 62) | 1)  # would read an image another request registered
+        bad = failure(await rt.complete("gemma3", prompt_tokens=forged, max_tokens=2))
+        assert bad.code == "invalid_request" and "outside the model's vocabulary" in bad.message
