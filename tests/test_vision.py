@@ -299,3 +299,24 @@ async def test_a_clients_prompt_tokens_may_not_name_media_ids() -> None:
         forged = (5, 6, (1 << 62) | 1)  # would read an image another request registered
         bad = failure(await rt.complete("gemma3", prompt_tokens=forged, max_tokens=2))
         assert bad.code == "invalid_request" and "outside the model's vocabulary" in bad.message
+
+
+def test_the_media_store_keeps_to_its_byte_capacity() -> None:
+    from runtime.backends.vision.media import MediaLimits, decode_image
+    from runtime.backends.vision.store import MediaStore
+    from runtime.errors import MediaEvicted
+
+    backend = MlxBackend.load(spec("idefics3"))
+    try:
+        media = backend._media
+        assert media is not None
+        one = media.store.register(decode_image(image_bytes(1), "a", MediaLimits()), "a")
+        small = MediaStore(media.store._model, media.store._processor, capacity_bytes=one.nbytes)
+        first = small.register(decode_image(image_bytes(1), "a", MediaLimits()), "a")
+        second = small.register(decode_image(image_bytes(2), "b", MediaLimits()), "b")
+        assert len(small) == 1 and small.nbytes <= one.nbytes
+        assert small.span(second.key)  # the newest stays
+        with pytest.raises(MediaEvicted):
+            small.features(first.key)
+    finally:
+        backend.close()

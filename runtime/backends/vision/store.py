@@ -6,9 +6,10 @@ for the image (Gemma 3: ``<start_of_image>``, 256 soft tokens, ``<end_of_image>`
 of soft tokens the model will read and the KV reservation prices them before admission. The
 vision tower runs later, in the prefill job whose chunk reaches the span, image by image ahead of
 its passes (``encode``): an abort stops it before the next image, and the passes after it at
-their next layer (runtime/backends/mlx/interrupt.py). Items are kept in
-LRU order, at most ``capacity`` of them; one evicted before its prefill fails that request
-``MediaEvicted`` (retryable), never another image's features.
+their next layer (runtime/backends/mlx/interrupt.py). Items are kept in LRU order, at most
+``capacity`` of them and ``capacity_bytes`` of pixels and features (memory the KV budget does
+not count); one evicted before its prefill fails that request ``MediaEvicted`` (retryable),
+never another image's features.
 """
 
 from __future__ import annotations
@@ -41,14 +42,24 @@ class MediaItem:
         self.span = [next(soft) if t == image_token else t for t in raw_ids]
         self.features: mx.array | None = None
 
+    @property
+    def nbytes(self) -> int:
+        """What the item holds: the processor's pixels until the tower ran, then features."""
+        held = sum(int(v.nbytes) for v in self.inputs.values())
+        return held + (0 if self.features is None else int(self.features.nbytes))
+
 
 class MediaStore:
-    """Images by content key for one loaded VLM (its model and processor)."""
+    """Images by content key for one loaded VLM (its model and processor), at most
+    ``capacity`` items and ``capacity_bytes`` of pixels and features (the newest one always)."""
 
-    def __init__(self, model: Any, processor: Any, capacity: int = 64) -> None:
+    def __init__(
+        self, model: Any, processor: Any, capacity: int = 64, capacity_bytes: int = 512 << 20
+    ) -> None:
         self._model = model
         self._processor = processor
         self._capacity = capacity
+        self._capacity_bytes = capacity_bytes
         self._items: OrderedDict[int, MediaItem] = OrderedDict()
         tokenizer = processor.tokenizer
         # The text a prompt names an image with, which the processor expands.
@@ -81,9 +92,19 @@ class MediaStore:
         }
         item = MediaItem(image.key, raw, self.image_token, inputs)
         self._items[image.key] = item
-        while len(self._items) > self._capacity:
-            self._items.popitem(last=False)
+        self._evict()
         return item
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self._items.values())
+
+    def _evict(self) -> None:
+        """Drop the least recently used items past either capacity, never the newest."""
+        while len(self._items) > 1 and (
+            len(self._items) > self._capacity or self.nbytes > self._capacity_bytes
+        ):
+            self._items.popitem(last=False)
 
     def span(self, key: int) -> list[int]:
         """The prompt span of the registered image ``key``."""
