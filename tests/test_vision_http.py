@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import base64
 import io
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from PIL import Image
 from runtime.config import RuntimeConfig
 from runtime.messages import ChatMessage, ImagePart, ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
+from runtime.server.media import FETCH_MAX_BYTES
 from runtime.testing.tiny_models import tiny_model_path
 from runtime.testing.tiny_vlms import tiny_vlm_path
 
@@ -136,3 +139,69 @@ async def test_an_image_for_a_text_only_model_is_a_400(
     response = await http.post("/v1/chat/completions", json=body("llama", data_url(png(1))))
     assert response.status_code == 400
     assert response.json()["error"]["code"] == "media_unsupported"
+
+
+@pytest.fixture
+def image_host() -> Iterator[str]:
+    """A loopback HTTP server: ``/cat.png`` an image, ``/huge`` past the fetch limit,
+    ``/slow`` an answer that never comes in time, anything else 404."""
+    release = threading.Event()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path == "/slow":
+                release.wait(10)
+            if self.path == "/cat.png":
+                payload = png(5)
+            elif self.path == "/huge":
+                payload = b"\0" * (FETCH_MAX_BYTES + 10)
+            else:
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(payload)))
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        release.set()
+        server.shutdown()
+        server.server_close()
+
+
+async def test_a_host_that_enables_fetching_reads_remote_images_within_limits(
+    image_host: str,
+) -> None:
+    spec = ModelSpec(name="gemma3", path=str(tiny_vlm_path("gemma3")), backend="mlx")
+    config = ServerConfig(
+        models=(spec,),
+        runtime=RuntimeConfig(kv_budget_bytes=1 << 28),
+        fetch_images=True,
+        fetch_timeout_s=1.0,
+    )
+    server = OpenAIServer(config)
+    async with server.app.router.lifespan_context(server.app):
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            fetched = await http.post(
+                "/v1/chat/completions", json=body("gemma3", f"{image_host}/cat.png")
+            )
+            inline = await http.post("/v1/chat/completions", json=body("gemma3", data_url(png(5))))
+            assert fetched.status_code == 200, fetched.text
+            assert fetched.json()["choices"] == inline.json()["choices"]
+            for path, words in (("/huge", "bytes"), ("/slow", "within 1 s"), ("/nope", "404")):
+                refused = await http.post(
+                    "/v1/chat/completions", json=body("gemma3", f"{image_host}{path}")
+                )
+                assert refused.status_code == 400, refused.text
+                error = refused.json()["error"]
+                assert error["code"] == "media_source_refused"
+                assert "messages[0].content[1]" in error["message"] and words in error["message"]

@@ -16,7 +16,7 @@ from runtime.messages import IMAGE_PLACEHOLDER, ChatMessage, ChatOptions, ImageP
 from runtime.server.aliases import canonical
 from runtime.server.compat import keep_alive_s, template_kwargs
 from runtime.server.errors import UNSUPPORTED_VALUE, invalid, unsupported
-from runtime.server.media import image_part
+from runtime.server.media import MediaSources, image_part
 from runtime.server.schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -118,9 +118,12 @@ def completion_call(request: CompletionRequest) -> RuntimeCall:
     )
 
 
-def chat_call(request: ChatCompletionRequest, media_dirs: tuple[str, ...] = ()) -> RuntimeCall:
+NO_MEDIA = MediaSources()
+
+
+def chat_call(request: ChatCompletionRequest, sources: MediaSources = NO_MEDIA) -> RuntimeCall:
     """``/v1/chat/completions``; raises ``HttpError`` for refused fields and message shapes.
-    ``media_dirs``: where ``image_url`` parts may name local files (server/media.py)."""
+    ``sources``: where ``image_url`` parts may come from (server/media.py)."""
     request = canonical(request)  # the neighbours' field names (aliases.py)
     _refuse_choices(request.n, None)
     for field, value, off, why in (
@@ -142,7 +145,7 @@ def chat_call(request: ChatCompletionRequest, media_dirs: tuple[str, ...] = ()) 
     tools = tool_setup(request)
     call = _call(
         request,
-        messages=_chat_messages(request.messages, media_dirs),
+        messages=_chat_messages(request.messages, sources),
         max_tokens=_chat_max_tokens(request),
         logprobs=bool(request.logprobs),
         top_logprobs=request.top_logprobs or 0,
@@ -167,7 +170,7 @@ def chat_call(request: ChatCompletionRequest, media_dirs: tuple[str, ...] = ()) 
     )
 
 
-def prewarm_call(request: PrewarmRequest, media_dirs: tuple[str, ...] = ()) -> PrewarmCall:
+def prewarm_call(request: PrewarmRequest, sources: MediaSources = NO_MEDIA) -> PrewarmCall:
     """``/v1/prewarm``; messages (images included) are checked as ``chat_call`` checks them."""
     prompt = request.prompt
     messages = request.messages
@@ -178,7 +181,7 @@ def prewarm_call(request: PrewarmRequest, media_dirs: tuple[str, ...] = ()) -> P
         model=_model(request),
         prompt=prompt if isinstance(prompt, str) else None,
         prompt_tokens=None if prompt is None or isinstance(prompt, str) else tuple(prompt),
-        messages=None if messages is None else _chat_messages(messages, media_dirs),
+        messages=None if messages is None else _chat_messages(messages, sources),
         max_tokens=request.max_tokens,
         namespace=_namespace(request.cache_salt),
         session=request.session,
@@ -308,11 +311,11 @@ def _one_prompt(
 
 
 def _chat_messages(
-    messages: list[WireChatMessage], media_dirs: tuple[str, ...]
+    messages: list[WireChatMessage], sources: MediaSources
 ) -> tuple[ChatMessage, ...]:
     check_answers(messages)
     return tuple(
-        _with_reasoning(i, message, _chat_message(i, message, media_dirs))
+        _with_reasoning(i, message, _chat_message(i, message, sources))
         for i, message in enumerate(messages)
     )
 
@@ -330,7 +333,7 @@ def _with_reasoning(index: int, wire: WireChatMessage, message: ChatMessage) -> 
     return msgspec.structs.replace(message, content=content)
 
 
-def _chat_message(index: int, message: WireChatMessage, media_dirs: tuple[str, ...]) -> ChatMessage:
+def _chat_message(index: int, message: WireChatMessage, sources: MediaSources) -> ChatMessage:
     where = f"messages[{index}]"
     for field, value in (
         ("name", message.name),
@@ -352,7 +355,7 @@ def _chat_message(index: int, message: WireChatMessage, media_dirs: tuple[str, .
     for j, part in enumerate(content):
         if part.type == "image_url" and part.image_url is not None:
             url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
-            images.append(image_part(url, f"{where}.content[{j}]", media_dirs))
+            images.append(image_part(url, f"{where}.content[{j}]", sources))
             pieces.append(IMAGE_PLACEHOLDER)
         elif part.type == "text" and part.text is not None:
             # Text parts join with newlines, as vLLM renders them for string-content templates.
