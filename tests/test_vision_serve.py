@@ -51,10 +51,12 @@ def test_the_openai_client_sends_image_parts_to_mlxrt_serve(tmp_path: Path) -> N
     model = tiny_vlm_path("gemma3")
     picture = tmp_path / "picture.png"
     picture.write_bytes(png(1))
-    with mlxrt_serve(
-        "--backend", "mlx", "--model", f"vlm={model}", "--media-dir", str(tmp_path)
-    ) as url:
-        client = client_for(url)
+    with (
+        mlxrt_serve(
+            "--backend", "mlx", "--model", f"vlm={model}", "--media-dir", str(tmp_path)
+        ) as url,
+        client_for(url) as client,
+    ):  # closed: no socket left for the collector
         by_data = ask(client, f"data:image/png;base64,{base64.b64encode(png(1)).decode()}")
         assert by_data == ask(client, picture.as_uri())
         with pytest.raises(openai.BadRequestError) as refused:
