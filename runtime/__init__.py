@@ -53,6 +53,7 @@ if TYPE_CHECKING:
     )
     from runtime.kernel.supervision import RestartPolicy
     from runtime.messages import (
+        IMAGE_PLACEHOLDER,
         Cancelled,
         ChatMessage,
         ChatOptions,
@@ -60,6 +61,7 @@ if TYPE_CHECKING:
         Finished,
         FinishReason,
         HostEvent,
+        ImagePart,
         ModelLoaded,
         ModelSpec,
         ModelUnloaded,
@@ -102,6 +104,8 @@ __all__ = [
     "Sampling",
     "ChatMessage",
     "ChatOptions",
+    "ImagePart",
+    "IMAGE_PLACEHOLDER",
     "Tool",
     "ToolCall",
     # what comes back
@@ -166,6 +170,8 @@ _HOMES: dict[str, tuple[str, ...]] = {
         "Sampling",
         "ChatMessage",
         "ChatOptions",
+        "ImagePart",
+        "IMAGE_PLACEHOLDER",
         "Tool",
         "ToolCall",
         "HostEvent",

@@ -76,6 +76,43 @@ class ConstraintsUnsupported(InvalidRequest):
     code = "constraints_unsupported"
 
 
+class InvalidMedia(InvalidRequest):
+    """Reported (before any KV is reserved) when an image of a chat message cannot be used: its
+    bytes are not an image, its format is not one the runtime decodes, or it is larger than the
+    limits allow. The message names the message and image (``messages[1].images[0]``)."""
+
+    code = "invalid_media"
+
+
+class TooManyImages(InvalidRequest):
+    """Reported when a request carries more images than the model's engine accepts
+    (``MediaLimits.max_images``)."""
+
+    code = "too_many_images"
+
+
+class MediaUnsupported(InvalidRequest):
+    """Reported when a request carries images and its model is text-only (no vision tower), or
+    its backend cannot take media (llama.cpp, simulated)."""
+
+    code = "media_unsupported"
+
+
+class MediaSourceRefused(InvalidRequest):
+    """Raised by the HTTP server when an ``image_url`` names a source it may not read: a local
+    file outside the allow-list (``--media-dir``), or a remote URL while fetching is off."""
+
+    code = "media_source_refused"
+
+
+class MediaEvicted(MlxRuntimeError):
+    """Reported when an image a prompt named was dropped from the engine's media store between
+    tokenizing and prefilling (more images in flight than the store holds); retry."""
+
+    code = "media_evicted"
+    retryable = True
+
+
 class ConstraintDeadEnd(MlxRuntimeError):
     """Reported when a constrained sequence reaches a state its grammar allows no token from (an
     engine limit, e.g. lexer fuel, was hit): the request fails instead of emitting invalid text."""
@@ -336,6 +373,11 @@ ERRORS_BY_CODE: dict[str, type[MlxRuntimeError]] = {
         ActorStopped,
         RuntimeClosed,
         SupervisionEscalated,
+        InvalidMedia,
+        TooManyImages,
+        MediaUnsupported,
+        MediaSourceRefused,
+        MediaEvicted,
     )
 }
 

@@ -87,6 +87,8 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         default_temperature=args.temperature,
         default_max_tokens=args.max_tokens,
         allowed_origins=tuple(args.allowed_origins),
+        media_dirs=tuple(args.media_dir),
+        fetch_images=args.fetch_images,
         # Known models and cached conversions: MLX's, or llama.cpp's where auto picks it.
         offer_cached_models=args.backend in ("mlx", "auto"),
         catalog_backend=args.backend,

@@ -1,7 +1,8 @@
 """``mlxrt serve``'s flags for what a request gets when it leaves something out, and for who may
-call from a browser: ``--max-tokens``, ``--strict-max-tokens``, ``--allowed-origins``
-(docs/http.md); and where engines run: ``--ray``, ``--replicas`` (docs/cluster.md). Apart from
-cli.py so the serve command's other flags can change without them."""
+call from a browser or name a local image: ``--max-tokens``, ``--strict-max-tokens``,
+``--allowed-origins``, ``--media-dir`` (docs/http.md); and where engines run: ``--ray``,
+``--replicas`` (docs/cluster.md). Apart from cli.py so the serve command's other flags can change
+without them."""
 
 from __future__ import annotations
 
@@ -29,6 +30,20 @@ def add_request_flags(serve: argparse.ArgumentParser) -> None:
         metavar="ORIGIN",
         help='browser origins allowed to call the API (CORS), e.g. http://localhost:3000, or "*" '
         "for any; default: none (a browser page on another origin cannot call it)",
+    )
+    serve.add_argument(
+        "--media-dir",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="a directory whose image files image_url parts may name (file:// URLs or absolute "
+        "paths), repeatable; default: none (only data URLs)",
+    )
+    serve.add_argument(
+        "--fetch-images",
+        action="store_true",
+        help="fetch remote (http/https) image_url parts, each at most 20 MiB within 10 s "
+        "(default: refused; the server then reaches any address a client names)",
     )
 
 

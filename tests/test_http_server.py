@@ -320,7 +320,7 @@ async def test_an_over_long_conversation_is_refused_never_trimmed() -> None:
         ),
         (
             "/v1/chat/completions",
-            {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "data": "x"}]}]},
             "messages[0].content[0]",
             "unsupported_value",
         ),

@@ -469,3 +469,14 @@ async def test_constrained_drafts_follow_the_grammar() -> None:
             texts.append(done.text)
         assert texts[0] == texts[1]
         assert _counters(rt, "llama")["accepted_tokens"] > 0
+
+
+def test_drafts_stop_before_an_images_soft_tokens() -> None:
+    from actors.engine.drafting import PromptLookup
+    from runtime.backends.vision.media import media_ids
+
+    image = media_ids(0xABC, 4)
+    history = [7, 8, 9, *image, 10, 7, 8, 9]  # the end matches the n-gram before the image
+    assert PromptLookup().draft(history, 6) == []
+    history = [7, 8, 9, 11, *image, 7, 8, 9]
+    assert PromptLookup().draft(history, 6) == [11]

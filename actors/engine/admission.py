@@ -40,6 +40,7 @@ from actors.engine.sequence import Phase, Sequence
 from actors.engine.supersede import Adopt, Join, Supersede, identical_leader, plan_supersede
 from actors.replicas import replica_base
 from runtime.backends.contract import ModelInfo
+from runtime.backends.vision.media import is_media
 from runtime.errors import ContextLengthExceeded, InvalidRequest, MlxRuntimeError
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, Context
 from runtime.kernel.stats import Counters
@@ -171,8 +172,15 @@ class Admission:
             )
             self._ends.fail(seq, ctx, error)
             return
-        if max(seq.tokens) >= info.vocab_size:  # an embedding lookup past its table is garbage
-            outside = sorted({t for t in seq.tokens if t >= info.vocab_size})
+        # An embedding lookup past its table is garbage; the ids of images' soft tokens lie
+        # above every vocabulary and come only from the model's own tokenizing (vision/media.py).
+        given = seq.request.prompt_tokens is not None
+        outside = (
+            sorted({t for t in seq.tokens if t >= info.vocab_size and (given or not is_media(t))})
+            if max(seq.tokens) >= info.vocab_size
+            else []
+        )
+        if outside:
             error = InvalidRequest(
                 f"prompt_tokens names token ids outside the model's vocabulary of "
                 f"{info.vocab_size} (ids 0 to {info.vocab_size - 1}): {outside[:5]}; remove them"

@@ -12,6 +12,9 @@ so that a later quote is noticed. See docs/design.md (speculative decoding).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from itertools import takewhile
+
+from runtime.backends.vision.media import is_media
 
 NGRAMS = (3, 2)  # the longest suffix that matches wins; one token alone matches too often
 # A 2-gram match drafts only while drafts are being accepted (inside a copy): in free text two
@@ -61,7 +64,8 @@ def _follow(history: Sequence[int], start: int, limit: int) -> list[int]:
     period = len(history) - start
     while len(drafts) < limit:
         drafts.append(drafts[len(drafts) - period])
-    return drafts
+    # An image's soft tokens (media ids) are never sampled: a draft of one is always rejected.
+    return list(takewhile(lambda t: not is_media(t), drafts))
 
 
 class Speculation:

@@ -202,7 +202,7 @@ def run_tokenize(job: TokenizeJob, seqs: list[Sequence], backend: Backend) -> No
             reply_room = seq.max_tokens or 1
             prepared = prepare_chat(
                 backend.chat_tokenizer,
-                request.messages,
+                backend.prepare_media(request.messages),
                 request.chat,
                 min(reply_room, backend.info.context_length - 1),
                 backend.info.context_length,

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Protocol
 import msgspec
 
 from runtime.backends.options import ModelOptions
-from runtime.messages import ModelSpec
+from runtime.messages import ChatMessage, ModelSpec
 from runtime.text.chat import ChatTokenizer
 
 if TYPE_CHECKING:  # logits are MLX arrays; the contract itself needs no MLX to import
@@ -202,6 +202,14 @@ class Backend(Protocol):
 
     def encode(self, text: str) -> list[int]:
         """Tokenize a prompt (adding the model's BOS if it uses one)."""
+        ...
+
+    def prepare_media(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
+        """Chat ``messages`` ready for ``prepare_chat``: a vision-language model decodes, checks
+        and registers their images and keys them into the text (runtime/backends/vision/); a
+        text-only one returns them as they are, or raises ``MediaUnsupported`` when one has an
+        image. Raises ``InvalidMedia``, ``TooManyImages`` or ``InvalidRequest`` for bad images.
+        """
         ...
 
     def decode(self, token_ids: Sequence[int]) -> str:

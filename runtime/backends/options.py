@@ -89,6 +89,11 @@ class MlxOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields
     # capability off and runs the load probe while idle; "at_load" runs it before the model is
     # ready. None: $MLXRT_LOAD_PROBE, else "background" (runtime/backends/mlx/capabilities.py).
     load_probe: Literal["background", "at_load"] | None = None
+    # Vision-language models only (docs/models.md, vision): per request, the most images; per
+    # image, the most bytes of its file and pixels once decoded (larger ones: invalid_media).
+    max_images: Annotated[int, msgspec.Meta(ge=0, le=256)] = 8
+    max_image_bytes: PositiveInt = 20 * 1024 * 1024
+    max_image_pixels: PositiveInt = 4096 * 4096
 
 
 class LlamaCppOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -38,7 +38,8 @@ from runtime.backends.contract import (
 )
 from runtime.backends.disk.host import HostState
 from runtime.backends.options import SimulatedModelOptions, options_as
-from runtime.messages import ModelSpec
+from runtime.backends.vision.media import refuse_media
+from runtime.messages import ChatMessage, ModelSpec
 
 if TYPE_CHECKING:
     import mlx.core as mx
@@ -195,6 +196,10 @@ class SimulatedBackend:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("utf-8"))
+
+    def prepare_media(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
+        refuse_media(messages, "the simulated backend has no vision tower")
+        return messages
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return bytes(t for t in token_ids if t < 256).decode("utf-8", errors="replace")

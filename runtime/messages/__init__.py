@@ -149,11 +149,13 @@ from runtime.messages.unions import (
     for_request,
 )
 from runtime.messages.vocabulary import (
+    IMAGE_PLACEHOLDER,
     ChatMessage,
     ChatOptions,
     Constraint,
     FinishReason,
     GrammarConstraint,
+    ImagePart,
     JsonObjectConstraint,
     JsonSchemaConstraint,
     Message,
@@ -189,6 +191,8 @@ __all__ = [
     "ToolCall",
     "ChatMessage",
     "ChatOptions",
+    "IMAGE_PLACEHOLDER",
+    "ImagePart",
     "Usage",
     "TokenLogprob",
     "ReusePath",

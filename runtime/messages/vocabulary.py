@@ -9,7 +9,7 @@ module defines it.
 from __future__ import annotations
 
 import enum
-from typing import Literal
+from typing import Final, Literal
 
 import msgspec
 
@@ -129,17 +129,34 @@ class ToolCall(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     arguments: str
 
 
+# Where an image of ``ChatMessage.images`` stands in its ``content`` (one per image, in order).
+IMAGE_PLACEHOLDER: Final = "<|image|>"
+
+
+class ImagePart(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """An image of a chat message: the bytes of an image file (PNG, JPEG, WebP, GIF, BMP), as a
+    data URL or an allowed local file held them. Decoded on the engine's compute thread."""
+
+    data: bytes
+    # Where the client put it, for error messages (the HTTP server: ``messages[0].content[1]``);
+    # None: ``messages[i].images[j]``.
+    part: str | None = None
+
+
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One chat message as the OpenAI API sends it (text content only).
+    """One chat message as the OpenAI API sends it.
 
     An assistant message may carry ``tool_calls`` (its ``content`` then may be empty); a ``tool``
-    message answers the call named by ``tool_call_id``.
+    message answers the call named by ``tool_call_id``. ``images`` (vision-language models
+    only): each stands where ``content`` holds an ``IMAGE_PLACEHOLDER``, in order; a content
+    with none has them all before its text.
     """
 
     role: Role
     content: str
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
+    images: tuple[ImagePart, ...] = ()
 
 
 class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -47,6 +47,7 @@ from runtime.server.errors import (
 )
 from runtime.server.gate import KeyGate
 from runtime.server.generation import GenerationResponse
+from runtime.server.media import MediaSources, fetch_remote
 from runtime.server.metrics import OTHER_MODEL, ServerMetrics
 from runtime.server.models import ModelManager
 from runtime.server.render import ChatRender, CompletionRender, Render
@@ -92,6 +93,13 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     default_max_tokens: int | None = None
     # Browser origins allowed to call the API (CORS; "*": any); empty: no CORS headers at all.
     allowed_origins: tuple[str, ...] = ()
+    # Directories whose files ``image_url`` parts may name (``mlxrt serve --media-dir``); empty:
+    # only data URLs.
+    media_dirs: tuple[str, ...] = ()
+    # Fetch remote (http/https) image URLs, each at most 20 MiB within ``fetch_timeout_s``
+    # (``mlxrt serve --fetch-images``); off: they are refused.
+    fetch_images: bool = False
+    fetch_timeout_s: float = 10.0
 
 
 class OpenAIServer:
@@ -282,7 +290,8 @@ class OpenAIServer:
         body = await self._read_body(request)
         decoded = await self._named(_decode(body, wire.chat_request_decoder))
         self._field_notes.note(decoded)
-        call = scoped(request, chat_call(self._defaulted(decoded)))
+        sources = await self._media_sources(decoded.messages)
+        call = scoped(request, chat_call(self._defaulted(decoded), sources))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs, include_usage = call.sampling.logprobs, call.include_usage
         render: Render
@@ -302,11 +311,19 @@ class OpenAIServer:
             )
         return await self._generation(call, render)
 
+    async def _media_sources(self, messages: list[wire.WireChatMessage]) -> MediaSources:
+        """Where this request's images may come from: the allowed directories, and its remote
+        images, fetched first where the host enabled it (server/media.py)."""
+        config = self.config
+        fetched = await fetch_remote(messages, config.fetch_images, config.fetch_timeout_s)
+        return MediaSources(config.media_dirs, fetched)
+
     async def _prewarm(self, request: Request) -> Response:
         """Not cancelled when the client goes away: a client may send it and not wait."""
         body = await self._read_body(request)
         named = await self._named(_decode(body, wire.prewarm_request_decoder))
-        call = scoped(request, prewarm_call(named))
+        sources = await self._media_sources(named.messages or [])
+        call = scoped(request, prewarm_call(named, sources))
         try:
             await self.models.ensure_loaded(call.model)
             ended = await self.runtime.prewarm(

@@ -26,12 +26,16 @@ from runtime.errors import (
     EngineProcessLost,
     InvalidApiKey,
     InvalidGrammar,
+    InvalidMedia,
     InvalidModelSpec,
     InvalidRequest,
     InvalidSchema,
     KVBudgetExhausted,
     KVRequestTooLarge,
     MalformedMessage,
+    MediaEvicted,
+    MediaSourceRefused,
+    MediaUnsupported,
     MlxRuntimeError,
     ModelAlreadyLoaded,
     ModelFailed,
@@ -49,6 +53,7 @@ from runtime.errors import (
     StepTimedOut,
     StreamStalled,
     SupervisionEscalated,
+    TooManyImages,
     UnsupportedCache,
     UnsupportedModelFormat,
 )
@@ -75,6 +80,11 @@ STATUS_BY_CODE: dict[str, int] = {
     ConstraintDeadEnd.code: 500,  # the grammar engine hit a limit mid-generation
     MalformedMessage.code: 400,
     KVRequestTooLarge.code: 400,  # it can never fit: the client must ask for less
+    InvalidMedia.code: 400,  # the image part named: undecodable, too large, another format
+    TooManyImages.code: 400,
+    MediaUnsupported.code: 400,  # images sent to a text-only model
+    MediaSourceRefused.code: 400,  # a remote URL, or a file outside --media-dir
+    MediaEvicted.code: 503,  # more images in flight than the engine's store holds: retry
     ModelNotLoaded.code: 404,
     DuplicateRequestId.code: 409,
     ModelAlreadyLoaded.code: 409,

@@ -96,14 +96,23 @@ class CompletionRequest(_GenerationBody, frozen=True, kw_only=True):
     best_of: int | None = None
 
 
-class ContentPart(msgspec.Struct, frozen=True):
-    """One part of a message's content; only ``text`` parts are supported.
+class ImageUrl(msgspec.Struct, frozen=True):
+    """An ``image_url`` part's image: a data URL or an allowed local file (server/media.py);
+    ``detail`` is accepted and ignored (the model's processor decides the resolution)."""
 
-    Unknown keys are allowed here: they belong to part types (images, audio) refused by type.
+    url: str
+    detail: str | None = None
+
+
+class ContentPart(msgspec.Struct, frozen=True):
+    """One part of a message's content: ``text`` or ``image_url`` (vision-language models).
+
+    Unknown keys are allowed here: they belong to part types (audio, files) refused by type.
     """
 
     type: str
     text: str | None = None
+    image_url: ImageUrl | str | None = None
 
 
 class WireChatMessage(_Body, frozen=True, kw_only=True):

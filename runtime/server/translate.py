@@ -12,10 +12,11 @@ from typing import Any
 
 import msgspec
 
-from runtime.messages import ChatMessage, ChatOptions, Sampling
+from runtime.messages import IMAGE_PLACEHOLDER, ChatMessage, ChatOptions, ImagePart, Sampling
 from runtime.server.aliases import canonical
 from runtime.server.compat import keep_alive_s, template_kwargs
 from runtime.server.errors import UNSUPPORTED_VALUE, invalid, unsupported
+from runtime.server.media import MediaSources, image_part
 from runtime.server.schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -117,8 +118,12 @@ def completion_call(request: CompletionRequest) -> RuntimeCall:
     )
 
 
-def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
-    """``/v1/chat/completions``; raises ``HttpError`` for refused fields and message shapes."""
+NO_MEDIA = MediaSources()
+
+
+def chat_call(request: ChatCompletionRequest, sources: MediaSources = NO_MEDIA) -> RuntimeCall:
+    """``/v1/chat/completions``; raises ``HttpError`` for refused fields and message shapes.
+    ``sources``: where ``image_url`` parts may come from (server/media.py)."""
     request = canonical(request)  # the neighbours' field names (aliases.py)
     _refuse_choices(request.n, None)
     for field, value, off, why in (
@@ -140,7 +145,7 @@ def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
     tools = tool_setup(request)
     call = _call(
         request,
-        messages=_chat_messages(request.messages),
+        messages=_chat_messages(request.messages, sources),
         max_tokens=_chat_max_tokens(request),
         logprobs=bool(request.logprobs),
         top_logprobs=request.top_logprobs or 0,
@@ -165,8 +170,8 @@ def chat_call(request: ChatCompletionRequest) -> RuntimeCall:
     )
 
 
-def prewarm_call(request: PrewarmRequest) -> PrewarmCall:
-    """``/v1/prewarm``; messages are checked as ``chat_call`` checks them."""
+def prewarm_call(request: PrewarmRequest, sources: MediaSources = NO_MEDIA) -> PrewarmCall:
+    """``/v1/prewarm``; messages (images included) are checked as ``chat_call`` checks them."""
     prompt = request.prompt
     messages = request.messages
     tools = tool_setup(request)
@@ -176,7 +181,7 @@ def prewarm_call(request: PrewarmRequest) -> PrewarmCall:
         model=_model(request),
         prompt=prompt if isinstance(prompt, str) else None,
         prompt_tokens=None if prompt is None or isinstance(prompt, str) else tuple(prompt),
-        messages=None if messages is None else _chat_messages(messages),
+        messages=None if messages is None else _chat_messages(messages, sources),
         max_tokens=request.max_tokens,
         namespace=_namespace(request.cache_salt),
         session=request.session,
@@ -305,10 +310,13 @@ def _one_prompt(
     )
 
 
-def _chat_messages(messages: list[WireChatMessage]) -> tuple[ChatMessage, ...]:
+def _chat_messages(
+    messages: list[WireChatMessage], sources: MediaSources
+) -> tuple[ChatMessage, ...]:
     check_answers(messages)
     return tuple(
-        _with_reasoning(i, message, _chat_message(i, message)) for i, message in enumerate(messages)
+        _with_reasoning(i, message, _chat_message(i, message, sources))
+        for i, message in enumerate(messages)
     )
 
 
@@ -325,7 +333,7 @@ def _with_reasoning(index: int, wire: WireChatMessage, message: ChatMessage) -> 
     return msgspec.structs.replace(message, content=content)
 
 
-def _chat_message(index: int, message: WireChatMessage) -> ChatMessage:
+def _chat_message(index: int, message: WireChatMessage, sources: MediaSources) -> ChatMessage:
     where = f"messages[{index}]"
     for field, value in (
         ("name", message.name),
@@ -342,15 +350,25 @@ def _chat_message(index: int, message: WireChatMessage) -> ChatMessage:
         return ChatMessage(message.role, "", calls, call_id)  # a reply that only calls tools
     if content is None:
         raise invalid(f"{where}.content", f"{where}.content is missing; send text")
+    pieces: list[str] = []
+    images: list[ImagePart] = []
     for j, part in enumerate(content):
-        if part.type != "text" or part.text is None:
+        if part.type == "image_url" and part.image_url is not None:
+            url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
+            images.append(image_part(url, f"{where}.content[{j}]", sources))
+            pieces.append(IMAGE_PLACEHOLDER)
+        elif part.type == "text" and part.text is not None:
+            # Text parts join with newlines, as vLLM renders them for string-content templates.
+            text = part.text
+            pieces.append(f"\n{text}" if pieces and pieces[-1] != IMAGE_PLACEHOLDER else text)
+        else:
             raise unsupported(
                 f"{where}.content[{j}]",
-                f"{where}.content[{j}] is a {part.type!r} part; only text parts are supported",
+                f"{where}.content[{j}] is a {part.type!r} part; only text and image_url parts "
+                "are supported",
                 code=UNSUPPORTED_VALUE,
             )
-    # Text parts join with newlines, as vLLM renders them for string-content chat templates.
-    return ChatMessage(message.role, "\n".join(p.text or "" for p in content), calls, call_id)
+    return ChatMessage(message.role, "".join(pieces), calls, call_id, tuple(images))
 
 
 def _chat_max_tokens(request: ChatCompletionRequest) -> int | None:

@@ -58,8 +58,9 @@ from runtime.backends.llamacpp.tokenizer import load_tokenizer, tokenizer_dir
 from runtime.backends.mlx.facts import effective_eos_ids
 from runtime.backends.model_source import converted_models_dir
 from runtime.backends.options import LlamaCppOptions, options_as
+from runtime.backends.vision.media import refuse_media
 from runtime.errors import BackendError, InvalidModelSpec
-from runtime.messages import ModelSpec
+from runtime.messages import ChatMessage, ModelSpec
 from runtime.text.chat import has_chat_template
 from runtime.text.constraints import ConstraintEngine
 
@@ -232,6 +233,10 @@ class LlamaCppBackend:
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text))
+
+    def prepare_media(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
+        refuse_media(messages, "the llama.cpp backend serves text models only")
+        return messages
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tokenizer.decode(list(token_ids)))

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
@@ -44,6 +44,7 @@ from runtime.backends.mlx.facts import (
     widen_half_quantized,
 )
 from runtime.backends.mlx.interrupt import can_interrupt, interruptible, stop_checks
+from runtime.backends.mlx.loading import load_directory
 from runtime.backends.mlx.probe import plain_run, probe_prompts
 from runtime.backends.mlx.state import MlxSnapshot, MlxState, check_points, own_state
 from runtime.backends.mlx.together import prefill_together, together_snapshot_tokens
@@ -51,9 +52,11 @@ from runtime.backends.mlx.upstream import patch_model
 from runtime.backends.mlx.verify import rewind_pass, verify_pass
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
+from runtime.backends.vision.load import VisionMedia
+from runtime.backends.vision.media import refuse_media
 from runtime.blas import warn_if_slow
 from runtime.errors import ModelLoadFailed
-from runtime.messages import ModelSpec
+from runtime.messages import ChatMessage, ModelSpec
 from runtime.text.chat import has_chat_template
 from runtime.text.constraints import ConstraintEngine
 
@@ -82,6 +85,7 @@ class MlxBackend:
         self.batch_decode = True  # whether the probe found batched decoding exact (set at load)
         self._constraints: ConstraintEngine | None = None  # made for the first constrained row
         self._deferred: DeferredProbe | None = None  # the load probe, where left for later
+        self._media: VisionMedia | None = None  # a vision-language model's images (vision/)
 
     # ------------------------------------------------------------------ loading
 
@@ -93,8 +97,6 @@ class MlxBackend:
         direct call); raises ``InvalidModelSpec`` (bad options) or ``ModelLoadFailed`` naming
         what is missing. ``defer_probe``: a probe with no cached verdict is left for the engine
         (``deferred_probe``) rather than run now."""
-        from mlx_lm.utils import load as mlx_load
-
         if options is None:
             options = options_as(spec, MlxOptions)
         warn_if_slow()
@@ -102,15 +104,7 @@ class MlxBackend:
         path = prepared.path
         if prepared.note:
             log.info("model %r: %s", spec.name, prepared.note)
-        # mlx-lm and transformers meet a damaged directory with many kinds of error (a config
-        # that is a list: TypeError; no model_type: KeyError); to the host each means the same.
-        try:
-            loaded = mlx_load(str(path), return_config=True)
-            model, tokenizer, config = cast(tuple[Any, Any, dict[str, Any]], loaded)
-        except Exception as exc:
-            raise ModelLoadFailed(
-                f"could not load the model at {path}: {type(exc).__name__}: {exc}"
-            ) from exc
+        model, tokenizer, config, media = load_directory(path, options)
         if mx.default_device() == mx.cpu and widen_half_quantized(model):
             log.info(
                 "model %r: quantized with half-precision scales; widened them (and the other "
@@ -121,6 +115,7 @@ class MlxBackend:
             log.info("model %r: worked around an mlx-lm defect: %s", spec.name, applied)
         backend = cls(model, tokenizer, loading_info(), options.kv_bits)
         backend._path = path
+        backend._media = media
         # Refused here, not at a request: a cache class with no adapter cannot be served.
         check_supported(backend.new_state().caches, config.get("model_type"))
         try:
@@ -204,7 +199,15 @@ class MlxBackend:
 
     @property
     def chat_tokenizer(self) -> Any:
+        if self._media is not None:  # images' keyed markers become their spans
+            return self._media.chat_tokenizer
         return self._tokenizer  # mlx-lm's wrapper: encode() and the model's chat template
+
+    def prepare_media(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
+        if self._media is None:
+            refuse_media(messages, "this model is text-only")
+            return messages
+        return self._media.prepare(messages)
 
     def encode(self, text: str) -> list[int]:
         return list(self._tokenizer.encode(text))
@@ -278,6 +281,8 @@ class MlxBackend:
         ids, start = list(token_ids), own.n_tokens
         end = start + len(ids)
         check_points(snapshot_at, start, end)
+        if self._media is not None:  # the vision tower, an image at a time, stoppable between
+            self._media.store.encode(ids, stop)
         # Passes end where a snapshot cannot reach back from further on (a recurrent state holds
         # only its last step), and before the last token of a long pass that keeps logits.
         cuts = set() if self.reach_back else set(snapshot_at)

@@ -1,0 +1,105 @@
+"""An mlx-vlm model in the shape of an mlx-lm one, so the MLX backend runs it unchanged.
+
+``model(ids, cache=caches)`` returns logits, ``make_cache`` mlx-lm's cache classes (the ones
+``cache_kinds`` has adapters for). Text arrives as int32 ids and runs through the language model
+as it would alone, so a text request to a VLM keeps reuse, batching, samplers and constraints. A
+pass whose ids hold media ids (``media.py``: they need 64 bits, so the array is int64) embeds its
+text ids, puts each image's features (``MediaStore.features``) at its soft tokens, and runs the
+language model on those embeddings, as mlx-vlm's own ``get_input_embeddings`` would lay them out.
+Attention stays causal inside an image span, as mlx-vlm's generation runs it (docs/models.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any, cast
+
+import mlx.core as mx
+from mlx_lm.models import cache as mlx_cache
+
+from runtime.backends.vision.media import MEDIA_BASE, split_media
+from runtime.backends.vision.store import MediaStore
+from runtime.errors import UnsupportedCache
+
+
+class VisionTextModel:
+    """The language model of ``vlm`` fed token ids and media ids (see the module docstring);
+    ``parameters``, ``update`` and ``modules`` are the whole VLM's, as an mlx-lm model's are."""
+
+    def __init__(self, vlm: Any, store: MediaStore) -> None:
+        self.vlm = vlm
+        self._store = store
+
+    def parameters(self) -> Any:
+        return self.vlm.parameters()
+
+    def update(self, parameters: Any) -> Any:
+        return self.vlm.update(parameters)
+
+    def modules(self) -> list[Any]:
+        return list(self.vlm.modules())
+
+    @property
+    def layers(self) -> Any:
+        return self.vlm.language_model.layers
+
+    def make_cache(self) -> list[Any]:
+        """mlx-lm's cache of each layer, like the one mlx-vlm would make."""
+        language = self.vlm.language_model
+        if not hasattr(language, "make_cache"):
+            return [mlx_cache.KVCache() for _ in self.layers]  # type: ignore[no-untyped-call]
+        caches: list[Any] = []
+        for made in language.make_cache():
+            name = type(made).__name__
+            if name == "KVCache":
+                caches.append(mlx_cache.KVCache())  # type: ignore[no-untyped-call]
+            elif name == "RotatingKVCache":
+                ring = mlx_cache.RotatingKVCache(max_size=made.max_size, keep=made.keep)  # type: ignore[no-untyped-call]
+                caches.append(ring)
+            else:
+                raise UnsupportedCache(
+                    f"this vision-language model's layers use mlx-vlm's {name}, which the "
+                    "runtime has no adapter for; only KVCache and RotatingKVCache layers load"
+                )
+        return caches
+
+    def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
+        language = self.vlm.language_model
+        if inputs.dtype != mx.int64:  # no media id fits 32 bits: text only, as it runs alone
+            logits: mx.array = language(inputs, cache=cache).logits
+            return logits
+        media = inputs >= MEDIA_BASE
+        ids = mx.where(media, 0, inputs).astype(mx.int32)
+        embeds = self.vlm.get_input_embeddings(ids, None).inputs_embeds
+        positions, rows = self._media_rows(cast("list[list[int]]", inputs.tolist()))
+        if positions:
+            batch, length, hidden = embeds.shape
+            flat = embeds.reshape(batch * length, hidden)
+            flat[mx.array(positions)] = rows.astype(flat.dtype)
+            embeds = flat.reshape(batch, length, hidden)
+        out: mx.array = language(ids, inputs_embeds=embeds, cache=cache).logits
+        return out
+
+    def _media_rows(self, rows: list[list[int]]) -> tuple[list[int], mx.array]:
+        """Flat positions of the media ids in ``rows`` and their features, in that order."""
+        positions: list[int] = []
+        pieces: list[mx.array] = []
+        width = len(rows[0])
+        for r, row in enumerate(rows):
+            c = 0
+            while c < width:
+                if row[c] < MEDIA_BASE:
+                    c += 1
+                    continue
+                key, first = split_media(row[c])
+                end = c + 1  # a run of one image's consecutive soft tokens
+                while (
+                    end < width
+                    and row[end] >= MEDIA_BASE
+                    and split_media(row[end]) == (key, first + end - c)
+                ):
+                    end += 1
+                features = self._store.features(key)
+                pieces.append(features[first : first + end - c])
+                positions.extend(range(r * width + c, r * width + end))
+                c = end
+        return positions, mx.concatenate(pieces) if pieces else mx.zeros((0,))

@@ -1,0 +1,151 @@
+"""The engine's images: each image's soft-token span as its processor makes it, and its features.
+
+``register`` runs on the tokenize job: the model's own processor expands the model's image marker
+for the image (Gemma 3: ``<start_of_image>``, 256 soft tokens, ``<end_of_image>``; SmolVLM: a
+``<fake_token_around_image>`` row per tile and a global view), so the prompt holds the exact number
+of soft tokens the model will read and the KV reservation prices them before admission. The
+vision tower runs later, in the prefill job whose chunk reaches the span, image by image ahead of
+its passes (``encode``): an abort stops it before the next image, and the passes after it at
+their next layer (runtime/backends/mlx/interrupt.py). Items are kept in LRU order, at most
+``capacity`` of them and ``capacity_bytes`` of pixels and features (memory the KV budget does
+not count); one evicted before its prefill fails that request ``MediaEvicted`` (retryable),
+never another image's features.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from runtime.backends.contract import PrefillInterrupted
+from runtime.backends.vision.media import DecodedImage, is_media, media_ids, split_media
+from runtime.errors import InvalidMedia, MediaEvicted
+
+
+class MediaItem:
+    """One image: its prompt span (``span``: the marker's expansion, soft tokens as media ids),
+    the processor's own ids and inputs (for the tower), and its features once computed."""
+
+    __slots__ = ("features", "inputs", "key", "raw_ids", "soft_tokens", "span")
+
+    def __init__(self, key: int, raw_ids: list[int], image_token: int, inputs: dict[str, Any]):
+        self.key = key
+        self.raw_ids = raw_ids
+        self.inputs = inputs
+        self.soft_tokens = sum(1 for t in raw_ids if t == image_token)
+        soft = iter(media_ids(key, self.soft_tokens))
+        self.span = [next(soft) if t == image_token else t for t in raw_ids]
+        self.features: mx.array | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """What the item holds: the processor's pixels until the tower ran, then features."""
+        held = sum(int(v.nbytes) for v in self.inputs.values())
+        return held + (0 if self.features is None else int(self.features.nbytes))
+
+
+class MediaStore:
+    """Images by content key for one loaded VLM (its model and processor), at most
+    ``capacity`` items and ``capacity_bytes`` of pixels and features (the newest one always)."""
+
+    def __init__(
+        self, model: Any, processor: Any, capacity: int = 64, capacity_bytes: int = 512 << 20
+    ) -> None:
+        self._model = model
+        self._processor = processor
+        self._capacity = capacity
+        self._capacity_bytes = capacity_bytes
+        self._items: OrderedDict[int, MediaItem] = OrderedDict()
+        tokenizer = processor.tokenizer
+        # The text a prompt names an image with, which the processor expands.
+        self.marker: str = getattr(processor, "boi_token", None) or processor.image_token
+        self.image_token = int(processor.image_token_id)
+        self._bos = getattr(tokenizer, "bos_token_id", None)
+
+    def register(self, image: DecodedImage, where: str) -> MediaItem:
+        """The item of ``image``, made by the processor unless the store holds it; raises
+        ``InvalidMedia`` naming ``where`` when the processor refuses the image."""
+        item = self._items.get(image.key)
+        if item is not None:
+            self._items.move_to_end(image.key)
+            return item
+        from PIL import Image
+
+        try:
+            out = self._processor(
+                text=[self.marker], images=[Image.fromarray(image.pixels)], return_tensors="np"
+            )
+        except Exception as exc:  # the processor's own checks (size, aspect ratio...)
+            raise InvalidMedia(f"the model's processor refused {where}: {exc}") from exc
+        raw = [int(t) for t in np.asarray(out["input_ids"])[0]]
+        if self._bos is not None and raw and raw[0] == self._bos:
+            raw = raw[1:]  # the prompt has its own BOS; a span never starts one
+        inputs = {
+            k: mx.array(np.asarray(v))
+            for k, v in out.items()
+            if k not in ("input_ids", "attention_mask", "token_type_ids")
+        }
+        item = MediaItem(image.key, raw, self.image_token, inputs)
+        self._items[image.key] = item
+        self._evict()
+        return item
+
+    @property
+    def nbytes(self) -> int:
+        return sum(item.nbytes for item in self._items.values())
+
+    def _evict(self) -> None:
+        """Drop the least recently used items past either capacity, never the newest."""
+        while len(self._items) > 1 and (
+            len(self._items) > self._capacity or self.nbytes > self._capacity_bytes
+        ):
+            self._items.popitem(last=False)
+
+    def span(self, key: int) -> list[int]:
+        """The prompt span of the registered image ``key``."""
+        return self._item(key).span
+
+    def features(self, key: int) -> mx.array:
+        """``(soft_tokens, hidden)``: what the model puts in its input embeddings at the image's
+        soft tokens, computed by the model's own ``get_input_embeddings`` at first use."""
+        item = self._item(key)
+        if item.features is None:
+            ids = mx.array([item.raw_ids])
+            inputs = dict(item.inputs)
+            pixels = inputs.pop("pixel_values")
+            embedded = self._model.get_input_embeddings(
+                ids, pixels, mask=mx.ones(ids.shape), **inputs
+            ).inputs_embeds[0]
+            where = mx.array(np.flatnonzero(np.array(item.raw_ids) == self.image_token))
+            item.features = embedded[where]
+            mx.eval(item.features)
+            item.inputs = {}  # the pixels are not needed again
+        return item.features
+
+    def encode(self, token_ids: Sequence[int], stop: threading.Event | None) -> None:
+        """Run the vision tower for each image ``token_ids`` reach whose features are not
+        computed yet, one image at a time, ahead of the prefill pass that reads them: an abort
+        set meanwhile stops before the next image (``PrefillInterrupted``; nothing changed)."""
+        keys = dict.fromkeys(split_media(t)[0] for t in token_ids if is_media(t))
+        for key in keys:
+            if stop is not None and stop.is_set():
+                raise PrefillInterrupted("the sequence was aborted before an image's encoding")
+            self.features(key)
+
+    def _item(self, key: int) -> MediaItem:
+        item = self._items.get(key)
+        if item is None:
+            raise MediaEvicted(
+                "an image of this prompt left the engine's media store before its prefill "
+                "(more images in flight than it holds); send the request again"
+            )
+        self._items.move_to_end(key)
+        return item
+
+    def __len__(self) -> int:
+        return len(self._items)

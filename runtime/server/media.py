@@ -1,0 +1,167 @@
+"""``image_url`` content parts: where the server may read an image from.
+
+A data URL (``data:image/png;base64,...``) is always read. A local file (``file:///...`` or an
+absolute path) only under a directory the host allowed (``ServerConfig.media_dirs``, ``mlxrt
+serve --media-dir``), after resolving links, so a client cannot name ``/etc/passwd`` or climb out
+with ``..``. A remote ``http(s)`` URL is refused unless the host enabled fetching
+(``ServerConfig.fetch_images``, ``mlxrt serve --fetch-images``): then ``fetch_remote`` reads it
+before the request is translated, at most ``FETCH_MAX_BYTES`` within ``fetch_timeout_s`` (a
+failure is a 400 naming the part).
+The bytes go to the engine as they are: decoding and the size limits are the engine's
+(runtime/backends/vision/media.py), so HTTP and the embedded API refuse the same images.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import urllib.error
+import urllib.request
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from types import MappingProxyType
+from typing import NamedTuple
+from urllib.parse import unquote, urlparse
+
+import anyio
+
+from runtime.errors import InvalidMedia, MediaSourceRefused
+from runtime.messages import ImagePart
+from runtime.server.errors import HttpError
+from runtime.server.schema import WireChatMessage
+
+_MAX_FILE_BYTES = 64 << 20  # a file larger than any engine limit is not read whole
+FETCH_MAX_BYTES = 20 << 20  # the engine's default max_image_bytes: a larger image is refused
+
+
+def remote_urls(messages: Sequence[WireChatMessage]) -> dict[str, str]:
+    """Each ``http(s)`` image URL of ``messages`` and the first part that names it."""
+    found: dict[str, str] = {}
+    for i, message in enumerate(messages):
+        if not isinstance(message.content, list):
+            continue
+        for j, part in enumerate(message.content):
+            image = part.image_url
+            url = image if isinstance(image, str) or image is None else image.url
+            if part.type == "image_url" and url and urlparse(url).scheme in ("http", "https"):
+                found.setdefault(url, f"messages[{i}].content[{j}]")
+    return found
+
+
+async def fetch_remote(
+    messages: Sequence[WireChatMessage], enabled: bool, timeout_s: float
+) -> dict[str, bytes]:
+    """The bytes of every remote image URL of ``messages`` when fetching is ``enabled`` (else
+    none: ``image_part`` refuses them); raises a 400 ``HttpError`` (``media_source_refused``)
+    for one that fails, times out or is larger than ``FETCH_MAX_BYTES``."""
+    urls = remote_urls(messages) if enabled else {}
+    fetched: dict[str, bytes] = {}
+    for url, where in urls.items():
+        try:
+            with anyio.fail_after(timeout_s):
+                fetched[url] = await anyio.to_thread.run_sync(
+                    _fetch, url, timeout_s, abandon_on_cancel=True
+                )
+        except TimeoutError as exc:
+            raise _refused(
+                where, f"{where}.image_url did not arrive within {timeout_s:g} s; retry"
+            ) from exc
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise _refused(where, f"{where}.image_url could not be fetched: {exc}") from exc
+    return fetched
+
+
+def _fetch(url: str, timeout_s: float) -> bytes:
+    try:
+        response = urllib.request.urlopen(url, timeout=timeout_s)
+    except urllib.error.HTTPError as error:
+        error.close()  # it holds the response: answered, but not with an image
+        raise ValueError(f"the server answered HTTP {error.code}") from None
+    with response:
+        data: bytes = response.read(FETCH_MAX_BYTES + 1)
+    if len(data) > FETCH_MAX_BYTES:
+        raise ValueError(f"it is more than {FETCH_MAX_BYTES} bytes")
+    return data
+
+
+class MediaSources(NamedTuple):
+    """Where one request's images may come from: files under ``dirs``, and the remote images
+    ``fetch_remote`` read for it (by URL)."""
+
+    dirs: tuple[str, ...] = ()
+    fetched: Mapping[str, bytes] = MappingProxyType({})
+
+
+def image_part(url: str, where: str, sources: MediaSources) -> ImagePart:
+    """The image ``url`` names (``where``: the part, e.g. ``messages[0].content[1]``); raises a
+    400 ``HttpError``: ``invalid_media`` (a malformed data URL), ``media_source_refused``."""
+    if url in sources.fetched:
+        return ImagePart(data=sources.fetched[url], part=where)
+    if url.startswith("data:"):
+        return ImagePart(data=_data_url(url, where), part=where)
+    parsed = urlparse(url)
+    if parsed.scheme in ("http", "https"):
+        raise _refused(
+            where,
+            f"{where}.image_url is a remote URL, and this server does not fetch images "
+            "(mlxrt serve --fetch-images): send the image as a data URL "
+            "(data:image/png;base64,...)",
+        )
+    if parsed.scheme == "file" or (not parsed.scheme and url.startswith("/")):
+        path = unquote(parsed.path) if parsed.scheme == "file" else url
+        return ImagePart(data=_local_file(Path(path), where, sources.dirs), part=where)
+    raise HttpError(
+        400,
+        f"{where}.image_url must be a data URL or a file: URL, not {url[:40]!r}",
+        code=InvalidMedia.code,
+        param=f"{where}.image_url",
+    )
+
+
+def _data_url(url: str, where: str) -> bytes:
+    header, comma, payload = url.partition(",")
+    if not comma or not header.endswith(";base64") or not header[5:].startswith("image/"):
+        raise HttpError(
+            400,
+            f"{where}.image_url is not a base64 image data URL; send "
+            "data:image/<format>;base64,<bytes>",
+            code=InvalidMedia.code,
+            param=f"{where}.image_url",
+        )
+    try:
+        return base64.b64decode(payload, validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise HttpError(
+            400,
+            f"{where}.image_url holds invalid base64 ({exc}); encode the image's bytes again",
+            code=InvalidMedia.code,
+            param=f"{where}.image_url",
+        ) from exc
+
+
+def _local_file(path: Path, where: str, media_dirs: tuple[str, ...]) -> bytes:
+    try:
+        real = path.resolve(strict=True)
+    except (OSError, RuntimeError):
+        real = None
+    allowed = [Path(d).resolve() for d in media_dirs]
+    if real is None or not any(real.is_relative_to(d) for d in allowed):
+        # The same answer for a missing file and a forbidden one: no probing the disk.
+        raise _refused(
+            where,
+            f"{where}.image_url names a local file this server may not read; allowed: files "
+            "under its --media-dir directories"
+            + (f" ({', '.join(str(d) for d in allowed)})" if allowed else " (none are set)"),
+        )
+    if not real.is_file() or real.stat().st_size > _MAX_FILE_BYTES:
+        raise HttpError(
+            400,
+            f"{where}.image_url is not a readable image file of at most {_MAX_FILE_BYTES} bytes",
+            code=InvalidMedia.code,
+            param=f"{where}.image_url",
+        )
+    return real.read_bytes()
+
+
+def _refused(where: str, message: str) -> HttpError:
+    return HttpError(400, message, code=MediaSourceRefused.code, param=f"{where}.image_url")
