@@ -27,6 +27,7 @@ from actors.engine.batch import BatchScheduler
 from actors.engine.checkpoints import CheckpointPolicy
 from actors.engine.chunking import ChunkSizer
 from actors.engine.compute import ComputeSlot
+from actors.engine.draft_model import close_models, default_drafts
 from actors.engine.endings import Endings
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import (
@@ -145,7 +146,7 @@ class EngineCore:
             chunk_tokens,
             CheckpointPolicy(options.checkpoint_every_tokens, kv_budget_bytes),
             strict_max_tokens,
-            options.speculative,
+            default_drafts(spec, options),
         )
         self._sizer = ChunkSizer(chunk_tokens, options.prefill_chunk_ms / 1000)
         turns = PromptTurns(options.decode_stall_ms / 1000, options.max_batch, options.batching)
@@ -224,6 +225,8 @@ class EngineCore:
                 for v in (self._info.capabilities if self._info else ())
             },
             "probe_pending": int(self._probing.pending),
+            # Draft-model states held by sequences (0 once every sequence has ended).
+            "draft_states": 0 if self._admission.draft is None else self._admission.draft.live,
         }
         return Stats(
             actor=engine_address(self.model, self.epoch),
@@ -343,7 +346,8 @@ class EngineCore:
             self._closed = True
             backend, self._backend = self._backend, None
             self._batches.handle = None
-            self._compute.submit(ctx, CloseJob(), backend.close)
+            draft = self._admission.draft
+            self._compute.submit(ctx, CloseJob(), lambda: close_models(backend, draft))
 
     # ------------------------------------------------------------------ finished jobs
 
@@ -399,7 +403,7 @@ class EngineCore:
                 probe_pending=info.probe_pending,
             ),
         )
-        self._admission.loaded(info, ctx)
+        self._admission.loaded(info, ctx, job.draft)
 
     def _probed(self, info: ModelInfo, batchable: bool, ctx: Context) -> None:
         """The deferred load probe gave its verdict: from now on the model runs by ``info``."""

@@ -68,6 +68,12 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     max_concurrent: PositiveInt = DEFAULT_MAX_CONCURRENT  # sequences past the admission gate
     # The most prompt-lookup drafts a pass verifies for a request that does not say (0: off).
     speculative: Annotated[int, msgspec.Meta(ge=0, le=64)] = DEFAULT_SPECULATIVE
+    # A second model (a path or a known name, loaded by the same backend) whose greedy tokens are
+    # the drafts instead of prompt lookup; it shares the vocabulary (actors/engine/draft_model.py).
+    draft_model: str | None = None
+    # What one draft-model pass costs, as a fraction of a one-token pass of this model; None: the
+    # ratio of their weight bytes (a decode pass reads every weight once).
+    draft_cost: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
     @property
     def chunk_tokens(self) -> int:
