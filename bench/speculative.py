@@ -82,16 +82,45 @@ def _prompt(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
-def raw_rate(model: Any, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+def banned_ends(tokenizer: Any) -> dict[int, float]:
+    """A base model (no chat template: Gemma 3 270M) given raw text may end at once (its greedy
+    reply to the rename is one line), so every system decodes ``max_tokens`` with its end
+    tokens' logits lowered by 100; an instruct model ends where it ends, for every system."""
+    if getattr(tokenizer, "chat_template", None):
+        return {}
+    return dict.fromkeys(sorted(tokenizer.eos_token_ids), -100.0)
+
+
+def raw_rate(
+    model: Any, prompt: list[int], max_tokens: int, ends: set[int], bias: dict[int, float]
+) -> tuple[float, list[int]]:
+    """mlx-lm's ``generate_step``, stopped at an end token as the runtime stops."""
     cache = make_prompt_cache(model)
     stamps: list[float] = []
     out: list[int] = []
+    processors = []
+    if bias:
+        ids, values = mx.array(list(bias)), mx.array(list(bias.values()))
+        processors.append(lambda _tokens, logits: logits.at[:, ids].add(values))
     for token, _ in generate_step(
-        mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache
+        mx.array(prompt),
+        model,
+        max_tokens=max_tokens,
+        prompt_cache=cache,
+        logits_processors=processors,
     ):
+        if int(token) in ends:
+            break
         out.append(int(token))
         stamps.append(time.perf_counter())
-    return (len(out) - 1) / (stamps[-1] - stamps[0]), out
+    return _rate(out, stamps), out
+
+
+def _rate(tokens: list[int], stamps: list[float]) -> float:
+    """Tokens per second after the first (0: fewer than two tokens)."""
+    if len(tokens) < 2 or stamps[-1] <= stamps[0]:
+        return 0.0
+    return (len(tokens) - 1) / (stamps[-1] - stamps[0])
 
 
 Row = dict[str, tuple[float, list[int]]]  # system -> (best decode tok/s, tokens)
@@ -107,6 +136,8 @@ async def measure_all(
     from runtime.messages import ModelSpec
 
     results: dict[str, tuple[Row, dict[str, int]]] = {}
+    bias = banned_ends(bench.tokenizer)
+    ends = set(bench.tokenizer.eos_token_ids)
     async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 31)) as rt:
         await rt.load_model(ModelSpec(name="m", backend="mlx", path=str(bench.path)))
         for name, prompt in prompts.items():
@@ -114,9 +145,11 @@ async def measure_all(
             before = _counters(rt)
             for _ in range(reps):
                 runs = {
-                    "mlx-lm": raw_rate(bench.model, prompt, max_tokens),
-                    "runtime": await _runtime_rate(rt, prompt, max_tokens, 0),
-                    "runtime+speculative": await _runtime_rate(rt, prompt, max_tokens, DRAFTS),
+                    "mlx-lm": raw_rate(bench.model, prompt, max_tokens, ends, bias),
+                    "runtime": await _runtime_rate(rt, prompt, max_tokens, 0, bias),
+                    "runtime+speculative": await _runtime_rate(
+                        rt, prompt, max_tokens, DRAFTS, bias
+                    ),
                 }
                 for system, (rate, tokens) in runs.items():
                     if system not in row or rate > row[system][0]:
@@ -127,7 +160,7 @@ async def measure_all(
 
 
 async def _runtime_rate(
-    rt: Any, prompt: list[int], max_tokens: int, drafts: int
+    rt: Any, prompt: list[int], max_tokens: int, drafts: int, bias: dict[int, float]
 ) -> tuple[float, list[int]]:
     from runtime.messages import Sampling, TokensEmitted
 
@@ -137,14 +170,14 @@ async def _runtime_rate(
         "m",
         prompt_tokens=prompt,
         max_tokens=max_tokens,
-        sampling=Sampling(speculative=drafts),
+        sampling=Sampling(speculative=drafts, logit_bias=bias),
         reuse_prefix=False,
     ) as stream:
         async for event in stream:
             if isinstance(event, TokensEmitted) and event.token_ids:
                 tokens += event.token_ids
                 stamps += [time.perf_counter()] * len(event.token_ids)
-    return (len(tokens) - 1) / (stamps[-1] - stamps[0]), tokens
+    return _rate(tokens, stamps), tokens
 
 
 def _counters(rt: Any) -> dict[str, int]:
@@ -169,7 +202,7 @@ def measure(model: BenchModel, systems: set[str], quick: bool) -> list[Measureme
         named = {"runtime": "runtime+speculative", "runtime-nospec": "runtime", "mlx-lm": "mlx-lm"}
         for system, key in named.items():
             note = f"{how}; greedy text identical without speculation: {same}"
-            rate = round(row[key][0], 2)
+            rate = round(row[key][0], 2) or None  # None: fewer than two tokens
             rows.append(Measurement(system, model.name, scenario, rate, "tok/s", [rate], note))
         if name in served:
             note = f"{how}, over HTTP (no draft model: plain decoding)"
@@ -191,12 +224,15 @@ def _served_rates(
     from bench.http_client import RequestFailed, complete
     from bench.serving import ServerUnavailable, mlx_lm_server, running
 
+    bias = banned_ends(model.tokenizer)
+    extra = {"logit_bias": {str(t): v for t, v in bias.items()}} if bias else None
+
     async def rates(server: Any) -> dict[str, float | None]:
         best: dict[str, float | None] = {}
         for name, prompt in prompts.items():
             text = model.tokenizer.decode(prompt)
             for _ in range(reps):
-                reply = await complete(server, text, max_tokens)
+                reply = await complete(server, text, max_tokens, extra=extra)
                 n = reply.completion_tokens or len(reply.chunks)
                 span = reply.last_token_s - reply.ttft
                 rate = round((n - 1) / span, 2) if n > 1 and span > 0 else None
