@@ -22,7 +22,7 @@ import pytest
 from actors.engine.draft_model import check_pair
 from runtime.api import Runtime
 from runtime.backends.mlx.backend import MlxBackend
-from runtime.backends.simulated import SimulatedBackend
+from runtime.backends.simulated import RealClock, SimulatedBackend
 from runtime.config import RuntimeConfig
 from runtime.errors import DraftModelIncompatible
 from runtime.messages import Cancelled, Failed, Finished, ModelSpec, Sampling, TokensEmitted
@@ -175,8 +175,6 @@ async def test_an_incompatible_pair_is_refused_at_load_naming_the_difference(
 
 
 def test_a_vocabulary_of_another_size_is_named() -> None:
-    from runtime.backends.simulated import RealClock
-
     llama = _llama()
     simulated = SimulatedBackend.load(sim_spec("s"), RealClock())
     said = r"vocabulary sizes differ \('s' 257, draft 512"
@@ -236,3 +234,20 @@ def test_draft_model_on_the_command_line_is_the_model_option() -> None:
     add_draft_model(parser)
     args = parser.parse_args(["--draft-model", "smollm2-135m-instruct"])
     assert model_options(args) == ["draft_model=smollm2-135m-instruct"]
+
+
+def test_a_draft_that_costs_as_much_as_the_target_never_pays() -> None:
+    from actors.engine.draft_model import DRAFTS_WITH_MODEL, DraftModel, DraftSource, default_drafts
+    from actors.engine.drafting import Speculation
+    from runtime.backends.options import decode_options
+
+    backend = SimulatedBackend.load(sim_spec("s"), RealClock())
+    dear = Speculation(8, source=DraftSource(DraftModel(backend, cost=1.0)))
+    cheap = Speculation(8, source=DraftSource(DraftModel(backend, cost=0.05)))
+    assert dear.size(8) == 0  # a pass would cost more than the tokens it brings
+    assert cheap.size(8) > 0
+    assert cheap.expects_drafts([1, 2, 3], 8) and not dear.expects_drafts([1, 2, 3], 8)
+    named = sim_spec("m", draft_model="m")
+    assert default_drafts(named, decode_options(named)) == DRAFTS_WITH_MODEL
+    said = sim_spec("m", draft_model="m", speculative=3)
+    assert default_drafts(said, decode_options(said)) == 3
