@@ -33,6 +33,7 @@ from bench import (
     over_http,
     raw_mlx,
     server,
+    speculative,
     structured,
 )
 from bench.models import MODELS, REAL_MODELS, BenchModel, load_bench_model
@@ -47,6 +48,7 @@ SCENARIO_GROUPS = (
     "checkpoints",
     "batching",
     "structured",
+    "speculative",
     *over_http.GROUPS,
     "hop",
     "cluster",
@@ -91,7 +93,9 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "and mlx-lm only), checkpoints (ckpt.*: memory of a long prompt's checkpoints, runtime "
         "vs deep copies of mlx-lm's prompt cache), batching (batch.*: decode tokens/s of one "
         "sequence alone vs four in a DecodeBatch, backend level), structured (structured.*: "
-        "decode ms/token under a JSON Schema vs none, runtime); over HTTP, mlxrt serve vs "
+        "decode ms/token under a JSON Schema vs none, runtime), speculative (speculative.*: "
+        "decode tok/s on copying workloads and free chat, prompt lookup on and off, mlx-lm, "
+        "mlx_lm.server); over HTTP, mlxrt serve vs "
         "mlx_lm.server: concurrency (1/2/4/8 streams at once), keystroke (a completion per "
         "keystroke, each superseding the last), prewarm (TTFT after a prewarm vs cold), branch "
         "(TTFT and tokens re-processed when ~900/~1,800 tokens of notes are re-sent with their "
@@ -156,6 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _log(f"{kind}: constrained decoding (a JSON Schema vs none, runtime)")
                 rounds = structured.ROUNDS.pick(loaded, args.quick)
                 sink.extend(structured.measure(path, kind, rounds))
+            if "speculative" in args.scenarios and "runtime" in args.systems:
+                _log(f"{kind}: speculative (prompt lookup on and off, mlx-lm, mlx_lm.server)")
+                sink.extend(speculative.measure(loaded, args.systems, args.quick))
             if "batching" in args.scenarios and "runtime" in args.systems:
                 _log(f"{kind}: backend-level batching (B=1 loop vs a DecodeBatch of four)")
                 batch_sizes = batching.BATCH_SIZES.pick(loaded, args.quick)

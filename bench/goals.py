@@ -1,4 +1,4 @@
-"""The performance goals of issues 10 and 22, and whether a run meets them.
+"""The performance goals of issues 10, 22 and 25, and whether a run meets them.
 
 A goal bounds either one of our systems' own value of a scenario (the actor hop, abandon's
 after/idle) or its ratio to another system on the same model and scenario: issue 10 sets the
@@ -81,6 +81,12 @@ ABANDON = Goal("abandon.after/idle", 1.5, at_most=True)
 CONCURRENCY = {
     n: Goal(f"concurrency.{n}.tok_s", 1.0, at_most=False, versus=SERVER) for n in STREAMS
 }
+# Issue 25: speculation (``runtime`` speculates in the speculative group) against raw mlx-lm.
+SPECULATIVE = (
+    Goal("speculative.rewrite_rename.tok_s", 1.8, at_most=False, versus=RAW),
+    Goal("speculative.summarise_quotes.tok_s", 1.8, at_most=False, versus=RAW),
+    Goal("speculative.free_chat.tok_s", 0.97, at_most=False, versus=RAW),
+)
 MODEL_GOALS = (  # judged on each model
     COLD_VS_RAW,
     COLD_VS_SERVER,
@@ -88,6 +94,7 @@ MODEL_GOALS = (  # judged on each model
     DECODE_VS_RAW,
     ABANDON,
     *CONCURRENCY.values(),
+    *SPECULATIVE,
 )
 
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 COLORS = {
     "runtime": "#1f77b4",
+    "runtime-nospec": "#aec7e8",
     "mlx-lm": "#7f7f7f",
     "mlx_lm.server": "#ff7f0e",
     "llama-server": "#2ca02c",
@@ -58,6 +59,19 @@ FIGURES = (
         (
             ("decode", "decode.tokens_per_s"),
             *((f"{n} stream{'s' if n > 1 else ''}", f"concurrency.{n}.tok_s") for n in STREAMS),
+        ),
+        log=False,
+    ),
+    Figure(
+        "speculative.png",
+        "Decode tok/s by workload, runtime speculating (higher is better)",
+        "tok/s",
+        (
+            ("rename", "speculative.rewrite_rename.tok_s"),
+            ("quotes", "speculative.summarise_quotes.tok_s"),
+            ("citations", "speculative.document_citations.tok_s"),
+            ("code", "speculative.code_continue.tok_s"),
+            ("free chat", "speculative.free_chat.tok_s"),
         ),
         log=False,
     ),

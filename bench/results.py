@@ -10,7 +10,15 @@ from dataclasses import asdict, dataclass, field
 from typing import IO, Any
 
 # Ours on MLX, raw mlx-lm, mlx_lm.server, llama.cpp's own server, ours on llama.cpp (llamacpp.py).
-SYSTEMS = ("runtime", "mlx-lm", "mlx_lm.server", "llama-server", "ours-llamacpp")
+# The speculative group adds ours with speculation off (``runtime`` speculates there).
+SYSTEMS = (
+    "runtime",
+    "runtime-nospec",
+    "mlx-lm",
+    "mlx_lm.server",
+    "llama-server",
+    "ours-llamacpp",
+)
 OVERHEAD_MODEL = "simulated"  # the model of the hop.* rows: they run no model, or a simulated one
 SCENARIOS = (
     "turn2.cold_ttft",
@@ -52,6 +60,17 @@ SCENARIOS = (
     "disk.read_mb_per_s",
     "disk.pressure_cached_ram",
     "disk.pressure_cached_disk",
+    *(
+        f"speculative.{w}.{what}"
+        for w in (
+            "rewrite_rename",
+            "summarise_quotes",
+            "document_citations",
+            "code_continue",
+            "free_chat",
+        )
+        for what in ("tok_s", "acceptance")
+    ),
     "skipped",
 )
 # Units a runtime/other ratio means something for, and which side of 1 is better for the runtime.
@@ -62,6 +81,7 @@ HIGHER_IS_BETTER = ("tok/s",)
 COMPARISONS = (
     ("runtime", "mlx-lm"),
     ("runtime", "mlx_lm.server"),
+    ("runtime", "runtime-nospec"),
     ("runtime", "llama-server"),
     ("ours-llamacpp", "llama-server"),
 )

@@ -1,16 +1,19 @@
-"""The speculative group: decode tok/s of the runtime with and without prompt-lookup speculation,
-and of raw mlx-lm (``generate_step``), on workloads that copy from their prompt and on free chat.
+"""The speculative group (``--scenarios speculative``): decode tok/s of the runtime with prompt-
+lookup speculation (system ``runtime``) and without (``runtime-nospec``), of raw mlx-lm
+(``generate_step``) and of ``mlx_lm.server`` (over HTTP; it speculates only with a draft model, so
+here it decodes plainly), on workloads that copy from their prompt and on free chat.
 
 Decode tok/s is measured from the first token to the last (prefill excluded), greedy, the same
-chat-templated prompt for every system; the runtime's greedy text must equal its text without
-speculation. ``python -m bench.speculative [model] [max_tokens] [reps] [workload,...]`` prints one
-row per workload and system, named ``speculative.<workload>.tok_s`` (the free-chat one contains
-``chat``), plus the ratios to raw mlx-lm and the acceptance rate. Not yet a group of ``make bench``
-(bench/__main__.py): a script of its own.
+chat-templated prompt for every system, the in-process systems interleaved rep by rep (best of
+the reps: the machine is shared); the runtime's greedy text must equal its text without
+speculation (said in the row's note). Rows: ``speculative.<workload>.tok_s`` per system (the
+free-chat one contains ``chat``) and ``speculative.<workload>.acceptance`` (accepted / drafted).
+``python -m bench.speculative [model] [max_tokens] [reps] [workload,...]`` prints the same alone.
 """
 
 from __future__ import annotations
 
+import asyncio
 import sys
 import time
 from typing import Any
@@ -20,7 +23,8 @@ import mlx.core as mx
 from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 
-from bench.models import load_bench_model
+from bench.models import BenchModel, Scaled, load_bench_model
+from bench.results import Measurement
 
 _FUNCTION = '''def compute_totals(orders, tax_rate):
     """Sum each customer's orders and add tax."""
@@ -65,23 +69,58 @@ WORKLOADS = {
     "free_chat": "Tell me a short story about a fox who learns to play the violin.",
 }
 SYSTEMS = ("mlx-lm", "runtime", "runtime+speculative")
+SIZES = Scaled(tiny=(48, 2), tiny_quick=(16, 1), real=(96, 3), real_quick=(24, 1))  # tokens, reps
+DRAFTS = 10  # the most drafts a pass verifies (Sampling.speculative)
 
 
 def _prompt(tokenizer: Any, text: str) -> list[int]:
+    """The chat-templated prompt; a model without a template (Gemma 3 270M's GGUF) gets the raw
+    text, as ``mlxrt generate`` sends it."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.encode(text))
     messages = [{"role": "user", "content": text}]
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
-def raw_rate(model: Any, prompt: list[int], max_tokens: int) -> tuple[float, list[int]]:
+def banned_ends(tokenizer: Any) -> dict[int, float]:
+    """A base model (no chat template: Gemma 3 270M) given raw text may end at once (its greedy
+    reply to the rename is one line), so every system decodes ``max_tokens`` with its end
+    tokens' logits lowered by 100; an instruct model ends where it ends, for every system."""
+    if getattr(tokenizer, "chat_template", None):
+        return {}
+    return dict.fromkeys(sorted(tokenizer.eos_token_ids), -100.0)
+
+
+def raw_rate(
+    model: Any, prompt: list[int], max_tokens: int, ends: set[int], bias: dict[int, float]
+) -> tuple[float, list[int]]:
+    """mlx-lm's ``generate_step``, stopped at an end token as the runtime stops."""
     cache = make_prompt_cache(model)
     stamps: list[float] = []
     out: list[int] = []
+    processors = []
+    if bias:
+        ids, values = mx.array(list(bias)), mx.array(list(bias.values()))
+        processors.append(lambda _tokens, logits: logits.at[:, ids].add(values))
     for token, _ in generate_step(
-        mx.array(prompt), model, max_tokens=max_tokens, prompt_cache=cache
+        mx.array(prompt),
+        model,
+        max_tokens=max_tokens,
+        prompt_cache=cache,
+        logits_processors=processors,
     ):
+        if int(token) in ends:
+            break
         out.append(int(token))
         stamps.append(time.perf_counter())
-    return (len(out) - 1) / (stamps[-1] - stamps[0]), out
+    return _rate(out, stamps), out
+
+
+def _rate(tokens: list[int], stamps: list[float]) -> float:
+    """Tokens per second after the first (0: fewer than two tokens)."""
+    if len(tokens) < 2 or stamps[-1] <= stamps[0]:
+        return 0.0
+    return (len(tokens) - 1) / (stamps[-1] - stamps[0])
 
 
 Row = dict[str, tuple[float, list[int]]]  # system -> (best decode tok/s, tokens)
@@ -97,6 +136,8 @@ async def measure_all(
     from runtime.messages import ModelSpec
 
     results: dict[str, tuple[Row, dict[str, int]]] = {}
+    bias = banned_ends(bench.tokenizer)
+    ends = set(bench.tokenizer.eos_token_ids)
     async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 31)) as rt:
         await rt.load_model(ModelSpec(name="m", backend="mlx", path=str(bench.path)))
         for name, prompt in prompts.items():
@@ -104,9 +145,11 @@ async def measure_all(
             before = _counters(rt)
             for _ in range(reps):
                 runs = {
-                    "mlx-lm": raw_rate(bench.model, prompt, max_tokens),
-                    "runtime": await _runtime_rate(rt, prompt, max_tokens, 0),
-                    "runtime+speculative": await _runtime_rate(rt, prompt, max_tokens, 10),
+                    "mlx-lm": raw_rate(bench.model, prompt, max_tokens, ends, bias),
+                    "runtime": await _runtime_rate(rt, prompt, max_tokens, 0, bias),
+                    "runtime+speculative": await _runtime_rate(
+                        rt, prompt, max_tokens, DRAFTS, bias
+                    ),
                 }
                 for system, (rate, tokens) in runs.items():
                     if system not in row or rate > row[system][0]:
@@ -117,7 +160,7 @@ async def measure_all(
 
 
 async def _runtime_rate(
-    rt: Any, prompt: list[int], max_tokens: int, drafts: int
+    rt: Any, prompt: list[int], max_tokens: int, drafts: int, bias: dict[int, float]
 ) -> tuple[float, list[int]]:
     from runtime.messages import Sampling, TokensEmitted
 
@@ -127,18 +170,82 @@ async def _runtime_rate(
         "m",
         prompt_tokens=prompt,
         max_tokens=max_tokens,
-        sampling=Sampling(speculative=drafts),
+        sampling=Sampling(speculative=drafts, logit_bias=bias),
         reuse_prefix=False,
     ) as stream:
         async for event in stream:
             if isinstance(event, TokensEmitted) and event.token_ids:
                 tokens += event.token_ids
                 stamps += [time.perf_counter()] * len(event.token_ids)
-    return (len(tokens) - 1) / (stamps[-1] - stamps[0]), tokens
+    return _rate(tokens, stamps), tokens
 
 
 def _counters(rt: Any) -> dict[str, int]:
     return dict(next(s.counters for a, s in rt.stats().actors.items() if a.startswith("engine:")))
+
+
+def measure(model: BenchModel, systems: set[str], quick: bool) -> list[Measurement]:
+    """Every workload's rows on ``model`` for the systems of ``systems`` it has."""
+    max_tokens, reps = SIZES.pick(model, quick)
+    prompts = {name: _prompt(model.tokenizer, text) for name, text in WORKLOADS.items()}
+    results = anyio.run(measure_all, model, prompts, max_tokens, reps)
+    served: dict[str, float | None] = {}
+    if "mlx_lm.server" in systems:
+        served = _served_rates(model, prompts, max_tokens, reps)
+    rows: list[Measurement] = []
+    how = f"{max_tokens} greedy tokens, best of {reps}"
+    for name, (row, counters) in results.items():
+        scenario = f"speculative.{name}.tok_s"
+        same = row["runtime+speculative"][1] == row["runtime"][1]
+        drafted = counters.get("drafted_tokens", 0)
+        accepted = counters.get("accepted_tokens", 0)
+        named = {"runtime": "runtime+speculative", "runtime-nospec": "runtime", "mlx-lm": "mlx-lm"}
+        for system, key in named.items():
+            note = f"{how}; greedy text identical without speculation: {same}"
+            rate = round(row[key][0], 2) or None  # None: fewer than two tokens
+            rows.append(Measurement(system, model.name, scenario, rate, "tok/s", [rate], note))
+        if name in served:
+            note = f"{how}, over HTTP (no draft model: plain decoding)"
+            rows.append(
+                Measurement("mlx_lm.server", model.name, scenario, served[name], "tok/s", [], note)
+            )
+        rate = round(accepted / drafted, 3) if drafted else None
+        passes = counters.get("speculative_passes", 0)
+        note = f"accepted {accepted} of {drafted} drafts in {passes} passes"
+        accepted_row = f"speculative.{name}.acceptance"
+        rows.append(Measurement("runtime", model.name, accepted_row, rate, "x", [], note))
+    return rows
+
+
+def _served_rates(
+    model: BenchModel, prompts: dict[str, list[int]], max_tokens: int, reps: int
+) -> dict[str, float | None]:
+    """``mlx_lm.server``'s best decode tok/s per workload (None: it could not be measured)."""
+    from bench.http_client import RequestFailed, complete
+    from bench.serving import ServerUnavailable, mlx_lm_server, running
+
+    bias = banned_ends(model.tokenizer)
+    extra = {"logit_bias": {str(t): v for t, v in bias.items()}} if bias else None
+
+    async def rates(server: Any) -> dict[str, float | None]:
+        best: dict[str, float | None] = {}
+        for name, prompt in prompts.items():
+            text = model.tokenizer.decode(prompt)
+            for _ in range(reps):
+                reply = await complete(server, text, max_tokens, extra=extra)
+                n = reply.completion_tokens or len(reply.chunks)
+                span = reply.last_token_s - reply.ttft
+                rate = round((n - 1) / span, 2) if n > 1 and span > 0 else None
+                if rate is not None and (best.get(name) is None or rate > (best[name] or 0)):
+                    best[name] = rate
+                best.setdefault(name, rate)
+        return best
+
+    try:
+        with running([mlx_lm_server(model.path)]) as (server,):
+            return asyncio.run(rates(server))
+    except (ServerUnavailable, RequestFailed, OSError, TimeoutError):
+        return dict.fromkeys(prompts)
 
 
 def main() -> None:

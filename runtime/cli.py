@@ -16,6 +16,7 @@ import anyio
 from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS
 from runtime.cli_flags import (
     add_ctx_size,
+    add_draft_model,
     add_framing,
     add_temperature,
     check_shared,
@@ -210,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_temperature(gen, "0 (the default): greedy")
     add_ctx_size(gen)
+    add_draft_model(gen)
     add_framing(gen)
     gen.add_argument(
         "--quiet", action="store_true", help="no progress bars, load notes or speed line"
@@ -238,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     add_temperature(chat, "0 (the default): greedy")
     add_ctx_size(chat)
+    add_draft_model(chat)
     add_framing(chat)
     chat.add_argument(
         "--show-cache",
@@ -305,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         "OpenAI's own default is 1.0, which a model this small turns into noise)",
     )
     add_ctx_size(serve)
+    add_draft_model(serve)
     serve.add_argument(
         "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
     )

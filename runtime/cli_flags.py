@@ -1,6 +1,6 @@
 """Flags and helpers ``mlxrt generate``, ``chat`` and ``serve`` share, so each is spelled once:
-``--temp``/``--temperature``, ``--ctx-size``, ``--raw``/``--chat``, a prompt read from stdin, and
-the tok/s line (docs/cli.md)."""
+``--temp``/``--temperature``, ``--ctx-size``, ``--draft-model``, ``--raw``/``--chat``, a prompt
+read from stdin, and the tok/s line (docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -33,6 +33,17 @@ def add_ctx_size(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_draft_model(parser: argparse.ArgumentParser) -> None:
+    """``--draft-model``: a second model that drafts for speculative decoding, as llama.cpp and
+    mlx-lm spell it (the model option ``draft_model``)."""
+    parser.add_argument(
+        "--draft-model", dest="draft_model", metavar="MODEL",
+        help="a smaller model with the same vocabulary whose tokens are the speculative drafts "
+        "(a path or a known name; how many per pass: the model option speculative); the model "
+        "option draft_model",
+    )  # fmt: skip
+
+
 def add_framing(parser: argparse.ArgumentParser) -> None:
     """``--raw`` / ``--chat``: how the text reaches the model; by default raw only for a model
     without a chat template (it would otherwise get a made-up ``user:``/``assistant:`` frame)."""
@@ -61,6 +72,8 @@ def model_options(args: argparse.Namespace) -> list[str]:
     given: list[str] = list(getattr(args, "model_option", []))
     if args.ctx_size is not None:
         given.append(f"context_length={args.ctx_size}")
+    if getattr(args, "draft_model", None) is not None:
+        given.append(f"draft_model={args.draft_model}")
     return given
 
 

@@ -49,6 +49,14 @@ class InvalidModelSpec(InvalidRequest):
     code = "invalid_model_spec"
 
 
+class DraftModelIncompatible(InvalidModelSpec):
+    """Raised at load when a model's ``draft_model`` cannot draft for it: a different vocabulary
+    size, token ids, end-of-sequence or begin-of-sequence tokens, a backend with no verification
+    pass, or a draft whose caches cannot be cut back (the message names the difference)."""
+
+    code = "draft_model_incompatible"
+
+
 class InvalidConfig(InvalidRequest):
     """Raised when a ``RuntimeConfig`` knob is out of its range (the message names it)."""
 
@@ -348,6 +356,7 @@ ERRORS_BY_CODE: dict[str, type[MlxRuntimeError]] = {
         ContextLengthExceeded,
         MalformedMessage,
         InvalidModelSpec,
+        DraftModelIncompatible,
         ModelNotLoaded,
         ModelAlreadyLoaded,
         ModelLoading,

@@ -247,10 +247,13 @@ def _p_value(observed: dict[int, int], expected: dict[int, float]) -> float:
     return 0.5 * math.erfc(z / math.sqrt(2))
 
 
-def test_judged_drafts_keep_the_sampling_distribution() -> None:
+@pytest.mark.parametrize("source", ["chosen", "draft_model"])
+def test_judged_drafts_keep_the_sampling_distribution(source: str) -> None:
     """Two tokens through a verified block (draft 1 accepted or not, then draft 2 or a token drawn
     after the resampled one), many times with one fixed seed: each token's distribution, the
-    second's mixed over the first, fits the one plain decoding samples from."""
+    second's mixed over the first, fits the one plain decoding samples from. The drafts are
+    chosen (the second most likely token, then the likeliest after it) or a draft model's
+    greedy tokens (``Backend.draft``, the model drafting for itself)."""
     backend = MlxBackend.load(spec("llama"))
     prompt = backend.encode("Once upon a time, in a land far away")
     sampler = TokenSampler(SAMPLED, backend.info.vocab_size, lambda t: backend.decode([t]))
@@ -261,6 +264,8 @@ def test_judged_drafts_keep_the_sampling_distribution() -> None:
     backend.prefill(base, [pending])
     first = _distribution(sampler, backend.logits(base), prompt)
     d1 = sorted(range(len(first)), key=lambda t: -first[t])[1]  # often rejected, often not
+    if source == "draft_model":
+        d1, d2 = backend.draft(backend.new_state(), prompt, 2)
     after: dict[int, mx.array] = {}
     second: dict[int, list[float]] = {}
     for t1, p in enumerate(first):
@@ -269,7 +274,8 @@ def test_judged_drafts_keep_the_sampling_distribution() -> None:
             backend.prefill(branch, [t1])
             after[t1] = backend.logits(branch)
             second[t1] = _distribution(sampler, after[t1], [*prompt, t1])
-    d2 = max(range(len(second[d1])), key=lambda t: second[d1][t])
+    if source == "chosen":
+        d2 = max(range(len(second[d1])), key=lambda t: second[d1][t])
     rows = backend.verify(state, [pending, d1, d2])
     rng = random.Random(1234)
     n = 3000

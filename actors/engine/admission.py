@@ -34,6 +34,7 @@ from typing import Protocol, assert_never
 
 from actors.engine.checkpoints import CheckpointPolicy
 from actors.engine.disk_tier import DiskTier
+from actors.engine.draft_model import DraftModel
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import TokenizeJob
 from actors.engine.sequence import Phase, Sequence
@@ -112,6 +113,7 @@ class Admission:
         self._counters = counters
         self._ends = ends
         self._info: ModelInfo | None = None
+        self.draft: DraftModel | None = None  # the model's draft model, from its load on
         self._waiting: deque[Sequence] = deque()  # at the gate, FIFO
 
     def admit(self, admit: Admit, ctx: Context) -> None:
@@ -127,9 +129,11 @@ class Admission:
         if seq.tokens is not None and self._info is not None:
             self._tokenized(seq, ctx)
 
-    def loaded(self, info: ModelInfo, ctx: Context) -> None:
-        """The model is in: sequences that came with their tokens go on."""
+    def loaded(self, info: ModelInfo, ctx: Context, draft: DraftModel | None = None) -> None:
+        """The model is in (with its draft model, if any): sequences that came with their tokens
+        go on."""
         self._info = info
+        self.draft = draft
         for seq in list(self._sequences.values()):
             if seq.tokens is not None and seq.phase is Phase.TOKENIZING:
                 self._tokenized(seq, ctx)
@@ -305,6 +309,8 @@ class Admission:
             # Drafts stay within max_tokens; a verification pass keeps the untrimmable layers
             # as they were before it (a window per sliding layer, the recurrent state) meanwhile.
             kv += self._info.snapshot_bytes
+            if self.draft is not None:  # and the draft model's state follows the sequence
+                kv += self.draft.kv_bytes(_tokens_to_reserve(seq))
         # The lookup follows the grant at the keeper, not a round trip later (module docstring).
         seq.lookup_sent_on = (
             self._limits.lookup_with_reserve and seq.resume_phase is None and seq.reuse_prefix

@@ -28,6 +28,7 @@ from actors.engine.checkpoints import CheckpointPolicy
 from actors.engine.chunking import ChunkSizer
 from actors.engine.compute import ComputeSlot
 from actors.engine.disk_tier import DiskTier, ExportJob, ReadJob, run_export
+from actors.engine.draft_model import close_models, default_drafts
 from actors.engine.endings import Endings
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import (
@@ -156,7 +157,7 @@ class EngineCore:
             chunk_tokens,
             CheckpointPolicy(options.checkpoint_every_tokens, kv_budget_bytes),
             strict_max_tokens,
-            options.speculative,
+            default_drafts(spec, options),
             options.lookup_with_reserve,
         )
         self._sizer = ChunkSizer(chunk_tokens, options.prefill_chunk_ms / 1000)
@@ -247,6 +248,8 @@ class EngineCore:
             },
             "probe_pending": int(self._probing.pending),
             **self._disk.gauges(),
+            # Draft-model states held by sequences (0 once every sequence has ended).
+            "draft_states": 0 if self._admission.draft is None else self._admission.draft.live,
         }
         return Stats(
             actor=engine_address(self.model, self.epoch),
@@ -387,7 +390,8 @@ class EngineCore:
             self._closed = True
             backend, self._backend = self._backend, None
             self._batches.handle = None
-            self._compute.submit(ctx, CloseJob(), backend.close)
+            draft = self._admission.draft
+            self._compute.submit(ctx, CloseJob(), lambda: close_models(backend, draft))
 
     def _export(self, job: ExportJob, ctx: Context) -> None:
         backend = self._backend
@@ -453,7 +457,7 @@ class EngineCore:
                 probe_pending=info.probe_pending,
             ),
         )
-        self._admission.loaded(info, ctx)
+        self._admission.loaded(info, ctx, job.draft)
         self._disk.opened(job.disk, job.backend)
 
     def _probed(self, info: ModelInfo, batchable: bool, ctx: Context) -> None:

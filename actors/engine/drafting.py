@@ -6,15 +6,21 @@ needed. Verifying k drafts costs one pass over k + 1 tokens, which on a CPU grow
 number drafted is chosen per pass to make the most tokens per unit of time from the acceptance
 rate seen so far (``Speculation.size``): where drafts keep failing (free text) it falls to 0 and
 the sequence decodes as it would without speculation, pipelined, while its estimate drifts back
-so that a later quote is noticed. See docs/design.md (speculative decoding).
+so that a later quote is noticed. With a draft model (draft_model.py) its greedy tokens are the
+drafts instead, and each one's pass joins the price of a pass. See docs/design.md (speculative
+decoding).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from itertools import takewhile
+from typing import TYPE_CHECKING
 
 from runtime.backends.vision.media import is_media
+
+if TYPE_CHECKING:
+    from actors.engine.draft_model import DraftSource
 
 NGRAMS = (3, 2)  # the longest suffix that matches wins; one token alone matches too often
 # A 2-gram match drafts only while drafts are being accepted (inside a copy): in free text two
@@ -71,11 +77,15 @@ def _follow(history: Sequence[int], start: int, limit: int) -> list[int]:
 class Speculation:
     """One sequence's drafting: its lookup, its acceptance estimate, and what it has done.
 
-    ``most`` is the request's limit on drafts per pass. Not thread-safe: decode steps only.
+    ``most`` is the request's limit on drafts per pass; ``source``, a draft model's state, drafts
+    instead of the lookup. Not thread-safe: decode steps only.
     """
 
-    def __init__(self, most: int, slope: float = DEFAULT_SLOPE) -> None:
+    def __init__(
+        self, most: int, slope: float = DEFAULT_SLOPE, source: DraftSource | None = None
+    ) -> None:
         self.most = most
+        self.source = source
         self.lookup = PromptLookup()
         self.rate = PRIOR  # estimated chance that each next draft is accepted
         self.slope = slope
@@ -88,20 +98,26 @@ class Speculation:
         """How many drafts the next pass should verify (0: decode plainly), at most ``room``."""
         best, best_gain = 0, _GAIN
         a = min(self.rate, 0.99)
+        per_draft = self.slope + (0.0 if self.source is None else self.source.cost)
         for k in range(1, min(self.most, room) + 1):
             expected = (1.0 - a ** (k + 1)) / (1.0 - a)  # tokens a pass of k drafts yields
-            gain = expected / (1.0 + self.slope * k)
+            gain = expected / (1.0 + per_draft * k)
             if gain > best_gain:
                 best, best_gain = k, gain
         return best
 
     def drafts(self, history: Sequence[int], room: int) -> list[int]:
         """The drafts for the next pass (none: it decodes plainly)."""
+        if self.source is not None:
+            n = self.size(room)
+            return self.source.drafts(history, n) if n else []
         return self.lookup.draft(history, self.size(room), self._shortest())
 
     def expects_drafts(self, history: Sequence[int], room: int) -> bool:
         """Whether a pass is likely after the next token: the history's end is a copy already
         (asked before that token is read, to leave the step after it unbuilt)."""
+        if self.source is not None:  # a draft model drafts anywhere, while it pays
+            return self.size(room) > 0
         return bool(self.lookup.draft(history, min(1, self.size(room)), self._shortest()))
 
     def _shortest(self) -> int:
@@ -112,6 +128,8 @@ class Speculation:
         self.drafted += drafted
         self.accepted += accepted
         self.passes += 1
+        if self.source is not None:
+            self.source.settle(accepted)
         # A pass stops at the first rejection: accepted of (accepted + 1) trials, unless all were.
         trials = accepted + (accepted < drafted)
         if trials:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Tokens
 from dataclasses import dataclass
 
+from actors.engine.draft_model import DraftModel, DraftSource
 from actors.engine.drafting import Speculation
 from actors.engine.sequence import Decoding, Phase, Sequence
 from runtime.kernel.core import ROUTER, Context
@@ -81,14 +82,18 @@ def announce_start(seq: Sequence, counters: Counters, ctx: Context) -> None:
     )
 
 
-def start_decoding(seq: Sequence, decode: Callable[[Tokens[int]], str]) -> None:
+def start_decoding(
+    seq: Sequence, decode: Callable[[Tokens[int]], str], draft: DraftModel | None = None
+) -> None:
     """The prompt is in: from now on each step samples a token (its text built on the compute
-    thread, ``Decoding``) and the text is matched against the stop strings here."""
+    thread, ``Decoding``) and the text is matched against the stop strings here. A speculating
+    sequence drafts with ``draft`` (the model's draft model) where there is one."""
     assert seq.tokens is not None
     seq.phase = Phase.DECODING
     seq.decoding = Decoding(history=list(seq.tokens), detokenizer=IncrementalDetokenizer(decode))
     if seq.drafts:
-        seq.decoding.speculation = Speculation(seq.drafts)
+        source = None if draft is None else DraftSource(draft)
+        seq.decoding.speculation = Speculation(seq.drafts, source=source)
     if seq.stop_strings:
         seq.stop_matcher = StopStringMatcher(seq.stop_strings)
 

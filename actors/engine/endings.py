@@ -26,7 +26,14 @@ from actors.engine import emission
 from actors.engine.batch import BatchScheduler
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import Job, StepJob
-from actors.engine.sequence import Ending, Phase, Sequence, Terminal, release_matcher
+from actors.engine.sequence import (
+    Ending,
+    Phase,
+    Sequence,
+    Terminal,
+    release_draft,
+    release_matcher,
+)
 from runtime.backends.contract import Backend
 from runtime.errors import MlxRuntimeError
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Context
@@ -178,6 +185,7 @@ class Endings:
             cancelled = seq.abort.is_set()
             seq.abort.set()  # a step still running on the abandoned thread gives up at its check
             release_matcher(seq)  # a step still using it fails at its next call, on that thread
+            release_draft(seq)
             seq.phase = Phase.DONE
             if cancelled:
                 self._counters.inc("cancelled")
@@ -191,6 +199,7 @@ class Endings:
         """Give back the sequence's prefix-cache lease, its KV reservation (snapshots too) and
         its constraint's grammar state."""
         release_matcher(seq)
+        release_draft(seq)
         seq.snapshots.clear()  # those not in an entry: their bytes go back with the reservation
         if seq.lease_id is not None:
             ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from actors.engine.checkpoints import plan_checkpoints
 from actors.engine.disk_tier import ExportJob, ScanJob
+from actors.engine.draft_model import DraftModel, load_draft
 from actors.engine.sequence import Phase, Sequence
 from runtime.backends.contract import (
     Backend,
@@ -49,6 +50,7 @@ class LoadJob:
     """Load the model, and ask once whether it can batch and whether its probe is left to run."""
 
     backend: Backend | None = None
+    draft: DraftModel | None = None  # the model's draft model (``draft_model``), if it has one
     batchable: bool = False
     probe: DeferredProbe | None = None
     error: BaseException | None = None
@@ -162,7 +164,13 @@ def run_load(
 ) -> None:
     """Load the model with the options the engine decoded (the backend does not decode again)."""
     try:
-        job.backend = load_backend(spec, options)
+        backend = load_backend(spec, options)
+        try:
+            job.draft = load_draft(spec, options, load_backend, backend)
+        except BaseException:
+            backend.close()
+            raise
+        job.backend = backend
         # Asked once (and again after a deferred probe): a model mlx-lm cannot batch (kv_bits,
         # chunked caches) stays on B=1 for good.
         job.batchable = job.backend.open_batch() is not None

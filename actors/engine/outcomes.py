@@ -135,7 +135,7 @@ class StepOutcomes:
             return
         backend = self._backend()
         assert backend is not None
-        emission.start_decoding(seq, backend.decode)
+        emission.start_decoding(seq, backend.decode, self._admission.draft)
 
     def batch_done(self, job: BatchJob, ctx: Context) -> None:
         """A batch step came back: settle who left, then act on each row's step."""

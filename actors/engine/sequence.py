@@ -284,6 +284,13 @@ class Sequence:
         return seq
 
 
+def release_draft(seq: Sequence) -> None:
+    """Drop ``seq``'s draft-model state, if it has one (idempotent; no step may hold it)."""
+    speculation = None if seq.decoding is None else seq.decoding.speculation
+    if speculation is not None and speculation.source is not None:
+        speculation.source.close()
+
+
 def release_matcher(seq: Sequence) -> None:
     """Drop ``seq``'s constraint grammar state, if it has one (idempotent; no step may hold it)."""
     sampler = None if seq.decoding is None else seq.decoding.sampler

@@ -89,6 +89,9 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     # The backend implements ``verify``/``rewind``: speculative decoding may run on it (False: a
     # request's drafts are ignored and it decodes one token per pass).
     verifies: bool = True
+    # Bytes of the model's weights (0: not known): what a draft model's pass costs against its
+    # target's is taken as their ratio (actors/engine/draft_model.py).
+    weight_bytes: int = 0
 
     def capable(self, capability: Capability) -> bool:
         """Whether ``capability`` may be used (one the probe did not judge is on)."""
@@ -291,10 +294,23 @@ class Backend(Protocol):
         ...
 
     def rewind(self, state: SequenceState, keep: int) -> None:
-        """After ``verify``: keep only the first ``keep`` (1 or more) of the tokens it fed, as if
-        only they had been prefilled (``logits()`` after the last one). Layers that cannot be cut
-        back are restored from what they were before the pass, and the kept tokens run again;
-        raises ``ValueError`` when no ``verify`` precedes it or ``keep`` is out of range."""
+        """After ``verify`` (or ``draft``): keep only the first ``keep`` (1 or more) of the tokens
+        it fed, as if only they had been prefilled (``logits()`` after the last one). Layers that
+        cannot be cut back are restored from what they were before the pass, and the kept tokens
+        run again; raises ``ValueError`` when no ``verify`` or ``draft`` precedes it or ``keep``
+        is out of range."""
+        ...
+
+    def draft(self, state: SequenceState, token_ids: Sequence[int], n: int) -> list[int]:
+        """The draft model's side of speculation: run ``token_ids`` (1 or more, the tokens
+        ``state`` lacks of a sequence's history) and then ``n`` greedy tokens after them, feeding
+        all but the last; returns the ``n`` tokens. Follow it with ``rewind`` (keeping at least
+        ``token_ids``) before any other use of ``state``. Only on a model whose every layer cuts
+        back (full attention: ``ValueError`` otherwise)."""
+        ...
+
+    def vocabulary(self) -> Sequence[str]:
+        """Each token id's token as the tokenizer spells it (a draft model must have the same)."""
         ...
 
     @property

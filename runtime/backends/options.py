@@ -71,6 +71,12 @@ class EngineOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     # A sequence's prefix lookup rides on its KV reservation: the keeper sends it on once it
     # grants (actors/engine/admission.py). False: the engine asks after the grant (to measure).
     lookup_with_reserve: bool = True
+    # A second model (a path or a known name, loaded by the same backend) whose greedy tokens are
+    # the drafts instead of prompt lookup; it shares the vocabulary (actors/engine/draft_model.py).
+    draft_model: str | None = None
+    # What one draft-model pass costs, as a fraction of a one-token pass of this model; None: the
+    # ratio of their weight bytes (a decode pass reads every weight once).
+    draft_cost: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
     @property
     def chunk_tokens(self) -> int:

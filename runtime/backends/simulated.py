@@ -141,7 +141,8 @@ class SimulatedBackend:
         self._prefill_calls = 0
         self._sample_calls = 0
         self._lock = threading.Lock()  # catches accidental use from two threads at once
-        self._verified: dict[int, int] = {}  # tokens each state's last ``verify`` fed, by id
+        # Tokens each state's last ``verify`` or ``draft`` fed, and the fewest a rewind keeps.
+        self._verified: dict[int, tuple[int, int]] = {}
         strategy = ReuseStrategy.TRIM if options.trimmable else ReuseStrategy.CHECKPOINT
         self._info = ModelInfo(
             context_length=options.context_length,
@@ -323,18 +324,41 @@ class SimulatedBackend:
             before = own.length
             own.extend(token_ids)
             own.has_logits = True
-            self._verified[id(own)] = len(token_ids)
+            self._verified[id(own)] = (len(token_ids), 1)
         return mx.stack([self.logits_after(h) for h in own.hashes[before:]])
 
     def rewind(self, state: SequenceState, keep: int) -> None:
         """Drop the rejected drafts: the oracle's state is its tokens, whatever the cache kind."""
         own = _own(state)
-        fed = self._verified.pop(id(own), 0)
-        if not 1 <= keep <= fed:
+        fed, least = self._verified.pop(id(own), (0, 1))
+        if not least <= keep <= fed:
             raise ValueError(f"rewind to {keep} tokens without a verify that fed as many")
         end = own.length - (fed - keep)
         del own.tokens[end:], own.hashes[end:]
         own.has_logits = True
+
+    def draft(self, state: SequenceState, token_ids: Sequence[int], n: int) -> list[int]:
+        """The greedy tokens after ``token_ids`` (``next_token_for``), all but the last fed; each
+        pass charged as one decode step."""
+        own = _own(state)
+        if not token_ids or n < 1:
+            raise ValueError("draft takes a token to catch up with and one draft or more")
+        if not self._options.trimmable:
+            raise ValueError("a draft model's layers must all cut back (full attention only)")
+        with self._lock:
+            self._clock.spend(self._options.decode_s_per_token * n)
+            own.extend(token_ids)
+            drafts = [next_token_for(own.hashes[-1], self._options.eos_every)]
+            for _ in range(n - 1):
+                own.extend(drafts[-1:])
+                drafts.append(next_token_for(own.hashes[-1], self._options.eos_every))
+            own.has_logits = True
+            self._verified[id(own)] = (len(token_ids) + n - 1, len(token_ids))
+        return drafts
+
+    def vocabulary(self) -> list[str]:
+        """Bytes 0-255 by value, then the end of sequence."""
+        return [*(f"<0x{b:02X}>" for b in range(256)), "</s>"]
 
     @property
     def pipelined(self) -> bool:

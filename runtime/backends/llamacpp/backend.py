@@ -469,6 +469,12 @@ class LlamaCppBackend:
     def rewind(self, state: SequenceState, keep: int) -> None:
         raise NotImplementedError(_NO_SPECULATION)
 
+    def draft(self, state: SequenceState, token_ids: Sequence[int], n: int) -> list[int]:
+        raise NotImplementedError(_NO_SPECULATION)
+
+    def vocabulary(self) -> list[str]:
+        raise NotImplementedError(_NO_SPECULATION)  # asked only of a model that verifies
+
     def deferred_probe(self) -> None:
         return None  # nothing is left to probe after a llama.cpp load
 

@@ -15,9 +15,10 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import mlx.core as mx
+from mlx.utils import tree_flatten
 from mlx_lm.models import cache as mlx_cache
 
 from runtime.backends.contract import (
@@ -49,7 +50,7 @@ from runtime.backends.mlx.probe import plain_run, probe_prompts
 from runtime.backends.mlx.state import MlxSnapshot, MlxState, check_points, own_state
 from runtime.backends.mlx.together import prefill_together, together_snapshot_tokens
 from runtime.backends.mlx.upstream import patch_model
-from runtime.backends.mlx.verify import rewind_pass, verify_pass
+from runtime.backends.mlx.verify import draft_pass, rewind_pass, verify_pass
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
 from runtime.backends.vision.load import VisionMedia
@@ -169,6 +170,7 @@ class MlxBackend:
                 state.caches, context, self.reach_back
             ),
             chat_template=templated,
+            weight_bytes=weight_bytes(self._model),
         )
         info, self._deferred = limit_by_probe(self, name, state.caches, first, defer=defer_probe)
         return info
@@ -358,6 +360,13 @@ class MlxBackend:
     def verify(self, state: SequenceState, token_ids: Sequence[int]) -> mx.array:
         return verify_pass(self._model, own_state(state), token_ids)
 
+    def draft(self, state: SequenceState, token_ids: Sequence[int], n: int) -> list[int]:
+        return draft_pass(self._model, own_state(state), token_ids, n)
+
+    def vocabulary(self) -> list[str]:
+        by_id = {i: t for t, i in self._tokenizer.get_vocab().items()}
+        return [by_id.get(i, "") for i in range(max(by_id, default=-1) + 1)]
+
     def rewind(self, state: SequenceState, keep: int) -> None:
         rewind_pass(self._model, own_state(state), keep, cut=not self.whole_snapshots)
 
@@ -429,3 +438,9 @@ class MlxBackend:
         self._tokenizer = None
         gc.collect()
         mx.clear_cache()
+
+
+def weight_bytes(model: Any) -> int:
+    """Bytes of a model's parameters."""
+    leaves = cast(list[tuple[str, mx.array]], tree_flatten(model.parameters()))
+    return sum(array.nbytes for _, array in leaves)

@@ -32,18 +32,25 @@ class MlxState:
 
 
 class Verified:
-    """What ``rewind`` needs of a verification pass: the caches as they were before it (shallow
-    copies: the pass writes past their end or makes new arrays), its tokens and logits."""
+    """What ``rewind`` needs of a verification (or drafting) pass: the caches as they were before
+    it (shallow copies: the pass writes past their end or makes new arrays), its tokens, and the
+    logits after each of them from the ``least``-th on (the fewest tokens a rewind may keep)."""
 
-    __slots__ = ("before", "logits", "start", "token_ids")
+    __slots__ = ("before", "least", "logits", "start", "token_ids")
 
     def __init__(
-        self, before: list[Any], start: int, token_ids: list[int], logits: mx.array
+        self,
+        before: list[Any],
+        start: int,
+        token_ids: list[int],
+        logits: mx.array,
+        least: int = 1,
     ) -> None:
         self.before = before
         self.start = start
         self.token_ids = token_ids
         self.logits = logits
+        self.least = least
 
 
 class MlxSnapshot:

@@ -7,7 +7,10 @@ its kind's ``rewind``: full attention lowers its offset (mlx-lm's trim) and a sl
 which a multi-token update leaves in temporal order, is cut short, so neither copies anything. A
 recurrent state (``ArraysCache``) holds only its last step: the layers go back to shallow copies
 taken before the pass (the pass wrote past their ends or made new arrays, as for an interrupted
-prefill, interrupt.py) and the kept tokens run again. See docs/design.md (speculative decoding).
+prefill, interrupt.py) and the kept tokens run again. ``draft_pass`` is a draft model's side: it
+catches up with the sequence and then decodes greedily one token at a time, all in one lazy graph
+(no host round trip between drafts); only full-attention layers, whose one-token updates write
+past their end, can be cut back after it. See docs/design.md (speculative decoding).
 """
 
 from __future__ import annotations
@@ -36,13 +39,37 @@ def verify_pass(model: Any, own: MlxState, token_ids: Sequence[int]) -> mx.array
     return logits
 
 
+def draft_pass(model: Any, own: MlxState, token_ids: Sequence[int], n: int) -> list[int]:
+    """``Backend.draft`` over ``model``'s caches in ``own``."""
+    ids = list(token_ids)
+    if not ids or n < 1:
+        raise ValueError("draft takes a token to catch up with and one draft or more")
+    if not all(kind_of(c).cut_back(c) for c in own.caches):
+        raise ValueError("a draft model's layers must all cut back (full attention only)")
+    before = [kind_of(c).undo_copy(c) for c in own.caches]
+    start = own.n_tokens
+    rows = [model(mx.array([ids]), cache=own.caches)[0, -1]]
+    tokens = [mx.argmax(rows[-1])]
+    for _ in range(n - 1):  # built lazily: MLX computes the whole chain in one evaluation
+        rows.append(model(tokens[-1].reshape(1, 1), cache=own.caches)[0, -1])
+        tokens.append(mx.argmax(rows[-1]))
+    logits = mx.stack(rows).astype(mx.float32)
+    mx.eval(tokens, logits, [c.state for c in own.caches])
+    drafts: list[int] = mx.stack(tokens).tolist()  # type: ignore[assignment]
+    fed = ids + drafts[:-1]
+    own.n_tokens, own.logits = start + len(fed), logits[-1]
+    own.verified = Verified(before, start, fed, logits, least=len(ids))
+    return drafts
+
+
 def rewind_pass(model: Any, own: MlxState, keep: int, *, cut: bool = True) -> bool:
     """``Backend.rewind``; ``cut`` False (the load probe found cutting back wrong) always runs
     the kept tokens again. Returns whether it did (the cost a recurrent layer brings)."""
-    verified, own.verified = own.verified, None
-    if verified is None or not 1 <= keep <= len(verified.token_ids):
+    verified = own.verified
+    if verified is None or not verified.least <= keep <= len(verified.token_ids):
         raise ValueError(f"rewind to {keep} tokens without a verify that fed as many")
-    own.logits = verified.logits[keep - 1]
+    own.verified = None
+    own.logits = verified.logits[keep - verified.least]
     drop = len(verified.token_ids) - keep
     if drop == 0:
         return False
