@@ -15,8 +15,8 @@ Each layer's tok/s, the median of its per-round ratios to ``raw``, and the CPU t
 token (all threads: the ratio moves with the load, CPU time much less). With ``--batch 4,8``
 also that many streams decoded together: ``raw`` one ``llama_decode`` of B rows, ``batch``
 ``LlamaDecodeBatch.step``, ``runtime`` B concurrent requests (aggregate tok/s). The B=1 layers
-must give the same tokens (checked). ``--only-runtime N`` just runs the runtime, for a profiler.
-Not a test.
+must give the same tokens (checked). ``--only-runtime N`` just runs the runtime, for a profiler;
+``--loop-cpu B`` only measures the event loop's CPU per token while B streams decode. Not a test.
 
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/openblas-pthread/libblas.so.3 PYTHONPATH=. \\
         .venv/bin/python scripts/llamacpp_overhead.py --rounds 5 [--batch 4,8] [--http]
@@ -268,6 +268,14 @@ def _arguments() -> argparse.Namespace:
     parser.add_argument("--http", action="store_true", help="also time mlxrt serve over HTTP")
     parser.add_argument("--only-runtime", type=int, default=0, help="run the runtime B=1 only")
     parser.add_argument("--uvloop", action="store_true", help="the in-process layers on uvloop")
+    parser.add_argument(
+        "--loop-cpu",
+        type=int,
+        default=0,
+        metavar="B",
+        help="only the event loop's CPU per token while B streams decode in process (the loop's "
+        "thread time, which a loaded machine moves far less than wall time)",
+    )
     return parser.parse_args()
 
 
@@ -286,6 +294,17 @@ async def main(args: argparse.Namespace) -> None:
             await rt.load_model(spec)
             _, ours = await runtime_streams(rt, prompts[:1], args.tokens)  # warm-up, reference
             n = len(ours)
+            if args.loop_cpu:
+                group = [backend.encode(make_text(tokenizer, 64, seed=s)) for s in range(args.loop_cpu)]
+                await runtime_streams(rt, group, 8)  # warm-up
+                per_token = []
+                for _ in range(args.rounds):
+                    began = time.thread_time()  # the loop runs on this thread
+                    await runtime_streams(rt, group, 64)
+                    per_token.append(1000 * (time.thread_time() - began) / (64 * len(group)))
+                print(f"loop CPU per token, {args.loop_cpu} streams: "
+                      f"{statistics.median(per_token):.3f} ms ({per_token})")  # fmt: skip
+                return
             if args.only_runtime:
                 for _ in range(args.only_runtime):
                     await runtime_streams(rt, prompts[:1], n)
