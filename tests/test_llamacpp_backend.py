@@ -209,28 +209,38 @@ def test_prefill_together_equals_each_alone(backend: LlamaCppBackend) -> None:
     assert greedy(backend, restored, 5) == cold(backend, edited, 5)
 
 
+def few_sequences(
+    real_gguf: Callable[[str], Any], *, max_sequences: int, max_batch: int
+) -> LlamaCppBackend:
+    """SmolLM2 on llama.cpp with only ``max_sequences`` seq_ids (the caller closes it)."""
+    from tests.llamacpp_support import require_llama_cpp
+
+    require_llama_cpp()
+    real_gguf("smollm2-135m-instruct")
+    options = {"max_sequences": max_sequences, "max_batch": max_batch, "n_threads": 1}
+    spec = ModelSpec(name="small", backend="llamacpp", path="smollm2-135m-instruct",
+                     options={**options, "context_length": 1024})  # fmt: skip
+    return LlamaCppBackend.load(spec)
+
+
+def prefilled(backend: LlamaCppBackend, n: int) -> tuple[list[list[int]], list[LlamaState]]:
+    """The first ``n`` corpus texts' tokens, and a state prefilled with each, in that order."""
+    prompts = [backend.encode(CORPUS[i]) for i in range(n)]
+    states = []
+    for ids in prompts:
+        states.append(backend.new_state())
+        prefill(backend, states[-1], ids)
+    return prompts, states
+
+
 def test_states_beyond_the_sequence_slots_move_to_host_and_back(
     real_gguf: Callable[[str], Any],
 ) -> None:
     """With 3 seq_ids, 5 live states: the least recently used ones are saved to host memory and
     restored when used, each continuing as it would have."""
-    from tests.llamacpp_support import require_llama_cpp
-
-    require_llama_cpp()
-    real_gguf("smollm2-135m-instruct")
-    spec = ModelSpec(
-        name="small",
-        backend="llamacpp",
-        path="smollm2-135m-instruct",
-        options={"max_sequences": 3, "max_batch": 1, "n_threads": 1, "context_length": 1024},
-    )
-    backend = LlamaCppBackend.load(spec)
+    backend = few_sequences(real_gguf, max_sequences=3, max_batch=1)
     try:
-        prompts = [backend.encode(CORPUS[i]) for i in range(5)]
-        states = []
-        for ids in prompts:
-            states.append(backend.new_state())
-            prefill(backend, states[-1], ids)
+        prompts, states = prefilled(backend, 5)
         assert backend.pool.spills >= 2
         assert sum(s.seq is None for s in states) >= 2
         for state, ids in zip(states, prompts, strict=True):
@@ -252,23 +262,9 @@ def test_tidy_frees_two_slots_ahead_of_need_so_a_branch_copies_without_a_spill(
     until two are free, then has nothing to do; a copy (a request branching from a cached
     prefix) and a new state then take those two without spilling, and the spilled state still
     continues as it would have."""
-    from tests.llamacpp_support import require_llama_cpp
-
-    require_llama_cpp()
-    real_gguf("smollm2-135m-instruct")
-    spec = ModelSpec(
-        name="small",
-        backend="llamacpp",
-        path="smollm2-135m-instruct",
-        options={"max_sequences": 4, "max_batch": 2, "n_threads": 1, "context_length": 1024},
-    )
-    backend = LlamaCppBackend.load(spec)
+    backend = few_sequences(real_gguf, max_sequences=4, max_batch=2)
     try:
-        prompts = [backend.encode(CORPUS[i]) for i in range(4)]
-        states = []
-        for ids in prompts:
-            states.append(backend.new_state())
-            prefill(backend, states[-1], ids)
+        prompts, states = prefilled(backend, 4)
         assert backend.pool.spills == 0 and not backend.pool.census().free
         assert [backend.tidy() for _ in range(3)] == [True, True, False]
         assert len(backend.pool.census().free) == 2 and backend.pool.spills == 2
