@@ -13,11 +13,14 @@ prompt; time to first token from the restore's start (the model already loaded).
   but the prompt's last token, then ``save_prompt_cache``), after a cold ``generate_step`` of the
   whole prompt timed to its first token; the fresh process times ``load_prompt_cache`` and
   ``generate_step`` of the last token to its first token. The two first tokens must agree.
-- ``llama-server``: ``--parallel 1 --slot-save-path DIR``; the first server answers the prompt
-  (``n_predict: 1``) cold and saves slot 0 (``POST /slots/0?action=save``); a second server
-  restores it (``action=restore``) and answers the same prompt; the hit's TTFT is the restore plus
-  that answer. ``disk.cached_tokens`` is the prompt less what its ``timings.prompt_n`` says it
-  evaluated. Real models only (it needs their GGUF file).
+- ``llama-server``: ``--parallel 1 --swa-full --slot-save-path DIR``; the first server answers
+  the prompt (``n_predict: 1``) cold and saves slot 0 (``POST /slots/0?action=save``); a second
+  server restores it (``action=restore``) and answers the same prompt; the hit's TTFT is the
+  restore plus that answer. ``disk.cached_tokens`` is the prompt less what its
+  ``timings.prompt_n`` says it evaluated. Real models only (it needs their GGUF file).
+  ``--swa-full`` (no effect without a sliding window) keeps Gemma 3's sliding layers whole: at
+  its defaults llama-server re-processed all 2,000 tokens after restoring the slot
+  (``timings.prompt_n``), so the row would measure no restore at all.
 """
 
 from __future__ import annotations
@@ -126,7 +129,8 @@ def llama_server_slots(
         with tempfile.TemporaryDirectory() as folder:
             argv = (
                 *llamacpp.llama_server(binary.path, model.gguf, threads).argv,
-                *("--parallel", "1", "--ctx-size", str(CONTEXT), "--slot-save-path", folder),
+                *("--parallel", "1", "--ctx-size", str(CONTEXT), "--swa-full"),
+                *("--slot-save-path", folder),
             )
             command = ServerCommand(llamacpp.LLAMA_SERVER, argv, model.gguf.stem)
             with running([command]) as (server,):
