@@ -11,6 +11,9 @@ both with ``exact_reuse``; and the tiny recurrent (``mamba``) and hybrid sliding
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -131,11 +134,37 @@ async def test_a_disk_hit_on_recurrent_and_hybrid_ggufs_restores_a_point(
     assert outcome.disk.token_ids == outcome.cold.token_ids
 
 
+def _child(directory: Path, gguf: Path, prompt: list[int], tmp_path: Path) -> dict[str, Any]:
+    prompt_file = tmp_path / f"prompt-{len(prompt)}.json"
+    prompt_file.write_text(json.dumps(prompt))
+    argv = [sys.executable, "-m", "runtime.testing.disk_child", str(directory), str(gguf),
+            str(prompt_file), str(MAX_TOKENS), "llamacpp"]  # fmt: skip
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300, check=True)
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+async def test_a_fresh_process_reuses_what_an_earlier_one_wrote_on_llama_cpp(
+    tmp_path: Path, tiny_llama_gguf: Callable[[str], Path]
+) -> None:
+    """Two real processes, one after the other, on one directory (the hybrid lfm2-swa GGUF):
+    the second is served from the first's files, at one of its points, and answers as cold."""
+    gguf = tiny_llama_gguf("lfm2-swa")
+    base = prompt_tokens(300, seed=26)
+    longer = base + prompt_tokens(20, seed=27)
+    async with Runtime(RuntimeConfig(kv_budget_bytes=BUDGET)) as rt:
+        await rt.load_model(ModelSpec(name="m", path=str(gguf), backend="llamacpp"))
+        cold = await rt.complete("m", prompt_tokens=longer, max_tokens=MAX_TOKENS)
+    first = _child(tmp_path / "cache", gguf, base, tmp_path)
+    second = _child(tmp_path / "cache", gguf, longer, tmp_path)
+    assert (first["tier"], second["tier"]) == ("cold", "disk")
+    assert 0 < second["cached_tokens"] <= len(base)
+    assert second["tokens"] == list(cold.token_ids)
+
+
 def test_an_exported_state_comes_back_spilled_with_its_points() -> None:
     """Importing makes no llama.cpp call: the bytes come back as a spilled state (restored into
     a seq_id at first use, on the compute thread); a point's empty partial state stays empty."""
-    import json
-
     import numpy as np
 
     layout = json.dumps({"version": persist.LAYOUT_VERSION, "high_water": 40})
