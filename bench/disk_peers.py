@@ -5,14 +5,15 @@ Neither is automatic: the host decides when to save, names each file, and restor
 before sending the prompt (ours spills evicted entries and finds them by their tokens). Both are
 measured the way ``bench/disk.py`` measures ours, so the rows are comparable: a first process
 prefills the prompt cold and writes the file; a second, fresh one restores it and answers the same
-prompt; time to first token from the restore's start (the model already loaded). Rows (systems
+prompt; time to first token from the restore's start (the model already loaded). Where the
+restored answer's first token is not the cold one's, the hit row's note says so. Rows (systems
 ``mlx-lm`` and ``llama-server``): ``disk.cold_ttft``, ``disk.hit_ttft``, ``disk.hit/cold``,
 ``disk.cached_tokens``.
 
 - ``mlx-lm``: what ``mlx_lm.cache_prompt`` does (``generate_step`` with ``max_tokens=0`` over all
   but the prompt's last token, then ``save_prompt_cache``), after a cold ``generate_step`` of the
   whole prompt timed to its first token; the fresh process times ``load_prompt_cache`` and
-  ``generate_step`` of the last token to its first token. The two first tokens must agree.
+  ``generate_step`` of the last token to its first token.
 - ``llama-server``: ``--parallel 1 --swa-full --slot-save-path DIR``; the first server answers
   the prompt (``n_predict: 1``) cold and saves slot 0 (``POST /slots/0?action=save``); a second
   server restores it (``action=restore``) and answers the same prompt; the hit's TTFT is the
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +55,19 @@ def prompt_for(model: BenchModel, quick: bool) -> list[int]:
 
 
 def rows(
-    system: str, model: str, cold: list[float], hit: list[float], cached: list[float]
+    system: str,
+    model: str,
+    cold: list[float],
+    hit: list[float],
+    cached: list[float],
+    differed: list[str],
 ) -> list[Measurement]:
+    """The four rows; ``differed`` says, per round, where the restored answer's first token was
+    not the cold one's (a note on the hit row: that peer's restore is not exact)."""
     cold_m = timed(system, model, "disk.cold_ttft", cold, unit="s")
     hit_m = timed(system, model, "disk.hit_ttft", hit, unit="s")
+    if differed:
+        hit_m = replace(hit_m, note="first token after the restore != cold: " + "; ".join(differed))
     return [
         cold_m,
         hit_m,
@@ -68,7 +79,7 @@ def rows(
 def mlx_lm_file(model: BenchModel, quick: bool) -> list[Measurement]:
     """mlx-lm's prompt cache file: cold and save in one process, restore in a fresh one."""
     prompt = prompt_for(model, quick)
-    cold, hit, cached = [], [], []
+    cold, hit, cached, differed = [], [], [], []
     for _ in range(ROUNDS.pick(model, quick)):
         with tempfile.TemporaryDirectory() as folder:
             prompt_file = Path(folder) / "prompt.json"
@@ -77,11 +88,11 @@ def mlx_lm_file(model: BenchModel, quick: bool) -> list[Measurement]:
             first = _mlx_child("save", model.path, prompt_file, cache_file)
             second = _mlx_child("restore", model.path, prompt_file, cache_file)
             if first["token"] != second["token"]:
-                raise RuntimeError(f"mlx-lm cache file: first token {second} differs from {first}")
+                differed.append(f"{second['token']} vs {first['token']}")
             cold.append(first["ttft_s"])
             hit.append(second["ttft_s"])
             cached.append(float(len(prompt) - 1))
-    return rows(MLX_LM, model.name, cold, hit, cached)
+    return rows(MLX_LM, model.name, cold, hit, cached, differed)
 
 
 def _mlx_child(step: str, model_path: Path, prompt_file: Path, cache_file: Path) -> dict[str, Any]:
@@ -124,7 +135,7 @@ def llama_server_slots(
     """llama-server's slot save/restore: cold and save in one server, restore in a fresh one."""
     assert model.gguf is not None
     prompt = prompt_for(model, quick)
-    cold, hit, cached = [], [], []
+    cold, hit, cached, differed = [], [], [], []
     for _ in range(ROUNDS.pick(model, quick)):
         with tempfile.TemporaryDirectory() as folder:
             argv = (
@@ -138,11 +149,11 @@ def llama_server_slots(
             with running([command]) as (server,):
                 second = asyncio.run(_slot_run(server, prompt, restore=True))
             if first["content"] != second["content"]:
-                raise RuntimeError(f"llama-server slot restore: {second} differs from {first}")
+                differed.append(f"{second['content']!r} vs {first['content']!r}")
             cold.append(first["ttft_s"])
             hit.append(second["ttft_s"])
             cached.append(float(len(prompt) - second["prompt_n"]))
-    return rows(llamacpp.LLAMA_SERVER, model.name, cold, hit, cached)
+    return rows(llamacpp.LLAMA_SERVER, model.name, cold, hit, cached, differed)
 
 
 async def _slot_run(server: Server, prompt: list[int], restore: bool) -> dict[str, Any]:

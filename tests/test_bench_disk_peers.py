@@ -24,3 +24,4 @@ def test_mlx_lms_prompt_cache_file_is_measured_in_a_fresh_process() -> None:
     cold, hit = by_name["disk.cold_ttft"].value, by_name["disk.hit_ttft"].value
     assert cold is not None and hit is not None and cold > 0 and hit > 0
     assert by_name["disk.hit/cold"].value is not None
+    assert by_name["disk.hit_ttft"].note == ""  # the restored first token is the cold one
