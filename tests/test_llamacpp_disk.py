@@ -191,22 +191,23 @@ def test_an_exported_state_comes_back_spilled_with_its_points() -> None:
 
 def test_the_fingerprint_names_the_file_and_the_kernels(tmp_path: Path) -> None:
     """Another file, the same file changed, another pinned sha256 or exact_reuse (another V
-    layout) or another state version: another fingerprint."""
+    layout), another state version or fewer cells a sequence: another fingerprint."""
     import os
 
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF....")
-    first = persist.fingerprint(gguf, None, False, 3)
-    assert first == persist.fingerprint(gguf, None, False, 3)
+    first = persist.fingerprint(gguf, None, False, 3, 4096)
+    assert first == persist.fingerprint(gguf, None, False, 3, 4096)
     others = {
-        persist.fingerprint(gguf, "ab" * 32, False, 3),
-        persist.fingerprint(gguf, None, True, 3),
-        persist.fingerprint(gguf, None, False, 4),
+        persist.fingerprint(gguf, "ab" * 32, False, 3, 4096),
+        persist.fingerprint(gguf, None, True, 3, 4096),
+        persist.fingerprint(gguf, None, False, 4, 4096),
     }
     other = tmp_path / "n.gguf"
     other.write_bytes(b"GGUF....")
-    others.add(persist.fingerprint(other, None, False, 3))
+    others.add(persist.fingerprint(other, None, False, 3, 4096))
+    others.add(persist.fingerprint(gguf, None, False, 3, 2048))
     stat = gguf.stat()
     os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
-    others.add(persist.fingerprint(gguf, None, False, 3))
-    assert first not in others and len(others) == 5
+    others.add(persist.fingerprint(gguf, None, False, 3, 4096))
+    assert first not in others and len(others) == 6

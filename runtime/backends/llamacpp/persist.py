@@ -15,7 +15,9 @@ as one that has reached its length (``high_water``), so it is cut back only wher
 The fingerprint names the GGUF file (its resolved path, size and modification time, and its
 pinned sha256 for a known model), llama-cpp-python's version (which pins llama.cpp's, and so the
 state format), llama.cpp's own state version, whether ``exact_reuse`` is on (it turns flash
-attention off, which lays the V cache out transposed) and this layout's version.
+attention off, which lays the V cache out transposed), a sequence's KV cells (``n_ctx_seq``: a
+state longer than a smaller context's sequence has no room to be put back; entries are cut on
+load, so an entry may be longer than the prompt that finds it) and this layout's version.
 """
 
 from __future__ import annotations
@@ -37,14 +39,16 @@ LAYOUT_VERSION = 1
 STATE = "state"
 
 
-def fingerprint(gguf: Path, sha256: str | None, exact_reuse: bool, state_version: int) -> str:
+def fingerprint(
+    gguf: Path, sha256: str | None, exact_reuse: bool, state_version: int, cells: int
+) -> str:
     """A hex digest of everything an exported state depends on (see the module docstring)."""
     resolved = gguf.resolve()
     stat = resolved.stat()
     text = (
         f"llamacpp|layout {LAYOUT_VERSION}|llama-cpp-python {version('llama_cpp_python')}"
-        f"|state {state_version}|exact_reuse {exact_reuse}|{resolved}|{stat.st_size}"
-        f"|{stat.st_mtime_ns}|sha256 {sha256}"
+        f"|state {state_version}|exact_reuse {exact_reuse}|cells {cells}|{resolved}"
+        f"|{stat.st_size}|{stat.st_mtime_ns}|sha256 {sha256}"
     )
     return hashlib.sha256(text.encode()).hexdigest()
 
@@ -112,7 +116,7 @@ class Persisting:
 
     def fingerprint(self) -> str:
         state_version = int(import_llama_cpp().LLAMA_STATE_SEQ_VERSION)
-        return fingerprint(self.path, *self._identity, state_version)
+        return fingerprint(self.path, *self._identity, state_version, self._context.n_ctx_seq)
 
     def export_state(self, state: SequenceState, points: Mapping[int, Snapshot]) -> HostState:
         return export_state(self._context, state, points)
