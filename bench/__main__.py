@@ -25,6 +25,7 @@ from bench import (
     checkpoints,
     cluster,
     disk,
+    disk_peers,
     environment,
     generation,
     hop,
@@ -55,7 +56,8 @@ SCENARIO_GROUPS = (
     "disk",
 )
 MODEL_FREE_GROUPS = {"hop"}
-SERVER_GROUPS = {"existing", *over_http.GROUPS}  # the groups the llama.cpp systems have rows in
+SERVER_GROUPS = {"existing", *over_http.GROUPS}  # the groups the llama.cpp servers have rows in
+LLAMACPP_GROUPS = {*SERVER_GROUPS, "disk"}  # and llama-server's slot save/restore in disk
 RAY = importlib.util.find_spec("ray") is not None  # the cluster group needs the [cluster] extra
 
 
@@ -101,7 +103,8 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         "(TTFT and tokens re-processed when ~900/~1,800 tokens of notes are re-sent with their "
         "last line changed); hop "
         "(hop.*: the actor message hop and the runtime's cost per streamed token, no model); "
-        "disk (disk.*: TTFT of a 2,000-token prompt in a fresh process, a disk hit vs cold); "
+        "disk (disk.*: TTFT of a 2,000-token prompt in a fresh process, a disk hit vs cold; "
+        "mlx-lm: its prompt cache file, llama-server: its slot save/restore); "
         "cluster (cluster.*: an engine as a Ray actor against in-process, and routing across "
         "two replicas; real models only, docs/cluster.md)",
     )
@@ -152,10 +155,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _log(f"{kind}: checkpoint memory (runtime vs mlx-lm whole-cache copies)")
                 ckpt_tokens = checkpoints.PROMPT_TOKENS.pick(loaded, args.quick)
                 sink.extend(checkpoints.measure(path, model, tokenizer, kind, ckpt_tokens))
-            if "disk" in args.scenarios and "runtime" in args.systems:
-                _log(f"{kind}: disk (TTFT in a fresh process: a disk hit vs cold)")
-                sink.extend(disk.measure(loaded, args.quick))
-                sink.extend(disk.pressure(loaded, args.quick))
+            if "disk" in args.scenarios:
+                _disk(args, loaded, found, sink)
             if "structured" in args.scenarios and "runtime" in args.systems:
                 _log(f"{kind}: constrained decoding (a JSON Schema vs none, runtime)")
                 rounds = structured.ROUNDS.pick(loaded, args.quick)
@@ -204,13 +205,32 @@ def _find_llamacpp(args: argparse.Namespace) -> llamacpp.Found | None:
     group); None otherwise, so a run without them builds nothing."""
     wanted = args.systems & set(llamacpp.SYSTEMS)
     real = any(m in REAL_MODELS for m in args.models)
-    if not wanted or not real or not args.scenarios & SERVER_GROUPS:
+    if not wanted or not real or not args.scenarios & LLAMACPP_GROUPS:
         return None
     _log(f"llama.cpp: looking for {', '.join(sorted(wanted))} (a first build takes ~12 min)")
     found = llamacpp.find(args.systems, args.llama_threads)
     for system, line in found.describe().items():
         _log(f"llama.cpp: {system}: {line}")
     return found
+
+
+def _disk(
+    args: argparse.Namespace, model: BenchModel, found: llamacpp.Found | None, sink: Sink
+) -> None:
+    """The disk group: ours, then mlx-lm's prompt cache file and llama-server's slot restore."""
+    if "runtime" in args.systems:
+        _log(f"{model.name}: disk (TTFT in a fresh process: a disk hit vs cold)")
+        sink.extend(disk.measure(model, args.quick))
+        sink.extend(disk.pressure(model, args.quick))
+    if "mlx-lm" in args.systems:
+        _log(f"{model.name}: disk, mlx-lm's prompt cache file (saved, then a fresh process)")
+        sink.extend(disk_peers.mlx_lm_file(model, args.quick))
+    if found is None or isinstance(found.llama_server, llamacpp.Unavailable):
+        return  # not asked for, or its skipped row comes from _llama_servers
+    if model.gguf is None:
+        return  # a tiny model: _llama_servers says why llama-server skips it
+    _log(f"{model.name}: disk, llama-server's slot save/restore (then a fresh server)")
+    sink.extend(disk_peers.llama_server_slots(model, args.quick, found.llama_server, found.threads))
 
 
 def _llama_servers(found: llamacpp.Found, model: BenchModel, sink: Sink) -> list[ServerCommand]:

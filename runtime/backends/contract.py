@@ -4,7 +4,8 @@ Every method runs on the engine's compute thread, never on the event loop. A bac
 model; a ``SequenceState`` is an opaque per-sequence cache the engine hands back to it. The engine
 never looks inside states: it asks the backend to copy, trim, measure and extend them. A backend
 that can also write states to the prefix cache's disk tier implements
-``runtime.backends.disk.host.Persistent`` beside this contract (MLX and the simulated backend do).
+``runtime.backends.disk.host.Persistent`` beside this contract (MLX, llama.cpp and the
+simulated backend do).
 """
 
 from __future__ import annotations

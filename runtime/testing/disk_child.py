@@ -1,11 +1,13 @@
 """One generate in a process of its own, with the disk tier on: what a restart finds.
 
-``python -m runtime.testing.disk_child DIR MODEL_PATH PROMPT_JSON [MAX_TOKENS]`` loads the model
-(an mlx-lm directory), sends the prompt's tokens once and prints one JSON line: the reuse tier,
-cached tokens, prompt tokens, the output tokens, the seconds from sending to the first token, and
-the disk tier's load milliseconds and bytes.
+``python -m runtime.testing.disk_child DIR MODEL_PATH PROMPT_JSON [MAX_TOKENS [BACKEND]]`` loads
+the model (an mlx-lm directory, or with BACKEND ``llamacpp`` a GGUF file), sends the prompt's
+tokens once and prints one JSON line: the reuse tier, cached tokens, prompt tokens, the output
+tokens, the seconds from sending to the first token, and the disk tier's load milliseconds and
+bytes.
 Leaving the Runtime unloads the model, which writes what RAM holds to the disk tier. Used by
-tests/test_disk_tier.py (a real second process) and the bench's ``disk`` group.
+tests/test_disk_tier.py and tests/test_llamacpp_disk.py (a real second process) and the bench's
+``disk`` group.
 """
 
 from __future__ import annotations
@@ -23,11 +25,11 @@ from runtime.messages import Finished, ModelSpec, Started, TokensEmitted
 
 
 async def run(
-    directory: str, model_path: str, prompt: list[int], max_tokens: int
+    directory: str, model_path: str, prompt: list[int], max_tokens: int, backend: str = "mlx"
 ) -> dict[str, object]:
     config = RuntimeConfig(disk_cache=DiskCacheConfig(directory=directory))
     async with Runtime(config) as rt:
-        loaded = await rt.load_model(ModelSpec(name="m", backend="mlx", path=model_path))
+        loaded = await rt.load_model(ModelSpec(name="m", backend=backend, path=model_path))
         tokens: list[int] = []
         started: Started | None = None
         first: float | None = None
@@ -57,9 +59,10 @@ async def run(
 def main() -> None:
     directory, model_path, prompt_json = sys.argv[1:4]
     max_tokens = int(sys.argv[4]) if len(sys.argv) > 4 else 6
+    backend = sys.argv[5] if len(sys.argv) > 5 else "mlx"
     with open(prompt_json) as f:
         prompt = [int(t) for t in json.load(f)]
-    print(json.dumps(anyio.run(run, directory, model_path, prompt, max_tokens)))
+    print(json.dumps(anyio.run(run, directory, model_path, prompt, max_tokens, backend)))
 
 
 if __name__ == "__main__":

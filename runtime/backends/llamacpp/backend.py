@@ -53,6 +53,7 @@ from runtime.backends.contract import (
 from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context
 from runtime.backends.llamacpp.files import gguf_file_of
 from runtime.backends.llamacpp.passes import Row
+from runtime.backends.llamacpp.persist import Persisting
 from runtime.backends.llamacpp.seqs import LlamaSnapshot, LlamaState, SeqPool, own_state
 from runtime.backends.llamacpp.tokenizer import load_tokenizer, tokenizer_dir
 from runtime.backends.mlx.facts import effective_eos_ids
@@ -75,8 +76,9 @@ log = logging.getLogger("mlx_actor_runtime.llamacpp")
 _NO_SPECULATION = "speculative decoding is not implemented on the llama.cpp backend"
 
 
-class LlamaCppBackend:
-    """The backend contract (``runtime.backends.contract``) over llama.cpp, on one thread."""
+class LlamaCppBackend(Persisting):
+    """The backend contract (``runtime.backends.contract``) over llama.cpp, on one thread; the
+    disk tier's ``Persistent`` through ``Persisting`` (persist.py)."""
 
     def __init__(self, context: Context, tokenizer: Any, pool: SeqPool) -> None:
         self._context = context
@@ -94,6 +96,7 @@ class LlamaCppBackend:
         self._constraints: ConstraintEngine | None = None
         self._decode_block = 1
         self.path = Path(".")
+        self._identity: tuple[str | None, bool] = (None, False)  # (sha256, exact_reuse): persist
 
     # ------------------------------------------------------------------ loading
 
@@ -128,6 +131,7 @@ class LlamaCppBackend:
             tokenizer, facts = load_tokenizer(tokenizer_dir(gguf, converted_models_dir(), sha256))
             backend = cls(context, tokenizer, SeqPool(context, sequences))
             backend.path = gguf
+            backend._identity = (sha256, options.exact_reuse)
             backend._decode_block = options.decode_block
             backend._info = backend._measure(spec.name, options, facts)
         except BaseException:
