@@ -39,9 +39,8 @@ class Tidying:
         self._model = model
         self._counters = counters
         self._period = 0  # the current idle period's number
-        self._armed = False  # a TidyDue for this period is pending
-        self._in_flight = False  # a TidyDue of any period is (a timer cannot be cancelled: one
-        # at a time, so an engine that idles often leaves at most one sleeping)
+        self._in_flight = False  # a TidyDue is pending (a timer cannot be cancelled: one at a
+        # time, so an engine that idles often leaves at most one sleeping)
         self._due = False  # this period's timer fired, or the last piece did something
         self._finished = False  # nothing left to do until work runs again
         self._broken = False  # a piece raised: no more tidying this epoch
@@ -49,7 +48,7 @@ class Tidying:
     def work_started(self) -> None:
         """Other compute started: the idle period ends, and there may be housekeeping again."""
         self._period += 1
-        self._armed = self._due = self._finished = False
+        self._due = self._finished = False
 
     def start(self, backend: Backend, compute: ComputeSlot, ctx: Context) -> bool:
         """With the slot idle: run a piece if one is due, else arm this period's timer (False:
@@ -60,8 +59,8 @@ class Tidying:
             job = TidyJob()
             compute.submit(ctx, job, lambda: run_tidy(job, backend))
             return True
-        if not self._armed and not self._in_flight:
-            self._armed = self._in_flight = True
+        if not self._in_flight:  # once this period's has fired it is due, finished or broken
+            self._in_flight = True
             ctx.send_later(TIDY_AFTER_S, TidyDue(idle_period=self._period))
         return False
 

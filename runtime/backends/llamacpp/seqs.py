@@ -118,8 +118,11 @@ class SeqPool:
         """A free seq_id with no cells; spills the least recently used state not in ``keep``
         when none is free. Raises ``BackendError`` when every seq_id is in use by a batch."""
         self.reclaim()
-        if not self._free:
-            self._spill_one(keep)
+        if not self._free and not self._spill_one(keep):
+            raise BackendError(
+                "every llama.cpp sequence slot is in use by a running sequence; load the model "
+                "with a larger max_sequences"
+            )
         return self._free.pop()
 
     def release(self, seq: int) -> None:
@@ -187,10 +190,7 @@ class SeqPool:
     def make_spare(self, count: int) -> bool:
         """Spill the least recently used state if fewer than ``count`` ids are free and one is
         held by a state (not a batch); whether it did."""
-        if len(self._free) >= count or all(ref() is None for ref in self._holders.values()):
-            return False
-        self._spill_one(keep=())
-        return True
+        return len(self._free) < count and self._spill_one(keep=())
 
     def give_back_later(self, seqs: Iterable[int]) -> None:
         """Queue ``seqs`` (owned by no state) to be freed at the compute thread's next call; safe
@@ -213,20 +213,19 @@ class SeqPool:
         while self._dropped:
             self.release(self._dropped.popleft())
 
-    def _spill_one(self, keep: tuple[int, ...]) -> None:
+    def _spill_one(self, keep: tuple[int, ...]) -> bool:
+        """Spill the least recently used state not in ``keep``; False when no state holds one."""
         held = [
             (state.used, seq, state)
             for seq, ref in self._holders.items()
             if seq not in keep and (state := ref()) is not None
         ]
         if not held:
-            raise BackendError(
-                "every llama.cpp sequence slot is in use by a running sequence; load the model "
-                "with a larger max_sequences"
-            )
+            return False
         _, seq, state = min(held, key=lambda item: item[0])
         data = self._context.get_seq_data(seq)
         self.unbind(state)
         state.spilled = data
         self.release(seq)
         self.spills += 1
+        return True
