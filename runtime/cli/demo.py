@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import anyio
 
-from runtime.api import Runtime
 from runtime.backends.model_source import default_model_spec, prepare_model
-from runtime.config import RuntimeConfig
 from runtime.errors import ModelFetchFailed
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.actor import release_thread_resources
 from runtime.messages import ChatMessage, ModelSpec, Started, TokensEmitted
 from runtime.progress import tqdm_progress

@@ -14,9 +14,10 @@ import time
 
 import anyio
 
-from runtime.api import Runtime
-from runtime.cli_flags import Speed, framed_raw, model_options, raw_note, read_prompt
+from runtime.cli.flags import Speed, framed_raw, model_options, raw_note, read_prompt
+from runtime.cli.model_args import model_specs, prepare_specs
 from runtime.errors import error_for_code
+from runtime.host.api import Runtime
 from runtime.messages import (
     Cancelled,
     ChatMessage,
@@ -26,7 +27,6 @@ from runtime.messages import (
     TokensEmitted,
     Usage,
 )
-from runtime.model_args import model_specs, prepare_specs
 from runtime.progress import tqdm_progress
 
 

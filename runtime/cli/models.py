@@ -14,7 +14,7 @@ import urllib.request
 from typing import Any
 
 from runtime.backends.model_source import available_models
-from runtime.serve_keys import API_KEY_ENV
+from runtime.cli.serve_keys import API_KEY_ENV
 
 DEFAULT_KEEP_ALIVE = (
     "5m"  # for models `mlxrt serve` loads on demand, without --keep-alive (Ollama's)

@@ -16,16 +16,16 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from runtime.cli_flags import check_shared, model_options
+from runtime.cli.cache import disk_config, disk_note
+from runtime.cli.flags import check_shared, model_options
+from runtime.cli.model_args import model_specs, prepare_specs
+from runtime.cli.models import DEFAULT_KEEP_ALIVE
+from runtime.cli.serve_flags import check_request_flags
+from runtime.cli.serve_keys import key_settings, warn_if_exposed
 from runtime.cluster.options import ClusterConfig
-from runtime.config import RuntimeConfig
-from runtime.disk_cli import disk_config, disk_note
 from runtime.errors import AddressInUse
-from runtime.model_args import model_specs, prepare_specs
-from runtime.model_commands import DEFAULT_KEEP_ALIVE
+from runtime.host.config import RuntimeConfig
 from runtime.progress import tqdm_progress
-from runtime.serve_flags import check_request_flags
-from runtime.serve_keys import key_settings, warn_if_exposed
 
 if TYPE_CHECKING:
     import uvicorn
