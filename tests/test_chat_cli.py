@@ -12,7 +12,7 @@ from anyio.from_thread import start_blocking_portal
 
 from runtime.backends.model_store import DEFAULT_MODEL
 from runtime.cli import main
-from runtime.cli.chat import (
+from runtime.cli.chat_session import (
     HELP,
     ChatSettings,
     ChatTerminal,
@@ -203,7 +203,7 @@ def test_a_cancelled_reply_keeps_what_was_shown_or_drops_the_turn(
     async def interrupted_reply(*_: object) -> Reply:
         return Reply(shown, None, None)  # what stream_reply returns after Ctrl-C
 
-    monkeypatch.setattr("runtime.cli.chat.stream_reply", interrupted_reply)
+    monkeypatch.setattr("runtime.cli.chat_session.stream_reply", interrupted_reply)
     out = io.StringIO()
     _, read_line = scripted("hello")
     with start_blocking_portal() as portal, portal.wrap_async_context_manager(Runtime()) as rt:

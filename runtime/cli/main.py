@@ -41,7 +41,7 @@ from runtime.host.config import RuntimeConfig
 
 
 def _chat(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    from runtime.cli.chat import ChatSettings, run_chat
+    from runtime.cli.chat_session import ChatSettings, run_chat
     from runtime.cli.chat_history import history_path
 
     if args.max_tokens < 1:
