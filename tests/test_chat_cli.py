@@ -12,21 +12,8 @@ from anyio.from_thread import start_blocking_portal
 
 from runtime.backends.model_store import DEFAULT_MODEL
 from runtime.cli import main
-from runtime.cli.chat_session import (
-    HELP,
-    ChatSettings,
-    ChatTerminal,
-    Conversation,
-    Exit,
-    Help,
-    Reply,
-    Reset,
-    Say,
-    SetSystem,
-    Unknown,
-    parse_line,
-    run_chat,
-)
+from runtime.cli.chat_commands import HELP, Exit, Help, Reset, Say, SetSystem, Unknown, parse_line
+from runtime.cli.chat_session import ChatSettings, ChatTerminal, Conversation, Reply, run_chat
 from runtime.cli.model_args import model_specs
 from runtime.host.api import Runtime
 from runtime.messages import ChatMessage, ModelSpec

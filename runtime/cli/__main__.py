@@ -4,6 +4,6 @@ from __future__ import annotations
 
 import sys
 
-from runtime.cli.main import main
+from runtime.cli.mlxrt import main
 
 sys.exit(main())

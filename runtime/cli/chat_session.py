@@ -61,24 +61,6 @@ from runtime.messages import (
     TokensEmitted,
 )
 
-__all__ = [
-    "HELP",
-    "ChatSettings",
-    "ChatTerminal",
-    "Conversation",
-    "Exit",
-    "Help",
-    "Reply",
-    "Reset",
-    "Say",
-    "SetSystem",
-    "Stats",
-    "Unknown",
-    "parse_line",
-    "run_chat",
-    "stream_reply",
-]
-
 PROMPT = "> "
 _HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
 
