@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
+import tomllib
 
 import pytest
 
@@ -104,6 +106,36 @@ def test_production_never_imports_test_support() -> None:
         for name in _imports(p)
         if name.startswith("runtime.testing") and (_module_name(p), name) not in ALLOWED
     ]
+    assert offenders == []
+
+
+def test_the_wheel_imports_no_test_dependency() -> None:
+    """A plain install has none of the ``test`` extra: no module of the wheel (runtime/, actors/,
+    runtime/testing/ included) may import one, even lazily. The HTTP soak, which needs httpx,
+    lives in bench/soak/ for this reason."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+
+    def names(requirements: list[str]) -> set[str]:
+        return {re.split(r"[<>=!~;\[ ]", r)[0].lower().replace("-", "_") for r in requirements}
+
+    # The test extra also pulls in the other extras (Ray, mlx-vlm) so CI covers them; those are
+    # imported lazily by design and stay allowed.
+    others = names(project["dependencies"]).union(
+        *(names(r) for extra, r in extras.items() if extra != "test")
+    )
+    test_only = names(extras["test"]) - others
+    offenders: list[str] = []
+    for path in SOURCES:
+        for node in ast.walk(ast.parse(path.read_text())):
+            imported: list[str] = []
+            if isinstance(node, ast.Import):
+                imported = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                imported = [node.module]
+            bad = [name for name in imported if name.split(".")[0] in test_only]
+            offenders += [f"{_module_name(path)} -> {name}" for name in bad]
+    assert test_only >= {"httpx", "pytest", "hypothesis"}
     assert offenders == []
 
 
