@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Cancel,
     Cancelled,

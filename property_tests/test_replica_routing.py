@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import Address
 from runtime.messages import (
     Cancelled,

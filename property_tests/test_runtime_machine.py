@@ -19,7 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 from actors.engine.core import EngineCore
 from actors.engine.sequence import COMPUTE_PHASES, Sequence
 from runtime.backends.simulated import SimulatedBatch, SimulatedState, greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import Address, Context
 from runtime.messages import (
     Cancel,

@@ -11,12 +11,12 @@ from pathlib import Path
 import anyio
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.contract import Capability
 from runtime.backends.mlx.capabilities import PENDING
 from runtime.backends.mlx.verdicts import probe_dir
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Finished,
     Generate,

@@ -16,14 +16,14 @@ from typing import Any
 import anyio
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
 from runtime.errors import (
     DuplicateRequestId,
     MlxRuntimeError,
     ModelNotLoaded,
 )
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Cancelled,
     Failed,

@@ -16,9 +16,9 @@ import msgspec
 import numpy as np
 import pytest
 
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
 from runtime.errors import InvalidModelSpec, MalformedMessage, MlxRuntimeError, ModelLoadFailed
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Generate, ModelSpec, Sampling, decode, encode
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.harness import sim_spec

@@ -7,8 +7,8 @@ import anyio
 import pytest
 
 from actors.engine.chunking import MAX_PASSES, MIN_CHUNK_TOKENS, MIN_PASSES, ChunkSizer
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Cancel, Cancelled, Finished, Generate, Started
 from runtime.testing.harness import engine_stats, make_sim, sim_spec
 

@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from runtime.backends.model_store import DEFAULT_MODEL
-from runtime.cli import main, model_specs
+from runtime.cli import main
+from runtime.cli.model_args import model_specs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -211,12 +212,12 @@ def test_generate_into_a_closed_pipe_ends_quietly() -> None:
 def test_serve_checks_its_port_before_loading_any_model(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import runtime.serve_cli
+    import runtime.cli.serve
 
     def no_load(*_: object, **__: object) -> None:
         raise AssertionError("a model was prepared although the port is taken")
 
-    monkeypatch.setattr(runtime.serve_cli, "prepare_specs", no_load)
+    monkeypatch.setattr(runtime.cli.serve, "prepare_specs", no_load)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -230,12 +231,12 @@ def test_serve_checks_its_port_before_loading_any_model(
 def test_serve_checks_its_ray_address_before_loading_any_model(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import runtime.serve_cli
+    import runtime.cli.serve
 
     def no_load(*_: object, **__: object) -> None:
         raise AssertionError("a model was prepared although no Ray head answers")
 
-    monkeypatch.setattr(runtime.serve_cli, "prepare_specs", no_load)
+    monkeypatch.setattr(runtime.cli.serve, "prepare_specs", no_load)
     with socket.socket() as closed:  # a port nothing listens on
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]

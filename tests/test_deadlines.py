@@ -8,7 +8,7 @@ import pytest
 
 from actors.router import RouterCore
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import ROUTER, engine_address
 from runtime.messages import (
     Abort,

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 from actors.engine.sequence import Phase
-from runtime.api import Runtime
 from runtime.backends.disk import DiskCacheConfig
 from runtime.backends.disk.entry_file import entry_name
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Cancel,
     Cancelled,

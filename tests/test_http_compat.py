@@ -16,8 +16,8 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
 from runtime.errors import InvalidRequest
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ChatMessage, ChatOptions, ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.schema import ChatCompletionRequest

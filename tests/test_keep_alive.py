@@ -8,10 +8,10 @@ import math
 import msgspec
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
 from runtime.errors import InvalidModelSpec, ModelAlreadyLoaded, ModelLoading, ModelNotLoaded
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Cancel,
     Cancelled,

@@ -7,9 +7,9 @@ import random
 import anyio
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.mlx.batch import DecodeBatch
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Finished,
     Generate,

@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends import simulated
 from runtime.backends.loader import make_backend_loader
 from runtime.backends.model_source import PreparedModel, prepare_model
@@ -23,9 +22,11 @@ from runtime.backends.options import (
     decode_options,
 )
 from runtime.backends.simulated import RealClock, SimulatedBackend, greedy_continuation
-from runtime.cli import main, model_specs, prepare_specs
-from runtime.config import RuntimeConfig
+from runtime.cli import main
+from runtime.cli.model_args import model_specs, prepare_specs
 from runtime.errors import InvalidConfig, InvalidModelSpec
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import CommandFailed, Generate, ModelSpec
 from runtime.testing.harness import make_sim
 from runtime.testing.simulator import Simulator
@@ -121,7 +122,7 @@ def test_prepared_specs_drop_the_weights_their_directory_already_holds(
     # The CLI converts a .gguf once and hands the engines its directory: the weights option was
     # used up by the conversion, and on a directory it would now be refused.
     monkeypatch.setattr(
-        "runtime.model_args.prepare_model", lambda spec, progress: PreparedModel(tmp_path)
+        "runtime.cli.model_args.prepare_model", lambda spec, progress: PreparedModel(tmp_path)
     )
     (tmp_path / "tokenizer.json").write_text("{}")  # a model directory has its tokenizer
     spec = ModelSpec(name="g", path="/x/model.gguf", options={"weights": "float32", "kv_bits": 8})

@@ -6,7 +6,7 @@ at a new epoch and serves again; a drain the lost engine had been asked for stil
 from __future__ import annotations
 
 from actors.engine.lost import LostEngine
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Failed, Finished, Generate, ModelSpec, ModelUnloaded, UnloadModel
 from runtime.testing.faults import Fault, FaultKind, FaultPlan, FaultPoint
 from runtime.testing.harness import engine_address_of, engines, kv_keeper, prefix_cache, router

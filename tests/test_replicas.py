@@ -10,9 +10,9 @@ import msgspec
 import pytest
 
 from actors.deadlines import RequestGuards
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
 from runtime.errors import InvalidModelSpec, RequestTimedOut
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import ROUTER, engine_model
 from runtime.kernel.stats import Counters
 from runtime.messages import (

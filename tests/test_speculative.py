@@ -21,9 +21,9 @@ import msgspec
 import pytest
 
 from actors.engine.drafting import PromptLookup, Speculation
-from runtime.api import Runtime
 from runtime.backends.mlx.backend import MlxBackend
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Finished,
     FinishReason,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from actors.engine.tidying import TIDY_AFTER_S
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Finished, Generate, ModelLoaded, ModelUnloaded, UnloadModel
 from runtime.testing.faults import Fault, FaultPlan, FaultPoint
 from runtime.testing.harness import ModelOption, engine, kv_keeper, sim_spec

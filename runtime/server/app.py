@@ -25,10 +25,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from runtime.api import Runtime
 from runtime.backends.model_source import available_models
-from runtime.config import RuntimeConfig
 from runtime.errors import InvalidConfig, MlxRuntimeError, ModelNotLoaded, RuntimeClosed
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Cancelled, Failed, Finished, FinishReason, ModelSpec
 from runtime.progress import Progress, no_progress
 from runtime.server import schema as wire

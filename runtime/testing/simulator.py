@@ -33,7 +33,7 @@ from actors.engine.core import EngineCore
 from actors.engine.lost import LostEngine
 from actors.standing import standing_actors
 from runtime.backends.loader import make_backend_loader
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import KV_KEEPER, ROUTER, ActorCore, Address
 from runtime.messages import (
     Cancelled,

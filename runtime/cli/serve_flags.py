@@ -1,7 +1,7 @@
 """``mlxrt serve``'s flags for what a request gets when it leaves something out, and for who may
 call from a browser or name a local image: ``--max-tokens``, ``--strict-max-tokens``,
 ``--allowed-origins``, ``--media-dir`` (docs/http.md); and where engines run: ``--ray``,
-``--replicas`` (docs/cluster.md). Apart from cli.py so the serve command's other flags can change
+``--replicas`` (docs/cluster.md). Apart from serve.py so the serve command's other flags can change
 without them."""
 
 from __future__ import annotations

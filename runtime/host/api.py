@@ -25,7 +25,6 @@ from runtime.backends.choice import resolve_backend
 from runtime.backends.contract import BackendLoader
 from runtime.backends.loader import make_backend_loader
 from runtime.backends.options import decode_options
-from runtime.config import RuntimeConfig
 from runtime.errors import (
     InvalidModelSpec,
     InvalidRequest,
@@ -33,6 +32,9 @@ from runtime.errors import (
     RuntimeClosed,
     error_for_code,
 )
+from runtime.host.config import RuntimeConfig
+from runtime.host.streams import HOST, TERMINALS, Completion, GenerationStream, HostStreams
+from runtime.host.validation import validate_request
 from runtime.kernel.actor import ActorSystem
 from runtime.kernel.core import ROUTER
 from runtime.messages import (
@@ -63,9 +65,7 @@ from runtime.messages import (
     TokensEmitted,
     UnloadModel,
 )
-from runtime.streams import HOST, TERMINALS, Completion, GenerationStream, HostStreams
 from runtime.text.coalesce import CoalescePolicy
-from runtime.validation import validate_request
 
 if TYPE_CHECKING:
     from runtime.cluster.connect import ClusterLink  # imports Ray: only when a cluster is set
