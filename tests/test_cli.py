@@ -275,3 +275,25 @@ def test_serve_keeps_named_models_loaded_unless_told(monkeypatch: pytest.MonkeyP
     assert default.models[0].options["context_length"] == 512
     assert default.default_temperature == 0.3
     assert told.models[0].keep_alive_s == 30.0 and told.keep_alive_s == 30.0
+
+
+def test_node_kv_budgets_come_from_the_serve_command_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from runtime.cli.mlxrt import build_parser
+    from runtime.cli.serve_flags import cluster_config
+
+    parser = build_parser()
+    flags = ["serve", "--ray", "--node-kv-budget-mib", "256"]
+    args = parser.parse_args([*flags, "--node-kv-budget-mib", "10.0.0.2=512"])
+    config = cluster_config(args, parser)
+    assert config is not None and config.address is None  # --ray alone: a local Ray
+    assert config.kv_budget_bytes_per_node == 256 << 20
+    assert config.node_kv_budget_bytes == {"10.0.0.2": 512 << 20}
+    assert cluster_config(parser.parse_args(["serve"]), parser) is None
+    for bad in (["--node-kv-budget-mib", "256"], [*flags[1:], "--node-kv-budget-mib", "=5"],
+                [*flags[1:], "--node-kv-budget-mib", "node=lots"]):  # fmt: skip
+        with pytest.raises(SystemExit) as usage:
+            cluster_config(parser.parse_args(["serve", *bad]), parser)
+        assert usage.value.code == 2
+        assert "--node-kv-budget-mib" in capsys.readouterr().err

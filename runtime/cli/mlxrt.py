@@ -31,9 +31,8 @@ The mlx-actor-runtime command line. With no --model each command uses the defaul
 `mlxrt COMMAND --help` says more about each command."""
 
 
-def main(argv: list[str] | None = None) -> int:
-    # transformers (under mlx-lm) warns at import that PyTorch is missing: MLX needs no PyTorch.
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+def build_parser() -> argparse.ArgumentParser:
+    """``mlxrt``'s parser, every command's included."""
     parser = argparse.ArgumentParser(
         prog="mlxrt",
         description=_DESCRIPTION,
@@ -50,6 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_command(commands)
     models.add_commands(commands)  # ps, load, unload, models
     cache.add_command(commands)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    # transformers (under mlx-lm) warns at import that PyTorch is missing: MLX needs no PyTorch.
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    parser = build_parser()
     args = parser.parse_args(argv)
     code: int = args.run(args, parser)  # each command's parser names its module's run
     return code

@@ -29,9 +29,13 @@ from runtime.cli.flags import (
 )
 from runtime.cli.model_args import model_specs, prepare_specs
 from runtime.cli.models import DEFAULT_KEEP_ALIVE, add_serve_flags
-from runtime.cli.serve_flags import add_cluster_flags, add_request_flags, check_request_flags
+from runtime.cli.serve_flags import (
+    add_cluster_flags,
+    add_request_flags,
+    check_request_flags,
+    cluster_config,
+)
 from runtime.cli.serve_keys import add_key_flags, key_settings, warn_if_exposed
-from runtime.cluster.options import ClusterConfig
 from runtime.errors import AddressInUse, ClusterUnavailable
 from runtime.host.config import RuntimeConfig
 from runtime.progress import tqdm_progress
@@ -158,7 +162,7 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         kv_budget_fraction=args.kv_budget_fraction,
         auto_load=not args.no_auto_load,
         strict_max_tokens=args.strict_max_tokens,
-        cluster=None if args.ray is None else ClusterConfig(address=_ray_address(args.ray)),
+        cluster=cluster_config(args, parser),
         disk_cache=disk_config(args, parser),
     )
     if not args.quiet:
@@ -215,8 +219,3 @@ def _uvicorn_config(server: OpenAIServer, args: argparse.Namespace) -> uvicorn.C
         log_level=args.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-
-
-def _ray_address(flag: str) -> str | None:
-    """``--ray`` alone starts a local Ray (None); anything else names the cluster."""
-    return None if flag == "local" else flag
