@@ -16,7 +16,6 @@ from runtime.messages import (
     Failed,
     Finished,
     FinishReason,
-    Generate,
     LoadModel,
     Message,
     ModelLoaded,
@@ -36,6 +35,7 @@ from runtime.messages import (
     for_request,
 )
 from runtime.testing.recording import RecordingContext, idle_engine
+from runtime.testing.requests import generate
 
 USAGE = Usage(prompt_tokens=12, cached_prompt_tokens=8, completion_tokens=3)
 LOGPROB = TokenLogprob(token=104, logprob=-0.5, top=((104, -0.5), (105, -1.5)))
@@ -122,7 +122,7 @@ def _router_running_request_r(ctx: RecordingContext) -> tuple[RouterCore, Admit]
     router.handle(LoadModel(spec=ModelSpec(name="m", backend="simulated")), "host:load", ctx)
     ready = EngineReady(epoch=1, reuse_path="trim", bytes_per_token=1, context_length=64)
     router.handle(ready, ENGINE, ctx)
-    router.handle(Generate(request_id="r", incarnation=4, model="m", prompt="hi"), "host", ctx)
+    router.handle(generate("r", max_tokens=None, incarnation=4, prompt="hi"), "host", ctx)
     sent = ctx.take_sent()
     assert [type(m) for _, m in sent] == [ModelLoaded, Admit]
     admit = sent[1][1]

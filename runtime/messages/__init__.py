@@ -132,6 +132,7 @@ from runtime.messages.prefix_cache import (
     ReleaseLease,
     Unpin,
 )
+from runtime.messages.request import GENERATE_ONLY, PREWARM_ONLY, Request
 from runtime.messages.router_timers import IdleCheck, RequestDeadline, StallCheck
 from runtime.messages.unions import (
     ALL_MESSAGE_TYPES,
@@ -201,7 +202,9 @@ __all__ = [
     "ModelSpec",
     "RequestKind",
     # host
+    "GENERATE_ONLY",
     "Generate",
+    "PREWARM_ONLY",
     "Prewarm",
     "Cancel",
     "LoadModel",
@@ -218,6 +221,7 @@ __all__ = [
     "Cancelled",
     "Failed",
     "Rejected",
+    "Request",
     "ModelLoaded",
     "ModelUnloaded",
     "PrefixesReset",
