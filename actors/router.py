@@ -73,7 +73,6 @@ from runtime.messages import (
     TokensProduced,
     UnloadModel,
     Usage,
-    for_request,
 )
 
 # Per-model engine failures are counted under this prefix plus the model (beside the total).
@@ -166,7 +165,7 @@ class RouterCore:
                 assert live is not None  # the arm above sends the not-live ones elsewhere
                 self._live.started(message.sequence_id)
                 self._guards.shown(message, ctx)
-                ctx.send(live.host, for_request(message, live.request_id, live.incarnation))
+                ctx.send(live.host, message.for_request(live.request_id, live.incarnation))
             case SequenceFinished() | SequenceCancelled() | SequenceFailed():
                 self._end_request(message, ctx)
             case RequestDeadline() | StallCheck() if sender != ctx.self_address:
@@ -392,7 +391,7 @@ class RouterCore:
         live = self._live.pop(event.sequence_id)
         self._guards.ended(event.sequence_id)
         self._models.request_ended(live.model, live.epoch, ctx)
-        terminal = for_request(event, live.request_id, live.incarnation)
+        terminal = event.for_request(live.request_id, live.incarnation)
         self.counters.inc(f"terminal_{type(terminal).__name__.lower()}")
         ctx.send(live.host, terminal)
 

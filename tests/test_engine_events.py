@@ -1,5 +1,5 @@
 """Engine events become host events: each engine event is the host event it means, less the
-request's identity, which the router adds (``runtime.messages.for_request``)."""
+request's identity, which the router adds (each engine event's ``for_request``)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,6 @@ from runtime.messages import (
     TokensProduced,
     Usage,
     encode,
-    for_request,
 )
 from runtime.testing.recording import RecordingContext, idle_engine
 from runtime.testing.requests import generate
@@ -97,7 +96,7 @@ def test_an_engine_event_has_its_host_events_fields_less_the_request_identity(
     engine_type, host_type = type(pair[0]), type(pair[1])
     kept_routing = ROUTING & set(host_type.__struct_fields__)
 
-    # Same names, types, defaults and order: for_request copies them by name.
+    # Same names, types, defaults and order: for_request copies each one (PAIRS checks values).
     assert _fields(engine_type, ROUTING - kept_routing) == _fields(host_type, IDENTITY)
 
 
@@ -107,7 +106,7 @@ def test_for_request_builds_the_host_event_byte_for_byte(
 ) -> None:
     event, expected = pair
 
-    host_event = for_request(event, "r", 4)
+    host_event = event.for_request("r", 4)
 
     assert type(host_event) is type(expected)
     assert host_event == expected
