@@ -32,6 +32,8 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     no prewarm adopted); the state it leaves is still cached for later requests.
     ``keep_alive_s``: from this request on, the model's keep-alive (seconds idle before it is
     unloaded; ``math.inf``: never), as Ollama's per-request ``keep_alive``; None: unchanged.
+    ``ignore_eos``: the model's end-of-sequence tokens do not end it (``stop_token_ids`` still do,
+    and so does a constraint's end, which only EOS can follow): it runs to ``max_tokens``.
     ``keep_on_disk`` (a prewarm's): its state is also written to the prefix cache's disk tier as
     soon as it is cached, not only once evicted; without a disk tier it changes nothing.
     """
@@ -45,6 +47,7 @@ class Request(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=T
     max_tokens: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: TokenIds = ()
+    ignore_eos: bool = False
     namespace: str = "default"
     session: str | None = None
     supersede: bool = False
@@ -61,6 +64,7 @@ GENERATE_ONLY = (
     "sampling",
     "stop",
     "stop_token_ids",
+    "ignore_eos",
     "supersede",
     "stall_timeout_s",
     "reuse_prefix",

@@ -226,6 +226,7 @@ def _call(
         ),
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=bool(request.ignore_eos),
         namespace=_namespace(request.cache_salt),
         session=request.session,
         supersede=_supersede(request),
