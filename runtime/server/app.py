@@ -255,9 +255,7 @@ class OpenAIServer:
         body = await self._read_body(request)
         decoded = await self._named(_decode(body, wire.completion_request_decoder))
         self._field_notes.note(decoded)
-        call = completion_call(self._defaulted(decoded))
-        # The key's own cache namespace and sessions.
-        call = msgspec.structs.replace(call, request=scoped(request, call.request))
+        call = _scoped(request, completion_call(self._defaulted(decoded)))
         render = CompletionRender(
             f"cmpl-{uuid.uuid4().hex}",
             call.request.model,
@@ -292,8 +290,7 @@ class OpenAIServer:
         decoded = await self._named(_decode(body, wire.chat_request_decoder))
         self._field_notes.note(decoded)
         sources = await self._media_sources(decoded.messages)
-        call = chat_call(self._defaulted(decoded), sources)
-        call = msgspec.structs.replace(call, request=scoped(request, call.request))
+        call = _scoped(request, chat_call(self._defaulted(decoded), sources))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         logprobs, include_usage = call.request.sampling.logprobs, call.include_usage
         render: Render
@@ -401,6 +398,11 @@ class OpenAIServer:
             # Nobody is left to read the answer; this only keeps the log free of a traceback.
             raise HttpError(400, "the client disconnected", code=None) from None
         return bytes(body)
+
+
+def _scoped(request: Request, call: RuntimeCall) -> RuntimeCall:
+    """``call`` in its key's own cache namespace and sessions (auth.scoped)."""
+    return msgspec.structs.replace(call, request=scoped(request, call.request))
 
 
 def _allowances(config: ServerConfig) -> Allowances | None:

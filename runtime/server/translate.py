@@ -124,6 +124,8 @@ def chat_call(request: ChatCompletionRequest, sources: MediaSources = NO_MEDIA) 
         top_logprobs=request.top_logprobs or 0,
         response_format=request.response_format,
     )
+    # An OpenAI client owns its context: no history window, an over-long conversation is
+    # refused (context_length_exceeded), never trimmed.
     asked = msgspec.structs.replace(call.request, chat=_chat_options(tools, request))
     call = msgspec.structs.replace(call, request=asked)
     if tools is None:
