@@ -68,6 +68,7 @@ if TYPE_CHECKING:
         ModelUnloaded,
         PrefixesReset,
         Rejected,
+        Request,
         ReusePath,
         Sampling,
         SessionEnded,
@@ -101,6 +102,7 @@ __all__ = [
     "Progress",
     "tqdm_progress",
     # what to ask
+    "Request",
     "Sampling",
     "ChatMessage",
     "ChatOptions",
@@ -167,6 +169,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "runtime.messages": (
         "Stats",
         "ModelSpec",
+        "Request",
         "Sampling",
         "ChatMessage",
         "ChatOptions",

@@ -27,21 +27,12 @@ from runtime.cli.model_args import model_specs, prepare_specs
 from runtime.errors import InvalidConfig, InvalidModelSpec
 from runtime.host.api import Runtime
 from runtime.host.config import RuntimeConfig
-from runtime.messages import CommandFailed, Generate, ModelSpec
+from runtime.messages import CommandFailed, ModelSpec
 from runtime.testing.harness import make_sim
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 PER_TOKEN = 0.001
-
-
-def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int) -> Generate:
-    return Generate(
-        request_id=request_id,
-        incarnation=incarnation,
-        model="m",
-        prompt_tokens=tokens,
-        max_tokens=n,
-    )
 
 
 # ---------------------------------------------------------------------- the command line
@@ -56,8 +47,8 @@ def test_batching_false_on_the_command_line_turns_batching_off(text: str) -> Non
     assert spec.options["batching"] is False
     sim = make_sim(spec)
     first, second = tuple(range(10, 20)), tuple(range(30, 60))
-    sim.send(generate("a", 1, first, 30))
-    sim.send(generate("b", 2, second, 30))
+    sim.send(generate("a", first, 30))
+    sim.send(generate("b", second, 30, incarnation=2))
     sim.run_until_quiescent()
     assert sim.emitted_tokens("a", 1) == greedy_continuation(first, 30)
     assert sim.emitted_tokens("b", 2) == greedy_continuation(second, 30)
