@@ -102,6 +102,9 @@ def load_vision(path: Path, options: MlxOptions) -> tuple[Any, Any, dict[str, An
         max_images=options.max_images,
         max_bytes=options.max_image_bytes,
         max_pixels=options.max_image_pixels,
+        max_video_frames=options.max_video_frames,
+        max_video_bytes=options.max_video_bytes,
+        max_video_seconds=options.max_video_seconds,
     )
     media = VisionMedia(store, VisionChatTokenizer(tokenizer, store), limits)
     log.info("%s: a %s vision-language model (mlx-vlm)", path, config.get("model_type"))
