@@ -1,8 +1,10 @@
 """Tiny random-weight vision-language models, built offline from mlx-vlm's own model classes.
 
-Two families: ``gemma3`` (SigLIP tower, average-pooled soft tokens between ``<start_of_image>`` and
-``<end_of_image>``, sliding-window text layers) and ``idefics3`` (SmolVLM's layout: pixel-shuffled
-SigLIP features between ``<fake_token_around_image>`` markers, a llama-like text model). Each
+Three families: ``gemma3`` (SigLIP tower, average-pooled soft tokens between ``<start_of_image>``
+and ``<end_of_image>``, sliding-window text layers), ``idefics3`` (SmolVLM's layout:
+pixel-shuffled SigLIP features between ``<fake_token_around_image>`` markers, a llama-like text
+model) and ``smolvlm`` (the same layout as SmolVLM2, whose processor declares ``video_sampling``:
+the video-capable family). Each
 directory holds what a real mlx-community VLM directory holds: ``config.json``, weights, the
 tokenizer (the tiny test BPE of ``tiny_tokenizer`` plus the family's image tokens),
 ``preprocessor_config.json``, ``processor_config.json`` and a chat template, so mlx-vlm's loader
