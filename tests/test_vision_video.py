@@ -9,7 +9,9 @@ from __future__ import annotations
 import base64
 import io
 import re
-from collections.abc import AsyncIterator
+import threading
+from collections.abc import AsyncIterator, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -299,3 +301,69 @@ async def test_video_url_parts_over_http(clip: bytes, tmp_path: Path) -> None:
                 assert refused.status_code == 400, (url, refused.text)
                 error = refused.json()["error"]
                 assert error["code"] == code and "messages[0].content[1]" in error["message"]
+
+
+@pytest.fixture
+def video_host(clip: bytes) -> Iterator[str]:
+    """A loopback HTTP server: ``/clip.avi`` the clip, anything else 404."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path != "/clip.avi":
+                self.send_error(404)
+                return
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(clip)))
+            self.end_headers()
+            self.wfile.write(clip)
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+async def test_a_host_that_enables_fetching_reads_remote_videos(
+    clip: bytes, video_host: str
+) -> None:
+    config = ServerConfig(
+        models=(spec(),),
+        runtime=RuntimeConfig(kv_budget_bytes=1 << 28),
+        fetch_images=True,
+        fetch_timeout_s=5.0,
+    )
+    server = OpenAIServer(config)
+    async with server.app.router.lifespan_context(server.app):
+        transport = httpx.ASGITransport(app=server.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            data = f"data:video/x-msvideo;base64,{base64.b64encode(clip).decode()}"
+            inline = await http.post("/v1/chat/completions", json=video_body("smolvlm", data))
+            url = f"{video_host}/clip.avi"
+            fetched = await http.post("/v1/chat/completions", json=video_body("smolvlm", url))
+            assert fetched.status_code == 200, fetched.text
+            assert fetched.json()["choices"] == inline.json()["choices"]
+            missing = f"{video_host}/nope.mp4"
+            refused = await http.post("/v1/chat/completions", json=video_body("smolvlm", missing))
+            assert refused.status_code == 400
+            error = refused.json()["error"]
+            assert error["code"] == "media_source_refused" and "404" in error["message"]
+            assert error["param"] == "messages[0].content[1].video_url"
+
+
+async def test_a_prewarmed_video_chat_is_reused_exactly(smolvlm: Runtime, clip: bytes) -> None:
+    chat = [watch("Describe this video.", VideoPart(data=clip))]
+    warm = await smolvlm.prewarm("smolvlm", messages=chat)
+    assert isinstance(warm, Finished)
+    hot = await greedy(smolvlm, "smolvlm", chat)
+    assert hot.started is not None and hot.started.path is ReusePath.EXACT
+    await smolvlm.reset("smolvlm")
+    cold = await greedy(smolvlm, "smolvlm", chat)
+    assert hot.token_ids == cold.token_ids
