@@ -199,18 +199,29 @@ async def test_an_mp4_file_read_from_a_path_is_served(smolvlm: Runtime, tmp_path
         ("LONG", "invalid_media", "max_video_seconds"),
         ("FRAMES", "too_many_frames", "3 frames"),
         (VideoPart(data=b""), "invalid_media", "empty"),
+        (VideoPart(frames=(b"not a png",)), "invalid_media", "videos[0].frames[0]"),
+        ("ZERO-FPS", "invalid_media", "fps"),
     ],
-    ids=["undecodable", "unsupported-container", "too-long", "too-many-frames", "empty"],
+    ids=[
+        "undecodable",
+        "unsupported-container",
+        "too-long",
+        "too-many-frames",
+        "empty",
+        "bad-frame",
+        "zero-fps",
+    ],
 )
 async def test_bad_videos_are_typed_errors_naming_the_part_and_spare_the_rest(
     video: VideoPart | str, code: str, names: str, tmp_path: Path, clip: bytes
 ) -> None:
     if video == "LONG":  # 12 s at 1 frame a second, past a 10 s limit
         video = VideoPart(data=video_file(tmp_path / "long.avi", 4, frames=48))
-    elif video == "FRAMES":
+    elif video in ("FRAMES", "ZERO-FPS"):
         png = io.BytesIO()
         Image.new("RGB", (8, 8)).save(png, format="PNG")
-        video = VideoPart(frames=(png.getvalue(),) * 3)
+        count, fps = (3, 1.0) if video == "FRAMES" else (1, 0.0)
+        video = VideoPart(frames=(png.getvalue(),) * count, fps=fps)
     assert isinstance(video, VideoPart)
     async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 28)) as rt:
         await rt.load_model(spec(max_video_frames=2, max_video_seconds=10))

@@ -72,12 +72,13 @@ def video_frames(
                 f"{where} has {len(part.frames)} frames; this model takes at most {cap} from one "
                 "video (max_video_frames): sample fewer"
             )
-        fps = part.fps if part.fps > 0 else 1.0
+        if not part.fps > 0:
+            raise InvalidMedia(f"{where}.fps is {part.fps}; send the frames' rate, above 0")
         images = [
             DecodedImage(decode_image(data, f"{where}.frames[{k}]", limits).pixels, frame=True)
             for k, data in enumerate(part.frames)
         ]
-        return Frames(images, [k / fps for k in range(len(images))], len(images) / fps)
+        return Frames(images, [k / part.fps for k in range(len(images))], len(images) / part.fps)
     return _sample_file(part.data, where, sampling, cap, limits)
 
 
