@@ -99,9 +99,18 @@ class TooManyImages(InvalidRequest):
     code = "too_many_images"
 
 
+class TooManyFrames(InvalidRequest):
+    """Reported when a video brings more frames than the model's engine takes from one video
+    (``MediaLimits.max_video_frames``): frames sent directly past the cap (a video file is
+    sampled down to it instead)."""
+
+    code = "too_many_frames"
+
+
 class MediaUnsupported(InvalidRequest):
     """Reported when a request carries images and its model is text-only (no vision tower), or
-    its backend cannot take media (llama.cpp, simulated)."""
+    its backend cannot take media (llama.cpp, simulated), or a video and its model's family takes
+    no video."""
 
     code = "media_unsupported"
 
@@ -384,6 +393,7 @@ ERRORS_BY_CODE: dict[str, type[MlxRuntimeError]] = {
         SupervisionEscalated,
         InvalidMedia,
         TooManyImages,
+        TooManyFrames,
         MediaUnsupported,
         MediaSourceRefused,
         MediaEvicted,

@@ -210,9 +210,11 @@ class Backend(Protocol):
 
     def prepare_media(self, messages: tuple[ChatMessage, ...]) -> tuple[ChatMessage, ...]:
         """Chat ``messages`` ready for ``prepare_chat``: a vision-language model decodes, checks
-        and registers their images and keys them into the text (runtime/backends/vision/); a
-        text-only one returns them as they are, or raises ``MediaUnsupported`` when one has an
-        image. Raises ``InvalidMedia``, ``TooManyImages`` or ``InvalidRequest`` for bad images.
+        and registers their images (and a video's sampled frames) and keys them into the text
+        (runtime/backends/vision/); a text-only one returns them as they are, or raises
+        ``MediaUnsupported`` when one has an image or video (so does an image-only family for a
+        video). Raises ``InvalidMedia``, ``TooManyImages``, ``TooManyFrames`` or
+        ``InvalidRequest`` for bad media.
         """
         ...
 

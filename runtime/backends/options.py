@@ -100,6 +100,11 @@ class MlxOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields
     max_images: Annotated[int, msgspec.Meta(ge=0, le=256)] = 8
     max_image_bytes: PositiveInt = 20 * 1024 * 1024
     max_image_pixels: PositiveInt = 4096 * 4096
+    # Video-capable families only (SmolVLM2): the most frames sampled from one video (None: the
+    # processor's own ``video_sampling.max_frames``), a video file's most bytes and seconds.
+    max_video_frames: Annotated[int, msgspec.Meta(ge=1, le=1024)] | None = None
+    max_video_bytes: PositiveInt = 64 * 1024 * 1024
+    max_video_seconds: PositiveInt = 3600
 
 
 class LlamaCppOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_fields=True):

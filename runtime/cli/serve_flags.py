@@ -38,13 +38,14 @@ def add_request_flags(serve: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="DIR",
-        help="a directory whose image files image_url parts may name (file:// URLs or absolute "
-        "paths), repeatable; default: none (only data URLs)",
+        help="a directory whose image and video files image_url and video_url parts may name "
+        "(file:// URLs or absolute paths), repeatable; default: none (only data URLs)",
     )
     serve.add_argument(
         "--fetch-images",
         action="store_true",
-        help="fetch remote (http/https) image_url parts, each at most 20 MiB within 10 s "
+        help="fetch remote (http/https) image_url and video_url parts, each at most 20 MiB "
+        "within 10 s "
         "(default: refused; the server then reaches any address a client names)",
     )
 

@@ -150,6 +150,7 @@ from runtime.messages.unions import (
 )
 from runtime.messages.vocabulary import (
     IMAGE_PLACEHOLDER,
+    VIDEO_PLACEHOLDER,
     ChatMessage,
     ChatOptions,
     Constraint,
@@ -172,6 +173,7 @@ from runtime.messages.vocabulary import (
     Tool,
     ToolCall,
     Usage,
+    VideoPart,
 )
 from runtime.messages.wire import decode, encode
 
@@ -193,6 +195,8 @@ __all__ = [
     "ChatOptions",
     "IMAGE_PLACEHOLDER",
     "ImagePart",
+    "VideoPart",
+    "VIDEO_PLACEHOLDER",
     "Usage",
     "TokenLogprob",
     "ReusePath",

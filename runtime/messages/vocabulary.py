@@ -143,13 +143,36 @@ class ImagePart(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     part: str | None = None
 
 
+# Where a video of ``ChatMessage.videos`` stands in its ``content`` (one per video, in order).
+VIDEO_PLACEHOLDER: Final = "<|video|>"
+
+
+class VideoPart(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """A video of a chat message (video-capable vision-language models only), either ``data``:
+    a video file's bytes (MP4, MOV, WebM/MKV, AVI), sampled by the engine, or ``frames``: image
+    files' bytes already sampled, ``fps`` of them a second (their timestamps). Decoded on the
+    engine's compute thread; docs/models.md (video)."""
+
+    data: bytes = b""
+    frames: tuple[bytes, ...] = ()
+    fps: float = 1.0
+    # As ``ImagePart.part``; None: ``messages[i].videos[j]``.
+    part: str | None = None
+
+    @classmethod
+    def from_file(cls, path: str) -> VideoPart:
+        """The video file at ``path`` (read here, in the caller's process)."""
+        with open(path, "rb") as file:
+            return cls(data=file.read())
+
+
 class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One chat message as the OpenAI API sends it.
 
     An assistant message may carry ``tool_calls`` (its ``content`` then may be empty); a ``tool``
     message answers the call named by ``tool_call_id``. ``images`` (vision-language models
     only): each stands where ``content`` holds an ``IMAGE_PLACEHOLDER``, in order; a content
-    with none has them all before its text.
+    with none has them all before its text. ``videos`` likewise, at ``VIDEO_PLACEHOLDER``s.
     """
 
     role: Role
@@ -157,6 +180,7 @@ class ChatMessage(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     tool_calls: tuple[ToolCall, ...] = ()
     tool_call_id: str | None = None
     images: tuple[ImagePart, ...] = ()
+    videos: tuple[VideoPart, ...] = ()
 
 
 class ChatOptions(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

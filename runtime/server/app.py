@@ -93,10 +93,10 @@ class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
     default_max_tokens: int | None = None
     # Browser origins allowed to call the API (CORS; "*": any); empty: no CORS headers at all.
     allowed_origins: tuple[str, ...] = ()
-    # Directories whose files ``image_url`` parts may name (``mlxrt serve --media-dir``); empty:
-    # only data URLs.
+    # Directories whose files ``image_url`` and ``video_url`` parts may name (``mlxrt serve
+    # --media-dir``); empty: only data URLs.
     media_dirs: tuple[str, ...] = ()
-    # Fetch remote (http/https) image URLs, each at most 20 MiB within ``fetch_timeout_s``
+    # Fetch remote (http/https) image and video URLs, each at most 20 MiB within ``fetch_timeout_s``
     # (``mlxrt serve --fetch-images``); off: they are refused.
     fetch_images: bool = False
     fetch_timeout_s: float = 10.0

@@ -53,6 +53,7 @@ from runtime.errors import (
     StepTimedOut,
     StreamStalled,
     SupervisionEscalated,
+    TooManyFrames,
     TooManyImages,
     UnsupportedCache,
     UnsupportedModelFormat,
@@ -82,7 +83,8 @@ STATUS_BY_CODE: dict[str, int] = {
     KVRequestTooLarge.code: 400,  # it can never fit: the client must ask for less
     InvalidMedia.code: 400,  # the image part named: undecodable, too large, another format
     TooManyImages.code: 400,
-    MediaUnsupported.code: 400,  # images sent to a text-only model
+    TooManyFrames.code: 400,  # frames sent directly past the video frame cap
+    MediaUnsupported.code: 400,  # images to a text-only model, video to an image-only one
     MediaSourceRefused.code: 400,  # a remote URL, or a file outside --media-dir
     MediaEvicted.code: 503,  # more images in flight than the engine's store holds: retry
     ModelNotLoaded.code: 404,

@@ -1,4 +1,4 @@
-"""``image_url`` content parts: where the server may read an image from.
+"""``image_url`` and ``video_url`` content parts: where the server may read an image or video from.
 
 A data URL (``data:image/png;base64,...``) is always read. A local file (``file:///...`` or an
 absolute path) only under a directory the host allowed (``ServerConfig.media_dirs``, ``mlxrt
@@ -7,6 +7,8 @@ with ``..``. A remote ``http(s)`` URL is refused unless the host enabled fetchin
 (``ServerConfig.fetch_images``, ``mlxrt serve --fetch-images``): then ``fetch_remote`` reads it
 before the request is translated, at most ``FETCH_MAX_BYTES`` within ``fetch_timeout_s`` (a
 failure is a 400 naming the part).
+A ``video_url`` follows the same rules (its data URL is ``data:video/<format>;base64,...``; a
+fetched video is held to the same ``FETCH_MAX_BYTES``).
 The bytes go to the engine as they are: decoding and the size limits are the engine's
 (runtime/backends/vision/media.py), so HTTP and the embedded API refuse the same images.
 """
@@ -26,25 +28,26 @@ from urllib.parse import unquote, urlparse
 import anyio
 
 from runtime.errors import InvalidMedia, MediaSourceRefused
-from runtime.messages import ImagePart
+from runtime.messages import ImagePart, VideoPart
 from runtime.server.errors import HttpError
 from runtime.server.schema import WireChatMessage
 
+_PARTS = ("image_url", "video_url")
 _MAX_FILE_BYTES = 64 << 20  # a file larger than any engine limit is not read whole
 FETCH_MAX_BYTES = 20 << 20  # the engine's default max_image_bytes: a larger image is refused
 
 
 def remote_urls(messages: Sequence[WireChatMessage]) -> dict[str, str]:
-    """Each ``http(s)`` image URL of ``messages`` and the first part that names it."""
+    """Each ``http(s)`` image or video URL of ``messages`` and the first part that names it."""
     found: dict[str, str] = {}
     for i, message in enumerate(messages):
         if not isinstance(message.content, list):
             continue
         for j, part in enumerate(message.content):
-            image = part.image_url
-            url = image if isinstance(image, str) or image is None else image.url
-            if part.type == "image_url" and url and urlparse(url).scheme in ("http", "https"):
-                found.setdefault(url, f"messages[{i}].content[{j}]")
+            media = part.image_url if part.type == "image_url" else part.video_url
+            url = media if isinstance(media, str) or media is None else media.url
+            if part.type in _PARTS and url and urlparse(url).scheme in ("http", "https"):
+                found.setdefault(url, f"messages[{i}].content[{j}].{part.type}")
     return found
 
 
@@ -63,11 +66,9 @@ async def fetch_remote(
                     _fetch, url, timeout_s, abandon_on_cancel=True
                 )
         except TimeoutError as exc:
-            raise _refused(
-                where, f"{where}.image_url did not arrive within {timeout_s:g} s; retry"
-            ) from exc
+            raise _refused(where, f"{where} did not arrive within {timeout_s:g} s; retry") from exc
         except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise _refused(where, f"{where}.image_url could not be fetched: {exc}") from exc
+            raise _refused(where, f"{where} could not be fetched: {exc}") from exc
     return fetched
 
 
@@ -95,51 +96,60 @@ class MediaSources(NamedTuple):
 def image_part(url: str, where: str, sources: MediaSources) -> ImagePart:
     """The image ``url`` names (``where``: the part, e.g. ``messages[0].content[1]``); raises a
     400 ``HttpError``: ``invalid_media`` (a malformed data URL), ``media_source_refused``."""
+    return ImagePart(data=_media_bytes(url, f"{where}.image_url", "image", sources), part=where)
+
+
+def video_part(url: str, where: str, sources: MediaSources) -> VideoPart:
+    """The video ``url`` names, as ``image_part`` reads an image (``data:video/...``)."""
+    return VideoPart(data=_media_bytes(url, f"{where}.video_url", "video", sources), part=where)
+
+
+def _media_bytes(url: str, field: str, kind: str, sources: MediaSources) -> bytes:
+    """The bytes ``url`` names; ``field``: the part's field, ``kind``: image or video."""
     if url in sources.fetched:
-        return ImagePart(data=sources.fetched[url], part=where)
+        return sources.fetched[url]
     if url.startswith("data:"):
-        return ImagePart(data=_data_url(url, where), part=where)
+        return _data_url(url, field, kind)
     parsed = urlparse(url)
     if parsed.scheme in ("http", "https"):
         raise _refused(
-            where,
-            f"{where}.image_url is a remote URL, and this server does not fetch images "
-            "(mlxrt serve --fetch-images): send the image as a data URL "
-            "(data:image/png;base64,...)",
+            field,
+            f"{field} is a remote URL, and this server does not fetch media "
+            f"(mlxrt serve --fetch-images): send the {kind} as a data URL "
+            f"(data:{kind}/<format>;base64,...)",
         )
     if parsed.scheme == "file" or (not parsed.scheme and url.startswith("/")):
         path = unquote(parsed.path) if parsed.scheme == "file" else url
-        return ImagePart(data=_local_file(Path(path), where, sources.dirs), part=where)
+        return _local_file(Path(path), field, kind, sources.dirs)
     raise HttpError(
         400,
-        f"{where}.image_url must be a data URL or a file: URL, not {url[:40]!r}",
+        f"{field} must be a data URL or a file: URL, not {url[:40]!r}",
         code=InvalidMedia.code,
-        param=f"{where}.image_url",
+        param=field,
     )
 
 
-def _data_url(url: str, where: str) -> bytes:
+def _data_url(url: str, field: str, kind: str) -> bytes:
     header, comma, payload = url.partition(",")
-    if not comma or not header.endswith(";base64") or not header[5:].startswith("image/"):
+    if not comma or not header.endswith(";base64") or not header[5:].startswith(f"{kind}/"):
         raise HttpError(
             400,
-            f"{where}.image_url is not a base64 image data URL; send "
-            "data:image/<format>;base64,<bytes>",
+            f"{field} is not a base64 {kind} data URL; send data:{kind}/<format>;base64,<bytes>",
             code=InvalidMedia.code,
-            param=f"{where}.image_url",
+            param=field,
         )
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError) as exc:
         raise HttpError(
             400,
-            f"{where}.image_url holds invalid base64 ({exc}); encode the image's bytes again",
+            f"{field} holds invalid base64 ({exc}); encode the {kind}'s bytes again",
             code=InvalidMedia.code,
-            param=f"{where}.image_url",
+            param=field,
         ) from exc
 
 
-def _local_file(path: Path, where: str, media_dirs: tuple[str, ...]) -> bytes:
+def _local_file(path: Path, field: str, kind: str, media_dirs: tuple[str, ...]) -> bytes:
     try:
         real = path.resolve(strict=True)
     except (OSError, RuntimeError):
@@ -148,20 +158,21 @@ def _local_file(path: Path, where: str, media_dirs: tuple[str, ...]) -> bytes:
     if real is None or not any(real.is_relative_to(d) for d in allowed):
         # The same answer for a missing file and a forbidden one: no probing the disk.
         raise _refused(
-            where,
-            f"{where}.image_url names a local file this server may not read; allowed: files "
+            field,
+            f"{field} names a local file this server may not read; allowed: files "
             "under its --media-dir directories"
             + (f" ({', '.join(str(d) for d in allowed)})" if allowed else " (none are set)"),
         )
     if not real.is_file() or real.stat().st_size > _MAX_FILE_BYTES:
         raise HttpError(
             400,
-            f"{where}.image_url is not a readable image file of at most {_MAX_FILE_BYTES} bytes",
+            f"{field} is not a readable {kind} file of at most {_MAX_FILE_BYTES} bytes",
             code=InvalidMedia.code,
-            param=f"{where}.image_url",
+            param=field,
         )
     return real.read_bytes()
 
 
-def _refused(where: str, message: str) -> HttpError:
-    return HttpError(400, message, code=MediaSourceRefused.code, param=f"{where}.image_url")
+def _refused(field: str, message: str) -> HttpError:
+    """``field``: the part's field, e.g. ``messages[0].content[1].video_url``."""
+    return HttpError(400, message, code=MediaSourceRefused.code, param=field)

@@ -105,8 +105,15 @@ class ImageUrl(msgspec.Struct, frozen=True):
     detail: str | None = None
 
 
+class VideoUrl(msgspec.Struct, frozen=True):
+    """A ``video_url`` part's video (vLLM's part): a data URL or an allowed local file."""
+
+    url: str
+
+
 class ContentPart(msgspec.Struct, frozen=True):
-    """One part of a message's content: ``text`` or ``image_url`` (vision-language models).
+    """One part of a message's content: ``text``, ``image_url`` or ``video_url`` (vision-language
+    models; video: the video-capable families).
 
     Unknown keys are allowed here: they belong to part types (audio, files) refused by type.
     """
@@ -114,6 +121,7 @@ class ContentPart(msgspec.Struct, frozen=True):
     type: str
     text: str | None = None
     image_url: ImageUrl | str | None = None
+    video_url: VideoUrl | str | None = None
 
 
 class WireChatMessage(_Body, frozen=True, kw_only=True):

@@ -12,12 +12,20 @@ from typing import Any
 
 import msgspec
 
-from runtime.messages import IMAGE_PLACEHOLDER, ChatMessage, ChatOptions, ImagePart, Sampling
+from runtime.messages import (
+    IMAGE_PLACEHOLDER,
+    VIDEO_PLACEHOLDER,
+    ChatMessage,
+    ChatOptions,
+    ImagePart,
+    Sampling,
+    VideoPart,
+)
 from runtime.messages import Request as RuntimeRequest
 from runtime.server.aliases import canonical
 from runtime.server.compat import keep_alive_s, template_kwargs
 from runtime.server.errors import UNSUPPORTED_VALUE, invalid, unsupported
-from runtime.server.media import MediaSources, image_part
+from runtime.server.media import MediaSources, image_part, video_part
 from runtime.server.schema import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -335,23 +343,29 @@ def _chat_message(index: int, message: WireChatMessage, sources: MediaSources) -
         raise invalid(f"{where}.content", f"{where}.content is missing; send text")
     pieces: list[str] = []
     images: list[ImagePart] = []
+    videos: list[VideoPart] = []
     for j, part in enumerate(content):
         if part.type == "image_url" and part.image_url is not None:
             url = part.image_url if isinstance(part.image_url, str) else part.image_url.url
             images.append(image_part(url, f"{where}.content[{j}]", sources))
             pieces.append(IMAGE_PLACEHOLDER)
+        elif part.type == "video_url" and part.video_url is not None:
+            url = part.video_url if isinstance(part.video_url, str) else part.video_url.url
+            videos.append(video_part(url, f"{where}.content[{j}]", sources))
+            pieces.append(VIDEO_PLACEHOLDER)
         elif part.type == "text" and part.text is not None:
             # Text parts join with newlines, as vLLM renders them for string-content templates.
             text = part.text
-            pieces.append(f"\n{text}" if pieces and pieces[-1] != IMAGE_PLACEHOLDER else text)
+            media = (IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER)
+            pieces.append(f"\n{text}" if pieces and pieces[-1] not in media else text)
         else:
             raise unsupported(
                 f"{where}.content[{j}]",
-                f"{where}.content[{j}] is a {part.type!r} part; only text and image_url parts "
-                "are supported",
+                f"{where}.content[{j}] is a {part.type!r} part; only text, image_url and "
+                "video_url parts are supported",
                 code=UNSUPPORTED_VALUE,
             )
-    return ChatMessage(message.role, "".join(pieces), calls, call_id, tuple(images))
+    return ChatMessage(message.role, "".join(pieces), calls, call_id, tuple(images), tuple(videos))
 
 
 def _chat_max_tokens(request: ChatCompletionRequest) -> int | None:

@@ -1,8 +1,10 @@
 """Tiny random-weight vision-language models, built offline from mlx-vlm's own model classes.
 
-Two families: ``gemma3`` (SigLIP tower, average-pooled soft tokens between ``<start_of_image>`` and
-``<end_of_image>``, sliding-window text layers) and ``idefics3`` (SmolVLM's layout: pixel-shuffled
-SigLIP features between ``<fake_token_around_image>`` markers, a llama-like text model). Each
+Three families: ``gemma3`` (SigLIP tower, average-pooled soft tokens between ``<start_of_image>``
+and ``<end_of_image>``, sliding-window text layers), ``idefics3`` (SmolVLM's layout:
+pixel-shuffled SigLIP features between ``<fake_token_around_image>`` markers, a llama-like text
+model) and ``smolvlm`` (the same layout as SmolVLM2, whose processor declares ``video_sampling``:
+the video-capable family). Each
 directory holds what a real mlx-community VLM directory holds: ``config.json``, weights, the
 tokenizer (the tiny test BPE of ``tiny_tokenizer`` plus the family's image tokens),
 ``preprocessor_config.json``, ``processor_config.json`` and a chat template, so mlx-vlm's loader
@@ -28,15 +30,19 @@ from runtime.testing.tiny_tokenizer import (
     write_json,
 )
 
-TinyVlmKind = Literal["gemma3", "idefics3"]
-TINY_VLM_KINDS: Final[tuple[TinyVlmKind, ...]] = ("gemma3", "idefics3")
+TinyVlmKind = Literal["gemma3", "idefics3", "smolvlm"]
+TINY_VLM_KINDS: Final[tuple[TinyVlmKind, ...]] = ("gemma3", "idefics3", "smolvlm")
 VLM_FACTORY_VERSION: Final = 2
 IMAGE_SIZE: Final = 32  # pixels a side the processors resize to: 4 x 4 patches of 8
 # Each family's added tokens, after the tiny BPE's 512 ids, in this order.
 _IMAGE_TOKENS: Final[dict[str, tuple[str, ...]]] = {
     "gemma3": ("<start_of_image>", "<end_of_image>", "<image_soft_token>"),
     "idefics3": ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"),
+    "smolvlm": ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>"),
 }
+# SmolVLM2's video sampling, as its preprocessor_config.json states it: frames a second, the most
+# frames, and the size frames are resized to (one tile each, no splitting).
+VIDEO_SAMPLING: Final = {"fps": 1, "max_frames": 8, "video_size": {"longest_edge": IMAGE_SIZE}}
 # Content may be a string or a list of parts (what VLM templates receive); images never reach
 # it as parts here: the runtime puts its own markers into the text (runtime/backends/vision/).
 _CHAT_TEMPLATE: Final = (
@@ -106,10 +112,14 @@ def tiny_vlm_config(kind: TinyVlmKind, vocab: int, token_ids: dict[str, int]) ->
             "eos_token_id": eos,
         }
     return {
-        "model_type": "idefics3",
-        "architectures": ["Idefics3ForConditionalGeneration"],
+        "model_type": kind,
+        "architectures": [
+            "SmolVLMForConditionalGeneration"
+            if kind == "smolvlm"
+            else "Idefics3ForConditionalGeneration"
+        ],
         "text_config": _text_config(kind, vocab),
-        "vision_config": {**vision, "model_type": "idefics3_vision"},
+        "vision_config": {**vision, "model_type": f"{kind}_vision"},
         "scale_factor": 2,  # 16 patches pixel-shuffled into 4 soft tokens a tile
         "image_token_id": token_ids["<image>"],
         "vocab_size": vocab,
@@ -138,16 +148,19 @@ def _processor_files(kind: TinyVlmKind) -> tuple[dict[str, Any], dict[str, Any]]
             "do_pan_and_scan": False,
         }
         return image, {"processor_class": "Gemma3Processor", "image_seq_length": 16}
+    name = "SmolVLM" if kind == "smolvlm" else "Idefics3"
     image = {
         **common,
-        "image_processor_type": "Idefics3ImageProcessor",
-        "processor_class": "Idefics3Processor",
+        "image_processor_type": f"{name}ImageProcessor",
+        "processor_class": f"{name}Processor",
         "size": {"longest_edge": 2 * IMAGE_SIZE},
         "max_image_size": {"longest_edge": IMAGE_SIZE},
         "do_image_splitting": True,  # up to 2 x 2 tiles and a global view
         "do_pad": True,
     }
-    return image, {"processor_class": "Idefics3Processor", "image_seq_len": 4}
+    if kind == "smolvlm":
+        image["video_sampling"] = VIDEO_SAMPLING
+    return image, {"processor_class": f"{name}Processor", "image_seq_len": 4}
 
 
 def _write_tokenizer(kind: TinyVlmKind, directory: Path, tok: Any) -> dict[str, int]:

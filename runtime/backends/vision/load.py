@@ -19,6 +19,7 @@ from runtime.backends.vision.media import MediaLimits
 from runtime.backends.vision.model import VisionTextModel
 from runtime.backends.vision.prompt import VisionChatTokenizer, prepare
 from runtime.backends.vision.store import MediaStore
+from runtime.backends.vision.video import sampling_of
 from runtime.errors import ModelLoadFailed
 from runtime.messages import ChatMessage
 
@@ -97,11 +98,18 @@ def load_vision(path: Path, options: MlxOptions) -> tuple[Any, Any, dict[str, An
         # VLM directories often keep it in chat_template.json, which mlx-vlm reads (mlx-lm not).
         tokenizer._tokenizer.chat_template = template
         tokenizer.has_chat_template = True
-    store = MediaStore(vlm, processor)
+    # Room for a whole video's frames on top of the images: one evicted before its prefill
+    # would fail its own request (media_evicted).
+    sampling = sampling_of(processor)
+    frames = 0 if sampling is None else options.max_video_frames or sampling.max_frames
+    store = MediaStore(vlm, processor, capacity=64 + frames)
     limits = MediaLimits(
         max_images=options.max_images,
         max_bytes=options.max_image_bytes,
         max_pixels=options.max_image_pixels,
+        max_video_frames=options.max_video_frames,
+        max_video_bytes=options.max_video_bytes,
+        max_video_seconds=options.max_video_seconds,
     )
     media = VisionMedia(store, VisionChatTokenizer(tokenizer, store), limits)
     log.info("%s: a %s vision-language model (mlx-vlm)", path, config.get("model_type"))

@@ -37,16 +37,24 @@ class MediaLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_images: int = 8
     max_bytes: int = 20 * 1024 * 1024
     max_pixels: int = 4096 * 4096
+    # A video: the most frames sampled from it (None: the processor's own cap), the most bytes
+    # of its file and seconds it may last (runtime/backends/vision/video.py).
+    max_video_frames: int | None = None
+    max_video_bytes: int = 64 * 1024 * 1024
+    max_video_seconds: int = 3600
 
 
 class DecodedImage:
-    """An image's RGB pixels (height, width, 3) and its content key (48 bits)."""
+    """An image's RGB pixels (height, width, 3) and its content key (48 bits). A video frame is
+    keyed apart (``frame``): its processor makes another span of the same pixels."""
 
-    __slots__ = ("key", "pixels")
+    __slots__ = ("frame", "key", "pixels")
 
-    def __init__(self, pixels: npt.NDArray[np.uint8]) -> None:
+    def __init__(self, pixels: npt.NDArray[np.uint8], frame: bool = False) -> None:
         self.pixels = pixels
-        digest = hashlib.sha256(repr(pixels.shape).encode() + pixels.tobytes()).digest()
+        self.frame = frame
+        salt = b"frame:" if frame else b""
+        digest = hashlib.sha256(salt + repr(pixels.shape).encode() + pixels.tobytes()).digest()
         self.key = int.from_bytes(digest[:6], "big") & _KEY_MASK
 
 
@@ -112,11 +120,12 @@ def split_media(token: int) -> tuple[int, int]:
 
 
 def refuse_media(messages: Sequence[ChatMessage] | None, why: str) -> None:
-    """Raises ``MediaUnsupported`` naming the first image of ``messages`` (a text-only model's
-    backend calls it; ``why`` says what the model is)."""
+    """Raises ``MediaUnsupported`` naming the first image or video of ``messages`` (a text-only
+    model's backend calls it; ``why`` says what the model is)."""
     for i, message in enumerate(messages or ()):
-        if message.images:
+        if message.images or message.videos:
             raise MediaUnsupported(
-                f"messages[{i}] has {len(message.images)} image(s), but {why}; send text only, "
-                "or load a vision-language model directory (docs/models.md, vision)"
+                f"messages[{i}] has {len(message.images)} image(s) and {len(message.videos)} "
+                f"video(s), but {why}; send text only, or load a vision-language model "
+                "directory (docs/models.md, vision)"
             )

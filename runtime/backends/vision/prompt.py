@@ -20,8 +20,9 @@ import msgspec
 
 from runtime.backends.vision.media import MediaLimits, check_count, decode_image
 from runtime.backends.vision.store import MediaStore
-from runtime.errors import InvalidRequest
-from runtime.messages import IMAGE_PLACEHOLDER, ChatMessage
+from runtime.backends.vision.video import video_frames, video_text
+from runtime.errors import InvalidRequest, MediaUnsupported
+from runtime.messages import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, ChatMessage
 
 _KEYED: Final = re.compile(r"<\|mlxrt-image:([0-9a-f]{12})\|>")
 
@@ -44,26 +45,60 @@ def prepare(
                 f"messages[{i}].content holds the runtime's reserved image marker "
                 "'<|mlxrt-image:...|>'; remove it (images go in the message's images)"
             )
-        if not message.images:
+        if not message.images and not message.videos:
             out.append(message)
             continue
-        content = message.content
-        placed = content.count(IMAGE_PLACEHOLDER)
-        if placed == 0:
-            content = IMAGE_PLACEHOLDER * len(message.images) + content
-        elif placed != len(message.images):
-            raise InvalidRequest(
-                f"messages[{i}].content has {placed} {IMAGE_PLACEHOLDER} placeholders for "
-                f"{len(message.images)} images; put one per image, or none (images first)"
-            )
+        content = _place(i, message.content, IMAGE_PLACEHOLDER, "image", len(message.images))
+        content = _place(i, content, VIDEO_PLACEHOLDER, "video", len(message.videos))
         pieces = content.split(IMAGE_PLACEHOLDER)
         keyed = [pieces[0]]
         for j, (part, rest) in enumerate(zip(message.images, pieces[1:], strict=True)):
             where = part.part or f"messages[{i}].images[{j}]"
             item = store.register(decode_image(part.data, where, limits), where)
             keyed += [keyed_marker(item.key), rest]
-        out.append(msgspec.structs.replace(message, content="".join(keyed), images=()))
+        content = _videos(i, "".join(keyed), message, store, limits)
+        out.append(msgspec.structs.replace(message, content=content, images=(), videos=()))
     return tuple(out)
+
+
+def _place(i: int, content: str, placeholder: str, what: str, count: int) -> str:
+    """``content`` with ``count`` placeholders: as sent, or all first when it has none."""
+    if count == 0:
+        return content
+    placed = content.count(placeholder)
+    if placed == 0:
+        return placeholder * count + content
+    if placed != count:
+        raise InvalidRequest(
+            f"messages[{i}].content has {placed} {placeholder} placeholders for {count} "
+            f"{what}s; put one per {what}, or none ({what}s first)"
+        )
+    return content
+
+
+def _videos(
+    i: int, content: str, message: ChatMessage, store: MediaStore, limits: MediaLimits
+) -> str:
+    """``content`` with each video's placeholder replaced by its frames' text (video.py)."""
+    if not message.videos:
+        return content
+    sampling = store.video
+    pieces = content.split(VIDEO_PLACEHOLDER)
+    keyed = [pieces[0]]
+    for j, (part, rest) in enumerate(zip(message.videos, pieces[1:], strict=True)):
+        where = part.part or f"messages[{i}].videos[{j}]"
+        if sampling is None:
+            raise MediaUnsupported(
+                f"{where} is a video, but this model's family takes images only; send its "
+                "frames as images, or load a video-capable model (SmolVLM2; docs/models.md)"
+            )
+        frames = video_frames(part, where, sampling, limits)
+        markers = [
+            keyed_marker(store.register(frame, f"{where} frame {k}").key)
+            for k, frame in enumerate(frames.images)
+        ]
+        keyed += [video_text(frames, markers), rest]
+    return "".join(keyed)
 
 
 class VisionChatTokenizer:

@@ -14,6 +14,7 @@ never another image's features.
 
 from __future__ import annotations
 
+import copy
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -24,6 +25,7 @@ import numpy as np
 
 from runtime.backends.contract import PrefillInterrupted
 from runtime.backends.vision.media import DecodedImage, is_media, media_ids, split_media
+from runtime.backends.vision.video import VideoSampling, sampling_of
 from runtime.errors import InvalidMedia, MediaEvicted
 
 
@@ -66,6 +68,14 @@ class MediaStore:
         self.marker: str = getattr(processor, "boi_token", None) or processor.image_token
         self.image_token = int(processor.image_token_id)
         self._bos = getattr(tokenizer, "bos_token_id", None)
+        # A video-capable family (SmolVLM2): its frames are one tile each, as its own video
+        # processor makes them, so a copy of the processor that never splits an image.
+        self.video: VideoSampling | None = sampling_of(processor)
+        self._frames = processor
+        if self.video is not None:
+            self._frames = copy.copy(processor)
+            self._frames.image_processor = copy.copy(processor.image_processor)
+            self._frames.image_processor.do_image_splitting = False
 
     def register(self, image: DecodedImage, where: str) -> MediaItem:
         """The item of ``image``, made by the processor unless the store holds it; raises
@@ -77,7 +87,8 @@ class MediaStore:
         from PIL import Image
 
         try:
-            out = self._processor(
+            processor = self._frames if image.frame else self._processor
+            out = processor(
                 text=[self.marker], images=[Image.fromarray(image.pixels)], return_tensors="np"
             )
         except Exception as exc:  # the processor's own checks (size, aspect ratio...)
