@@ -308,7 +308,7 @@ class BatchScheduler:
             assert seq.batch_slot is not None
             del self._members[seq.batch_slot]
             del self._offsets[seq_id]
-            seq.batch_slot, seq.state, seq.in_compute = None, state, False
+            seq.batch_slot, seq.state = None, state
             result.returned.append((seq, leaving))
         joiners = {s.sequence_id: s for s in job.work.joiners}
         for seq_id, slot in job.joined.items():
@@ -348,7 +348,7 @@ class BatchScheduler:
         """A batch step raised: its cache cannot be trusted, so every member fails and it goes."""
         members, self._members, self.handle = list(self._members.values()), {}, None
         for seq in members:
-            seq.batch_slot, seq.state, seq.in_compute = None, None, False
+            seq.batch_slot, seq.state = None, None
             if seq.phase is not Phase.DONE:
                 result.failed.append(seq)
         for leaving in self._leaving.values():

@@ -114,9 +114,20 @@ class ComputeSlot:
         ctx.compute(work, ComputeDone(job_id=job_id))
 
     def done(self, job_id: int, ctx: Context) -> Job:
-        """The record of the job that ``ComputeDone(job_id)`` reports; the slot is free again."""
+        """The record of the job that ``ComputeDone(job_id)`` reports; the slot is free again, and
+        its sequences are out of compute (unless another step of one is queued)."""
         job, submitted = self._jobs.pop(job_id)
         self._watchdog.job_ended(ctx)
+        match job:
+            case StepJob(seq=seq):
+                owner = seq.live_successor()  # an adopter took over the prewarm's step
+                owner.in_compute = self.holds(owner)
+            case TogetherJob(steps=steps):
+                for step in steps:
+                    step.seq.live_successor().in_compute = False
+            case BatchJob(work=work):
+                for seq in (*work.leavers, *work.joiners, *work.members):
+                    seq.in_compute = False
         if isinstance(job, StepJob) and job.chunk_tokens and job.error is None:
             self._sizer.observe(job.prefilled, ctx.now() - submitted)
         return job
@@ -271,6 +282,11 @@ class ComputeSlot:
             return
         step = StepJob(seq, queued=True, yield_to=self._waiting)
         self.submit(ctx, step, lambda: run_decode(step, seq, backend))
+
+
+def hand_over(prewarm: Sequence, seq: Sequence) -> None:
+    """``seq`` adopts ``prewarm``: a step of the prewarm in flight now holds ``seq``'s state."""
+    seq.in_compute, prewarm.in_compute = prewarm.in_compute, False
 
 
 # A batched prefill of fresh prompts takes at most this many chunks' tokens.

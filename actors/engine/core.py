@@ -22,15 +22,16 @@ from __future__ import annotations
 import logging
 from typing import assert_never
 
-from actors.engine.admission import Admission, AdmissionLimits
+from actors.engine.admission import Admission
 from actors.engine.batch import BatchScheduler
 from actors.engine.checkpoints import CheckpointPolicy
 from actors.engine.chunking import ChunkSizer
 from actors.engine.compute import ComputeSlot
 from actors.engine.disk_tier import DiskTier, ExportJob, ReadJob, run_export
-from actors.engine.draft_model import close_models, default_drafts
+from actors.engine.draft_model import DraftModel, close_models, default_drafts
 from actors.engine.endings import Endings
 from actors.engine.entries import EntryStore
+from actors.engine.gate import AdmissionLimits, Gate
 from actors.engine.jobs import (
     BatchJob,
     CloseJob,
@@ -135,6 +136,7 @@ class EngineCore:
         # The most a chunk holds (KV is priced with it).
         chunk_tokens = max(1, spec.prefill_chunk_tokens or options.chunk_tokens)
         self._backend: Backend | None = None
+        self._draft: DraftModel | None = None  # the model's draft model, from its load on
         # The info the model runs by (its load, then a deferred probe): statistics() shows its
         # verdicts (capability_* gauges, 1 on, 0 off) and the off ones' whys (limits).
         self._info: ModelInfo | None = None
@@ -170,14 +172,9 @@ class EngineCore:
             turns,
             Watchdog(step_timeout_s),
         )
+        self._gate = Gate(limits, spec.name, self._sequences, self.counters)
         self._ends = Endings(
-            self._sequences,
-            self._entries,
-            self._batches,
-            self.counters,
-            slot_freed=lambda ctx: self._admission.admit_waiting(ctx),
-            backend=lambda: self._backend,
-            let_go=lambda followers, ctx: self._admission.let_go(followers, ctx),
+            self._sequences, self._entries, self._batches, self.counters, self._gate
         )
         self._admission = Admission(
             limits,
@@ -186,16 +183,11 @@ class EngineCore:
             self._entries,
             self.counters,
             ends=self._ends,
+            gate=self._gate,
             disk=self._disk,
         )
         self._outcomes = StepOutcomes(
-            self._sequences,
-            self._entries,
-            self._batches,
-            self._admission,
-            self._ends,
-            self.counters,
-            backend=lambda: self._backend,
+            self._sequences, self._entries, self._batches, self._ends, self.counters
         )
 
     # ------------------------------------------------------------------ lifecycle
@@ -249,7 +241,7 @@ class EngineCore:
             "probe_pending": int(self._probing.pending),
             **self._disk.gauges(),
             # Draft-model states held by sequences (0 once every sequence has ended).
-            "draft_states": 0 if self._admission.draft is None else self._admission.draft.live,
+            "draft_states": 0 if self._draft is None else self._draft.live,
         }
         return Stats(
             actor=engine_address(self.model, self.epoch),
@@ -389,8 +381,9 @@ class EngineCore:
                 return
             self._closed = True
             backend, self._backend = self._backend, None
+            self._hand_over(None, None)
             self._batches.handle = None
-            draft = self._admission.draft
+            draft = self._draft
             self._compute.submit(ctx, CloseJob(), lambda: close_models(backend, draft))
 
     def _export(self, job: ExportJob, ctx: Context) -> None:
@@ -457,12 +450,22 @@ class EngineCore:
                 probe_pending=info.probe_pending,
             ),
         )
-        self._admission.loaded(info, ctx, job.draft)
+        self._hand_over(job.backend, job.draft)
+        self._gate.loaded(info, job.draft)
+        self._admission.loaded(info, ctx)
         self._disk.opened(job.disk, job.backend)
+
+    def _hand_over(self, backend: Backend | None, draft: DraftModel | None) -> None:
+        """The model (and its draft model) to the parts that use it: given once at the load,
+        taken back at the close or when the engine gives up."""
+        self._draft = draft
+        self._ends.loaded(backend)
+        self._outcomes.loaded(backend, draft)
 
     def _probed(self, info: ModelInfo, batchable: bool, ctx: Context) -> None:
         """The deferred load probe gave its verdict: from now on the model runs by ``info``."""
         self._batches.loaded(info, batchable)
+        self._gate.loaded(info, self._draft)
         self._admission.probed(info)
         self._info = info
         ctx.send(
@@ -492,6 +495,7 @@ class EngineCore:
         self._ends.abandon_all(self._compute.abandon(), error, ctx)
         self._batches.handle = None
         self._backend = None  # left to the abandoned thread; no close job can run after it
+        self._hand_over(None, self._draft)
         self._closed = True
         self._closed_down(ctx)
 

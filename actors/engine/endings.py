@@ -20,11 +20,12 @@ The engine core, ``Admission`` and ``StepOutcomes`` all end sequences through on
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from actors.engine import emission
 from actors.engine.batch import BatchScheduler
 from actors.engine.entries import EntryStore
+from actors.engine.gate import Gate
 from actors.engine.jobs import Job, StepJob
 from actors.engine.sequence import (
     Ending,
@@ -45,10 +46,8 @@ class Endings:
     """The endings of one engine's sequences (see module docstring).
 
     ``sequences`` is the engine's table of live sequences, shared: an ending removes from it.
-    ``slot_freed`` runs after every ending, so that the admission gate lets a waiting sequence in
-    (a callable: the admission that owns the gate is built after the endings it asks for).
-    ``backend`` is the engine's loaded backend, None before the load and after the close.
-    ``let_go`` hands admission the followers of a leader that ended without a finish they share.
+    After every ending the ``gate`` lets a waiting sequence in; it also takes the followers of a
+    leader that ended without a finish they share.
     """
 
     def __init__(
@@ -57,18 +56,19 @@ class Endings:
         entries: EntryStore,
         batches: BatchScheduler,
         counters: Counters,
-        slot_freed: Callable[[Context], None],
-        backend: Callable[[], Backend | None],
-        let_go: Callable[[list[Sequence], Context], None],
+        gate: Gate,
     ) -> None:
         self._sequences = sequences
         self._entries = entries
         self._batches = batches
         self._counters = counters
-        self._slot_freed = slot_freed
-        self._backend = backend
-        self._let_go = let_go
+        self._gate = gate
+        self._backend: Backend | None = None  # the model, while loaded: endings commit with it
         self._unloading = False
+
+    def loaded(self, backend: Backend | None) -> None:
+        """The engine's model is in (None again once it is closed or abandoned)."""
+        self._backend = backend
 
     def unloading(self) -> None:
         """The model is going away: a cancelled sequence's cache is no longer kept."""
@@ -116,10 +116,10 @@ class Endings:
     def _end(self, seq: Sequence, ctx: Context, detach: bool, terminal: Terminal) -> None:
         """After this nothing acts on the sequence; what it holds is released, then ``terminal``
         sent (a batched one's release waits for its state to leave the batch)."""
-        seq.phase = Phase.DONE
+        seq.move(Phase.DONE)
         self._sequences.pop(seq.sequence_id, None)
         self._batches.ended(seq)
-        self._slot_freed(ctx)
+        self._gate.admit_waiting(ctx)
         if seq.batch_slot is not None:
             self._batches.leave_later(seq, detach)
             ctx.send(ROUTER, terminal)
@@ -147,7 +147,7 @@ class Endings:
             for seq in followers:
                 self.abort(seq, "model_unloaded", ctx)
         else:
-            self._let_go(followers, ctx)
+            self._gate.let_go(followers, ctx)
 
     def settle(self, seq: Sequence, ending: Ending, ctx: Context) -> None:
         """The step that held an ended sequence's state is back: give everything back, and only
@@ -164,11 +164,10 @@ class Endings:
         self.release_holdings(seq, ctx)
 
     def _detach(self, seq: Sequence, ctx: Context) -> None:
-        backend = self._backend()
-        if backend is None:
+        if self._backend is None:
             seq.state = None
             return
-        self._entries.detach(seq, backend, ctx)
+        self._entries.detach(seq, self._backend, ctx)
 
     def abandon_all(self, jobs: Iterable[Job], error: MlxRuntimeError, ctx: Context) -> None:
         """The engine gave up (its compute abandoned with ``jobs``): every sequence ends now, an
@@ -186,7 +185,7 @@ class Endings:
             seq.abort.set()  # a step still running on the abandoned thread gives up at its check
             release_matcher(seq)  # a step still using it fails at its next call, on that thread
             release_draft(seq)
-            seq.phase = Phase.DONE
+            seq.move(Phase.DONE)
             if cancelled:
                 self._counters.inc("cancelled")
                 ctx.send(ROUTER, emission.cancelled(seq))
