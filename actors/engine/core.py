@@ -45,6 +45,7 @@ from actors.engine.jobs import (
     run_load,
 )
 from actors.engine.outcomes import StepOutcomes
+from actors.engine.plan import StepPlanner
 from actors.engine.probing import DeferredProbing
 from actors.engine.retirement import Retirement
 from actors.engine.sequence import Phase, Sequence
@@ -169,7 +170,7 @@ class EngineCore:
             self._sequences,
             self._batches,
             self._entries,
-            turns,
+            StepPlanner(self._sizer, self._sequences, self._batches, turns),
             Watchdog(step_timeout_s),
         )
         self._gate = Gate(limits, spec.name, self._sequences, self.counters)
