@@ -1,21 +1,13 @@
 """How a sequence of one engine ends, and what it gives back.
 
-A sequence ends once: finished (``finish``: a reason such as ``length`` or ``stop``, ``prewarmed``,
-``adopted``), cancelled (``abort``, at once or when its running job comes back) or failed
-(``fail``). What the sequence holds (its prefix-cache lease, its KV reservation, snapshots
-included) is released then, and the router hears the terminal event right after, except in two
-cases. A sequence still in the decode batch sends its terminal at once and is released once its
-state is back out (``returned``). One whose decode step queued behind the last is still running
-ends when that step is back (``settle``): released, then its terminal. A finished sequence's cache,
-and a cancelled one's unless the model is going away, is first committed to the prefix cache
-(``EntryStore.detach``); a failed one's never is.
-
-A prewarm that follows an identical one (``Sequence.leader``) computes nothing: it finishes as its
-leader finished (prewarmed, or adopted), right after it; if the leader is cancelled or fails, the
-followers are let go (admission's ``let_go``) to go on by themselves, or cancelled too when the
-model is going away.
-
-The engine core, ``Admission`` and ``StepOutcomes`` all end sequences through one ``Endings``.
+A sequence ends once: finished (``finish``), cancelled (``abort``, at once or when its running job
+comes back) or failed (``fail``); it moves to ``DONE`` here and only here. What it holds (its lease,
+its KV reservation, snapshots included) is released, then the router hears the terminal; a batched
+sequence's release waits for its state to leave the batch (``returned``), and one whose queued
+decode step still holds its state ends when that step is back (``settle``). A finished (or, unless
+the model is going away, cancelled) cache is committed first; a failed one never is. After each
+ending the gate lets a waiting sequence in; a leader's followers finish with it, or are let go.
+See docs/design.md, "A sequence's lifecycle".
 """
 
 from __future__ import annotations

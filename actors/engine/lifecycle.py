@@ -28,20 +28,20 @@ class Phase(enum.Enum):
 
 COMPUTE_PHASES = frozenset({Phase.RESTORING, Phase.PREFILLING, Phase.DECODING})
 
-_ = Phase
+P = Phase  # short, for the table
 # Any live phase may end (DONE): finished, cancelled or failed. An adopting generate resumes from
 # RESERVING where the prewarm it adopted was (RESTORING or PREFILLING, supersede.py).
 LEGAL_MOVES: Mapping[Phase, frozenset[Phase]] = {
-    _.TOKENIZING: frozenset({_.WAITING, _.FOLLOWING, _.RESERVING, _.DONE}),
-    _.WAITING: frozenset({_.RESERVING, _.DONE}),
-    _.FOLLOWING: frozenset({_.WAITING, _.RESERVING, _.DONE}),
-    _.RESERVING: frozenset({_.LOOKING_UP, _.RESTORING, _.PREFILLING, _.DONE}),
-    _.LOOKING_UP: frozenset({_.LOADING, _.RESTORING, _.DONE}),
-    _.LOADING: frozenset({_.RESTORING, _.DONE}),
-    _.RESTORING: frozenset({_.PREFILLING, _.DONE}),
-    _.PREFILLING: frozenset({_.DECODING, _.DONE}),
-    _.DECODING: frozenset({_.DONE}),
-    _.DONE: frozenset(),
+    P.TOKENIZING: frozenset({P.WAITING, P.FOLLOWING, P.RESERVING, P.DONE}),
+    P.WAITING: frozenset({P.RESERVING, P.DONE}),
+    P.FOLLOWING: frozenset({P.WAITING, P.RESERVING, P.DONE}),
+    P.RESERVING: frozenset({P.LOOKING_UP, P.RESTORING, P.PREFILLING, P.DONE}),
+    P.LOOKING_UP: frozenset({P.LOADING, P.RESTORING, P.DONE}),
+    P.LOADING: frozenset({P.RESTORING, P.DONE}),
+    P.RESTORING: frozenset({P.PREFILLING, P.DONE}),
+    P.PREFILLING: frozenset({P.DECODING, P.DONE}),
+    P.DECODING: frozenset({P.DONE}),
+    P.DONE: frozenset(),
 }
 
 
