@@ -296,10 +296,9 @@ class EngineCore:
             if self._disk.busy or self._compute.busy:
                 return
             self._closed = True
-            backend, self._backend = self._backend, None
+            backend, draft, self._backend = self._backend, self._draft, None
             self._hand_over(None, None)
             self._batches.handle = None
-            draft = self._draft
             self._compute.submit(ctx, CloseJob(), lambda: close_models(backend, draft))
 
     def _export(self, job: ExportJob, ctx: Context) -> None:
