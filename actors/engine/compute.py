@@ -32,8 +32,8 @@ from actors.engine.jobs import (
     run_together,
     run_tokenize,
 )
-from actors.engine.plan import BatchStep, Decode, Prefill, StepPlanner, Tokenize
-from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
+from actors.engine.plan import SCHEDULED, BatchStep, Decode, Prefill, StepPlanner, Tokenize
+from actors.engine.sequence import Sequence
 from actors.engine.watchdog import Watchdog
 from runtime.backends.contract import Backend
 from runtime.errors import StepTimedOut
@@ -178,7 +178,7 @@ class ComputeSlot:
                 held.add(id(job.seq))
             elif isinstance(job, BatchJob):
                 held.update(id(s) for s in (*job.work.joiners, *job.work.members))
-        if any(s.phase in _SCHEDULED and id(s) not in held for s in self._sequences.values()):
+        if any(s.phase in SCHEDULED and id(s) not in held for s in self._sequences.values()):
             self._waiting.set()
 
     def top_up(self, backend: Backend, ctx: Context) -> None:
@@ -188,16 +188,10 @@ class ComputeSlot:
         ((running, _),) = self._jobs.values()
         if not isinstance(running, StepJob):
             return
-        seq = running.seq
-        if (
-            seq.phase is not Phase.DECODING
-            or seq.batch_slot is not None
-            or seq.abort.is_set()
-            or len(self._batches)
-            or self._batches.has_leaving
-            or any(s is not seq and s.phase in _SCHEDULED for s in self._sequences.values())
-        ):
+        plan = self._planner.behind(running.seq)
+        if plan is None:
             return
+        seq = plan.seq
         step = StepJob(seq, queued=True, yield_to=self._waiting)
         self.submit(ctx, step, lambda: run_decode(step, seq, backend))
 
@@ -209,6 +203,3 @@ def hand_over(prewarm: Sequence, seq: Sequence) -> None:
 
 # Loading and closing the model may legitimately take minutes: the watchdog leaves them be.
 _UNWATCHED = (LoadJob, CloseJob)
-
-# Phases with work for the compute slot: any sequence in them keeps a stream from queueing ahead.
-_SCHEDULED = COMPUTE_PHASES | {Phase.TOKENIZING}

@@ -2,11 +2,11 @@
 
 A step (a restore, a prefill chunk, a decode step, or one row of a batch step) leaves its new state,
 its checkpoints and snapshots, and a token or an error in its ``StepJob``. Once the state is taken
-in, the sequence goes on: ended already (nothing more), aborted meanwhile, failed, its
-prefill advanced (``prefill_advanced``: the start announced; once the prompt is in, a prewarm is
-done and a generate starts decoding) or its token shown (emission.py says whether it ends it). A
-batch step first settles the sequences whose state came back out of the batch, then each row's
-step as above. Endings go through ``Endings``.
+in (a restore that fell back to a cold prefill noted), the sequence goes on: ended already, aborted
+meanwhile, failed, its prefill advanced (``prefill_advanced``: the start announced; once the prompt
+is in, a prewarm is done and a generate starts decoding) or its token shown (emission.py says
+whether it ends it). A batch step first settles who came back out of the batch, then each row's
+step. Endings go through ``Endings``. See docs/design.md ("One step").
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ engine core's ``_job_done`` (outcomes.py for steps). The order: tokenizing first
 waiting for its tokens, in one job); then a step of the decode batch (``BatchScheduler.work``)
 and single steps (a restore, a prefill chunk, a decode step outside the batch) take turns, single
 steps round-robin by sequence id; a newcomer about to finish its prompt may go ahead of the
-decode work (turns.py), and fresh prompts' rests may be prefilled together in one pass.
+decode work (turns.py), and fresh prompts' rests may be prefilled together in one pass. While
+a lone stream's step runs, ``behind`` says whether its next one may queue behind it.
 See docs/design.md ("One step").
 """
 
@@ -114,6 +115,20 @@ class StepPlanner:
             return self._single(ready[0], info, ready, lone=not decoders_wait)
         return None
 
+    def behind(self, running: Sequence) -> Decode | None:
+        """A lone stream's next decode step, to queue behind its running one (compute.py's
+        ``top_up``); None while anything else could use the slot."""
+        if (
+            running.phase is not Phase.DECODING
+            or running.batch_slot is not None
+            or running.abort.is_set()
+            or len(self._batches)
+            or self._batches.has_leaving
+            or any(s is not running and s.phase in SCHEDULED for s in self._sequences.values())
+        ):
+            return None
+        return Decode(running)
+
     def _single(
         self,
         seq: Sequence,
@@ -160,6 +175,9 @@ class StepPlanner:
                 tokens -= other.prefill_rest
         return tuple(group)
 
+
+# Phases with work for the compute slot: any sequence in them keeps a stream from queueing ahead.
+SCHEDULED = COMPUTE_PHASES | {Phase.TOKENIZING}
 
 # A batched prefill of fresh prompts takes at most this many chunks' tokens.
 TOGETHER_CHUNKS = 4
