@@ -25,17 +25,8 @@ from runtime.backends.mlx.backend import MlxBackend
 from runtime.backends.simulated import RealClock, SimulatedBackend
 from runtime.config import RuntimeConfig
 from runtime.errors import DraftModelIncompatible
-from runtime.messages import (
-    Cancelled,
-    Failed,
-    Finished,
-    ModelSpec,
-    ModelUnloaded,
-    Sampling,
-    TokensEmitted,
-    UnloadModel,
-)
-from runtime.testing.harness import make_sim, sim_spec
+from runtime.messages import Cancelled, Failed, Finished, ModelSpec, Sampling, TokensEmitted
+from runtime.testing.harness import sim_spec
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n" * 3
@@ -260,12 +251,3 @@ def test_a_draft_that_costs_as_much_as_the_target_never_pays() -> None:
     assert default_drafts(named, decode_options(named)) == DRAFTS_WITH_MODEL
     said = sim_spec("m", draft_model="m", speculative=3)
     assert default_drafts(said, decode_options(said)) == 3
-
-
-def test_an_unload_closes_the_model_and_its_draft_model(monkeypatch: pytest.MonkeyPatch) -> None:
-    closed: list[SimulatedBackend] = []
-    monkeypatch.setattr(SimulatedBackend, "close", lambda self: closed.append(self))
-    sim = make_sim(_drafting())
-    assert isinstance(sim.ask(UnloadModel(model="m")), ModelUnloaded)
-    sim.run_until_quiescent()
-    assert len({id(backend) for backend in closed}) == 2, "the target and its draft model"
