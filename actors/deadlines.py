@@ -118,14 +118,15 @@ class RequestGuards:
         ``since``: when it was first accepted (a request moved to another replica keeps its
         deadline); None: now."""
         stall_s = None
+        timeout_s = request.request.timeout_s
         if isinstance(request, Generate):
-            own = request.stall_timeout_s
+            own = request.request.stall_timeout_s
             stall_s = self._default_stall_s if own is None else own
-        if request.timeout_s is None and stall_s is None:
+        if timeout_s is None and stall_s is None:
             return
-        self._guarded[sequence_id] = _Guarded(epoch, request.timeout_s, stall_s)
-        if request.timeout_s is not None:
-            left = request.timeout_s - (0.0 if since is None else ctx.now() - since)
+        self._guarded[sequence_id] = _Guarded(epoch, timeout_s, stall_s)
+        if timeout_s is not None:
+            left = timeout_s - (0.0 if since is None else ctx.now() - since)
             self._schedule(max(0.0, left), RequestDeadline(sequence_id=sequence_id), ctx)
 
     def shown(self, event: SequenceStarted | TokensProduced, ctx: Context) -> None:

@@ -73,7 +73,6 @@ from runtime.messages import (
     TokensProduced,
     UnloadModel,
     Usage,
-    for_request,
 )
 
 # Per-model engine failures are counted under this prefix plus the model (beside the total).
@@ -166,7 +165,7 @@ class RouterCore:
                 assert live is not None  # the arm above sends the not-live ones elsewhere
                 self._live.started(message.sequence_id)
                 self._guards.shown(message, ctx)
-                ctx.send(live.host, for_request(message, live.request_id, live.incarnation))
+                ctx.send(live.host, message.for_request(live.request_id, live.incarnation))
             case SequenceFinished() | SequenceCancelled() | SequenceFailed():
                 self._end_request(message, ctx)
             case RequestDeadline() | StallCheck() if sender != ctx.self_address:
@@ -266,17 +265,19 @@ class RouterCore:
             self._reject(request, host, ctx, DuplicateRequestId.code, text)
             return
         sent = request
-        if request.model in self._replicas:
+        asked = request.request
+        if asked.model in self._replicas:
             avoid = None if moved is None else moved.model
-            chosen = replica or self._replicas.route(request.model, request.session, avoid)
-            request = msgspec.structs.replace(request, model=chosen)
-        model = self._models.admitting(request.model, ctx)
-        if model is None and self._models.reloads_after_drain(request.model):
+            chosen = replica or self._replicas.route(asked.model, asked.session, avoid)
+            routed = msgspec.structs.replace(request.request, model=chosen)
+            request = msgspec.structs.replace(request, request=routed)
+        model = self._models.admitting(request.request.model, ctx)
+        if model is None and self._models.reloads_after_drain(request.request.model):
             self.counters.inc("requests_parked")
             self._parked[request.request_id] = (request, host)
             return
         if model is None:
-            code, text = self._models.unavailable(request.model)
+            code, text = self._models.unavailable(request.request.model)
             self._reject(request, host, ctx, code, text)
             return
         sequence_id = self._next_sequence_id
@@ -294,8 +295,9 @@ class RouterCore:
         )
         self._live.add(live)
         self._models.request_started(model)
-        if isinstance(request, Generate) and request.keep_alive_s is not None:
-            self._models.keep_alive_from_now(model, request.keep_alive_s)
+        keep_alive_s = request.request.keep_alive_s  # None on a prewarm (validation.py)
+        if keep_alive_s is not None:
+            self._models.keep_alive_from_now(model, keep_alive_s)
         is_generate = isinstance(request, Generate)
         self.counters.inc("accepted_generate" if is_generate else "accepted_prewarm")
         self._guards.accepted(request, sequence_id, model.epoch, ctx, since=live.accepted_at)
@@ -304,7 +306,7 @@ class RouterCore:
             Admit(
                 sequence_id=sequence_id,
                 epoch=model.epoch,
-                session=request.session or f"{request.model}/{request.namespace}",
+                session=asked.session or f"{request.request.model}/{asked.namespace}",
                 request=request,
                 tokens=carried.tokens if carried and carried.tokens else None,
                 facts=None if carried is None else carried.facts,
@@ -335,7 +337,7 @@ class RouterCore:
         """``name`` drained: its parked requests go to the model loaded again (or are refused,
         if it was unloaded on purpose meanwhile), in the order they came."""
         for request_id, (request, host) in list(self._parked.items()):
-            if request.model == name:
+            if request.request.model == name:
                 del self._parked[request_id]
                 self._accept(request, host, ctx)
 
@@ -389,7 +391,7 @@ class RouterCore:
         live = self._live.pop(event.sequence_id)
         self._guards.ended(event.sequence_id)
         self._models.request_ended(live.model, live.epoch, ctx)
-        terminal = for_request(event, live.request_id, live.incarnation)
+        terminal = event.for_request(live.request_id, live.incarnation)
         self.counters.inc(f"terminal_{type(terminal).__name__.lower()}")
         ctx.send(live.host, terminal)
 

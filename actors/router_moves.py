@@ -50,23 +50,26 @@ class Moves:
         """Move a request that has not started to the replica holding more of its prompt."""
         live = self._live.of_sequence(hint.sequence_id)
         gain = hint.matched_there - hint.matched_here
+        if live is None:
+            self._counters.inc("moves_declined")
+            return
+        asked = live.request.request
         if (
-            live is None
-            or live.request.model not in self._replicas
+            asked.model not in self._replicas
             or live.epoch != hint.epoch
             or live.moved
             or self._live.has_started(hint.sequence_id)
-            or not self._replicas.worth_moving(live.request.model, live.model, hint.elsewhere, gain)
+            or not self._replicas.worth_moving(asked.model, live.model, hint.elsewhere, gain)
         ):
             self._counters.inc("moves_declined")
             return
         self._move(live, hint.elsewhere, ctx, hint)
-        self._replicas.stick(live.request.model, live.request.session, hint.elsewhere)
+        self._replicas.stick(asked.model, asked.session, hint.elsewhere)
 
     def unstarted_of(self, epoch: int, ctx: Context) -> None:
         """A replica's engine failed: what it had not started goes to another replica."""
         for live in self._live.of_epoch(epoch):
-            name = live.request.model
+            name = live.request.request.model
             if not self._live.has_started(live.sequence_id) and len(self._replicas.names(name)) > 1:
                 self._move(live, None, ctx)
 

@@ -26,9 +26,9 @@ from actors.engine.checkpoints import CheckpointPolicy, plan_checkpoints
 from bench.models import Scaled
 from bench.prompts import encode, make_text
 from bench.results import Measurement, ratio
-from runtime.api import Runtime
 from runtime.backends.mlx.backend import MlxBackend
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Finished, ModelSpec
 
 # Prompt tokens (the tiny models' context is 2048); a quick run on a real model keeps two points.

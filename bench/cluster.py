@@ -31,9 +31,9 @@ import anyio
 import msgspec
 
 from bench.results import OVERHEAD_MODEL, Measurement, timed
-from runtime.api import Runtime
 from runtime.cluster.options import ClusterConfig
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ChatMessage, Finished, ModelSpec, TokensEmitted
 from runtime.text.coalesce import CoalescePolicy
 

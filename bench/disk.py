@@ -120,10 +120,10 @@ def pressure(model: BenchModel, quick: bool) -> list[Measurement]:
 async def _pressure_run(
     model: BenchModel, documents: list[list[int]], follow_up: list[int], mode: str, folder: str
 ) -> float:
-    from runtime.api import Runtime
     from runtime.backends.disk import DiskCacheConfig
     from runtime.backends.mlx.backend import MlxBackend
-    from runtime.config import RuntimeConfig
+    from runtime.host.api import Runtime
+    from runtime.host.config import RuntimeConfig
     from runtime.messages import ModelSpec
 
     spec = ModelSpec(name=model.name, path=str(model.path))

@@ -35,8 +35,8 @@ from bench.generation_inputs import (
     tok_rates,
 )
 from bench.results import Measurement, ratio, timed
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec, Started, TokensEmitted
 from runtime.text.coalesce import CoalescePolicy
 

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import anyio
 
 from bench.results import OVERHEAD_MODEL, Measurement
-from runtime.api import Runtime
 from runtime.backends.simulated import RealClock, SimulatedBackend
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.actor import ActorSystem
 from runtime.kernel.core import Address, Context
 from runtime.messages import Message, ModelSpec, Sampling, TokensEmitted

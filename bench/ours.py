@@ -10,8 +10,8 @@ from pathlib import Path
 
 from bench.results import Measurement, decode_rate, ratio, timed
 from bench.workload import Workload
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Cancelled, ModelSpec, Started, TokensEmitted
 
 SYSTEM = "runtime"

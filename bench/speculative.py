@@ -131,8 +131,8 @@ async def measure_all(
 ) -> dict[str, tuple[Row, dict[str, int]]]:
     """Every workload, each system in turn ``reps`` times (interleaved, so that a busy machine
     slows them alike); the best rate of each, and the speculative runs' counters."""
-    from runtime.api import Runtime
-    from runtime.config import RuntimeConfig
+    from runtime.host.api import Runtime
+    from runtime.host.config import RuntimeConfig
     from runtime.messages import ModelSpec
 
     results: dict[str, tuple[Row, dict[str, int]]] = {}

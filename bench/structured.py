@@ -24,8 +24,8 @@ import anyio
 
 from bench.models import Scaled
 from bench.results import Measurement
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ChatMessage, JsonSchemaConstraint, ModelSpec, Sampling, TokensEmitted
 from runtime.text.coalesce import CoalescePolicy
 

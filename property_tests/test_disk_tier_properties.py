@@ -26,7 +26,6 @@ from runtime.backends.disk import DiskCacheConfig
 from runtime.backends.simulated import greedy_continuation
 from runtime.messages import (
     Finished,
-    Generate,
     LoadModel,
     ModelLoaded,
     ResetPrefixes,
@@ -35,6 +34,7 @@ from runtime.messages import (
     UnloadModel,
 )
 from runtime.testing.harness import engine, kv_keeper, make_sim, prefix_cache, sim_spec
+from runtime.testing.requests import generate
 
 MAX_TOKENS = 3
 BPT = 100
@@ -92,8 +92,7 @@ def test_a_disk_hit_never_changes_output_and_started_says_where_it_came_from(
                 continue
             core = engine(sim)
             before = core.counters.snapshot().get("prefilled_tokens", 0)
-            sim.send(Generate(request_id=f"r{index}", incarnation=1, model="m",
-                              prompt_tokens=prompt, max_tokens=MAX_TOKENS))  # fmt: skip
+            sim.send(generate(f"r{index}", prompt, MAX_TOKENS))  # fmt: skip
             sim.run_until_quiescent()
             events = sim.events(f"r{index}", 1)
             [started] = [e for e in events if isinstance(e, Started)]

@@ -18,7 +18,6 @@ from runtime.messages import (
     Cancelled,
     Failed,
     Finished,
-    Generate,
     ModelLoaded,
     ModelSpec,
     Rejected,
@@ -26,6 +25,7 @@ from runtime.messages import (
 )
 from runtime.testing.faults import FaultKind, FaultPlan
 from runtime.testing.harness import engines, kv_keeper, make_sim, prefix_cache, router, sim_spec
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 STEP_TIMEOUT_S = 1.0
@@ -135,9 +135,3 @@ def test_every_request_ends_once_and_everything_is_given_back_under_faults(
     assert isinstance(sim.terminal("after", 1), Finished)
     assert sim.emitted_tokens("after", 1) == greedy_continuation(prompt, 3)
     assert_nothing_is_held(sim)
-
-
-def generate(request_id: str, prompt: tuple[int, ...], n: int) -> Generate:
-    return Generate(
-        request_id=request_id, incarnation=1, model="m", prompt_tokens=prompt, max_tokens=n
-    )

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Cancel,
     Cancelled,
@@ -33,6 +33,7 @@ from runtime.messages import (
     Rejected,
 )
 from runtime.testing.harness import kv_keeper, router, sim_spec
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 REQUEST_IDS = ("r1", "r2", "r3")
@@ -60,12 +61,8 @@ class KeepAliveMachine(RuleBasedStateMachine):
     @rule(request_id=st.sampled_from(REQUEST_IDS), prompt=prompts, max_tokens=st.integers(1, 5))
     def generate(self, request_id: str, prompt: tuple[int, ...], max_tokens: int) -> None:
         self.incarnation += 1
-        request = Generate(
-            request_id=f"{request_id}.{self.incarnation}",  # ids never clash: none is refused
-            incarnation=self.incarnation,
-            model="m",
-            prompt_tokens=prompt,
-            max_tokens=max_tokens,
+        request = generate(
+            f"{request_id}.{self.incarnation}", prompt, max_tokens, incarnation=self.incarnation
         )
         self.sent[(request.request_id, request.incarnation)] = request
         self.sim.send(request)
@@ -104,7 +101,7 @@ class KeepAliveMachine(RuleBasedStateMachine):
             assert not isinstance(end, Failed), (key, end)
             assert not (isinstance(end, Cancelled) and end.reason == "model_unloaded"), (key, end)
             if isinstance(end, Finished):
-                request = self.sent[key]
+                request = self.sent[key].request
                 expected = greedy_continuation(list(request.prompt_tokens or ()), 5)
                 tokens = self.sim.emitted_tokens(*key)
                 assert tokens == expected[: len(tokens)], (key, tokens)

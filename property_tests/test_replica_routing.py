@@ -16,19 +16,18 @@ from collections.abc import Sequence
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import Address
 from runtime.messages import (
     Cancelled,
     Failed,
     Finished,
-    Generate,
     ModelSpec,
-    Prewarm,
     Rejected,
     Started,
 )
 from runtime.testing.harness import engine_address_of, engines, kv_keeper, prefix_cache
+from runtime.testing.requests import generate, prewarm
 from runtime.testing.simulator import Simulator
 
 OPTIONS = {"prefill_s_per_token": 0.0002, "decode_s_per_token": 0.001}
@@ -77,12 +76,9 @@ def test_routing_keeps_sessions_ends_once_and_gives_everything_back(
                 rid = f"r{i}"
                 prompt = (*base, *tail)  # type: ignore[misc]
                 if kind == "generate":
-                    sim.send(Generate(request_id=rid, incarnation=1, model="m",
-                                      prompt_tokens=prompt, max_tokens=n,  # type: ignore[arg-type]
-                                      session=session))  # type: ignore[arg-type]  # fmt: skip
+                    sim.send(generate(rid, prompt, n, session=session))  # type: ignore[arg-type]  # fmt: skip
                 else:
-                    sim.send(Prewarm(request_id=rid, incarnation=1, model="m",
-                                     prompt_tokens=prompt, session=session))  # type: ignore[arg-type]  # fmt: skip
+                    sim.send(prewarm(rid, prompt, session=session))  # type: ignore[arg-type]  # fmt: skip
                 sent.append((rid, session))  # type: ignore[arg-type]
             case "lose", index:
                 try:

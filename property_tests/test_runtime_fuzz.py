@@ -323,17 +323,17 @@ class RuntimeFuzzMachine(RuntimeMachine):
                 continue
             if isinstance(self.sim.terminal(*key), Finished):
                 continue
-            assert request.prompt_tokens is not None
+            asked = request.request
+            assert asked.prompt_tokens is not None
             # Sent again without its deadline: liveness asks that it finish, not that it be fast.
-            again = msgspec.structs.replace(
-                request, incarnation=self._next(), timeout_s=None, stall_timeout_s=None
-            )
+            undated = msgspec.structs.replace(asked, timeout_s=None, stall_timeout_s=None)
+            again = msgspec.structs.replace(request, incarnation=self._next(), request=undated)
             self.sent[(again.request_id, again.incarnation)] = again
             self.sim.send(again)
             self.sim.run_until_quiescent(max_seconds=LIVENESS_S)
             ended = self.sim.terminal(again.request_id, again.incarnation)
             assert isinstance(ended, Finished), (key, ended)
-            cold = greedy_continuation(request.prompt_tokens, request.max_tokens, self.eos_every)
+            cold = greedy_continuation(asked.prompt_tokens, asked.max_tokens, self.eos_every)
             assert self.sim.emitted_tokens(again.request_id, again.incarnation) == cold
         # A model loaded again above runs its deferred probe's pieces once idle.
         self.sim.run_until_quiescent(max_seconds=LIVENESS_S)

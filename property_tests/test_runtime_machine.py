@@ -21,7 +21,7 @@ from actors.engine.core import EngineCore
 from actors.engine.lifecycle import LEGAL_MOVES
 from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
 from runtime.backends.simulated import SimulatedBatch, SimulatedState, greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import Address, Context
 from runtime.messages import (
     Cancel,
@@ -45,6 +45,7 @@ from runtime.messages import (
 )
 from runtime.testing.faults import without_faults
 from runtime.testing.harness import engines, kv_keeper, prefix_cache, router, sim_spec
+from runtime.testing.requests import generate, prewarm
 from runtime.testing.simulator import Simulator
 
 BYTES_PER_TOKEN = 100
@@ -151,12 +152,11 @@ class RuntimeMachine(RuleBasedStateMachine):
         max_tokens: int,
         session: tuple[str | None, bool] = (None, False),
     ) -> None:
-        request = Generate(
-            request_id=request_id,
+        request = generate(
+            request_id,
+            prompt,
+            max_tokens,
             incarnation=self._next(),
-            model="m",
-            prompt_tokens=prompt,
-            max_tokens=max_tokens,
             session=session[0],
             anonymous=session[1],
         )
@@ -179,12 +179,11 @@ class RuntimeMachine(RuleBasedStateMachine):
         timeout_s: float,
         stall_timeout_s: float | None,
     ) -> None:
-        request = Generate(
-            request_id=request_id,
+        request = generate(
+            request_id,
+            prompt,
+            max_tokens,
             incarnation=self._next(),
-            model="m",
-            prompt_tokens=prompt,
-            max_tokens=max_tokens,
             timeout_s=timeout_s,
             stall_timeout_s=stall_timeout_s,
         )
@@ -204,13 +203,8 @@ class RuntimeMachine(RuleBasedStateMachine):
     def prewarm(
         self, request_id: str, prompt: tuple[int, ...], session: tuple[str | None, bool]
     ) -> None:
-        request = Prewarm(
-            request_id=request_id,
-            incarnation=self._next(),
-            model="m",
-            prompt_tokens=prompt,
-            session=session[0],
-            anonymous=session[1],
+        request = prewarm(
+            request_id, prompt, incarnation=self._next(), session=session[0], anonymous=session[1]
         )
         self.sent[(request_id, request.incarnation)] = request
         self.sim.send(request)
@@ -388,10 +382,11 @@ class RuntimeMachine(RuleBasedStateMachine):
             terminal = self.sim.terminal(*key)
             if not isinstance(request, Generate) or terminal is None:
                 continue
-            assert request.prompt_tokens is not None
+            asked = request.request
+            assert asked.prompt_tokens is not None
             emitted = self.sim.emitted_tokens(*key)
             expected = greedy_continuation(
-                request.prompt_tokens, request.max_tokens, eos_every=self.eos_every
+                asked.prompt_tokens, asked.max_tokens, eos_every=self.eos_every
             )
             assert emitted == expected[: len(emitted)], (key, emitted, expected)
             if isinstance(terminal, Finished) and terminal.reason is FinishReason.LENGTH:

@@ -34,6 +34,7 @@ from hypothesis import strategies as st
 from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
 from actors.engine.supersede import Adopt, Join, Supersede, plan_supersede
 from runtime.messages import Admit, Generate, Prewarm, RequestKind, TokenIds
+from runtime.testing import requests
 
 # Session → its namespace: "m/default" and "editor" share one, so prewarms may join across them.
 NAMESPACES = {"m/default": "default", "editor": "default", "m/other": "other"}
@@ -60,10 +61,10 @@ def build(sequence_id: int, drawn: Drawn) -> Sequence:
     namespace, anonymous = NAMESPACES[drawn.session], drawn.anonymous
     request: Generate | Prewarm
     if drawn.kind is RequestKind.GENERATE:
-        request = Generate(
-            request_id=f"r{sequence_id}",
+        request = requests.generate(
+            f"r{sequence_id}",
+            max_tokens=None,
             incarnation=sequence_id,
-            model="m",
             prompt="text",
             namespace=namespace,
             anonymous=anonymous,
@@ -71,10 +72,9 @@ def build(sequence_id: int, drawn: Drawn) -> Sequence:
             reuse_prefix=drawn.reuse_prefix,
         )
     else:
-        request = Prewarm(
-            request_id=f"r{sequence_id}",
+        request = requests.prewarm(
+            f"r{sequence_id}",
             incarnation=sequence_id,
-            model="m",
             prompt="text",
             namespace=namespace,
             anonymous=anonymous,

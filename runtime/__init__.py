@@ -1,7 +1,7 @@
 """mlx-actor-runtime: an actor-model LLM inference runtime on MLX.
 
 What a host uses is importable from here: ``from runtime import Runtime, RuntimeConfig, ModelSpec``
-(docs/api.md, "Imports"). The names load on first use (PEP 562): ``runtime.api`` imports the
+(docs/api.md, "Imports"). The names load on first use (PEP 562): ``runtime.host.api`` imports the
 actors, which import ``runtime`` modules, so an eager import here would make ``import actors.x``
 circular, and a host that imports one message module should not pay for the whole runtime.
 Nothing here imports MLX; a model load does, and only for the MLX backend. Importing the package
@@ -18,10 +18,8 @@ from runtime.blas import use_fast_blas
 use_fast_blas()
 
 if TYPE_CHECKING:
-    from runtime.api import Runtime, RuntimeStats
     from runtime.backends.model_source import PreparedModel, default_model_spec, prepare_model
     from runtime.cluster.options import ClusterConfig
-    from runtime.config import RuntimeConfig
     from runtime.errors import (
         ActorStopped,
         BackendError,
@@ -51,6 +49,9 @@ if TYPE_CHECKING:
         UnsupportedModelFormat,
         error_for_code,
     )
+    from runtime.host.api import Runtime, RuntimeStats
+    from runtime.host.config import RuntimeConfig
+    from runtime.host.streams import Completion, GenerationStream
     from runtime.kernel.supervision import RestartPolicy
     from runtime.messages import (
         IMAGE_PLACEHOLDER,
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
         ModelUnloaded,
         PrefixesReset,
         Rejected,
+        Request,
         ReusePath,
         Sampling,
         SessionEnded,
@@ -79,7 +81,6 @@ if TYPE_CHECKING:
         Usage,
     )
     from runtime.progress import Progress, tqdm_progress
-    from runtime.streams import Completion, GenerationStream
     from runtime.text.coalesce import CoalescePolicy
 
 __all__ = [
@@ -101,6 +102,7 @@ __all__ = [
     "Progress",
     "tqdm_progress",
     # what to ask
+    "Request",
     "Sampling",
     "ChatMessage",
     "ChatOptions",
@@ -156,9 +158,9 @@ __all__ = [
 
 # Where each exported name lives; tests/test_imports.py checks this matches ``__all__``.
 _HOMES: dict[str, tuple[str, ...]] = {
-    "runtime.api": ("Runtime", "RuntimeStats"),
-    "runtime.streams": ("GenerationStream", "Completion"),
-    "runtime.config": ("RuntimeConfig",),
+    "runtime.host.api": ("Runtime", "RuntimeStats"),
+    "runtime.host.streams": ("GenerationStream", "Completion"),
+    "runtime.host.config": ("RuntimeConfig",),
     "runtime.cluster.options": ("ClusterConfig",),
     "runtime.kernel.supervision": ("RestartPolicy",),
     "runtime.text.coalesce": ("CoalescePolicy",),
@@ -167,6 +169,7 @@ _HOMES: dict[str, tuple[str, ...]] = {
     "runtime.messages": (
         "Stats",
         "ModelSpec",
+        "Request",
         "Sampling",
         "ChatMessage",
         "ChatOptions",

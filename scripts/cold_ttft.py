@@ -19,8 +19,8 @@ from typing import Any
 
 from bench.prompts import make_text
 from bench.server import complete, running_server
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec, TokensEmitted
 
 

@@ -41,11 +41,11 @@ import mlx.core as mx
 import numpy as np
 
 from bench.prompts import make_text
-from runtime.api import Runtime
 from runtime.backends.llamacpp.backend import LlamaCppBackend
 from runtime.backends.llamacpp.passes import Row
 from runtime.backends.options import LlamaCppOptions
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec, TokensEmitted
 
 GGUF = Path.home() / ".cache/mlx-actor-runtime/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -19,11 +19,11 @@ import time
 import anyio
 
 from bench.prompts import make_text
-from runtime.api import Runtime
 from runtime.backends.llamacpp.tokenizer import load_tokenizer, tokenizer_dir
 from runtime.backends.model_source import converted_models_dir
 from runtime.backends.model_store import fetch_model
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec, TokensEmitted
 
 DECODE_TOKENS = 128

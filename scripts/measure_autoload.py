@@ -17,9 +17,9 @@ import time
 import anyio
 import msgspec
 
-from runtime.api import Runtime
 from runtime.backends.model_source import default_model_spec, prepare_model, prepared_spec
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import TokensEmitted
 from runtime.testing.harness import wait_until
 from runtime.text.coalesce import CoalescePolicy

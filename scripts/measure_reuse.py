@@ -20,8 +20,8 @@ from pathlib import Path
 import anyio
 from mlx_lm.utils import load_tokenizer
 
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ChatMessage, ChatOptions, ModelSpec
 from runtime.testing.harness import common_prefix_length
 from runtime.testing.tiny_models import tiny_model_path

@@ -15,9 +15,9 @@ import time
 
 import anyio
 
-from runtime.testing.http_soak import HttpSoakConfig, run_http_soak
-from runtime.testing.soak import run_soak
-from runtime.testing.soak_plan import SoakConfig
+from bench.soak.driver import run_soak
+from bench.soak.http_soak import HttpSoakConfig, run_http_soak
+from bench.soak.plan import SoakConfig
 
 
 def main() -> int:

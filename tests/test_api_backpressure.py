@@ -5,11 +5,11 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
+from runtime.host.streams import HOST
 from runtime.kernel.core import ROUTER
 from runtime.messages import Cancel, Finished, ModelSpec
-from runtime.streams import HOST
 
 pytestmark = pytest.mark.anyio
 

@@ -29,11 +29,11 @@ import msgspec
 import pytest
 
 from actors.engine.checkpoints import CheckpointPolicy
-from runtime.api import Runtime
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY
-from runtime.config import RuntimeConfig
 from runtime.errors import UnsupportedCache
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Cancelled,
     ModelLoaded,

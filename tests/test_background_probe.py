@@ -11,15 +11,14 @@ from pathlib import Path
 import anyio
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.contract import Capability
 from runtime.backends.mlx.capabilities import PENDING
 from runtime.backends.mlx.verdicts import probe_dir
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Finished,
-    Generate,
     ListModels,
     ModelLoaded,
     ModelsListed,
@@ -38,6 +37,7 @@ from runtime.testing.harness import (
     sim_spec,
     wait_until,
 )
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 
@@ -56,11 +56,6 @@ def spec(**options: ModelOption) -> ModelSpec:
     return sim_spec("m", chunk=16, **(given | options))
 
 
-def generate(request_id: str, tokens: tuple[int, ...], n: int = 6) -> Generate:
-    return Generate(request_id=request_id, incarnation=1, model="m", prompt_tokens=tokens,
-                    max_tokens=n)  # fmt: skip
-
-
 def loaded(sim: Simulator, model_spec: ModelSpec) -> ModelLoaded:
     reply = sim.load(model_spec)
     assert isinstance(reply, ModelLoaded), reply
@@ -77,7 +72,7 @@ def status_limits(sim: Simulator) -> dict[str, str]:
 def serve_together(sim: Simulator, *request_ids: str) -> None:
     """Send one generate per id at once; each ends with the cold greedy tokens."""
     for request_id, prompt in zip(request_ids, PROMPTS, strict=False):
-        sim.send(generate(request_id, prompt))
+        sim.send(generate(request_id, prompt, 6))
     sim.run_until_quiescent()
     for request_id, prompt in zip(request_ids, PROMPTS, strict=False):
         assert isinstance(sim.terminal(request_id, 1), Finished), sim.terminal(request_id, 1)
@@ -106,7 +101,7 @@ def test_a_pending_model_is_ready_limited_serves_alone_then_batches_after_its_pr
 def test_each_probe_piece_waits_for_the_requests_that_are_ready() -> None:
     sim = Simulator(config=RuntimeConfig(kv_budget_bytes=1 << 30))
     loaded(sim, spec(probe_step_s=1.0))  # a piece costs as much as ~1,000 tokens' work
-    sim.send(generate("a", PROMPTS[0], n=50))
+    sim.send(generate("a", PROMPTS[0], max_tokens=50))
     sim.run_until(lambda: sim.terminal("a", 1) is not None)
     # At most the piece already running when "a" arrived went ahead of it: the others waited.
     assert engine(sim).counters.snapshot().get("probe_pieces", 0) <= 1

@@ -16,19 +16,18 @@ from typing import Any
 import anyio
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
 from runtime.errors import (
     DuplicateRequestId,
     MlxRuntimeError,
     ModelNotLoaded,
 )
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Cancelled,
     Failed,
     Finished,
-    Generate,
     ModelSpec,
     Rejected,
     Sampling,
@@ -42,6 +41,7 @@ from runtime.testing.harness import (
     sim_spec,
     wait_until,
 )
+from runtime.testing.requests import generate
 
 pytestmark = pytest.mark.anyio
 
@@ -258,10 +258,10 @@ def test_the_refusal_during_an_unload_says_so() -> None:
     """On the simulator the order is exact: the request reaches the router right after the
     unload began, while the in-flight request still drains."""
     sim = make_sim(sim_model(decode_s_per_token=0.01))
-    sim.send(Generate(request_id="a", incarnation=1, model="m", prompt="long", max_tokens=40))
+    sim.send(generate("a", max_tokens=40, prompt="long"))
     sim.advance(0.05)
     sim.send(UnloadModel(model="m"))
-    sim.send(Generate(request_id="b", incarnation=2, model="m", prompt="x", max_tokens=2))
+    sim.send(generate("b", max_tokens=2, incarnation=2, prompt="x"))
     sim.run_until_quiescent()
     refused = sim.terminal("b", 2)
     assert isinstance(refused, Rejected) and refused.code == "model_not_loaded"

@@ -16,12 +16,13 @@ import msgspec
 import numpy as np
 import pytest
 
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
 from runtime.errors import InvalidModelSpec, MalformedMessage, MlxRuntimeError, ModelLoadFailed
-from runtime.messages import Generate, ModelSpec, Sampling, decode, encode
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
+from runtime.messages import ModelSpec, Sampling, decode, encode
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.harness import sim_spec
+from runtime.testing.requests import generate
 from runtime.testing.tiny_models import tiny_model_path
 
 pytestmark = pytest.mark.anyio
@@ -165,7 +166,7 @@ async def test_model_options_that_do_not_decode_are_refused_before_loading(
 
 # --------------------------------------------------------------------------- msgpack wire form
 
-GENERATE = Generate(request_id="r", incarnation=1, model="m", prompt="hi", sampling=Sampling())
+GENERATE = generate("r", max_tokens=None, prompt="hi", sampling=Sampling())
 GARBAGE = {
     "empty": b"",
     "not msgpack": b"\xc1",  # a byte msgpack never uses

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.harness import ModelOption, sim_spec, wait_until

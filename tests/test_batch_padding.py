@@ -14,7 +14,6 @@ from runtime.messages import (
     Cancel,
     Failed,
     Finished,
-    Generate,
     Holder,
     HolderKind,
     ModelUnloaded,
@@ -32,6 +31,7 @@ from runtime.testing.harness import (
     prefix_cache,
     sim_spec,
 )
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 BPT = 1000  # bytes per token of full-attention KV (alloc_step 1: reservations are exact)
@@ -47,12 +47,6 @@ def checked_sim(budget: int = DEFAULT_BUDGET, **options: ModelOption) -> Simulat
     sim = make_sim(model, budget=budget)
     sim.check_every_step(lambda: assert_padding_is_paid_for(sim))
     return sim
-
-
-def generate(request_id: str, tokens: tuple[int, ...], n: int) -> Generate:
-    return Generate(
-        request_id=request_id, incarnation=1, model="m", prompt_tokens=tokens, max_tokens=n
-    )
 
 
 def counters(sim: Simulator) -> Counter[str]:

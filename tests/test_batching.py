@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from runtime.backends.simulated import greedy_continuation
-from runtime.messages import Cancel, Cancelled, Finished, FinishReason, Generate, ModelSpec
+from runtime.messages import Cancel, Cancelled, Finished, FinishReason, ModelSpec
 from runtime.testing.harness import (
     ModelOption,
     engine,
@@ -14,6 +14,7 @@ from runtime.testing.harness import (
     prefix_cache,
     sim_spec,
 )
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 PER_TOKEN = 0.001
@@ -24,16 +25,6 @@ def spec(**options: ModelOption) -> ModelSpec:
     return sim_spec(chunk=8, prefill_s_per_token=PER_TOKEN, decode_s_per_token=PER_TOKEN, **options)
 
 
-def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int) -> Generate:
-    return Generate(
-        request_id=request_id,
-        incarnation=incarnation,
-        model="m",
-        prompt_tokens=tokens,
-        max_tokens=n,
-    )
-
-
 def counters(sim: Simulator) -> dict[str, int]:
     return engine(sim).counters.snapshot()
 
@@ -42,11 +33,11 @@ def counters(sim: Simulator) -> dict[str, int]:
 def test_a_running_stream_moves_into_the_batch_and_outputs_stay_exact(seed: int) -> None:
     sim = make_sim(spec(), seed=seed)
     first, second = tuple(range(10, 20)), tuple(range(30, 60))
-    sim.send(generate("a", 1, first, 40))
+    sim.send(generate("a", first, 40))
     sim.advance(0.02)  # "a" decodes alone on the fast path
     alone = counters(sim)
     assert alone.get("decoded_tokens", 0) > 0 and alone.get("batch_steps", 0) == 0
-    sim.send(generate("b", 2, second, 12))
+    sim.send(generate("b", second, 12, incarnation=2))
     sim.run_until_quiescent()
     assert sim.emitted_tokens("a", 1) == greedy_continuation(first, 40)
     assert sim.emitted_tokens("b", 2) == greedy_continuation(second, 12)
@@ -62,7 +53,7 @@ def test_an_abort_removes_one_row_without_disturbing_the_others() -> None:
     sim = make_sim(spec())
     prompts = [tuple(range(i * 10, i * 10 + 6)) for i in range(1, 5)]
     for index, prompt in enumerate(prompts):
-        sim.send(generate(f"r{index}", index + 1, prompt, 30))
+        sim.send(generate(f"r{index}", prompt, 30, incarnation=index + 1))
     sim.advance(0.05)
     assert engine(sim).statistics().gauges["batch_size"] >= 3
     sim.send(Cancel(request_id="r1", incarnation=2))
@@ -80,12 +71,12 @@ def test_an_abort_removes_one_row_without_disturbing_the_others() -> None:
 
 def test_a_long_prefill_interleaves_with_the_batch_steps() -> None:
     sim = make_sim(spec())
-    sim.send(generate("a", 1, (1, 2, 3), 60))
-    sim.send(generate("b", 2, (4, 5, 6), 60))
+    sim.send(generate("a", (1, 2, 3), 60))
+    sim.send(generate("b", (4, 5, 6), 60, incarnation=2))
     sim.advance(0.02)
     before = counters(sim)
     long_prompt = tuple(t % 256 for t in range(7, 400))  # ids of the simulated vocabulary
-    sim.send(generate("c", 3, long_prompt, 2))  # 393 tokens: 50 chunks of 8
+    sim.send(generate("c", long_prompt, 2, incarnation=3))  # 393 tokens: 50 chunks of 8
     sim.advance(0.2)
     during = counters(sim)
     # Chunks and batch steps take turns: the running streams get a token after every chunk.
@@ -100,7 +91,7 @@ def test_the_admission_gate_runs_at_most_max_concurrent_and_the_rest_wait_in_ord
     sim = make_sim(spec(max_concurrent=2))
     prompts = [tuple(range(i * 10, i * 10 + 5)) for i in range(1, 6)]
     for index, prompt in enumerate(prompts):
-        sim.send(generate(f"r{index}", index + 1, prompt, 6))
+        sim.send(generate(f"r{index}", prompt, 6, incarnation=index + 1))
     sim.advance(0.005)
     core = engine(sim)
     assert core.statistics().gauges["sequences"] == 5
@@ -126,7 +117,7 @@ def test_a_burst_of_newcomers_joins_the_batch_in_one_step_on_one_padding_ask(see
     sim = make_sim(spec(), seed=seed)
     prompts = {f"r{i}": tuple(range(10 * i, 10 * i + 3 + i)) for i in range(1, 6)}
     for rid, prompt in prompts.items():
-        sim.send(generate(rid, 1, prompt, 10))
+        sim.send(generate(rid, prompt, 10))
     sim.run_until_quiescent()
     for rid, prompt in prompts.items():
         assert sim.emitted_tokens(rid, 1) == greedy_continuation(prompt, 10)
@@ -144,7 +135,7 @@ def test_newcomers_whose_join_raises_decode_alone_and_never_spin(padded: bool) -
     sim = make_sim(spec(fail_join=True))
     prompts = {f"r{i}": tuple(range(10 * i, 10 * i + (3 + i if padded else 4))) for i in (1, 2, 3)}
     for rid, prompt in prompts.items():
-        sim.send(generate(rid, 1, prompt, 12))
+        sim.send(generate(rid, prompt, 12))
     for _ in range(10_000):  # each event is bounded work: a livelock never gets quiescent
         if sim.quiescent:
             break

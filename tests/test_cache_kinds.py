@@ -21,7 +21,6 @@ import mlx.core as mx
 import pytest
 from mlx_lm.models import cache as mlx_cache
 
-from runtime.api import Runtime
 from runtime.backends.contract import (
     CannotTrim,
     Capability,
@@ -31,8 +30,9 @@ from runtime.backends.contract import (
 from runtime.backends.mlx.backend import MlxBackend, MlxState
 from runtime.backends.mlx.batch import DecodeBatch
 from runtime.backends.mlx.cache_kinds import KINDS, kind_of
-from runtime.config import RuntimeConfig
 from runtime.errors import UnsupportedCache
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Finished, ModelSpec
 from runtime.testing.arch_models import arch_model_path
 from runtime.testing.harness import engine_stats

@@ -10,24 +10,12 @@ from collections.abc import Iterator
 import pytest
 from anyio.from_thread import start_blocking_portal
 
-from runtime.api import Runtime
 from runtime.backends.model_store import DEFAULT_MODEL
-from runtime.chat_cli import (
-    HELP,
-    ChatSettings,
-    ChatTerminal,
-    Conversation,
-    Exit,
-    Help,
-    Reply,
-    Reset,
-    Say,
-    SetSystem,
-    Unknown,
-    parse_line,
-    run_chat,
-)
-from runtime.cli import main, model_specs
+from runtime.cli import main
+from runtime.cli.chat_commands import HELP, Exit, Help, Reset, Say, SetSystem, Unknown, parse_line
+from runtime.cli.chat_session import ChatSettings, ChatTerminal, Conversation, Reply, run_chat
+from runtime.cli.model_args import model_specs
+from runtime.host.api import Runtime
 from runtime.messages import ChatMessage, ModelSpec
 
 SIM = ModelSpec(name="sim", backend="simulated")
@@ -202,7 +190,7 @@ def test_a_cancelled_reply_keeps_what_was_shown_or_drops_the_turn(
     async def interrupted_reply(*_: object) -> Reply:
         return Reply(shown, None, None)  # what stream_reply returns after Ctrl-C
 
-    monkeypatch.setattr("runtime.chat_cli.stream_reply", interrupted_reply)
+    monkeypatch.setattr("runtime.cli.chat_session.stream_reply", interrupted_reply)
     out = io.StringIO()
     _, read_line = scripted("hello")
     with start_blocking_portal() as portal, portal.wrap_async_context_manager(Runtime()) as rt:

@@ -7,10 +7,11 @@ import anyio
 import pytest
 
 from actors.engine.chunking import MAX_PASSES, MIN_CHUNK_TOKENS, MIN_PASSES, ChunkSizer
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
-from runtime.messages import Cancel, Cancelled, Finished, Generate, Started
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
+from runtime.messages import Cancel, Cancelled, Finished, Started
 from runtime.testing.harness import engine_stats, make_sim, sim_spec
+from runtime.testing.requests import generate
 
 # ---------------------------------------------------------------------- the sizer
 
@@ -78,24 +79,14 @@ def test_a_chunk_takes_at_least_a_few_passes_time_and_stays_within_its_bounds() 
 PER_TOKEN = 0.001
 
 
-def _generate(request_id: str, incarnation: int, tokens: tuple[int, ...]) -> Generate:
-    return Generate(
-        request_id=request_id,
-        incarnation=incarnation,
-        model="m",
-        prompt_tokens=tokens,
-        max_tokens=1,
-    )
-
-
 def _cancel_latency(budget_ms: float) -> float:
     """Virtual seconds from a cancel inside a long prefill to its ``Cancelled``."""
     spec = sim_spec(chunk=256, prefill_s_per_token=PER_TOKEN, prefill_chunk_ms=budget_ms)
     sim = make_sim(spec)
     # Its chunks teach the engine the rate (ids wrap into the simulated vocabulary of 257).
-    sim.send(_generate("warm", 1, tuple(t % 256 for t in range(300))))
+    sim.send(generate("warm", tuple(t % 256 for t in range(300)), 1))
     sim.run_until_quiescent()
-    sim.send(_generate("long", 2, tuple(t % 256 for t in range(1, 1001))))
+    sim.send(generate("long", tuple(t % 256 for t in range(1, 1001)), 1, incarnation=2))
     sim.advance(0.3)  # into the prefill, 0.044 s into a 256-token chunk of the fixed plan
     cancelled_at = sim.clock.now
     sim.send(Cancel(request_id="long", incarnation=2))

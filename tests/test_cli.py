@@ -13,7 +13,8 @@ import sys
 import pytest
 
 from runtime.backends.model_store import DEFAULT_MODEL
-from runtime.cli import main, model_specs
+from runtime.cli import main
+from runtime.cli.model_args import model_specs
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -211,12 +212,12 @@ def test_generate_into_a_closed_pipe_ends_quietly() -> None:
 def test_serve_checks_its_port_before_loading_any_model(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import runtime.serve_cli
+    import runtime.cli.serve
 
     def no_load(*_: object, **__: object) -> None:
         raise AssertionError("a model was prepared although the port is taken")
 
-    monkeypatch.setattr(runtime.serve_cli, "prepare_specs", no_load)
+    monkeypatch.setattr(runtime.cli.serve, "prepare_specs", no_load)
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
@@ -230,12 +231,12 @@ def test_serve_checks_its_port_before_loading_any_model(
 def test_serve_checks_its_ray_address_before_loading_any_model(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import runtime.serve_cli
+    import runtime.cli.serve
 
     def no_load(*_: object, **__: object) -> None:
         raise AssertionError("a model was prepared although no Ray head answers")
 
-    monkeypatch.setattr(runtime.serve_cli, "prepare_specs", no_load)
+    monkeypatch.setattr(runtime.cli.serve, "prepare_specs", no_load)
     with socket.socket() as closed:  # a port nothing listens on
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]
@@ -274,3 +275,25 @@ def test_serve_keeps_named_models_loaded_unless_told(monkeypatch: pytest.MonkeyP
     assert default.models[0].options["context_length"] == 512
     assert default.default_temperature == 0.3
     assert told.models[0].keep_alive_s == 30.0 and told.keep_alive_s == 30.0
+
+
+def test_node_kv_budgets_come_from_the_serve_command_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from runtime.cli.mlxrt import build_parser
+    from runtime.cli.serve_flags import cluster_config
+
+    parser = build_parser()
+    flags = ["serve", "--ray", "--node-kv-budget-mib", "256"]
+    args = parser.parse_args([*flags, "--node-kv-budget-mib", "10.0.0.2=512"])
+    config = cluster_config(args, parser)
+    assert config is not None and config.address is None  # --ray alone: a local Ray
+    assert config.kv_budget_bytes_per_node == 256 << 20
+    assert config.node_kv_budget_bytes == {"10.0.0.2": 512 << 20}
+    assert cluster_config(parser.parse_args(["serve"]), parser) is None
+    for bad in (["--node-kv-budget-mib", "256"], [*flags[1:], "--node-kv-budget-mib", "=5"],
+                [*flags[1:], "--node-kv-budget-mib", "node=lots"]):  # fmt: skip
+        with pytest.raises(SystemExit) as usage:
+            cluster_config(parser.parse_args(["serve", *bad]), parser)
+        assert usage.value.code == 2
+        assert "--node-kv-budget-mib" in capsys.readouterr().err

@@ -17,11 +17,11 @@ import anyio
 import msgspec
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.loader import make_backend_loader
 from runtime.cluster.options import ClusterConfig
-from runtime.config import RuntimeConfig
 from runtime.errors import ClusterResourcesMissing, ClusterUnavailable
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Failed, Finished, ModelSpec, TokensEmitted
 from runtime.testing.faults import Fault, FaultKind, FaultPlan, FaultPoint
 from runtime.testing.harness import wait_until

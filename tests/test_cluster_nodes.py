@@ -12,9 +12,9 @@ from collections.abc import Iterator
 import anyio
 import pytest
 
-from runtime.api import Runtime
 from runtime.cluster.options import ClusterConfig
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Failed, Finished, ModelSpec, TokensEmitted
 from runtime.testing.tiny_models import tiny_model_path
 

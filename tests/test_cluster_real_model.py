@@ -9,10 +9,10 @@ from collections.abc import Callable, Iterator
 import anyio
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.model_source import prepare_model
 from runtime.cluster.options import ClusterConfig
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Finished, ModelSpec
 from runtime.testing.harness import engine_stats
 

@@ -8,7 +8,7 @@ import pytest
 
 from actors.router import RouterCore
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import ROUTER, engine_address
 from runtime.messages import (
     Abort,
@@ -17,12 +17,10 @@ from runtime.messages import (
     EngineReady,
     Failed,
     Finished,
-    Generate,
     LoadModel,
     Message,
     ModelLoaded,
     ModelSpec,
-    Prewarm,
     RequestDeadline,
     ReusePath,
     SequenceCancelled,
@@ -41,6 +39,7 @@ from runtime.testing.harness import (
     sim_spec,
 )
 from runtime.testing.recording import RecordingContext, idle_engine
+from runtime.testing.requests import generate, prewarm
 from runtime.testing.simulator import Simulator
 
 PER_TOKEN = 0.001
@@ -65,25 +64,6 @@ def simulator(
     sim = Simulator(config=config)
     assert isinstance(sim.load(model), ModelLoaded)
     return sim
-
-
-def generate(
-    request_id: str,
-    tokens: tuple[int, ...],
-    n: int = 4,
-    *,
-    timeout_s: float | None = None,
-    stall_timeout_s: float | None = None,
-) -> Generate:
-    return Generate(
-        request_id=request_id,
-        incarnation=1,
-        model="m",
-        prompt_tokens=tokens,
-        max_tokens=n,
-        timeout_s=timeout_s,
-        stall_timeout_s=stall_timeout_s,
-    )
 
 
 def run_to_end(sim: Simulator, request_id: str) -> Message:
@@ -142,7 +122,7 @@ def test_a_deadline_mid_prefill_fails_on_time_and_keeps_what_was_prefilled() -> 
 def test_a_deadline_while_decoding_reports_exactly_the_tokens_shown() -> None:
     sim = simulator(spec())
     prompt = (5, 6, 7, 8)
-    sim.send(generate("a", prompt, n=100, timeout_s=0.0205))
+    sim.send(generate("a", prompt, max_tokens=100, timeout_s=0.0205))
     failed = assert_failed(run_to_end(sim, "a"), "request_timeout")
     shown = sim.emitted_tokens("a", 1)
     assert 0 < len(shown) < 100
@@ -155,8 +135,8 @@ def test_a_deadline_while_decoding_reports_exactly_the_tokens_shown() -> None:
 
 def test_a_deadline_at_the_admission_gate_ends_the_waiting_request_only() -> None:
     sim = simulator(spec(max_concurrent=1))
-    sim.send(generate("first", (1, 2, 3), n=50))  # holds the one slot for about 0.05 s
-    sim.send(generate("gated", (4, 5, 6), n=5, timeout_s=0.01))
+    sim.send(generate("first", (1, 2, 3), max_tokens=50))  # holds the one slot for about 0.05 s
+    sim.send(generate("gated", (4, 5, 6), max_tokens=5, timeout_s=0.01))
     failed = assert_failed(run_to_end(sim, "gated"), "request_timeout")
     assert sim.clock.now == pytest.approx(0.01)
     assert failed.usage == Usage()  # never started: nothing was counted or shown
@@ -169,9 +149,9 @@ def test_a_deadline_at_the_admission_gate_ends_the_waiting_request_only() -> Non
 def test_a_deadline_while_queued_for_kv_beats_the_reservation_timeout() -> None:
     model = spec(bytes_per_token=100, decode_s_per_token=0.01)
     sim = simulator(model, budget=10_000)  # reservation_timeout_s: the default 30 s
-    sim.send(generate("hog", tuple(range(10)), n=60))  # 7,000 of 10,000 bytes for 0.6 s
+    sim.send(generate("hog", tuple(range(10)), max_tokens=60))  # 7,000 of 10,000 bytes for 0.6 s
     sim.advance(0.005)
-    sim.send(generate("queued", tuple(range(20, 30)), n=30, timeout_s=0.1))  # 4,000: waits
+    sim.send(generate("queued", tuple(range(20, 30)), max_tokens=30, timeout_s=0.1))  # 4,000: waits
     sim.advance(0.01)
     assert kv_keeper(sim).statistics().gauges["queued"] == 1
     assert_failed(run_to_end(sim, "queued"), "request_timeout")
@@ -185,9 +165,7 @@ def test_a_deadline_while_queued_for_kv_beats_the_reservation_timeout() -> None:
 def test_a_prewarm_with_a_deadline_ends_on_time_and_keeps_its_prefill() -> None:
     sim = simulator(spec())
     prompt = tuple(range(100))
-    sim.send(
-        Prewarm(request_id="w", incarnation=1, model="m", prompt_tokens=prompt, timeout_s=0.04)
-    )
+    sim.send(prewarm("w", prompt, timeout_s=0.04))
     assert_failed(run_to_end(sim, "w"), "request_timeout")
     assert_nothing_leaked(sim)
     assert prefix_cache(sim).total_bytes > 0  # the chunks it had done are cached
@@ -195,7 +173,7 @@ def test_a_prewarm_with_a_deadline_ends_on_time_and_keeps_its_prefill() -> None:
 
 def test_a_deadline_after_the_request_ended_is_stale_dropped_and_counted() -> None:
     sim = simulator(spec())
-    sim.send(generate("a", (1, 2, 3), n=3, timeout_s=10.0))
+    sim.send(generate("a", (1, 2, 3), max_tokens=3, timeout_s=10.0))
     assert isinstance(run_to_end(sim, "a"), Finished)
     sim.run_until_quiescent()  # the deadline timer fires at 10 s, after the end
     assert sim.clock.now >= 10.0  # (the engine's watchdog timer may run the clock further)
@@ -211,7 +189,7 @@ def test_a_deadline_after_the_request_ended_is_stale_dropped_and_counted() -> No
 def test_a_stream_with_no_token_for_its_stall_timeout_fails_stalled(where: str) -> None:
     per_request = where == "request"
     sim = simulator(spec(decode_s_per_token=1.0), stall_timeout_s=None if per_request else 0.5)
-    sim.send(generate("a", (1, 2, 3), n=5, stall_timeout_s=0.5 if per_request else None))
+    sim.send(generate("a", (1, 2, 3), max_tokens=5, stall_timeout_s=0.5 if per_request else None))
     sim.run_until(lambda: len(sim.emitted_tokens("a", 1)) == 1)
     first_token_at = sim.clock.now
     failed = assert_failed(run_to_end(sim, "a"), "stream_stalled")
@@ -225,7 +203,7 @@ def test_a_stream_with_no_token_for_its_stall_timeout_fails_stalled(where: str) 
 def test_a_progressing_stream_and_a_long_prefill_are_never_stalled() -> None:
     # Tokens every 0.3 s against a 0.5 s guard; a 2 s prefill before the first token.
     sim = simulator(spec(prefill_s_per_token=0.01, decode_s_per_token=0.3), stall_timeout_s=0.5)
-    sim.send(generate("a", tuple(range(200)), n=6))
+    sim.send(generate("a", tuple(range(200)), max_tokens=6))
     terminal = run_to_end(sim, "a")
     assert isinstance(terminal, Finished) and terminal.usage.completion_tokens == 6
     assert sim.clock.now > 2.0
@@ -235,7 +213,7 @@ def test_a_progressing_stream_and_a_long_prefill_are_never_stalled() -> None:
 
 def test_a_request_stream_guard_overrides_the_runtimes() -> None:
     sim = simulator(spec(decode_s_per_token=1.0), stall_timeout_s=0.5)
-    sim.send(generate("a", (1, 2, 3), n=3, stall_timeout_s=5.0))
+    sim.send(generate("a", (1, 2, 3), max_tokens=3, stall_timeout_s=5.0))
     assert isinstance(run_to_end(sim, "a"), Finished)
 
 
@@ -258,7 +236,7 @@ def ready_router(ctx: RecordingContext, stall_timeout_s: float | None = None) ->
 
 
 def submit(core: RouterCore, ctx: RecordingContext, **fields: object) -> int:
-    request = Generate(request_id="r", incarnation=1, model="m", prompt="hi", **fields)  # type: ignore[arg-type]
+    request = generate("r", max_tokens=None, prompt="hi", **fields)  # type: ignore[arg-type]
     core.handle(request, "host", ctx)
     [(_, admit)] = ctx.take_sent()
     assert isinstance(admit, Admit)

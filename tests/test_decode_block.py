@@ -19,8 +19,9 @@ from actors.engine.decode import run_decode
 from actors.engine.jobs import StepJob
 from actors.engine.sequence import Decoding, Phase, Sequence
 from runtime.backends.simulated import SimulatedBackend, greedy_continuation
-from runtime.messages import Admit, Failed, Finished, Generate, Sampling, TokensEmitted
+from runtime.messages import Admit, Failed, Finished, Sampling, TokensEmitted
 from runtime.testing.harness import ModelOption, engine, make_sim, sim_spec
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 from runtime.text.detokenizer import IncrementalDetokenizer
 from tests.test_engine_pipelined import PROMPT, SAMPLINGS, entries_match_their_states, events
@@ -45,17 +46,6 @@ def output(s: Simulator, request_id: str) -> tuple[object, ...]:
     )
 
 
-def generate(n: int, **fields: object) -> Generate:
-    return Generate(
-        request_id="a",
-        incarnation=1,
-        model="m",
-        prompt_tokens=PROMPT,
-        max_tokens=n,
-        **fields,  # type: ignore[arg-type]
-    )
-
-
 @pytest.mark.parametrize("sampling", SAMPLINGS.values(), ids=SAMPLINGS.keys())
 @pytest.mark.parametrize(
     ("n", "eos_every", "stop"),
@@ -68,7 +58,7 @@ def test_blocks_give_the_output_of_single_steps(
     outputs = []
     for block, queued in ((1, False), (4, False), (4, True), (3, True)):
         s = sim(eos_every=eos_every, queue_steps=queued, decode_block=block)
-        s.send(generate(n, sampling=sampling, stop=stop))
+        s.send(generate("a", PROMPT, n, sampling=sampling, stop=stop))
         s.run_until_quiescent()
         outputs.append(output(s, "a"))
         entries_match_their_states(s)
@@ -77,7 +67,7 @@ def test_blocks_give_the_output_of_single_steps(
 
 def test_the_first_token_comes_alone_then_the_rest_in_blocks() -> None:
     s = sim(decode_block=4)
-    s.send(generate(20))
+    s.send(generate("a", PROMPT, 20))
     s.run_until(lambda: bool(s.emitted_tokens("a", 1)))
     assert len(s.emitted_tokens("a", 1)) == 1  # not held back for a block
     s.run_until(lambda: len(s.emitted_tokens("a", 1)) > 1)
@@ -92,7 +82,7 @@ def test_a_failure_inside_a_block_comes_after_the_tokens_before_it() -> None:
     # Call 1 prefills the prompt, call 2 feeds the first token (a block's first step), call 3
     # the second token: the block's second step fails.
     s = sim(decode_block=4, fail_prefill_call=3)
-    s.send(generate(10))
+    s.send(generate("a", PROMPT, 10))
     s.run_until_quiescent()
     kinds = [type(e) for e in events(s, "a")]
     assert kinds == [TokensEmitted, TokensEmitted, Failed]
@@ -104,7 +94,7 @@ def test_a_failure_inside_a_block_comes_after_the_tokens_before_it() -> None:
 
 def decoding_sequence(backend: SimulatedBackend, max_tokens: int = 50) -> Sequence:
     """A sequence whose prompt is in and whose first token was read (the next step feeds it)."""
-    request = Generate(request_id="r", incarnation=1, model="m", max_tokens=max_tokens)
+    request = generate("r", None, max_tokens)
     seq = Sequence.admitted(Admit(sequence_id=1, epoch=1, session="s", request=request), "m")
     seq.tokens = PROMPT
     seq.phase = Phase.DECODING
@@ -159,7 +149,7 @@ def test_a_block_stops_at_max_tokens_and_never_with_stop_strings() -> None:
     run_decode(job, seq, backend)
     assert len([job, *job.more]) == 2  # tokens 2 and 3 of 3
     assert seq.decoding is not None and seq.decoding.ended
-    request = Generate(request_id="r", incarnation=1, model="m", max_tokens=50, stop=("zz",))
+    request = generate("r", None, 50, stop=("zz",))
     stopping = decoding_sequence(backend)
     stopping.admit = Admit(sequence_id=1, epoch=1, session="s", request=request)
     job = StepJob(stopping)
@@ -173,15 +163,7 @@ def test_batched_streams_in_blocks_give_the_output_of_single_steps() -> None:
         s = sim(decode_block=block, eos_every=9)
         for i in range(3):
             prompt = (*PROMPT, *bytes([65 + i]))
-            s.send(
-                Generate(
-                    request_id=f"r{i}",
-                    incarnation=1,
-                    model="m",
-                    prompt_tokens=prompt,
-                    max_tokens=12 + 5 * i,
-                )
-            )
+            s.send(generate(f"r{i}", prompt, 12 + 5 * i))
         s.run_until_quiescent()
         outputs.append([output(s, f"r{i}") for i in range(3)])
         entries_match_their_states(s)

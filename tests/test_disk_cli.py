@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from runtime.backends.disk import DiskCacheConfig, DiskStore, HostState, default_cache_dir
 from runtime.cli import main
-from runtime.config import RuntimeConfig
-from runtime.disk_cli import add_disk_flags, disk_config, disk_note
-from runtime.model_commands import _ps_table
+from runtime.cli.cache import add_disk_flags, disk_config, disk_note
+from runtime.cli.models import _ps_table
+from runtime.host.config import RuntimeConfig
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.harness import sim_spec
 

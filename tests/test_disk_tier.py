@@ -17,20 +17,18 @@ from pathlib import Path
 import pytest
 
 from actors.engine.sequence import Phase
-from runtime.api import Runtime
 from runtime.backends.disk import DiskCacheConfig
 from runtime.backends.disk.entry_file import entry_name
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Cancel,
     Cancelled,
-    Generate,
     LoadModel,
     ModelLoaded,
     ModelSpec,
-    Prewarm,
     ReusePath,
     ReuseTier,
     Started,
@@ -46,6 +44,7 @@ from runtime.testing.harness import (
     sim_spec,
     wait_until,
 )
+from runtime.testing.requests import generate, prewarm
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 
 pytestmark = pytest.mark.anyio
@@ -245,8 +244,7 @@ def test_a_request_cancelled_while_its_entry_loads_ends_at_once_and_gives_everyt
     prompt = tuple(t % 250 for t in tokens(40, seed=5))  # the simulated vocabulary: bytes
 
     def send(request_id: str, sent: tuple[int, ...]) -> None:
-        sim.send(Generate(request_id=request_id, incarnation=1, model="m", prompt_tokens=sent,
-                          max_tokens=2))  # fmt: skip
+        sim.send(generate(request_id, sent, 2))  # fmt: skip
 
     send("first", prompt)
     sim.run_until_quiescent()
@@ -282,8 +280,7 @@ def test_a_full_disk_is_counted_and_never_fails_a_request(tmp_path: Path) -> Non
     resource.setrlimit(resource.RLIMIT_FSIZE, (64, hard))
     try:
         for index, prompt in enumerate(prompts):  # each evicts what the one before left
-            sim.send(Generate(request_id=f"r{index}", incarnation=1, model="m",
-                              prompt_tokens=prompt, max_tokens=3))  # fmt: skip
+            sim.send(generate(f"r{index}", prompt, 3))  # fmt: skip
             sim.run_until_quiescent()
     finally:
         resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
@@ -304,8 +301,7 @@ def test_a_prewarm_can_ask_for_its_prefix_to_be_kept_on_disk_at_once(tmp_path: P
     plain = tuple(t % 250 for t in tokens(30, seed=7))
     kept = tuple(t % 250 for t in tokens(30, seed=8))
     for request_id, prompt, keep in (("plain", plain, False), ("kept", kept, True)):
-        sim.send(Prewarm(request_id=request_id, incarnation=1, model="m", prompt_tokens=prompt,
-                         keep_on_disk=keep))  # fmt: skip
+        sim.send(prewarm(request_id, prompt, keep_on_disk=keep))  # fmt: skip
         sim.run_until_quiescent()
     counters = engine(sim).counters.snapshot()
     assert counters["disk_spills"] == 1
@@ -327,8 +323,7 @@ def test_a_request_whose_reservation_evicts_its_own_prefix_is_served_from_the_sp
     first = tuple(t % 250 for t in tokens(30, seed=11))
     second = (*first, 1, 2, 3)
     for request_id, prompt in (("first", first), ("second", second)):
-        sim.send(Generate(request_id=request_id, incarnation=1, model="m", prompt_tokens=prompt,
-                          max_tokens=3))  # fmt: skip
+        sim.send(generate(request_id, prompt, 3))  # fmt: skip
         sim.run_until_quiescent()
     [started] = [e for e in sim.events("second", 1) if isinstance(e, Started)]
     assert (started.tier, started.cached_tokens) == (ReuseTier.DISK, len(first))

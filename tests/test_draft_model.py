@@ -20,11 +20,11 @@ import mlx.core as mx
 import pytest
 
 from actors.engine.draft_model import check_pair
-from runtime.api import Runtime
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.backends.simulated import RealClock, SimulatedBackend
-from runtime.config import RuntimeConfig
 from runtime.errors import DraftModelIncompatible
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Cancelled, Failed, Finished, ModelSpec, Sampling, TokensEmitted
 from runtime.testing.harness import sim_spec
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
@@ -227,7 +227,7 @@ async def test_the_draft_state_is_priced_and_dropped_on_every_ending() -> None:
 def test_draft_model_on_the_command_line_is_the_model_option() -> None:
     import argparse
 
-    from runtime.cli_flags import add_ctx_size, add_draft_model, model_options
+    from runtime.cli.flags import add_ctx_size, add_draft_model, model_options
 
     parser = argparse.ArgumentParser()
     add_ctx_size(parser)

@@ -1,5 +1,5 @@
 """Engine events become host events: each engine event is the host event it means, less the
-request's identity, which the router adds (``runtime.messages.for_request``)."""
+request's identity, which the router adds (each engine event's ``for_request``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ from runtime.messages import (
     Failed,
     Finished,
     FinishReason,
-    Generate,
     LoadModel,
     Message,
     ModelLoaded,
@@ -33,9 +32,9 @@ from runtime.messages import (
     TokensProduced,
     Usage,
     encode,
-    for_request,
 )
 from runtime.testing.recording import RecordingContext, idle_engine
+from runtime.testing.requests import generate
 
 USAGE = Usage(prompt_tokens=12, cached_prompt_tokens=8, completion_tokens=3)
 LOGPROB = TokenLogprob(token=104, logprob=-0.5, top=((104, -0.5), (105, -1.5)))
@@ -97,7 +96,7 @@ def test_an_engine_event_has_its_host_events_fields_less_the_request_identity(
     engine_type, host_type = type(pair[0]), type(pair[1])
     kept_routing = ROUTING & set(host_type.__struct_fields__)
 
-    # Same names, types, defaults and order: for_request copies them by name.
+    # Same names, types, defaults and order: for_request copies each one (PAIRS checks values).
     assert _fields(engine_type, ROUTING - kept_routing) == _fields(host_type, IDENTITY)
 
 
@@ -107,7 +106,7 @@ def test_for_request_builds_the_host_event_byte_for_byte(
 ) -> None:
     event, expected = pair
 
-    host_event = for_request(event, "r", 4)
+    host_event = event.for_request("r", 4)
 
     assert type(host_event) is type(expected)
     assert host_event == expected
@@ -122,7 +121,7 @@ def _router_running_request_r(ctx: RecordingContext) -> tuple[RouterCore, Admit]
     router.handle(LoadModel(spec=ModelSpec(name="m", backend="simulated")), "host:load", ctx)
     ready = EngineReady(epoch=1, reuse_path="trim", bytes_per_token=1, context_length=64)
     router.handle(ready, ENGINE, ctx)
-    router.handle(Generate(request_id="r", incarnation=4, model="m", prompt="hi"), "host", ctx)
+    router.handle(generate("r", max_tokens=None, incarnation=4, prompt="hi"), "host", ctx)
     sent = ctx.take_sent()
     assert [type(m) for _, m in sent] == [ModelLoaded, Admit]
     admit = sent[1][1]

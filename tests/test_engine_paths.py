@@ -26,7 +26,6 @@ from runtime.messages import (
     Failed,
     Finished,
     FinishReason,
-    Generate,
     Holder,
     HolderKind,
     Lookup,
@@ -53,6 +52,7 @@ from runtime.testing.harness import (
     router,
     sim_spec,
 )
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 BPT = 1024  # bytes_per_token of every model here (alloc_step 1)
@@ -79,16 +79,6 @@ def spec(chunk: int = CHUNK, **options: ModelOption) -> ModelSpec:
 def checkpoint_sim(budget: int = DEFAULT_BUDGET) -> Simulator:
     model = spec(trimmable=False, checkpoint_every_tokens=EVERY, fixed_state_bytes=FIXED)
     return make_sim(model, budget=budget)
-
-
-def generate(request_id: str, prompt: tuple[int, ...], n: int, incarnation: int = 1) -> Generate:
-    return Generate(
-        request_id=request_id,
-        incarnation=incarnation,
-        model="m",
-        prompt_tokens=prompt,
-        max_tokens=n,
-    )
 
 
 def emitted(sim: Simulator, request_id: str, incarnation: int = 1) -> list[int]:

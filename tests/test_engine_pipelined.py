@@ -20,7 +20,6 @@ from runtime.messages import (
     Failed,
     Finished,
     FinishReason,
-    Generate,
     Message,
     Sampling,
     Started,
@@ -34,6 +33,7 @@ from runtime.testing.harness import (
     prefix_cache,
     sim_spec,
 )
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 PROMPT = tuple(b"the quick brown fox")
@@ -43,19 +43,6 @@ DECODE_S = 1.0
 def sim(pipelined: bool, **options: ModelOption) -> Simulator:
     """Prefill is free, each decode step takes a second."""
     return make_sim(sim_spec(decode_s_per_token=DECODE_S, pipelined=pipelined, **options))
-
-
-def generate(
-    request_id: str, n: int, prompt: tuple[int, ...] = PROMPT, **fields: object
-) -> Generate:
-    return Generate(
-        request_id=request_id,
-        incarnation=1,
-        model="m",
-        prompt_tokens=prompt,
-        max_tokens=n,
-        **fields,  # type: ignore[arg-type]
-    )
 
 
 def events(s: Simulator, request_id: str) -> list[Message]:
@@ -99,7 +86,7 @@ def test_pipelined_output_equals_step_by_step(
     outputs = []
     for pipelined, queued in ((False, False), (True, True), (False, True)):
         s = sim(pipelined, eos_every=eos_every, queue_steps=queued)
-        s.send(generate("a", n, sampling=sampling, stop=stop))
+        s.send(generate("a", PROMPT, n, sampling=sampling, stop=stop))
         s.run_until_quiescent()
         outputs.append(events(s, "a"))
         entries_match_their_states(s)
@@ -112,7 +99,7 @@ def test_a_queued_step_feeds_the_token_read_before_the_loop_sees_it(queued: bool
     """Not pipelined: step-by-step, the step that read the token a stop string ends on was the
     last, so the cache lacks that token; a step queued behind it has fed it already."""
     s = sim(False, queue_steps=queued)
-    s.send(generate("a", 40, stop=("o",)))
+    s.send(generate("a", PROMPT, 40, stop=("o",)))
     s.run_until_quiescent()
     end = s.terminal("a", 1)
     assert isinstance(end, Finished) and end.stop == "o"
@@ -125,7 +112,7 @@ def test_a_queued_step_feeds_the_token_read_before_the_loop_sees_it(queued: bool
 @pytest.mark.parametrize("trimmable", [True, False], ids=["trimmable", "not-trimmable"])
 def test_an_eos_is_fed_ahead_only_where_it_can_be_cut_back(trimmable: bool) -> None:
     s = sim(True, eos_every=7, trimmable=trimmable)
-    s.send(generate("a", 40))
+    s.send(generate("a", PROMPT, 40))
     s.run_until_quiescent()
     shown = s.emitted_tokens("a", 1)
     assert shown == greedy_continuation(PROMPT, 40, eos_every=7)
@@ -136,7 +123,7 @@ def test_an_eos_is_fed_ahead_only_where_it_can_be_cut_back(trimmable: bool) -> N
     assert entries_match_their_states(s) == [(*PROMPT, *shown, *eos)]
     # The next turn, the reply without the EOS, reuses all of it either way.
     follow = (*PROMPT, *shown, *b" more")
-    s.send(generate("b", 4, prompt=follow))
+    s.send(generate("b", follow, 4))
     s.run_until_quiescent()
     started = next(e for e in s.events("b", 1) if isinstance(e, Started))
     assert started.cached_tokens == len(PROMPT) + len(shown)
@@ -147,7 +134,7 @@ def test_a_cancel_lands_before_the_next_token_and_the_entry_holds_what_was_fed(
     pipelined: bool,
 ) -> None:
     s = sim(pipelined, queue_steps=True)
-    s.send(generate("a", 40))
+    s.send(generate("a", PROMPT, 40))
     s.run_until(lambda: len(s.emitted_tokens("a", 1)) >= 5)
     s.advance(DECODE_S / 2)  # the next token is computing, one more is queued
     s.send(Cancel(request_id="a", incarnation=1))
@@ -168,7 +155,7 @@ def test_a_stop_string_end_waits_for_the_queued_step_and_gives_everything_back_f
     pipelined: bool,
 ) -> None:
     s = sim(pipelined, queue_steps=True)
-    s.send(generate("a", 40, stop=("o",)))
+    s.send(generate("a", PROMPT, 40, stop=("o",)))
     s.run_until(lambda: s.terminal("a", 1) is not None)
     end = s.terminal("a", 1)
     assert isinstance(end, Finished) and end.stop == "o"
@@ -185,7 +172,7 @@ def test_a_failure_building_the_next_step_comes_after_the_token_it_was_built_on(
     for pipelined in (False, True):
         # Call 1 prefills the prompt; the third feeds the second token to the model.
         s = sim(pipelined, fail_prefill_call=3)
-        s.send(generate("a", 10))
+        s.send(generate("a", PROMPT, 10))
         s.run_until_quiescent()
         ends.append(events(s, "a"))
         assert prefix_cache(s).entries() == ()  # a state that saw an error is never cached
@@ -196,11 +183,11 @@ def test_a_failure_building_the_next_step_comes_after_the_token_it_was_built_on(
 
 def test_a_later_prompt_reuses_a_pipelined_entry_only_where_its_tokens_match() -> None:
     s = sim(True, eos_every=7)
-    s.send(generate("a", 40))
+    s.send(generate("a", PROMPT, 40))
     s.run_until_quiescent()
     shown = tuple(s.emitted_tokens("a", 1))
     follow = (*PROMPT, *shown, *b" and more")  # the text shown, then new words (no EOS)
-    s.send(generate("b", 8, prompt=follow))
+    s.send(generate("b", follow, 8))
     s.run_until_quiescent()
     assert s.emitted_tokens("b", 1) == greedy_continuation(follow, 8, eos_every=7)[:8]
     entries_match_their_states(s)
@@ -216,10 +203,10 @@ def test_a_newcomer_waits_for_at_most_the_queued_step_and_both_stay_exact() -> N
 def _newcomer_wait(pipelined: bool) -> float:
     """Virtual seconds from a newcomer's send to its first token while a stream decodes."""
     s = sim(pipelined)
-    s.send(generate("a", 30))
+    s.send(generate("a", PROMPT, 30))
     s.run_until(lambda: len(s.emitted_tokens("a", 1)) >= 3)
     sent = s.clock.now
-    s.send(generate("b", 10, prompt=tuple(b"jumps over")))
+    s.send(generate("b", tuple(b"jumps over"), 10))
     s.run_until(lambda: bool(s.emitted_tokens("b", 1)))
     wait = s.clock.now - sent
     s.run_until_quiescent()

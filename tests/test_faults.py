@@ -12,7 +12,6 @@ from runtime.messages import (
     CommandFailed,
     Failed,
     Finished,
-    Generate,
     ModelLoaded,
     ModelSpec,
 )
@@ -35,6 +34,7 @@ from runtime.testing.harness import (
     router,
     sim_spec,
 )
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 PER_TOKEN = 0.001
@@ -45,14 +45,6 @@ PROMPT = tuple(range(1, 41))  # 40 tokens: three prefill chunks
 def spec(name: str = "m", **options: ModelOption) -> ModelSpec:
     timing = {"prefill_s_per_token": PER_TOKEN, "decode_s_per_token": PER_TOKEN}
     return sim_spec(name, chunk=CHUNK, **timing, **options)
-
-
-def generate(
-    request_id: str, tokens: tuple[int, ...] = PROMPT, n: int = 4, model: str = "m"
-) -> Generate:
-    return Generate(
-        request_id=request_id, incarnation=1, model=model, prompt_tokens=tokens, max_tokens=n
-    )
 
 
 def failed(sim: Simulator, request_id: str) -> Failed:
@@ -81,7 +73,7 @@ def assert_all_given_back(sim: Simulator) -> None:
 def test_a_raise_in_a_prefill_chunk_fails_only_that_request_retryably() -> None:
     plan = FaultPlan(Fault(FaultPoint.PREFILL, after=1))  # the second chunk
     sim = make_sim(spec(), faults=plan)
-    sim.send(generate("a"))
+    sim.send(generate("a", PROMPT))
     sim.run_until_quiescent()
     assert failed(sim, "a").code == "backend_error" and failed(sim, "a").retryable
     assert plan.injected == [Injection(FaultPoint.PREFILL, "m", FaultKind.RAISE)]
@@ -93,7 +85,7 @@ def test_a_raise_in_a_prefill_chunk_fails_only_that_request_retryably() -> None:
 def test_a_raise_in_a_decode_step_fails_the_request_after_the_tokens_it_had() -> None:
     plan = FaultPlan(Fault(FaultPoint.DECODE, after=2))
     sim = make_sim(spec(), faults=plan)
-    sim.send(generate("a", n=6))
+    sim.send(generate("a", PROMPT, max_tokens=6))
     sim.run_until_quiescent()
     assert failed(sim, "a").code == "backend_error" and failed(sim, "a").retryable
     assert sim.emitted_tokens("a", 1) == greedy_continuation(PROMPT, 2)
@@ -104,8 +96,8 @@ def test_a_raise_in_a_decode_step_fails_the_request_after_the_tokens_it_had() ->
 def test_a_raise_in_a_batch_step_fails_its_members_and_frees_the_padding() -> None:
     plan = FaultPlan(Fault(FaultPoint.BATCH_STEP))
     sim = make_sim(spec(), faults=plan)
-    sim.send(generate("a", tuple(range(1, 11)), n=8))
-    sim.send(generate("b", tuple(range(20, 40)), n=8))
+    sim.send(generate("a", tuple(range(1, 11)), max_tokens=8))
+    sim.send(generate("b", tuple(range(20, 40)), max_tokens=8))
     sim.run_until_quiescent()
     for request_id in ("a", "b"):
         assert failed(sim, request_id).code == "backend_error"
@@ -121,8 +113,8 @@ def test_a_raise_in_prompts_prefilled_together_fails_each_newcomer_of_that_pass(
     # generates that arrive together.
     plan = FaultPlan(Fault(FaultPoint.PREFILL))
     sim = make_sim(spec(), faults=plan)
-    sim.send(generate("a", tuple(range(1, 11)), n=4))
-    sim.send(generate("b", tuple(range(20, 30)), n=4))
+    sim.send(generate("a", tuple(range(1, 11)), max_tokens=4))
+    sim.send(generate("b", tuple(range(20, 30)), max_tokens=4))
     sim.run_until_quiescent()
     for request_id in ("a", "b"):
         assert failed(sim, request_id).code == "backend_error"
@@ -146,7 +138,7 @@ def test_a_raise_while_taking_a_snapshot_fails_the_request_and_frees_its_snapsho
 def test_a_slow_step_within_the_limit_only_takes_longer() -> None:
     plan = FaultPlan(Fault(FaultPoint.DECODE, FaultKind.SLOW, seconds=5.0))
     sim = make_sim(spec(), faults=plan, step_timeout_s=60.0)
-    sim.send(generate("a"))
+    sim.send(generate("a", PROMPT))
     sim.run_until(lambda: sim.terminal("a", 1) is not None)
     assert isinstance(sim.terminal("a", 1), Finished)
     assert sim.emitted_tokens("a", 1) == greedy_continuation(PROMPT, 4)
@@ -157,7 +149,7 @@ def test_a_slow_step_within_the_limit_only_takes_longer() -> None:
 def test_a_refused_reservation_fails_the_request_retryably_and_the_next_one_is_served() -> None:
     plan = FaultPlan(Fault(FaultPoint.RESERVE))
     sim = make_sim(spec(), faults=plan)
-    sim.send(generate("a"))
+    sim.send(generate("a", PROMPT))
     sim.run_until_quiescent()
     refused = failed(sim, "a")
     assert refused.code == "kv_budget_exhausted" and refused.retryable
@@ -180,8 +172,8 @@ def test_a_failed_load_is_reported_and_the_model_loads_on_the_next_try() -> None
 def test_a_fault_aimed_at_one_model_leaves_the_others_alone() -> None:
     plan = FaultPlan(Fault(FaultPoint.PREFILL, model="m", times=0))
     sim = make_sim(spec(), spec("other"), faults=plan)
-    sim.send(generate("a"))
-    sim.send(generate("b", model="other"))
+    sim.send(generate("a", PROMPT))
+    sim.send(generate("b", PROMPT, model="other"))
     sim.run_until_quiescent()
     assert failed(sim, "a").code == "backend_error"
     assert isinstance(sim.terminal("b", 1), Finished)
@@ -206,7 +198,7 @@ def run_with_random_faults(seed: int) -> tuple[list[Injection], list[str]]:
     plan = FaultPlan(seed=seed, rate=0.2, points=points, kinds=kinds, slow_s=0.5)
     sim = make_sim(spec(), seed=seed, faults=plan)
     for i in range(6):
-        sim.send(generate(f"r{i}", tuple(range(i, i + 30)), n=5))
+        sim.send(generate(f"r{i}", tuple(range(i, i + 30)), max_tokens=5))
     sim.run_until_quiescent()
     assert_all_given_back(sim)
     ends = [type(sim.terminal(f"r{i}", 1)).__name__ for i in range(6)]
@@ -229,8 +221,8 @@ def test_a_fault_a_point_cannot_do_is_refused() -> None:
 def test_without_faults_reads_through_the_wrappers() -> None:
     plan = FaultPlan()
     sim = make_sim(spec(), faults=plan)
-    sim.send(generate("a", tuple(range(1, 11)), n=8))
-    sim.send(generate("b", tuple(range(20, 40)), n=8))
+    sim.send(generate("a", tuple(range(1, 11)), max_tokens=8))
+    sim.send(generate("b", tuple(range(20, 40)), max_tokens=8))
     sim.run_until(lambda: engine(sim).decode_batch is not None)
     assert isinstance(without_faults(engine(sim).decode_batch), SimulatedBatch)
     keeper = sim.core(KV_KEEPER)

@@ -409,8 +409,8 @@ def fresh_cache(
 async def test_a_gguf_path_loads_through_the_runtime_and_answers(
     fresh_cache: Path, tmp_path: Path
 ) -> None:
-    from runtime.api import Runtime
-    from runtime.config import RuntimeConfig
+    from runtime.host.api import Runtime
+    from runtime.host.config import RuntimeConfig
     from runtime.messages import ChatMessage, Finished, ModelSpec
 
     spec = ModelSpec(name="smol", path=str(fresh_cache))

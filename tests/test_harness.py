@@ -6,9 +6,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
 from runtime.errors import RuntimeClosed
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import engine_address
 from runtime.messages import LoadModel, ModelLoaded, UnloadModel
 from runtime.testing.harness import (

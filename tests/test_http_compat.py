@@ -16,8 +16,8 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
 from runtime.errors import InvalidRequest
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ChatMessage, ChatOptions, ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.schema import ChatCompletionRequest
@@ -165,7 +165,7 @@ def test_chat_template_kwargs_reach_a_real_template() -> None:
 def test_chat_template_kwargs_and_reasoning_effort_become_chat_options() -> None:
     def call(**fields: object) -> ChatOptions:
         body = ChatCompletionRequest(model="m", messages=[], **fields)  # type: ignore[arg-type]
-        return chat_call(body).chat
+        return chat_call(body).request.chat
 
     assert call().template_kwargs is None
     options = call(chat_template_kwargs={"enable_thinking": False}, reasoning_effort="high")

@@ -11,13 +11,13 @@ import anyio.lowlevel
 import httpx
 import pytest
 
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
+from bench.soak.http_soak import serve_on_loopback
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import engine_address
 from runtime.messages import ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.harness import ModelOption, sim_spec, wait_until
-from runtime.testing.http_soak import serve_on_loopback
 
 pytestmark = pytest.mark.anyio
 

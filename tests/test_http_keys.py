@@ -16,14 +16,14 @@ import pytest
 from starlette.applications import Starlette
 from starlette.routing import Mount
 
-from runtime.config import RuntimeConfig
+from bench.soak.http_soak import serve_on_loopback
 from runtime.errors import InvalidConfig
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.allowance import AllowanceStatistics
 from runtime.server.auth import ApiKeys, presented_key, read_key_file
 from runtime.testing.harness import sim_spec
-from runtime.testing.http_soak import serve_on_loopback
 
 pytestmark = pytest.mark.anyio
 

@@ -13,10 +13,10 @@ from typing import Any
 import httpx
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.simulated import greedy_continuation
 from runtime.cli import main
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ChatMessage, Failed, Finished, FinishReason
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.harness import sim_spec

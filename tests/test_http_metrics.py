@@ -16,7 +16,7 @@ import pytest
 from prometheus_client import CONTENT_TYPE_LATEST
 from prometheus_client.parser import text_string_to_metric_families
 
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import engine_address
 from runtime.messages import ModelSpec, Stats, TokensEmitted, Usage
 from runtime.server import OpenAIServer, ServerConfig

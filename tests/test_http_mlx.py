@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ChatMessage, ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.tiny_models import load_tiny_model, tiny_model_path

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.harness import sim_spec, wait_until
@@ -170,7 +170,7 @@ async def test_unloading_an_idle_model_forgets_it_and_a_request_loads_it_again()
 
 
 async def test_a_model_with_replicas_is_listed_once_with_its_replicas() -> None:
-    from runtime.model_commands import _ps_table
+    from runtime.cli.models import _ps_table
 
     async with serving(msgspec.structs.replace(sim_model("r"), replicas=2)) as (client, _):
         assert completed_text(await complete(client, "r")) == EXPECTED

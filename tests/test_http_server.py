@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.harness import ModelOption, sim_spec, wait_until
@@ -292,6 +292,20 @@ async def test_an_over_long_conversation_is_refused_never_trimmed() -> None:
             assert error["param"] == "messages" and "context length of 64" in error["message"]
 
 
+async def test_ignore_eos_runs_past_the_models_eos_to_max_tokens() -> None:
+    async with serving(sim_model(eos_every=1)) as (client, _):  # EOS is always the next token
+        ended = await complete(client, prompt="x", max_tokens=5)
+        assert ended.json()["choices"][0]["finish_reason"] == "stop"
+        assert ended.json()["usage"]["completion_tokens"] == 0
+        ignored = await complete(client, prompt="x", max_tokens=5, ignore_eos=True)
+        assert ignored.json()["choices"][0]["finish_reason"] == "length"
+        assert ignored.json()["usage"]["completion_tokens"] == 5
+        stopped = await complete(
+            client, prompt="x", max_tokens=5, ignore_eos=True, stop_token_ids=[256]
+        )
+        assert stopped.json()["usage"]["completion_tokens"] == 0  # its own stop tokens still stop
+
+
 # --------------------------------------------------------------------------- refusals and errors
 
 
@@ -303,7 +317,7 @@ async def test_an_over_long_conversation_is_refused_never_trimmed() -> None:
         ("/v1/completions", {"echo": True}, "echo", "unsupported_parameter"),
         ("/v1/completions", {"suffix": "}"}, "suffix", "unsupported_parameter"),
         ("/v1/completions", {"prompt": ["a", "b"]}, "prompt", "unsupported_value"),
-        ("/v1/completions", {"ignore_eos": True}, "ignore_eos", "unsupported_parameter"),
+        ("/v1/completions", {"mirostat": 2}, "mirostat", "unsupported_parameter"),
         ("/v1/chat/completions", {"n": 3}, "n", "unsupported_value"),
         ("/v1/chat/completions", {"tools": [{"type": "x"}]}, "tools", "invalid_tools"),
         (

@@ -19,11 +19,11 @@ import pytest
 from anyio.abc import TaskGroup
 
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
+from runtime.host.streams import TERMINALS
 from runtime.kernel.core import engine_address
 from runtime.messages import ModelSpec, TokensEmitted
 from runtime.server import OpenAIServer, ServerConfig
-from runtime.streams import TERMINALS
 from runtime.testing.harness import ModelOption, sim_spec, wait_until
 
 pytestmark = pytest.mark.anyio

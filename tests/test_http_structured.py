@@ -12,7 +12,7 @@ import httpx
 import jsonschema
 import pytest
 
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.tiny_models import tiny_model_path

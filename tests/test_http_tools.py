@@ -13,7 +13,7 @@ import openai
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.harness import sim_spec

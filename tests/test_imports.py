@@ -20,8 +20,8 @@ LOAD_A_SIMULATED_MODEL = textwrap.dedent(
 
     import anyio
 
-    from runtime.api import Runtime
-    from runtime.config import RuntimeConfig
+    from runtime.host.api import Runtime
+    from runtime.host.config import RuntimeConfig
     from runtime.messages import ModelLoaded, ModelSpec
     from runtime.testing.simulator import Simulator
 

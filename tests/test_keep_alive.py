@@ -8,17 +8,16 @@ import math
 import msgspec
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
 from runtime.errors import InvalidModelSpec, ModelAlreadyLoaded, ModelLoading, ModelNotLoaded
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Cancel,
     Cancelled,
     CommandFailed,
     Failed,
     Finished,
-    Generate,
     ListModels,
     LoadModel,
     ModelLoaded,
@@ -31,6 +30,7 @@ from runtime.messages import (
     UnloadModel,
 )
 from runtime.testing.harness import kv_keeper, make_sim, router, sim_spec
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 PROMPT = (5, 6, 7, 8, 9, 10)
@@ -44,15 +44,7 @@ def spec(keep_alive_s: float | None = 10.0, **options: float | bool) -> ModelSpe
 
 def send(sim: Simulator, request_id: str = "r", max_tokens: int = 3) -> tuple[str, int]:
     incarnation = next(_incarnations)
-    sim.send(
-        Generate(
-            request_id=request_id,
-            incarnation=incarnation,
-            model="m",
-            prompt_tokens=PROMPT,
-            max_tokens=max_tokens,
-        )
-    )
+    sim.send(generate(request_id, PROMPT, max_tokens, incarnation=incarnation))
     return request_id, incarnation
 
 
@@ -116,22 +108,13 @@ def test_an_idle_model_is_unloaded_after_its_keep_alive_and_its_kv_returns() -> 
 def test_a_request_keep_alive_becomes_the_model_keep_alive_from_then_on() -> None:
     sim = make_sim(spec(keep_alive_s=10.0))
     incarnation = next(_incarnations)
-    request = Generate(
-        request_id="short",
-        incarnation=incarnation,
-        model="m",
-        prompt_tokens=PROMPT,
-        max_tokens=3,
-        keep_alive_s=2.0,
-    )
+    request = generate("short", PROMPT, 3, incarnation=incarnation, keep_alive_s=2.0)
     sim.send(request)
     sim.run_until(lambda: sim.terminal("short", incarnation) is not None)
     assert status(sim).keep_alive_s == 2.0  # type: ignore[union-attr]
     sim.advance(2.5)  # its own 10 s would keep it loaded
     assert status(sim).state == "idle"  # type: ignore[union-attr]
-    forever = msgspec.structs.replace(
-        request, request_id="forever", incarnation=next(_incarnations), keep_alive_s=math.inf
-    )
+    forever = generate("forever", PROMPT, 3, incarnation=next(_incarnations), keep_alive_s=math.inf)
     sim.send(forever)  # loads it again, and from then on keeps it
     sim.run_until(lambda: sim.terminal("forever", forever.incarnation) is not None)
     sim.advance(1000.0)

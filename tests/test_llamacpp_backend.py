@@ -259,9 +259,9 @@ def test_tidy_frees_two_slots_ahead_of_need_so_a_branch_copies_without_a_spill(
     real_gguf: Callable[[str], Any],
 ) -> None:
     """Every seq_id held by a state: ``tidy`` spills the least recently used ones, one per call,
-    until two are free, then has nothing to do; a copy (a request branching from a cached
-    prefix) and a new state then take those two without spilling, and the spilled state still
-    continues as it would have."""
+    until two are free (the spills grow the copy buffer on the way), then has nothing to do; a
+    copy (a request branching from a cached prefix) and a new state then take those two without
+    spilling or growing the buffer, and the spilled state still continues as it would have."""
     backend = few_sequences(real_gguf, max_sequences=4, max_batch=2)
     try:
         prompts, states = prefilled(backend, 4)
@@ -269,13 +269,35 @@ def test_tidy_frees_two_slots_ahead_of_need_so_a_branch_copies_without_a_spill(
         assert [backend.tidy() for _ in range(3)] == [True, True, False]
         assert len(backend.pool.census().free) == 2 and backend.pool.spills == 2
         assert states[0].seq is None and states[1].seq is None  # the least recently used
+        context = backend.context
+        grown = context.copy_buffer_bytes
+        assert grown >= max(context.seq_size(s.seq) for s in states[2:] if s.seq is not None)
         branch = backend.copy_state(states[3], len(prompts[3]) - 5)
+        assert context.copy_buffer_bytes == grown  # the copy found it ready
         fresh = backend.new_state()
         prefill(backend, fresh, prompts[2][:40])
         assert backend.pool.spills == 2  # neither paid a spill
         prefill(backend, branch, prompts[3][-5:])
         assert greedy(backend, branch, 4) == cold(backend, prompts[3], 4)
         assert greedy(backend, states[0], 4) == cold(backend, prompts[0], 4)
+    finally:
+        backend.close()
+
+
+def test_tidy_grows_the_copy_buffer_for_the_largest_resident_state(
+    real_gguf: Callable[[str], Any],
+) -> None:
+    """Slots to spare, so nothing to spill: ``tidy`` grows the buffer that a copy goes through
+    to hold the largest resident state (its page faults off a branch's path), once."""
+    backend = few_sequences(real_gguf, max_sequences=4, max_batch=2)
+    try:
+        _, states = prefilled(backend, 2)
+        context = backend.context
+        largest = max(context.seq_size(s.seq) for s in states if s.seq is not None)
+        assert context.copy_buffer_bytes < largest
+        assert [backend.tidy() for _ in range(2)] == [True, False]
+        assert context.copy_buffer_bytes >= largest
+        assert backend.pool.spills == 0
     finally:
         backend.close()
 

@@ -21,12 +21,12 @@ from typing import Any
 
 import pytest
 
-from runtime.api import Completion, Runtime
 from runtime.backends.disk import DiskCacheConfig, HostState
 from runtime.backends.llamacpp import persist
 from runtime.backends.llamacpp.tokenizer import load_tokenizer, tokenizer_dir
 from runtime.backends.model_source import converted_models_dir
-from runtime.config import RuntimeConfig
+from runtime.host.api import Completion, Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec, ReusePath, ReuseTier
 from runtime.testing.arch_harness import prompt_tokens
 from runtime.testing.harness import engine_stats

@@ -25,13 +25,14 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.contract import Backend
 from runtime.backends.llamacpp.backend import LlamaCppBackend
 from runtime.backends.llamacpp.binding import live_contexts
 from runtime.backends.loader import make_backend_loader
 from runtime.backends.options import ModelOptions
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
+from runtime.host.streams import GenerationStream
 from runtime.kernel.core import engine_address, engine_model
 from runtime.messages import (
     Cancelled,
@@ -43,7 +44,6 @@ from runtime.messages import (
     Started,
     TokensEmitted,
 )
-from runtime.streams import GenerationStream
 from runtime.testing.faults import (
     Fault,
     FaultKind,

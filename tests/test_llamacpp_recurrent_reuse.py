@@ -24,10 +24,10 @@ import anyio.from_thread
 import pytest
 
 from actors.engine.checkpoints import MAX_POINTS, CheckpointRule, plan_checkpoints
-from runtime.api import Runtime
 from runtime.backends.llamacpp.tokenizer import load_tokenizer, tokenizer_dir
 from runtime.backends.model_source import converted_models_dir
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Cancelled,
     ChatMessage,

@@ -93,6 +93,7 @@ from runtime.messages import (
     decode,
     encode,
 )
+from runtime.testing.requests import generate, prewarm
 
 SAMPLING = Sampling(temperature=0.7, top_p=0.9, top_k=40, min_p=0.05, seed=11)
 USAGE = Usage(prompt_tokens=12, cached_prompt_tokens=8, completion_tokens=3)
@@ -109,27 +110,20 @@ SPEC = ModelSpec(
 
 BUILDERS: dict[type[Message], Callable[[], Message]] = {
     # host → router
-    Generate: lambda: Generate(
-        request_id="r1",
+    Generate: lambda: generate(
+        "r1",
+        (1, 2, 3),
+        9,
         incarnation=4,
-        model="m",
-        prompt_tokens=(1, 2, 3),
         sampling=SAMPLING,
-        max_tokens=9,
         stop_token_ids=(256,),
         namespace="tenant-a",
         session="s1",
         timeout_s=2.5,
         stall_timeout_s=0.5,
     ),
-    Prewarm: lambda: Prewarm(
-        request_id="r2",
-        incarnation=5,
-        model="m",
-        prompt="héllo ✓",
-        namespace="t",
-        session="s",
-        timeout_s=1.5,
+    Prewarm: lambda: prewarm(
+        "r2", incarnation=5, prompt="héllo ✓", namespace="t", session="s", timeout_s=1.5
     ),
     Cancel: lambda: Cancel(request_id="r1", incarnation=4),
     LoadModel: lambda: LoadModel(spec=SPEC),
@@ -178,10 +172,9 @@ BUILDERS: dict[type[Message], Callable[[], Message]] = {
         sequence_id=17,
         epoch=3,
         session="m/tenant-a",
-        request=Prewarm(
-            request_id="r2",
+        request=prewarm(
+            "r2",
             incarnation=5,
-            model="m",
             messages=(ChatMessage(role="user", content="hi"),),
             chat=ChatOptions(history_budget_tokens=100),
             namespace="tenant-a",
@@ -332,8 +325,8 @@ def test_enum_and_nested_values_come_back_typed() -> None:
     assert reserve.holder.kind is HolderKind.SEQUENCE
     generate = decode(encode(BUILDERS[Generate]()))
     assert isinstance(generate, Generate)
-    assert generate.sampling == SAMPLING
-    assert isinstance(generate.prompt_tokens, tuple)
+    assert generate.request.sampling == SAMPLING
+    assert isinstance(generate.request.prompt_tokens, tuple)
 
 
 @pytest.mark.parametrize("request_type", [Generate, Prewarm], ids=_ids)
@@ -376,8 +369,12 @@ def test_unknown_fields_are_refused(cls: type[Message]) -> None:
 
 def test_unknown_fields_in_nested_values_are_refused() -> None:
     as_dict = msgspec.to_builtins(BUILDERS[Generate]())
-    as_dict["sampling"]["temprature"] = 0.5
+    as_dict["request"]["sampling"]["temprature"] = 0.5
     with pytest.raises(MalformedMessage, match="temprature"):
+        decode(msgspec.msgpack.encode(as_dict))
+    as_dict = msgspec.to_builtins(BUILDERS[Generate]())
+    as_dict["request"]["max_tokns"] = 5  # the request value is as strict as the message
+    with pytest.raises(MalformedMessage, match="max_tokns"):
         decode(msgspec.msgpack.encode(as_dict))
 
 

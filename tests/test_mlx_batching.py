@@ -7,12 +7,11 @@ import random
 import anyio
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.mlx.batch import DecodeBatch
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Finished,
-    Generate,
     HolderKind,
     ModelLoaded,
     ModelSpec,
@@ -20,6 +19,7 @@ from runtime.messages import (
     TokensEmitted,
 )
 from runtime.testing.harness import engine, engine_stats, kv_keeper, make_sim
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 
@@ -73,8 +73,7 @@ def test_a_model_mlx_lm_cannot_batch_decodes_concurrent_streams_one_by_one() -> 
     spec = ModelSpec(name="q", path=path, backend="mlx", options={"kv_bits": 8})
     sim = make_sim(spec, budget=1 << 28)
     for index, prompt in enumerate(PROMPTS):
-        sim.send(Generate(request_id=f"r{index}", incarnation=1, model="q", prompt=prompt,
-                          max_tokens=6))  # fmt: skip
+        sim.send(generate(f"r{index}", max_tokens=6, model="q", prompt=prompt))  # fmt: skip
     sim.run_until_quiescent()
     for index in range(len(PROMPTS)):
         finished = sim.terminal(f"r{index}", 1)
@@ -110,10 +109,8 @@ def test_the_padding_reservation_covers_what_the_real_batch_holds_beyond_its_mem
 
     sim.check_every_step(measure)
     long_prompt = tuple(random.Random(1).randrange(5, 500) for _ in range(1500))
-    sim.send(Generate(request_id="long", incarnation=1, model=kind, prompt_tokens=long_prompt,
-                      max_tokens=8))  # fmt: skip
-    sim.send(Generate(request_id="short", incarnation=1, model=kind, prompt_tokens=(7, 8, 9, 10),
-                      max_tokens=64))  # fmt: skip
+    sim.send(generate("long", long_prompt, 8, model=kind))  # fmt: skip
+    sim.send(generate("short", (7, 8, 9, 10), 64, model=kind))  # fmt: skip
     sim.run_until_quiescent()
 
     assert beyond, "the two never shared a batch"

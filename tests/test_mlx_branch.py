@@ -23,8 +23,8 @@ from typing import Any
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ChatMessage, ChatOptions, ModelLoaded, ModelSpec, ReusePath
 from runtime.testing.arch_models import arch_model_path
 from runtime.testing.harness import common_prefix_length, engine_stats

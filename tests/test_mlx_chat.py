@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.mlx.backend import MlxBackend
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ChatMessage, Finished, FinishReason, ModelSpec, ReusePath
 from runtime.testing.tiny_models import tiny_model_path
 

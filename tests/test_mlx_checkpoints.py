@@ -16,10 +16,10 @@ from collections.abc import Sequence
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
+from runtime.host.streams import Completion
 from runtime.messages import ChatMessage, ChatOptions, Finished, ModelSpec, ReusePath
-from runtime.streams import Completion
 from runtime.testing.harness import common_prefix_length, wait_until
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 from runtime.text.chat import prepare_chat

@@ -15,9 +15,9 @@ from collections.abc import Sequence
 
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.mlx.backend import MlxBackend
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Cancelled,
     Finished,

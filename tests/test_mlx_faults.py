@@ -7,9 +7,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.loader import make_backend_loader
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Failed, Finished, ModelSpec
 from runtime.testing.faults import Fault, FaultKind, FaultPlan, FaultPoint
 from runtime.testing.harness import wait_until

@@ -17,12 +17,12 @@ import runtime.backends.mlx.backend as mlx_backend
 import runtime.backends.mlx.capabilities as capabilities
 import runtime.backends.mlx.probe as probe
 import runtime.backends.mlx.together as together
-from runtime.api import Runtime
 from runtime.backends.contract import CannotTrim, Capability, ReuseStrategy, Verdict
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.backends.mlx.probe import Declared, ProbeResult, plain_run, probe_prompts, run_probe
 from runtime.backends.mlx.state import MlxState
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelLoaded, ModelSpec, TokensEmitted
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.stats_collector import RuntimeCollector

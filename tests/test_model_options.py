@@ -12,7 +12,6 @@ from typing import Any
 
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends import simulated
 from runtime.backends.loader import make_backend_loader
 from runtime.backends.model_source import PreparedModel, prepare_model
@@ -23,24 +22,17 @@ from runtime.backends.options import (
     decode_options,
 )
 from runtime.backends.simulated import RealClock, SimulatedBackend, greedy_continuation
-from runtime.cli import main, model_specs, prepare_specs
-from runtime.config import RuntimeConfig
+from runtime.cli import main
+from runtime.cli.model_args import model_specs, prepare_specs
 from runtime.errors import InvalidConfig, InvalidModelSpec
-from runtime.messages import CommandFailed, Generate, ModelSpec
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
+from runtime.messages import CommandFailed, ModelSpec
 from runtime.testing.harness import make_sim
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 PER_TOKEN = 0.001
-
-
-def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int) -> Generate:
-    return Generate(
-        request_id=request_id,
-        incarnation=incarnation,
-        model="m",
-        prompt_tokens=tokens,
-        max_tokens=n,
-    )
 
 
 # ---------------------------------------------------------------------- the command line
@@ -55,8 +47,8 @@ def test_batching_false_on_the_command_line_turns_batching_off(text: str) -> Non
     assert spec.options["batching"] is False
     sim = make_sim(spec)
     first, second = tuple(range(10, 20)), tuple(range(30, 60))
-    sim.send(generate("a", 1, first, 30))
-    sim.send(generate("b", 2, second, 30))
+    sim.send(generate("a", first, 30))
+    sim.send(generate("b", second, 30, incarnation=2))
     sim.run_until_quiescent()
     assert sim.emitted_tokens("a", 1) == greedy_continuation(first, 30)
     assert sim.emitted_tokens("b", 2) == greedy_continuation(second, 30)
@@ -121,7 +113,7 @@ def test_prepared_specs_drop_the_weights_their_directory_already_holds(
     # The CLI converts a .gguf once and hands the engines its directory: the weights option was
     # used up by the conversion, and on a directory it would now be refused.
     monkeypatch.setattr(
-        "runtime.model_args.prepare_model", lambda spec, progress: PreparedModel(tmp_path)
+        "runtime.cli.model_args.prepare_model", lambda spec, progress: PreparedModel(tmp_path)
     )
     (tmp_path / "tokenizer.json").write_text("{}")  # a model directory has its tokenizer
     spec = ModelSpec(name="g", path="/x/model.gguf", options={"weights": "float32", "kv_bits": 8})

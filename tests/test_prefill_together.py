@@ -14,8 +14,9 @@ from actors.engine.sequence import Phase, Sequence
 from runtime.backends.contract import SequenceState, Snapshot
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.backends.simulated import greedy_continuation
-from runtime.messages import Admit, Failed, Generate, ModelSpec, Prewarm, Started
+from runtime.messages import Admit, Failed, ModelSpec, Started
 from runtime.testing.harness import ModelOption, engine, kv_keeper, make_sim, prefix_cache, sim_spec
+from runtime.testing.requests import generate, prewarm
 from runtime.testing.simulator import Simulator
 from runtime.testing.tiny_models import TINY_MODEL_KINDS, TinyModelKind, tiny_model_path
 
@@ -145,7 +146,7 @@ class _Empty:
 
 
 def _prefilling(seq_id: int, prompt: tuple[int, ...]) -> Sequence:
-    request = Generate(request_id=f"r{seq_id}", incarnation=1, model="m", max_tokens=4)
+    request = generate(f"r{seq_id}", None, 4)
     seq = Sequence.admitted(Admit(sequence_id=seq_id, epoch=1, session="s", request=request), "m")
     seq.tokens, seq.phase = prompt, Phase.PREFILLING
     seq.state = _Empty()
@@ -174,11 +175,7 @@ def _spec(**options: ModelOption) -> ModelSpec:
 
 
 def _send(sim: Simulator, request_id: str, prompt: tuple[int, ...], n: int = 4) -> None:
-    sim.send(
-        Generate(
-            request_id=request_id, incarnation=1, model="m", prompt_tokens=prompt, max_tokens=n
-        )
-    )
+    sim.send(generate(request_id, prompt, n))
 
 
 def test_a_burst_of_fresh_prompts_is_prefilled_in_one_job_and_outputs_stay_exact() -> None:
@@ -187,7 +184,7 @@ def test_a_burst_of_fresh_prompts_is_prefilled_in_one_job_and_outputs_stay_exact
     prompts["long"] = tuple(range(100, 160))  # past one chunk: prefilled on its own, in chunks
     for rid, prompt in prompts.items():
         _send(sim, rid, prompt)
-    sim.send(Prewarm(request_id="w", incarnation=1, model="m", prompt_tokens=(7, 8, 9, 10)))
+    sim.send(prewarm("w", (7, 8, 9, 10)))
     sim.run_until_quiescent()
     for rid, prompt in prompts.items():
         assert sim.emitted_tokens(rid, 1) == greedy_continuation(prompt, 4)

@@ -15,14 +15,12 @@ from runtime.messages import (
     Cancelled,
     Finished,
     FinishReason,
-    Generate,
-    Prewarm,
     ReusePath,
     Started,
-    TokenIds,
     Usage,
 )
 from runtime.testing.harness import engine, kv_keeper, make_sim, prefix_cache, sim_spec
+from runtime.testing.requests import generate, prewarm
 from runtime.testing.simulator import Simulator
 
 PER_TOKEN = 0.001
@@ -35,39 +33,6 @@ THIRD = tuple((3 * i + 1) % 256 for i in range(200))
 def sim() -> Simulator:
     return make_sim(
         sim_spec(chunk=CHUNK, prefill_s_per_token=PER_TOKEN, decode_s_per_token=PER_TOKEN)
-    )
-
-
-def prewarm(
-    request_id: str,
-    tokens: TokenIds,
-    session: str | None = None,
-    *,
-    anonymous: bool = False,
-    namespace: str = "default",
-) -> Prewarm:
-    return Prewarm(
-        request_id=request_id,
-        incarnation=1,
-        model="m",
-        prompt_tokens=tokens,
-        session=session,
-        anonymous=anonymous,
-        namespace=namespace,
-    )
-
-
-def generate(
-    request_id: str, tokens: TokenIds, session: str | None = None, *, anonymous: bool = False
-) -> Generate:
-    return Generate(
-        request_id=request_id,
-        incarnation=1,
-        model="m",
-        prompt_tokens=tokens,
-        max_tokens=2,
-        session=session,
-        anonymous=anonymous,
     )
 
 
@@ -89,9 +54,9 @@ def entry_lengths(s: Simulator) -> list[int]:
 
 def test_a_new_prewarm_of_the_session_supersedes_the_older_one_at_its_next_chunk() -> None:
     s = sim()
-    s.send(prewarm("focus-1", FIRST, "editor"))
+    s.send(prewarm("focus-1", FIRST, session="editor"))
     s.advance(CHUNK * PER_TOKEN * 3.5)  # inside its fourth chunk
-    s.send(prewarm("focus-2", OTHER, "editor"))
+    s.send(prewarm("focus-2", OTHER, session="editor"))
     s.run_until_quiescent()
     assert cancelled(s, "focus-1").reason == "superseded"
     assert finished(s, "focus-2").reason is FinishReason.PREWARMED
@@ -107,9 +72,9 @@ def test_a_new_prewarm_of_the_session_supersedes_the_older_one_at_its_next_chunk
 def test_a_new_prewarm_that_extends_the_older_one_adopts_it() -> None:
     s = sim()
     longer = (*FIRST, *THIRD[:100])
-    s.send(prewarm("focus-1", FIRST, "editor"))
+    s.send(prewarm("focus-1", FIRST, session="editor"))
     s.advance(CHUNK * PER_TOKEN * 3.5)
-    s.send(prewarm("focus-2", longer, "editor"))
+    s.send(prewarm("focus-2", longer, session="editor"))
     s.run_until_quiescent()
     assert finished(s, "focus-1").reason is FinishReason.ADOPTED
     assert finished(s, "focus-2").reason is FinishReason.PREWARMED
@@ -125,9 +90,9 @@ def test_a_session_name_in_another_namespace_is_another_session() -> None:
     the other or cut the other's work short."""
     s = sim()
     longer = (*FIRST, *THIRD[:100])
-    s.send(prewarm("focus-1", FIRST, "editor", namespace="a"))
+    s.send(prewarm("focus-1", FIRST, session="editor", namespace="a"))
     s.advance(CHUNK * PER_TOKEN * 3.5)
-    s.send(prewarm("focus-2", longer, "editor", namespace="b"))
+    s.send(prewarm("focus-2", longer, session="editor", namespace="b"))
     s.run_until_quiescent()
     assert finished(s, "focus-1").reason is FinishReason.PREWARMED
     assert finished(s, "focus-2").reason is FinishReason.PREWARMED
@@ -140,7 +105,7 @@ def test_identical_concurrent_prewarms_prefill_once_and_all_finish_prewarmed() -
     s = sim()
     s.send(prewarm("a", FIRST))
     s.send(prewarm("b", FIRST))  # the same (default) session
-    s.send(prewarm("c", FIRST, "another-session"))
+    s.send(prewarm("c", FIRST, session="another-session"))
     s.send(prewarm("d", FIRST, anonymous=True))
     s.run_until_quiescent()
     leader, *followers = (finished(s, r) for r in "abcd")
@@ -159,9 +124,9 @@ def test_identical_concurrent_prewarms_prefill_once_and_all_finish_prewarmed() -
 
 def test_followers_of_a_cancelled_prewarm_go_on_from_where_it_stopped() -> None:
     s = sim()
-    s.send(prewarm("a", FIRST, "client-a"))
-    s.send(prewarm("b", FIRST, "client-b"))
-    s.send(prewarm("c", FIRST, "client-c"))
+    s.send(prewarm("a", FIRST, session="client-a"))
+    s.send(prewarm("b", FIRST, session="client-b"))
+    s.send(prewarm("c", FIRST, session="client-c"))
     s.advance(CHUNK * PER_TOKEN * 3.5)
     s.send(Cancel(request_id="a", incarnation=1))
     s.run_until_quiescent()
@@ -179,10 +144,10 @@ def test_followers_of_a_cancelled_prewarm_go_on_from_where_it_stopped() -> None:
 
 def test_a_leaders_own_session_supersedes_it_but_not_the_prewarms_that_follow_it() -> None:
     s = sim()
-    s.send(prewarm("a", FIRST, "client-a"))
-    s.send(prewarm("b", FIRST, "client-b"))
+    s.send(prewarm("a", FIRST, session="client-a"))
+    s.send(prewarm("b", FIRST, session="client-b"))
     s.advance(CHUNK * PER_TOKEN * 3.5)
-    s.send(prewarm("a2", OTHER, "client-a"))
+    s.send(prewarm("a2", OTHER, session="client-a"))
     s.run_until_quiescent()
     assert cancelled(s, "a").reason == "superseded"
     assert finished(s, "b").reason is FinishReason.PREWARMED
@@ -192,11 +157,11 @@ def test_a_leaders_own_session_supersedes_it_but_not_the_prewarms_that_follow_it
 
 def test_a_generate_that_adopts_a_leader_takes_its_followers_work_too() -> None:
     s = sim()
-    s.send(prewarm("a", FIRST, "editor"))
-    s.send(prewarm("b", FIRST, "editor"))
+    s.send(prewarm("a", FIRST, session="editor"))
+    s.send(prewarm("b", FIRST, session="editor"))
     s.advance(CHUNK * PER_TOKEN * 3.5)
     prompt = (*FIRST, 7, 8)
-    s.send(generate("g", prompt, session="editor"))
+    s.send(generate("g", prompt, 2, session="editor"))
     s.run_until_quiescent()
     assert finished(s, "a").reason is FinishReason.ADOPTED
     assert finished(s, "b").reason is FinishReason.ADOPTED
@@ -209,7 +174,7 @@ def test_anonymous_requests_supersede_nothing_and_are_never_superseded() -> None
     s.send(prewarm("a", FIRST, anonymous=True))
     s.advance(CHUNK * PER_TOKEN * 3.5)
     s.send(prewarm("b", OTHER, anonymous=True))  # another client: both run
-    s.send(generate("g", (1, 2, 3)))
+    s.send(generate("g", (1, 2, 3), 2))
     s.run_until_quiescent()
     assert finished(s, "a").reason is FinishReason.PREWARMED
     assert finished(s, "b").reason is FinishReason.PREWARMED
@@ -218,7 +183,7 @@ def test_anonymous_requests_supersede_nothing_and_are_never_superseded() -> None
     s.send(prewarm("c", THIRD, anonymous=True))
     s.advance(CHUNK * PER_TOKEN * 3.5)
     prompt = (*THIRD, 9)
-    s.send(generate("h", prompt, anonymous=True))
+    s.send(generate("h", prompt, 2, anonymous=True))
     s.run_until_quiescent()
     assert finished(s, "c").reason is FinishReason.ADOPTED
     assert s.emitted_tokens("h", 1) == greedy_continuation(prompt, 2)

@@ -6,10 +6,11 @@ at a new epoch and serves again; a drain the lost engine had been asked for stil
 from __future__ import annotations
 
 from actors.engine.lost import LostEngine
-from runtime.config import RuntimeConfig
-from runtime.messages import Failed, Finished, Generate, ModelSpec, ModelUnloaded, UnloadModel
+from runtime.host.config import RuntimeConfig
+from runtime.messages import Failed, Finished, ModelSpec, ModelUnloaded, UnloadModel
 from runtime.testing.faults import Fault, FaultKind, FaultPlan, FaultPoint
 from runtime.testing.harness import engine_address_of, engines, kv_keeper, prefix_cache, router
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 SPEC = ModelSpec(name="m", backend="simulated", options={"decode_s_per_token": 0.001})
@@ -21,15 +22,10 @@ def make(plan: FaultPlan) -> Simulator:
     return sim
 
 
-def generate(request_id: str, n: int = 20) -> Generate:
-    return Generate(request_id=request_id, incarnation=1, model="m", prompt_tokens=(1, 2, 3, 4),
-                    max_tokens=n)  # fmt: skip
-
-
 def test_a_lost_engine_process_fails_its_streams_releases_its_epoch_and_comes_back() -> None:
     plan = FaultPlan(Fault(FaultPoint.DECODE, FaultKind.LOSE, after=3, times=1))
     sim = make(plan)
-    sim.send(generate("a"))
+    sim.send(generate("a", (1, 2, 3, 4), 20))
     sim.run_until_quiescent()
     failed = sim.terminal("a", 1)
     assert isinstance(failed, Failed), failed
@@ -39,7 +35,7 @@ def test_a_lost_engine_process_fails_its_streams_releases_its_epoch_and_comes_ba
     assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes
     assert {h.epoch for h in kv_keeper(sim).holdings()} <= {e.epoch for e in engines(sim)}
     assert not any(isinstance(sim.core(a), LostEngine) for a in sim.addresses())  # stopped
-    sim.send(generate("b", 4))
+    sim.send(generate("b", (1, 2, 3, 4), 4))
     sim.run_until_quiescent()
     done = sim.terminal("b", 1)
     assert isinstance(done, Finished), done
@@ -48,7 +44,7 @@ def test_a_lost_engine_process_fails_its_streams_releases_its_epoch_and_comes_ba
 
 def test_a_drain_sent_to_an_engine_whose_process_is_then_lost_still_completes() -> None:
     sim = make(FaultPlan())
-    sim.send(generate("a", 50))
+    sim.send(generate("a", (1, 2, 3, 4), 50))
     sim.advance(0.01)
     (engine,) = engines(sim)
     address = engine_address_of(sim)

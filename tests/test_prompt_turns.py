@@ -9,7 +9,9 @@ from actors.engine.sequence import Decoding, Phase, Sequence
 from actors.engine.turns import PromptTurns
 from runtime.backends.simulated import greedy_continuation
 from runtime.messages import Admit, Generate, ModelSpec, Prewarm, TokensEmitted
+from runtime.testing import requests
 from runtime.testing.harness import ModelOption, make_sim, sim_spec
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 from runtime.text.detokenizer import IncrementalDetokenizer
 
@@ -26,9 +28,9 @@ def _seq(
 ) -> Sequence:
     request: Generate | Prewarm
     if prewarm:
-        request = Prewarm(request_id=f"r{seq_id}", incarnation=1, model="m")
+        request = requests.prewarm(f"r{seq_id}", None)
     else:
-        request = Generate(request_id=f"r{seq_id}", incarnation=1, model="m", max_tokens=8)
+        request = requests.generate(f"r{seq_id}", None, 8)
     seq = Sequence.admitted(Admit(sequence_id=seq_id, epoch=1, session="s", request=request), "m")
     seq.tokens = tuple(range(prompt))
     seq.phase = phase
@@ -97,28 +99,18 @@ def _spec(**options: ModelOption) -> ModelSpec:
     return sim_spec(chunk=8, prefill_s_per_token=PER_TOKEN, decode_s_per_token=PER_TOKEN, **options)
 
 
-def _generate(request_id: str, prompt: tuple[int, ...], max_tokens: int) -> Generate:
-    return Generate(
-        request_id=request_id,
-        incarnation=1,
-        model="m",
-        prompt_tokens=prompt,
-        max_tokens=max_tokens,
-    )
-
-
 def _running_tokens_while_newcomers_start(sim: Simulator) -> tuple[int, list[list[int]]]:
     """Two streams decode in a batch; NEWCOMERS short prompts arrive together. Returns how many
     tokens the running streams showed before every newcomer had its first token."""
     prompts = {"a": tuple(range(10, 16)), "b": tuple(range(20, 26))}
     for rid, prompt in prompts.items():
-        sim.send(_generate(rid, prompt, 80))
+        sim.send(generate(rid, prompt, 80))
     sim.advance(0.03)
     arrived = len(sim.host_messages)
     for n in range(NEWCOMERS):
         prompt = tuple(range(100 + 10 * n, 106 + 10 * n))  # one chunk
         prompts[f"n{n}"] = prompt
-        sim.send(_generate(f"n{n}", prompt, 4))
+        sim.send(generate(f"n{n}", prompt, 4))
     sim.run_until_quiescent()
     shown = {rid: 0 for rid in prompts}
     running_before = 0

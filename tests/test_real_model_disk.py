@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from mlx_lm.utils import load_tokenizer
 
-from runtime.api import Runtime
 from runtime.backends.disk import DiskCacheConfig
 from runtime.backends.model_source import prepare_model
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec, ReusePath, ReuseTier
 from runtime.testing.harness import engine_stats
 from tests.test_real_model_reuse import CORPUS

@@ -31,12 +31,12 @@ import pytest
 from mlx_lm.utils import load_tokenizer
 
 from actors.engine.checkpoints import BRANCH_REACH, LINE_STARTS, WORD_SCAN_TOKENS
-from runtime.api import Runtime
 from runtime.backends.llamacpp.tokenizer import tokenizer_dir
 from runtime.backends.model_source import converted_models_dir, prepare_model
 from runtime.backends.model_store import fetch_model
 from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     ChatMessage,
     ChatOptions,

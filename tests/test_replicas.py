@@ -10,23 +10,21 @@ import msgspec
 import pytest
 
 from actors.deadlines import RequestGuards
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
 from runtime.errors import InvalidModelSpec, RequestTimedOut
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import ROUTER, engine_model
 from runtime.kernel.stats import Counters
 from runtime.messages import (
     EndSession,
     Failed,
     Finished,
-    Generate,
     ListModels,
     ModelLoaded,
     ModelsListed,
     ModelSpec,
     ModelUnloaded,
     PrefixesReset,
-    Prewarm,
     ResetPrefixes,
     SessionEnded,
     Started,
@@ -34,6 +32,7 @@ from runtime.messages import (
 )
 from runtime.testing.harness import engine_address_of, engines, kv_keeper, prefix_cache, router
 from runtime.testing.recording import RecordingContext
+from runtime.testing.requests import generate, prewarm
 from runtime.testing.simulator import Simulator
 
 OPTIONS = {"prefill_s_per_token": 0.0001, "decode_s_per_token": 0.001}
@@ -46,11 +45,6 @@ def make(seed: int = 1) -> Simulator:
     loaded = sim.load(SPEC)
     assert isinstance(loaded, ModelLoaded) and loaded.model == "m", loaded
     return sim
-
-
-def generate(rid: str, prompt: tuple[int, ...] = (1, 2, 3), n: int = 4, **kw: object) -> Generate:
-    return Generate(request_id=rid, incarnation=1, model="m", prompt_tokens=prompt, max_tokens=n,
-                    **kw)  # type: ignore[arg-type]  # fmt: skip
 
 
 def replica_of(sim: Simulator, rid: str) -> str:
@@ -72,15 +66,15 @@ def test_a_model_with_replicas_loads_and_unloads_as_one_name() -> None:
 
 def test_concurrent_requests_spread_and_a_session_stays_on_its_replica() -> None:
     sim = make()
-    sim.send(generate("a", n=20))
-    sim.send(generate("b", n=20))
+    sim.send(generate("a", (1, 2, 3), max_tokens=20))
+    sim.send(generate("b", (1, 2, 3), max_tokens=20))
     sim.run_until_quiescent()
     assert {replica_of(sim, "a"), replica_of(sim, "b")} == {"m@0", "m@1"}
-    sim.send(Prewarm(request_id="w", incarnation=1, model="m", prompt_tokens=LONG, session="s"))
+    sim.send(prewarm("w", LONG, session="s"))
     sim.run_until_quiescent()
     for turn in range(3):
-        sim.send(generate(f"s{turn}", LONG + (5,) * turn, session="s"))
-        sim.send(generate(f"x{turn}", (7, 7, 7), n=30))  # other load, meanwhile
+        sim.send(generate(f"s{turn}", LONG + (5,) * turn, 4, session="s"))
+        sim.send(generate(f"x{turn}", (7, 7, 7), max_tokens=30))  # other load, meanwhile
         sim.run_until_quiescent()
         assert replica_of(sim, f"s{turn}") == replica_of(sim, "w")
     assert all(isinstance(sim.terminal(f"s{t}", 1), Finished) for t in range(3))
@@ -88,12 +82,12 @@ def test_concurrent_requests_spread_and_a_session_stays_on_its_replica() -> None
 
 def test_a_request_moves_to_the_replica_holding_its_prefix_unless_it_is_overloaded() -> None:
     sim = make()
-    sim.send(generate("first", LONG))
+    sim.send(generate("first", LONG, 4))
     sim.run_until_quiescent()
     holder = replica_of(sim, "first")
-    sim.send(generate("busy", (9, 9, 9), n=400))  # the least busy is now the other replica
+    sim.send(generate("busy", (9, 9, 9), max_tokens=400))  # the least busy is now the other replica
     sim.advance(0.01)
-    sim.send(generate("again", (*LONG, 1, 2)))
+    sim.send(generate("again", (*LONG, 1, 2), 4))
     sim.run_until_quiescent()
     assert replica_of(sim, "again") == holder
     assert router(sim).statistics().counters["requests_moved"] == 1
@@ -101,10 +95,10 @@ def test_a_request_moves_to_the_replica_holding_its_prefix_unless_it_is_overload
     assert isinstance(done, Finished) and done.usage.cached_prompt_tokens >= len(LONG) - 1
     # With the holder far busier than the other replica, the request stays where it was routed.
     for i in range(8):
-        sim.send(generate(f"load{i}", (8, i), n=400, session="pin"))  # all on one replica
+        sim.send(generate(f"load{i}", (8, i), max_tokens=400, session="pin"))  # all on one replica
     sim.advance(0.01)
     assert replica_of(sim, "load0") == holder  # both idle: ties go to the first replica
-    sim.send(generate("second", (*LONG, 3, 4), session="pin-elsewhere"))
+    sim.send(generate("second", (*LONG, 3, 4), 4, session="pin-elsewhere"))
     sim.run_until_quiescent()
     assert router(sim).statistics().counters["moves_declined"] >= 1
     assert replica_of(sim, "second") != holder
@@ -115,13 +109,13 @@ def test_a_request_moves_to_the_replica_holding_its_prefix_unless_it_is_overload
 def test_a_moved_request_is_not_tokenized_again() -> None:
     sim = make()
     text = "the quick brown fox jumps over the lazy dog " * 3  # the simulated tokenizer: bytes
-    first = Generate(request_id="first", incarnation=1, model="m", prompt=text, max_tokens=4)
+    first = generate("first", max_tokens=4, prompt=text)
     sim.send(first)
     sim.run_until_quiescent()
     holder = replica_of(sim, "first")
-    sim.send(generate("busy", (9, 9, 9), n=400))  # the least busy is now the other replica
+    sim.send(generate("busy", (9, 9, 9), max_tokens=400))  # the least busy is now the other replica
     sim.advance(0.01)
-    sim.send(msgspec.structs.replace(first, request_id="again", prompt=text + "again"))
+    sim.send(generate("again", max_tokens=4, prompt=text + "again"))
     sim.run_until_quiescent()
     assert replica_of(sim, "again") == holder
     done = sim.terminal("again", 1)
@@ -135,7 +129,7 @@ def test_a_moved_request_is_not_tokenized_again() -> None:
 def test_a_moved_request_keeps_the_deadline_it_was_first_accepted_with() -> None:
     guards = RequestGuards(None, Counters())
     ctx = RecordingContext(ROUTER, clock=100.0)
-    request = generate("r", timeout_s=60.0)
+    request = generate("r", (1, 2, 3), 4, timeout_s=60.0)
     guards.accepted(request, 1, 1, ctx)
     guards.ended(1)  # moved: its first sequence is let go ...
     ctx.clock = 103.0
@@ -148,10 +142,10 @@ def test_a_moved_request_keeps_the_deadline_it_was_first_accepted_with() -> None
 
 def test_a_lost_replica_fails_its_streams_and_its_unstarted_requests_go_to_another() -> None:
     sim = make()
-    sim.send(generate("stream", (4, 4, 4), n=200, session="one"))
+    sim.send(generate("stream", (4, 4, 4), max_tokens=200, session="one"))
     sim.advance(0.02)
     lost = engine_address_of(sim, replica_of(sim, "stream"))
-    sim.send(generate("queued", LONG, session="one"))  # same replica, not started yet
+    sim.send(generate("queued", LONG, 4, session="one"))  # same replica, not started yet
     sim.lose_engine(lost)
     sim.run_until_quiescent()
     failed = sim.terminal("stream", 1)
@@ -169,7 +163,7 @@ def test_round_robin_takes_turns_and_never_moves_a_request() -> None:
     sim = Simulator(seed=1, config=RuntimeConfig(kv_budget_bytes=256 << 20))
     sim.load(msgspec.structs.replace(SPEC, routing="round_robin"))
     for i in range(4):
-        sim.send(generate(f"r{i}", (*LONG, i)))
+        sim.send(generate(f"r{i}", (*LONG, i), 4))
         sim.run_until_quiescent()
     assert [replica_of(sim, f"r{i}") for i in range(4)] == ["m@1", "m@0", "m@1", "m@0"]
     assert router(sim).statistics().counters.get("requests_moved", 0) == 0
@@ -187,8 +181,10 @@ async def test_replicas_and_routing_are_checked_before_anything_loads() -> None:
 
 def test_ending_a_session_reaches_the_replica_that_holds_it() -> None:
     sim = make()
-    sim.send(generate("busy", (9, 9), n=300))  # the session's first request goes to the other
-    sim.send(generate("s", LONG, session="editor"))
+    sim.send(
+        generate("busy", (9, 9), max_tokens=300)
+    )  # the session's first request goes to the other
+    sim.send(generate("s", LONG, 4, session="editor"))
     sim.run_until_quiescent()
     ended = sim.ask(EndSession(model="m", session="editor"))
     assert isinstance(ended, SessionEnded) and ended.model == replica_of(sim, "s"), ended
@@ -196,8 +192,8 @@ def test_ending_a_session_reaches_the_replica_that_holds_it() -> None:
 
 def test_resetting_a_model_with_replicas_resets_every_replica_once() -> None:
     sim = make()
-    sim.send(generate("a", (1, 2, 3, 4)))
-    sim.send(generate("b", (5, 6, 7, 8)))  # one on each replica, each leaves an entry
+    sim.send(generate("a", (1, 2, 3, 4), 4))
+    sim.send(generate("b", (5, 6, 7, 8), 4))  # one on each replica, each leaves an entry
     sim.run_until_quiescent()
     assert {replica_of(sim, "a"), replica_of(sim, "b")} == {"m@0", "m@1"}
     held = len(prefix_cache(sim).entries())

@@ -6,9 +6,9 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Cancelled, ModelSpec, ReusePath
 from runtime.testing.harness import ModelOption, engine_stats, sim_spec, wait_until
 

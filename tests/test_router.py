@@ -12,7 +12,6 @@ from runtime.messages import (
     EngineFailed,
     EngineReady,
     Failed,
-    Generate,
     LoadModel,
     ModelLoaded,
     ModelSpec,
@@ -25,6 +24,7 @@ from runtime.messages import (
     Usage,
 )
 from runtime.testing.recording import RecordingContext, idle_engine
+from runtime.testing.requests import generate
 
 ENGINE_A = engine_address("a", 1)
 ENGINE_B = engine_address("b", 2)
@@ -112,7 +112,7 @@ def test_an_unsolicited_reply_is_a_counted_dead_letter_and_the_router_goes_on(
 def test_an_engine_that_gave_up_is_replaced_and_what_it_left_live_fails_retryably(
     router: RouterCore, ctx: RecordingContext
 ) -> None:
-    router.handle(Generate(request_id="r", incarnation=1, model="a", prompt="x"), "host", ctx)
+    router.handle(generate("r", max_tokens=None, model="a", prompt="x"), "host", ctx)
     assert [to for to, _ in ctx.take_sent()] == [ENGINE_A]  # admitted; the engine never answers
     gave_up = EngineFailed(epoch=1, code="step_timeout", message="stuck")
     router.handle(gave_up, ENGINE_A, ctx)
@@ -127,14 +127,14 @@ def test_an_engine_that_gave_up_is_replaced_and_what_it_left_live_fails_retryabl
     assert ctx.take_sent() == [("host", failed)]
     assert ctx.stopped == [ENGINE_A]
     assert ctx.spawned[-1][0] == engine_address("a", 3)  # reloaded at a new epoch
-    router.handle(Generate(request_id="s", incarnation=1, model="a", prompt="x"), "host", ctx)
+    router.handle(generate("s", max_tokens=None, model="a", prompt="x"), "host", ctx)
     ((_, rejected),) = ctx.take_sent()
     assert isinstance(rejected, Rejected) and rejected.code == "model_restarting"
     router.handle(gave_up, ENGINE_A, ctx)  # the old epoch again: stale
     assert ctx.dead_letters["stale_engine_event"] == 1
     ready = EngineReady(epoch=3, reuse_path="trim", bytes_per_token=1, context_length=64)
     router.handle(ready, engine_address("a", 3), ctx)
-    router.handle(Generate(request_id="t", incarnation=1, model="a", prompt="x"), "host", ctx)
+    router.handle(generate("t", max_tokens=None, model="a", prompt="x"), "host", ctx)
     assert [to for to, _ in ctx.take_sent()] == [engine_address("a", 3)]
 
 
@@ -149,7 +149,7 @@ def test_a_failed_model_refuses_requests_until_loaded_again_and_unloads_at_once(
     router.handle(EngineFailed(epoch=1, code="engine_crashed", message="bug"), ENGINE_A, ctx)
     ctx.take_sent()
     assert router.statistics().gauges["models_failed"] == 1
-    router.handle(Generate(request_id="r", incarnation=1, model="a", prompt="x"), "host", ctx)
+    router.handle(generate("r", max_tokens=None, model="a", prompt="x"), "host", ctx)
     ((_, rejected),) = ctx.take_sent()
     assert isinstance(rejected, Rejected) and rejected.code == "model_failed"
     assert "(last: bug)" in rejected.message and "load_model" in rejected.message

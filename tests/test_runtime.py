@@ -5,10 +5,8 @@ from __future__ import annotations
 import anyio
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.loader import make_backend_loader
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
 from runtime.errors import (
     DuplicateRequestId,
     InvalidRequest,
@@ -16,6 +14,8 @@ from runtime.errors import (
     ModelLoadFailed,
     ModelNotLoaded,
 )
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import engine_address
 from runtime.messages import (
     Cancelled,

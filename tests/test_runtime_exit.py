@@ -6,10 +6,10 @@ import logging
 
 import pytest
 
-import runtime.api
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
+import runtime.host.api
 from runtime.errors import ActorStopped
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import ROUTER
 from runtime.messages import ModelSpec
 
@@ -44,7 +44,7 @@ async def test_a_shutdown_that_runs_out_of_time_on_exit_is_logged(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     caplog.set_level(logging.WARNING, logger="mlx_actor_runtime.api")
-    monkeypatch.setattr(runtime.api, "SHUTDOWN_WAIT_S", 0.0)
+    monkeypatch.setattr(runtime.host.api, "SHUTDOWN_WAIT_S", 0.0)
     async with Runtime(RuntimeConfig(kv_budget_bytes=1 << 20)) as rt:
         await rt.load_model(MODEL)
     [warning] = shutdown_warnings(caplog)

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from runtime.errors import InvalidRequest
+from runtime.host.validation import validate_sampling
 from runtime.messages import Sampling
 from runtime.text.sampling import SampleResult, TokenSampler, sequence_breaker_ids
-from runtime.validation import validate_sampling
 
 SEEDS = range(300)
 

@@ -20,7 +20,7 @@ import openai
 import pytest
 
 from runtime.cli import main
-from runtime.serve_keys import API_KEY_ENV
+from runtime.cli.serve_keys import API_KEY_ENV
 from tests.test_serve_process import REQUEST_TIMEOUT_S, mlxrt_serve, wait_for
 
 ALICE, BOB = "alice-0123456789abcdef", "bob-fedcba9876543210"

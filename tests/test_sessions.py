@@ -12,6 +12,7 @@ from runtime.messages import (
     Started,
 )
 from runtime.testing.harness import kv_keeper, make_sim, prefix_cache, sim_spec
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 SYSTEM = ChatMessage(role="system", content="You are a careful assistant.")
@@ -19,12 +20,11 @@ RENDERED_SYSTEM = len("system: You are a careful assistant.\n")
 
 
 def chat(request_id: str, incarnation: int, system: ChatMessage, text: str) -> Generate:
-    return Generate(
-        request_id=request_id,
-        incarnation=incarnation,
-        model="m",
-        messages=(system, ChatMessage(role="user", content=text)),
+    return generate(
+        request_id,
         max_tokens=3,
+        incarnation=incarnation,
+        messages=(system, ChatMessage(role="user", content=text)),
         session="s",
     )
 
@@ -63,7 +63,7 @@ def test_a_pinned_prefix_survives_ordinary_eviction_but_never_starves_a_reservat
     sim.run_until_quiescent()
     assert pinned(sim) == [RENDERED_SYSTEM]
     # A request too big to fit beside the pin: half-way to its deadline the pin is evicted.
-    big = Generate(request_id="big", incarnation=2, model="m", prompt="x" * 60, max_tokens=40)
+    big = generate("big", max_tokens=40, incarnation=2, prompt="x" * 60)
     sim.send(big)
     sim.run_until_quiescent()
     assert isinstance(sim.terminal("big", 2), Finished)

@@ -9,7 +9,6 @@ from runtime.messages import (
     Cancel,
     Cancelled,
     Finished,
-    Generate,
     ModelSpec,
     SequenceFinished,
     Started,
@@ -26,6 +25,7 @@ from runtime.testing.harness import (
     router,
     sim_spec,
 )
+from runtime.testing.requests import generate
 
 PER_TOKEN = 0.001
 CHUNK = 16
@@ -38,20 +38,10 @@ def spec(**options: ModelOption) -> ModelSpec:
     )
 
 
-def generate(request_id: str, incarnation: int, tokens: tuple[int, ...], n: int = 4) -> Generate:
-    return Generate(
-        request_id=request_id,
-        incarnation=incarnation,
-        model="m",
-        prompt_tokens=tokens,
-        max_tokens=n,
-    )
-
-
 def run_program(seed: int) -> list[str]:
     sim = make_sim(spec(), seed=seed)
     for i in range(4):
-        sim.send(generate(f"r{i}", i + 1, tuple(range(10 + i)), n=3))
+        sim.send(generate(f"r{i}", tuple(range(10 + i)), incarnation=i + 1, max_tokens=3))
     sim.advance(0.004)
     sim.send(Cancel(request_id="r2", incarnation=3))
     sim.run_until_quiescent()
@@ -66,7 +56,7 @@ def test_same_seed_same_trace() -> None:
 def test_cancel_mid_prefill_stops_at_the_next_chunk_boundary() -> None:
     sim = make_sim(spec())
     prompt = tuple(range(50, 250))  # 200 tokens: 12.5 chunks
-    sim.send(generate("a", 1, prompt))
+    sim.send(generate("a", prompt, 4))
     sim.advance(CHUNK * PER_TOKEN * 3.5)  # inside the fourth chunk
     sim.send(Cancel(request_id="a", incarnation=1))
     sim.run_until_quiescent()
@@ -75,7 +65,7 @@ def test_cancel_mid_prefill_stops_at_the_next_chunk_boundary() -> None:
     assert terminal.usage == Usage(prompt_tokens=200, cached_prompt_tokens=0, completion_tokens=0)
     assert engine(sim).counters["prefilled_tokens"] == 4 * CHUNK
     # The aborted prefill is kept: the keystroke that extends the prompt resumes from it.
-    sim.send(generate("b", 2, (*prompt, 7, 8)))
+    sim.send(generate("b", (*prompt, 7, 8), 4, incarnation=2))
     sim.run_until_quiescent()
     started = next(e for e in sim.events("b", 2) if isinstance(e, Started))
     assert started.cached_tokens == 4 * CHUNK
@@ -84,11 +74,11 @@ def test_cancel_mid_prefill_stops_at_the_next_chunk_boundary() -> None:
 
 def test_a_cancel_for_an_earlier_incarnation_never_hits_a_reused_id() -> None:
     sim = make_sim(spec())
-    sim.send(generate("same", 1, (1, 2, 3), n=2))
+    sim.send(generate("same", (1, 2, 3), max_tokens=2))
     sim.run_until_quiescent()
     assert isinstance(sim.terminal("same", 1), Finished)
     # The host reuses the id; a cancel it sent for the first incarnation arrives late.
-    sim.send(generate("same", 2, (4, 5, 6), n=6))
+    sim.send(generate("same", (4, 5, 6), incarnation=2, max_tokens=6))
     sim.send(Cancel(request_id="same", incarnation=1))
     sim.run_until_quiescent()
     terminal = sim.terminal("same", 2)
@@ -98,7 +88,7 @@ def test_a_cancel_for_an_earlier_incarnation_never_hits_a_reused_id() -> None:
 
 def test_an_abort_after_the_last_step_is_a_counted_noop() -> None:
     sim = make_sim(spec())
-    sim.send(generate("a", 1, (1, 2, 3), n=2))
+    sim.send(generate("a", (1, 2, 3), max_tokens=2))
     sim.run_until_quiescent()
     sim.deliver(engine_address_of(sim), Abort(sequence_id=1, epoch=1), "router")
     sim.run_until_quiescent()
@@ -108,7 +98,7 @@ def test_an_abort_after_the_last_step_is_a_counted_noop() -> None:
 
 def test_stale_epoch_messages_are_dropped_and_counted() -> None:
     sim = make_sim(spec())
-    sim.send(generate("a", 1, (1, 2, 3), n=30))
+    sim.send(generate("a", (1, 2, 3), max_tokens=30))
     sim.advance(0.01)
     stale = SequenceFinished(sequence_id=1, epoch=0, reason="stop", usage=Usage())  # type: ignore[arg-type]
     sim.deliver("router", stale, engine_address("m", 0))
@@ -121,7 +111,7 @@ def test_stale_epoch_messages_are_dropped_and_counted() -> None:
 def test_unload_waits_for_the_step_in_flight_and_releases_everything() -> None:
     sim = make_sim(spec())
     address = engine_address_of(sim)
-    sim.send(generate("a", 1, tuple(range(100)), n=5))
+    sim.send(generate("a", tuple(range(100)), max_tokens=5))
     sim.advance(0.005)
     reply = sim.ask(UnloadModel(model="m"))
     assert reply == type(reply)(model="m", epoch=1)
@@ -138,9 +128,9 @@ def test_a_waiting_reservation_is_served_once_a_finished_request_leaves_an_evict
 ):
     model = sim_spec(bytes_per_token=100, decode_s_per_token=PER_TOKEN)
     sim = make_sim(model, budget=10_000, reservation_timeout_s=30.0)
-    sim.send(generate("hog", 1, tuple(range(10)), n=60))  # 7,000 of 10,000 bytes
+    sim.send(generate("hog", tuple(range(10)), max_tokens=60))  # 7,000 of 10,000 bytes
     sim.advance(0.005)
-    sim.send(generate("next", 2, tuple(range(20, 30)), n=30))  # 4,000: waits
+    sim.send(generate("next", tuple(range(20, 30)), incarnation=2, max_tokens=30))  # 4,000: waits
     sim.run_until(lambda: sim.terminal("next", 2) is not None)
     # The hog's cached state (7,000 bytes) was evicted for it at once, not at the 15 s pressure
     # point or the 30 s deadline.

@@ -1,4 +1,4 @@
-"""The simulated soak (runtime/testing/soak.py): 2,000 seeded requests, generates and prewarms,
+"""The simulated soak (bench/soak/driver.py): 2,000 seeded requests, generates and prewarms,
 random cancels, a mid-run unload and reload, through the production ``Runtime``; afterwards
 nothing is left behind. ``scripts/soak.py`` runs the same soak and prints its figures."""
 
@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.testing.soak import run_soak
-from runtime.testing.soak_plan import CHECKPOINT_MODEL, RELOADED_MODEL, SoakConfig
+from bench.soak.driver import run_soak
+from bench.soak.plan import CHECKPOINT_MODEL, RELOADED_MODEL, SoakConfig
 
 pytestmark = pytest.mark.anyio
 

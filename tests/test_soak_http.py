@@ -1,4 +1,4 @@
-"""The HTTP soak on the default real model (runtime/testing/http_soak.py), at CI size: concurrent
+"""The HTTP soak on the default real model (bench/soak/http_soak.py), at CI size: concurrent
 clients, completions and chats, streamed and not, some leaving mid-stream; greedy replies equal
 their cold replies, KV returns to the prefix entries, MLX active memory to its baseline.
 ``make soak`` runs the full-size one (200 requests); docs/reliability.md, "Soak" has its figures."""
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from bench.soak.http_soak import HttpSoakConfig, run_http_soak
 from runtime.backends.model_store import DEFAULT_MODEL
-from runtime.testing.http_soak import HttpSoakConfig, run_http_soak
 
 pytestmark = [pytest.mark.real_model, pytest.mark.anyio]
 

@@ -21,9 +21,9 @@ import msgspec
 import pytest
 
 from actors.engine.drafting import PromptLookup, Speculation
-from runtime.api import Runtime
 from runtime.backends.mlx.backend import MlxBackend
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Finished,
     FinishReason,
@@ -105,8 +105,52 @@ def test_prompt_lookup_drafts_what_followed_the_latest_match() -> None:
     # The 3-gram (1, 2, 3) matches before the later 2-gram (2, 3) does: the longer match wins.
     assert lookup.draft(history, 2) == [4, 5]
     assert lookup.draft([*history, 9, 2, 3], 2) == [6, 7]  # the latest (9, 2, 3)
-    assert lookup.draft([*history, 9, 2, 3, 8], 3) == []  # (3, 8) never occurred
-    assert lookup.draft([5, 6], 4) == []
+    # (3, 8) never occurred: 8 broke the copy at 6, so one draft guesses 8 replaced 6.
+    assert lookup.draft([*history, 9, 2, 3, 8], 3) == [7]
+    assert lookup.guessed
+    assert PromptLookup().draft([5, 6], 4) == []
+
+
+def test_prompt_lookup_follows_the_copy_it_is_in() -> None:
+    source = [10, 1, 2, 3, 11, 12, 13, 20, 1, 2, 3, 21, 22]
+    lookup = PromptLookup()
+    # Copying the first (1, 2, 3): its drafts come from there, then go on from there, although
+    # the latest (1, 2, 3) (followed by 21) is the n-gram lookup's match.
+    history = [*source, 30, 10, 1, 2]
+    assert lookup.draft(history, 2) == [3, 11]
+    assert lookup.draft([*history, 3], 3) == [11, 12, 13]
+    assert not lookup.guessed
+
+
+def test_a_break_in_the_copy_is_guessed_a_substitution_once() -> None:
+    source = [7, 8, 9, 40, 41, 42, 43, 44, 45]  # 7 8 9 name ( args ) :
+    lookup = PromptLookup()
+    history = [*source, 50, 7, 8, 9]
+    assert lookup.draft(history, 3) == [40, 41, 42]
+    # 60 replaced 40 (a renamed identifier): one draft guesses the source goes on after it.
+    renamed = [*history, 60]
+    assert lookup.draft(renamed, 3) == [41]
+    assert lookup.guessed
+    # The guess held: the copy goes on, drafted in full again.
+    assert lookup.draft([*renamed, 41], 3) == [42, 43, 44]
+    assert not lookup.guessed
+    # A guess that fails gets no guess of its own.
+    other = PromptLookup()
+    assert other.draft(history, 3) == [40, 41, 42]
+    assert other.draft([*history, 60], 3) == [41]
+    assert other.draft([*history, 60, 61], 3) == []
+
+
+def test_a_failed_guess_leaves_the_acceptance_estimate_alone() -> None:
+    speculation = Speculation(most=10)
+    source = [7, 8, 9, 40, 41, 42, 43, 44, 45]
+    history = [*source, 50, 7, 8, 9]
+    assert speculation.drafts(history, 10)[0] == 40
+    speculation.passed(3, 0)  # 60 replaced 40
+    speculation.rate = rate = 0.9  # as after a long copy
+    assert speculation.drafts([*history, 60], 10) == [41]
+    speculation.passed(1, 0)
+    assert speculation.rate == rate
 
 
 def test_the_draft_count_follows_the_acceptance_rate() -> None:
@@ -486,3 +530,15 @@ def test_drafts_stop_before_an_images_soft_tokens() -> None:
     assert PromptLookup().draft(history, 6) == []
     history = [7, 8, 9, 11, *image, 7, 8, 9]
     assert PromptLookup().draft(history, 6) == [11]
+
+
+def test_the_draft_replay_counts_passes_as_the_engine_makes_them() -> None:
+    from bench.draft_replay import replay
+
+    source = list(range(100, 140))
+    passes, drafted, accepted, cost = replay([*source, 1, 100, 101, 102], source[3:35])
+    assert drafted >= accepted > 20  # a copy: most tokens come as accepted drafts
+    assert passes == 32 - accepted  # each pass yields its accepted drafts and one more
+    assert cost < 32  # cheaper than one pass a token
+    plain = replay([1, 2, 3], [50, 51, 52, 53])
+    assert plain == (4, 0, 0, 4.0)  # nothing to copy: plain decoding

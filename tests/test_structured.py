@@ -11,10 +11,10 @@ import jsonschema
 import msgspec
 import pytest
 
-from runtime.api import Runtime
 from runtime.backends.loader import make_backend_loader
-from runtime.config import RuntimeConfig
 from runtime.errors import InvalidGrammar, InvalidSchema
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Cancelled,
     Constraint,

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from actors.engine.tidying import TIDY_AFTER_S
 from runtime.backends.simulated import greedy_continuation
-from runtime.config import RuntimeConfig
-from runtime.messages import Finished, Generate, ModelLoaded, ModelUnloaded, UnloadModel
+from runtime.host.config import RuntimeConfig
+from runtime.messages import Finished, ModelLoaded, ModelUnloaded, UnloadModel
 from runtime.testing.faults import Fault, FaultPlan, FaultPoint
 from runtime.testing.harness import ModelOption, engine, kv_keeper, sim_spec
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 PROMPT = tuple(range(1, 21))
@@ -30,8 +31,7 @@ def start(faults: FaultPlan | None = None, **options: ModelOption) -> Simulator:
 
 
 def serve(sim: Simulator, request_id: str, prompt: tuple[int, ...] = PROMPT) -> None:
-    sim.send(Generate(request_id=request_id, incarnation=1, model="m",
-                      prompt_tokens=prompt, max_tokens=4))  # fmt: skip
+    sim.send(generate(request_id, prompt, 4))  # fmt: skip
     sim.run_until(lambda: sim.terminal(request_id, 1) is not None)
     assert isinstance(sim.terminal(request_id, 1), Finished), sim.terminal(request_id, 1)
     assert sim.emitted_tokens(request_id, 1) == greedy_continuation(prompt, 4)

@@ -18,11 +18,11 @@ pytest.importorskip("mlx_vlm")
 
 from PIL import Image
 
-from runtime.api import Completion, Runtime
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.backends.vision.media import is_media, split_media
-from runtime.config import RuntimeConfig
 from runtime.errors import error_for_code
+from runtime.host.api import Completion, Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     ChatMessage,
     ChatOptions,

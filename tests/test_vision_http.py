@@ -19,7 +19,7 @@ pytest.importorskip("mlx_vlm")
 
 from PIL import Image
 
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ChatMessage, ImagePart, ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.media import FETCH_MAX_BYTES

@@ -17,7 +17,6 @@ from runtime.messages import (
     ComputeWatch,
     Failed,
     Finished,
-    Generate,
     ModelLoaded,
     ModelSpec,
     ModelUnloaded,
@@ -36,6 +35,7 @@ from runtime.testing.harness import (
     sim_spec,
 )
 from runtime.testing.recording import RecordingContext
+from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 
 PER_TOKEN = 0.001
@@ -46,14 +46,6 @@ PROMPT = tuple(range(1, 41))
 def spec(name: str = "m", **options: ModelOption) -> ModelSpec:
     timing = {"prefill_s_per_token": PER_TOKEN, "decode_s_per_token": PER_TOKEN}
     return sim_spec(name, chunk=16, **{**timing, **options})
-
-
-def generate(
-    request_id: str, tokens: tuple[int, ...] = PROMPT, n: int = 4, model: str = "m"
-) -> Generate:
-    return Generate(
-        request_id=request_id, incarnation=1, model=model, prompt_tokens=tokens, max_tokens=n
-    )
 
 
 def ended(sim: Simulator, *request_ids: str) -> bool:
@@ -68,7 +60,7 @@ def assert_step_timeout(sim: Simulator, request_id: str) -> None:
 
 
 def assert_served(sim: Simulator, request_id: str, model: str = "m") -> None:
-    sim.send(generate(request_id, model=model))
+    sim.send(generate(request_id, PROMPT, model=model))
     sim.run_until(lambda: ended(sim, request_id))
     assert isinstance(sim.terminal(request_id, 1), Finished), sim.terminal(request_id, 1)
     assert sim.emitted_tokens(request_id, 1) == greedy_continuation(PROMPT, 4)
@@ -88,8 +80,8 @@ def test_a_hung_step_fails_every_sequence_of_the_engine_and_the_model_reloads() 
     sim.run_until(lambda: ended(sim, "cached"))
     plan.arm(Fault(FaultPoint.DECODE, FaultKind.HANG))
     started = sim.clock.now
-    sim.send(generate("stuck", n=8))
-    sim.send(generate("waiting", tuple(range(50, 90)), n=8))
+    sim.send(generate("stuck", PROMPT, max_tokens=8))
+    sim.send(generate("waiting", tuple(range(50, 90)), max_tokens=8))
     sim.run_until(lambda: ended(sim, "stuck", "waiting"))
     assert_step_timeout(sim, "stuck")
     assert_step_timeout(sim, "waiting")
@@ -106,7 +98,7 @@ def test_a_hung_step_fails_every_sequence_of_the_engine_and_the_model_reloads() 
 def test_a_step_that_overruns_the_limit_is_stuck_and_its_late_result_is_dropped() -> None:
     plan = FaultPlan(Fault(FaultPoint.PREFILL, FaultKind.SLOW, seconds=10.0))
     sim = make_sim(spec(), faults=plan, step_timeout_s=LIMIT_S)
-    sim.send(generate("slow"))
+    sim.send(generate("slow", PROMPT))
     sim.run_until(lambda: ended(sim, "slow"))
     assert_step_timeout(sim, "slow")
     sim.run_until_quiescent()  # the slow step ends at 10 s, long after the engine gave up
@@ -117,7 +109,7 @@ def test_a_step_that_overruns_the_limit_is_stuck_and_its_late_result_is_dropped(
 
 def test_the_limit_is_per_step_not_per_request() -> None:
     sim = make_sim(spec(decode_s_per_token=1.5), step_timeout_s=LIMIT_S)
-    sim.send(generate("long", n=6))  # 9 s of decoding, every step within the limit
+    sim.send(generate("long", PROMPT, max_tokens=6))  # 9 s of decoding, every step within the limit
     sim.run_until_quiescent()
     assert isinstance(sim.terminal("long", 1), Finished)
     assert router(sim).counters.snapshot().get("engines_failed", 0) == 0
@@ -126,9 +118,9 @@ def test_the_limit_is_per_step_not_per_request() -> None:
 def test_requests_while_the_model_reloads_are_rejected_retryably() -> None:
     plan = FaultPlan(Fault(FaultPoint.DECODE, FaultKind.HANG))
     sim = make_sim(spec(load_s=5.0), faults=plan, step_timeout_s=LIMIT_S)
-    sim.send(generate("stuck"))
+    sim.send(generate("stuck", PROMPT))
     sim.run_until(lambda: router(sim).statistics().gauges["models_restarting"] == 1)
-    sim.send(generate("meanwhile"))
+    sim.send(generate("meanwhile", PROMPT))
     sim.run_until_idle()
     rejected = sim.terminal("meanwhile", 1)
     assert isinstance(rejected, Rejected) and rejected.code == "model_restarting"
@@ -147,10 +139,10 @@ def test_beyond_the_restart_intensity_the_model_fails_and_the_rest_keeps_serving
         engine_restart=RestartPolicy(max_restarts=1, within_s=60.0),
     )
     for request_id in ("first", "second"):
-        sim.send(generate(request_id))
+        sim.send(generate(request_id, PROMPT))
         sim.run_until_quiescent()
         assert_step_timeout(sim, request_id)
-    sim.send(generate("refused"))
+    sim.send(generate("refused", PROMPT))
     sim.run_until_idle()
     refused = sim.terminal("refused", 1)
     assert isinstance(refused, Rejected) and refused.code == "model_failed"
@@ -175,7 +167,7 @@ def test_crashes_spread_out_beyond_the_window_keep_restarting() -> None:
         engine_restart=RestartPolicy(max_restarts=1, within_s=10.0),
     )
     for i in range(3):
-        sim.send(generate(f"r{i}"))
+        sim.send(generate(f"r{i}", PROMPT))
         sim.run_until_quiescent()
         assert_step_timeout(sim, f"r{i}")
         sim.advance(20.0)  # the last crash leaves the window
@@ -187,10 +179,10 @@ def test_a_model_whose_reload_fails_is_failed_with_the_load_error() -> None:
     plan = FaultPlan(Fault(FaultPoint.DECODE, FaultKind.HANG))
     sim = make_sim(spec(), faults=plan, step_timeout_s=LIMIT_S)
     plan.arm(Fault(FaultPoint.LOAD))  # the reload
-    sim.send(generate("stuck"))
+    sim.send(generate("stuck", PROMPT))
     sim.run_until_quiescent()
     assert_step_timeout(sim, "stuck")
-    sim.send(generate("refused"))
+    sim.send(generate("refused", PROMPT))
     sim.run_until_idle()
     refused = sim.terminal("refused", 1)
     assert isinstance(refused, Rejected) and refused.code == "model_failed"
@@ -201,7 +193,7 @@ def test_a_model_whose_reload_fails_is_failed_with_the_load_error() -> None:
 def test_a_model_unloaded_while_it_reloads_is_unloaded() -> None:
     plan = FaultPlan(Fault(FaultPoint.DECODE, FaultKind.HANG))
     sim = make_sim(spec(load_s=5.0), faults=plan, step_timeout_s=LIMIT_S)
-    sim.send(generate("stuck"))
+    sim.send(generate("stuck", PROMPT))
     sim.run_until(lambda: router(sim).statistics().gauges["models_restarting"] == 1)
     assert isinstance(sim.ask(UnloadModel(model="m")), ModelUnloaded)
     assert engines(sim) == []
@@ -212,7 +204,7 @@ def test_a_model_unloaded_while_it_reloads_is_unloaded() -> None:
 def test_an_unload_waiting_on_a_stuck_step_ends_once_the_limit_passes() -> None:
     plan = FaultPlan(Fault(FaultPoint.DECODE, FaultKind.HANG))
     sim = make_sim(spec(), faults=plan, step_timeout_s=LIMIT_S)
-    sim.send(generate("stuck"))
+    sim.send(generate("stuck", PROMPT))
     sim.advance(0.5)  # the step hangs; the drain waits for it
     unloaded = sim.ask(UnloadModel(model="m"))
     assert isinstance(unloaded, ModelUnloaded) and sim.clock.now >= LIMIT_S

@@ -181,7 +181,9 @@ class Admission:
             )
             self._ends.fail(seq, ctx, error)
             return
-        seq.stop_token_ids = seq.stop_token_ids | info.eos_token_ids
+        # ignore_eos keeps a constraint's EOS: once its grammar is complete only EOS may follow.
+        if not seq.request.ignore_eos or seq.sampling.constraint is not None:
+            seq.stop_token_ids = seq.stop_token_ids | info.eos_token_ids
         self._entries.plan_pin(seq, ctx)
         if seq.kind is RequestKind.PREWARM and seq.prefill_target == 0:
             self._ends.finish(seq, ctx, FinishReason.PREWARMED)

@@ -37,16 +37,31 @@ _GAIN = 1.1  # a pass must promise this many times a plain step's tokens per sec
 
 
 class PromptLookup:
-    """The n-gram index of a growing history: each n-gram's latest end position before the last
-    token, updated as tokens arrive (the history only grows: rejected drafts never enter it)."""
+    """The n-gram index of a growing history (each n-gram's latest end position before the last
+    token), and the copy that its drafts come from.
+
+    While the history goes on as the copy's source did, the next drafts continue the source, not
+    the latest match of the last n-gram (another copy of the same words, e.g. a name that recurs).
+    Where the history breaks from its source (a renamed identifier in a rewrite), the break's
+    first token is taken for a substitution: one draft guesses that the source goes on right after
+    the token it replaced. A guess that holds is the copy again; one that fails costs one drafted
+    token and leaves the acceptance estimate alone (``guessed``), so the next n-gram match resumes
+    the copy as before. Rejected drafts never enter the history: it only grows.
+    """
 
     def __init__(self) -> None:
         self._index: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in NGRAMS}
         self._indexed = 0  # n-grams ending before this position are indexed
+        self._source: int | None = None  # the copy: history[_at] should be history[_source]
+        self._at = 0
+        self._guessing = False  # the copy is a guess no token has confirmed yet
+        self._broke: tuple[int, int] | None = None  # (source, history) positions of a break
+        self.guessed = False  # the last drafts were a guess
 
     def draft(self, history: Sequence[int], limit: int, shortest: int = 2) -> list[int]:
-        """Up to ``limit`` tokens that followed the latest earlier match of the history's end
-        (of ``shortest`` tokens or more)."""
+        """Up to ``limit`` tokens: the copy's next; else what followed the latest earlier match
+        of the history's end (``shortest`` tokens or more); else a guess after a break."""
+        self.guessed = False
         if limit <= 0 or len(history) < 2:
             return []
         last = len(history) - 1
@@ -55,12 +70,46 @@ class PromptLookup:
                 if end + 1 >= n:
                     index[tuple(history[end + 1 - n : end + 1])] = end
         self._indexed = max(self._indexed, last)
-        for n, index in self._index.items():
-            if shortest <= n <= len(history):
-                found = index.get(tuple(history[len(history) - n :]))
-                if found is not None:
-                    return _follow(history, found + 1, limit)
-        return []
+        self._follow_copy(history)
+        if self._source is None:
+            for n, index in self._index.items():
+                if shortest <= n <= len(history):
+                    found = index.get(tuple(history[len(history) - n :]))
+                    if found is not None:
+                        self._copy(history, found + 1, guessing=False)
+                        break
+            else:
+                self._guess(history)
+        if self._source is None:
+            return []
+        self.guessed = self._guessing
+        return _follow(history, self._source, 1 if self._guessing else limit)
+
+    def _follow_copy(self, history: Sequence[int]) -> None:
+        """Advance the copy over the tokens written since it was last drafted from."""
+        while self._source is not None and self._at < len(history):
+            if history[self._at] != history[self._source]:
+                # A failed guess is no new break: it gets no guess of its own.
+                self._broke = None if self._guessing else (self._source, self._at)
+                self._source = None
+                return
+            self._source += 1
+            self._at += 1
+            self._guessing = False
+
+    def _guess(self, history: Sequence[int]) -> None:
+        """After a break, once: the source goes on as many tokens past the break as the history
+        has since (a substitution of equal length; one token right after a rejected draft)."""
+        if self._broke is None:
+            return
+        source, broke_at = self._broke
+        self._broke = None
+        resumed = source + len(history) - broke_at
+        if resumed < broke_at:
+            self._copy(history, resumed, guessing=True)
+
+    def _copy(self, history: Sequence[int], start: int, *, guessing: bool) -> None:
+        self._source, self._at, self._guessing, self._broke = start, len(history), guessing, None
 
 
 def _follow(history: Sequence[int], start: int, limit: int) -> list[int]:
@@ -93,6 +142,7 @@ class Speculation:
         self.accepted = 0
         self.passes = 0
         self.replays = 0  # passes whose rejected tail could not be cut back (recurrent layers)
+        self._guessed = False  # the pending pass verifies a guess (see PromptLookup)
 
     def size(self, room: int) -> int:
         """How many drafts the next pass should verify (0: decode plainly), at most ``room``."""
@@ -111,7 +161,9 @@ class Speculation:
         if self.source is not None:
             n = self.size(room)
             return self.source.drafts(history, n) if n else []
-        return self.lookup.draft(history, self.size(room), self._shortest())
+        drafts = self.lookup.draft(history, self.size(room), self._shortest())
+        self._guessed = self.lookup.guessed
+        return drafts
 
     def expects_drafts(self, history: Sequence[int], room: int) -> bool:
         """Whether a pass is likely after the next token: the history's end is a copy already
@@ -128,6 +180,9 @@ class Speculation:
         self.drafted += drafted
         self.accepted += accepted
         self.passes += 1
+        if self._guessed:  # a failed guess says nothing of how well the copies go
+            self._guessed = False
+            return
         if self.source is not None:
             self.source.settle(accepted)
         # A pass stops at the first rejection: accepted of (accepted + 1) trials, unless all were.

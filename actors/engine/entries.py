@@ -31,7 +31,6 @@ from runtime.messages import (
     Commit,
     Holder,
     HolderKind,
-    Prewarm,
     Release,
     Reserve,
     TokenIds,
@@ -138,8 +137,7 @@ class EntryStore:
             return
         entry_id, commit = self._new(seq, state, backend)
         entry = self._entries[entry_id]
-        request = seq.admit.request
-        entry.keep_on_disk = isinstance(request, Prewarm) and request.keep_on_disk
+        entry.keep_on_disk = seq.request.keep_on_disk  # a prewarm's (a generate's stays False)
         if not commit.trimmable:  # a trimmable entry serves every prefix without snapshots
             for taken in seq.snapshots:
                 if 0 < taken.length < state.length:

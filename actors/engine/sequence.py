@@ -17,8 +17,8 @@ from runtime.messages import (
     Generate,
     Holder,
     HolderKind,
-    Prewarm,
     PromptFacts,
+    Request,
     RequestKind,
     ReusePath,
     Sampling,
@@ -69,9 +69,6 @@ class Decoding:
     pending: int | None = None  # the last token read, not fed yet (no step was queued on it)
     ended: bool = False  # the last token read ends the sequence (EOS, stop token, max_tokens)
     speculation: Speculation | None = None  # prompt-lookup drafting, where the request allows it
-
-
-_PREWARM_SAMPLING = Sampling()  # a prewarm never samples: the defaults keep its fields total
 
 
 @dataclass(eq=False)
@@ -132,17 +129,16 @@ class Sequence:
     @classmethod
     def admitted(cls, admit: Admit, model: str) -> Sequence:
         """A new sequence of engine ``model`` for ``admit``, before its prompt is tokenized."""
-        request = admit.request
-        generate = request if isinstance(request, Generate) else None
+        request = admit.request.request
         seq = cls(
             admit=admit,
             model=model,
             max_tokens=request.max_tokens or 0,
-            stop_token_ids=frozenset(generate.stop_token_ids if generate else ()),
+            stop_token_ids=frozenset(request.stop_token_ids),
             # A moved request's tokens, as the replica it left made them (not tokenized again).
             tokens=request.prompt_tokens if admit.tokens is None else admit.tokens,
             # Unseeded requests draw from OS entropy; a seed makes the output repeatable.
-            rng=random.Random(generate.sampling.seed if generate else None),
+            rng=random.Random(request.sampling.seed),
         )
         if admit.facts is not None:
             seq.instructions_tokens = admit.facts.instructions_tokens
@@ -168,8 +164,10 @@ class Sequence:
     # ------------------------------------------------------------------ the request, read through
 
     @property
-    def request(self) -> Generate | Prewarm:
-        return self.admit.request
+    def request(self) -> Request:
+        """What the request asked for: one value, a prewarm's generate-only fields at their
+        defaults (runtime/messages/request.py)."""
+        return self.admit.request.request
 
     @property
     def sequence_id(self) -> int:
@@ -185,7 +183,7 @@ class Sequence:
 
     @property
     def namespace(self) -> str:
-        return self.admit.request.namespace
+        return self.request.namespace
 
     @property
     def kind(self) -> RequestKind:
@@ -194,32 +192,28 @@ class Sequence:
 
     @property
     def sampling(self) -> Sampling:
-        request = self.admit.request
-        return request.sampling if isinstance(request, Generate) else _PREWARM_SAMPLING
+        return self.request.sampling
 
     @property
     def stop_strings(self) -> tuple[str, ...]:
-        request = self.admit.request
-        return request.stop if isinstance(request, Generate) else ()
+        return self.request.stop
 
     @property
     def supersede(self) -> bool:
         """Whether this is a generate that aborts its session's older generates (a keystroke)."""
-        request = self.admit.request
-        return isinstance(request, Generate) and request.supersede
+        return self.request.supersede
 
     @property
     def anonymous(self) -> bool:
         """Whether its client cannot be told from others': it supersedes nothing, nor is
         superseded (the HTTP server's requests without a session)."""
-        return self.admit.request.anonymous
+        return self.request.anonymous
 
     @property
     def reuse_prefix(self) -> bool:
         """Whether it may restore cached state (a lookup hit, an adopted prewarm); a generate
         sent with ``reuse_prefix=False`` prefills its whole prompt."""
-        request = self.admit.request
-        return not isinstance(request, Generate) or request.reuse_prefix
+        return self.request.reuse_prefix
 
     # ------------------------------------------------------------------ the engine's view
 

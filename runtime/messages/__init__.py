@@ -12,8 +12,8 @@ Request lifecycle (host → router → engine → router → host)
     decodes → ``SequenceStarted``, ``TokensProduced``…, exactly one of ``SequenceFinished`` /
     ``SequenceCancelled`` / ``SequenceFailed`` → router → host ``Started``, ``TokensEmitted``…,
     exactly one of ``Finished`` / ``Cancelled`` / ``Failed``. Each engine event is the host event
-    it means less the request's identity, which the router adds (``for_request``). A request the
-    router will not accept gets ``Rejected`` (and no other event).
+    it means less the request's identity, which the router adds (each event's ``for_request``).
+    A request the router will not accept gets ``Rejected`` (and no other event).
 
 Deadlines and the stall guard
     A request with ``timeout_s``, or a stream with no token for its stall timeout, is ended by the
@@ -56,7 +56,7 @@ Modules (each name is re-exported here: import from ``runtime.messages``)
     router requests, commands, events and replies. ``router_timers``: the router's own timers.
     ``engine``: router ↔ engine, and the engine's own messages. ``kv_budget`` and
     ``prefix_cache``: those actors' protocols. ``unions``: the inboxes, the event unions and
-    ``for_request``. ``wire``: ``encode`` / ``decode``.
+    ``wire``: ``encode`` / ``decode``.
 """
 
 from runtime.messages.engine import (
@@ -132,6 +132,7 @@ from runtime.messages.prefix_cache import (
     ReleaseLease,
     Unpin,
 )
+from runtime.messages.request import GENERATE_ONLY, PREWARM_ONLY, Request
 from runtime.messages.router_timers import IdleCheck, RequestDeadline, StallCheck
 from runtime.messages.unions import (
     ALL_MESSAGE_TYPES,
@@ -146,7 +147,6 @@ from runtime.messages.unions import (
     RequestEvent,
     RouterInbox,
     TerminalEvent,
-    for_request,
 )
 from runtime.messages.vocabulary import (
     IMAGE_PLACEHOLDER,
@@ -201,7 +201,9 @@ __all__ = [
     "ModelSpec",
     "RequestKind",
     # host
+    "GENERATE_ONLY",
     "Generate",
+    "PREWARM_ONLY",
     "Prewarm",
     "Cancel",
     "LoadModel",
@@ -218,6 +220,7 @@ __all__ = [
     "Cancelled",
     "Failed",
     "Rejected",
+    "Request",
     "ModelLoaded",
     "ModelUnloaded",
     "PrefixesReset",
@@ -284,7 +287,6 @@ __all__ = [
     "EngineTerminal",
     "EngineEvent",
     "CommandReply",
-    "for_request",
     "AnyMessage",
     "ALL_MESSAGE_TYPES",
     # wire

@@ -1,12 +1,20 @@
 """The router ↔ engine protocol: the router admits, aborts and drains sequences; the engine
 reports its model's load and each sequence's events (the host's request events less the request's
-identity, which the router adds: ``runtime.messages.for_request``). Also the messages the engine
-sends itself (``ComputeDone``, ``ComputeWatch``, ``TidyDue``).
+identity, which the router adds: each event's ``for_request`` builds the host event). Also the
+messages the engine sends itself (``ComputeDone``, ``ComputeWatch``, ``TidyDue``).
 """
 
 from __future__ import annotations
 
-from runtime.messages.host import Generate, Prewarm
+from runtime.messages.host import (
+    Cancelled,
+    Failed,
+    Finished,
+    Generate,
+    Prewarm,
+    Started,
+    TokensEmitted,
+)
 from runtime.messages.vocabulary import (
     FinishReason,
     Message,
@@ -109,6 +117,21 @@ class SequenceStarted(Message, frozen=True):
     reasoning_open: bool = False
     tier: ReuseTier = ReuseTier.COLD  # where the reused state came from
 
+    def for_request(self, request_id: str, incarnation: int) -> Started:
+        """The host's event, built field by field (tests/test_engine_events.py checks them all)."""
+        return Started(
+            request_id=request_id,
+            incarnation=incarnation,
+            sequence_id=self.sequence_id,
+            epoch=self.epoch,
+            prompt_tokens=self.prompt_tokens,
+            cached_tokens=self.cached_tokens,
+            path=self.path,
+            dropped_turns=self.dropped_turns,
+            reasoning_open=self.reasoning_open,
+            tier=self.tier,
+        )
+
 
 class TokensProduced(Message, frozen=True):
     """Engine → router: the host's ``TokensEmitted`` for sequence ``sequence_id``."""
@@ -118,6 +141,16 @@ class TokensProduced(Message, frozen=True):
     token_ids: TokenIds
     text: str
     logprobs: tuple[TokenLogprob, ...] = ()
+
+    def for_request(self, request_id: str, incarnation: int) -> TokensEmitted:
+        """The host's event: the per-token path, so built directly, no reflection."""
+        return TokensEmitted(
+            request_id=request_id,
+            incarnation=incarnation,
+            token_ids=self.token_ids,
+            text=self.text,
+            logprobs=self.logprobs,
+        )
 
 
 class SequenceFinished(Message, frozen=True):
@@ -129,6 +162,16 @@ class SequenceFinished(Message, frozen=True):
     usage: Usage
     stop: str | None = None
 
+    def for_request(self, request_id: str, incarnation: int) -> Finished:
+        """The host's terminal event."""
+        return Finished(
+            request_id=request_id,
+            incarnation=incarnation,
+            reason=self.reason,
+            usage=self.usage,
+            stop=self.stop,
+        )
+
 
 class SequenceCancelled(Message, frozen=True):
     """Engine → router: the host's ``Cancelled`` for sequence ``sequence_id``."""
@@ -137,6 +180,12 @@ class SequenceCancelled(Message, frozen=True):
     epoch: int
     usage: Usage
     reason: str = "cancelled"
+
+    def for_request(self, request_id: str, incarnation: int) -> Cancelled:
+        """The host's terminal event."""
+        return Cancelled(
+            request_id=request_id, incarnation=incarnation, usage=self.usage, reason=self.reason
+        )
 
 
 class SequenceFailed(Message, frozen=True):
@@ -148,6 +197,17 @@ class SequenceFailed(Message, frozen=True):
     message: str
     retryable: bool
     usage: Usage
+
+    def for_request(self, request_id: str, incarnation: int) -> Failed:
+        """The host's terminal event."""
+        return Failed(
+            request_id=request_id,
+            incarnation=incarnation,
+            code=self.code,
+            message=self.message,
+            retryable=self.retryable,
+            usage=self.usage,
+        )
 
 
 class Drained(Message, frozen=True):

@@ -9,15 +9,13 @@ from typing import Literal
 
 import msgspec
 
+from runtime.messages.request import Request
 from runtime.messages.vocabulary import (
-    ChatMessage,
-    ChatOptions,
     FinishReason,
     Message,
     ModelSpec,
     ReusePath,
     ReuseTier,
-    Sampling,
     TokenIds,
     TokenLogprob,
     Usage,
@@ -27,69 +25,29 @@ from runtime.messages.vocabulary import (
 
 
 class Generate(Message, frozen=True):
-    """Start generating. ``incarnation`` is unique per runtime: a recycled ``request_id`` is safe.
+    """Start generating ``request``, carried as the edge built it (runtime/messages/request.py).
 
-    Exactly one of ``prompt`` (text), ``prompt_tokens`` and ``messages`` (chat) is set.
-    ``max_tokens`` None: the rest of the context, capped by the engine's default. ``session``
-    groups requests that may supersede each other's prewarms (default: model plus namespace);
-    with ``supersede`` this request also aborts the session's older generates (a new keystroke).
-    ``timeout_s``: the request ends ``Failed(request_timeout)`` that long after the router accepted
-    it. ``stall_timeout_s``: it ends ``Failed(stream_stalled)`` when no token came for that long
-    after its first (None: ``RuntimeConfig.stall_timeout_s``).
-    ``anonymous``: the host cannot tell this request's client from others' (the HTTP server's
-    requests without ``session``); it still adopts a prewarm of its session that it extends, but
-    it never supersedes another request, and no request supersedes it.
-    ``reuse_prefix`` False: prefill the whole prompt, restoring nothing (no prefix-cache lookup,
-    no prewarm adopted); the state it leaves is still cached for later requests.
-    ``keep_alive_s``: from this request on, the model's keep-alive (seconds idle before it is
-    unloaded; ``math.inf``: never), as Ollama's per-request ``keep_alive``; None: unchanged.
+    ``incarnation`` is unique per runtime: a recycled ``request_id`` is safe.
     """
 
     request_id: str
     incarnation: int
-    model: str
-    prompt: str | None = None
-    prompt_tokens: TokenIds | None = None
-    messages: tuple[ChatMessage, ...] | None = None
-    chat: ChatOptions = ChatOptions()
-    sampling: Sampling = Sampling()
-    max_tokens: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: TokenIds = ()
-    namespace: str = "default"
-    session: str | None = None
-    supersede: bool = False
-    timeout_s: float | None = None
-    stall_timeout_s: float | None = None
-    anonymous: bool = False
-    reuse_prefix: bool = True
-    keep_alive_s: float | None = None
+    request: Request
 
 
 class Prewarm(Message, frozen=True):
-    """Prefill a prompt and commit its state to the prefix cache, without sampling.
+    """Prefill ``request``'s prompt and commit its state to the prefix cache, without sampling.
 
     ``timeout_s``: it ends ``Failed(request_timeout)`` that long after the router accepted it.
     A prewarm supersedes its session's older prewarms, or adopts one it extends; identical
-    concurrent prewarms (same tokens and namespace, any session) compute once. ``session`` and
-    ``anonymous`` as for ``Generate``. ``keep_on_disk``: its state is also written to the prefix
-    cache's disk tier as soon as it is cached (an app's instructions, a document), not only once
-    evicted; without a disk tier it changes nothing.
+    concurrent prewarms (same tokens and namespace, any session) compute once. ``session``,
+    ``anonymous`` and ``keep_on_disk`` as ``Request`` says; its generate-only fields stay at
+    their defaults.
     """
 
     request_id: str
     incarnation: int
-    model: str
-    prompt: str | None = None
-    prompt_tokens: TokenIds | None = None
-    messages: tuple[ChatMessage, ...] | None = None
-    chat: ChatOptions = ChatOptions()
-    max_tokens: int | None = None  # of the generate to come: chat windows then render the same
-    namespace: str = "default"
-    session: str | None = None
-    timeout_s: float | None = None
-    anonymous: bool = False
-    keep_on_disk: bool = False
+    request: Request
 
 
 class Cancel(Message, frozen=True):

@@ -1,7 +1,6 @@
 """The unions over the message types: each actor's inbox (``RouterInbox``, ``EngineInbox``,
 ``KVInbox``, ``PrefixInbox``), what the host hears (``HostEvent``, ``CommandReply``), the engine's
-sequence events, ``AnyMessage`` and ``ALL_MESSAGE_TYPES``; and ``for_request``, which turns an
-engine event into the host event it means.
+sequence events, ``AnyMessage`` and ``ALL_MESSAGE_TYPES``.
 """
 
 from __future__ import annotations
@@ -158,35 +157,6 @@ CommandReply = (
     | Stats
     | ModelsListed
 )
-
-# --------------------------------------------------------------------------- engine → host events
-
-# Each engine event is the host event it means, less the request's identity (only the router knows
-# it) and plus the sequence's (which routes it). tests/test_messages.py checks the fields agree.
-_HOST_EVENT: dict[type[EngineEvent], type[RequestEvent]] = {
-    SequenceStarted: Started,
-    TokensProduced: TokensEmitted,
-    SequenceFinished: Finished,
-    SequenceCancelled: Cancelled,
-    SequenceFailed: Failed,
-}
-_REQUEST_IDENTITY = ("request_id", "incarnation")
-
-
-def for_request(event: EngineEvent, request_id: str, incarnation: int) -> RequestEvent:
-    """The host event that ``event`` means, for request ``(request_id, incarnation)``.
-
-    Every other field is the engine event's own value, so the two cannot drift apart field by
-    field; ``Started`` keeps the sequence id and epoch, the others drop them.
-    """
-    host_event = _HOST_EVENT[type(event)]
-    fields = {
-        name: getattr(event, name)
-        for name in host_event.__struct_fields__
-        if name not in _REQUEST_IDENTITY
-    }
-    return host_event(request_id=request_id, incarnation=incarnation, **fields)
-
 
 AnyMessage = RouterInbox | EngineInbox | KVInbox | PrefixInbox | HostEvent | CommandReply
 

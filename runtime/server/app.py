@@ -25,10 +25,10 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from runtime.api import Runtime
 from runtime.backends.model_source import available_models
-from runtime.config import RuntimeConfig
 from runtime.errors import InvalidConfig, MlxRuntimeError, ModelNotLoaded, RuntimeClosed
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Cancelled, Failed, Finished, FinishReason, ModelSpec
 from runtime.progress import Progress, no_progress
 from runtime.server import schema as wire
@@ -255,12 +255,11 @@ class OpenAIServer:
         body = await self._read_body(request)
         decoded = await self._named(_decode(body, wire.completion_request_decoder))
         self._field_notes.note(decoded)
-        call = completion_call(self._defaulted(decoded))
-        call = scoped(request, call)  # the key's own cache namespace and sessions
+        call = _scoped(request, completion_call(self._defaulted(decoded)))
         render = CompletionRender(
             f"cmpl-{uuid.uuid4().hex}",
-            call.model,
-            logprobs=call.sampling.logprobs,
+            call.request.model,
+            logprobs=call.request.sampling.logprobs,
             include_usage=call.include_usage,
         )
         return await self._generation(call, render)
@@ -291,14 +290,14 @@ class OpenAIServer:
         decoded = await self._named(_decode(body, wire.chat_request_decoder))
         self._field_notes.note(decoded)
         sources = await self._media_sources(decoded.messages)
-        call = scoped(request, chat_call(self._defaulted(decoded), sources))
+        call = _scoped(request, chat_call(self._defaulted(decoded), sources))
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        logprobs, include_usage = call.sampling.logprobs, call.include_usage
+        logprobs, include_usage = call.request.sampling.logprobs, call.include_usage
         render: Render
         if call.tools is not None and call.tools.names:
             render = ChatToolRender(
                 request_id,
-                call.model,
+                call.request.model,
                 logprobs=logprobs,
                 include_usage=include_usage,
                 names=call.tools.names,
@@ -307,7 +306,7 @@ class OpenAIServer:
             )
         else:
             render = ChatRender(
-                request_id, call.model, logprobs=logprobs, include_usage=include_usage
+                request_id, call.request.model, logprobs=logprobs, include_usage=include_usage
             )
         return await self._generation(call, render)
 
@@ -326,18 +325,7 @@ class OpenAIServer:
         call = scoped(request, prewarm_call(named, sources))
         try:
             await self.models.ensure_loaded(call.model)
-            ended = await self.runtime.prewarm(
-                call.model,
-                call.prompt,
-                prompt_tokens=call.prompt_tokens,
-                messages=call.messages,
-                chat=call.chat,  # rendered exactly as the chat request it prepares
-                max_tokens=call.max_tokens,
-                namespace=call.namespace,
-                session=call.session,
-                anonymous=call.session is None,  # as for a generate (_generation)
-                keep_on_disk=named.keep_on_disk,
-            )
+            ended = await self.runtime.submit_prewarm(call)
         except ModelNotLoaded:
             self.metrics.prewarm_ended(self._model_label(call.model), None)
             raise model_not_loaded(call.model) from None
@@ -370,35 +358,13 @@ class OpenAIServer:
     async def _generation(self, call: RuntimeCall, render: Render) -> Response:
         if self._shutdown is not None and self._shutdown.stopping:
             raise shutting_down()
-        timer = self.metrics.stream_timer(self._model_label(call.model))
+        model = call.request.model
+        timer = self.metrics.stream_timer(self._model_label(model))
         try:
             # A model available but not loaded is loaded first (with auto-load): the client
             # waits, streaming or not, and GET /v1/models shows it loading.
-            await self.models.ensure_loaded(call.model)
-            stream = self.runtime.generate(
-                call.model,
-                call.prompt,
-                prompt_tokens=call.prompt_tokens,
-                messages=call.messages,
-                # An OpenAI client owns its context: no history window, an over-long
-                # conversation is refused (context_length_exceeded), never trimmed.
-                chat=call.chat,
-                max_tokens=call.max_tokens,
-                sampling=call.sampling,
-                stop=call.stop,
-                stop_token_ids=call.stop_token_ids,
-                namespace=call.namespace,
-                session=call.session,
-                # Without a session the server cannot tell its clients apart: this request must
-                # not cut another's work short, nor have its own cut short (docs/http.md).
-                anonymous=call.session is None,
-                supersede=call.supersede,
-                request_id=render.request_id,
-                timeout_s=call.timeout_s,
-                stall_timeout_s=call.stall_timeout_s,
-                reuse_prefix=call.reuse_prefix,
-                keep_alive_s=call.keep_alive_s,
-            )
+            await self.models.ensure_loaded(model)
+            stream = self.runtime.submit(call.request, request_id=render.request_id)
         except MlxRuntimeError as error:
             timer.ended("rejected")
             raise error_for_runtime(error) from error
@@ -432,6 +398,11 @@ class OpenAIServer:
             # Nobody is left to read the answer; this only keeps the log free of a traceback.
             raise HttpError(400, "the client disconnected", code=None) from None
         return bytes(body)
+
+
+def _scoped(request: Request, call: RuntimeCall) -> RuntimeCall:
+    """``call`` in its key's own cache namespace and sessions (auth.scoped)."""
+    return msgspec.structs.replace(call, request=scoped(request, call.request))
 
 
 def _allowances(config: ServerConfig) -> Allowances | None:

@@ -19,19 +19,16 @@ import hmac
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TypeVar
 
 import msgspec
 from starlette.requests import Request
 
 from runtime.errors import InvalidConfig
-from runtime.server.translate import PrewarmCall, RuntimeCall
+from runtime.messages import Request as RuntimeRequest
 
 TENANT_SCOPE_KEY = "mlxrt.tenant"  # where the gate leaves the request's Tenant in its ASGI scope
 _DIGEST_DOMAIN = b"mlxrt-api-key\x00"  # a key's digest here is no plain SHA-256 found elsewhere
 _TENANT_ID_HEX = 16  # 64 bits: unique among any server's keys, too short to stand for the digest
-
-_Call = TypeVar("_Call", RuntimeCall, PrewarmCall)
 
 
 @dataclass(frozen=True)
@@ -138,14 +135,14 @@ def tenant_of(request: Request) -> Tenant | None:
     return tenant if isinstance(tenant, Tenant) else None
 
 
-def scoped(request: Request, call: _Call) -> _Call:
-    """``call`` in its tenant's namespace and session space (as it is without keys)."""
+def scoped(request: Request, asked: RuntimeRequest) -> RuntimeRequest:
+    """``asked`` in its tenant's namespace and session space (as it is without keys)."""
     tenant = tenant_of(request)
     if tenant is None:
-        return call
-    session = None if call.session is None else tenant.session(call.session)
+        return asked
+    session = None if asked.session is None else tenant.session(asked.session)
     return msgspec.structs.replace(
-        call, namespace=tenant.namespace(call.namespace), session=session
+        asked, namespace=tenant.namespace(asked.namespace), session=session
     )
 
 

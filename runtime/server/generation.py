@@ -28,6 +28,7 @@ from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
 
 from runtime.errors import MlxRuntimeError, ModelNotLoaded, RuntimeClosed
+from runtime.host.streams import GenerationStream
 from runtime.messages import (
     Cancelled,
     Failed,
@@ -50,7 +51,6 @@ from runtime.server.metrics import StreamTimer
 from runtime.server.render import Render
 from runtime.server.schema import Chunk, encoder
 from runtime.server.shutdown import ShutdownNotice, shutting_down
-from runtime.streams import GenerationStream
 
 log = logging.getLogger("mlx_actor_runtime.server")
 

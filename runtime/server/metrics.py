@@ -14,7 +14,7 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Histogram, generate_latest
 from prometheus_client import Counter as PromCounter
 
-from runtime.api import RuntimeStats
+from runtime.host.api import RuntimeStats
 from runtime.messages import Cancelled, Failed, Finished, FinishReason, TokensEmitted, Usage
 from runtime.server.stats_collector import RuntimeCollector
 

@@ -22,7 +22,6 @@ import anyio
 import msgspec
 
 from actors.replicas import replica_base
-from runtime.api import Runtime
 from runtime.backends.choice import resolve_backend
 from runtime.backends.model_source import (
     AvailableModel,
@@ -36,6 +35,7 @@ from runtime.errors import (
     ModelNotAvailable,
     ModelUnloading,
 )
+from runtime.host.api import Runtime
 from runtime.kernel.core import engine_address
 from runtime.messages import ModelLoaded, ModelSpec, ModelStatus, ModelUnloaded
 from runtime.progress import Progress, no_progress

@@ -58,6 +58,7 @@ class _GenerationBody(_Body, frozen=True, kw_only=True):
     dry_allowed_length: int | None = None
     dry_sequence_breakers: list[str] | None = None
     stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None  # vLLM's and llama-server's: the model's EOS does not end it
     session: str | None = None
     # True: this request aborts its session's older generates (a new keystroke's completion).
     supersede: bool | None = None

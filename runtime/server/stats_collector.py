@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from actors.router import ENGINES_FAILED_OF
-from runtime.api import RuntimeStats
+from runtime.host.api import RuntimeStats
 from runtime.kernel.core import engine_model
 from runtime.messages import ReusePath, ReuseTier, Stats
 

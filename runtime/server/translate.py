@@ -1,4 +1,4 @@
-"""OpenAI request bodies → the runtime's ``generate`` arguments, refusing what it cannot honour.
+"""OpenAI request bodies → the runtime's one ``Request`` value, refusing what it cannot honour.
 
 Every field either reaches the runtime, is listed as having no effect on the output (``user``,
 ``store``, ``metadata``...), or is refused with a 400 naming it: a feature that would change the
@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 
 from runtime.messages import IMAGE_PLACEHOLDER, ChatMessage, ChatOptions, ImagePart, Sampling
+from runtime.messages import Request as RuntimeRequest
 from runtime.server.aliases import canonical
 from runtime.server.compat import keep_alive_s, template_kwargs
 from runtime.server.errors import UNSUPPORTED_VALUE, invalid, unsupported
@@ -57,40 +58,12 @@ _SAMPLER_FIELDS = (
 
 
 class RuntimeCall(msgspec.Struct, frozen=True, kw_only=True):
-    """One OpenAI request as ``Runtime.generate`` arguments, plus how to answer it."""
+    """One OpenAI request as the runtime's ``Request`` (sent on as it is), plus how to answer it."""
 
-    model: str
-    prompt: str | None = None
-    prompt_tokens: tuple[int, ...] | None = None
-    messages: tuple[ChatMessage, ...] | None = None
-    max_tokens: int | None
-    sampling: Sampling
-    stop: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
-    namespace: str
-    session: str | None
-    supersede: bool = False
+    request: RuntimeRequest
     stream: bool
     include_usage: bool
-    timeout_s: float | None = None
-    stall_timeout_s: float | None = None
-    reuse_prefix: bool = True  # False: llama-server's cache_prompt false (prefill it all)
-    keep_alive_s: float | None = None  # the model's keep-alive from now on (math.inf: forever)
-    chat: ChatOptions = ChatOptions()
     tools: ToolSetup | None = None  # chat requests with tools: the output is parsed for calls
-
-
-class PrewarmCall(msgspec.Struct, frozen=True, kw_only=True):
-    """One ``/v1/prewarm`` request as ``Runtime.prewarm`` arguments."""
-
-    model: str
-    prompt: str | None
-    prompt_tokens: tuple[int, ...] | None
-    messages: tuple[ChatMessage, ...] | None
-    max_tokens: int | None
-    namespace: str
-    session: str | None
-    chat: ChatOptions = ChatOptions()
 
 
 def completion_call(request: CompletionRequest) -> RuntimeCall:
@@ -151,41 +124,44 @@ def chat_call(request: ChatCompletionRequest, sources: MediaSources = NO_MEDIA) 
         top_logprobs=request.top_logprobs or 0,
         response_format=request.response_format,
     )
-    call = msgspec.structs.replace(call, chat=_chat_options(tools, request))
+    # An OpenAI client owns its context: no history window, an over-long conversation is
+    # refused (context_length_exceeded), never trimmed.
+    asked = msgspec.structs.replace(call.request, chat=_chat_options(tools, request))
+    call = msgspec.structs.replace(call, request=asked)
     if tools is None:
         return call
     forced = tools.constraint
-    if forced is not None and call.sampling.constraint is not None:
+    sampling = asked.sampling
+    if forced is not None and sampling.constraint is not None:
         raise invalid(
             "tool_choice",
             f'tool_choice "{tools.choice}" constrains the output to tool calls; it cannot be '
             "combined with response_format, json_schema, grammar or regex",
         )
-    return msgspec.structs.replace(
-        call,
-        tools=tools,
-        sampling=msgspec.structs.replace(
-            call.sampling, constraint=forced or call.sampling.constraint
-        ),
-    )
+    sampling = msgspec.structs.replace(sampling, constraint=forced or sampling.constraint)
+    asked = msgspec.structs.replace(asked, sampling=sampling)
+    return msgspec.structs.replace(call, tools=tools, request=asked)
 
 
-def prewarm_call(request: PrewarmRequest, sources: MediaSources = NO_MEDIA) -> PrewarmCall:
+def prewarm_call(request: PrewarmRequest, sources: MediaSources = NO_MEDIA) -> RuntimeRequest:
     """``/v1/prewarm``; messages (images included) are checked as ``chat_call`` checks them."""
     prompt = request.prompt
     messages = request.messages
     tools = tool_setup(request)
     if tools is not None and messages is None:
         raise invalid("tools", "tools go with messages: a text prompt is sent as it is")
-    return PrewarmCall(
+    return RuntimeRequest(
         model=_model(request),
         prompt=prompt if isinstance(prompt, str) else None,
         prompt_tokens=None if prompt is None or isinstance(prompt, str) else tuple(prompt),
         messages=None if messages is None else _chat_messages(messages, sources),
+        # Rendered exactly as the chat request it prepares.
+        chat=_chat_options(tools, request),
         max_tokens=request.max_tokens,
         namespace=_namespace(request.cache_salt),
         session=request.session,
-        chat=_chat_options(tools, request),
+        anonymous=request.session is None,  # as for a generate (_call)
+        keep_on_disk=request.keep_on_disk,
     )
 
 
@@ -241,7 +217,7 @@ def _call(
         grammar_syntax=request.grammar_syntax,
         regex=request.regex,
     )
-    return RuntimeCall(
+    asked = RuntimeRequest(
         model=_model(request),
         prompt=prompt,
         prompt_tokens=prompt_tokens,
@@ -252,15 +228,22 @@ def _call(
         ),
         stop=(stop,) if isinstance(stop, str) else tuple(stop or ()),
         stop_token_ids=tuple(request.stop_token_ids or ()),
+        ignore_eos=bool(request.ignore_eos),
         namespace=_namespace(request.cache_salt),
         session=request.session,
         supersede=_supersede(request),
-        stream=request.stream,
-        include_usage=request.stream_options is not None and request.stream_options.include_usage,
         timeout_s=request.timeout_s,
         stall_timeout_s=request.stall_timeout_s,
-        reuse_prefix=request.cache_prompt is not False,
+        # Without a session the server cannot tell its clients apart: this request must not
+        # cut another's work short, nor have its own cut short (docs/http.md).
+        anonymous=request.session is None,
+        reuse_prefix=request.cache_prompt is not False,  # llama-server's cache_prompt
         keep_alive_s=keep_alive_s(request),
+    )
+    return RuntimeCall(
+        request=asked,
+        stream=request.stream,
+        include_usage=request.stream_options is not None and request.stream_options.include_usage,
     )
 
 

@@ -18,7 +18,7 @@ from typing import Any, Protocol, TypeVar
 import anyio
 import anyio.from_thread
 
-from runtime.api import Runtime
+from runtime.host.api import Runtime
 from runtime.messages import (
     Cancelled,
     Failed,

@@ -18,9 +18,9 @@ import time
 
 import anyio
 
-from runtime.api import Runtime
 from runtime.backends.disk import DiskCacheConfig
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import Finished, ModelSpec, Started, TokensEmitted
 
 

@@ -22,14 +22,14 @@ from actors.engine.core import EngineCore
 from actors.kv_budget import KVBudgetCore
 from actors.prefix_cache import PrefixCacheCore
 from actors.router import RouterCore
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, engine_address
 from runtime.messages import ModelLoaded, ModelSpec, Stats
 from runtime.testing.faults import FaultPlan, FaultyKeeper
 from runtime.testing.simulator import Simulator
 
 if TYPE_CHECKING:
-    from runtime.api import Runtime
+    from runtime.host.api import Runtime
 
 ModelOption = str | int | float | bool | None
 DEFAULT_BUDGET = 64 << 20

@@ -12,7 +12,7 @@ Typical use (a host's own test of its cancellation handling)::
 
     sim = Simulator(seed=7, config=RuntimeConfig(kv_budget_bytes=1 << 20))
     sim.load(ModelSpec(name="m", backend="simulated", options={"prefill_s_per_token": 0.001}))
-    sim.send(Generate(request_id="a", incarnation=1, model="m", prompt="hello"))
+    sim.send(Generate(request_id="a", incarnation=1, request=Request(model="m", prompt="hello")))
     sim.advance(0.002)                      # part-way through the prefill
     sim.send(Cancel(request_id="a", incarnation=1))
     sim.run_until_quiescent()
@@ -33,7 +33,7 @@ from actors.engine.core import EngineCore
 from actors.engine.lost import LostEngine
 from actors.standing import standing_actors
 from runtime.backends.loader import make_backend_loader
-from runtime.config import RuntimeConfig
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import KV_KEEPER, ROUTER, ActorCore, Address
 from runtime.messages import (
     Cancelled,

@@ -486,9 +486,10 @@ class LlamaCppBackend(Persisting):
         """Move the least recently used idle state to host memory while fewer than
         ``SPARE_SEQS`` seq_ids are free, so the next request's sequence or copy finds one
         without paying that move on its way to its first token (a 1,970-token SmolLM2 state:
-        ~20 ms, mostly fresh host memory's page faults, against 3 ms for its tokens)."""
+        ~20 ms, mostly fresh host memory's page faults, against 3 ms for its tokens); then grow
+        the copy buffer to the largest resident state, for the same page faults."""
         self._pool.reclaim()
-        return self._pool.make_spare(SPARE_SEQS)
+        return self._pool.make_spare(SPARE_SEQS) or self._pool.ready_copy_buffer()
 
     def constraint_engine(self) -> ConstraintEngine:
         if self._constraints is None:

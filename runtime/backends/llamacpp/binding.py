@@ -254,14 +254,26 @@ class Context:
         # One memcpy: slicing a ctypes array builds a list of ints first (0.85 s for 34 MB).
         return ctypes.string_at(self._scratch, size)
 
+    @property
+    def copy_buffer_bytes(self) -> int:
+        """The size of the kept host buffer that copies and spills go through."""
+        return len(self._scratch)
+
+    def grow_copy_buffer(self, size: int) -> bool:
+        """Make the kept host buffer hold ``size`` bytes; whether it had to grow. To the next
+        power of two, and ahead of need (``Backend.tidy``): a fresh buffer's page faults cost
+        ~20 ms for a 2,000-token SmolLM2 state (46 MB), which a branch of a prompt a little
+        longer than the last one paid before its first token (a copy took 25 ms, not 5.5)."""
+        if len(self._scratch) >= size:
+            return False
+        self._scratch = (ctypes.c_uint8 * (1 << (size - 1).bit_length()))()
+        ctypes.memset(self._scratch, 0, len(self._scratch))  # fault its pages in now
+        return True
+
     def _read_seq(self, seq: int, flags: int) -> int:
         """``seq``'s cells written into the kept host buffer (grown as needed); their size."""
         size = self.seq_size(seq, flags)
-        if len(self._scratch) < size:
-            # To the next power of two: a fresh buffer's page faults cost ~20 ms for a 2,000-token
-            # SmolLM2 state (46 MB), which a branch of a prompt a little longer than the last
-            # one paid before its first token (a copy took 25 ms instead of 5.5).
-            self._scratch = (ctypes.c_uint8 * (1 << (size - 1).bit_length()))()
+        self.grow_copy_buffer(size)
         written = int(
             self._lib.llama_state_seq_get_data_ext(self._ctx, self._scratch, size, seq, flags)
         )

@@ -192,6 +192,14 @@ class SeqPool:
         held by a state (not a batch); whether it did."""
         return len(self._free) < count and self._spill_one(keep=())
 
+    def ready_copy_buffer(self) -> bool:
+        """Grow the host buffer that copies and spills go through to hold the largest resident
+        state; whether it grew (so a branch of the longest cached prompt pays no page faults)."""
+        sizes = [
+            self._context.seq_size(seq) for seq, ref in self._holders.items() if ref() is not None
+        ]
+        return bool(sizes) and self._context.grow_copy_buffer(max(sizes))
+
     def give_back_later(self, seqs: Iterable[int]) -> None:
         """Queue ``seqs`` (owned by no state) to be freed at the compute thread's next call; safe
         from any thread, as a finalizer needs."""

@@ -9,7 +9,7 @@ turn, as the user read it. A reply cancelled before any text drops the turn, que
 
 A model without a chat template is not given a made-up one (unless ``--chat``): the chat is then
 a raw completion, each line appended to the text so far and the model continuing it. The typed
-lines are parsed by runtime/chat_commands.py.
+lines are parsed by runtime/cli/chat_commands.py.
 """
 
 from __future__ import annotations
@@ -30,10 +30,9 @@ from typing import TextIO
 import anyio
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from runtime import chat_history
-from runtime.api import Runtime
 from runtime.backends.disk import DiskCacheConfig
-from runtime.chat_commands import (
+from runtime.cli import chat_history
+from runtime.cli.chat_commands import (
     HELP,
     Exit,
     Help,
@@ -44,9 +43,10 @@ from runtime.chat_commands import (
     Unknown,
     parse_line,
 )
-from runtime.cli_flags import Framing, Speed, framed_raw, raw_note
-from runtime.config import RuntimeConfig
+from runtime.cli.flags import Framing, Speed, framed_raw, raw_note
 from runtime.errors import MlxRuntimeError
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import (
     Cancelled,
     ChatMessage,
@@ -60,24 +60,6 @@ from runtime.messages import (
     Started,
     TokensEmitted,
 )
-
-__all__ = [
-    "HELP",
-    "ChatSettings",
-    "ChatTerminal",
-    "Conversation",
-    "Exit",
-    "Help",
-    "Reply",
-    "Reset",
-    "Say",
-    "SetSystem",
-    "Stats",
-    "Unknown",
-    "parse_line",
-    "run_chat",
-    "stream_reply",
-]
 
 PROMPT = "> "
 _HAVE_UVLOOP = importlib.util.find_spec("uvloop") is not None
@@ -96,7 +78,7 @@ class ChatSettings:
     quiet: bool = False  # no note that the chat is a raw completion
     disk_cache: DiskCacheConfig | None = None  # the prefix cache's disk tier (None: memory only)
     # Where the conversation is kept after each reply (None: not kept), and whether to go on
-    # from what is kept there (runtime/chat_history.py).
+    # from what is kept there (runtime/cli/chat_history.py).
     history: Path | None = None
     resume: bool = False
 

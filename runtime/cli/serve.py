@@ -16,16 +16,29 @@ from typing import TYPE_CHECKING
 
 import msgspec
 
-from runtime.cli_flags import check_shared, model_options
-from runtime.cluster.options import ClusterConfig
-from runtime.config import RuntimeConfig
-from runtime.disk_cli import disk_config, disk_note
-from runtime.errors import AddressInUse
-from runtime.model_args import model_specs, prepare_specs
-from runtime.model_commands import DEFAULT_KEEP_ALIVE
+from runtime.cli.cache import add_disk_flags, disk_config, disk_note
+from runtime.cli.flags import (
+    add_backend,
+    add_ctx_size,
+    add_draft_model,
+    add_model,
+    add_quiet,
+    add_temperature,
+    check_shared,
+    model_options,
+)
+from runtime.cli.model_args import model_specs, prepare_specs
+from runtime.cli.models import DEFAULT_KEEP_ALIVE, add_serve_flags
+from runtime.cli.serve_flags import (
+    add_cluster_flags,
+    add_request_flags,
+    check_request_flags,
+    cluster_config,
+)
+from runtime.cli.serve_keys import add_key_flags, key_settings, warn_if_exposed
+from runtime.errors import AddressInUse, ClusterUnavailable
+from runtime.host.config import RuntimeConfig
 from runtime.progress import tqdm_progress
-from runtime.serve_flags import check_request_flags
-from runtime.serve_keys import key_settings, warn_if_exposed
 
 if TYPE_CHECKING:
     import uvicorn
@@ -35,6 +48,80 @@ if TYPE_CHECKING:
 # On Ctrl-C open generations end at once (runtime/server/serving.py); connections still busy
 # after this (a model load, a slow client) are cancelled.
 GRACEFUL_SHUTDOWN_S = 10
+
+_DESCRIPTION = """\
+Serve models over an OpenAI-compatible HTTP API (docs/http.md): /v1/completions,
+/v1/chat/completions, /v1/models, the runtime's own /v1/prewarm, /health and /metrics. The models
+load before the server accepts requests; Ctrl-C (or SIGTERM) stops it: running streams end at
+once with a last chunk saying so and [DONE], and it exits 0."""
+_EXAMPLES = """examples:
+  mlxrt serve                                  the default model on 127.0.0.1:8000
+  mlxrt serve --model gemma3-270m --model chat=~/models/smol --port 8080
+  mlxrt serve --model-option kv_bits=8 --kv-budget-mib 512 --host 0.0.0.0
+  mlxrt serve --keep-alive 30m --no-auto-load  unload models idle 30 min; load none on demand
+  mlxrt serve --host 0.0.0.0 --api-key-file keys.txt --max-concurrent-per-key 4
+  mlxrt serve --ray --replicas 2                each model as 2 engine processes on a local Ray
+  curl -s localhost:8000/v1/chat/completions -H 'content-type: application/json' \\
+    -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi"}]}'
+"""
+
+
+def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``serve`` to ``mlxrt``'s commands."""
+    serve = commands.add_parser(
+        "serve",
+        help="serve models over an OpenAI-compatible HTTP API",
+        description=_DESCRIPTION,
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model(serve, many=True)
+    serve.add_argument(
+        "--model-option",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a model option for every model, e.g. kv_bits=4 or context_length=8192 (docs/api.md)",
+    )
+    add_backend(serve, " (simulated: NAME only, no PATH)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (127.0.0.1)")
+    serve.add_argument("--port", type=int, default=8000, help="port to listen on (8000)")
+    serve.add_argument(
+        "--kv-budget-mib", type=int, help="KV cache budget (default: a fraction of MLX's memory)"
+    )
+    serve.add_argument(
+        "--kv-budget-fraction",
+        type=float,
+        default=RuntimeConfig().kv_budget_fraction,
+        help="share of the memory MLX reports for KV, without --kv-budget-mib (default 0.5)",
+    )
+    add_temperature(
+        serve,
+        "temperature of requests that send none (default 0: greedy, as mlx_lm.server; "
+        "OpenAI's own default is 1.0, which a model this small turns into noise)",
+    )
+    add_ctx_size(serve)
+    add_draft_model(serve)
+    serve.add_argument(
+        "--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"]
+    )
+    add_serve_flags(serve)
+    add_key_flags(serve)
+    add_request_flags(serve)
+    add_cluster_flags(serve)
+    add_quiet(serve, "progress bars")
+    add_disk_flags(serve)
+    serve.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    """``mlxrt serve``: 2 with one line for a port in use or a Ray head that does not answer,
+    both found before any model loads."""
+    try:
+        return serve_models(args, parser)
+    except (AddressInUse, ClusterUnavailable) as error:
+        print(f"mlxrt serve: {error}", file=sys.stderr)
+        return 2
 
 
 def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
@@ -75,7 +162,7 @@ def serve_models(args: argparse.Namespace, parser: argparse.ArgumentParser) -> i
         kv_budget_fraction=args.kv_budget_fraction,
         auto_load=not args.no_auto_load,
         strict_max_tokens=args.strict_max_tokens,
-        cluster=None if args.ray is None else ClusterConfig(address=_ray_address(args.ray)),
+        cluster=cluster_config(args, parser),
         disk_cache=disk_config(args, parser),
     )
     if not args.quiet:
@@ -132,8 +219,3 @@ def _uvicorn_config(server: OpenAIServer, args: argparse.Namespace) -> uvicorn.C
         log_level=args.log_level,
         timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S,
     )
-
-
-def _ray_address(flag: str) -> str | None:
-    """``--ray`` alone starts a local Ray (None); anything else names the cluster."""
-    return None if flag == "local" else flag

@@ -6,7 +6,7 @@ import math
 from typing import TypeGuard
 
 from runtime.errors import InvalidRequest
-from runtime.messages import Generate, Prewarm, Sampling
+from runtime.messages import GENERATE_ONLY, PREWARM_ONLY, Generate, Prewarm, Request, Sampling
 
 MAX_ID_LENGTH = 256
 MAX_STOP_STRINGS = 16
@@ -25,10 +25,12 @@ def _is_token_id(value: object) -> bool:
     return _is_int(value) and 0 <= value <= MAX_WIRE_INT
 
 
-def validate_request(request: Generate | Prewarm) -> None:
+def validate_request(message: Generate | Prewarm) -> None:
     """Raise ``InvalidRequest`` with a sentence saying what to change."""
-    if not request.request_id or len(request.request_id) > MAX_ID_LENGTH:
+    if not message.request_id or len(message.request_id) > MAX_ID_LENGTH:
         raise InvalidRequest(f"request_id must be 1 to {MAX_ID_LENGTH} characters")
+    request = message.request
+    _validate_kind(request, prewarm=isinstance(message, Prewarm))
     if not request.model:
         raise InvalidRequest("model must name a loaded model")
     if not request.namespace:
@@ -55,15 +57,26 @@ def validate_request(request: Generate | Prewarm) -> None:
             )
     _validate_max_tokens(request.max_tokens)
     validate_timeouts(request)
-    if isinstance(request, Generate) and request.keep_alive_s is not None:
+    if request.keep_alive_s is not None:
         keep = request.keep_alive_s
         if isinstance(keep, bool) or not isinstance(keep, int | float) or not keep >= 0:
             raise InvalidRequest(
                 f"keep_alive_s must be 0 or more seconds (math.inf: never unload; got {keep!r})"
             )
-    if isinstance(request, Generate):
-        _validate_stops(request.stop, request.stop_token_ids)
-        validate_sampling(request.sampling)
+    _validate_stops(request.stop, request.stop_token_ids)
+    validate_sampling(request.sampling)
+
+
+_DEFAULTS = Request(model="")
+
+
+def _validate_kind(request: Request, *, prewarm: bool) -> None:
+    """A field the request's kind does not use must keep its default: never dropped silently."""
+    unused = GENERATE_ONLY if prewarm else PREWARM_ONLY
+    for name in unused:
+        if getattr(request, name) != getattr(_DEFAULTS, name):
+            kind, other = ("a prewarm", "a generate") if prewarm else ("a generate", "a prewarm")
+            raise InvalidRequest(f"{name} has no effect on {kind} (it is {other}'s); leave it out")
 
 
 def _validate_max_tokens(max_tokens: object) -> None:
@@ -204,10 +217,12 @@ def validate_sampling(sampling: Sampling) -> None:
         grammar_of(s.constraint)
 
 
-def validate_timeouts(request: Generate | Prewarm) -> None:
+def validate_timeouts(request: Request) -> None:
     """``timeout_s`` and ``stall_timeout_s``, when given, are positive finite seconds."""
-    stall = request.stall_timeout_s if isinstance(request, Generate) else None
-    for name, value in (("timeout_s", request.timeout_s), ("stall_timeout_s", stall)):
+    for name, value in (
+        ("timeout_s", request.timeout_s),
+        ("stall_timeout_s", request.stall_timeout_s),
+    ):
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, int | float):

@@ -11,6 +11,7 @@ it says so in one sentence and tours the tiny random-weight models instead (gibb
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import logging
@@ -21,10 +22,10 @@ from dataclasses import dataclass
 
 import anyio
 
-from runtime.api import Runtime
 from runtime.backends.model_source import default_model_spec, prepare_model
-from runtime.config import RuntimeConfig
 from runtime.errors import ModelFetchFailed
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.kernel.actor import release_thread_resources
 from runtime.messages import ChatMessage, ModelSpec, Started, TokensEmitted
 from runtime.progress import tqdm_progress
@@ -239,6 +240,35 @@ def _post_sse(port: int, path: str, body: dict[str, object]) -> list[str]:
     finally:
         connection.close()
     return [line[len("data: ") :] for line in raw.splitlines() if line.startswith("data: ")]
+
+
+_DESCRIPTION = """\
+A tour of the runtime on the default model, each behaviour with the figure that shows it: a
+multi-turn chat reusing earlier turns' KV, a prewarm, a long prefill abandoned mid-way, four
+streams decoded as one batch, and the same model over HTTP. Without network it tours the tiny
+random-weight models instead."""
+_EXAMPLES = """examples:
+  mlxrt demo                                   what `make run` runs
+  MLXRT_BLAS=mlx mlxrt demo                    on MLX's own slow BLAS instead of OpenBLAS
+"""
+
+
+def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add ``demo`` to ``mlxrt``'s commands."""
+    demo = commands.add_parser(
+        "demo",
+        help="tour the runtime on the default model (what `make run` runs)",
+        description=_DESCRIPTION,
+        epilog=_EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    demo.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    """``mlxrt demo``: the tour (``main``)."""
+    main()
+    return 0
 
 
 def main() -> None:

@@ -1,5 +1,6 @@
 """What a line typed into ``mlxrt chat`` means: a ``/command`` or a message to the model
-(docs/cli.md, "The interactive chat"). Pure parsing: runtime/chat_cli.py acts on the result."""
+(docs/cli.md, "The interactive chat"). Pure parsing: runtime/cli/chat_session.py acts on the
+result."""
 
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Flags and helpers ``mlxrt generate``, ``chat`` and ``serve`` share, so each is spelled once:
-``--temp``/``--temperature``, ``--ctx-size``, ``--draft-model``, ``--raw``/``--chat``, a prompt
-read from stdin, and the tok/s line (docs/cli.md)."""
+``--model``, ``--backend``, ``--max-tokens``, ``--quiet``, ``--temp``/``--temperature``,
+``--ctx-size``, ``--draft-model``, ``--raw``/``--chat``, a prompt read from stdin, and the tok/s
+line (docs/cli.md)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,57 @@ from dataclasses import dataclass
 from importlib import metadata
 from typing import Literal
 
+from runtime.backends.model_store import DEFAULT_MODEL, KNOWN_MODELS
 from runtime.blas import blas_in_use
 
 Framing = Literal["auto", "chat", "raw"]
+BACKEND_CHOICES = ["mlx", "llamacpp", "auto", "simulated"]
+_BACKEND_HELP = (
+    "auto (the default: llama.cpp for a GGUF file or known model on a CPU where llama-cpp-python "
+    "is installed, else MLX), mlx, llamacpp (a .gguf file or known model on llama.cpp's "
+    "kernels), "
+    "or simulated: a deterministic stand-in model (gibberish), no MLX needed"
+)
+
+
+def add_model(
+    parser: argparse.ArgumentParser, *, many: bool = False, default: str | None = None
+) -> None:
+    """``--model [NAME=]PATH``: the one model a command runs, or with ``many`` (serve) a model to
+    load, repeatable."""
+    if many:
+        parser.add_argument(
+            "--model", action="append", default=[], metavar="[NAME=]PATH",
+            help="a model to load (repeat for several): an mlx-lm directory, a .gguf file or a "
+            "known model, served under NAME or a name derived from PATH; default "
+            f"{DEFAULT_MODEL}",
+        )  # fmt: skip
+        return
+    parser.add_argument(
+        "--model", default=default, metavar="[NAME=]PATH",
+        help=f"an mlx-lm directory, a .gguf file or a known model ({', '.join(KNOWN_MODELS)}), "
+        f"named NAME or after the file or directory; default {DEFAULT_MODEL}",
+    )  # fmt: skip
+
+
+def add_backend(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """``--backend``: which kind of backend runs the model (``auto`` by default)."""
+    parser.add_argument(
+        "--backend", default="auto", choices=BACKEND_CHOICES, help=_BACKEND_HELP + note
+    )
+
+
+def add_max_tokens(parser: argparse.ArgumentParser, default: int, per: str) -> None:
+    """``--max-tokens N`` of generate and chat (serve's own: serve_flags.py)."""
+    parser.add_argument(
+        "--max-tokens", type=int, default=default, metavar="N",
+        help=f"most tokens {per} ({default})",
+    )  # fmt: skip
+
+
+def add_quiet(parser: argparse.ArgumentParser, what: str) -> None:
+    """``--quiet``: ``what`` is left out (progress bars at least)."""
+    parser.add_argument("--quiet", action="store_true", help=f"no {what}")
 
 
 def add_temperature(parser: argparse.ArgumentParser, help_text: str) -> None:

@@ -21,12 +21,7 @@ from dataclasses import dataclass, field
 
 import anyio
 
-from runtime.api import Runtime
-from runtime.config import RuntimeConfig
-from runtime.errors import MlxRuntimeError
-from runtime.messages import Cancelled, Failed, Finished, ModelSpec, Started, TokensEmitted
-from runtime.testing.harness import wait_until
-from runtime.testing.soak_plan import (
+from bench.soak.plan import (
     CancelHow,
     PlannedRequest,
     SoakConfig,
@@ -34,6 +29,11 @@ from runtime.testing.soak_plan import (
     plan_requests,
     soak_models,
 )
+from runtime.errors import MlxRuntimeError
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
+from runtime.messages import Cancelled, Failed, Finished, ModelSpec, Started, TokensEmitted
+from runtime.testing.harness import wait_until
 
 # Named so by ``ActorSystem.start_timer``: a timer is a task that sleeps until its deadline, and
 # cannot be cancelled. What may still sleep at quiescence, whatever the load: the KV keeper's one

@@ -50,7 +50,7 @@ def disk_note(config: DiskCacheConfig | None) -> str:
     )
 
 
-def add_cache_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """``mlxrt cache show|clear [--disk-cache DIR]``."""
     cache = commands.add_parser(
         "cache",
@@ -61,6 +61,7 @@ def add_cache_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
         "  mlxrt cache clear --disk-cache ~/my-cache\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    cache.set_defaults(run=run)
     cache.add_argument("action", choices=("show", "clear"))
     cache.add_argument(
         "--disk-cache", metavar="DIR", default=None,
@@ -68,7 +69,7 @@ def add_cache_command(commands: argparse._SubParsersAction[argparse.ArgumentPars
     )  # fmt: skip
 
 
-def run_cache_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     """Print what the folder holds, or delete every entry in it."""
     root = Path(args.disk_cache or default_cache_dir())
     files = sorted(root.glob("*/*.safetensors")) if root.is_dir() else []

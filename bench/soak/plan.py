@@ -1,4 +1,4 @@
-"""The plan of the simulated soak (runtime/testing/soak.py): its models, and the requests a seed
+"""The plan of the simulated soak (bench/soak/driver.py): its models, and the requests a seed
 draws, each with how its client cancels it. Pure data; nothing here runs."""
 
 from __future__ import annotations

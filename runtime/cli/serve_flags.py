@@ -1,12 +1,14 @@
 """``mlxrt serve``'s flags for what a request gets when it leaves something out, and for who may
 call from a browser or name a local image: ``--max-tokens``, ``--strict-max-tokens``,
 ``--allowed-origins``, ``--media-dir`` (docs/http.md); and where engines run: ``--ray``,
-``--replicas`` (docs/cluster.md). Apart from cli.py so the serve command's other flags can change
-without them."""
+``--replicas``, ``--node-kv-budget-mib`` (docs/cluster.md). Apart from serve.py so the serve
+command's other flags can change without them."""
 
 from __future__ import annotations
 
 import argparse
+
+from runtime.cluster.options import ClusterConfig
 
 
 def add_request_flags(serve: argparse.ArgumentParser) -> None:
@@ -48,7 +50,7 @@ def add_request_flags(serve: argparse.ArgumentParser) -> None:
 
 
 def add_cluster_flags(serve: argparse.ArgumentParser) -> None:
-    """``--ray [ADDRESS]`` and ``--replicas N`` (docs/cluster.md)."""
+    """``--ray [ADDRESS]``, ``--replicas N`` and ``--node-kv-budget-mib`` (docs/cluster.md)."""
     serve.add_argument(
         "--ray",
         nargs="?",
@@ -65,6 +67,43 @@ def add_cluster_flags(serve: argparse.ArgumentParser) -> None:
         metavar="N",
         help="engines per model (NAME@0 ... NAME@N-1, each with its own KV), requests routed "
         "to the one holding the longest prefix of their prompt (default 1)",
+    )
+    serve.add_argument(
+        "--node-kv-budget-mib",
+        action="append",
+        default=[],
+        metavar="[NODE=]MIB",
+        help="with --ray: the KV budget of the engines on each node (MIB), or on one node "
+        "(NODE=MIB: a Ray node id or IP address); repeatable (default: --kv-budget-mib on "
+        "every node)",
+    )
+
+
+def cluster_config(
+    args: argparse.Namespace, parser: argparse.ArgumentParser
+) -> ClusterConfig | None:
+    """The ``ClusterConfig`` that ``--ray`` and ``--node-kv-budget-mib`` ask for (None: no Ray);
+    a usage error (exit 2) for a budget without ``--ray`` or one that does not parse."""
+    if args.ray is None:
+        if args.node_kv_budget_mib:
+            parser.error("--node-kv-budget-mib budgets the nodes of a Ray cluster: add --ray")
+        return None
+    per_node: int | None = None
+    nodes: dict[str, int] = {}
+    for value in args.node_kv_budget_mib:
+        node, _, mib = value.rpartition("=")
+        if not mib.isdigit() or (node == "" and "=" in value):
+            parser.error(
+                f"--node-kv-budget-mib takes MIB or NODE=MIB (a Ray node id or IP address and "
+                f"a whole number of MiB), got {value!r}"
+            )
+        if node:
+            nodes[node] = int(mib) << 20
+        else:
+            per_node = int(mib) << 20
+    address = None if args.ray == "local" else args.ray  # --ray alone: a local Ray
+    return ClusterConfig(
+        address=address, node_kv_budget_bytes=nodes, kv_budget_bytes_per_node=per_node
     )
 
 

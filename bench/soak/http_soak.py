@@ -27,9 +27,9 @@ import anyio.lowlevel
 import httpx
 import uvicorn
 
-from runtime.api import Runtime
 from runtime.backends.model_source import default_model_spec
-from runtime.config import RuntimeConfig
+from runtime.host.api import Runtime
+from runtime.host.config import RuntimeConfig
 from runtime.messages import ChatMessage, Finished, ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.harness import wait_until

@@ -12,9 +12,9 @@ import logging
 import math
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
 
 import anyio
 import msgspec
@@ -25,7 +25,6 @@ from runtime.backends.choice import resolve_backend
 from runtime.backends.contract import BackendLoader
 from runtime.backends.loader import make_backend_loader
 from runtime.backends.options import decode_options
-from runtime.config import RuntimeConfig
 from runtime.errors import (
     InvalidModelSpec,
     InvalidRequest,
@@ -33,6 +32,9 @@ from runtime.errors import (
     RuntimeClosed,
     error_for_code,
 )
+from runtime.host.config import RuntimeConfig
+from runtime.host.streams import HOST, TERMINALS, Completion, GenerationStream, HostStreams
+from runtime.host.validation import validate_request
 from runtime.kernel.actor import ActorSystem
 from runtime.kernel.core import ROUTER
 from runtime.messages import (
@@ -54,6 +56,7 @@ from runtime.messages import (
     ModelUnloaded,
     PrefixesReset,
     Prewarm,
+    Request,
     ResetPrefixes,
     Sampling,
     SessionEnded,
@@ -63,9 +66,7 @@ from runtime.messages import (
     TokensEmitted,
     UnloadModel,
 )
-from runtime.streams import HOST, TERMINALS, Completion, GenerationStream, HostStreams
 from runtime.text.coalesce import CoalescePolicy
-from runtime.validation import validate_request
 
 if TYPE_CHECKING:
     from runtime.cluster.connect import ClusterLink  # imports Ray: only when a cluster is set
@@ -228,30 +229,12 @@ class Runtime:
     # ------------------------------------------------------------------ requests
 
     def generate(
-        self,
-        model: str,
-        prompt: str | None = None,
-        *,
-        prompt_tokens: tuple[int, ...] | list[int] | None = None,
-        messages: Sequence[ChatMessage] | None = None,
-        chat: ChatOptions | None = None,
-        max_tokens: int | None = None,
-        sampling: Sampling | None = None,
-        stop: tuple[str, ...] | list[str] = (),
-        stop_token_ids: tuple[int, ...] = (),
-        namespace: str = "default",
-        session: str | None = None,
-        request_id: str | None = None,
-        coalesce: CoalescePolicy | None = None,
-        supersede: bool = False,
-        timeout_s: float | None = None,
-        stall_timeout_s: float | None = None,
-        anonymous: bool = False,
-        reuse_prefix: bool = True,
-        keep_alive_s: float | None = None,
+        self, model: str, prompt: str | None = None, **options: Unpack[GenerateOptions]
     ) -> GenerationStream:
         """A stream of this request's events; raises ``InvalidRequest`` on malformed input.
 
+        The keywords are ``Request``'s fields (runtime/messages/request.py), built into one
+        ``Request`` here; ``submit`` takes that value as it is (the HTTP server sends it so).
         ``timeout_s``: the request ends ``Failed(request_timeout)`` that long after it was
         accepted, whatever it is doing. ``stall_timeout_s``: it ends ``Failed(stream_stalled)``
         when no token came for that long after the first (None: ``config.stall_timeout_s``).
@@ -260,39 +243,39 @@ class Runtime:
         ``keep_alive_s``: from this request on, the model's keep-alive (``math.inf``: never
         unloaded; 0: unloaded once idle); None leaves it as it is.
         """
-        request = Generate(
+        return self.submit(
+            _request(model, prompt, options),
+            request_id=options.get("request_id"),
+            coalesce=options.get("coalesce"),
+        )
+
+    def submit(
+        self,
+        request: Request,
+        *,
+        request_id: str | None = None,
+        coalesce: CoalescePolicy | None = None,
+    ) -> GenerationStream:
+        """``generate`` for a ``Request`` built elsewhere, carried to the engine as it is."""
+        message = Generate(
             request_id=request_id or uuid.uuid4().hex,
             incarnation=next(self._incarnations),
-            model=model,
-            prompt=prompt,
-            prompt_tokens=None if prompt_tokens is None else tuple(prompt_tokens),
-            messages=None if messages is None else tuple(messages),
-            chat=chat or ChatOptions(),
-            sampling=sampling or Sampling(),
-            max_tokens=max_tokens,
-            stop=tuple(stop),
-            stop_token_ids=tuple(stop_token_ids),
-            namespace=namespace,
-            session=session,
-            supersede=supersede,
-            timeout_s=timeout_s,
-            stall_timeout_s=stall_timeout_s,
-            anonymous=anonymous,
-            reuse_prefix=reuse_prefix,
-            keep_alive_s=keep_alive_s,
+            request=request,
         )
-        validate_request(request)
+        validate_request(message)
         policy = coalesce or self.config.coalesce
         if request.sampling.logprobs:  # one event per token, so each carries its logprobs
             policy = CoalescePolicy(enabled=False)
-        return GenerationStream(self._streams, request, policy)
+        return GenerationStream(self._streams, message, policy)
 
-    async def complete(self, model: str, prompt: str | None = None, **kwargs: object) -> Completion:
+    async def complete(
+        self, model: str, prompt: str | None = None, **options: Unpack[GenerateOptions]
+    ) -> Completion:
         """Run ``generate`` to its end and collect the output."""
         texts: list[str] = []
         tokens: list[int] = []
         started: Started | None = None
-        async with self.generate(model, prompt, **kwargs) as stream:  # type: ignore[arg-type]
+        async with self.generate(model, prompt, **options) as stream:
             async for event in stream:
                 match event:
                     case Started():
@@ -310,47 +293,31 @@ class Runtime:
         raise RuntimeClosed("the runtime closed before the request ended")
 
     async def prewarm(
-        self,
-        model: str,
-        prompt: str | None = None,
-        *,
-        prompt_tokens: tuple[int, ...] | list[int] | None = None,
-        messages: Sequence[ChatMessage] | None = None,
-        chat: ChatOptions | None = None,
-        max_tokens: int | None = None,
-        namespace: str = "default",
-        session: str | None = None,
-        request_id: str | None = None,
-        timeout_s: float | None = None,
-        anonymous: bool = False,
-        keep_on_disk: bool = False,
+        self, model: str, prompt: str | None = None, **options: Unpack[PrewarmOptions]
     ) -> Finished | Cancelled | Failed:
         """Prefill and cache a prompt without sampling; returns how the warmup ended.
-        ``keep_on_disk``: write the cached state to the disk tier at once (``Prewarm``).
+        ``keep_on_disk``: write the cached state to the disk tier at once (``Request``).
 
         ``Finished(reason="prewarmed")`` when cached (by it, or by an identical prewarm it
         followed), ``"adopted"`` when a request that extends it took it over,
         ``Cancelled(reason="superseded")`` when a diverging request of its session replaced it,
         ``Failed(request_timeout)`` when ``timeout_s`` passed first (what it had prefilled is kept).
         """
-        request = Prewarm(
+        request = _request(model, prompt, options)
+        return await self.submit_prewarm(request, request_id=options.get("request_id"))
+
+    async def submit_prewarm(
+        self, request: Request, *, request_id: str | None = None
+    ) -> Finished | Cancelled | Failed:
+        """``prewarm`` for a ``Request`` built elsewhere (its generate-only fields left out)."""
+        message = Prewarm(
             request_id=request_id or uuid.uuid4().hex,
             incarnation=next(self._incarnations),
-            model=model,
-            prompt=prompt,
-            prompt_tokens=None if prompt_tokens is None else tuple(prompt_tokens),
-            messages=None if messages is None else tuple(messages),
-            chat=chat or ChatOptions(),
-            max_tokens=max_tokens,
-            namespace=namespace,
-            session=session,
-            timeout_s=timeout_s,
-            anonymous=anonymous,
-            keep_on_disk=keep_on_disk,
+            request=request,
         )
-        validate_request(request)
+        validate_request(message)
         async with GenerationStream(
-            self._streams, request, CoalescePolicy(enabled=False)
+            self._streams, message, CoalescePolicy(enabled=False)
         ) as stream:
             async for event in stream:
                 if isinstance(event, TERMINALS):
@@ -395,6 +362,59 @@ class Runtime:
         return self._streams.unrouted
 
 
+class PrewarmOptions(TypedDict, total=False):
+    """``Runtime.prewarm``'s keywords: ``Request``'s fields a prewarm uses, and its id."""
+
+    prompt_tokens: tuple[int, ...] | list[int] | None
+    messages: Sequence[ChatMessage] | None
+    chat: ChatOptions | None  # None: ChatOptions()
+    max_tokens: int | None
+    namespace: str
+    session: str | None
+    request_id: str | None  # None: a fresh one
+    timeout_s: float | None
+    anonymous: bool
+    keep_on_disk: bool
+
+
+class GenerateOptions(TypedDict, total=False):
+    """``Runtime.generate``'s keywords: ``Request``'s fields (a list may stand for a tuple), its
+    id and the stream's ``coalesce`` policy (None: ``config.coalesce``)."""
+
+    prompt_tokens: tuple[int, ...] | list[int] | None
+    messages: Sequence[ChatMessage] | None
+    chat: ChatOptions | None  # None: ChatOptions()
+    max_tokens: int | None
+    sampling: Sampling | None  # None: Sampling() (greedy)
+    stop: tuple[str, ...] | list[str]
+    stop_token_ids: tuple[int, ...] | list[int]
+    namespace: str
+    session: str | None
+    request_id: str | None  # None: a fresh one
+    coalesce: CoalescePolicy | None
+    supersede: bool
+    timeout_s: float | None
+    stall_timeout_s: float | None
+    anonymous: bool
+    reuse_prefix: bool
+    keep_alive_s: float | None
+
+
+_NOT_REQUEST = frozenset({"request_id", "coalesce"})  # the message's and the stream's
+_TUPLES = frozenset({"prompt_tokens", "messages", "stop", "stop_token_ids"})
+
+
+def _request(model: str, prompt: str | None, options: Mapping[str, Any]) -> Request:
+    """The keywords as one ``Request``: sequences held as tuples, None as the default options.
+    An unknown keyword raises ``TypeError``, as for any function."""
+    fields: dict[str, Any] = {
+        name: tuple(value) if name in _TUPLES and value is not None else value
+        for name, value in options.items()
+        if name not in _NOT_REQUEST and not (name in ("chat", "sampling") and value is None)
+    }
+    return Request(model=model, prompt=prompt, **fields)
+
+
 def _expect(reply: Message, kind: type[_T]) -> _T:
     if isinstance(reply, kind):
         return reply
@@ -403,4 +423,13 @@ def _expect(reply: Message, kind: type[_T]) -> _T:
     raise MlxRuntimeError(f"unexpected reply {type(reply).__name__}")
 
 
-__all__ = ["Completion", "GenerationStream", "InvalidRequest", "Runtime", "RuntimeStats"]
+__all__ = [
+    "Completion",
+    "GenerateOptions",
+    "GenerationStream",
+    "InvalidRequest",
+    "PrewarmOptions",
+    "Request",
+    "Runtime",
+    "RuntimeStats",
+]

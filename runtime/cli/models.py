@@ -14,7 +14,7 @@ import urllib.request
 from typing import Any
 
 from runtime.backends.model_source import available_models
-from runtime.serve_keys import API_KEY_ENV
+from runtime.cli.serve_keys import API_KEY_ENV
 
 DEFAULT_KEEP_ALIVE = (
     "5m"  # for models `mlxrt serve` loads on demand, without --keep-alive (Ollama's)
@@ -34,13 +34,15 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     url_help = f"the server's address (default {DEFAULT_URL})"
 
     def command(name: str, summary: str, examples: str) -> argparse.ArgumentParser:
-        return commands.add_parser(
+        parser = commands.add_parser(
             name,
             help=summary,
             description=summary[0].upper() + summary[1:] + ".",
             epilog=f"examples:\n{examples}",
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
+        parser.set_defaults(run=run)
+        return parser
 
     ps = command(
         "ps",
@@ -93,7 +95,7 @@ def add_serve_flags(serve: argparse.ArgumentParser) -> None:
     )
 
 
-def run_command(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
     """Run ``ps``, ``load``, ``unload`` or ``models``; 1 on an error the server reported, 2 when
     it cannot be reached."""
     try:
