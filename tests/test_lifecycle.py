@@ -10,13 +10,14 @@ import pytest
 
 from actors.engine.lifecycle import COMPUTE_PHASES, LEGAL_MOVES, IllegalMove, Phase
 from actors.engine.sequence import Sequence
-from runtime.messages import Admit, Prewarm
+from runtime.messages import Admit
+from runtime.testing import requests
 
 ENGINE = Path(__file__).resolve().parent.parent / "actors" / "engine"
 
 
 def _seq() -> Sequence:
-    request = Prewarm(request_id="r1", incarnation=1, model="m")
+    request = requests.prewarm("r1", None)
     return Sequence.admitted(Admit(sequence_id=1, epoch=1, session="s", request=request), "m")
 
 
