@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
+from collections.abc import Callable
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from actors.engine.core import EngineCore
-from actors.engine.sequence import COMPUTE_PHASES, Sequence
+from actors.engine.lifecycle import LEGAL_MOVES
+from actors.engine.sequence import COMPUTE_PHASES, Phase, Sequence
 from runtime.backends.simulated import SimulatedBatch, SimulatedState, greedy_continuation
 from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import Address, Context
@@ -93,6 +95,11 @@ class RuntimeMachine(RuleBasedStateMachine):
         self.sim.check_every_step(self.caches_stay_within_their_reservation)
         self.sim.check_every_step(self.one_prewarm_computes_per_session)
         self.sim.check_every_step(self.identical_prewarms_compute_once)
+        # Every phase change any engine makes is recorded, and checked against the table.
+        self.moves: list[tuple[int, Phase, Phase]] = []
+        self.moved: set[tuple[Phase, Phase]] = set()
+        self._unrecord = _record_moves(self.moves)
+        self.sim.check_every_step(self.every_phase_change_is_in_the_table)
         self.spec = sim_spec(
             chunk=3,
             trimmable=trimmable,
@@ -396,7 +403,16 @@ class RuntimeMachine(RuleBasedStateMachine):
                 assert terminal is not None, key
                 assert self.sim.host_messages.index(terminal) < seen, key
 
+    def every_phase_change_is_in_the_table(self) -> None:
+        """Each phase change an engine made is a legal move (actors/engine/lifecycle.py)."""
+        for seq_id, source, target in self.moves:
+            assert target in LEGAL_MOVES[source], f"sequence {seq_id}: {source} -> {target}"
+            self.moved.add((source, target))
+        self.moves.clear()
+
     def teardown(self) -> None:
+        if hasattr(self, "_unrecord"):
+            self._unrecord()
         if not hasattr(self, "sim"):
             return
         self.sim.run_until_quiescent()
@@ -420,6 +436,19 @@ def _shaped(prompt: tuple[int, ...], shape: str) -> tuple[int, ...]:
 
 def _first(events: list[Message], kind: type[Started]) -> Started | None:
     return next((e for e in events if isinstance(e, kind)), None)
+
+
+def _record_moves(moves: list[tuple[int, Phase, Phase]]) -> Callable[[], None]:
+    """Record every ``Sequence.move`` (legal or not, before it is checked) into ``moves``, until
+    the returned function is called."""
+    move = Sequence.move
+
+    def recorded(seq: Sequence, to: Phase) -> None:
+        moves.append((seq.sequence_id, seq.phase, to))
+        move(seq, to)
+
+    Sequence.move = recorded  # type: ignore[method-assign]
+    return lambda: setattr(Sequence, "move", move)
 
 
 def _check_token_sends(engine: EngineCore) -> None:

@@ -1,38 +1,14 @@
 """Continuous batching inside one engine: who decodes in the shared batch, and its padding's bytes.
 
 One decoding sequence runs alone on the B=1 fast path; two or more share one decode batch. A
-sequence joins at the next batch step after it sampled its first token (while other newcomers
-are about to draw theirs, and the batch has rows for them, it waits for them: a burst joins in one
-step, on one padding ask, instead of in two or three, each a rewrite of the batch cache), and
-leaves at the next
-step after it ended (its state must come back out before its memory is released) or when the
-batch drains to one (that one goes back to the fast path). The engine owns one ``BatchScheduler``
-and acts on what it reports; the scheduler never ends a sequence itself.
-
-Padding. mlx-lm right-aligns the rows of a batch's full-attention KV, so B rows of real lengths
-``len_i`` hold ``B * max(len_i)`` tokens: ``P = B * max - sum`` tokens of left padding that no
-sequence's own reservation pays for (see ``runtime.backends.mlx.batch``). All rows advance
-together, so P
-changes only when rows join or leave; after a leave mlx-lm drops the padding every row shares, so
-P is again ``B * max - sum`` of the rows left. A batch cache also grows every row by a whole
-allocation step from the padded length (mlx-lm: 256 tokens), so up to ``B * (step - 1)`` spare
-tokens are added to P. The batch holds P * ``bytes_per_token`` bytes under
-one ``BATCH_PADDING`` holder, whose id is new for every batch (a late reply about an earlier one
-is released and counted, never acted on):
-
-- before a join that raises P, the increase is asked for only if free now (``timeout_s=0``: never
-  queued, never evicting); the newcomers and the batch hold still until the keeper answers, so
-  the lengths it was priced on do not move, and the join happens only once granted;
-- refused, the newcomers go on decoding alone (counted ``batch_padding_refused``) and try again
-  once the membership changes or a sequence of this engine ends, never before (no spinning);
-- after a step that shrank P the difference is given back (``Release(holder, nbytes)``); when the
-  batch has no rows left (drained, drained to one, failed) the holder is released whole.
-
-A step that raised fails its members (their rows went with the batch cache), but a newcomer it did
-not take in is whole (``join`` only reads its state): it goes on decoding alone and never asks to
-join again (counted ``batch_join_failed``). Retrying would rebuild the same join and raise again,
-and again: every failed step takes at least one sequence out of batching for good, so a model whose
-states cannot join cannot livelock the engine.
+sequence joins at the next batch step after its first token (a burst about to draw waits, so it
+joins in one step on one padding ask), and leaves at the next step after it ended (its state must
+come back out before its memory is released) or when the batch drains to one. The batch's left
+padding, which no sequence's reservation pays for, is held under one ``BATCH_PADDING`` holder per
+batch: asked for only if free now before a join, given back as rows leave. A step that raised
+fails its members; a newcomer it left out never asks to join again, so nothing livelocks. The
+engine acts on what the scheduler reports; the scheduler never ends a sequence itself. See
+docs/design.md, "Fast path and continuous batching".
 """
 
 from __future__ import annotations
@@ -308,7 +284,7 @@ class BatchScheduler:
             assert seq.batch_slot is not None
             del self._members[seq.batch_slot]
             del self._offsets[seq_id]
-            seq.batch_slot, seq.state, seq.in_compute = None, state, False
+            seq.batch_slot, seq.state = None, state
             result.returned.append((seq, leaving))
         joiners = {s.sequence_id: s for s in job.work.joiners}
         for seq_id, slot in job.joined.items():
@@ -348,7 +324,7 @@ class BatchScheduler:
         """A batch step raised: its cache cannot be trusted, so every member fails and it goes."""
         members, self._members, self.handle = list(self._members.values()), {}, None
         for seq in members:
-            seq.batch_slot, seq.state, seq.in_compute = None, None, False
+            seq.batch_slot, seq.state = None, None
             if seq.phase is not Phase.DONE:
                 result.failed.append(seq)
         for leaving in self._leaving.values():

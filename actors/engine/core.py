@@ -1,20 +1,12 @@
 """The engine actor: one per loaded model epoch; owns the model, its sequences and cached states.
 
-Blocking model work runs as compute jobs on the engine's executor, one at a time. Between jobs the
-core picks the next unit of work round-robin (a prefill chunk, a decode step, or a step of the
-decode batch that ``BatchScheduler`` plans), so a sequence's abort flag is seen at the next chunk
-or step boundary. Prefix entries' states live here; the prefix-cache manager only indexes them,
-and the KV keeper only counts their bytes.
-
-The core handles the mailbox, loads and closes the model, drains, runs the pump and hands each
-finished job to the part that acts on it. A new sequence's way up to its first compute job is
-``Admission``'s (admission.py); what a step or batch step leaves is acted on by ``StepOutcomes``
-(outcomes.py); what a decode step shows the client and whether it ends the sequence is decided in
-emission.py; how a sequence ends and what it releases is ``Endings``' (endings.py).
-
-An engine that crashes (a bug in ``handle``) or whose compute step overruns ``step_timeout_s``
-(watchdog.py) gives up: it abandons its compute, ends every sequence at once, releases its epoch
-and tells the router (``EngineFailed``), which reloads the model at a new epoch.
+The core is the mailbox and the model's own life: it loads the model, hands it to the parts that
+use it, drains, closes, and gives up (a crash in ``handle``, or a step past ``step_timeout_s``:
+every sequence ends, the epoch is released, the router reloads the model). Each part has one job:
+admission.py and gate.py take a sequence to its first compute job, stepping.py runs one step
+(plan.py decides it, compute.py runs it, outcomes.py applies it), endings.py ends sequences, and
+lifecycle.py is the table of phases every change goes through. Prefix entries' states live here
+(entries.py); the prefix-cache manager only indexes them. See docs/design.md.
 """
 
 from __future__ import annotations
@@ -22,34 +14,15 @@ from __future__ import annotations
 import logging
 from typing import assert_never
 
-from actors.engine.admission import Admission, AdmissionLimits
-from actors.engine.batch import BatchScheduler
+from actors.engine import reports
+from actors.engine.assembly import EngineParts
 from actors.engine.checkpoints import CheckpointPolicy
-from actors.engine.chunking import ChunkSizer
-from actors.engine.compute import ComputeSlot
-from actors.engine.disk_tier import DiskTier, ExportJob, ReadJob, run_export
-from actors.engine.draft_model import close_models, default_drafts
-from actors.engine.endings import Endings
-from actors.engine.entries import EntryStore
-from actors.engine.jobs import (
-    BatchJob,
-    CloseJob,
-    Job,
-    LoadJob,
-    ProbeJob,
-    StepJob,
-    TidyJob,
-    TogetherJob,
-    TokenizeJob,
-    run_load,
-)
-from actors.engine.outcomes import StepOutcomes
-from actors.engine.probing import DeferredProbing
+from actors.engine.disk_tier import ExportJob, ReadJob, run_export
+from actors.engine.draft_model import DraftModel, close_models, default_drafts
+from actors.engine.gate import AdmissionLimits
+from actors.engine.jobs import CloseJob, Job, LoadJob, ProbeJob, run_load
 from actors.engine.retirement import Retirement
 from actors.engine.sequence import Phase, Sequence
-from actors.engine.tidying import Tidying
-from actors.engine.turns import PromptTurns
-from actors.engine.watchdog import Watchdog
 from runtime.backends.contract import (
     Backend,
     BackendLoader,
@@ -59,12 +32,7 @@ from runtime.backends.contract import (
 )
 from runtime.backends.disk import DiskCacheConfig
 from runtime.backends.options import EngineOptions, ModelOptions, decode_options
-from runtime.errors import (
-    EngineCrashed,
-    InvalidModelSpec,
-    MlxRuntimeError,
-    ModelLoadFailed,
-)
+from runtime.errors import EngineCrashed, InvalidModelSpec, MlxRuntimeError, ModelLoadFailed
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, Context, engine_address
 from runtime.kernel.stats import Counters
 from runtime.messages import (
@@ -81,7 +49,6 @@ from runtime.messages import (
     EngineInbox,
     EngineLoadFailed,
     EngineProbed,
-    EngineReady,
     EpochReleased,
     GetStats,
     HolderKind,
@@ -103,11 +70,8 @@ log = logging.getLogger("mlx_actor_runtime.engine")
 
 
 class EngineCore:
-    """State and decisions of one engine (see module docstring).
-
-    It owns the table of live sequences, shared with the parts it is made of: ``Admission``,
-    ``ComputeSlot``, ``StepOutcomes`` and ``Endings``.
-    """
+    """State and decisions of one engine (see module docstring); it owns the table of live
+    sequences, shared with its parts (assembly.py)."""
 
     def __init__(
         self,
@@ -135,6 +99,7 @@ class EngineCore:
         # The most a chunk holds (KV is priced with it).
         chunk_tokens = max(1, spec.prefill_chunk_tokens or options.chunk_tokens)
         self._backend: Backend | None = None
+        self._draft: DraftModel | None = None  # the model's draft model, from its load on
         # The info the model runs by (its load, then a deferred probe): statistics() shows its
         # verdicts (capability_* gauges, 1 on, 0 off) and the off ones' whys (limits).
         self._info: ModelInfo | None = None
@@ -144,12 +109,6 @@ class EngineCore:
         self._closed = False
         self._retired: Retirement | None = None  # set once it gave up (a crash, a stuck step)
         self.counters = Counters()
-        self._entries = EntryStore(spec.name, epoch, self.counters)
-        # Evicted entries wait for their write beyond the KV budget: at most a quarter of it.
-        self._disk = DiskTier(disk, self.counters, pending_cap=kv_budget_bytes // 4)
-        self._batches = BatchScheduler(spec.name, options, epoch, self.counters)
-        self._probing = DeferredProbing(spec.name, self.counters)
-        self._tidying = Tidying(spec.name, self.counters)
         limits = AdmissionLimits(
             options.max_concurrent,  # past the admission gate; others wait FIFO
             reservation_timeout_s,
@@ -160,43 +119,14 @@ class EngineCore:
             default_drafts(spec, options),
             options.lookup_with_reserve,
         )
-        self._sizer = ChunkSizer(chunk_tokens, options.prefill_chunk_ms / 1000)
-        turns = PromptTurns(options.decode_stall_ms / 1000, options.max_batch, options.batching)
-        self._compute = ComputeSlot(
-            self._sizer,
-            self._sequences,
-            self._batches,
-            self._entries,
-            turns,
-            Watchdog(step_timeout_s),
-        )
-        self._ends = Endings(
-            self._sequences,
-            self._entries,
-            self._batches,
-            self.counters,
-            slot_freed=lambda ctx: self._admission.admit_waiting(ctx),
-            backend=lambda: self._backend,
-            let_go=lambda followers, ctx: self._admission.let_go(followers, ctx),
-        )
-        self._admission = Admission(
-            limits,
-            spec.name,
-            self._sequences,
-            self._entries,
-            self.counters,
-            ends=self._ends,
-            disk=self._disk,
-        )
-        self._outcomes = StepOutcomes(
-            self._sequences,
-            self._entries,
-            self._batches,
-            self._admission,
-            self._ends,
-            self.counters,
-            backend=lambda: self._backend,
-        )
+        p = EngineParts.build(
+            spec.name, epoch, options, self._sequences, self.counters, limits, disk,
+            kv_budget_bytes, step_timeout_s,
+        )  # fmt: skip
+        self._entries, self._disk, self._batches = p.entries, p.disk, p.batches
+        self._probing, self._tidying, self._sizer = p.probing, p.tidying, p.sizer
+        self._compute, self._gate, self._ends = p.compute, p.gate, p.ends
+        self._admission, self._outcomes, self._step = p.admission, p.outcomes, p.step
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -229,27 +159,17 @@ class EngineCore:
 
     def statistics(self) -> Stats:
         gauges = {
-            "sequences": len(self._sequences),
+            **reports.sequence_gauges(self._sequences.values()),
             **self._entries.gauges(),
-            "pending_snapshots": sum(len(s.snapshots) for s in self._sequences.values()),
-            # Of live sequences' granted reservations, what is held for snapshots (taken, or room).
-            "sequence_snapshot_bytes": sum(
-                s.snapshot_room + sum(taken.nbytes for taken in s.snapshots)
-                for s in self._sequences.values()
-                if s.reserved
-            ),
             "batch_size": len(self._batches),
             "batch_padding_bytes": self._batches.padding_bytes,
             # Process-wide (every model's): grammar states not released yet; 0 when none is live.
             "live_matchers": live_matchers(),
-            **{
-                f"capability_{v.capability}": int(v.on)
-                for v in (self._info.capabilities if self._info else ())
-            },
+            **reports.capability_gauges(self._info),
             "probe_pending": int(self._probing.pending),
             **self._disk.gauges(),
             # Draft-model states held by sequences (0 once every sequence has ended).
-            "draft_states": 0 if self._admission.draft is None else self._admission.draft.live,
+            "draft_states": 0 if self._draft is None else self._draft.live,
         }
         return Stats(
             actor=engine_address(self.model, self.epoch),
@@ -365,22 +285,10 @@ class EngineCore:
     # ------------------------------------------------------------------ compute
 
     def _pump(self, ctx: Context) -> None:
-        """Start the next compute job if the executor is free (or queue a lone stream's next
-        decode step behind its running one); once drained, close the model."""
+        """Start the next step (stepping.py); once drained, close the model."""
         if self._closed or self._backend is None:
             return
-        if self._compute.busy:
-            self._compute.note_waiting()
-            self._compute.top_up(self._backend, ctx)
-            return
-        if self._compute.start_next(self._backend, ctx):
-            self._tidying.work_started()
-            self._compute.note_waiting()  # what it left ready ends a block after one step
-            return
-        if not self._draining and (
-            self._probing.start(self._backend, self._compute, ctx)
-            or self._tidying.start(self._backend, self._compute, ctx)
-        ):
+        if self._step.start(self._backend, ctx, idle_work=not self._draining):
             return
         if self._draining and not self._sequences and not self._batches.has_leaving:
             if not self._disk.flushed:  # a clean unload keeps what RAM holds, if it can
@@ -388,9 +296,9 @@ class EngineCore:
             if self._disk.busy or self._compute.busy:
                 return
             self._closed = True
-            backend, self._backend = self._backend, None
+            backend, draft, self._backend = self._backend, self._draft, None
+            self._hand_over(None, None)
             self._batches.handle = None
-            draft = self._admission.draft
             self._compute.submit(ctx, CloseJob(), lambda: close_models(backend, draft))
 
     def _export(self, job: ExportJob, ctx: Context) -> None:
@@ -404,30 +312,13 @@ class EngineCore:
         match job:
             case LoadJob():
                 self._loaded(job, ctx)
-            case TokenizeJob():
-                self.counters.inc("prompts_tokenized", len(job.results) + len(job.failures))
-                self._admission.tokenized(job, ctx)
             case CloseJob():
                 self._closed_down(ctx)
-            case StepJob():
-                seq = job.seq.live_successor()
-                self._outcomes.step_done(job, seq, ctx, still_queued=self._compute.holds(seq))
-            case TogetherJob():
-                self.counters.inc("prefills_together")
-                for step in job.steps:
-                    seq = step.seq.live_successor()
-                    self._outcomes.step_done(step, seq, ctx)
-            case BatchJob():
-                self._outcomes.batch_done(job, ctx)
             case ProbeJob():
                 if (info := self._probing.done(job)) is not None:
                     self._probed(info, job.batchable, ctx)
-            case TidyJob():
-                self._tidying.done(job)
-            case ExportJob():
-                self._disk.exported(job, ctx)
-            case _:
-                assert_never(job)
+            case _:  # a sequence's job, or idle work's
+                self._step.apply(job, ctx)
 
     def _loaded(self, job: LoadJob, ctx: Context) -> None:
         self._backend = job.backend
@@ -445,24 +336,23 @@ class EngineCore:
         log.debug("model %s (epoch %d): prefix reuse path %s: %s",
                  self.model, self.epoch, info.reuse, info.reuse_reason)  # fmt: skip
         self._info = info
-        ctx.send(
-            ROUTER,
-            EngineReady(
-                epoch=self.epoch,
-                reuse_path=str(info.reuse),
-                bytes_per_token=info.bytes_per_token,
-                context_length=info.context_length,
-                chat_template=info.chat_template,
-                limits=info.limits,
-                probe_pending=info.probe_pending,
-            ),
-        )
-        self._admission.loaded(info, ctx, job.draft)
+        ctx.send(ROUTER, reports.ready(self.epoch, info))
+        self._hand_over(job.backend, job.draft)
+        self._gate.loaded(info, job.draft)
+        self._admission.loaded(info, ctx)
         self._disk.opened(job.disk, job.backend)
+
+    def _hand_over(self, backend: Backend | None, draft: DraftModel | None) -> None:
+        """The model (and its draft model) to the parts that use it: given once at the load,
+        taken back at the close or when the engine gives up."""
+        self._draft = draft
+        self._ends.loaded(backend)
+        self._outcomes.loaded(backend, draft)
 
     def _probed(self, info: ModelInfo, batchable: bool, ctx: Context) -> None:
         """The deferred load probe gave its verdict: from now on the model runs by ``info``."""
         self._batches.loaded(info, batchable)
+        self._gate.loaded(info, self._draft)
         self._admission.probed(info)
         self._info = info
         ctx.send(
@@ -492,6 +382,7 @@ class EngineCore:
         self._ends.abandon_all(self._compute.abandon(), error, ctx)
         self._batches.handle = None
         self._backend = None  # left to the abandoned thread; no close job can run after it
+        self._hand_over(None, self._draft)
         self._closed = True
         self._closed_down(ctx)
 

@@ -213,7 +213,7 @@ class DiskTier:
         if seq is None or seq.phase is not Phase.LOADING:
             ctx.count_dead_letter("stale_disk_read")  # it ended meanwhile
             return
-        seq.phase = Phase.RESTORING
+        seq.move(Phase.RESTORING)
         if job.source is None:
             return  # dropped and counted: the RAM hit (or a cold prefill) it had stands
         if seq.lease_id is not None:

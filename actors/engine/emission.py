@@ -89,7 +89,7 @@ def start_decoding(
     thread, ``Decoding``) and the text is matched against the stop strings here. A speculating
     sequence drafts with ``draft`` (the model's draft model) where there is one."""
     assert seq.tokens is not None
-    seq.phase = Phase.DECODING
+    seq.move(Phase.DECODING)
     seq.decoding = Decoding(history=list(seq.tokens), detokenizer=IncrementalDetokenizer(decode))
     if seq.drafts:
         source = None if draft is None else DraftSource(draft)

@@ -1,30 +1,23 @@
 """How a sequence of one engine ends, and what it gives back.
 
-A sequence ends once: finished (``finish``: a reason such as ``length`` or ``stop``, ``prewarmed``,
-``adopted``), cancelled (``abort``, at once or when its running job comes back) or failed
-(``fail``). What the sequence holds (its prefix-cache lease, its KV reservation, snapshots
-included) is released then, and the router hears the terminal event right after, except in two
-cases. A sequence still in the decode batch sends its terminal at once and is released once its
-state is back out (``returned``). One whose decode step queued behind the last is still running
-ends when that step is back (``settle``): released, then its terminal. A finished sequence's cache,
-and a cancelled one's unless the model is going away, is first committed to the prefix cache
-(``EntryStore.detach``); a failed one's never is.
-
-A prewarm that follows an identical one (``Sequence.leader``) computes nothing: it finishes as its
-leader finished (prewarmed, or adopted), right after it; if the leader is cancelled or fails, the
-followers are let go (admission's ``let_go``) to go on by themselves, or cancelled too when the
-model is going away.
-
-The engine core, ``Admission`` and ``StepOutcomes`` all end sequences through one ``Endings``.
+A sequence ends once: finished (``finish``), cancelled (``abort``, at once or when its running job
+comes back) or failed (``fail``); it moves to ``DONE`` here and only here. What it holds (its lease,
+its KV reservation, snapshots included) is released, then the router hears the terminal; a batched
+sequence's release waits for its state to leave the batch (``returned``), and one whose queued
+decode step still holds its state ends when that step is back (``settle``). A finished (or, unless
+the model is going away, cancelled) cache is committed first; a failed one never is. After each
+ending the gate lets a waiting sequence in; a leader's followers finish with it, or are let go.
+See docs/design.md, "A sequence's lifecycle".
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 from actors.engine import emission
 from actors.engine.batch import BatchScheduler
 from actors.engine.entries import EntryStore
+from actors.engine.gate import Gate
 from actors.engine.jobs import Job, StepJob
 from actors.engine.sequence import (
     Ending,
@@ -45,10 +38,8 @@ class Endings:
     """The endings of one engine's sequences (see module docstring).
 
     ``sequences`` is the engine's table of live sequences, shared: an ending removes from it.
-    ``slot_freed`` runs after every ending, so that the admission gate lets a waiting sequence in
-    (a callable: the admission that owns the gate is built after the endings it asks for).
-    ``backend`` is the engine's loaded backend, None before the load and after the close.
-    ``let_go`` hands admission the followers of a leader that ended without a finish they share.
+    After every ending the ``gate`` lets a waiting sequence in; it also takes the followers of a
+    leader that ended without a finish they share.
     """
 
     def __init__(
@@ -57,18 +48,19 @@ class Endings:
         entries: EntryStore,
         batches: BatchScheduler,
         counters: Counters,
-        slot_freed: Callable[[Context], None],
-        backend: Callable[[], Backend | None],
-        let_go: Callable[[list[Sequence], Context], None],
+        gate: Gate,
     ) -> None:
         self._sequences = sequences
         self._entries = entries
         self._batches = batches
         self._counters = counters
-        self._slot_freed = slot_freed
-        self._backend = backend
-        self._let_go = let_go
+        self._gate = gate
+        self._backend: Backend | None = None  # the model, while loaded: endings commit with it
         self._unloading = False
+
+    def loaded(self, backend: Backend | None) -> None:
+        """The engine's model is in (None again once it is closed or abandoned)."""
+        self._backend = backend
 
     def unloading(self) -> None:
         """The model is going away: a cancelled sequence's cache is no longer kept."""
@@ -116,10 +108,10 @@ class Endings:
     def _end(self, seq: Sequence, ctx: Context, detach: bool, terminal: Terminal) -> None:
         """After this nothing acts on the sequence; what it holds is released, then ``terminal``
         sent (a batched one's release waits for its state to leave the batch)."""
-        seq.phase = Phase.DONE
+        seq.move(Phase.DONE)
         self._sequences.pop(seq.sequence_id, None)
         self._batches.ended(seq)
-        self._slot_freed(ctx)
+        self._gate.admit_waiting(ctx)
         if seq.batch_slot is not None:
             self._batches.leave_later(seq, detach)
             ctx.send(ROUTER, terminal)
@@ -147,7 +139,7 @@ class Endings:
             for seq in followers:
                 self.abort(seq, "model_unloaded", ctx)
         else:
-            self._let_go(followers, ctx)
+            self._gate.let_go(followers, ctx)
 
     def settle(self, seq: Sequence, ending: Ending, ctx: Context) -> None:
         """The step that held an ended sequence's state is back: give everything back, and only
@@ -164,11 +156,10 @@ class Endings:
         self.release_holdings(seq, ctx)
 
     def _detach(self, seq: Sequence, ctx: Context) -> None:
-        backend = self._backend()
-        if backend is None:
+        if self._backend is None:
             seq.state = None
             return
-        self._entries.detach(seq, backend, ctx)
+        self._entries.detach(seq, self._backend, ctx)
 
     def abandon_all(self, jobs: Iterable[Job], error: MlxRuntimeError, ctx: Context) -> None:
         """The engine gave up (its compute abandoned with ``jobs``): every sequence ends now, an
@@ -186,7 +177,7 @@ class Endings:
             seq.abort.set()  # a step still running on the abandoned thread gives up at its check
             release_matcher(seq)  # a step still using it fails at its next call, on that thread
             release_draft(seq)
-            seq.phase = Phase.DONE
+            seq.move(Phase.DONE)
             if cancelled:
                 self._counters.inc("cancelled")
                 ctx.send(ROUTER, emission.cancelled(seq))

@@ -2,29 +2,31 @@
 
 A step (a restore, a prefill chunk, a decode step, or one row of a batch step) leaves its new state,
 its checkpoints and snapshots, and a token or an error in its ``StepJob``. Once the state is taken
-in, the sequence goes on: ended already (nothing more), aborted meanwhile, failed, its
-prefill advanced (``prefill_advanced``: the start announced; once the prompt is in, a prewarm is
-done and a generate starts decoding) or its token shown (emission.py says whether it ends it). A
-batch step first settles the sequences whose state came back out of the batch, then each row's
-step as above. Endings go through ``Endings``.
+in (a restore that fell back to a cold prefill noted), the sequence goes on: ended already, aborted
+meanwhile, failed, its prefill advanced (``prefill_advanced``: the start announced; once the prompt
+is in, a prewarm is done and a generate starts decoding) or its token shown (emission.py says
+whether it ends it). A batch step first settles who came back out of the batch, then each row's
+step. Endings go through ``Endings``. See docs/design.md ("One step").
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import logging
 
 from actors.engine import emission
-from actors.engine.admission import Admission
 from actors.engine.batch import BatchScheduler
+from actors.engine.draft_model import DraftModel
 from actors.engine.endings import Endings
 from actors.engine.entries import EntryStore
 from actors.engine.jobs import BatchJob, StepJob
 from actors.engine.sequence import Phase, Sequence
 from runtime.backends.contract import Backend
 from runtime.errors import BackendError, MlxRuntimeError
-from runtime.kernel.core import Context
+from runtime.kernel.core import PREFIX_CACHE, Context
 from runtime.kernel.stats import Counters
-from runtime.messages import FinishReason, RequestKind
+from runtime.messages import FinishReason, ReleaseLease, RequestKind, ReusePath
+
+log = logging.getLogger("mlx_actor_runtime.engine")
 
 
 class StepOutcomes:
@@ -38,39 +40,39 @@ class StepOutcomes:
         sequences: dict[int, Sequence],
         entries: EntryStore,
         batches: BatchScheduler,
-        admission: Admission,
         ends: Endings,
         counters: Counters,
-        backend: Callable[[], Backend | None],
     ) -> None:
         self._sequences = sequences
         self._entries = entries
         self._batches = batches
-        self._admission = admission
         self._ends = ends
         self._counters = counters
-        self._backend = backend  # the engine's; steps come back only while it is loaded
+        self._backend: Backend | None = None  # steps come back only while the model is loaded
+        self._draft: DraftModel | None = None
+
+    def loaded(self, backend: Backend | None, draft: DraftModel | None = None) -> None:
+        """The engine's model (and its draft model) is in; None again once it is closed."""
+        self._backend, self._draft = backend, draft
 
     def step_done(
         self, job: StepJob, seq: Sequence, ctx: Context, still_queued: bool = False
     ) -> None:
         """``seq``'s step came back (``seq`` owns its work now: the job's, or its adopter);
         ``still_queued``: another step of it is queued behind this one (compute.py)."""
-        seq.in_compute = still_queued
         self._counters.inc(
             "decoded_tokens" if seq.phase is Phase.DECODING else "prefilled_tokens", job.prefilled
         )
         if job.fallback is not None:
-            self._admission.restore_fell_back(seq, job.fallback, ctx)
+            self._fell_back(seq, job.fallback, ctx)
         if job.state is not None:
             seq.state = job.state
         if job.checkpoints is not None:
             seq.checkpoints = job.checkpoints
         del seq.checkpoints[: job.passed]  # the chunk went past them: each left one of the two
         if job.pin_copy is not None:
-            backend = self._backend()
-            assert backend is not None
-            self._entries.pin_copy(seq, job.pin_copy, backend, ctx)
+            assert self._backend is not None
+            self._entries.pin_copy(seq, job.pin_copy, self._backend, ctx)
         for snapshot in job.snapshots:
             self._entries.snapshot(seq, snapshot)
         if seq.phase is Phase.DONE:
@@ -88,7 +90,7 @@ class StepOutcomes:
                 seq.resume_phase = Phase.PREFILLING
             return
         if seq.phase is Phase.RESTORING:
-            seq.phase = Phase.PREFILLING
+            seq.move(Phase.PREFILLING)
         if seq.phase is Phase.PREFILLING:
             self.prefill_advanced(seq, ctx)
         elif seq.phase is Phase.DECODING and job.token is not None:
@@ -97,6 +99,15 @@ class StepOutcomes:
                 self._counters.inc("drafted_tokens", job.drafted)
                 self._counters.inc("accepted_tokens", job.accepted)
             self._show(job, seq, ctx)
+
+    def _fell_back(self, seq: Sequence, reason: str, ctx: Context) -> None:
+        """The restore could not use the lookup's hit (``reason``): the prompt is prefilled cold."""
+        self._counters.inc(f"fallback_{reason}")  # before Started: nothing was counted as reused
+        log.debug("sequence %d: reuse fell back to a cold prefill (%s)", seq.sequence_id, reason)
+        seq.cached_tokens, seq.path = 0, ReusePath.MISS
+        if seq.lease_id is not None:
+            ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
+            seq.lease_id = None
 
     def _show(self, job: StepJob, seq: Sequence, ctx: Context) -> None:
         """Show a decode step's token, then any more of its block (a decode or speculative
@@ -133,9 +144,8 @@ class StepOutcomes:
         if seq.kind is RequestKind.PREWARM:
             self._ends.finish(seq, ctx, FinishReason.PREWARMED)
             return
-        backend = self._backend()
-        assert backend is not None
-        emission.start_decoding(seq, backend.decode, self._admission.draft)
+        assert self._backend is not None
+        emission.start_decoding(seq, self._backend.decode, self._draft)
 
     def batch_done(self, job: BatchJob, ctx: Context) -> None:
         """A batch step came back: settle who left, then act on each row's step."""
@@ -153,8 +163,6 @@ class StepOutcomes:
                 self._ends.release_holdings(seq, ctx)
         for seq, step in done.stepped:
             self.step_done(step, seq, ctx)
-        for seq in self._sequences.values():
-            seq.in_compute = False  # joiners that were aborted before joining, or never got in
 
 
 def _step_failed(error: BaseException) -> MlxRuntimeError:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-import enum
 import random
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, NamedTuple
 
 from actors.engine.checkpoints import CheckpointRule
+from actors.engine.lifecycle import COMPUTE_PHASES as COMPUTE_PHASES
+from actors.engine.lifecycle import Phase as Phase
+from actors.engine.lifecycle import check_move
 from runtime.backends.contract import SequenceState, Snapshot
 from runtime.messages import (
     Admit,
@@ -40,21 +42,6 @@ class RestoreSource(NamedTuple):
     state: SequenceState
     snapshot: Snapshot | None
 
-
-class Phase(enum.Enum):
-    TOKENIZING = enum.auto()  # waiting for the compute thread to tokenize the prompt
-    WAITING = enum.auto()  # at the admission gate: the engine runs its most sequences
-    FOLLOWING = enum.auto()  # a prewarm waiting for an identical one (its leader) to end
-    RESERVING = enum.auto()  # waiting for the KV keeper
-    LOOKING_UP = enum.auto()  # waiting for the prefix-cache manager
-    LOADING = enum.auto()  # waiting for the disk tier's I/O thread to read an entry back
-    RESTORING = enum.auto()  # compute: copy (and trim) a cached state, or make an empty one
-    PREFILLING = enum.auto()  # compute: prompt chunks
-    DECODING = enum.auto()  # compute: one token per step
-    DONE = enum.auto()
-
-
-COMPUTE_PHASES = frozenset({Phase.RESTORING, Phase.PREFILLING, Phase.DECODING})
 
 Terminal = SequenceFinished | SequenceCancelled | SequenceFailed
 
@@ -106,7 +93,7 @@ class Sequence:
     message_ends: tuple[int, ...] = ()  # token counts where chat messages end (checkpoints)
     pin_at: int = 0  # >0: snapshot here and pin it as the session's instructions prefix
     drafts: int = 0  # the most tokens a speculative pass drafts (0: none), set at admission
-    phase: Phase = Phase.TOKENIZING
+    phase: Phase = Phase.TOKENIZING  # changed only by ``move``
     # Set once, by the loop, when the sequence must stop; the compute thread checks it per step.
     abort: threading.Event = field(default_factory=threading.Event)
     abort_reason: str = "cancelled"
@@ -159,6 +146,11 @@ class Sequence:
             seq.dropped_turns = admit.facts.dropped_turns
             seq.reasoning_open = admit.facts.reasoning_open
         return seq
+
+    def move(self, to: Phase) -> None:
+        """Go to phase ``to``; raises ``IllegalMove`` unless lifecycle.py's table allows it."""
+        check_move(self.sequence_id, self.phase, to)
+        self.phase = to
 
     def facts(self) -> PromptFacts:
         """What rendering its chat prompt found (defaults for a plain prompt)."""
