@@ -19,6 +19,13 @@ from runtime.messages import Holder
 HOST_NODE = "host"  # the ledger of engines in the host's own process
 
 
+def node_budget(budgets: Mapping[str, int], default: int, node: str, node_ip: str) -> int:
+    """A Ray node's KV budget: ``budgets`` by its node id, else by its IP address, else
+    ``default``. The keeper's ledger and the engine's own planning (checkpoints) ask this one."""
+    budget = budgets.get(node, budgets.get(node_ip))
+    return default if budget is None else budget
+
+
 @dataclass
 class Ledger:
     """One node's budget and the bytes granted on it."""
@@ -61,8 +68,8 @@ class Ledgers:
         """The engine of (model, epoch) runs on ``node``: its new holders go to that ledger."""
         self._placed[(model, epoch)] = node
         if node not in self._ledgers:
-            budget = self._node_budgets.get(node, self._node_budgets.get(node_ip))
-            self._ledgers[node] = Ledger(node, self._node_default if budget is None else budget)
+            budget = node_budget(self._node_budgets, self._node_default, node, node_ip)
+            self._ledgers[node] = Ledger(node, budget)
         return self._ledgers[node]
 
     def forget_epoch(self, model: str, epoch: int) -> None:

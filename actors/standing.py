@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 
 from actors.engine.core import EngineCore
 from actors.kv_budget import KVBudgetCore
+from actors.kv_ledgers import node_budget
 from actors.prefix_cache import PrefixCacheCore
 from actors.router import RouterCore
 from runtime.backends.contract import BackendLoader
@@ -19,8 +20,10 @@ from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, ActorCore, Addr
 from runtime.kernel.supervision import RestartPolicy
 from runtime.messages import ModelSpec
 
+# Builds an engine's core on the Ray node it runs on: (node id, node IP) -> the core.
+BuildOnNode = Callable[[str, str], ActorCore]
 # Where an engine runs: (spec, epoch, build its core) -> the actor core at its address.
-EngineHost = Callable[[ModelSpec, int, Callable[[], ActorCore]], ActorCore]
+EngineHost = Callable[[ModelSpec, int, BuildOnNode], ActorCore]
 
 
 def standing_actors(
@@ -49,15 +52,21 @@ def standing_actors(
 
     def engine_factory(spec: ModelSpec, epoch: int) -> ActorCore:
         if engine_host is not None:
-            return engine_host(spec, epoch, lambda: build_engine(spec, epoch))
-        return build_engine(spec, epoch)
+            budgets, default = dict(node_kv_budgets or {}), node_kv_default or kv_budget_bytes
 
-    def build_engine(spec: ModelSpec, epoch: int) -> ActorCore:
+            def on_node(node: str, node_ip: str) -> ActorCore:
+                # The engine plans (checkpoints) against the budget of the node its KV is on.
+                return build_engine(spec, epoch, node_budget(budgets, default, node, node_ip))
+
+            return engine_host(spec, epoch, on_node)
+        return build_engine(spec, epoch, kv_budget_bytes)
+
+    def build_engine(spec: ModelSpec, epoch: int, budget: int) -> ActorCore:
         return EngineCore(
             spec,
             epoch,
             load_backend,
-            kv_budget_bytes,
+            budget,
             reservation_timeout_s,
             default_max_tokens,
             step_timeout_s=step_timeout_s,

@@ -3,7 +3,8 @@ a model's two replicas are placed one per node (each engine asks for one CPU), b
 when one node is lost the other replica serves on while the lost one, with nowhere to go, is
 refused with a typed error naming what the cluster lacks, rather than waiting forever. Each node's
 KV is budgeted on that node: the worker's budget is set by its node id, the head has the
-per-node default, and a stream's bytes are booked on its engine's node, never on the host."""
+per-node default, each engine plans against its node's budget, and a stream's bytes are booked on
+its engine's node, never on the host."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from runtime.cluster.options import ClusterConfig
 from runtime.host.api import Runtime
 from runtime.host.config import RuntimeConfig
+from runtime.kernel.core import engine_model
 from runtime.messages import Failed, Finished, ModelSpec, TokensEmitted
 from runtime.testing.tiny_models import tiny_model_path
 
@@ -61,6 +63,15 @@ async def test_two_replicas_land_on_two_nodes_and_survive_the_loss_of_one(
             where = {s.name: s.placement for s in await rt.list_models()}
             nodes = {text.split()[1] for text in where.values()}
             assert len(nodes) == 2, where  # one CPU per node: one replica per node
+            # Each engine plans (its checkpoints) against its own node's budget.
+            planned = {
+                engine_model(address): stats.gauges["kv_budget_bytes"]
+                for address, stats in rt.stats().actors.items()
+                if engine_model(address) in where
+            }
+            on_worker = {n for n, text in where.items() if worker_id.startswith(text.split()[1])}
+            assert len(on_worker) == 1  # "node <id's first 8 hex digits> pid <pid>"
+            assert planned == {n: 3 << 26 if n in on_worker else 1 << 27 for n in where}, planned
             stream = rt.generate("llama", "The weather today is", max_tokens=1500, session="x")
             async with stream:
                 async for event in stream:

@@ -109,6 +109,7 @@ class EngineCore:
         self._closed = False
         self._retired: Retirement | None = None  # set once it gave up (a crash, a stuck step)
         self.counters = Counters()
+        self._kv_budget_bytes = kv_budget_bytes
         limits = AdmissionLimits(
             options.max_concurrent,  # past the admission gate; others wait FIFO
             reservation_timeout_s,
@@ -170,6 +171,8 @@ class EngineCore:
             **self._disk.gauges(),
             # Draft-model states held by sequences (0 once every sequence has ended).
             "draft_states": 0 if self._draft is None else self._draft.live,
+            # The budget it plans against (checkpoints): its node's, on a Ray node.
+            "kv_budget_bytes": self._kv_budget_bytes,
         }
         return Stats(
             actor=engine_address(self.model, self.epoch),

@@ -15,9 +15,9 @@ import os
 import pathlib
 import socket
 import threading
-from collections.abc import Callable
 from typing import Any
 
+from actors.standing import BuildOnNode
 from runtime.cluster.options import ClusterConfig
 from runtime.cluster.proxy import EngineLink, RemoteEngine
 from runtime.errors import ClusterUnavailable
@@ -122,8 +122,9 @@ class ClusterLink:
             max_restarts=0,  # the router restarts an engine, as a new actor at a new epoch
         )(_engine_process_class())
 
-    def wrap(self, spec: ModelSpec, epoch: int, build: Callable[[], ActorCore]) -> ActorCore:
-        """The router's engine factory for ``spec``: a proxy to a process running ``build()``."""
+    def wrap(self, spec: ModelSpec, epoch: int, build: BuildOnNode) -> ActorCore:
+        """The router's engine factory for ``spec``: a proxy to a process running ``build`` on
+        the node Ray places it on."""
         return RemoteEngine(spec.name, epoch, build, self._link(), spec.replicas)
 
     def _link(self) -> EngineLink:
@@ -138,7 +139,7 @@ class ClusterLink:
             unresponsive_s=config.unresponsive_s,
         )
 
-    def _start_engine(self, address: Address, build: Callable[[], ActorCore]) -> Any:
+    def _start_engine(self, address: Address, build: BuildOnNode) -> Any:
         return self._actor_class.remote(address, build)
 
     def missing(self, replicas: int = 1) -> str | None:

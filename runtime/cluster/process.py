@@ -21,6 +21,7 @@ from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from actors.standing import BuildOnNode
 from runtime.cluster.outbox import Outbox, Wired
 from runtime.kernel.actor import release_thread_resources
 from runtime.kernel.core import ActorCore, Address
@@ -34,7 +35,7 @@ EXIT_ON_BUG = 70  # a job or handler raised past its own handling: the process e
 class EngineProcess:
     """One engine in its own process (see module docstring)."""
 
-    def __init__(self, address: Address, build: Callable[[], ActorCore]) -> None:
+    def __init__(self, address: Address, build: BuildOnNode) -> None:
         self._address = address
         self._build = build
         self._core: ActorCore | None = None
@@ -55,10 +56,11 @@ class EngineProcess:
         import ray
 
         self._loop = asyncio.get_running_loop()
-        self._core = self._build()
-        self._task = self._loop.create_task(self._run(self._core))
         node = ray.get_runtime_context().get_node_id()
-        return os.getpid(), node, ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
+        self._core = self._build(node, node_ip)
+        self._task = self._loop.create_task(self._run(self._core))
+        return os.getpid(), node, node_ip
 
     async def deliver(self, number: int, items: list[Wired]) -> None:
         """Batch ``number`` of mail from the host: (sender, wire bytes) pairs, in order."""

@@ -22,9 +22,10 @@ from typing import Any
 import msgspec
 
 from actors.engine.lost import LostEngine
+from actors.standing import BuildOnNode
 from runtime.cluster.outbox import Wired
 from runtime.errors import ClusterResourcesMissing, ModelLoadFailed
-from runtime.kernel.core import KV_KEEPER, ROUTER, ActorCore, Address, Context
+from runtime.kernel.core import KV_KEEPER, ROUTER, Address, Context
 from runtime.kernel.stats import Counters
 from runtime.messages import (
     ComputeDone,
@@ -78,7 +79,7 @@ class _Poll:
 class EngineLink:
     """What the proxy needs of the cluster (``runtime.cluster.connect.ClusterLink`` makes it)."""
 
-    start_engine: Callable[[Address, Callable[[], ActorCore]], Any]
+    start_engine: Callable[[Address, BuildOnNode], Any]
     kill: Callable[[Any], None]
     missing: Callable[[int], str | None]  # why N engines can never be placed, or None
     needs: dict[str, float]
@@ -94,7 +95,7 @@ class RemoteEngine:
         self,
         model: str,
         epoch: int,
-        build: Callable[[], ActorCore],
+        build: BuildOnNode,
         link: EngineLink,
         replicas: int = 1,
     ) -> None:
