@@ -15,7 +15,9 @@ costs, and where requests land across replicas.
   turns two at a time, each turn its history plus a new line, sent without a session id so that
   only the prompt can tell where its cache is) on a model with two replicas, routed by exact
   prefix affinity (ours), round robin and power-of-two choices: the share of prompt tokens served
-  from the cache, and the median time to first token.
+  from the cache, and the median time to first token. ``cluster.doc_cached_fraction`` /
+  ``cluster.doc_chat_ttft_ms_p50``: the same where each session opens with its own ~500-token
+  document (a chat about a pasted text), where the prefill a cache hit saves is most of a turn.
 """
 
 from __future__ import annotations
@@ -60,10 +62,17 @@ class ClusterSizes:
     sessions: int = 6
     turns: int = 4
     reply_tokens: int = 8
+    document_entries: int = 32  # the document chat's per-session document (~500 tokens)
 
 
 CLUSTER_QUICK = ClusterSizes(
-    tokens=16, repetitions=1, overhead_tokens=200, sessions=4, turns=2, reply_tokens=4
+    tokens=16,
+    repetitions=1,
+    overhead_tokens=200,
+    sessions=4,
+    turns=2,
+    reply_tokens=4,
+    document_entries=8,
 )
 
 
@@ -91,6 +100,16 @@ async def _overhead_alone(sizes: ClusterSizes) -> list[Measurement]:
     link = await anyio.to_thread.run_sync(connect, ClusterConfig(num_cpus=2))
     try:
         return await _overhead(sizes)
+    finally:
+        await anyio.to_thread.run_sync(link.close)
+
+
+async def _routing_alone(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
+    from runtime.cluster.connect import connect
+
+    link = await anyio.to_thread.run_sync(connect, ClusterConfig(num_cpus=2))
+    try:
+        return await _routing(spec, model, sizes)
     finally:
         await anyio.to_thread.run_sync(link.close)
 
@@ -197,16 +216,33 @@ async def _routing(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Mea
         replicated = msgspec.structs.replace(spec, replicas=2, routing=policy)
         async with Runtime(_config(True)) as rt:
             await rt.load_model(replicated)
-            cached, prompt, ttfts = await _chat(rt, spec.name, sizes)
-        rows.append(Measurement(SYSTEM, model, f"cluster.cached_fraction.{policy}",
-                                round(cached / prompt, 4), "fraction"))  # fmt: skip
-        rows.append(timed(SYSTEM, model, f"cluster.chat_ttft_ms_p50.{policy}", ttfts))
+            for workload, entries in (("", 0), ("doc_", sizes.document_entries)):
+                cached, prompt, ttfts = await _chat(rt, spec.name, sizes, entries)
+                fraction = f"cluster.{workload}cached_fraction.{policy}"
+                share = round(cached / prompt, 4)
+                rows.append(Measurement(SYSTEM, model, fraction, share, "fraction"))
+                scenario = f"cluster.{workload}chat_ttft_ms_p50.{policy}"
+                rows.append(timed(SYSTEM, model, scenario, ttfts))
     return rows
 
 
-async def _chat(rt: Runtime, name: str, sizes: ClusterSizes) -> tuple[int, int, list[float]]:
+def _document(session: int, entries: int) -> str:
+    """Session ``session``'s own document of ``entries`` lines (~15 tokens each): a chat about a
+    text the user pasted, as a chat app's or a provider's sessions often begin."""
+    lines = (
+        f"Entry {k} of log {session}: {LINES[(session + k) % len(LINES)]}" for k in range(entries)
+    )
+    return "Here is my log.\n" + "\n".join(lines) + "\n"
+
+
+async def _chat(
+    rt: Runtime, name: str, sizes: ClusterSizes, entries: int = 0
+) -> tuple[int, int, list[float]]:
+    """``sizes.sessions`` chats of ``sizes.turns`` turns, two sessions at a time; each opens with
+    its own document of ``entries`` lines (0: none)."""
+    opening = [_document(i, entries) if entries else "" for i in range(sizes.sessions)]
     histories = [
-        [ChatMessage(role="user", content=f"Session {i}. {LINES[i % len(LINES)]}")]
+        [ChatMessage(role="user", content=f"Session {i}. {opening[i]}{LINES[i % len(LINES)]}")]
         for i in range(sizes.sessions)
     ]
     cached = prompt = 0
@@ -249,22 +285,34 @@ def _pairs(items: Sequence[int]) -> list[tuple[int, ...]]:
 
 
 def plot(rows: Sequence[Measurement], path: str) -> None:
-    """The routing rows as two bar panels (cached fraction, chat TTFT p50) into ``path``."""
+    """The routing rows as two panels (cached fraction, chat TTFT p50), each with the short chat
+    and the document chat side by side, into ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only: no display
     import matplotlib.pyplot as plt
 
-    def values(prefix: str) -> list[float]:
-        by = {r.scenario: r.value for r in rows}
-        return [float(by.get(f"{prefix}.{policy}") or 0.0) for policy in POLICIES]
-
-    figure, (left, right) = plt.subplots(1, 2, figsize=(8, 3.2))
-    left.bar(POLICIES, values("cluster.cached_fraction"), color=["#2a7", "#999", "#999"])
-    left.set_title("prompt tokens served from cache")
-    left.set_ylim(0, 1)
-    right.bar(POLICIES, values("cluster.chat_ttft_ms_p50"), color=["#2a7", "#999", "#999"])
-    right.set_title("chat TTFT p50 (ms)")
+    by = {r.scenario: r.value for r in rows}
+    figure, panels = plt.subplots(1, 2, figsize=(9, 3.4))
+    width = 0.38
+    for panel, (metric, title) in zip(
+        panels,
+        (
+            ("cached_fraction", "prompt tokens served from cache"),
+            ("chat_ttft_ms_p50", "TTFT p50 (ms)"),
+        ),
+        strict=True,
+    ):
+        for offset, (workload, label, colour) in enumerate(
+            (("", "chat", "#9bd"), ("doc_", "document chat", "#2a7"))
+        ):
+            heights = [float(by.get(f"cluster.{workload}{metric}.{p}") or 0.0) for p in POLICIES]
+            xs = [i + (offset - 0.5) * width for i in range(len(POLICIES))]
+            panel.bar(xs, heights, width, label=label, color=colour)
+        panel.set_xticks(range(len(POLICIES)), POLICIES)
+        panel.set_title(title)
+    panels[0].set_ylim(0, 1)
+    panels[0].legend(loc="lower right", fontsize=8)
     figure.suptitle("2 replicas (Ray engines), multi-session chat, SmolLM2")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
@@ -272,8 +320,8 @@ def plot(rows: Sequence[Measurement], path: str) -> None:
 
 
 def main() -> None:
-    """``python -m bench.cluster [--quick] [--overhead] [--plot PATH]``: the rows for SmolLM2 (or
-    the transport's alone), as JSON lines."""
+    """``python -m bench.cluster [--quick] [--overhead | --routing] [--plot PATH]``: the rows for
+    SmolLM2 (or the transport's, or the routing's, alone), as JSON lines."""
     import sys
 
     from runtime.backends.model_source import prepare_model
@@ -281,6 +329,10 @@ def main() -> None:
     sizes = CLUSTER_QUICK if "--quick" in sys.argv else ClusterSizes()
     if "--overhead" in sys.argv:  # the transport rows alone (no model to load, ~a minute)
         rows = anyio.run(_overhead_alone, sizes)
+    elif "--routing" in sys.argv:  # the routing rows alone
+        spec = ModelSpec(name="smollm2", path="smollm2-135m-instruct")
+        prepare_model(spec)
+        rows = anyio.run(_routing_alone, spec, "smollm2", sizes)
     else:
         spec = ModelSpec(name="smollm2", path="smollm2-135m-instruct")
         prepare_model(spec)
