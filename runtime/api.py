@@ -65,6 +65,7 @@ from runtime.messages import (
 )
 from runtime.streams import HOST, TERMINALS, Completion, GenerationStream, HostStreams
 from runtime.text.coalesce import CoalescePolicy
+from runtime.text.constraints import import_grammar_engine
 from runtime.validation import validate_request
 
 if TYPE_CHECKING:
@@ -107,6 +108,9 @@ class Runtime:
             from runtime.cluster.connect import connect
 
             self._cluster = await anyio.to_thread.run_sync(connect, cluster)
+        # Validation compiles constraints on the loop; the grammar engine's first import reads
+        # from disk, so it happens here, in a thread (a no-op once imported).
+        await anyio.to_thread.run_sync(import_grammar_engine)
         stack = contextlib.AsyncExitStack()
         task_group = await stack.enter_async_context(anyio.create_task_group())
         system = ActorSystem(task_group, child_policy=self.config.engine_restart)

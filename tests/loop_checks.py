@@ -19,10 +19,13 @@ The threshold and why, the allow-list and the numbers measured: docs/design.md, 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import os
+import sys
 import threading
 from collections.abc import Generator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,9 +41,11 @@ NOTE_CALLBACK_S = SLOW_CALLBACK_S / 5
 # Blocking calls are looked for in the product: a call that runtime/ or actors/ code makes on the
 # loop thread. The tests' own setup (building a tiny model in an async test) and the test support
 # in runtime/testing/ may do file I/O on the loop: they are not what a host runs.
+ROOT = Path(__file__).resolve().parent.parent
 SCANNED = ("runtime", "actors")
 NOT_SCANNED = ("runtime.testing",)
 
+_TEST_TASK = "TestRunner._run_tests_and_fixtures"  # anyio's pytest plugin's task
 _current = ""  # the test whose phase runs now, for the summary
 _slowest: list[tuple[float, str, str]] = []  # (seconds, test, callback), one run's notes
 _found: list[str] = []
@@ -63,6 +68,14 @@ def debug_uvloop() -> asyncio.AbstractEventLoop:
     return loop
 
 
+def overloaded() -> bool:
+    """Whether the machine runs more than twice as many tasks as it has cores (the 1-minute load
+    average): there a callback's wall-clock time measures the scheduler more than the callback
+    (a thread start on the loop waited a second for the OS, niced, at a load of 10 on 2 cores),
+    so a slow callback is noted, not failed. CI and an ordinary run are judged."""
+    return os.getloadavg()[0] > 2 * (os.cpu_count() or 1)
+
+
 class _SlowCallbacks(logging.Handler):
     """Collects debug mode's "Executing <handle> took X seconds" (asyncio's and uvloop's)."""
 
@@ -73,9 +86,13 @@ class _SlowCallbacks(logging.Handler):
         if not (isinstance(args, tuple) and len(args) == 2 and isinstance(args[1], float)):
             return
         seconds, callback = args[1], str(args[0])[:300]
+        # The test's own task (its body, and what it awaits) may run a slow setup step on the
+        # loop, such as loading a model with a plain call: noted, not failed. Actors, timers and
+        # the server's request tasks each run in tasks of their own, and are judged.
+        own_task = _TEST_TASK in callback
         with _found_lock:
             _slowest.append((seconds, _current, callback))
-            if seconds > SLOW_CALLBACK_S:
+            if seconds > SLOW_CALLBACK_S and not own_task and not overloaded():
                 _found.append(f"slow callback on the event loop: {record.getMessage()[:400]}")
 
 
@@ -88,12 +105,42 @@ class _RecordedBlockingError(blockbuster.BlockingError):
             _found.append(f"blocking call on the event loop thread: {func}")
 
 
+_PRODUCT = tuple(str(ROOT / name) + os.sep for name in SCANNED)
+_TEST_SUPPORT = str(ROOT / "runtime" / "testing") + os.sep
+_TESTS = tuple(str(ROOT / name) + os.sep for name in ("tests", "property_tests"))
+
+
+def _a_test_calls_a_sync_api() -> bool:
+    """Whether the product code on the stack was entered by a test calling a plain (not async)
+    function of it: ``MlxBackend.load(spec)`` in a test body, say, which the runtime itself only
+    ever runs on a compute thread. That is the test's own blocking, not the product's. A test
+    awaiting the host API (a coroutine) is the product on the loop, and stays checked."""
+    frame = sys._getframe(2)
+    outermost = None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if name.startswith(_PRODUCT) and not name.startswith(_TEST_SUPPORT):
+            outermost = frame
+        frame = frame.f_back
+    if outermost is None or outermost.f_back is None:
+        return False
+    called_from_a_test = outermost.f_back.f_code.co_filename.startswith(_TESTS)
+    return called_from_a_test and not outermost.f_code.co_flags & inspect.CO_COROUTINE
+
+
 def _allow_deliberate_blocking(buster: BlockBuster) -> None:
-    """Blocking calls on the loop thread that are deliberate and tiny, each with its reason."""
+    """Blocking calls on the loop thread that are allowed, each with its reason."""
     # Log records written to stderr or a log file: asyncio itself logs on its loop thread, and a
     # log line is one short buffered write (a handler that must not block is the host's choice).
     for name in ("io.TextIOWrapper.write", "io.BufferedWriter.write"):
         buster.functions[name].can_block_in("logging/__init__.py", {"emit", "flush"})
+    for function in buster.functions.values():
+        allowed = function.can_block_predicate
+
+        def predicate(*args: Any, _allowed: Any = allowed, **kwargs: Any) -> bool:
+            return bool(_allowed(*args, **kwargs)) or _a_test_calls_a_sync_api()
+
+        function.can_block_predicate = predicate
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -163,8 +210,10 @@ def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, Any, Any]:
 def pytest_terminal_summary(terminalreporter: Any) -> None:
     if not _slowest:
         return
+    note = " (overloaded now: not failed)" if overloaded() else ""
     terminalreporter.section(
         f"loop callbacks over {NOTE_CALLBACK_S:.2f} s (a test fails over {SLOW_CALLBACK_S:.2f} s)"
+        + note
     )
     for seconds, test, callback in sorted(_slowest, reverse=True)[:15]:
         terminalreporter.write_line(f"{seconds:7.3f} s  {test}  {callback[:120]}")

@@ -11,6 +11,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from blockbuster import BlockingError
@@ -18,12 +19,19 @@ from blockbuster import BlockingError
 import runtime
 from tests import loop_checks
 
-# A call made from the runtime's own code (the frame's file lies under runtime/): what is checked.
-_FROM_RUNTIME = compile("time.sleep(0)", str(Path(runtime.__file__).parent / "x.py"), "exec")
+# Code of the runtime's own (its frames' file lies under runtime/): a coroutine a test awaits, as
+# the host API is, and a plain function a test calls, as a backend's load is.
+_CODE = """
+async def sleep_on_the_loop():
+    time.sleep(0)
 
-
-def sleep_in_runtime_code() -> None:
-    exec(_FROM_RUNTIME, {"time": time})
+def sleep_in_a_plain_call():
+    time.sleep(0)
+"""
+_RUNTIME_CODE: dict[str, Any] = {"time": time}
+exec(compile(_CODE, str(Path(runtime.__file__).parent / "x.py"), "exec"), _RUNTIME_CODE)
+sleep_on_the_loop = _RUNTIME_CODE["sleep_on_the_loop"]
+sleep_in_a_plain_call = _RUNTIME_CODE["sleep_in_a_plain_call"]
 
 
 def _take_findings() -> list[str]:
@@ -52,20 +60,25 @@ async def test_the_async_tests_run_in_debug_mode_with_the_threshold() -> None:
 
 async def test_a_blocking_call_on_the_loop_thread_raises_and_is_recorded() -> None:
     with pytest.raises(BlockingError, match=r"time\.sleep"):
-        sleep_in_runtime_code()
+        await sleep_on_the_loop()
     assert _take_findings() == ["blocking call on the event loop thread: time.sleep"]
 
 
 async def test_a_blocking_call_swallowed_by_the_code_still_fails_the_test() -> None:
     with contextlib.suppress(Exception):  # what an actor's crash handler does
-        sleep_in_runtime_code()
+        await sleep_on_the_loop()
     assert _take_findings() == ["blocking call on the event loop thread: time.sleep"]
 
 
 async def test_the_same_call_in_a_worker_thread_is_fine() -> None:
     import anyio.to_thread
 
-    await anyio.to_thread.run_sync(sleep_in_runtime_code)
+    await anyio.to_thread.run_sync(sleep_in_a_plain_call)
+    assert _take_findings() == []
+
+
+async def test_a_test_calling_a_plain_product_function_on_the_loop_is_not_judged() -> None:
+    sleep_in_a_plain_call()  # as a test calls MlxBackend.load, which the runtime runs off the loop
     assert _take_findings() == []
 
 
@@ -107,6 +120,7 @@ def test_a_callback_slower_than_the_threshold_fails_the_test(
     monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest
 ) -> None:
     monkeypatch.setattr(loop_checks, "SLOW_CALLBACK_S", 0.02)
+    monkeypatch.setattr(loop_checks, "overloaded", lambda: False)
     loop = loop_checks.debug_loop()
     loop.set_debug(True)
     loop.slow_callback_duration = 0.01
