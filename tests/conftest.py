@@ -12,7 +12,7 @@ import pytest
 
 from runtime.backends.model_store import KNOWN_MODELS, fetch_model
 from runtime.errors import ModelFetchFailed
-from tests.loop_checks import debug_loop, debug_uvloop
+from tests.loop_checks import LoopBackend, on_asyncio, on_uvloop
 
 if TYPE_CHECKING:
     from runtime.backends.mlx.gguf.convert import ConvertedModel
@@ -33,9 +33,9 @@ os.environ["MLXRT_LOAD_PROBE"] = "at_load"
 @pytest.fixture(
     scope="module",  # anyio's own default scope; module-scoped async fixtures need it
     params=[
-        pytest.param(("asyncio", {"debug": True, "loop_factory": debug_loop}), id="asyncio"),
+        pytest.param(on_asyncio(), id="asyncio"),
         pytest.param(
-            ("asyncio", {"debug": True, "loop_factory": debug_uvloop}),
+            on_uvloop(),
             id="asyncio+uvloop",
             marks=pytest.mark.skipif(
                 importlib.util.find_spec("uvloop") is None, reason="uvloop not installed"
@@ -43,7 +43,7 @@ os.environ["MLXRT_LOAD_PROBE"] = "at_load"
         ),
     ],
 )
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
+def anyio_backend(request: pytest.FixtureRequest) -> LoopBackend:
     return request.param  # type: ignore[no-any-return]
 
 

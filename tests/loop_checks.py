@@ -68,6 +68,19 @@ def debug_uvloop() -> asyncio.AbstractEventLoop:
     return loop
 
 
+# The two ``anyio_backend`` values every async test runs on (tests/conftest.py), and that a module
+# running on one loop only returns from its own ``anyio_backend`` fixture.
+LoopBackend = tuple[str, dict[str, object]]
+
+
+def on_asyncio() -> LoopBackend:
+    return ("asyncio", {"debug": True, "loop_factory": debug_loop})
+
+
+def on_uvloop() -> LoopBackend:
+    return ("asyncio", {"debug": True, "loop_factory": debug_uvloop})
+
+
 def overloaded() -> bool:
     """Whether the machine runs more than twice as many tasks as it has cores (the 1-minute load
     average): there a callback's wall-clock time measures the scheduler more than the callback
