@@ -1,5 +1,4 @@
-"""How the rows of one decode become ``llama_decode`` calls so that no token's result depends
-on which call computed it.
+"""How the rows of one decode become ``llama_decode`` calls: no token's result depends on the call.
 
 llama.cpp's CPU matrix multiply picks its kernel by the number of columns: a sequence with a
 single row in a pass goes through the vector kernels, two or more through llamafile's tiled ones,
