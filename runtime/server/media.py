@@ -17,7 +17,7 @@ import base64
 import binascii
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import NamedTuple
@@ -36,6 +36,20 @@ FETCH_MAX_BYTES = 20 << 20  # the engine's default max_image_bytes: a larger ima
 
 def remote_urls(messages: Sequence[WireChatMessage]) -> dict[str, str]:
     """Each ``http(s)`` image URL of ``messages`` and the first part that names it."""
+    return _image_urls(messages, lambda url: urlparse(url).scheme in ("http", "https"))
+
+
+def _local_path(url: str) -> Path | None:
+    """The file a ``file:`` URL or an absolute path names; None for any other URL."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    return Path(url) if not parsed.scheme and url.startswith("/") else None
+
+
+def _image_urls(
+    messages: Sequence[WireChatMessage], wanted: Callable[[str], bool]
+) -> dict[str, str]:
     found: dict[str, str] = {}
     for i, message in enumerate(messages):
         if not isinstance(message.content, list):
@@ -43,9 +57,23 @@ def remote_urls(messages: Sequence[WireChatMessage]) -> dict[str, str]:
         for j, part in enumerate(message.content):
             image = part.image_url
             url = image if isinstance(image, str) or image is None else image.url
-            if part.type == "image_url" and url and urlparse(url).scheme in ("http", "https"):
+            if part.type == "image_url" and url and wanted(url):
                 found.setdefault(url, f"messages[{i}].content[{j}]")
     return found
+
+
+async def read_local(
+    messages: Sequence[WireChatMessage], media_dirs: tuple[str, ...]
+) -> dict[str, bytes]:
+    """The bytes of every local image file of ``messages``, read in a worker thread (resolving,
+    checking and reading a file is disk I/O, never done on the event loop); raises the 400s
+    ``image_part`` documents for a file that may not be read."""
+    read: dict[str, bytes] = {}
+    for url, where in _image_urls(messages, lambda url: _local_path(url) is not None).items():
+        path = _local_path(url)
+        assert path is not None
+        read[url] = await anyio.to_thread.run_sync(_local_file, path, where, media_dirs)
+    return read
 
 
 async def fetch_remote(
@@ -85,8 +113,8 @@ def _fetch(url: str, timeout_s: float) -> bytes:
 
 
 class MediaSources(NamedTuple):
-    """Where one request's images may come from: files under ``dirs``, and the remote images
-    ``fetch_remote`` read for it (by URL)."""
+    """Where one request's images may come from: files under ``dirs``, and the images
+    ``fetch_remote`` and ``read_local`` read for it (by URL)."""
 
     dirs: tuple[str, ...] = ()
     fetched: Mapping[str, bytes] = MappingProxyType({})
@@ -107,9 +135,9 @@ def image_part(url: str, where: str, sources: MediaSources) -> ImagePart:
             "(mlxrt serve --fetch-images): send the image as a data URL "
             "(data:image/png;base64,...)",
         )
-    if parsed.scheme == "file" or (not parsed.scheme and url.startswith("/")):
-        path = unquote(parsed.path) if parsed.scheme == "file" else url
-        return ImagePart(data=_local_file(Path(path), where, sources.dirs), part=where)
+    path = _local_path(url)
+    if path is not None:  # read_local read it off the loop where the server translates requests
+        return ImagePart(data=_local_file(path, where, sources.dirs), part=where)
     raise HttpError(
         400,
         f"{where}.image_url must be a data URL or a file: URL, not {url[:40]!r}",
