@@ -11,6 +11,9 @@ import os
 
 from hypothesis import HealthCheck, settings
 
+# The event-loop checks (slow callbacks, blocking calls on the loop thread) for every test.
+pytest_plugins = ["tests.loop_checks"]
+
 # CI: few examples, derandomized so every run explores the same cases; a failure
 # prints a blob that reproduces it locally via @reproduce_failure.
 settings.register_profile(

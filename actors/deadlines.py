@@ -1,27 +1,14 @@
 """Per-request deadlines and the stall guard: when the router ends a request its engine has not.
 
 A request with ``timeout_s`` ends ``Failed(request_timeout)`` once that long has passed since the
-router accepted it, in whatever phase it is (tokenizing, at the admission gate, queued for KV,
-prefilling, decoding). A generate's stream ends ``Failed(stream_stalled)`` once no token has come
-for its stall timeout (``Generate.stall_timeout_s``, else ``RuntimeConfig.stall_timeout_s``). The
-stall clock starts at the first token: before it only the deadline bounds the wait, so a long but
-progressing prefill (which reports no progress to the router) is never taken for a stall.
+router accepted it, whatever its phase; a stream with no token for its stall timeout ends
+``Failed(stream_stalled)`` (the stall clock starts at the first token, so a long prefill is never
+taken for a stall). The router ends it at once rather than waiting on the engine, so the host
+hears the failure on time even from an engine that cannot answer (a stuck compute step is what
+the guard is for). Only the earliest due check has a timer (a heap of the rest): one timer per
+request left 1,389 sleeping timers after a 2,000-request soak.
 
-The router ends such a request at once, not when its engine answers: the host hears the failure at
-the deadline even from an engine that cannot answer (a stuck compute step is what a stall guard is
-for). The engine's sequence is aborted through the ordinary abort protocol; what the engine still
-says about it (a token already on its way, its ``SequenceCancelled``) is dropped and counted
-(``events_after_expiry``). The usage reported is what the host was shown: ``Started``'s prompt
-counts (0 before it) and the tokens forwarded.
-
-Timers are ``Context.send_later`` messages to the router itself, so the simulator's virtual clock
-drives them. The checks due (a request's deadline, its next stall check) wait in a heap, and only
-the earliest has a timer: one timer per request would leave a sleeping timer behind each request
-that ends first, for up to its whole window (the soak counted 1,389 of them after 2,000 requests).
-A timer that fires handles every check then due and arms one for the next; a check is armed anew
-only when it comes due before the pending timer. A stall check that finds a token came since it
-was set sets the next one for the rest of the window. A check whose request already ended is
-stale: dropped and counted (``stale_timers``), never acted on.
+The protocol, counters and invariants: docs/protocols.md, "Deadlines and the stall guard".
 """
 
 from __future__ import annotations

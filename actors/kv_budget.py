@@ -1,65 +1,13 @@
 """The KV budget keeper: the one place that knows how many bytes of KV exist and who holds them.
 
-Every sequence, every cached prefix entry and every engine's decode batch (its left padding) holds
-a reservation here, named by a ``Holder`` (model, epoch, kind, id). The keeper never touches MLX;
-it only does the accounting and answers.
+Every sequence, cached prefix entry and decode batch's left padding holds a reservation here,
+named by a ``Holder`` (model, epoch, kind, id). One owner for the count keeps the budget a plain
+sum that can be checked after every step (``free + reserved == budget``), where accounting spread
+over the engines would race. The keeper never touches MLX: it only counts and answers, so it runs
+unchanged in the simulator. The queue is strict FIFO (a small request never jumps a large one),
+and waiting asks the prefix cache to evict the queue's shortfall.
 
-Policy
-    ``Reserve(holder, nbytes, timeout_s)``
-        Negative ``nbytes`` (or a negative / non-finite timeout) is refused at once with
-        ``invalid_request``. More than the whole budget is refused at once with
-        ``kv_request_too_large`` (not retryable: it can never fit). Otherwise it is granted
-        (``Reserved``) if it fits in the free bytes *and nobody is waiting*: the queue is strict
-        FIFO, so a small request never jumps a large one. If not, it waits in the queue under a
-        fresh ticket (never reused), the keeper asks the prefix-cache manager to ``Evict`` the
-        whole queue's shortfall, and it is refused at its deadline (``timeout_s``, default
-        ``default_timeout_s``); half-way there it asks again, now letting pinned entries go.
-        Only the earliest deadline and half-way point have a timer pending (``kv_timers``).
-        A ``then_lookup`` it carries is sent to the prefix manager right after ``Reserved``
-        (``reply_to`` the requester), and never for a refused or dropped one.
-        ``timeout_s=0`` means "only if it fits now": refused at once
-        (retryable), never queued, never evicting for it (batch padding and pinned copies). A
-        holder may reserve more than once; its amounts add up.
-    ``Release(holder)``
-        Frees all of the holder's bytes and silently drops its waiting reservations (counted).
-        If anyone still waits, asks for eviction again: a request that just finished has
-        usually left an evictable prefix entry behind (so do an epoch release and an expiry).
-        Idempotent: an unknown holder is a counted no-op.
-    ``Release(holder, nbytes)``
-        Frees ``nbytes`` of the holder's bytes and keeps the holder and its waiting reservations:
-        a holder that shrinks (an engine's batch padding) gives back what it no longer needs.
-        More than it holds frees what it holds (counted ``release_short``); a negative amount
-        (``release_invalid``) or an unknown holder (``released_unknown``) is a counted no-op.
-        Then, as for a full release, waiting reservations are granted and eviction asked again.
-    ``Transfer(source, target, nbytes)``
-        Moves bytes from ``source`` to ``target`` (which becomes or joins a holder); the total
-        reserved never changes, so nothing new can be granted. A source holding less moves what it
-        holds (counted ``transfer_short``); an unknown source is a counted no-op.
-    ``ReleaseEpoch(model, epoch)``
-        Releases every holder of that model epoch and drops its waiting reservations (counted).
-        It is teardown's last word: later reservations or transfer targets of that epoch (or
-        an older one) are dropped and counted, since nothing would ever release them.
-    ``ReservationExpired(holder, ticket)``
-        If the ticket still waits, it is removed and refused with ``kv_budget_exhausted``
-        (retryable); a ticket already granted or dropped is counted (``stale_timer``). Either
-        way every other reservation due by now is refused too, earliest first (one that an
-        earlier refusal let in is granted instead), and the next deadline armed.
-    ``EnginePlaced(model, epoch, node)``
-        The engine of that model epoch runs on Ray node ``node``: its holders are booked on that
-        node's ledger, against the node's budget (kv_ledgers.py). Everything above holds per
-        node: a reservation is checked against its node's free bytes, each node's queue is FIFO
-        on its own, and an ``Evict`` for a node's shortfall names the model epochs holding bytes
-        there. Without placements there is one ledger, the host's, as before.
-    ``GetStats``
-        Answered with ``Stats(actor="kv")``: counters plus gauges of the budget (totals over the
-        nodes; per node too, ``node_budget:NODE`` etc., once an engine is placed off the host).
-
-After anything that frees bytes or shortens the queue, waiting reservations are granted from the
-head, in order, as long as they fit (stopping at the first that does not).
-
-Invariants, per node: ``free + reserved == budget``; ``reserved <= budget``; ``reserved`` is the
-sum of the node's holdings; a waiting reservation is gone once a deadline timer fires at or after
-its deadline; if anything waits on a node, that node's head does not fit.
+Each message's policy and the invariants: docs/protocols.md, "KV reservation".
 """
 
 from __future__ import annotations

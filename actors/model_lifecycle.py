@@ -1,18 +1,14 @@
 """The router's model table: each model's load, its epoch and state, and who waits on it.
 
-A model is ``LOADING`` (its engine spawned, not yet warm), ``READY`` (admits requests),
-``UNLOADING`` (admits nothing; its engine drains), ``RESTARTING`` (its engine gave up, after a
-crash or a stuck step, and a new one reloads the model) or ``FAILED`` (it gave up more often than
-the restart intensity allows, or could not be reloaded: out of service until loaded again). Every
-load and every restart gets a new epoch and so a new engine address: mail for an old load never
-reaches a new one. Load, unload and shutdown askers are answered here; the router keeps the
-requests, and fails those an unloaded or failed engine left behind.
+A model is ``LOADING``, ``READY``, ``UNLOADING``, ``RESTARTING`` (its engine gave up and a new
+one reloads the model) or ``FAILED`` (past the restart intensity, or not reloadable). Every load
+and restart gets a new epoch and so a new engine address, so mail for an old load never reaches a
+new one. Load, unload and shutdown askers are answered here; the router keeps the requests.
+Keep-alive unloads an idle model through the same fenced drain as any unload and keeps its spec
+as *idle*; with auto-load a request for it loads it again.
 
-Keep-alive: a ready model with no live request is idle (``KeepAlive``); once idle for its
-``ModelSpec.keep_alive_s`` it is unloaded through the same fenced drain as any unload, and its
-spec is kept as an *idle* model. With auto-load, a request for an idle model loads it again (a new
-epoch), and a request for a model still loading is admitted to its engine, which holds it until
-the model is in.
+The states, teardown fencing and keep-alive: docs/protocols.md, "Teardown fencing (unload / drain)"
+and "Model keep-alive and auto-load".
 """
 
 from __future__ import annotations

@@ -1,16 +1,14 @@
 """The prefix-cache manager: which cached prompt states exist, who is using them, what to evict.
 
-It holds metadata only. The KV arrays of an entry stay in the engine that made them (at
-``engine_address(model, epoch)``), which allocates entry ids unique per (model, epoch); the manager
-tells that engine to ``DropEntries`` when it evicts or resets an entry.
+It holds metadata only: an entry's KV arrays stay in the engine that made them, which it tells to
+``DropEntries`` when it evicts or resets one, so no array ever travels between actors. Entries are
+partitioned by (model, epoch, namespace), each indexed by a ``TokenTrie``: one tenant's namespace
+never serves another's prompt, and one model load's state never serves another. A hit takes a
+lease, and a leased entry is never evicted or changed; ``ResetPrefixes`` bumps a generation so
+state computed before a reset is never committed after it. The bookkeeping is
+``actors.prefix_index.PrefixIndex``; this module decides what happens to the entries.
 
-Entries are partitioned by (model, epoch, namespace), each partition indexed by a ``TokenTrie``:
-one tenant's namespace never serves another's prompt, and state of one model load never serves
-another load. A ``Lookup`` hit takes a lease; a leased entry is never evicted, superseded or
-changed. ``ResetPrefixes`` bumps a per-(model, namespace) generation so state computed before a
-reset can never be committed after it; leased entries in scope become *doomed*: no longer found,
-dropped when their last lease is released. The entries, their tries, LRU order and leases are kept
-by ``actors.prefix_index.PrefixIndex``; this module decides what happens to them.
+The protocol and its invariants: docs/protocols.md, "Prefix cache".
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """Replicas: several engines serving one model name, and which one a request goes to.
 
-A model loaded with ``ModelSpec.replicas`` N > 1 is N loads in the router's model table, named
-``NAME@0`` … ``NAME@N-1``: each has its own epoch, restarts on its own, and keeps its own KV
-entries in the prefix manager's tries (they are per model name), so the prefix manager knows
-exactly which replica holds which prefix. Loading and unloading the name fans out to the replicas
-and answers once for all of them.
+A model loaded with ``ModelSpec.replicas`` N > 1 is N loads in the router's model table
+(``NAME@0`` … ``NAME@N-1``), each with its own epoch, restarts and prefix entries, so the prefix
+manager knows exactly which replica holds which prefix. A request with a session goes to its
+session's replica (where its prefixes are); any other to the least busy serving one. When the
+prefix manager finds that another replica holds at least ``MOVE_MIN_GAIN`` more tokens of the
+prompt, the router moves the request there once, before it starts, within ``MOVE_MAX_SKEW``.
+Routing is decided on exact token prefixes, not on past request text.
 
-Routing (docs/cluster.md, protocols.md "Replicas and routing"): a request with a session goes to
-its session's replica while that replica serves (so a session's turns, and its prewarms, land
-where its prefixes are); any other goes to the least busy serving replica (live requests). When
-the replica it went to looks its prompt up, the prefix manager also matches it against the other
-replicas' tries (the tokens are known only then) and tells the router (``CachedElsewhere``) when
-another holds at least ``MOVE_MIN_GAIN`` more tokens of it; the router moves the request there
-(once, only if it has not started, and only if that replica has at most ``MOVE_MAX_SKEW`` more
-live requests than the one it leaves). Decided on exact token prefixes, not on past request text.
+The routing protocol and its invariants: docs/protocols.md, "Replicas and routing"; docs/cluster.md.
 """
 
 from __future__ import annotations

@@ -1,19 +1,14 @@
 """The router actor: the single entry point that owns request identities and model lifecycles.
 
-It validates routing (model loaded, request id not live), maps each request ``(id, incarnation)``
-to ``(engine, sequence id, epoch)``, forwards engine events to the host that sent the request (each
-is the host event it means; the router adds the request's identity), and fences teardown: an
-unloading model admits nothing, and anything from an epoch other than the model's current one is
-dropped and counted. The model table itself (loads, unloads, shutdown) is ``ModelLifecycle``;
-deadlines and the stall guard, which end a request without waiting for its engine, are
-``RequestGuards`` (deadlines.py); commands passed on to another actor and their replies
-(``ResetPrefixes``, ``EndSession``) are ``CommandReplies`` (router_commands.py); moving requests
-between replicas is ``Moves`` (router_moves.py).
+One owner for "which request is which sequence on which engine epoch" is what makes teardown and
+restarts safe: it maps each request ``(id, incarnation)`` to ``(engine, sequence id, epoch)``,
+forwards engine events to the requesting host (adding the request's identity), and fences
+teardown: an unloading model admits nothing, and mail from any other epoch is dropped and
+counted. Its parts live beside it: the model table (``ModelLifecycle``), deadlines and the stall
+guard (``RequestGuards``, deadlines.py), commands passed on (router_commands.py), moves between
+replicas (router_moves.py); a request that meets a keep-alive unload is parked until the drain ends.
 
-Keep-alive and auto-load (docs/protocols.md): the router's own ``IdleCheck`` timer unloads a model
-idle for its keep-alive; a request for a model the keep-alive is unloading is *parked* until the
-drain ends, then sent on to the model loaded again. So a request that meets the keep-alive is
-either admitted to the old epoch (it came first: the timer is then stale) or to the new one.
+The protocols it speaks, with their invariants: docs/protocols.md.
 """
 
 from __future__ import annotations

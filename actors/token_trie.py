@@ -1,22 +1,14 @@
 """A token trie that finds the best reusable cached prefix of a prompt in O(prompt length).
 
-One trie indexes the live prefix entries of one (model, epoch, namespace) partition. Each node is
-one token position. A trimmable entry sits on the node where its tokens end; a node holds at most
-one, because the prefix-cache manager refuses a second entry with identical tokens and
-trimmability. A non-trimmable ("checkpoint") entry is *restorable* at the node where its tokens
-end and at each of its ``points``: shorter token counts where it also holds a snapshot of its
-untrimmable layers (a hybrid or sliding-window model's trimmable layers are cut back to the point).
-Several checkpoint entries may be restorable at one node (two conversations that share a system
-prompt both hold a snapshot at its end); the most recently used one is chosen.
+One trie indexes the live prefix entries of one (model, epoch, namespace) partition, one node per
+token position, so a lookup walks the prompt once however many entries there are. A trimmable
+entry serves any shared prefix, cut back; a non-trimmable ("checkpoint") entry is restorable only
+where its tokens end and at its ``points`` (snapshots). At most ``len(prompt) - 1`` tokens are
+reused: a prompt keeps one token to run. Every node caches ``subtree_best`` (the most recently
+used trimmable entry at or below it), so the best match needs no subtree walk; recency values
+must only grow (the caller passes a logical clock).
 
-Reuse rules (see ``best_match``): a prompt must keep at least one token to run through the model,
-so at most ``len(prompt) - 1`` tokens are ever reused. A trimmable entry serves any shared prefix,
-cut back to the common part; a checkpoint entry serves at a node where it is restorable, when all
-the tokens up to that node prefix the prompt.
-
-To answer "which trimmable entry below this node was used most recently" without walking the
-subtree, every node caches ``subtree_best``: the greatest ``(recency, entry_id)`` of the trimmable
-entries at or below it. Recency values must only grow (the caller passes a logical clock).
+Placement of entries, the reuse rules and ties: docs/design.md, "The token trie".
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import pytest
 
 from runtime.backends.model_store import KNOWN_MODELS, fetch_model
 from runtime.errors import ModelFetchFailed
+from tests.loop_checks import LoopBackend, on_asyncio, on_uvloop
 
 if TYPE_CHECKING:
     from runtime.backends.mlx.gguf.convert import ConvertedModel
@@ -25,14 +26,16 @@ os.environ.pop("MLXRT_API_KEY", None)
 os.environ["MLXRT_LOAD_PROBE"] = "at_load"
 
 
-# Run every @pytest.mark.anyio test on plain asyncio and on uvloop: the runtime
-# must behave the same on both event loops.
+# Run every @pytest.mark.anyio test on plain asyncio and on uvloop: the runtime must behave the
+# same on both event loops. Both run in asyncio debug mode, which logs a callback that holds the
+# loop past SLOW_CALLBACK_S (tests/loop_checks.py fails the test on it) and refuses loop calls
+# from other threads; uvloop honours debug mode's slow-callback log the same way.
 @pytest.fixture(
     scope="module",  # anyio's own default scope; module-scoped async fixtures need it
     params=[
-        pytest.param(("asyncio", {"use_uvloop": False}), id="asyncio"),
+        pytest.param(on_asyncio(), id="asyncio"),
         pytest.param(
-            ("asyncio", {"use_uvloop": True}),
+            on_uvloop(),
             id="asyncio+uvloop",
             marks=pytest.mark.skipif(
                 importlib.util.find_spec("uvloop") is None, reason="uvloop not installed"
@@ -40,7 +43,7 @@ os.environ["MLXRT_LOAD_PROBE"] = "at_load"
         ),
     ],
 )
-def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, bool]]:
+def anyio_backend(request: pytest.FixtureRequest) -> LoopBackend:
     return request.param  # type: ignore[no-any-return]
 
 

@@ -40,6 +40,15 @@ from runtime.testing.harness import (
 from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
+from tests.loop_checks import LoopBackend, on_uvloop
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
+
 
 PER_TOKEN = 0.001
 PROMPTS = (tuple(range(1, 41)), tuple(range(50, 80)), tuple(range(90, 101)))

@@ -36,6 +36,15 @@ from runtime.host.config import RuntimeConfig
 from runtime.messages import Finished, ModelSpec
 from runtime.testing.arch_models import arch_model_path
 from runtime.testing.harness import engine_stats
+from tests.loop_checks import LoopBackend, on_uvloop
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
+
 
 CHUNK = 32  # llama4's attention chunk, and the sliding window of baichuan_m1's first layer
 # The generic tiny builds (runtime.testing.arch_models), with the sizes these tests count on

@@ -26,6 +26,7 @@ from runtime.messages import Failed, Finished, ModelSpec, TokensEmitted
 from runtime.testing.faults import Fault, FaultKind, FaultPlan, FaultPoint
 from runtime.testing.harness import wait_until
 from runtime.testing.tiny_models import tiny_model_path
+from tests.loop_checks import LoopBackend, on_asyncio
 
 ray = pytest.importorskip("ray")
 
@@ -36,8 +37,8 @@ CLUSTER = ClusterConfig(num_cpus=2, placement_timeout_s=60)
 
 
 @pytest.fixture(scope="module")
-def anyio_backend() -> tuple[str, dict[str, bool]]:
-    return ("asyncio", {"use_uvloop": False})  # one loop: each Ray test costs seconds here
+def anyio_backend() -> LoopBackend:
+    return on_asyncio()  # one loop: each Ray test costs seconds here
 
 
 @pytest.fixture(scope="module", autouse=True)

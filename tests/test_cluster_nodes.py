@@ -19,6 +19,7 @@ from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import engine_model
 from runtime.messages import Failed, Finished, ModelSpec, TokensEmitted
 from runtime.testing.tiny_models import tiny_model_path
+from tests.loop_checks import LoopBackend, on_asyncio
 
 ray = pytest.importorskip("ray")
 cluster_utils = pytest.importorskip("ray.cluster_utils")
@@ -27,8 +28,8 @@ pytestmark = [pytest.mark.anyio, pytest.mark.cluster, pytest.mark.mlx]
 
 
 @pytest.fixture(scope="module")
-def anyio_backend() -> tuple[str, dict[str, bool]]:
-    return ("asyncio", {"use_uvloop": False})  # one loop: a two-node cluster costs seconds
+def anyio_backend() -> LoopBackend:
+    return on_asyncio()  # one loop: a two-node cluster costs seconds
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,7 @@ from runtime.host.api import Runtime
 from runtime.host.config import RuntimeConfig
 from runtime.messages import Finished, ModelSpec
 from runtime.testing.harness import engine_stats
+from tests.loop_checks import LoopBackend, on_asyncio
 
 ray = pytest.importorskip("ray")
 
@@ -30,8 +31,8 @@ TURNS = (
 
 
 @pytest.fixture(scope="module")
-def anyio_backend() -> tuple[str, dict[str, bool]]:
-    return ("asyncio", {"use_uvloop": False})
+def anyio_backend() -> LoopBackend:
+    return on_asyncio()
 
 
 @pytest.fixture(scope="module")

@@ -28,6 +28,15 @@ from runtime.host.config import RuntimeConfig
 from runtime.messages import Cancelled, Failed, Finished, ModelSpec, Sampling, TokensEmitted
 from runtime.testing.harness import sim_spec
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
+from tests.loop_checks import LoopBackend, on_uvloop
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
+
 
 PROMPT = "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n" * 3
 # Shifts the target's argmax now and then, so the raw draft is rejected as well as accepted.

@@ -42,6 +42,7 @@ from runtime.backends.mlx.gguf.convert import (
 from runtime.backends.mlx.gguf.tensors import GROUP, affine_triple, dense
 from runtime.errors import InvalidModelSpec, ModelLoadFailed, UnsupportedModelFormat
 from runtime.progress import no_progress
+from tests.loop_checks import on_asyncio
 
 SMOL = "smollm2-135m-instruct"
 GEMMA = "gemma3-270m"
@@ -405,7 +406,7 @@ def fresh_cache(
 @pytest.mark.real_model
 @pytest.mark.anyio
 # One event loop: the conversion runs on a worker thread, the same under either loop.
-@pytest.mark.parametrize("anyio_backend", [("asyncio", {"use_uvloop": False})], ids=["asyncio"])
+@pytest.mark.parametrize("anyio_backend", [on_asyncio()], ids=["asyncio"])
 async def test_a_gguf_path_loads_through_the_runtime_and_answers(
     fresh_cache: Path, tmp_path: Path
 ) -> None:

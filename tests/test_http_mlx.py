@@ -11,8 +11,17 @@ from runtime.host.config import RuntimeConfig
 from runtime.messages import ChatMessage, ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.tiny_models import load_tiny_model, tiny_model_path
+from tests.loop_checks import LoopBackend, on_uvloop
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
+
 
 MESSAGES = [
     {"role": "system", "content": "You are terse."},

@@ -17,8 +17,17 @@ from runtime.messages import ModelSpec
 from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.tiny_models import tiny_model_path
 from runtime.text.constraints import live_matchers
+from tests.loop_checks import LoopBackend, on_uvloop
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
+
 
 SCHEMA = {
     "type": "object",

@@ -30,6 +30,7 @@ from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec, ReusePath, ReuseTier
 from runtime.testing.arch_harness import prompt_tokens
 from runtime.testing.harness import engine_stats
+from tests.loop_checks import LoopBackend, on_asyncio
 from tests.test_real_model_reuse import CORPUS
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(900)]
@@ -41,8 +42,8 @@ TINY = ("mamba", "lfm2-swa")
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # one event loop kind: these runs are long
+def anyio_backend() -> LoopBackend:
+    return on_asyncio()  # one event loop kind: these runs are long
 
 
 @dataclass

@@ -54,6 +54,7 @@ from runtime.testing.faults import (
 )
 from runtime.testing.harness import engine_stats, wait_until
 from tests.llamacpp_support import require_llama_cpp
+from tests.loop_checks import LoopBackend, on_asyncio
 
 pytestmark = [pytest.mark.anyio, pytest.mark.real_model]
 
@@ -85,8 +86,8 @@ BOUND_S = 120  # one test, end to end
 
 
 @pytest.fixture(scope="module")
-def anyio_backend() -> tuple[str, dict[str, bool]]:
-    return ("asyncio", {"use_uvloop": False})  # one loop: every test here loads a real model
+def anyio_backend() -> LoopBackend:
+    return on_asyncio()  # one loop: every test here loads a real model
 
 
 @pytest.fixture

@@ -22,8 +22,17 @@ from runtime.testing.harness import engine, engine_stats, kv_keeper, make_sim
 from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
+from tests.loop_checks import LoopBackend, on_uvloop
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
+
 
 PROMPTS = ("The weather today is", "def add(a, b):\n    return", "Once upon a time, in a land far")
 WITH_TOP5 = Sampling(logprobs=True, top_logprobs=5)

@@ -30,9 +30,18 @@ from runtime.testing.arch_models import arch_model_path
 from runtime.testing.harness import common_prefix_length, engine_stats
 from runtime.testing.tiny_models import tiny_model_path
 from runtime.text.chat import prepare_chat
+from tests.loop_checks import LoopBackend, on_uvloop
 from tests.test_mlx_checkpoints import cold, run
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
+
 
 MAX_TOKENS = 4
 KINDS = ("sliding", "hybrid", "mamba2")

@@ -9,8 +9,17 @@ from runtime.host.api import Runtime
 from runtime.host.config import RuntimeConfig
 from runtime.messages import ChatMessage, Finished, FinishReason, ModelSpec, ReusePath
 from runtime.testing.tiny_models import tiny_model_path
+from tests.loop_checks import LoopBackend, on_uvloop
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
+
 
 CHAT = [
     ChatMessage(role="system", content="You are terse."),

@@ -23,8 +23,17 @@ from runtime.messages import ChatMessage, ChatOptions, Finished, ModelSpec, Reus
 from runtime.testing.harness import common_prefix_length, wait_until
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 from runtime.text.chat import prepare_chat
+from tests.loop_checks import LoopBackend, on_uvloop
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
+
 
 KINDS: tuple[TinyModelKind, ...] = ("sliding", "hybrid")
 SPACING = 64  # what CheckpointPolicy.spacing gives both layouts (tests/test_checkpoints.py)

@@ -14,8 +14,17 @@ from runtime.messages import Failed, Finished, ModelSpec
 from runtime.testing.faults import Fault, FaultKind, FaultPlan, FaultPoint
 from runtime.testing.harness import wait_until
 from runtime.testing.tiny_models import tiny_model_path
+from tests.loop_checks import LoopBackend, on_uvloop
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
+
 
 PROMPT = "The weather today is"
 

@@ -29,8 +29,17 @@ from runtime.server.stats_collector import RuntimeCollector
 from runtime.testing.arch_models import arch_model_path
 from runtime.testing.harness import engine_stats
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
+from tests.loop_checks import LoopBackend, on_uvloop
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
+
 
 # Four prompts of different lengths: a batched prefill pads every row differently.
 PROMPTS = tuple(tuple(5 + (7 * i + 3 + 29 * row) % 480 for i in range(n)) for row, n in

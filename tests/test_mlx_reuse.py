@@ -37,8 +37,17 @@ from runtime.messages import (
 )
 from runtime.testing.harness import common_prefix_length, engine_stats, wait_until
 from runtime.testing.tiny_models import SLIDING_WINDOW, TinyModelKind, tiny_model_path
+from tests.loop_checks import LoopBackend, on_uvloop
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
+
 
 KINDS: tuple[TinyModelKind, ...] = ("llama", "sliding", "hybrid")
 CHUNK = 16

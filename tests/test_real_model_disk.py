@@ -18,6 +18,7 @@ from runtime.host.api import Runtime
 from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec, ReusePath, ReuseTier
 from runtime.testing.harness import engine_stats
+from tests.loop_checks import LoopBackend, on_asyncio
 from tests.test_real_model_reuse import CORPUS
 
 pytestmark = [pytest.mark.real_model, pytest.mark.anyio]
@@ -33,8 +34,8 @@ def model(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) ->
 
 
 @pytest.fixture
-def anyio_backend() -> str:
-    return "asyncio"  # one event loop kind: these runs are long
+def anyio_backend() -> LoopBackend:
+    return on_asyncio()  # one event loop kind: these runs are long
 
 
 def prompts(name: str) -> tuple[list[int], list[int]]:

@@ -12,6 +12,7 @@ import pytest
 
 from bench.soak.http_soak import HttpSoakConfig, run_http_soak
 from runtime.backends.model_store import DEFAULT_MODEL
+from tests.loop_checks import LoopBackend, on_uvloop
 
 pytestmark = [pytest.mark.real_model, pytest.mark.anyio]
 
@@ -19,9 +20,9 @@ CI_REQUESTS = 40  # ~22 s with the load and cold replies on the 2-core CPU; make
 
 
 @pytest.fixture
-def anyio_backend() -> tuple[str, dict[str, bool]]:
+def anyio_backend() -> LoopBackend:
     # One loop is enough here: the simulated soak runs on both, and a real model is slow.
-    return ("asyncio", {"use_uvloop": True})
+    return on_uvloop()
 
 
 async def test_a_short_http_soak_on_the_default_model_leaves_nothing_behind(

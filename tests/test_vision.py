@@ -35,8 +35,18 @@ from runtime.messages import (
 from runtime.testing.tiny_models import tiny_model_path
 from runtime.testing.tiny_vlms import TinyVlmKind, tiny_vlm_path
 from runtime.text.chat import prepare_chat
+from tests.loop_checks import LoopBackend, on_uvloop
 
 pytestmark = [pytest.mark.anyio, pytest.mark.mlx]
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
+
+
 # Soft tokens one image becomes: Gemma 3's 16 per image; Idefics3's 4 per tile, 2 x 2 tiles and a
 # global view for a 40 x 50 image (its processor splits at 32 pixels a side).
 SOFT_TOKENS = {"gemma3": 16, "idefics3": 20}

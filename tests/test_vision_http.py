@@ -25,8 +25,16 @@ from runtime.server import OpenAIServer, ServerConfig
 from runtime.server.media import FETCH_MAX_BYTES
 from runtime.testing.tiny_models import tiny_model_path
 from runtime.testing.tiny_vlms import tiny_vlm_path
+from tests.loop_checks import LoopBackend, on_uvloop
 
 pytestmark = [pytest.mark.anyio, pytest.mark.mlx]
+
+
+@pytest.fixture(scope="module")
+def anyio_backend() -> LoopBackend:
+    # One loop: what this module checks is MLX's output, the same under either loop, and each
+    # test costs seconds; the simulated tests run the runtime on both loops.
+    return on_uvloop()
 
 
 def png(seed: int) -> bytes:

@@ -67,6 +67,7 @@ from runtime.messages import (
     UnloadModel,
 )
 from runtime.text.coalesce import CoalescePolicy
+from runtime.text.constraints import import_grammar_engine
 
 if TYPE_CHECKING:
     from runtime.cluster.connect import ClusterLink  # imports Ray: only when a cluster is set
@@ -108,6 +109,9 @@ class Runtime:
             from runtime.cluster.connect import connect
 
             self._cluster = await anyio.to_thread.run_sync(connect, cluster)
+        # Validation compiles constraints on the loop; the grammar engine's first import reads
+        # from disk, so it happens here, in a thread (a no-op once imported).
+        await anyio.to_thread.run_sync(import_grammar_engine)
         stack = contextlib.AsyncExitStack()
         task_group = await stack.enter_async_context(anyio.create_task_group())
         system = ActorSystem(task_group, child_policy=self.config.engine_restart)

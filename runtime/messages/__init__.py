@@ -1,62 +1,14 @@
 """The runtime's one message vocabulary.
 
-Every actor talks only through these frozen msgspec Structs. Heavy state (weights, KV arrays) never
-travels: messages carry handles (sequence ids, entry ids, model epochs). Each actor has one inbox
-union (``RouterInbox``, ``EngineInbox``, ``KVInbox``, ``PrefixInbox``) and the host receives
-``HostEvent``. ``docs/protocols.md`` walks through every protocol with its invariants; in short:
+Every actor talks only through these frozen msgspec Structs, so the protocols are values that a
+test can build, send and compare, and the same actors run under the simulator and the real loop.
+Heavy state (weights, KV arrays) never travels: messages carry handles (sequence ids, entry ids,
+model epochs). Each actor has one inbox union (``RouterInbox``, ``EngineInbox``, ``KVInbox``,
+``PrefixInbox``) and the host receives ``HostEvent``. Modules, each re-exported here:
+``vocabulary`` (base and value types), ``host``, ``router_timers``, ``engine``, ``kv_budget``,
+``prefix_cache``, ``unions`` (inboxes, event unions, ``for_request``), ``wire`` (encode/decode).
 
-Request lifecycle (host → router → engine → router → host)
-    ``Generate``/``Prewarm`` → router validates, assigns a ``sequence_id`` (never reused) and the
-    engine's current ``epoch``, sends ``Admit`` → engine tokenizes, reserves KV (``Reserve`` →
-    ``Reserved``), looks up the prefix cache (``Lookup`` → ``LookupResult``), prefills in chunks,
-    decodes → ``SequenceStarted``, ``TokensProduced``…, exactly one of ``SequenceFinished`` /
-    ``SequenceCancelled`` / ``SequenceFailed`` → router → host ``Started``, ``TokensEmitted``…,
-    exactly one of ``Finished`` / ``Cancelled`` / ``Failed``. Each engine event is the host event
-    it means less the request's identity, which the router adds (each event's ``for_request``).
-    A request the router will not accept gets ``Rejected`` (and no other event).
-
-Deadlines and the stall guard
-    A request with ``timeout_s``, or a stream with no token for its stall timeout, is ended by the
-    router itself (``RequestDeadline`` / ``StallCheck`` timers): ``Failed(request_timeout |
-    stream_stalled)`` to the host at once, ``Abort`` to the engine, whose later events about that
-    sequence are dropped and counted.
-
-Cancellation
-    ``Cancel(request_id, incarnation)`` → router → ``Abort(sequence_id, epoch)`` → engine sets that
-    sequence's set-once abort flag; the compute thread sees it at the next chunk or step boundary.
-
-Teardown fencing
-    ``UnloadModel`` → router stops admitting to the engine → ``Drain(epoch)`` → engine aborts its
-    sequences, waits for compute to stop, drops its prefix entries and KV → ``Drained(epoch)`` →
-    router stops the engine → ``ModelUnloaded``. Anything carrying an older epoch is dropped and
-    counted.
-
-Model keep-alive and auto-load
-    A ready model whose last request ended starts an idle spell: the router arms one
-    ``IdleCheck(model, epoch, idle_ticket)`` timer for its ``ModelSpec.keep_alive_s``; a request
-    ends the spell (the timer, when it fires, is stale: dropped and counted). One that fires in
-    its spell unloads the model (teardown fencing) and keeps its spec as *idle*. With
-    ``RuntimeConfig.auto_load`` a request for an idle model loads it again, one for a loading
-    model is admitted to its engine, and one that meets the idle unload is parked until the
-    drain ends. ``ListModels`` → ``ModelsListed``: every model's ``ModelStatus``.
-
-KV budget (engine ↔ keeper ↔ prefix-cache manager)
-    ``Reserve`` → ``Reserved`` | ``ReservationRefused`` (after queueing FIFO up to a deadline; the
-    keeper asks the prefix manager to ``Evict`` first). ``Transfer`` moves bytes from a sequence to
-    the prefix entry it became; ``Release`` returns them (all, or a part the holder no longer
-    needs: a decode batch's padding shrinks as rows leave).
-
-Prefix cache (engine ↔ prefix-cache manager)
-    ``Lookup`` → ``LookupResult`` (taking a lease on a hit) ; ``Commit`` → ``Committed`` ;
-    ``ReleaseLease`` ; ``ResetPrefixes`` ; ``InvalidateEpoch`` ; the manager tells the owning engine
-    to ``DropEntries`` it evicted or invalidated.
-
-Modules (each name is re-exported here: import from ``runtime.messages``)
-    ``vocabulary``: the ``Message`` base and the value types messages carry. ``host``: host ↔
-    router requests, commands, events and replies. ``router_timers``: the router's own timers.
-    ``engine``: router ↔ engine, and the engine's own messages. ``kv_budget`` and
-    ``prefix_cache``: those actors' protocols. ``unions``: the inboxes, the event unions and
-    ``wire``: ``encode`` / ``decode``.
+Every protocol, message by message, with its invariants: docs/protocols.md.
 """
 
 from runtime.messages.engine import (

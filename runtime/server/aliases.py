@@ -4,25 +4,10 @@ A client written for llama-server or mlx_lm.server sends their names; where one 
 of ours means, ``canonical`` moves its value to our field, so everything after it (translate.py,
 the runtime's validation) sees one name. Where two names for one thing are both sent with
 different values, the request is refused (``conflicting_parameters``, naming both): picking one
-could change the output unnoticed. docs/http.md has the table.
+could change the output unnoticed. Their sampling fields with no counterpart here stay unknown
+fields, refused by name.
 
-- ``repeat_penalty`` (llama-server) is ``repetition_penalty``.
-- ``repeat_last_n`` (llama-server; -1: the whole context), ``repetition_context_size``,
-  ``presence_context_size``, ``frequency_context_size`` (mlx_lm.server: one window per penalty)
-  are ``penalty_context``: the runtime has one window for all three penalties, so different
-  windows are refused as a conflict.
-- ``n_predict`` (llama-server; -1: no limit) is the token limit: ``max_tokens`` for completions,
-  ``max_completion_tokens`` / ``max_tokens`` for chat; -1 is "the rest of the context" (null).
-- ``cache_prompt: false`` (llama-server) prefills the whole prompt, restoring nothing cached
-  (``generate(reuse_prefix=False)``); translate.py passes it on.
-- ``id_slot`` (llama-server): a slot there is a KV cache that a client's requests return to. Here
-  every request reuses the shared prefix cache without naming anything, so what a slot id still
-  says is "these requests are one client's": ``session`` ``"slot-<id>"``. -1 (any slot) is no
-  session.
-
-Other llama-server sampling fields (``typical_p``, ``mirostat``, ``dynatemp_range``, ``n_probs``,
-...) have no counterpart in the runtime and stay unknown fields: refused by name (its ``grammar``
-and ``json_schema`` are ours too: structured.py).
+Each name and what it becomes: docs/http.md, "The neighbours' names".
 """
 
 from __future__ import annotations

@@ -47,7 +47,7 @@ from runtime.server.errors import (
 )
 from runtime.server.gate import KeyGate
 from runtime.server.generation import GenerationResponse
-from runtime.server.media import MediaSources, fetch_remote
+from runtime.server.media import MediaSources, fetch_remote, read_local
 from runtime.server.metrics import OTHER_MODEL, ServerMetrics
 from runtime.server.models import ModelManager
 from runtime.server.render import ChatRender, CompletionRender, Render
@@ -315,6 +315,7 @@ class OpenAIServer:
         images, fetched first where the host enabled it (server/media.py)."""
         config = self.config
         fetched = await fetch_remote(messages, config.fetch_images, config.fetch_timeout_s)
+        fetched.update(await read_local(messages, config.media_dirs))
         return MediaSources(config.media_dirs, fetched)
 
     async def _prewarm(self, request: Request) -> Response:

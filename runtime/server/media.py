@@ -19,7 +19,7 @@ import base64
 import binascii
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 from typing import NamedTuple
@@ -39,6 +39,22 @@ FETCH_MAX_BYTES = 20 << 20  # the engine's default max_image_bytes: a larger ima
 
 def remote_urls(messages: Sequence[WireChatMessage]) -> dict[str, str]:
     """Each ``http(s)`` image or video URL of ``messages`` and the first part that names it."""
+    return _media_urls(messages, lambda url: urlparse(url).scheme in ("http", "https"))
+
+
+def _local_path(url: str) -> Path | None:
+    """The file a ``file:`` URL or an absolute path names; None for any other URL."""
+    parsed = urlparse(url)
+    if parsed.scheme == "file":
+        return Path(unquote(parsed.path))
+    return Path(url) if not parsed.scheme and url.startswith("/") else None
+
+
+def _media_urls(
+    messages: Sequence[WireChatMessage], wanted: Callable[[str], bool]
+) -> dict[str, str]:
+    """Each ``wanted`` image or video URL of ``messages`` and the field of the first part that
+    names it (e.g. ``messages[0].content[1].image_url``)."""
     found: dict[str, str] = {}
     for i, message in enumerate(messages):
         if not isinstance(message.content, list):
@@ -46,9 +62,24 @@ def remote_urls(messages: Sequence[WireChatMessage]) -> dict[str, str]:
         for j, part in enumerate(message.content):
             media = part.image_url if part.type == "image_url" else part.video_url
             url = media if isinstance(media, str) or media is None else media.url
-            if part.type in _PARTS and url and urlparse(url).scheme in ("http", "https"):
+            if part.type in _PARTS and url and wanted(url):
                 found.setdefault(url, f"messages[{i}].content[{j}].{part.type}")
     return found
+
+
+async def read_local(
+    messages: Sequence[WireChatMessage], media_dirs: tuple[str, ...]
+) -> dict[str, bytes]:
+    """The bytes of every local image or video file of ``messages``, read in a worker thread
+    (resolving, checking and reading a file is disk I/O, never done on the event loop); raises
+    the 400s ``image_part`` documents for a file that may not be read."""
+    read: dict[str, bytes] = {}
+    for url, field in _media_urls(messages, lambda url: _local_path(url) is not None).items():
+        path = _local_path(url)
+        assert path is not None
+        kind = "video" if field.endswith("video_url") else "image"
+        read[url] = await anyio.to_thread.run_sync(_local_file, path, field, kind, media_dirs)
+    return read
 
 
 async def fetch_remote(
@@ -86,8 +117,8 @@ def _fetch(url: str, timeout_s: float) -> bytes:
 
 
 class MediaSources(NamedTuple):
-    """Where one request's images may come from: files under ``dirs``, and the remote images
-    ``fetch_remote`` read for it (by URL)."""
+    """Where one request's media may come from: files under ``dirs``, and what ``fetch_remote``
+    and ``read_local`` read for it (by URL)."""
 
     dirs: tuple[str, ...] = ()
     fetched: Mapping[str, bytes] = MappingProxyType({})
@@ -118,9 +149,9 @@ def _media_bytes(url: str, field: str, kind: str, sources: MediaSources) -> byte
             f"(mlxrt serve --fetch-images): send the {kind} as a data URL "
             f"(data:{kind}/<format>;base64,...)",
         )
-    if parsed.scheme == "file" or (not parsed.scheme and url.startswith("/")):
-        path = unquote(parsed.path) if parsed.scheme == "file" else url
-        return _local_file(Path(path), field, kind, sources.dirs)
+    path = _local_path(url)
+    if path is not None:  # the server read it off the loop already (read_local); tests may not
+        return _local_file(path, field, kind, sources.dirs)
     raise HttpError(
         400,
         f"{field} must be a data URL or a file: URL, not {url[:40]!r}",

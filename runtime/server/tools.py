@@ -1,24 +1,14 @@
 """Tools on the wire → the runtime's ``Tool`` list, chat messages' tool fields and the constraint.
 
-``tools`` (function tools only), ``tool_choice`` (``"none"``, ``"auto"``, ``"required"`` or
-``{"type": "function", "function": {"name": ...}}``) and ``parallel_tool_calls`` become a
+``tools`` (function tools only), ``tool_choice`` and ``parallel_tool_calls`` become a
 ``ToolSetup``: which tools the prompt shows, whether the output is parsed for calls, and, for
 ``required`` or a named function, the grammar that makes the output call blocks whose arguments
-follow the function's JSON Schema (runtime/text/tool_calls.py). As OpenAI does:
+follow the function's JSON Schema (runtime/text/tool_calls.py). The defaults and rules are
+OpenAI's, so its clients behave as they do there. Bad input is a 400 naming the field:
+``invalid_tools`` for the shapes, ``invalid_schema`` for a schema the grammar engine cannot
+read, ``unknown_tool`` for a ``tool_choice`` naming no tool.
 
-- ``tool_choice`` defaults to ``"auto"`` with tools and ``"none"`` without;
-- ``"none"``: the model must not call; the tools are left out of the prompt, and the output is
-  text (a conversation's earlier calls and results are still rendered);
-- a named function is called exactly once; ``"required"`` allows one or more calls unless
-  ``parallel_tool_calls`` is false, and the output may end after any of them; a call identical
-  to an earlier one (small models repeat their call) ends the reply there, the repeat dropped
-  (``ends_on_repeat``: the response cancels the rest of the generation);
-- a tool's ``parameters`` must be a JSON Schema of ``"type": "object"`` (omitted: no arguments);
-  with ``"strict": true`` every keyword of it must be one the grammar engine enforces;
-- a ``tool`` message answers a call an earlier assistant message made (its ``tool_call_id``).
-
-Bad input is a 400 naming the field: code ``invalid_tools`` for the shapes, ``invalid_schema``
-for a schema the grammar engine cannot read, ``unknown_tool`` for a ``tool_choice`` naming no tool.
+Each ``tool_choice`` and what it does: docs/structured.md, "tool_choice" and "Refusals".
 """
 
 from __future__ import annotations

@@ -1,37 +1,14 @@
 """Fault injection: a plan of faults that a wrapped backend and KV keeper consult at named points.
 
-A ``FaultPlan`` holds scripted faults (``Fault``: at which point, of which kind, after how many
-clean calls, how many times) and, optionally, random ones drawn from its own seeded source, so a
-run with faults is repeated exactly from its seed (on the simulator, where compute order is the
-seed's). It can be switched off and on while the runtime runs (``enable``/``disable``), which is
-what a state machine with a safety phase (faults on) and a liveness phase (faults off) needs.
+Supervision, the watchdog and the retry paths are only trustworthy if they are exercised, so a
+``FaultPlan`` holds scripted faults (``Fault``: point, kind, after how many clean calls, how many
+times) and optionally random ones from its own seed, so a faulty run repeats exactly from its seed
+on the simulator. It can be switched off and on while the runtime runs (``enable``/``disable``):
+a state machine's safety phase runs with faults, its liveness phase without. It reaches the
+runtime by wrapping (fault_points.py): ``wrap_loader`` wraps any ``BackendLoader``, ``wrap_keeper``
+the KV keeper's core; ``Simulator(faults=plan)`` does both.
 
-The plan reaches the runtime by wrapping (the wrappers and the points they stop at are
-fault_points.py's): ``wrap_loader`` wraps any ``BackendLoader`` (simulated or
-MLX), so every backend it loads consults the plan at each point; ``wrap_keeper`` wraps the KV
-keeper's core, which then refuses reservations where the plan says. ``Simulator(faults=plan)`` does
-both; a ``Runtime`` takes ``load_backend=plan.wrap_loader(make_backend_loader())``.
-
-Points and what a fault there does (``FaultKind``):
-
-- ``LOAD``: loading the model. ``RAISE`` fails the load; ``SLOW`` delays it. (Loads are not
-  watched, so a load cannot ``HANG``.)
-- ``PREFILL``: a prefill chunk (a call with the sequence's abort flag, as the engine's chunks
-  pass it), or one ``prefill_together`` pass (it fails every newcomer in it). ``DECODE``: a B=1
-  decode step (``logits`` or ``feed``). ``BATCH_STEP``: one forward pass of the decode batch.
-  ``SNAPSHOT``: a prefill that takes checkpoint snapshots, or
-  ``snapshot``. ``PROBE``: a piece of a deferred load probe (a raise leaves the model as the
-  pending probe left it). At these ``RAISE`` raises ``InjectedFault`` before the backend is touched,
-  ``SLOW`` spends ``seconds`` on the compute clock first, ``HANG`` never returns (on the simulator
-  the job's ``ComputeDone`` never arrives; on a real thread it blocks until ``release_hangs``, then
-  raises, long after the engine gave up on it).
-- ``LOSE`` (at the compute points): the engine's *process* is lost in that call, as when it is
-  killed or runs out of memory. On the simulator the engine core is replaced by the stand-in the
-  Ray transport uses (``actors.engine.lost.LostEngine``) and the job never ends; in an engine's
-  Ray process (a plan sent there) the process kills itself with SIGKILL; in the host's own
-  process (no process to lose) it raises like ``RAISE``.
-- ``RESERVE``: a sequence's KV reservation. ``RAISE`` makes the keeper refuse it
-  (``kv_budget_exhausted``, retryable) without looking at the budget.
+Each point and what each kind does there: docs/design.md, "Testing tools"; the API: docs/api.md.
 """
 
 from __future__ import annotations

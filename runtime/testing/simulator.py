@@ -1,22 +1,14 @@
 """The actor simulator: the real actor cores on a virtual clock, in an order chosen by a seed.
 
-It replaces the production transport (``runtime.kernel.actor``) with a single-threaded loop. At each
-step it picks, with a seeded random source, one actor that has mail and delivers one message to it;
-compute jobs run inline and their simulated cost advances the virtual clock instead of taking time.
-Same seed, same trace: a race found once is found again, and Hypothesis can shrink it. A caller
-may instead pass its own ``order`` (any ``ActorOrder``, e.g. Hypothesis's
-``st.randoms(use_true_random=False)``), so that each choice of actor is a drawn value that
-Hypothesis shrinks and replays on its own, not one number that decides them all.
+Races between actors are found by trying orders, not by luck: this replaces the production
+transport (``runtime.kernel.actor``) with a single-threaded loop that, at each step, picks with a
+seeded random source one actor that has mail and delivers one message to it; compute jobs run
+inline and their simulated cost advances the virtual clock. Same seed, same trace, so a race
+found once is found again and Hypothesis can shrink it. A caller may pass its own ``order`` (e.g.
+``st.randoms(use_true_random=False)``) so that each choice of actor is a drawn value Hypothesis
+shrinks on its own.
 
-Typical use (a host's own test of its cancellation handling)::
-
-    sim = Simulator(seed=7, config=RuntimeConfig(kv_budget_bytes=1 << 20))
-    sim.load(ModelSpec(name="m", backend="simulated", options={"prefill_s_per_token": 0.001}))
-    sim.send(Generate(request_id="a", incarnation=1, request=Request(model="m", prompt="hello")))
-    sim.advance(0.002)                      # part-way through the prefill
-    sim.send(Cancel(request_id="a", incarnation=1))
-    sim.run_until_quiescent()
-    assert isinstance(sim.terminal("a", 1), Cancelled)
+Its use from a host's tests, with an example: docs/api.md, "Simulator for hosts' tests".
 """
 
 from __future__ import annotations

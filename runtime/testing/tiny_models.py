@@ -1,59 +1,14 @@
 """Deterministic, offline factory for tiny mlx-lm model directories used in tests.
 
-Every directory this module writes is a regular mlx-lm checkpoint: ``mlx_lm.load(path)``
-returns a working ``(model, TokenizerWrapper)`` pair.  Nothing is downloaded, ever: the
-weights are random (fixed seed) and the tokenizer is a byte-level BPE trained in-process
-on a small fixed corpus (``runtime.testing.tiny_tokenizer``).
+Tests need real mlx-lm checkpoints (``mlx_lm.load(path)`` works on every directory written here)
+of each cache kind the engine handles, small enough to run hundreds of times on a CPU and built
+without a download: random weights from a fixed seed and a byte-level BPE tokenizer trained in
+process (``runtime.testing.tiny_tokenizer``). Kinds: ``llama`` (full attention), ``sliding``
+(Gemma 3 text, rotating + full caches), ``hybrid`` (Qwen3-Next, linear + full attention).
+Greedy decoding never emits a special or unprintable token, so outputs always run to
+``max_tokens``. Bump ``FACTORY_VERSION`` whenever the output changes, so stale caches go unused.
 
-Kinds (``TinyModelKind``)
--------------------------
-``"llama"``
-    Full-attention llama (``mlx_lm.models.llama``): the cache is all ``KVCache``.
-``"sliding"``
-    Gemma 3 text (``mlx_lm.models.gemma3_text``) with ``sliding_window=32`` and
-    ``sliding_window_pattern=2``: layers alternate sliding / full attention, so the
-    cache mixes ``RotatingKVCache(max_size=32)`` and ``KVCache``.
-``"hybrid"``
-    Qwen3-Next (``mlx_lm.models.qwen3_next``) with ``full_attention_interval=2`` and no
-    MoE: gated-delta linear-attention layers (``ArraysCache``) alternate with gated
-    full-attention layers (``KVCache``).
-
-Greedy decoding never emits a special token (EOS included) or a token that is not
-printable UTF-8 on its own: their ``lm_head`` rows are zeroed, so their logits are 0
-while the rest draw random +-logits.  Continuations are gibberish but prompt-dependent,
-valid text, and always run to ``max_tokens``; to test stopping, use stop sequences or a
-logits processor.
-
-All kinds: 4 layers, hidden 128, 4 query / 2 KV heads of dim 32, MLP 256, untied
-``lm_head``, float32 weights (the fastest dtype on MLX's CPU backend), a 512-token
-vocabulary and ``max_position_embeddings=2048`` (~0.7-0.8M parameters).  Special token
-ids: ``<s>``=0, ``</s>``=1, ``<|im_start|>``=2, ``<|im_end|>``=3 (the tokenizer's
-``eos_token``), ``<pad>``=4; ``eos_token_id`` is ``[3, 1]``.
-
-Files written: ``config.json`` (every ``ModelArgs`` field plus ``eos_token_id``),
-``model.safetensors`` (+ index, via ``mlx_lm.utils.save_model``), ``tokenizer.json``,
-``tokenizer_config.json`` (ChatML chat template, ``eos_token="<|im_end|>"``),
-``special_tokens_map.json``, ``generation_config.json`` and a stamp file
-(``tiny_model_stamp.json``) written last, so a directory holding a matching stamp is
-complete.
-
-API
----
-``build_tiny_model(kind, directory, seed=0) -> Path``
-    Writes the directory; idempotent: if ``directory`` already holds a matching stamp it
-    is returned untouched.  The build happens in a sibling temporary directory that is
-    renamed into place, so concurrent builders (threads or processes) never observe a
-    half-written model; the loser of a race discards its copy.
-``tiny_model_path(kind, seed=0) -> Path``
-    Builds (once) under the per-user cache root and returns the path.
-    Root: ``$MLXRT_TINY_MODELS`` if set, else ``$XDG_CACHE_HOME/mlx-actor-runtime/
-    tiny-models`` (default ``~/.cache/...``); entry ``<kind>-v<FACTORY_VERSION>-seed<seed>``.
-``load_tiny_model(kind, seed=0) -> (model, tokenizer)``
-    ``mlx_lm.load`` of ``tiny_model_path``; memoized in-process (a module-level cache in
-    place of a session fixture).  Callers share the objects and must not mutate them.
-
-Bump ``FACTORY_VERSION`` whenever the output changes (configs, corpus, init) so stale
-cache entries are not reused.
+Shapes, files, the cache root and the API: docs/design.md, "Testing tools".
 """
 
 from __future__ import annotations

@@ -3,28 +3,11 @@
 Generate and prewarm both call ``prepare_chat``, so a warmup caches exactly the tokens the request
 that follows it will send. It runs on the engine's compute thread with the model's tokenizer (an
 mlx-lm ``TokenizerWrapper`` or anything with ``encode`` and, optionally, ``apply_chat_template``).
+The steps: validate, strip earlier reasoning, render with the chat template (or the fallback
+format), window the history (only with ``history_budget_tokens``), check the context, and locate
+the message ends, where the engine checkpoints a cache that cannot be trimmed.
 
-Steps, in order:
-
-1. Validate: at least one message, known roles, ``str`` content; else ``InvalidRequest``.
-2. Strip reasoning (``<think>...</think>``, ``<thinking>...</thinking>``) from every assistant
-   message except a final one, which is a prefill and is kept as is (``keep_reasoning`` keeps all).
-3. Render with the tokenizer's chat template and tokenize without adding special tokens (the
-   template writes them). ``developer`` is rendered as ``system``, the role templates know. A final
-   assistant message is continued: the template renders the messages before it with the generation
-   prompt, and its content is appended. A tokenizer without a template gets the fallback format:
-   one ``"<role>: <content>\\n"`` line per message, then ``"assistant: "``.
-4. Window (only with ``history_budget_tokens``): drop the oldest turns until the prompt fits
-   ``min(history_budget_tokens, context_length - max_tokens)``. A turn is a user message and the
-   messages after it up to the next user message. System/developer messages and the latest turn
-   are never dropped.
-5. Check the context: prompt plus ``max_tokens`` above ``context_length`` raises
-   ``ContextLengthExceeded`` (with ``reply_may_shrink``, only a prompt that leaves no room for one
-   token: the engine lowers ``max_tokens`` to the room left, or refuses it naming the value the
-   request sent). Without a window nothing is ever dropped: the client owns its context.
-6. Locate the message ends: where the instructions end, and where each of the latest messages but
-   the final one ends, in prompt tokens (the engine checkpoints a cache that cannot be trimmed
-   there, so an edit of a later message reuses all before it).
+Each step's rules: docs/chat.md, "Steps" and "message_ends".
 """
 
 from __future__ import annotations

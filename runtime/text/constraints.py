@@ -39,7 +39,13 @@ from runtime.messages import (
 if TYPE_CHECKING:  # the engine imports this module for live_matchers: MLX only when masking
     import mlx.core as mx
 
-__all__ = ["ConstraintEngine", "TokenMatcher", "grammar_of", "live_matchers"]
+__all__ = [
+    "ConstraintEngine",
+    "TokenMatcher",
+    "grammar_of",
+    "import_grammar_engine",
+    "live_matchers",
+]
 
 # Compact JSON: a small model left free to add whitespace can pad until max_tokens; a schema may
 # still ask for more with llguidance's "x-guidance" options.
@@ -60,6 +66,13 @@ def _count_live(change: int) -> None:
     global _live_in_process
     with _live_lock:
         _live_in_process += change
+
+
+def import_grammar_engine() -> None:
+    """Import llguidance, off the event loop: its first import reads package metadata from disk
+    (~0.35 s on a loaded CPU), and ``grammar_of`` runs on the loop (``Runtime`` calls this in a
+    worker thread as it starts, so the first constrained request finds it imported)."""
+    import llguidance  # noqa: F401
 
 
 def grammar_of(constraint: Constraint) -> str:

@@ -1,22 +1,13 @@
 """Reasoning blocks in a model's output: ``<think>...</think>`` apart from the answer.
 
-Models that think write their reasoning in a block before the answer. The block is opened either by
-the model (its output starts with ``<think>``) or by the chat template (the rendered prompt ends
-inside an open block, as Qwen3-style and DeepSeek-R1-style templates do: ``ends_inside_reasoning``
-tells, on the prompt text). Either way the reasoning runs until the first closing tag.
+Models that think write their reasoning in a block before the answer, opened either by the model
+or by the chat template (Qwen3- and DeepSeek-R1-style prompts end inside an open block:
+``ends_inside_reasoning``). ``split_reasoning`` defines the split once; ``ReasoningSplitter``
+makes the same split from text in any pieces, holding back only what may still be part of a tag,
+so a stream and a whole reply always agree (property-tested). ``<thinking>`` is read as
+``<think>``.
 
-The split, defined once by ``split_reasoning``:
-
-- the output does not start with an opening tag (leading whitespace aside) and the prompt did not
-  open one: no reasoning, and the content is the output exactly as it is;
-- else the reasoning is the text up to the first closing tag (the whole rest when none came: a
-  block cut off by ``max_tokens``), and the content is what follows that tag; both lose the
-  whitespace around them (templates put newlines there), nothing else.
-
-``ReasoningSplitter`` makes the same split incrementally, from text in any pieces: it holds back
-only what might still turn out to be part of a tag or whitespace to trim, so that the pieces it
-returns, joined, are ``split_reasoning`` of the whole text for any chunking (property-tested).
-``<thinking>``/``</thinking>`` are read as ``<think>``/``</think>`` are (chat.py strips both).
+The split's rules: docs/chat.md, "Reasoning in the output".
 """
 
 from __future__ import annotations

@@ -1,57 +1,14 @@
 """Per-sequence token sampling: logits processors, truncation filters, and log-probabilities.
 
 A ``TokenSampler`` is built once per sequence from its ``Sampling`` and then asked, once per step,
-for the next token given the last position's logits and the sequence's token history (prompt and
-output so far). The pipeline, in order:
+for the next token given the last position's logits and the sequence's token history. Keeping the
+whole pipeline in one object per sequence makes a seeded request repeat exactly (one ``rng``
+keys every draw) and lets the batch and speculative paths share it. The order follows llama.cpp
+and mlx-lm: processors (bias, penalties, DRY), the constraint's mask, then argmax at temperature 0
+or the truncation filters and temperature on the survivors. Log-probabilities are taken before the
+filters. ``draw`` builds the pick lazily (a ``Draw``) so the next model step can be queued first.
 
-1. **Logits processors** (change values, keep every token):
-
-   - *logit bias*: ``logits[t] += bias[t]``.
-   - *repetition penalty* (CTRL, sign-aware): each distinct token in the penalty window has its
-     logit divided by ``repetition_penalty`` when positive, multiplied when negative.
-   - *presence penalty*: ``-presence_penalty`` once for each distinct token in the window.
-   - *frequency penalty*: ``-frequency_penalty`` per occurrence in the window.
-   - *DRY* ("don't repeat yourself", as in koboldcpp / llama.cpp / text-generation-webui): for
-     every earlier occurrence of the last token, the repeated suffix ending there is measured
-     backwards (stopping at a sequence breaker or after ``_DRY_MAX_EXTRA + allowed_length``
-     tokens); the token that followed that occurrence would extend the repetition, and is
-     penalised by ``dry_multiplier * dry_base ** (match_len - dry_allowed_length)`` if
-     ``match_len >= dry_allowed_length`` (the longest match per token counts). Nothing is
-     penalised when the last token is a breaker, and a breaker token itself is never penalised.
-
-   The penalty window is the last ``penalty_context`` tokens of the history (0: penalties and DRY
-   are off). The three penalties are mlx-lm's own processors (``make_repetition_penalty``,
-   ``make_presence_penalty``, ``make_frequency_penalty``).
-
-2. ``temperature == 0``: the **argmax of the processed logits** (no filter, no randomness).
-
-3. Otherwise the processed logits become log-probabilities and the **truncation filters** run,
-   each on the distribution renormalised over the tokens the previous ones kept: top-k, top-n-sigma
-   (keep ``logit >= max - n * std`` over the surviving logits, population std), locally typical
-   (``typical_p``: the tokens whose ``-log p`` is nearest the entropy, up to that mass; typical.py),
-   top-p (smallest
-   set reaching ``p``), min-p (``p >= min_p * p_max``), XTC (with probability ``xtc_probability``,
-   drawn from the sequence's ``rng``: remove every token with ``p >= xtc_threshold`` except the
-   least probable of them, so it acts only when at least two reach the threshold). Temperature is
-   applied last, to the survivors (llama.cpp's and mlx-lm's order), and a token is drawn with
-   ``mx.random.categorical`` keyed from the same ``rng``: a seeded ``rng`` gives the same tokens.
-
-**Log-probabilities** (``logprobs`` / ``top_logprobs``) are the log-softmax of the *processed*
-logits (after bias, penalties and DRY) at temperature 1, *before* truncation filters: they say how
-likely the model, as steered by the request's processors, found each token, instead of ``-inf``
-for every alternative a filter removed (and greedy decoding, which has no temperature-1 filtered
-distribution, reports the same numbers as sampling would). Alternatives are picked with
-``mx.argpartition`` (no full sort of the vocabulary) and ordered by log-probability, then token id.
-
-**Constraints.** With a ``TokenMatcher`` (``Sampling.constraint``) every token the grammar forbids
-next gets ``-inf`` after the processors and before everything else: greedy, the filters and the
-log-probabilities see only what the grammar allows.
-
-**Draws.** ``draw`` builds the pick as MLX arrays without evaluating them (a ``Draw``), so a caller
-can queue the next model step on the drawn token before reading it, as mlx-lm's ``generate_step``
-does with ``mx.async_eval``; ``Draw.read`` evaluates and returns the ``SampleResult``. The history
-may then end in that unread token (``fed``): the penalties take it as an array. DRY measures
-repeats on the host, so a DRY sampler ``needs_read_history`` and refuses a ``fed`` token.
+The order, each filter's definition and the logprobs rule: docs/sampling.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,14 @@
 """Tool calls in the model's output: an incremental parser, and the grammar that forces them.
 
 The format is the Hermes one the fallback prompt asks for (runtime/text/tools.py) and that
-Qwen-style templates use natively: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
-one block per call. ``ToolCallParser`` splits output text into content and calls as it streams:
-text that may still turn out to be the start of a tag, or whitespace next to a call, is held back
-until the text after it decides, so any chunking of the output gives the same content and calls as
-the whole text does.
+Qwen-style templates use natively: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
+``ToolCallParser`` splits output into content and calls as it streams, holding back text that may
+still start a tag, so any chunking of the output gives the same content and calls as the whole
+text (a client sees the same message streamed or not). ``tool_call_grammar`` is the constraint
+for ``tool_choice`` "required" or a named function; ``end_on_repeat`` drops a call that repeats
+an earlier one, so a small model that loops on one call can be stopped there.
 
-A block that opens with a known function's name and then an arguments object
-(``{"name": "f", "arguments": {`` , the order the prompt and the grammar use) is a call from
-there on: its arguments are passed on as the model writes them, character for character, up to
-the end of that object (a block cut short keeps the arguments written so far). Any other block is
-read once it closes: a JSON object with a known ``name`` and ``arguments`` (an object, or a string
-holding one; ``parameters`` is read as ``arguments``) is a call, its arguments re-serialized;
-anything else stays in the content, as written.
-
-``tool_call_grammar`` is the constraint for ``tool_choice`` "required" or a named function: the
-output must be call blocks (one, or one or more), each a known function's name and arguments
-valid under its JSON Schema; after any complete block the output may end (a newline after it
-too). A model left free to make several calls may still repeat one until ``max_tokens`` (a small
-one does: its next likeliest text after a call is the same call again). With ``end_on_repeat``
-the parser drops a call identical to an earlier one (name and arguments), and everything after
-it, and says so (``repeated``), so the caller can stop the generation there: each call's events
-are then held until its block closes.
+Which blocks are calls, the grammar and repeats: docs/structured.md, "In the output".
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """The llama.cpp backend: a GGUF model run by llama.cpp's kernels behind the same contract as MLX.
 
-Every sequence is a seq_id of one llama.cpp context, with a stream of KV cells of its own
-(``seqs``; binding.py says why not the unified cache), so a decode step carries one token of each
-of many sequences (``batch``) and several prompts prefill in one ``llama_decode``
-(``prefill_together``). Logits
-come back from llama.cpp as float32 and are handed to the engine as ``(vocab,)`` ``mx.array``s,
-so the runtime's own samplers, penalties and grammar masks act on them as on MLX.
+On a CPU, llama.cpp's quantized kernels are the fastest way to run a GGUF file; behind the same
+backend contract the engine's scheduling, reuse, budget and samplers work unchanged above it.
+Every sequence is a seq_id of one llama.cpp context with KV cells of its own (``seqs``), so a
+decode step carries one token of many sequences and several prompts prefill in one
+``llama_decode``. Logits come back as float32 ``mx.array``s, so the runtime's own samplers,
+penalties and grammar masks act on them as on MLX.
 
-Reuse, per cache kind (decided at load, ``ModelInfo.reuse``):
-
-- full attention only: ``TRIM``: a copy (through host bytes, ``SeqPool.copy``) then
-  ``llama_memory_seq_rm`` of the tail;
-- sliding-window layers (Gemma 3's ISWA cache) or recurrent state: ``CHECKPOINT``: llama.cpp
-  reuses a sliding layer's cells once they fall out of the window (and a recurrent state keeps
-  only its last step), so a state is cut back only while it has never reached the window; other
-  reuse restores a snapshot, the sequence's partial state from ``llama_state_seq_get_data_ext``
-  (``PARTIAL_ONLY``: only the sliding-window or recurrent cells), over the full-attention cells
-  cut back from the longer state, as on MLX.
-
-Prefill runs in ``n_batch``-token ``llama_decode`` calls; with ``stop`` each call checks it between
-graph nodes (``llama_set_abort_callback``) and the calls check it between them; a call that gives
-up is undone (on a sliding-window or recurrent model the partial state put back from a copy taken
-first, then ``llama_memory_seq_rm`` of what the prefill added), so the state is as before.
-
-Recurrent and hybrid models are exercised on tiny GGUF files written by the tests (mamba, lfm2:
-tests/llamacpp_tiny_gguf.py), since none can be fetched here.
+Reuse per cache kind, abortable prefill, and the tiny recurrent models the tests write:
+docs/models.md, "The llama.cpp backend" and "The llama.cpp backend, inside".
 """
 
 from __future__ import annotations

@@ -1,27 +1,14 @@
-"""How the rows of one decode become ``llama_decode`` calls so that no token's result depends
-on which call computed it.
+"""How the rows of one decode become ``llama_decode`` calls: no token's result depends on the call.
 
-llama.cpp's CPU matrix multiply takes one of two kernels by the number of columns: a pass in which
-a sequence has a single row (a decode step) goes through the vector kernels, a pass with two or
-more through llamafile's tiled ones, and the two sum in another order. That shows in attention,
-which multiplies per sequence: a token decoded alone gets other keys, values and logits (0.2-0.8
-apart on SmolLM2) than the same token inside a prompt, so a conversation's second turn, which
-reuses the first turn's reply, would differ from the same turn run cold.
+llama.cpp's CPU matrix multiply picks its kernel by the number of columns: a sequence with a
+single row in a pass goes through the vector kernels, two or more through llamafile's tiled ones,
+and the two sum in another order, so a token decoded alone differs (0.2-0.8 in the logits on
+SmolLM2) from the same token inside a prompt, and a reused second turn would differ from a cold
+one. With ``exact_reuse`` (where llamafile's kernels are built in), a lone row gets a throwaway row
+of its own sequence, and rows are planned into calls where every sequence has the same number of
+rows, two or more. The cost: 1.83x a B=1 decode step on SmolLM2, 1.5-1.6x a step of 4 or 8.
 
-So with ``exact_reuse`` (a model option), where the build has llamafile's kernels
-(``llama_print_system_info`` says ``LLAMAFILE = 1``), a sequence never has one row in a pass: a
-lone row gets a throwaway row of the same sequence one position on (the same token, no logits, its
-cell removed after the call). And because llama.cpp splits a pass over several sequences into
-sub-passes of equal rows per sequence, the rows are planned into calls that already are: every
-sequence in a call has the same number of rows, two or more, so llama.cpp never leaves a sequence
-a row of its own. A build without llamafile's kernels (``GGML_LLAMAFILE=OFF``) multiplies every
-shape alike and needs none of this.
-
-The cost is the throwaway's compute: 1.83x a B=1 decode step on SmolLM2, 1.5-1.6x a step of 4 or 8
-(measured in-process, 1 thread). And it makes SmolLM2 exact, not Gemma 3: its Q5_0/Q8_0 weights
-go through llamafile's tiled kernels, whose sums depend on the pass's row count even for two rows
-or more (a 302-token prompt in one pass and split 300 + 2 differ by 0.003 in the logits), and
-even a build without them differs by the split (docs/models.md).
+Why it makes SmolLM2 exact and not Gemma 3: docs/models.md, the llama.cpp backend's exact reuse.
 """
 
 from __future__ import annotations

@@ -1,23 +1,14 @@
 """llama.cpp states as host arrays for the disk tier (``runtime.backends.disk.host.Persistent``).
 
 A state is written as the bytes ``llama_state_seq_get_data`` gives for its seq_id (every cache's
-cells: the full-attention KV, a sliding window's ring, a recurrent state), the very bytes a state
-moved to host memory holds (``seqs.SeqPool``); each point's snapshot as its partial bytes
-(``PARTIAL_ONLY``: the sliding-window or recurrent cells, empty on a model whose caches can all
-be cut back). The tokens travel in the entry file's header, as on every backend.
+cells), the very bytes a state moved to host memory holds (``seqs.SeqPool``); a point's snapshot
+as its partial bytes (``PARTIAL_ONLY``). Importing runs no llama.cpp call, since it may run on the
+I/O thread and a context is the compute thread's alone: the state comes back *spilled*, and its
+first use on the compute thread puts the bytes into a free seq_id. The fingerprint names
+everything that changes whether saved bytes can be put back: the GGUF file, llama-cpp-python's
+and llama.cpp's state versions, ``exact_reuse`` (the V cache layout) and the context per sequence.
 
-Importing runs no llama.cpp call (it may run on the I/O thread, and a context is the compute
-thread's alone): the state comes back *spilled*, holding its bytes and no seq_id, so its first
-use on the compute thread puts them into a free seq_id with ``llama_state_seq_set_data`` (the
-restore job's copy does it straight into the copy's seq_id). A sliding-window state comes back
-as one that has reached its length (``high_water``), so it is cut back only where that is safe.
-
-The fingerprint names the GGUF file (its resolved path, size and modification time, and its
-pinned sha256 for a known model), llama-cpp-python's version (which pins llama.cpp's, and so the
-state format), llama.cpp's own state version, whether ``exact_reuse`` is on (it turns flash
-attention off, which lays the V cache out transposed), a sequence's KV cells (``n_ctx_seq``: a
-state longer than a smaller context's sequence has no room to be put back; entries are cut on
-load, so an entry may be longer than the prompt that finds it) and this layout's version.
+The disk tier on llama.cpp: docs/design.md, "The disk tier".
 """
 
 from __future__ import annotations

@@ -1,45 +1,14 @@
 """Batched decoding over mlx-lm's batch caches: the backend half of continuous batching.
 
-A ``DecodeBatch`` holds one persistent batch cache per layer (mlx-lm's ``BatchKVCache``,
-``BatchRotatingKVCache``, batched ``ArraysCache``) and runs one forward pass per step for every
-sequence in it, each fed one token. Sequences whose prompts were prefilled on the ordinary B=1
-path ``join`` between steps and ``leave`` between steps; the others are not disturbed. This is the
-same machinery as ``mlx_lm.generate.BatchGenerator`` (``merge`` a sequence's caches into a batch
-cache, ``extend`` the running batch with it, ``extract`` one row back out, ``filter`` the rest),
-without its prompt processing or sampling: the engine prefills and samples, this only decodes.
-
-Layout. mlx-lm batches KV layers by *left* padding: rows are right-aligned at the batch's write
-index, a row shorter than the longest carries zeros on its left, and a per-row ``left_padding``
-masks them out; RoPE uses the per-row ``offset`` (the row's real token count), so a padded row sees
-exactly the positions it would alone. Sliding-window layers are ring buffers of at most the window
-(``BatchRotatingKVCache``); recurrent layers (``ArraysCache``) are a fixed-size state per row, with
-no padding at all.
-
-Costs (B rows, L = the longest row's KV length, window W for sliding layers):
-
-- ``join``: ``merge`` copies the sequence's caches into a one-row batch cache (O(its bytes)); then
-  ``extend`` pads both sides to the same length and concatenates along the batch axis, which
-  rewrites the whole batch cache once (O(B * L) per KV layer, O(B * W) per sliding layer, O(B)
-  per recurrent layer). A row shorter than the longest costs ``L - len`` tokens of padding
-  memory until the longest row leaves.
-- ``leave``: ``extract`` slices the row out into contiguous per-sequence caches (O(its bytes));
-  ``filter`` gathers the remaining rows (again one rewrite of the batch cache) and drops the
-  left padding that every row now shares, so the batch shrinks back when its longest row leaves.
-  Both read the per-row padding on the host (one synchronisation).
-- ``step``: one forward pass of B tokens; it reads every row's KV (padding included) once, like B
-  separate decode steps would, but with one weight pass instead of B.
-
-So one join or leave costs about one pass over the batch cache, i.e. roughly what a decode step
-already spends reading it: cheap next to a prefill, and worth batching joins when many arrive.
-
-What cannot be batched: each cache kind says how mlx-lm batches it, or why it cannot
-(``CacheKind.batch_refusal`` in ``cache_kinds``): there is no batched form of
-``QuantizedKVCache`` (``kv_bits``), ``ChunkedKVCache`` or ``ConcatenateKVCache``, nor of a
-``RotatingKVCache`` that keeps leading tokens (``keep > 0``, dropped by
-``BatchRotatingKVCache``). ``DecodeBatch.supports(backend)`` is False for such models, and the
-engine keeps them on the B=1 path.
-
+A ``DecodeBatch`` holds one persistent batch cache per layer and runs one forward pass per step
+for every sequence in it, each fed one token: one weight pass for B tokens instead of B passes.
+Sequences prefilled on the ordinary B=1 path ``join`` and ``leave`` between steps, leaving the
+others undisturbed. It is mlx-lm's ``BatchGenerator`` machinery (``merge``, ``extend``,
+``extract``, ``filter``) without its prompt processing or sampling, which the engine owns. Cache
+kinds mlx-lm cannot batch (``CacheKind.batch_refusal``) keep their models on the B=1 path.
 Every method runs on the engine's compute thread, like the backend's own.
+
+Layout (left padding), the cost of a join, a leave and a step: docs/design.md, "The decode batch".
 """
 
 from __future__ import annotations

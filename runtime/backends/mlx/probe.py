@@ -1,21 +1,13 @@
 """The load probe: what a model may do, decided by evidence on the loaded model itself.
 
 Reuse and batching must never change what a model says, but whether they keep that promise
-depends on each architecture's code in mlx-lm, not only on its cache classes (docs/models.md,
-"Upstream defects and workarounds"). So at load, a few dozen deterministic tokens go through each
-path the engine would use and their logits are compared with a plain run of the same tokens:
+depends on each architecture's code in mlx-lm, not only on its cache classes. So at load, a few
+dozen deterministic tokens go through each path the engine would use (snapshot reach-back,
+batched prefill, batched decode, trim) and their logits are compared with a plain run of the same
+tokens; a path that differs, or crashes, is switched off. The verdict is cached by the model's
+fingerprint (verdicts.py), so only a model's first load pays for it.
 
-- ``snapshot_reach_back``: a snapshot taken inside a pass, restored and extended, equals the
-  continuous run (off: passes are cut at snapshot points; if that fails too, no reuse);
-- ``batch_prefill``: a left-padded batched prefill, one row from a cached prefix (its plain run
-  cut back, as prefix reuse gives it, where it trims) and cut at snapshot points, equals each
-  prompt alone, snapshots included (off: prompts prefill alone);
-- ``batch_decode``: a batched decode step equals each row's own step (off: one stream at a time);
-- ``trim``: a state cut back and extended equals the same tokens computed anew (off: reuse
-  restores whole checkpoints instead).
-
-A check that crashes counts as failed. The verdict is cached by the model's fingerprint
-(verdicts.py), so only a model's first load pays for it.
+Each check and what failing it switches off: docs/models.md, "The load probe's checks".
 """
 
 from __future__ import annotations

@@ -1,30 +1,14 @@
 """Several prompts prefilled in one batched pass, each into its own sequence state.
 
 A pass over B rows reads every weight once, so on a CPU (and on a GPU with a small model) a padded
-batch of prompts costs each one less than its own pass: measured ~0.8x per 64-token prompt in a
-batch of 8 on SmolLM2-135M and Gemma 3 270M (scripts/batched_prefill_gain.py). This is mlx-lm's
-own batch prompt processing (``PromptProcessingBatch.prompt`` in ``mlx_lm.generate``): the
-per-sequence caches (empty, or holding a cached prefix) are merged into batch caches, the prompts
-right-padded (``prepare`` masks the padding; ``finalize`` rolls it to the left, where the batch
-caches keep it), then the last tokens go as one more pass (as mlx-lm's generate always runs the
-last prompt token apart) and each row is extracted into an ordinary per-sequence cache again.
-Every cache kind mlx-lm batches works: full attention, sliding windows, recurrent state.
+batch of prompts costs each one less than its own pass: ~0.8x per 64-token prompt in a batch of 8
+on SmolLM2-135M and Gemma 3 270M (scripts/batched_prefill_gain.py). This is mlx-lm's own batch
+prompt processing (``PromptProcessingBatch``): per-sequence caches merged into batch caches, the
+prompts padded, the last tokens run as one more pass, each row extracted again. Every cache kind
+mlx-lm batches works, and checkpoint snapshots are taken where each is cheapest.
 
-Snapshots (checkpoints of the layers that cannot be cut back) are taken where each is cheapest:
-
-- at a row's end: from the row's extracted state, after the passes;
-- before its end: between the padded pass and the last tokens' pass, where every row's state
-  stands one token before its end and each sliding-window ring still holds the pass's tokens and a
-  window before them, so every point of the pass is reached back from there;
-- on a recurrent layer, which keeps only its last step, only the point one token before the end
-  is reached so; for any other the padded pass is cut there (a pass per distinct column, for every
-  row) and the row's layers are copied out of the batch caches in between. Only on a model
-  without sliding-window layers: a one-token piece of a right-padded pass is refused by mlx-lm's
-  ``BatchRotatingKVCache``, so a model mixing both takes no snapshots in a batched pass.
-
-On a model with recurrent layers a padded pass is also cut at every row's end, each piece told its
-own lengths, and each row's recurrent state held where it ends: mlx-lm's SSM layers read a cut
-piece's state wrongly and rwkv7 runs padding through its state (upstream.py).
+Where snapshots are taken, and the recurrent-layer workarounds: docs/design.md, "Prompts
+prefilled together".
 """
 
 from __future__ import annotations

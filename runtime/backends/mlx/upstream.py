@@ -1,25 +1,14 @@
 """Workarounds for mlx-lm's batching defects, where the fix can be ours.
 
-Each is named, with the mlx-lm file and line, in docs/models.md ("Upstream defects and
-workarounds"); the load probe (probe.py) checks the result on the loaded model itself and switches
-off what still fails. In short:
+Batching must not change what a row computes, and some mlx-lm models do, in ways we can undo
+without forking mlx-lm: recurrent layers that read a cut or padded pass's state wrongly (ssm,
+nemotron_h, rwkv7: passes cut at each row's end, per-piece lengths, each row's state held and put
+back), masks and query rotations that ignore per-row offsets (gemma2, afm7), a KV layer the model
+never writes (nemotron-nas, handled in ``cache_kinds``) and position ids built from one offset
+(gpt_bigcode). The load probe (probe.py) checks the result on the loaded model itself and switches
+off what still fails.
 
-- ``ssm_attn`` (models/ssm.py) reads a batched pass's carried state at ``min(lengths, 256) - 1``,
-  past the piece when a pass is cut before a row's end; nemotron_h's ``_ssm`` passes no lengths at
-  all; rwkv7 takes no padding mask, so right padding runs through its recurrence. So a padded
-  batched pass is cut at each row's end (``prefill_together``), each piece is told its own lengths
-  (``piece_lengths``), and each row's recurrent state is held where the row ends (``hold_rows``)
-  and put back after the pass (``put_rows``), whatever padding did to it meanwhile.
-- gemma2's attention reshapes grouped queries to 5 axes, which a per-row (B, 1, L, S) mask cannot
-  broadcast against: ``patch_model`` gives its attention layers a mask with the extra axis.
-- afm7's KV-reuse layers rotate their queries at ``S - L`` (S: the last cache's keys), which for a
-  left-padded batch row is its padding ahead of its own position: ``patch_model`` rotates each
-  row's queries at that row's own offset.
-- a KV layer the model never writes (nemotron-nas's linear-replaced attention) breaks mlx-lm's
-  ``BatchKVCache.finalize`` and ``extract``: handled in ``cache_kinds`` (``finalize_layer``,
-  ``extract_row``), where the batch layers are taken apart.
-- gpt_bigcode builds its learned position ids with ``np.arange(cache[0].offset, ...)``, which
-  raises on a batch cache's one offset per row: ``patch_model`` gives it position ids per row.
+Each defect with the mlx-lm file and line: docs/models.md, "Upstream defects and workarounds".
 """
 
 from __future__ import annotations
