@@ -185,39 +185,32 @@ def _judge(phase: str | None) -> None:
         pytest.fail(f"the event loop was blocked during {phase}:\n{lines}", pytrace=False)
 
 
+def _judged(phase: str) -> Generator[None, Any, Any]:
+    """Run a test phase's hooks (the ``yield``), then judge what the loop did during it."""
+    try:
+        result = yield
+    except BaseException:
+        _judge(None)  # failed already: clear, so the next phase is judged on its own
+        raise
+    _judge(phase)
+    return result
+
+
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Generator[None, Any, Any]:
     global _current
     _current = item.nodeid
-    try:
-        result = yield
-    except BaseException:
-        _judge(None)  # failed already: clear, so the next phase is judged on its own
-        raise
-    _judge("setup")
-    return result
+    return (yield from _judged("setup"))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_call(item: pytest.Item) -> Generator[None, Any, Any]:
-    try:
-        result = yield
-    except BaseException:
-        _judge(None)  # failed already: clear, so the next phase is judged on its own
-        raise
-    _judge("the test")
-    return result
+    return (yield from _judged("the test"))
 
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtest_teardown(item: pytest.Item) -> Generator[None, Any, Any]:
-    try:
-        result = yield
-    except BaseException:
-        _judge(None)  # failed already: clear, so the next phase is judged on its own
-        raise
-    _judge("teardown")
-    return result
+    return (yield from _judged("teardown"))
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

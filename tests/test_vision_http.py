@@ -7,7 +7,6 @@ import base64
 import io
 import threading
 from collections.abc import AsyncIterator, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ from runtime.server.media import FETCH_MAX_BYTES
 from runtime.testing.tiny_models import tiny_model_path
 from runtime.testing.tiny_vlms import tiny_vlm_path
 from tests.loop_checks import LoopBackend, on_uvloop
+from tests.loopback_files import loopback_files
 
 pytestmark = [pytest.mark.anyio, pytest.mark.mlx]
 
@@ -155,34 +155,16 @@ def image_host() -> Iterator[str]:
     ``/slow`` an answer that never comes in time, anything else 404."""
     release = threading.Event()
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path == "/slow":
-                release.wait(10)
-            if self.path == "/cat.png":
-                payload = png(5)
-            elif self.path == "/huge":
-                payload = b"\0" * (FETCH_MAX_BYTES + 10)
-            else:
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(payload)))
-            self.end_headers()
-            self.wfile.write(payload)
+    def hold(path: str) -> None:
+        if path == "/slow":
+            release.wait(10)
 
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        release.set()
-        server.shutdown()
-        server.server_close()
+    routes = {"/cat.png": png(5), "/huge": b"\0" * (FETCH_MAX_BYTES + 10)}
+    with loopback_files(routes, hold=hold) as url:
+        try:
+            yield url
+        finally:
+            release.set()  # before the server stops: its handler thread is waiting
 
 
 async def test_a_host_that_enables_fetching_reads_remote_images_within_limits(

@@ -9,9 +9,7 @@ from __future__ import annotations
 import base64
 import io
 import re
-import threading
 from collections.abc import AsyncIterator, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +41,7 @@ from runtime.server import OpenAIServer, ServerConfig
 from runtime.testing.tiny_models import tiny_model_path
 from runtime.testing.tiny_vlms import TinyVlmKind, tiny_vlm_path
 from runtime.text.chat import prepare_chat
+from tests.loopback_files import loopback_files
 
 pytestmark = [pytest.mark.anyio, pytest.mark.mlx]
 # The tiny SmolVLM2 samples 1 frame a second (at most 8); each frame is one 32 x 32 tile: 4 soft
@@ -317,29 +316,8 @@ async def test_video_url_parts_over_http(clip: bytes, tmp_path: Path) -> None:
 @pytest.fixture
 def video_host(clip: bytes) -> Iterator[str]:
     """A loopback HTTP server: ``/clip.avi`` the clip, anything else 404."""
-
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self) -> None:
-            if self.path != "/clip.avi":
-                self.send_error(404)
-                return
-            self.send_response(200)
-            self.send_header("Content-Length", str(len(clip)))
-            self.end_headers()
-            self.wfile.write(clip)
-
-        def log_message(self, *args: object) -> None:
-            pass
-
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join()
+    with loopback_files({"/clip.avi": clip}) as url:
+        yield url
 
 
 async def test_a_host_that_enables_fetching_reads_remote_videos(
