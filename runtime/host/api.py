@@ -20,7 +20,6 @@ import anyio
 import msgspec
 
 from actors.replicas import ROUTING_POLICIES
-from actors.standing import standing_actors
 from runtime.backends.choice import resolve_backend
 from runtime.backends.contract import BackendLoader
 from runtime.backends.loader import make_backend_loader
@@ -33,6 +32,7 @@ from runtime.errors import (
     error_for_code,
 )
 from runtime.host.config import RuntimeConfig
+from runtime.host.standing import configured_actors
 from runtime.host.streams import HOST, TERMINALS, Completion, GenerationStream, HostStreams
 from runtime.host.validation import validate_request
 from runtime.kernel.actor import ActorSystem
@@ -116,21 +116,10 @@ class Runtime:
         task_group = await stack.enter_async_context(anyio.create_task_group())
         system = ActorSystem(task_group, child_policy=self.config.engine_restart)
         system.register_sink(HOST, self._streams.deliver)
-        cluster = self.config.cluster
-        for address, core in standing_actors(
-            kv_budget_bytes=self.config.resolved_kv_budget_bytes(),
-            load_backend=self._load_backend or make_backend_loader(),
-            reservation_timeout_s=self.config.reservation_timeout_s,
-            default_max_tokens=self.config.default_max_tokens,
-            strict_max_tokens=self.config.strict_max_tokens,
-            step_timeout_s=self.config.step_timeout_s,
-            engine_restart=self.config.engine_restart,
-            stall_timeout_s=self.config.stall_timeout_s,
-            auto_load=self.config.auto_load,
+        for address, core in configured_actors(
+            self.config,
+            self._load_backend or make_backend_loader(),
             engine_host=None if self._cluster is None else self._cluster.wrap,
-            node_kv_budgets=None if cluster is None else cluster.node_kv_budget_bytes,
-            node_kv_default=None if cluster is None else cluster.kv_budget_bytes_per_node,
-            disk_cache=self.config.disk_cache,
         ):
             capacity = self.config.router_mailbox_capacity if address == ROUTER else math.inf
             system.spawn(address, core, capacity=capacity)

@@ -23,9 +23,9 @@ from typing import Protocol
 
 from actors.engine.core import EngineCore
 from actors.engine.lost import LostEngine
-from actors.standing import standing_actors
 from runtime.backends.loader import make_backend_loader
 from runtime.host.config import RuntimeConfig
+from runtime.host.standing import configured_actors
 from runtime.kernel.core import KV_KEEPER, ROUTER, ActorCore, Address
 from runtime.messages import (
     Cancelled,
@@ -176,18 +176,7 @@ class Simulator:
         if faults is not None:
             loader = faults.wrap_loader(loader, self.clock, hang=self.clock.hang)
             faults.lose_process = self._lose_engine
-        for address, core in standing_actors(
-            kv_budget_bytes=self.config.resolved_kv_budget_bytes(),
-            load_backend=loader,
-            reservation_timeout_s=self.config.reservation_timeout_s,
-            default_max_tokens=self.config.default_max_tokens,
-            strict_max_tokens=self.config.strict_max_tokens,
-            step_timeout_s=self.config.step_timeout_s,
-            engine_restart=self.config.engine_restart,
-            stall_timeout_s=self.config.stall_timeout_s,
-            auto_load=self.config.auto_load,
-            disk_cache=self.config.disk_cache,
-        ):
+        for address, core in configured_actors(self.config, loader):
             if faults is not None and address == KV_KEEPER:
                 core = faults.wrap_keeper(core)
             self.spawn(address, core)
