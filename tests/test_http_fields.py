@@ -9,6 +9,7 @@ import httpx
 import pytest
 
 from runtime.server import OpenAIServer
+from tests.loop_checks import LoopBackend, on_uvloop
 from tests.test_http_server import (
     chat,
     complete,
@@ -19,6 +20,14 @@ from tests.test_http_server import (
 )
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> LoopBackend:
+    # One loop, the server's (uvicorn runs uvloop): these check what each field means, the same
+    # on either loop; the other HTTP modules run both.
+    return on_uvloop()
+
 
 Json = dict[str, Any]
 

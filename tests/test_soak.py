@@ -8,8 +8,16 @@ import pytest
 
 from bench.soak.driver import run_soak
 from bench.soak.plan import CHECKPOINT_MODEL, RELOADED_MODEL, SoakConfig
+from tests.loop_checks import LoopBackend, on_uvloop
 
 pytestmark = pytest.mark.anyio
+
+
+@pytest.fixture
+def anyio_backend() -> LoopBackend:
+    # One loop, the production one: the soak checks the runtime's books after 2,000 requests,
+    # the same on either loop, and takes ~30 s on each; the simulated tests run both loops.
+    return on_uvloop()
 
 
 async def test_two_thousand_requests_leave_nothing_behind() -> None:

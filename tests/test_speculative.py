@@ -34,6 +34,7 @@ from runtime.messages import (
 )
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 from runtime.text.sampling import TokenSampler
+from tests.loop_checks import on_uvloop
 
 KINDS: tuple[TinyModelKind, ...] = ("llama", "sliding", "hybrid")
 # A repeated block: the model's greedy continuation tends to repeat it, so drafts are found and
@@ -399,6 +400,7 @@ REWRITE = (
 
 @pytest.mark.real_model
 @pytest.mark.anyio
+@pytest.mark.parametrize("anyio_backend", [on_uvloop()], ids=["uvloop"])  # MLX's text: one loop
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct", "gemma3-270m"])
 async def test_real_model_greedy_text_is_unchanged_and_drafts_are_accepted(
     name: str, real_gguf: Any
