@@ -26,7 +26,7 @@ import contextlib
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 import anyio
@@ -81,37 +81,33 @@ def measure(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measuremen
     return anyio.run(_measure, spec, model, sizes)
 
 
-async def _measure(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
+@contextlib.asynccontextmanager
+async def _local_ray() -> AsyncIterator[None]:
+    """A local Ray of 2 CPUs for the rows' runtimes to place their engines on."""
     from runtime.cluster.connect import connect
 
     link = await anyio.to_thread.run_sync(connect, ClusterConfig(num_cpus=2))
     try:
-        out = await _overhead(sizes)
-        out += await _transport(spec, model, sizes)
-        out += await _routing(spec, model, sizes)
+        yield
     finally:
         await anyio.to_thread.run_sync(link.close)
-    return out
+
+
+async def _measure(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
+    async with _local_ray():
+        out = await _overhead(sizes)
+        out += await _transport(spec, model, sizes)
+        return out + await _routing(spec, model, sizes)
 
 
 async def _overhead_alone(sizes: ClusterSizes) -> list[Measurement]:
-    from runtime.cluster.connect import connect
-
-    link = await anyio.to_thread.run_sync(connect, ClusterConfig(num_cpus=2))
-    try:
+    async with _local_ray():
         return await _overhead(sizes)
-    finally:
-        await anyio.to_thread.run_sync(link.close)
 
 
 async def _routing_alone(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
-    from runtime.cluster.connect import connect
-
-    link = await anyio.to_thread.run_sync(connect, ClusterConfig(num_cpus=2))
-    try:
+    async with _local_ray():
         return await _routing(spec, model, sizes)
-    finally:
-        await anyio.to_thread.run_sync(link.close)
 
 
 def _config(ray: bool, engine_cpus: float = 1.0) -> RuntimeConfig:
