@@ -9,6 +9,8 @@ from runtime.backends.simulated import SimulatedBatch, greedy_continuation
 from runtime.errors import error_for_code
 from runtime.kernel.core import KV_KEEPER
 from runtime.messages import (
+    Cancel,
+    Cancelled,
     CommandFailed,
     Failed,
     Finished,
@@ -80,6 +82,25 @@ def test_a_raise_in_a_prefill_chunk_fails_only_that_request_retryably() -> None:
     assert engine(sim).epoch == 1  # a step's fault is the request's, not the engine's
     assert_served(sim, "b")
     assert_all_given_back(sim)
+
+
+def test_a_chunk_that_fails_after_its_cancel_arrived_ends_cancelled_and_is_not_kept() -> None:
+    # The cancel reaches the engine while the chunk runs; then the chunk raises. The client asked
+    # to stop, so it hears Cancelled (no error tells it of a step it gave up on); the state that
+    # saw the error is dropped, not kept for reuse as an aborted prefill's is.
+    chunk_s = CHUNK * PER_TOKEN
+    plan = FaultPlan(Fault(FaultPoint.PREFILL, after=1, seconds=chunk_s))  # the second chunk
+    sim = make_sim(spec(), faults=plan)
+    sim.send(generate("a", PROMPT))
+    sim.advance(1.5 * chunk_s)  # inside the second chunk
+    sim.send(Cancel(request_id="a", incarnation=1))
+    sim.run_until_quiescent()
+    assert isinstance(sim.terminal("a", 1), Cancelled)
+    assert plan.injected == [Injection(FaultPoint.PREFILL, "m", FaultKind.RAISE)]
+    assert engine(sim).statistics().counters["cancelled_after_failed_step"] == 1
+    assert prefix_cache(sim).total_bytes == 0  # the first chunk's prefix is not offered again
+    assert_all_given_back(sim)
+    assert_served(sim, "b")
 
 
 def test_a_raise_in_a_decode_step_fails_the_request_after_the_tokens_it_had() -> None:

@@ -281,7 +281,9 @@ async def test_a_raise_at_a_compute_point_fails_only_the_requests_it_hit(
 
             assert plan.injected == [Injection(fault.point, spec.name, FaultKind.RAISE)]
             hit = {p for p, o in outcomes.items() if isinstance(o.terminal, Failed)}
-            assert hit, {p[:20]: o.terminal for p, o in outcomes.items()}
+            if not hit:  # it met LONG's chunk after its cancel: Cancelled, and the state dropped
+                counters = engine_stats(rt, loaded).counters
+                assert counters.get("cancelled_after_failed_step") == 1, outcomes
             for prompt in hit:
                 assert_step_failure(outcomes[prompt].terminal)
             cancelled = outcomes[LONG].terminal

@@ -90,11 +90,14 @@ class Endings:
         detach = keep and reason is not FinishReason.ADOPTED
         self._end(seq, ctx, detach, emission.finished(seq, reason, stop))
 
-    def finish_cancelled(self, seq: Sequence, ctx: Context) -> None:
-        """An aborted sequence whose job (if any) came back ends as cancelled."""
+    def finish_cancelled(self, seq: Sequence, ctx: Context, keep: bool = True) -> None:
+        """An aborted sequence whose job (if any) came back ends as cancelled; ``keep``: False
+        when that job failed, since a state that saw an error is never reused."""
         # An aborted prefill is not wasted: its cache is kept (unless the model is going away).
         self._counters.inc("cancelled")
-        self._end(seq, ctx, not self._unloading, emission.cancelled(seq))
+        if not keep:
+            self._counters.inc("cancelled_after_failed_step")  # the client asked; none is told
+        self._end(seq, ctx, keep and not self._unloading, emission.cancelled(seq))
 
     def fail(self, seq: Sequence, ctx: Context, error: MlxRuntimeError) -> None:
         self.fail_with(seq, ctx, error.code, error.message, error.retryable)

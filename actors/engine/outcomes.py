@@ -80,7 +80,9 @@ class StepOutcomes:
                 self._ends.settle(seq, seq.ending, ctx)
             return
         if seq.abort.is_set() or job.skipped:
-            self._ends.finish_cancelled(seq, ctx)
+            records = (job, *job.more)
+            failed = any(r.error is not None for r in records) or job.ahead_error is not None
+            self._ends.finish_cancelled(seq, ctx, keep=not failed)
             return
         if job.error is not None:
             self._ends.fail(seq, ctx, _step_failed(job.error))
@@ -152,7 +154,7 @@ class StepOutcomes:
         done = self._batches.done(job, ctx)
         for seq, leaving in done.returned:
             if leaving is None:  # aborted while it waited for this step
-                self._ends.finish_cancelled(seq, ctx)
+                self._ends.finish_cancelled(seq, ctx, keep=job.error is None)
             elif not leaving.resume:
                 self._ends.returned(seq, leaving.detach, ctx)
         if job.error is not None:

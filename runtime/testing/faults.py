@@ -90,7 +90,8 @@ class InjectedFault(RuntimeError):
 class Fault:
     """Inject ``kind`` at ``point`` (of ``model``, or any model): the calls there after the first
     ``after`` clean ones, ``times`` of them (0: every one from then on). ``seconds``: how long a
-    ``SLOW`` fault takes. Raises ``ValueError`` for a kind the point cannot do."""
+    ``SLOW`` fault takes, or how long a ``RAISE`` runs before it raises (a step failing
+    part-way). Raises ``ValueError`` for a kind the point cannot do."""
 
     point: FaultPoint
     kind: FaultKind = FaultKind.RAISE
@@ -238,8 +239,9 @@ class FaultPlan:
         fault = self.check(point, model)
         if fault is None:
             return
-        if fault.kind is FaultKind.SLOW:
+        if fault.kind in (FaultKind.SLOW, FaultKind.RAISE):
             clock.spend(fault.seconds)
+        if fault.kind is FaultKind.SLOW:
             return
         if fault.kind is FaultKind.LOSE and self.lose_process is not None:
             self.lose_process(model)
