@@ -7,7 +7,7 @@
 #   make test          lint, then pytest with the Hypothesis `ci` profile
 #   make test-nightly  pytest with the Hypothesis `nightly` profile
 #   make fuzz-nightly  the property tests alone with the `nightly` profile (the whole-runtime
-#                      fuzzer runs 10,000 examples: ~25 min; see property_tests/test_runtime_fuzz.py)
+#                      fuzzer runs 10,000 examples: minutes; see property_tests/test_runtime_fuzz.py)
 #   make bench         the full benchmark (python -m bench) into bench/results/latest.jsonl, then
 #                      its report: docs/performance.md, docs/perf/ (plots, the JSON kept) and
 #                      README's headline block
@@ -100,7 +100,7 @@ test-nightly: venv
 	$(WITH_BLAS) $(PYTEST) --hypothesis-profile=nightly --timeout=$(NIGHTLY_TIMEOUT) \
 		--ignore=property_tests/test_runtime_fuzz.py $(PYTEST_ARGS)
 
-# No per-test timeout: 10,000 fuzzer examples take hours.
+# No per-test timeout: a failure found late in 10,000 examples shrinks for a while.
 fuzz-nightly: venv
 	@echo "$(BLAS_NOTE)"
 	$(WITH_BLAS) $(PYTEST) property_tests --hypothesis-profile=nightly --hypothesis-show-statistics --timeout=0 $(PYTEST_ARGS)
