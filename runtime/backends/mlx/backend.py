@@ -53,8 +53,9 @@ from runtime.backends.mlx.upstream import patch_model
 from runtime.backends.mlx.verify import draft_pass, rewind_pass, verify_pass
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
+from runtime.backends.vision.bidirectional import check_passes
 from runtime.backends.vision.load import VisionMedia
-from runtime.backends.vision.media import inside_span, refuse_media
+from runtime.backends.vision.media import refuse_media
 from runtime.blas import warn_if_slow
 from runtime.errors import ModelLoadFailed
 from runtime.messages import ChatMessage, ModelSpec
@@ -291,7 +292,7 @@ class MlxBackend:
         if logits and len(ids) >= _LAST_TOKEN_APART:
             cuts.add(end - 1)
         stops = [*sorted(c for c in cuts if start < c < end), end]
-        self._check_spans(ids, [s - start for s in stops])
+        check_passes(self._model, ids, [s - start for s in stops])
         if stop is None or not can_interrupt(own.caches, stops[0] - start):
             return self._passes(own, ids, stops, logits, snapshot_at)
         before = own.logits
@@ -348,25 +349,10 @@ class MlxBackend:
                     f"(at most {reach})"
                 )
             check_points(at, start, end)
-        for own, ids, at in zip(owns, token_ids, points, strict=True):  # its passes' ends
-            self._check_spans(list(ids), [*(p - own.n_tokens for p in at), len(ids) - 1, len(ids)])
+            check_passes(self._model, ids, [*(p - start for p in at), len(ids) - 1])  # passes' ends
         return prefill_together(
             self._model, owns, token_ids, points, self.reach_back, self.whole_snapshots
         )
-
-    def _check_spans(self, ids: list[int], ends: Sequence[int]) -> None:
-        """Raises ``ValueError`` when a pass over ``ids`` would end (at each of ``ends``) inside
-        a run of soft tokens of a model attending both ways there (vision/bidirectional.py): the
-        engine never plans one, so this is a bug caught before it computes wrong keys. (Where
-        the call's ids end, the backend cannot see what follows: the engine's ``past_span``.)"""
-        if not getattr(self._model, "bidirectional_spans", False):
-            return
-        for at in ends:
-            if inside_span(ids, at):
-                raise ValueError(
-                    f"a prefill pass would end inside an image's soft tokens (at {at} of "
-                    f"{len(ids)}), which this model attends to both ways: keep the run whole"
-                )
 
     def logits(self, state: SequenceState) -> mx.array:
         own = own_state(state)

@@ -20,12 +20,13 @@ the rest attends to them as past tokens and to each other through the overlay.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Final
 
 import mlx.core as mx
 import numpy as np
 
-from runtime.backends.vision.media import MEDIA_BASE
+from runtime.backends.vision.media import MEDIA_BASE, inside_span
 
 # The mlx-vlm model types whose reference implementation attends bidirectionally inside image
 # spans; every other family served (Idefics3 / SmolVLM) is causal there, as its reference is.
@@ -89,3 +90,18 @@ def forward(language: Any, embeds: mx.array, cache: list[Any], blocks: mx.array)
         h = layer(h, full if i % pattern == pattern - 1 else sliding, layer_cache)
     logits: mx.array = language.lm_head(model.norm(h))
     return logits
+
+
+def check_passes(model: Any, ids: Sequence[int], ends: Sequence[int]) -> None:
+    """Raises ``ValueError`` when a pass over ``ids`` would end (at each of ``ends``) inside a
+    run of soft tokens of a ``model`` attending both ways there: the engine never plans one, so
+    this is a bug caught before it computes wrong keys. (Where the call's ids end, the backend
+    cannot see what follows: the engine's ``media.past_span`` keeps that end outside a run.)"""
+    if not getattr(model, "bidirectional_spans", False):
+        return
+    for at in ends:
+        if inside_span(ids, at):
+            raise ValueError(
+                f"a prefill pass would end inside an image's soft tokens (at {at} of "
+                f"{len(ids)}), which this model attends to both ways: keep the run whole"
+            )
