@@ -9,8 +9,10 @@ images and images sent to a text-only model are typed errors. docs/models.md (vi
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import AsyncIterator
 
+import mlx.core as mx
 import numpy as np
 import pytest
 
@@ -330,3 +332,50 @@ def test_the_media_store_keeps_to_its_byte_capacity() -> None:
             small.features(first.key)
     finally:
         backend.close()
+
+
+class TripsAt(threading.Event):
+    """A stop flag that reads set from its ``at``-th check on, counting the checks."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+        self.checks = 0
+
+    def is_set(self) -> bool:
+        self.checks += 1
+        return self.checks >= self.at
+
+
+@pytest.mark.parametrize("kind", ["gemma3", "idefics3"])
+def test_an_abort_stops_an_images_tower_between_its_encoder_layers(kind: TinyVlmKind) -> None:
+    from runtime.backends.contract import PrefillInterrupted
+    from runtime.backends.vision.tower import encoders
+
+    backend = MlxBackend.load(spec(kind))
+    reference = MlxBackend.load(spec(kind))
+    try:
+        original = (ask("Look.", image_bytes(11)),)
+        messages = backend.prepare_media(original)
+        prepared = prepare_chat(backend.chat_tokenizer, messages, ChatOptions(), 8, 2048)
+        store = backend._media.store  # type: ignore[union-attr]
+        (key,) = {split_media(t)[0] for t in prepared.tokens if is_media(t)}
+        (encoder,) = encoders(store._model)
+        layers = list(encoder["layers"])
+        assert len(layers) == 2  # the tiny tower: a check before each layer
+        # Check 1 is encode's, before the image; 2 and 3 the layers'. Set at the second layer:
+        stop = TripsAt(3)
+        with pytest.raises(PrefillInterrupted, match="inside an image's encoding"):
+            store.encode(prepared.tokens, stop)
+        assert stop.checks == 3  # the first layer ran, the second never started
+        assert store._items[key].features is None and store._items[key].inputs  # pixels kept
+        assert encoder["layers"] == layers  # the model's own layers are back
+        # Never set: the same features as an encoding with no stop flag at all.
+        store.encode(prepared.tokens, threading.Event())
+        other = reference._media.store  # type: ignore[union-attr]
+        reference.prepare_media(original)
+        other.encode(prepared.tokens, None)
+        assert mx.array_equal(store.features(key), other.features(key))
+    finally:
+        backend.close()
+        reference.close()

@@ -29,6 +29,9 @@ model's ``checkpoint_every_tokens``. A prefill takes at most ``MAX_POINTS`` snap
 go, and the periodic spacing doubles until its points fit (they stay multiples of the denser
 spacing), the room left taking the denser spacing's other points nearest the end.
 
+No point falls inside a run of an image's soft tokens (``media.inside_span``): a checkpoint cuts a
+prefill pass there, and a family attending both ways inside an image needs the run in one pass.
+
 The end of a generation and the point where an aborted prefill stopped are snapshotted by the
 engine itself, as the sequence's own final state.
 """
@@ -39,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from runtime.backends.contract import ModelInfo, ReuseStrategy
+from runtime.backends.vision.media import inside_span
 
 WORD_SCAN_TOKENS = 32  # how far back to look for the last word boundary
 BRANCH_REACH = 512  # line starts are looked for this far back, and a point sits this far back
@@ -122,7 +126,9 @@ def plan_checkpoints(
     kept = set(list(dict.fromkeys(p for p in preferred if start < p < target))[: rule.most])
     if rule.spacing > 0:
         kept |= _periodic(start, target, rule.spacing, kept, rule.most - len(kept))
-    return sorted(kept)
+    # Never inside an image's soft tokens: the pass cut there would split the run, which a family
+    # attending both ways inside it must see whole (runtime/backends/vision/bidirectional.py).
+    return sorted(p for p in kept if not inside_span(tokens, p))
 
 
 def _periodic(start: int, target: int, spacing: int, kept: set[int], room: int) -> set[int]:

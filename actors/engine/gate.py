@@ -19,6 +19,7 @@ from actors.engine.sequence import Phase, Sequence
 from actors.engine.supersede import identical_leader
 from actors.replicas import replica_base
 from runtime.backends.contract import ModelInfo
+from runtime.backends.vision.media import longest_run
 from runtime.kernel.core import KV_KEEPER, Context
 from runtime.kernel.stats import Counters
 from runtime.messages import Lookup, RequestKind, Reserve
@@ -98,7 +99,10 @@ class Gate:
         seq.move(Phase.RESERVING)
         if not self._info.verifies:  # a backend with no verification pass cannot speculate
             seq.drafts = 0
-        kv = self._info.kv_bytes(tokens_to_reserve(seq), self._limits.chunk_tokens)
+        # A chunk ends after an image's run of soft tokens rather than inside it (jobs.py), so it
+        # may hold one run more than the chunk size: a sliding ring holds that chunk.
+        chunk = self._limits.chunk_tokens + longest_run(seq.tokens or ())
+        kv = self._info.kv_bytes(tokens_to_reserve(seq), chunk)
         if seq.drafts:
             # Drafts stay within max_tokens; a verification pass keeps the untrimmable layers
             # as they were before it (a window per sliding layer, the recurrent state) meanwhile.

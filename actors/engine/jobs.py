@@ -29,6 +29,7 @@ from runtime.backends.contract import (
     Snapshot,
 )
 from runtime.backends.options import ModelOptions
+from runtime.backends.vision.media import past_span
 from runtime.messages import ModelSpec, RequestKind, TokenLogprob
 from runtime.text.chat import PreparedPrompt, prepare_chat
 
@@ -304,7 +305,9 @@ def _prefill_chunk(job: StepJob, seq: Sequence, backend: Backend) -> None:
     assert seq.state is not None
     assert seq.tokens is not None
     start = seq.state.length
-    end = min(start + job.chunk_tokens, seq.prefill_target)
+    # A chunk never ends inside an image's soft tokens: a family that attends both ways there
+    # needs the run in one pass (runtime/backends/vision/bidirectional.py).
+    end = min(past_span(seq.tokens, start + job.chunk_tokens), seq.prefill_target)
     points = [p for p in seq.checkpoints if p <= end]
     # Logits only once the whole prompt is in: a generate samples from them next.
     logits = end == len(seq.tokens) and seq.kind is RequestKind.GENERATE

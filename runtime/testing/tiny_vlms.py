@@ -32,7 +32,7 @@ from runtime.testing.tiny_tokenizer import (
 
 TinyVlmKind = Literal["gemma3", "idefics3", "smolvlm"]
 TINY_VLM_KINDS: Final[tuple[TinyVlmKind, ...]] = ("gemma3", "idefics3", "smolvlm")
-VLM_FACTORY_VERSION: Final = 2
+VLM_FACTORY_VERSION: Final = 3  # 3: two vision encoder layers (a stop check between)
 IMAGE_SIZE: Final = 32  # pixels a side the processors resize to: 4 x 4 patches of 8
 # Each family's added tokens, after the tiny BPE's 512 ids, in this order.
 _IMAGE_TOKENS: Final[dict[str, tuple[str, ...]]] = {
@@ -86,7 +86,7 @@ def tiny_vlm_config(kind: TinyVlmKind, vocab: int, token_ids: dict[str, int]) ->
     """The config.json of ``kind`` for a tokenizer of ``vocab`` ids (``token_ids``: the added
     image tokens' ids)."""
     vision = {
-        "num_hidden_layers": 1,
+        "num_hidden_layers": 2,  # the tower's stop check between layers is tested
         "hidden_size": 32,
         "intermediate_size": 64,
         "num_attention_heads": 2,

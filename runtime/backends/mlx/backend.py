@@ -53,6 +53,7 @@ from runtime.backends.mlx.upstream import patch_model
 from runtime.backends.mlx.verify import draft_pass, rewind_pass, verify_pass
 from runtime.backends.model_source import prepare_model
 from runtime.backends.options import MlxOptions, options_as
+from runtime.backends.vision.bidirectional import check_passes
 from runtime.backends.vision.load import VisionMedia
 from runtime.backends.vision.media import refuse_media
 from runtime.blas import warn_if_slow
@@ -291,6 +292,7 @@ class MlxBackend:
         if logits and len(ids) >= _LAST_TOKEN_APART:
             cuts.add(end - 1)
         stops = [*sorted(c for c in cuts if start < c < end), end]
+        check_passes(self._model, ids, [s - start for s in stops])
         if stop is None or not can_interrupt(own.caches, stops[0] - start):
             return self._passes(own, ids, stops, logits, snapshot_at)
         before = own.logits
@@ -347,6 +349,7 @@ class MlxBackend:
                     f"(at most {reach})"
                 )
             check_points(at, start, end)
+            check_passes(self._model, ids, [*(p - start for p in at), len(ids) - 1])  # passes' ends
         return prefill_together(
             self._model, owns, token_ids, points, self.reach_back, self.whole_snapshots
         )

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from runtime.backends.options import MlxOptions
+from runtime.backends.vision.bidirectional import DECLARED
 from runtime.backends.vision.media import MediaLimits
 from runtime.backends.vision.model import VisionTextModel
 from runtime.backends.vision.prompt import VisionChatTokenizer, prepare
@@ -113,4 +114,11 @@ def load_vision(path: Path, options: MlxOptions) -> tuple[Any, Any, dict[str, An
     )
     media = VisionMedia(store, VisionChatTokenizer(tokenizer, store), limits)
     log.info("%s: a %s vision-language model (mlx-vlm)", path, config.get("model_type"))
-    return VisionTextModel(vlm, store), tokenizer, config, media
+    try:
+        model = VisionTextModel(vlm, store, config.get("model_type") in DECLARED)
+    except TypeError as exc:  # an mlx-vlm whose Gemma 3 is shaped otherwise
+        raise ModelLoadFailed(
+            f"{path}: cannot keep its image spans bidirectional with this mlx-vlm ({exc}); "
+            "install the mlx-vlm version the [vision] extra pins"
+        ) from exc
+    return model, tokenizer, config, media

@@ -119,6 +119,32 @@ def split_media(token: int) -> tuple[int, int]:
     return (token >> _OFFSET_BITS) & _KEY_MASK, token & (MAX_SPAN - 1)
 
 
+def inside_span(tokens: Sequence[int], point: int) -> bool:
+    """Whether a pass boundary at ``point`` (tokens before it in one pass, from it in the next)
+    would split a run of media tokens: a family whose image spans attend bidirectionally must see
+    each run in one pass (``bidirectional.py``), so chunks and checkpoints never end there."""
+    return 0 < point < len(tokens) and is_media(tokens[point - 1]) and is_media(tokens[point])
+
+
+def past_span(tokens: Sequence[int], point: int) -> int:
+    """``point``, or the end of the run of media tokens it would split."""
+    while inside_span(tokens, point):
+        point += 1
+    return point
+
+
+def longest_run(tokens: Sequence[int]) -> int:
+    """The most media tokens in a row in ``tokens``: what a prefill chunk may hold past its size,
+    being ended after a run rather than inside it (``past_span``)."""
+    if not tokens or max(tokens) < MEDIA_BASE:  # text only: one pass in C, not a Python loop
+        return 0
+    longest = run = 0
+    for token in tokens:
+        run = run + 1 if is_media(token) else 0
+        longest = max(longest, run)
+    return longest
+
+
 def refuse_media(messages: Sequence[ChatMessage] | None, why: str) -> None:
     """Raises ``MediaUnsupported`` naming the first image or video of ``messages`` (a text-only
     model's backend calls it; ``why`` says what the model is)."""

@@ -6,7 +6,9 @@ as it would alone, so a text request to a VLM keeps reuse, batching, samplers an
 pass whose ids hold media ids (``media.py``: they need 64 bits, so the array is int64) embeds its
 text ids, puts each image's features (``MediaStore.features``) at its soft tokens, and runs the
 language model on those embeddings, as mlx-vlm's own ``get_input_embeddings`` would lay them out.
-Attention stays causal inside an image span, as mlx-vlm's generation runs it (docs/models.md).
+A family whose reference attends bidirectionally inside image spans (Gemma 3) runs such a pass
+through ``bidirectional.forward``, with the overlay on its causal masks; the others stay causal
+inside a span, as their references are (docs/models.md).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
+from runtime.backends.vision import bidirectional
 from runtime.backends.vision.media import MEDIA_BASE, split_media
 from runtime.backends.vision.store import MediaStore
 from runtime.errors import UnsupportedCache
@@ -25,9 +28,13 @@ class VisionTextModel:
     """The language model of ``vlm`` fed token ids and media ids (see the module docstring);
     ``parameters``, ``update`` and ``modules`` are the whole VLM's, as an mlx-lm model's are."""
 
-    def __init__(self, vlm: Any, store: MediaStore) -> None:
+    def __init__(self, vlm: Any, store: MediaStore, bidirectional_spans: bool = False) -> None:
         self.vlm = vlm
         self._store = store
+        # Whether a pass's runs of soft tokens attend to each other both ways (bidirectional.py).
+        self.bidirectional_spans = bidirectional_spans
+        if bidirectional_spans:
+            bidirectional.check_language_model(vlm.language_model)
 
     def parameters(self) -> Any:
         return self.vlm.parameters()
@@ -70,12 +77,16 @@ class VisionTextModel:
         media = inputs >= MEDIA_BASE
         ids = mx.where(media, 0, inputs).astype(mx.int32)
         embeds = self.vlm.get_input_embeddings(ids, None).inputs_embeds
-        positions, rows = self._media_rows(cast("list[list[int]]", inputs.tolist()))
+        listed = cast("list[list[int]]", inputs.tolist())
+        positions, rows = self._media_rows(listed)
         if positions:
             batch, length, hidden = embeds.shape
             flat = embeds.reshape(batch * length, hidden)
             flat[mx.array(positions)] = rows.astype(flat.dtype)
             embeds = flat.reshape(batch, length, hidden)
+        if self.bidirectional_spans and positions and inputs.shape[1] > 1:
+            blocks = bidirectional.block_ids(listed)
+            return bidirectional.forward(language, embeds, cache, blocks)
         out: mx.array = language(ids, inputs_embeds=embeds, cache=cache).logits
         return out
 

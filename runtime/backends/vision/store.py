@@ -5,8 +5,9 @@ for the image (Gemma 3: ``<start_of_image>``, 256 soft tokens, ``<end_of_image>`
 ``<fake_token_around_image>`` row per tile and a global view), so the prompt holds the exact number
 of soft tokens the model will read and the KV reservation prices them before admission. The
 vision tower runs later, in the prefill job whose chunk reaches the span, image by image ahead of
-its passes (``encode``): an abort stops it before the next image, and the passes after it at
-their next layer (runtime/backends/mlx/interrupt.py). Items are kept in LRU order, at most
+its passes (``encode``): an abort stops it at the next encoder layer of the image being encoded
+(``tower.py``) or before the next image, and the passes after it at their next layer
+(runtime/backends/mlx/interrupt.py). Items are kept in LRU order, at most
 ``capacity`` of them and ``capacity_bytes`` of pixels and features (memory the KV budget does
 not count); one evicted before its prefill fails that request ``MediaEvicted`` (retryable),
 never another image's features.
@@ -25,6 +26,7 @@ import numpy as np
 
 from runtime.backends.contract import PrefillInterrupted
 from runtime.backends.vision.media import DecodedImage, is_media, media_ids, split_media
+from runtime.backends.vision.tower import layer_checks
 from runtime.backends.vision.video import VideoSampling, sampling_of
 from runtime.errors import InvalidMedia, MediaEvicted
 
@@ -121,17 +123,19 @@ class MediaStore:
         """The prompt span of the registered image ``key``."""
         return self._item(key).span
 
-    def features(self, key: int) -> mx.array:
+    def features(self, key: int, stop: threading.Event | None = None) -> mx.array:
         """``(soft_tokens, hidden)``: what the model puts in its input embeddings at the image's
-        soft tokens, computed by the model's own ``get_input_embeddings`` at first use."""
+        soft tokens, computed by the model's own ``get_input_embeddings`` at first use; with
+        ``stop``, checked before each encoder layer of the tower (``PrefillInterrupted``)."""
         item = self._item(key)
         if item.features is None:
             ids = mx.array([item.raw_ids])
             inputs = dict(item.inputs)
             pixels = inputs.pop("pixel_values")
-            embedded = self._model.get_input_embeddings(
-                ids, pixels, mask=mx.ones(ids.shape), **inputs
-            ).inputs_embeds[0]
+            with layer_checks(self._model, stop):
+                embedded = self._model.get_input_embeddings(
+                    ids, pixels, mask=mx.ones(ids.shape), **inputs
+                ).inputs_embeds[0]
             where = mx.array(np.flatnonzero(np.array(item.raw_ids) == self.image_token))
             item.features = embedded[where]
             mx.eval(item.features)
@@ -141,12 +145,13 @@ class MediaStore:
     def encode(self, token_ids: Sequence[int], stop: threading.Event | None) -> None:
         """Run the vision tower for each image ``token_ids`` reach whose features are not
         computed yet, one image at a time, ahead of the prefill pass that reads them: an abort
-        set meanwhile stops before the next image (``PrefillInterrupted``; nothing changed)."""
+        set meanwhile stops before the next image or the image's next encoder layer
+        (``PrefillInterrupted``; the image keeps its pixels, its features are not kept)."""
         keys = dict.fromkeys(split_media(t)[0] for t in token_ids if is_media(t))
         for key in keys:
             if stop is not None and stop.is_set():
                 raise PrefillInterrupted("the sequence was aborted before an image's encoding")
-            self.features(key)
+            self.features(key, stop)
 
     def _item(self, key: int) -> MediaItem:
         item = self._items.get(key)

@@ -1,0 +1,75 @@
+"""The vision tower as an abortable job: a stop check before each of its encoder layers.
+
+MLX evaluates a forward pass as one graph, so an abort used to wait for a whole image's tower
+(dozens of layers over a few thousand patches on a real model). While an image is encoded with a
+stop flag, each encoder of the VLM's vision model (every module holding a ``layers`` list of
+modules: SigLIP's ``Encoder`` in Gemma 3, Idefics3's and SmolVLM's) runs its layers through a
+``Checked`` stand-in, which evaluates the layer's input (so every layer before it has run) and
+raises ``PrefillInterrupted`` once the flag is set. The lists are put back when the image is done
+or stopped. mlx-vlm's own ``get_input_embeddings`` still does the rest (embeddings, projector,
+pixel shuffle): no family's tower is rewritten here, and a run with the flag never set computes
+the same graph, evaluated in more pieces (tests/test_vision.py).
+
+It swaps the lists in the model's module tree for the call's length, which is safe because only
+the engine's compute thread runs the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+
+from runtime.backends.contract import PrefillInterrupted
+
+Module: Any = nn.Module  # type: ignore[attr-defined]  # mlx's type stubs leave it out
+# Where mlx-vlm keeps a VLM's vision model (Gemma 3: vision_tower; Idefics3, SmolVLM: vision_model).
+_TOWERS = ("vision_tower", "vision_model")
+
+
+class Checked:
+    """One encoder layer, run only while ``stop`` is clear (checked after its input is computed)."""
+
+    def __init__(self, layer: Any, stop: threading.Event) -> None:
+        self.layer = layer
+        self._stop = stop
+
+    def __call__(self, x: Any, *args: Any, **kwargs: Any) -> Any:
+        mx.eval(x)
+        if self._stop.is_set():
+            raise PrefillInterrupted("the sequence was aborted inside an image's encoding")
+        return self.layer(x, *args, **kwargs)
+
+
+def encoders(vlm: Any) -> list[Any]:
+    """The modules of ``vlm``'s vision model that hold a list of layers."""
+    found: list[Any] = []
+    for name in _TOWERS:
+        tower = getattr(vlm, name, None)
+        if not isinstance(tower, Module):
+            continue
+        for _, module in tower.named_modules():
+            layers = module.get("layers")
+            if isinstance(layers, list) and layers and all(isinstance(x, Module) for x in layers):
+                found.append(module)
+    return found
+
+
+@contextlib.contextmanager
+def layer_checks(vlm: Any, stop: threading.Event | None) -> Iterator[None]:
+    """Within the block, ``vlm``'s encoder layers check ``stop`` first (none when it is None)."""
+    if stop is None:
+        yield
+        return
+    swapped = [(module, module["layers"]) for module in encoders(vlm)]
+    for module, layers in swapped:
+        module["layers"] = [Checked(layer, stop) for layer in layers]
+    try:
+        yield
+    finally:
+        for module, layers in swapped:
+            module["layers"] = layers
