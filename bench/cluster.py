@@ -23,11 +23,11 @@ costs, and where requests land across replicas.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 import statistics
 import time
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import anyio
 import msgspec
@@ -54,7 +54,7 @@ LINES = (
 )
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ClusterSizes:
     tokens: int = 64
     repetitions: int = 3
@@ -103,6 +103,11 @@ async def _measure(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Mea
 async def _overhead_alone(sizes: ClusterSizes) -> list[Measurement]:
     async with _local_ray():
         return await _overhead(sizes)
+
+
+async def _transport_alone(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
+    async with _local_ray():
+        return await _transport(spec, model, sizes)
 
 
 async def _routing_alone(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
@@ -316,15 +321,23 @@ def plot(rows: Sequence[Measurement], path: str) -> None:
 
 
 def main() -> None:
-    """``python -m bench.cluster [--quick] [--overhead | --routing] [--plot PATH]``: the rows for
-    SmolLM2 (or the transport's, or the routing's, alone), as JSON lines."""
+    """``python -m bench.cluster [--quick] [--overhead | --ttft | --routing] [--repetitions N]
+    [--plot PATH]``: the rows for SmolLM2 (or the simulated transport's, SmolLM2's TTFT and
+    decode in-process against Ray, or the routing's, alone), as JSON lines."""
     import sys
 
     from runtime.backends.model_source import prepare_model
 
     sizes = CLUSTER_QUICK if "--quick" in sys.argv else ClusterSizes()
+    if "--repetitions" in sys.argv:
+        repetitions = int(sys.argv[sys.argv.index("--repetitions") + 1])
+        sizes = dataclasses.replace(sizes, repetitions=repetitions)
     if "--overhead" in sys.argv:  # the transport rows alone (no model to load, ~a minute)
         rows = anyio.run(_overhead_alone, sizes)
+    elif "--ttft" in sys.argv:  # SmolLM2 in-process and on Ray, alternating, alone
+        spec = ModelSpec(name="smollm2", path="smollm2-135m-instruct")
+        prepare_model(spec)
+        rows = anyio.run(_transport_alone, spec, "smollm2", sizes)
     elif "--routing" in sys.argv:  # the routing rows alone
         spec = ModelSpec(name="smollm2", path="smollm2-135m-instruct")
         prepare_model(spec)

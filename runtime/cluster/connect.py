@@ -26,6 +26,10 @@ from runtime.messages import ModelSpec
 
 log = logging.getLogger("mlx_actor_runtime.cluster")
 
+# Ray nices its workers by 15 by default, so an engine would compute at a lower priority than the
+# host it serves: under load its prefills lose the CPU (docs/cluster.md, "Figures"). Not here.
+LOCAL_SYSTEM_CONFIG = {"worker_niceness": 0}
+
 _KEEPER: _RayKeeper | None = None  # the Ray this process started, shared by its Runtimes
 
 
@@ -84,7 +88,8 @@ class _RayKeeper:
         try:
             if self._address in (None, "local"):
                 ray.init(num_cpus=self._num_cpus, include_dashboard=False,
-                         _node_ip_address="127.0.0.1", log_to_driver=False)  # fmt: skip
+                         _node_ip_address="127.0.0.1", log_to_driver=False,
+                         _system_config=LOCAL_SYSTEM_CONFIG)  # fmt: skip
             else:
                 ray.init(address=self._address, log_to_driver=False)
         except BaseException as error:  # handed to the connecting thread

@@ -50,9 +50,10 @@ class EngineProcess:
         self._mail: asyncio.Queue[tuple[Message, Address]] = asyncio.Queue()
         self._mail_out = asyncio.Event()
 
-    async def start(self) -> tuple[int, str, str]:
+    async def start(self) -> tuple[int, str, str, int]:
         """Build the core and start its mailbox loop; returns this process's id, its Ray node's
-        id and that node's IP address."""
+        id, that node's IP address and the niceness its threads (the compute thread's too) run
+        at."""
         import ray
 
         self._loop = asyncio.get_running_loop()
@@ -60,7 +61,7 @@ class EngineProcess:
         node_ip: str = ray.util.get_node_ip_address()  # type: ignore[no-untyped-call]
         self._core = self._build(node, node_ip)
         self._task = self._loop.create_task(self._run(self._core))
-        return os.getpid(), node, node_ip
+        return os.getpid(), node, node_ip, os.nice(0)
 
     async def deliver(self, number: int, items: list[Wired]) -> None:
         """Batch ``number`` of mail from the host: (sender, wire bytes) pairs, in order."""

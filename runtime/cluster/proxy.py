@@ -15,6 +15,7 @@ Stopping the proxy kills the process, so a stuck compute thread dies with it.
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,7 +54,7 @@ class _Poll:
     start_timeout_s: float = 0.0
     items: list[Wired] = field(default_factory=list)
     stats: bytes | None = None
-    started: tuple[int, str, str] | None = None  # its pid, Ray node and IP, on the first poll
+    started: tuple[int, str, str, int] | None = None  # its pid, node, IP, niceness: 1st poll
     unplaced: bool = False
     lost: str | None = None  # why the process is gone
 
@@ -114,6 +115,7 @@ class RemoteEngine:
         self._stats: Stats | None = None
         self.pid = 0
         self.node = ""
+        self.niceness = 0
         self.counters = Counters()
 
     def on_start(self, ctx: Context) -> None:
@@ -153,7 +155,8 @@ class RemoteEngine:
         if self._lost is not None:
             return self._lost.statistics()
         known = self._stats
-        gauges = {"process_id": self.pid, **({} if known is None else known.gauges)}
+        gauges = {"process_id": self.pid, "process_niceness": self.niceness,
+                  **({} if known is None else known.gauges)}  # fmt: skip
         counters = {**self.counters.snapshot(), **({} if known is None else known.counters)}
         limits = {} if known is None else known.limits
         return Stats(actor=self._address, counters=counters, gauges=gauges, limits=limits)
@@ -174,9 +177,12 @@ class RemoteEngine:
         if job_id != self._polls or self._lost is not None or self._handle is None:
             return
         if poll.started is not None:
-            self.pid, self.node, node_ip = poll.started
+            self.pid, self.node, node_ip, self.niceness = poll.started
             log.info("engine %s runs in process %d on Ray node %s", self._address, self.pid,
                      self.node[:12])  # fmt: skip
+            note = niceness_note(self.niceness, os.nice(0))
+            if note is not None:
+                log.warning("engine %s: %s", self._address, note)
             # Before any of the engine's mail: its reservations are booked on its node's budget.
             placed = EnginePlaced(model=self.model, epoch=self.epoch, node=self.node,
                                   node_ip=node_ip)  # fmt: skip
@@ -222,6 +228,19 @@ class RemoteEngine:
             "not had that free; free some (unload a model, add a node) or ask for less "
             "(ClusterConfig.engine_num_cpus, engine_num_gpus, engine_resources)"
         )
+
+
+def niceness_note(engine: int, host: int) -> str | None:
+    """What to say when an engine process computes at a lower CPU priority than the host (None:
+    it does not). Ray nices its workers by ``worker_niceness`` (15 unless set): under load its
+    prefills then lose the CPU to any other work (docs/cluster.md, "Figures")."""
+    if engine <= host:
+        return None
+    return (
+        f"its process runs at niceness {engine}, the host at {host}: its compute loses the CPU to "
+        "other work on the node; start the Ray nodes with RAY_worker_niceness=0 in their "
+        "environment (`RAY_worker_niceness=0 ray start ...`); a Ray this runtime starts does so"
+    )
 
 
 def _amounts(needs: dict[str, float]) -> str:
