@@ -1,14 +1,13 @@
 """The router's model table: each model's load, its epoch and state, and who waits on it.
 
-A model is ``LOADING``, ``READY``, ``UNLOADING``, ``RESTARTING`` (its engine gave up and a new
-one reloads the model) or ``FAILED`` (past the restart intensity, or not reloadable). Every load
-and restart gets a new epoch and so a new engine address, so mail for an old load never reaches a
-new one. Load, unload and shutdown askers are answered here; the router keeps the requests.
-Keep-alive unloads an idle model through the same fenced drain as any unload and keeps its spec
-as *idle*; with auto-load a request for it loads it again.
+A model is ``LOADING``, ``READY``, ``UNLOADING``, ``RESTARTING`` (its engine gave up and a new one
+reloads the model) or ``FAILED`` (past the restart intensity, or not reloadable). Every load and
+restart gets a new epoch and so a new engine address, so mail for an old load never reaches a new
+one. Load, unload and shutdown askers are answered here; the router keeps the requests. Keep-alive
+unloads an idle model through the same fenced drain as any unload and keeps its spec as *idle*; with
+auto-load a request for it loads it again.
 
-The states, teardown fencing and keep-alive: docs/protocols.md, "Teardown fencing (unload / drain)"
-and "Model keep-alive and auto-load".
+See docs/protocols.md, "Teardown fencing (unload / drain)" and "Model keep-alive and auto-load".
 """
 
 from __future__ import annotations

@@ -3,16 +3,11 @@
 The next token is a pure function of the token prefix (a rolling hash), so any two paths to the same
 prefix (cold prefill, trimmed reuse, checkpoint, adopted warmup) must produce the same tokens: that
 is the oracle for prefix reuse. Compute "costs" time through a ``ComputeClock``: real sleeps on the
-production thread executor, virtual seconds in the simulator. Faults are data, so they can travel in
-a ``ModelSpec`` and be replayed.
+thread executor, virtual seconds in the simulator. Faults are data in a ``ModelSpec``. Hosts load
+``ModelSpec(backend="simulated", options=...)`` with ``SimulatedModelOptions``. Loading imports no
+MLX, but its logits are MLX arrays so that the one sampler treats them as a real model's.
 
-Public: hosts load ``ModelSpec(name=..., backend="simulated", options={...})`` in their tests;
-the options are ``SimulatedModelOptions`` (defined with the other kinds' in
-``runtime.backends.options``, importable from here too).
-
-Loading a simulated model imports no MLX. Its logits are MLX arrays, though, so that the engine's
-one sampler (``runtime.text.sampling``, MLX code) treats them as a real model's: the first
-logits import ``mlx.core``, and the first sampled token imports mlx-lm.
+See docs/design.md, "Testing tools".
 """
 
 from __future__ import annotations
