@@ -1,12 +1,11 @@
 """Per-sequence token sampling: logits processors, truncation filters, and log-probabilities.
 
-A ``TokenSampler`` is built once per sequence from its ``Sampling`` and then asked, once per step,
-for the next token given the last position's logits and the sequence's token history. Keeping the
-whole pipeline in one object per sequence makes a seeded request repeat exactly (one ``rng``
-keys every draw) and lets the batch and speculative paths share it. The order follows llama.cpp
-and mlx-lm: processors (bias, penalties, DRY), the constraint's mask, then argmax at temperature 0
-or the truncation filters and temperature on the survivors. Log-probabilities are taken before the
-filters. ``draw`` builds the pick lazily (a ``Draw``) so the next model step can be queued first.
+A ``TokenSampler`` is built once per sequence from its ``Sampling`` and asked, once per step, for
+the next token given the last logits and the token history. One object per sequence makes a seeded
+request repeat exactly (one ``rng``) and serves every path. The order follows llama.cpp and mlx-lm:
+processors (bias, penalties, DRY), the constraint's mask, then argmax at temperature 0 or the
+truncation filters and temperature. Log-probabilities are taken before the filters. ``draw`` builds
+the pick lazily (a ``Draw``) so the next model step can be queued first.
 
 The order, each filter's definition and the logprobs rule: docs/sampling.md.
 """
