@@ -68,3 +68,37 @@ def test_the_docstring_count_counts_lines(doc: str, tmp_path: pathlib.Path) -> N
     module = tmp_path / "m.py"
     module.write_text(f'"""{doc}"""\n')
     assert _docstring_lines(module) == len(doc.splitlines())
+
+
+# Over the line, each held at its length when the rule came in so it cannot grow. The first two
+# were other branches' work then; the rest are still to be split along a seam.
+MODULE_CAPS: dict[str, int] = {
+    "runtime/backends/llamacpp/backend.py": 497,
+    "runtime/backends/mlx/backend.py": 446,
+    "runtime/backends/simulated.py": 492,
+    "actors/model_lifecycle.py": 482,
+    "runtime/server/app.py": 469,
+    "runtime/server/schema.py": 461,
+    "runtime/text/sampling.py": 453,
+}
+
+
+def test_modules_are_420_lines_at_most() -> None:
+    too_long = {
+        _name(p): n
+        for p in _modules()
+        if (n := len(p.read_text().splitlines())) > MODULE_CAPS.get(_name(p), MAX_MODULE_LINES)
+    }
+    assert not too_long, (
+        f"modules over {MAX_MODULE_LINES} lines (split along a seam, one job each): {too_long}"
+    )
+
+
+def test_module_caps_name_real_files_still_over_the_line() -> None:
+    stale = [
+        name
+        for name in MODULE_CAPS
+        if not (ROOT / name).is_file()
+        or len((ROOT / name).read_text().splitlines()) <= MAX_MODULE_LINES
+    ]
+    assert not stale, f"caps no longer needed (drop them, so the rule holds): {stale}"
