@@ -79,7 +79,6 @@ MODULE_CAPS: dict[str, int] = {
     "actors/model_lifecycle.py": 482,
     "runtime/server/app.py": 469,
     "runtime/server/schema.py": 461,
-    "runtime/text/sampling.py": 453,
 }
 
 
