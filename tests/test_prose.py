@@ -77,7 +77,6 @@ MODULE_CAPS: dict[str, int] = {
     "runtime/backends/mlx/backend.py": 446,
     "runtime/backends/simulated.py": 492,
     "actors/model_lifecycle.py": 482,
-    "runtime/server/schema.py": 461,
 }
 
 

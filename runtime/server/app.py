@@ -30,6 +30,7 @@ from runtime.errors import MlxRuntimeError, ModelNotLoaded, RuntimeClosed
 from runtime.host.api import Runtime
 from runtime.messages import Cancelled, Failed, Finished, FinishReason
 from runtime.progress import Progress, no_progress
+from runtime.server import replies
 from runtime.server import schema as wire
 from runtime.server.auth import scoped
 from runtime.server.bodies import (
@@ -167,7 +168,7 @@ class OpenAIServer:
     # ------------------------------------------------------------------ routes
 
     async def _list_models(self, _request: Request) -> Response:
-        return json_response(wire.ModelList(data=await self.models.cards()))
+        return json_response(replies.ModelList(data=await self.models.cards()))
 
     async def _get_model(self, request: Request) -> Response:
         name = request.path_params["model"]
@@ -184,7 +185,7 @@ class OpenAIServer:
         except MlxRuntimeError as error:
             raise error_for_runtime(error) from error
         status = await self.models.card(body.model)
-        result = wire.ModelLoadResult(
+        result = replies.ModelLoadResult(
             model=loaded.model,
             epoch=loaded.epoch,
             context_length=loaded.context_length,
@@ -201,7 +202,7 @@ class OpenAIServer:
             raise model_not_loaded(body.model) from None
         except MlxRuntimeError as error:
             raise error_for_runtime(error) from error
-        return json_response(wire.ModelUnloadResult(model=unloaded.model, epoch=unloaded.epoch))
+        return json_response(replies.ModelUnloadResult(model=unloaded.model, epoch=unloaded.epoch))
 
     async def _health(self, _request: Request) -> Response:
         """``models``: each model the runtime knows and its state (``loading`` while a request
@@ -309,7 +310,7 @@ class OpenAIServer:
             case Failed():
                 raise error_for_failed(ended, "messages" if call.messages else "prompt")
         usage = ended.usage
-        result = wire.PrewarmResult(
+        result = replies.PrewarmResult(
             model=call.model,
             status=status,
             prompt_tokens=usage.prompt_tokens,

@@ -16,7 +16,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from runtime.server import schema as wire
+from runtime.server import replies as wire
 from runtime.server.errors import HttpError, error_for_body, invalid
 
 _T = TypeVar("_T")

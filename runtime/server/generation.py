@@ -41,7 +41,7 @@ from runtime.server.errors import (
 )
 from runtime.server.metrics import StreamTimer
 from runtime.server.render import Render
-from runtime.server.schema import Chunk, encoder
+from runtime.server.replies import Chunk, encoder
 from runtime.server.shutdown import ShutdownNotice, shutting_down
 
 log = logging.getLogger("mlx_actor_runtime.server")

@@ -20,7 +20,7 @@ from typing import ClassVar
 import msgspec
 
 from runtime.messages import Finished, FinishReason, Started, TokenLogprob, TokensEmitted, Usage
-from runtime.server import schema as wire
+from runtime.server import replies as wire
 from runtime.server.shutdown import SHUTDOWN_FINISH_REASON
 from runtime.server.timings import RequestClock
 from runtime.text.reasoning import ReasoningSplitter, Split, split_reasoning

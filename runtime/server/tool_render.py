@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import msgspec
 
 from runtime.messages import Finished, FinishReason, TokensEmitted
-from runtime.server import schema as wire
+from runtime.server import replies as wire
 from runtime.server.render import ChatRender, finish_reason
 from runtime.text.tool_calls import (
     ArgumentsAdded,

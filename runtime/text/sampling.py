@@ -5,9 +5,9 @@ the next token given the last logits and the token history. One object per seque
 request repeat exactly (one ``rng``) and serves every path. The order follows llama.cpp and mlx-lm:
 processors (bias, penalties, DRY), the constraint's mask, then argmax at temperature 0 or the
 truncation filters (truncation.py) and temperature. Log-probabilities are taken before the filters.
-``draw`` builds the pick lazily (a ``Draw``) so the next model step can be queued first. DRY: dry.py.
+``draw`` builds the pick lazily (a ``Draw``) so the next model step can be queued first.
 
-The order, each filter's definition and the logprobs rule: docs/sampling.md.
+DRY is dry.py. The order, each filter's definition and the logprobs rule: docs/sampling.md.
 """
 
 from __future__ import annotations
