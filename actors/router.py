@@ -19,7 +19,8 @@ import msgspec
 
 from actors.deadlines import Expiry, RequestGuards
 from actors.live_requests import Live, LiveRequests, cancelled_by_unload, failed_with
-from actors.model_lifecycle import EngineFactory, ModelLifecycle, ModelState
+from actors.model_lifecycle import EngineFactory, ModelLifecycle
+from actors.model_record import ModelState
 from actors.replicas import ModelTable, Replicas
 from actors.router_commands import CommandReplies
 from actors.router_moves import Moves

@@ -76,7 +76,6 @@ MODULE_CAPS: dict[str, int] = {
     "runtime/backends/llamacpp/backend.py": 497,
     "runtime/backends/mlx/backend.py": 446,
     "runtime/backends/simulated.py": 492,
-    "actors/model_lifecycle.py": 482,
 }
 
 
