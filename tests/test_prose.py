@@ -75,7 +75,6 @@ def test_the_docstring_count_counts_lines(doc: str, tmp_path: pathlib.Path) -> N
 MODULE_CAPS: dict[str, int] = {
     "runtime/backends/llamacpp/backend.py": 497,
     "runtime/backends/mlx/backend.py": 446,
-    "runtime/backends/simulated.py": 492,
 }
 
 
