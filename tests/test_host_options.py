@@ -1,8 +1,11 @@
-"""The host API's typed keywords (runtime/host/options.py) against ``Request``: a request field
-added without its keyword fails here, and the keywords reach the engine."""
+"""The hand lists of ``Request``'s fields against ``Request``: the host API's typed keywords
+(runtime/host/options.py) and the HTTP translation (runtime/server/translate.py). A request field
+added without its keyword, or without its wire field, fails here; the keywords reach the engine."""
 
 from __future__ import annotations
 
+import ast
+import pathlib
 import types
 import typing
 from collections.abc import Sequence
@@ -67,3 +70,31 @@ async def test_ignore_eos_given_as_a_keyword_reaches_the_engine() -> None:
     assert ended.token_ids == ()
     assert isinstance(ran_on.terminal, Finished) and ran_on.terminal.reason == "length"
     assert len(ran_on.token_ids) == 4
+
+
+def _keywords_in(function: str, module: pathlib.Path) -> set[str]:
+    """The ``Request`` fields a function of the HTTP translation sets: the keywords of its
+    ``RuntimeRequest(...)`` calls and of its ``msgspec.structs.replace(...)`` calls."""
+    tree = ast.parse(module.read_text())
+    (found,) = (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == function)
+    names: set[str] = set()
+    for node in ast.walk(found):
+        if isinstance(node, ast.Call) and ast.unparse(node.func) in (
+            "RuntimeRequest",
+            "msgspec.structs.replace",
+        ):
+            names |= {k.arg for k in node.keywords if k.arg is not None}
+    return names & set(Request.__struct_fields__)
+
+
+def test_the_http_translation_sets_every_request_field() -> None:
+    """A request field the HTTP server never sets is one its clients cannot send: adding a field
+    to ``Request`` fails here until translate.py maps a wire field to it (or the field is the
+    other kind's)."""
+    translate = pathlib.Path(__file__).parent.parent / "runtime" / "server" / "translate.py"
+    fields = set(Request.__struct_fields__)
+    generate = _keywords_in("_call", translate) | _keywords_in("chat_call", translate)
+    assert generate == fields - set(PREWARM_ONLY)
+    # /v1/prewarm has no timeout_s (the host API's prewarm does): a field its body would need.
+    prewarm = fields - set(GENERATE_ONLY) - {"timeout_s"}
+    assert _keywords_in("prewarm_call", translate) == prewarm
