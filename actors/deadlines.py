@@ -1,12 +1,11 @@
 """Per-request deadlines and the stall guard: when the router ends a request its engine has not.
 
 A request with ``timeout_s`` ends ``Failed(request_timeout)`` once that long has passed since the
-router accepted it, whatever its phase; a stream with no token for its stall timeout ends
-``Failed(stream_stalled)`` (the stall clock starts at the first token, so a long prefill is never
-taken for a stall). The router ends it at once rather than waiting on the engine, so the host
-hears the failure on time even from an engine that cannot answer (a stuck compute step is what
-the guard is for). Only the earliest due check has a timer (a heap of the rest): one timer per
-request left 1,389 sleeping timers after a 2,000-request soak.
+router accepted it; a stream with no token for its stall timeout (counted from the first token, so a
+long prefill is never a stall) ends ``Failed(stream_stalled)``. The router ends it at once, so the
+host hears on time even from an engine that cannot answer (a stuck compute step is what the guard is
+for). Only the earliest due check has a timer (a heap holds the rest): one timer per request left
+1,389 sleeping timers after a 2,000-request soak.
 
 The protocol, counters and invariants: docs/protocols.md, "Deadlines and the stall guard".
 """

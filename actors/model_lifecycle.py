@@ -1,36 +1,38 @@
 """The router's model table: each model's load, its epoch and state, and who waits on it.
 
-A model is ``LOADING``, ``READY``, ``UNLOADING``, ``RESTARTING`` (its engine gave up and a new
-one reloads the model) or ``FAILED`` (past the restart intensity, or not reloadable). Every load
-and restart gets a new epoch and so a new engine address, so mail for an old load never reaches a
-new one. Load, unload and shutdown askers are answered here; the router keeps the requests.
-Keep-alive unloads an idle model through the same fenced drain as any unload and keeps its spec
-as *idle*; with auto-load a request for it loads it again.
+A model is ``LOADING``, ``READY``, ``UNLOADING``, ``RESTARTING`` (its engine gave up and a new one
+reloads the model) or ``FAILED`` (past the restart intensity, or not reloadable). Every load and
+restart gets a new epoch and so a new engine address, so mail for an old load never reaches a new
+one. Load, unload and shutdown askers are answered here; the router keeps the requests. Keep-alive
+unloads an idle model through the same fenced drain as any unload and keeps its spec as *idle*; with
+auto-load a request for it loads it again.
 
-The states, teardown fencing and keep-alive: docs/protocols.md, "Teardown fencing (unload / drain)"
-and "Model keep-alive and auto-load".
+See docs/protocols.md, "Teardown fencing (unload / drain)" and "Model keep-alive and auto-load".
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import msgspec
 
 from actors.keep_alive import KeepAlive
+from actors.model_record import (
+    Model,
+    ModelState,
+    log_loaded,
+    not_loaded,
+    refusal,
+    status_of,
+)
 from runtime.errors import (
     ModelAlreadyLoaded,
-    ModelFailed,
     ModelLoading,
-    ModelNotLoaded,
-    ModelRestarting,
     ModelUnloading,
 )
-from runtime.kernel.core import ActorCore, Address, Context, engine_address
+from runtime.kernel.core import ActorCore, Address, Context
 from runtime.kernel.supervision import RestartPolicy, RestartTracker
 from runtime.messages import (
     CommandFailed,
@@ -42,7 +44,6 @@ from runtime.messages import (
     IdleCheck,
     ModelLoaded,
     ModelSpec,
-    ModelStateName,
     ModelStatus,
     ModelUnloaded,
     ShutdownComplete,
@@ -51,44 +52,6 @@ from runtime.messages import (
 EngineFactory = Callable[[ModelSpec, int], ActorCore]
 
 log = logging.getLogger("mlx_actor_runtime.models")
-
-
-class ModelState(enum.Enum):
-    LOADING = enum.auto()
-    READY = enum.auto()
-    UNLOADING = enum.auto()
-    RESTARTING = enum.auto()
-    FAILED = enum.auto()
-
-
-_STATE_NAMES: dict[ModelState, ModelStateName] = {
-    ModelState.LOADING: "loading",
-    ModelState.READY: "loaded",
-    ModelState.UNLOADING: "unloading",
-    ModelState.RESTARTING: "restarting",
-    ModelState.FAILED: "failed",
-}
-
-
-@dataclass
-class Model:
-    """One load of a model and the askers waiting on it."""
-
-    spec: ModelSpec
-    epoch: int
-    state: ModelState
-    restarts: RestartTracker
-    loaded: ModelLoaded | None = None
-    load_waiter: Address | None = None
-    unload_waiters: list[Address] = field(default_factory=list)
-    failure: str = ""  # why a FAILED model was taken out of service, said to the host
-    idle_unload: bool = False  # UNLOADING because its keep-alive ran out (not asked to)
-    since: float = 0.0  # when its current load (or unload) began, for its log line
-    placement: str = ""  # where its engine runs, if in a process of its own
-
-    @property
-    def address(self) -> Address:
-        return engine_address(self.spec.name, self.epoch)
 
 
 class ModelLifecycle:
@@ -182,7 +145,7 @@ class ModelLifecycle:
 
     def statuses(self, now: float) -> tuple[ModelStatus, ...]:
         """Every model in the table and every idle one, by name (``ListModels``)."""
-        found = [self._status(model, now) for model in self._models.values()]
+        found = [status_of(model, self.keep_alive, now) for model in self._models.values()]
         found += [
             ModelStatus(name=spec.name, state="idle", epoch=epoch, path=spec.path,
                         live_requests=0, keep_alive_s=spec.keep_alive_s)
@@ -190,39 +153,9 @@ class ModelLifecycle:
         ]  # fmt: skip
         return tuple(sorted(found, key=lambda status: status.name))
 
-    def _status(self, model: Model, now: float) -> ModelStatus:
-        epoch, keep_alive_s = model.epoch, model.spec.keep_alive_s
-        return ModelStatus(
-            name=model.spec.name,
-            state=_STATE_NAMES[model.state],
-            epoch=epoch,
-            path=model.spec.path,
-            live_requests=self.keep_alive.live(epoch),
-            keep_alive_s=keep_alive_s,
-            expires_in_s=self.keep_alive.expires_in(epoch, keep_alive_s, now)
-            if model.state is ModelState.READY
-            else None,
-            context_length=None if model.loaded is None else model.loaded.context_length,
-            failure=model.failure,
-            placement=model.placement,
-            limits={} if model.loaded is None else model.loaded.limits,
-        )
-
     def unavailable(self, name: str) -> tuple[str, str]:
         """Why a request for ``name``, which is not ``ready``, is refused: a code and a sentence."""
-        model = self._models.get(name)
-        if model is not None and model.state is ModelState.RESTARTING:
-            text = f"model {name!r} is restarting after its engine failed; retry shortly"
-            return ModelRestarting.code, text
-        if model is not None and model.state is ModelState.FAILED:
-            return ModelFailed.code, model.failure
-        if model is None:
-            return ModelNotLoaded.code, not_loaded_text(name)
-        if model.state is ModelState.UNLOADING:
-            text = f"model {name!r} is being unloaded; load it again once that ends"
-        else:
-            text = f"model {name!r} is still loading; send the request once load_model returns"
-        return ModelNotLoaded.code, text
+        return refusal(name, self._models.get(name))
 
     def is_current(self, engine: Address, epoch: int) -> bool:
         """Whether ``engine`` at ``epoch`` is a load still in the table (not a stale one)."""
@@ -324,7 +257,7 @@ class ModelLifecycle:
         )
         if model.state in (ModelState.LOADING, ModelState.RESTARTING):
             restarted = model.state is ModelState.RESTARTING
-            _log_loaded(
+            log_loaded(
                 model.spec,
                 model.loaded,
                 ctx.now() - model.since,
@@ -455,29 +388,3 @@ class ModelLifecycle:
         if model is None:  # the router's stale-epoch arm filters these out first
             raise LookupError(f"no current model at {engine!r} epoch {epoch}")
         return model
-
-
-def _log_loaded(
-    spec: ModelSpec, loaded: ModelLoaded, seconds: float, *, restarted: bool, pending: bool
-) -> None:
-    """The one line each load (or reload after its engine failed) gets."""
-    keep = spec.keep_alive_s
-    log.info(
-        "%s %s on %s in %.1f s (context %d tokens, prefix reuse by %s%s, keep-alive %s)",
-        "reloaded after its engine failed:" if restarted else "loaded",
-        spec.name,
-        spec.backend,
-        seconds,
-        loaded.context_length,
-        loaded.reuse_path,
-        " until the load probe, running while idle, gives its verdict" if pending else "",
-        "forever" if keep is None else f"{keep:g} s",
-    )
-
-
-def not_loaded_text(name: str) -> str:
-    return f"model {name!r} is not loaded; call load_model first (or check the name)"
-
-
-def not_loaded(name: str) -> CommandFailed:
-    return CommandFailed(code=ModelNotLoaded.code, message=not_loaded_text(name))

@@ -1,12 +1,11 @@
 """The prefix-cache manager: which cached prompt states exist, who is using them, what to evict.
 
 It holds metadata only: an entry's KV arrays stay in the engine that made them, which it tells to
-``DropEntries`` when it evicts or resets one, so no array ever travels between actors. Entries are
-partitioned by (model, epoch, namespace), each indexed by a ``TokenTrie``: one tenant's namespace
-never serves another's prompt, and one model load's state never serves another. A hit takes a
-lease, and a leased entry is never evicted or changed; ``ResetPrefixes`` bumps a generation so
-state computed before a reset is never committed after it. The bookkeeping is
-``actors.prefix_index.PrefixIndex``; this module decides what happens to the entries.
+``DropEntries`` when it evicts or resets one, so no array travels between actors. Entries are
+partitioned by (model, epoch, namespace), each indexed by a ``TokenTrie``, so one tenant's namespace
+never serves another's prompt nor one load's state another's. A hit takes a lease, and a leased
+entry is never evicted or changed; ``ResetPrefixes`` bumps a generation so state computed before a
+reset is never committed after it. The bookkeeping is ``actors.prefix_index.PrefixIndex``.
 
 The protocol and its invariants: docs/protocols.md, "Prefix cache".
 """

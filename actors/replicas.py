@@ -1,14 +1,13 @@
 """Replicas: several engines serving one model name, and which one a request goes to.
 
-A model loaded with ``ModelSpec.replicas`` N > 1 is N loads in the router's model table
-(``NAME@0`` … ``NAME@N-1``), each with its own epoch, restarts and prefix entries, so the prefix
-manager knows exactly which replica holds which prefix. A request with a session goes to its
-session's replica (where its prefixes are); any other to the least busy serving one. When the
-prefix manager finds that another replica holds at least ``MOVE_MIN_GAIN`` more tokens of the
-prompt, the router moves the request there once, before it starts, within ``MOVE_MAX_SKEW``.
+A model loaded with ``ModelSpec.replicas`` N > 1 is N loads in the router's model table (``NAME@0``
+… ``NAME@N-1``), each with its own epoch, restarts and prefix entries, so the prefix manager knows
+which replica holds which prefix. A request with a session goes to its session's replica; any other
+to the least busy serving one. When another replica holds at least ``MOVE_MIN_GAIN`` more tokens of
+the prompt, the router moves the request there once, before it starts, within ``MOVE_MAX_SKEW``.
 Routing is decided on exact token prefixes, not on past request text.
 
-The routing protocol and its invariants: docs/protocols.md, "Replicas and routing"; docs/cluster.md.
+See docs/protocols.md, "Replicas and routing", and docs/cluster.md.
 """
 
 from __future__ import annotations

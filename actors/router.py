@@ -1,12 +1,11 @@
 """The router actor: the single entry point that owns request identities and model lifecycles.
 
-One owner for "which request is which sequence on which engine epoch" is what makes teardown and
-restarts safe: it maps each request ``(id, incarnation)`` to ``(engine, sequence id, epoch)``,
-forwards engine events to the requesting host (adding the request's identity), and fences
-teardown: an unloading model admits nothing, and mail from any other epoch is dropped and
-counted. Its parts live beside it: the model table (``ModelLifecycle``), deadlines and the stall
-guard (``RequestGuards``, deadlines.py), commands passed on (router_commands.py), moves between
-replicas (router_moves.py); a request that meets a keep-alive unload is parked until the drain ends.
+One owner for "which request is which sequence on which engine epoch" makes teardown and restarts
+safe: it maps each request ``(id, incarnation)`` to ``(engine, sequence id, epoch)``, forwards
+engine events to the host and fences teardown: an unloading model admits nothing, and mail from any
+other epoch is dropped and counted. Its parts live beside it: the model table (``ModelLifecycle``),
+deadlines (deadlines.py), commands passed on (router_commands.py), moves between replicas
+(router_moves.py). A request meeting a keep-alive unload waits for the drain.
 
 The protocols it speaks, with their invariants: docs/protocols.md.
 """
@@ -20,7 +19,8 @@ import msgspec
 
 from actors.deadlines import Expiry, RequestGuards
 from actors.live_requests import Live, LiveRequests, cancelled_by_unload, failed_with
-from actors.model_lifecycle import EngineFactory, ModelLifecycle, ModelState
+from actors.model_lifecycle import EngineFactory, ModelLifecycle
+from actors.model_record import ModelState
 from actors.replicas import ModelTable, Replicas
 from actors.router_commands import CommandReplies
 from actors.router_moves import Moves

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 import msgspec
 
-from actors.model_lifecycle import ModelLifecycle, not_loaded
+from actors.model_lifecycle import ModelLifecycle
+from actors.model_record import not_loaded
 from actors.replicas import Replicas
 from runtime.kernel.core import PREFIX_CACHE, Address, Context
 from runtime.kernel.stats import Counters

@@ -1,14 +1,13 @@
 """A token trie that finds the best reusable cached prefix of a prompt in O(prompt length).
 
 One trie indexes the live prefix entries of one (model, epoch, namespace) partition, one node per
-token position, so a lookup walks the prompt once however many entries there are. A trimmable
-entry serves any shared prefix, cut back; a non-trimmable ("checkpoint") entry is restorable only
-where its tokens end and at its ``points`` (snapshots). At most ``len(prompt) - 1`` tokens are
-reused: a prompt keeps one token to run. Every node caches ``subtree_best`` (the most recently
-used trimmable entry at or below it), so the best match needs no subtree walk; recency values
-must only grow (the caller passes a logical clock).
+token position, so a lookup walks the prompt once however many entries there are. A trimmable entry
+serves any shared prefix, cut back; a non-trimmable ("checkpoint") entry only where its tokens end
+and at its ``points``. At most ``len(prompt) - 1`` tokens are reused: a prompt keeps one token to
+run. Every node caches ``subtree_best`` (the most recently used trimmable entry at or below it), so
+a match needs no subtree walk; recency values must only grow (the caller passes a logical clock).
 
-Placement of entries, the reuse rules and ties: docs/design.md, "The token trie".
+Placement, the reuse rules and ties: docs/design.md, "The token trie".
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """The BLAS that MLX calls: OpenBLAS where the machine has it, loaded before MLX is.
 
-MLX's Linux CPU wheel ships a slow reference BLAS: decode is ~2.5x and prefill ~7x slower than
-with OpenBLAS. ``libmlx.so`` leaves ``cblas_sgemm`` undefined and the dynamic linker looks it up
-in the global scope first, so opening Debian's OpenBLAS ``RTLD_GLOBAL`` before ``mlx.core`` is
-imported does what ``LD_PRELOAD`` does, for every entry point: ``runtime/__init__.py`` calls
-``use_fast_blas`` on import. A host that imported MLX first keeps the slow BLAS and is warned once
-(``warn_if_slow``). ``MLXRT_BLAS``: unset or ``auto`` finds OpenBLAS; ``mlx`` keeps MLX's own; a
-path loads that library.
+MLX's Linux CPU wheel ships a slow reference BLAS: decode is ~2.5x and prefill ~7x slower than with
+OpenBLAS. ``libmlx.so`` leaves ``cblas_sgemm`` undefined and the linker looks in the global scope
+first, so opening OpenBLAS ``RTLD_GLOBAL`` before ``mlx.core`` is imported does what ``LD_PRELOAD``
+does: ``runtime/__init__.py`` calls ``use_fast_blas`` on import. A host that imported MLX first
+keeps the slow BLAS and is warned once (``warn_if_slow``). ``MLXRT_BLAS``: unset or ``auto`` finds
+OpenBLAS; ``mlx`` keeps MLX's own; a path loads that library.
 
 The linker's rules and the measurements: docs/design.md, "Which BLAS MLX calls".
 """

@@ -11,7 +11,7 @@ from openai.lib.streaming.chat import ChatCompletionStreamState
 from openai.types.chat import ChatCompletionChunk
 
 from runtime.messages import Finished, FinishReason, TokenLogprob, TokensEmitted, Usage
-from runtime.server.schema import encoder
+from runtime.server.replies import encoder
 from runtime.server.tool_render import ChatToolRender
 
 NAMES = ("get_weather", "add")

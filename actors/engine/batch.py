@@ -1,14 +1,13 @@
 """Continuous batching inside one engine: who decodes in the shared batch, and its padding's bytes.
 
 One decoding sequence runs alone on the B=1 fast path; two or more share one decode batch. A
-sequence joins at the next batch step after its first token (a burst about to draw waits, so it
-joins in one step on one padding ask), and leaves at the next step after it ended (its state must
-come back out before its memory is released) or when the batch drains to one. The batch's left
-padding, which no sequence's reservation pays for, is held under one ``BATCH_PADDING`` holder per
-batch: asked for only if free now before a join, given back as rows leave. A step that raised
-fails its members; a newcomer it left out never asks to join again, so nothing livelocks. The
-engine acts on what the scheduler reports; the scheduler never ends a sequence itself. See
-docs/design.md, "Fast path and continuous batching".
+sequence joins at the next batch step after its first token and leaves at the next step after it
+ended (its state must come out before its memory is released) or when the batch drains to one. The
+batch's left padding, which no reservation pays for, is held under one ``BATCH_PADDING`` holder per
+batch. A step that raised fails its members; a newcomer it left out never asks to join again, so
+nothing livelocks. The scheduler reports; the engine ends sequences.
+
+See docs/design.md, "Fast path and continuous batching".
 """
 
 from __future__ import annotations

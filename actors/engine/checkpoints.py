@@ -1,39 +1,13 @@
 """Where to snapshot a sequence whose cache cannot be trimmed (sliding-window or recurrent layers).
 
-Such a cache can only be reused whole, so the engine snapshots it at the token counts a later
-prompt is most likely to share with this one, in this order of preference:
-
-1. the end of the prompt minus one token (the same prompt again: one token left to run);
-2. the last word boundary before the end (a person typing re-tokenizes the last word, so the next
-   prompt rarely extends this one's tokens exactly);
-3. the start of each of the last ``LINE_STARTS`` lines within ``BRANCH_REACH`` tokens of the end,
-   latest first (a prompt re-sent with its last line changed reuses every line before it; a chat
-   message ends a line, so the start of the generation prompt is one of them);
-4. the end of the instructions (system/developer messages), so another conversation with the
-   same instructions reuses them;
-5. the end of each chat message but the last, latest first (editing or regenerating a message
-   reuses every message before it);
-6. ``BRANCH_REACH`` tokens before the end (an edit anywhere in the last ``BRANCH_REACH`` tokens
-   keeps everything before that, as far as llama.cpp's rings rewind);
-7. every ``spacing`` tokens (an edit anywhere in a long prompt reuses all before the multiple of
-   ``spacing`` below it).
-
-The spacing follows from what a snapshot costs: at most one window per sliding layer plus the
-recurrent state (``ModelInfo.snapshot_bytes``), whatever the prompt's length. It is the smallest
-power of two, at least ``MIN_SPACING``, whose tokens add at least a snapshot's bytes of
-full-attention KV, so periodic checkpoints at most double what a prompt's full-attention KV costs;
-a model with no full-attention KV (pure recurrent) has nothing to weigh a snapshot against, so
-its spacing is ``MIN_SPACING`` and only the caps below widen it. It is never wider than the
-model's ``checkpoint_every_tokens``. A prefill takes at most ``MAX_POINTS`` snapshots and at most
-``1 / BUDGET_SHARE`` of the KV budget in them; past that the least preferred of the other points
-go, and the periodic spacing doubles until its points fit (they stay multiples of the denser
-spacing), the room left taking the denser spacing's other points nearest the end.
-
-No point falls inside a run of an image's soft tokens (``media.inside_span``): a checkpoint cuts a
-prefill pass there, and a family attending both ways inside an image needs the run in one pass.
-
-The end of a generation and the point where an aborted prefill stopped are snapshotted by the
-engine itself, as the sequence's own final state.
+Such a cache can only be reused whole, so the engine snapshots it at the token counts a later prompt
+is most likely to share with this one (the order of preference is at the constants below) and every
+*spacing* tokens. The spacing weighs what a snapshot costs (``ModelInfo.snapshot_bytes``) against
+the full-attention KV its tokens add, so periodic checkpoints at most double a prompt's KV;
+``MAX_POINTS`` and ``BUDGET_SHARE`` cap one prefill's snapshots. The engine snapshots a generation's
+end, and where an aborted prefill stopped, itself. No point falls inside a run of an image's soft
+tokens (``media.inside_span``). The policy, with figures: docs/design.md, "Prefix reuse and
+checkpoints"; docs/reuse.md.
 """
 
 from __future__ import annotations
@@ -44,6 +18,16 @@ from dataclasses import dataclass
 from runtime.backends.contract import ModelInfo, ReuseStrategy
 from runtime.backends.vision.media import inside_span
 
+# The points, in order of preference, and the prompt each serves:
+# 1. the end of the prompt minus one token (the same prompt again: one token left to run);
+# 2. the last word boundary before the end (a person typing re-tokenizes the last word);
+# 3. the starts of the last LINE_STARTS lines within BRANCH_REACH of the end, latest first (a
+#    prompt re-sent with its last line changed; a chat message ends a line);
+# 4. the end of the instructions (another conversation with the same system message);
+# 5. the end of each chat message but the last, latest first (an edited or regenerated message);
+# 6. BRANCH_REACH tokens before the end (an edit near the end, as far as llama.cpp's rings rewind);
+# 7. every spacing tokens. Past MAX_POINTS or the budget share, the least preferred of the others
+#    go and the spacing doubles until its points fit (staying multiples of the denser spacing).
 WORD_SCAN_TOKENS = 32  # how far back to look for the last word boundary
 BRANCH_REACH = 512  # line starts are looked for this far back, and a point sits this far back
 LINE_STARTS = 3  # line starts near the end: the generation prompt's, and the last two lines'

@@ -1,40 +1,30 @@
 """How many prompt tokens an engine's next prefill chunk takes: as many as fit its time budget.
 
 A chunk is what a decode-batch step or another sequence's work waits behind, so it aims to take
-``budget_s`` (``EngineOptions.prefill_chunk_ms``). (An abort waits less: a pass gives up between
-layers, ``runtime/backends/mlx/interrupt.py``.) Its size follows the model's prefill rate, measured
-from the chunks the engine runs, so a lone request prefills in as few chunks as the budget allows.
+``budget_s`` (``EngineOptions.prefill_chunk_ms``). A chunk of n tokens takes about a + b·n (a: a
+one-token pass, ``ModelInfo.pass_s``; b: learned). A chunk takes at least two passes per stop check
+(an abort waits for one), between ``MIN_PASSES`` and ``MAX_PASSES``; a lone prefill takes the cap. A
+chunk is never more than ``cap`` (``ModelSpec.prefill_chunk_tokens``) nor fewer than
+``MIN_CHUNK_TOKENS``, and is the cap until one is measured or when the budget is 0.
 
-A chunk of n tokens takes about a + b·n: every pass has a fixed cost a, about that of a one-token
-pass (``ModelInfo.pass_s``, measured at load), and b is learned from the chunks' times less a
-(the recent chunks weighing most; a short chunk, mostly fixed cost, would otherwise make the rate
-look slow and the next chunks too small). A chunk takes at least a few passes' time whatever the
-budget; on a slow model that floor, not the budget, sets the chunk. How many: an abort waits for
-one of the pass's stop checks (``ModelInfo.stop_checks``, an attention layer each), so the floor
-is two passes per check, between ``MIN_PASSES`` (a near 1/8 of the prefill) and ``MAX_PASSES``
-(1/16). Measured on a loaded 2-core CPU, taking turns in one run: the 4-layer tiny llama's short
-request right after an abandoned prefill took 3.3x its idle TTFT at 16 passes and 1.5x at 8, while
-Gemma 3 270M's (18 layers) 500-token cold TTFT was 5-15% longer with its chunks sized to 8 passes
-than with two chunks of 256 tokens.
-
-A lone prefill (no decode work waits behind its chunk) takes the cap, where a chunk of the cap
-stops at checks at most ``LONE_CHECK_GAP_S`` apart: its chunk then only decides how fast the prompt
-goes in (an abort still waits for one check, a newcomer for the chunk). Measured with llama.cpp,
-whose passes a 10 ms budget cut to ~50 tokens: a 1,400-token cold prompt took 1.34x (SmolLM2) and
-1.16x (Gemma 3) llama-server's TTFT with those chunks, 1.00x and 0.96x in chunks of its cap (512,
-flash attention on; in chunks of 256, 1.07x both).
-
-A chunk is never more than ``cap`` tokens (``ModelSpec.prefill_chunk_tokens``: a sliding-window
-layer's KV reservation is priced with it) nor fewer than ``MIN_CHUNK_TOKENS`` (or the cap, if
-smaller). Until a chunk has been measured it is the cap; a budget of 0 keeps it there.
+The rule and its figures: docs/design.md, "One step" ("Chunks are sized by time").
 """
 
 from __future__ import annotations
 
 MIN_CHUNK_TOKENS = 32
+# A chunk's floor in passes (two per stop check, clamped). Measured on a loaded 2-core CPU: the
+# 4-layer tiny llama's short request after an abandoned prefill took 3.3x its idle TTFT at 16
+# passes and 1.5x at 8; Gemma 3 270M's 500-token cold TTFT was 5-15% longer at 8 passes than in two
+# chunks of 256. A recent chunk weighs most (DECAY): a short one, mostly fixed cost, would otherwise
+# make the rate look slow and the next chunks too small.
 MIN_PASSES = 8
 MAX_PASSES = 16
 DECAY = 0.5  # the weight an earlier measurement keeps at each new one
+# A lone prefill (no decode work behind it) takes the cap, whose checks stay this far apart at
+# most. Measured with llama.cpp, whose passes a 10 ms budget cut to ~50 tokens: a 1,400-token cold
+# prompt took 1.34x (SmolLM2) and 1.16x (Gemma 3) llama-server's TTFT in those chunks, 1.00x and
+# 0.96x in chunks of its cap (512, flash attention on; 1.07x both in chunks of 256).
 LONE_CHECK_GAP_S = 0.05  # a lone prefill's chunk may make an abort wait this long at most
 
 

@@ -1,25 +1,13 @@
 """Decode steps on the engine's compute thread: one sequence's (the B=1 fast path) and the batch's.
 
 A step picks a sequence's next token as a *draw* (``runtime.text.sampling.Draw``): arrays not
-computed yet. On a pipelined backend (``Backend.pipelined``: MLX) a step also builds the model step
-that feeds the drawn token before reading it, as mlx-lm's ``generate_step`` does, and leaves the
-next draw (``Decoding.ahead``) to the sequence's next step, which starts by computing it. So a step
-computes on the device (without the GIL; MLX's CPU backend does most of it inside the call that
-starts it), then builds the next graph and reads its token on the host: a token is read as soon as
-it is computed, never after the next one, and the event loop shows it while the next step computes.
-For a lone stream the engine queues that next step behind the running one (compute.py), so the
-device does not wait for the loop between tokens.
+computed yet. On a pipelined backend (MLX) it builds the step that feeds the drawn token before
+reading it, as mlx-lm's ``generate_step`` does, so the device does not wait for the loop between
+tokens. Only where every layer trims does it build ahead (an EOS fed ahead must be cut back out);
+elsewhere, and under DRY, the token is fed at the next step (``Decoding.pending``). A sequence's
+prefix entry is keyed by what its cache holds (``Decoding.history``).
 
-The next step is built before the token is read only where the token could be cut back out again:
-on a model whose every layer always trims (``ReuseStrategy.TRIM``). Elsewhere (sliding windows,
-recurrent state) a step fed an EOS would leave a cache no follow-up prompt could reuse whole, so
-such a sequence, like one whose sampler must read every token first (DRY), feeds the token it read
-at the start of its next step (``Decoding.pending``); a step queued behind it does that too. Nothing
-is built past an end known in advance (the last token ``max_tokens`` allows) or for an aborted
-sequence. A sequence may still end holding tokens it never showed (an EOS fed ahead, a token a
-queued step fed as an abort or a stop string landed); its prefix entry is keyed by exactly what its
-cache holds, ``Decoding.history`` (``Sequence.cache_tokens``). If building the next step fails, the
-token read before it is still shown and the failure comes after it (``StepJob.ahead_error``).
+See docs/design.md, "The decode path".
 """
 
 from __future__ import annotations

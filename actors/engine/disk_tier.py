@@ -1,14 +1,13 @@
 """The engine's side of the disk tier: spill evicted entries, read entries back for lookups.
 
-An entry the KV budget evicts (``DropEntries(spill=True)``) gives its bytes back at once, and its
-arrays live on only until they are written: a compute job hands out host views of them (cheap:
-no copy, so a decode step waits for nothing), then the engine's I/O thread writes the file
-(``Context.background``). A lookup whose prompt the disk holds more of than RAM does waits in
-``LOADING`` while the I/O thread reads and checks the file and makes the state's arrays (its abort
-flag stops the read between two arrays); it then restores from that state like from a RAM entry,
-and only the rest of the prompt is prefilled. A file that fails a check is dropped and counted,
-and the sequence restores what RAM had, or nothing. At a clean unload the entries still in RAM
-are written too, within ``DiskCacheConfig.shutdown_s``. See docs/design.md, "The disk tier".
+An entry the KV budget evicts (``DropEntries(spill=True)``) gives its bytes back at once; a compute
+job hands out host views of its arrays (no copy) and the engine's I/O thread writes the file. A
+lookup whose prompt the disk holds more of than RAM waits in ``LOADING`` while the I/O thread reads
+and checks the file (its abort flag stops the read between arrays), then restores as from a RAM
+entry. A file that fails a check is dropped and counted, and the sequence restores what RAM had, or
+nothing. A clean unload writes the entries still in RAM within ``DiskCacheConfig.shutdown_s``.
+
+See docs/design.md, "The disk tier".
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """A draft model: a second, smaller model whose greedy tokens are a sequence's drafts.
 
-Prompt lookup (drafting.py) drafts only where the text copies; a draft model drafts anywhere, at
-the price of its own passes. It drafts greedily (its argmax), so each draft is certain given the
-history, and the sampler's rule for a certain draft (accept with p(draft), else sample the rest)
-keeps the target's distribution exactly as for prompt lookup; under greedy a draft is kept only
-where it is the target's own argmax. Its state follows the sequence's history: a pass first feeds
-it the tokens it lacks, drafts in one lazy graph (``Backend.draft``), and after the target's
-verdict ``Backend.rewind`` keeps only the accepted drafts, so a rejected token leaves no trace in
-either model. The pair must share its vocabulary exactly (``check_pair``); the state is priced in
-the sequence's KV reservation and dropped with its other holdings. See docs/design.md.
+Prompt lookup (drafting.py) drafts only where the text copies; a draft model drafts anywhere, at the
+price of its own passes. Its drafts are greedy, so each is certain given the history and the
+sampler's rule for a certain draft keeps the target's distribution exactly. Its state follows the
+sequence's history: a pass feeds it the tokens it lacks, drafts in one lazy graph
+(``Backend.draft``), and ``Backend.rewind`` keeps only the accepted drafts. The pair must share its
+vocabulary exactly (``check_pair``); its state is priced in the sequence's KV reservation.
+
+See docs/design.md, "Speculative decoding with a draft model".
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Prompt-lookup drafts and how many to verify: the speculative side of a decoding sequence.
 
-A draft is the run of tokens that followed the most recent earlier occurrence of the history's
-last few tokens (prompt and output: an editor's code, a quoted document), so no second model is
-needed. Verifying k drafts costs one pass over k + 1 tokens, which on a CPU grows with k, so the
-number drafted is chosen per pass to make the most tokens per unit of time from the acceptance
-rate seen so far (``Speculation.size``): where drafts keep failing (free text) it falls to 0 and
-the sequence decodes as it would without speculation, pipelined, while its estimate drifts back
-so that a later quote is noticed. With a draft model (draft_model.py) its greedy tokens are the
-drafts instead, and each one's pass joins the price of a pass. See docs/design.md (speculative
-decoding).
+A draft is the run of tokens that followed the most recent earlier occurrence of the history's last
+few tokens (an editor's code, a quoted document), so no second model is needed. Verifying k drafts
+costs one pass over k + 1 tokens, which on a CPU grows with k, so ``Speculation.size`` picks k per
+pass for the most tokens per second at the acceptance rate seen so far: where drafts keep failing it
+falls to 0 (plain pipelined decoding) while its estimate drifts back, so a later quote is noticed.
+With a draft model (draft_model.py) its tokens are the drafts.
+
+See docs/design.md, "Speculative decoding (prompt lookup)".
 """
 
 from __future__ import annotations

@@ -1,19 +1,13 @@
 """An engine's cached states (prefix entries) and its sessions' pinned instructions prefixes.
 
-The prefix-cache manager indexes entries and decides reuse; the states themselves stay here, in
-the engine that made them. Every entry holds a KV reservation of its own: a sequence's final state
-takes over the sequence's bytes (``Transfer``).
+The prefix-cache manager indexes entries and decides reuse; the states stay here, in the engine that
+made them, each holding a KV reservation of its own. Snapshots taken while a sequence prefills a
+non-trimmable cache become *points* of its final entry: restorable at each point by cutting the
+trimmable layers back and copying the others from the snapshot, so the full-attention KV is stored
+once. A snapshot's bytes are the sequence's; one that finds no room is dropped. A session's pinned
+prefix is a whole copy, its own entry.
 
-Checkpoints of a cache that cannot be trimmed (sliding-window or recurrent layers) are snapshots of
-only those layers (``Backend.snapshot``), taken while the sequence prefills. They become *points*
-of the entry the sequence's final state turns into: that entry is restorable at each point, its
-trimmable layers cut back and its untrimmable ones copied from the point's snapshot. So the
-full-attention KV a hybrid model's checkpoints need is stored once, in the final state, instead
-of once per checkpoint. A snapshot's bytes are part of its sequence's reservation (admission
-reserves room for the planned checkpoints with the KV), so they queue and evict like any other
-bytes; one that finds no room left is dropped, and room not used goes back with the reservation.
-A session's pinned instructions prefix is a whole copy instead, committed as its own entry once
-its own reservation is granted, since it must outlive the conversation.
+See docs/design.md, "Prefix reuse and checkpoints" and "KV accounting".
 """
 
 from __future__ import annotations

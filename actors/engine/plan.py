@@ -1,14 +1,13 @@
 """What the engine's compute slot runs next: one plan value per step, decided in one place.
 
 As vLLM v1's scheduler returns one ``SchedulerOutput`` per step, ``StepPlanner.next`` returns one
-``Plan``; the compute slot (compute.py) only carries it out, and what it leaves is applied by the
-engine core's ``_job_done`` (outcomes.py for steps). The order: tokenizing first (every prompt
-waiting for its tokens, in one job); then a step of the decode batch (``BatchScheduler.work``)
-and single steps (a restore, a prefill chunk, a decode step outside the batch) take turns, single
-steps round-robin by sequence id; a newcomer about to finish its prompt may go ahead of the
-decode work (turns.py), and fresh prompts' rests may be prefilled together in one pass. While
-a lone stream's step runs, ``behind`` says whether its next one may queue behind it.
-See docs/design.md ("One step").
+``Plan``; the compute slot (compute.py) only carries it out and stepping.py applies what it leaves.
+The order: tokenizing first; then a step of the decode batch and single steps take turns, single
+steps round-robin by sequence id; a newcomer about to finish its prompt may go ahead (turns.py), and
+fresh prompts' rests may be prefilled together. ``behind`` says whether a lone stream's next step
+may queue behind the running one.
+
+See docs/design.md, "One step".
 """
 
 from __future__ import annotations

@@ -1,15 +1,13 @@
 """A speculative decode step of one sequence (the B=1 fast path), on the compute thread.
 
-The sequence's last token read (``Decoding.pending``) and the drafts after it (drafting.py) run
-through the model in one pass (``Backend.verify``), which gives the logits after each of them.
-Position by position, the sampler picks the token there (``TokenSampler.judge``: the argmax, or
-the acceptance rule that keeps the sampling distribution) and each pick is read as a plain step
-reads its token (decode.py's ``read``: history, constraint, logprob, EOS, ``max_tokens``). The
-block ends at the first pick that differs from its draft (that pick is the last token of the
-block), at the end of the drafts (the pick after the last draft is a bonus), or at a token that
-ends the sequence. The cache then keeps the pending token and the accepted drafts before the
-block's last token (``Backend.rewind``); that last token is the new pending one, fed by the next
-step, so the history again holds exactly the cache's tokens and the pending one.
+The pending token and the drafts after it (drafting.py) run through the model in one pass
+(``Backend.verify``). Each position's pick (``TokenSampler.judge``) is read as a plain step reads
+its token (decode.py). The block ends at the first pick that differs from its draft, after the last
+draft (a bonus pick), or at a token that ends the sequence. The cache keeps the pending token and
+the accepted drafts (``Backend.rewind``); the block's last pick is the new pending token, so the
+history again holds exactly the cache's tokens and the pending one.
+
+See docs/design.md, "Speculative decoding (prompt lookup)".
 """
 
 from __future__ import annotations

@@ -1,25 +1,13 @@
 """What a newly tokenized sequence does to the engine's other sequences: a plan, as data.
 
-A generate or a prewarm, once it has its tokens, may end or take over older work (docs/protocols.md,
-"Prewarm supersede / adopt / follow"):
+Once it has its tokens, a prewarm *follows* (``Join``) a live identical prewarm; in its own session
+a newcomer *adopts* (``Adopt``) the first older computing prewarm whose prefill target its own
+extends, and *supersedes* (``Supersede``) the other older prewarms (and, with ``supersede`` set,
+older generates). Anonymous requests supersede nothing and are superseded by nothing;
+``reuse_prefix=False`` adopts nothing. ``plan_supersede`` decides and admission (admission.py)
+carries the plan out, so the plan alone is property-tested (property_tests/test_supersede_plan.py).
 
-- a prewarm **follows** (``Join``) a live identical prewarm (same tokens, same namespace, any
-  session): it computes nothing and ends when that leader does;
-- in its own session (a session is named within its namespace), among older sequences
-  (admitted before it: lower sequence ids), the newcomer **adopts** (``Adopt``) the first
-  computing prewarm whose prefill target its own target extends: state, lease and in-flight job
-  pass to it;
-- in its own session, every other older prewarm is **superseded** (``Supersede``: aborted,
-  ``"superseded"``), except an identical one (the same work: joined, never superseded) and the
-  followers of the adopted one (they end with it); an older generate is superseded only by a
-  generate with ``supersede`` set;
-- an anonymous request (its client cannot be told from others') supersedes nothing and is
-  superseded by nothing; it still adopts and follows;
-- a generate sent with ``reuse_prefix=False`` adopts nothing (it prefills its whole prompt); it
-  still supersedes as any generate does.
-
-``plan_supersede`` decides, admission (admission.py) carries the plan out; the plan alone is
-property-tested (property_tests/test_supersede_plan.py).
+Every rule and its exceptions: docs/protocols.md, "Prewarm supersede / adopt / follow".
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
 """The backend's idle housekeeping (``Backend.tidy``), run a piece at a time once the engine idles.
 
-Some work can be done ahead of the request that needs it: on llama.cpp, moving an idle state to
-host memory so that a sequence slot is free (else the next request pays that move before its
-first token). It runs only after the compute slot has had nothing to do for ``TIDY_AFTER_S``, so a
-client that sends its next request right after a reply (a bench, an agent loop) finds no
-housekeeping in its way, while a person's next turn, seconds later, finds it done. One piece at a
-time, each started only when no sequence has work: a request waits at most one piece behind it.
+Some work can be done ahead of the request that needs it (on llama.cpp, moving an idle state to host
+memory so that a sequence slot is free). It runs only once the compute slot has idled
+``TIDY_AFTER_S``, so a client that sends its next request right after a reply finds none in its way,
+and a piece at a time, so a request waits at most one piece. Each idle period has a number, so a
+``TidyDue`` from an earlier one is stale; one timer is in flight at a time. A piece that raises
+stops tidying for the epoch: it is only an optimisation.
 
-Each idle period has a number; work starting ends the period, so a ``TidyDue`` timer armed in an
-earlier one is stale and does nothing. A timer cannot be cancelled, so one is in flight at a time:
-a period that starts while a stale one sleeps arms its own once that one has fired. A piece that
-raises stops tidying for the engine's epoch (the housekeeping is an optimisation: requests pay for
-it as before).
+See docs/design.md and docs/protocols.md (``TidyDue``).
 """
 
 from __future__ import annotations

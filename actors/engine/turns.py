@@ -1,17 +1,13 @@
 """Whether a newcomer's prompt goes ahead of the decoding streams, or waits its turn.
 
-A decode step reads every weight of the model once, whatever its batch size, so where reading
-weights is the cost (a CPU, a small GPU, a small model) a step of 8 rows takes little more than a
-step of 1. When several requests arrive together, decoding the first ones while the others wait to
-prefill wastes steps: the step after all of them are in serves them all at once. So a newcomer
-(a generate) whose prompt finishes in its next job (a restore, or a final prefill chunk) goes ahead
-of the decode work, provided it can join the decode batch once it decodes. ``mlx_lm.server`` does
-the same: it prefills the prompts waiting before its next decode step.
+A decode step reads every weight once whatever its batch size, so where reading weights is the cost
+a step of 8 rows takes little more than a step of 1: decoding the first of several requests that
+arrived together while the others wait to prefill wastes steps. So a generate whose prompt finishes
+in its next job goes ahead of the decode work if it can join the batch (as ``mlx_lm.server`` does).
+The streams wait at most ``stall_s`` (``EngineOptions.decode_stall_ms``); a longer prompt never
+jumps, its chunks take turns with the decode steps.
 
-The decoding streams' pause is bounded: once decode work has waited ``stall_s``
-(``EngineOptions.decode_stall_ms``) behind newcomers, it runs next; the clock starts again after.
-A longer prompt never jumps: its chunks take turns with the decode steps (``BatchScheduler``), so
-a long prefill never holds the streams for more than one chunk.
+See docs/design.md, "Fast path and continuous batching".
 """
 
 from __future__ import annotations

@@ -3,25 +3,19 @@
 The next token is a pure function of the token prefix (a rolling hash), so any two paths to the same
 prefix (cold prefill, trimmed reuse, checkpoint, adopted warmup) must produce the same tokens: that
 is the oracle for prefix reuse. Compute "costs" time through a ``ComputeClock``: real sleeps on the
-production thread executor, virtual seconds in the simulator. Faults are data, so they can travel in
-a ``ModelSpec`` and be replayed.
+thread executor, virtual seconds in the simulator. Faults are data in a ``ModelSpec``. Hosts load
+``ModelSpec(backend="simulated", options=...)`` with ``SimulatedModelOptions``. Loading imports no
+MLX, but its logits are MLX arrays so that the one sampler treats them as a real model's.
 
-Public: hosts load ``ModelSpec(name=..., backend="simulated", options={...})`` in their tests;
-the options are ``SimulatedModelOptions`` (defined with the other kinds' in
-``runtime.backends.options``, importable from here too).
-
-Loading a simulated model imports no MLX. Its logits are MLX arrays, though, so that the engine's
-one sampler (``runtime.text.sampling``, MLX code) treats them as a real model's: the first
-logits import ``mlx.core``, and the first sampled token imports mlx-lm.
+See docs/design.md, "Testing tools".
 """
 
 from __future__ import annotations
 
 import random
 import threading
-import time
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -38,98 +32,43 @@ from runtime.backends.contract import (
 )
 from runtime.backends.disk.host import HostState
 from runtime.backends.options import SimulatedModelOptions, options_as
+from runtime.backends.simulated_batch import SimulatedBatch
+from runtime.backends.simulated_tokens import (
+    EOS_TOKEN_ID,
+    VOCAB_SIZE,
+    ComputeClock,
+    RealClock,
+    SimulatedFault,
+    SimulatedSnapshot,
+    SimulatedState,
+    extend_hash,
+    greedy_continuation,
+    next_token_for,
+    own_state,
+    read_token,
+)
 from runtime.backends.vision.media import refuse_media
 from runtime.messages import ChatMessage, ModelSpec
 
 if TYPE_CHECKING:
     import mlx.core as mx
 
-EOS_TOKEN_ID = 256
-VOCAB_SIZE = 257
-# Generated tokens are drawn from these bytes so the text is readable and valid UTF-8.
-_TEXT_TOKENS = tuple(b"abcdefghijklmnopqrstuvwxyz ")
-_HASH_MOD = (1 << 61) - 1
-_HASH_BASE = 1_000_003
+__all__ = [
+    "EOS_TOKEN_ID",
+    "VOCAB_SIZE",
+    "ComputeClock",
+    "RealClock",
+    "SimulatedBackend",
+    "SimulatedBatch",
+    "SimulatedFault",
+    "SimulatedSnapshot",
+    "SimulatedState",
+    "extend_hash",
+    "greedy_continuation",
+    "next_token_for",
+]
+
 _PEAK_LOGIT = 5.0  # greedy picks it; temperature 1 still explores (about 37% of draws)
-
-
-class ComputeClock(Protocol):
-    """Where simulated compute spends its time."""
-
-    def spend(self, seconds: float) -> None: ...
-
-
-class RealClock:
-    """Spends real time: the compute thread sleeps, as a real model would keep it busy."""
-
-    def spend(self, seconds: float) -> None:
-        if seconds > 0:
-            time.sleep(seconds)
-
-
-class SimulatedFault(RuntimeError):
-    """Raised by the simulated backend where its options inject a fault."""
-
-
-class SimulatedState:
-    """Tokens consumed so far plus the rolling hash after each one (so trims are exact)."""
-
-    __slots__ = ("has_logits", "hashes", "tokens")
-
-    def __init__(self, tokens: list[int] | None = None, hashes: list[int] | None = None) -> None:
-        self.tokens: list[int] = tokens or []
-        self.hashes: list[int] = hashes or []
-        # False after a prefill that kept no logits: sampling then is an engine bug (the contract).
-        self.has_logits = True
-
-    @property
-    def length(self) -> int:
-        return len(self.tokens)
-
-    def extend(self, token_ids: Sequence[int]) -> None:
-        """Consume ``token_ids``, the rolling hash after each one recorded."""
-        h = self.hashes[-1] if self.hashes else 0
-        for token in token_ids:
-            h = extend_hash(h, token)
-            self.tokens.append(token)
-            self.hashes.append(h)
-
-
-class SimulatedSnapshot:
-    """The untrimmable part of a state: its rolling hash after ``length`` tokens."""
-
-    __slots__ = ("length", "nbytes", "prefix_hash")
-
-    def __init__(self, length: int, prefix_hash: int, nbytes: int) -> None:
-        self.length = length
-        self.prefix_hash = prefix_hash
-        self.nbytes = nbytes
-
-
-def next_token_for(prefix_hash: int, eos_every: int) -> int:
-    """The greedy next token after a prefix with this hash."""
-    if eos_every > 0 and prefix_hash % eos_every == 0:
-        return EOS_TOKEN_ID
-    return _TEXT_TOKENS[prefix_hash % len(_TEXT_TOKENS)]
-
-
-def extend_hash(prefix_hash: int, token_id: int) -> int:
-    return (prefix_hash * _HASH_BASE + token_id + 1) % _HASH_MOD
-
-
-def greedy_continuation(prompt: Sequence[int], n: int, eos_every: int = 0) -> list[int]:
-    """What a cold greedy run would produce: the reference for equivalence tests."""
-    h = 0
-    for token in prompt:
-        h = extend_hash(h, token)
-    out: list[int] = []
-    for _ in range(n):
-        token = next_token_for(h, eos_every)
-        if token == EOS_TOKEN_ID:
-            break
-        out.append(token)
-        h = extend_hash(h, token)
-    return out
 
 
 class SimulatedBackend:
@@ -215,7 +154,7 @@ class SimulatedBackend:
     def copy_state(
         self, state: SequenceState, length: int, snapshot: Snapshot | None = None
     ) -> SimulatedState:
-        state = _own(state)
+        state = own_state(state)
         if length > state.length or length < 0:
             raise CannotTrim(f"cannot copy {length} tokens of a {state.length}-token state")
         if snapshot is not None:
@@ -231,7 +170,7 @@ class SimulatedBackend:
         return copy
 
     def snapshot(self, state: SequenceState) -> SimulatedSnapshot:
-        return self._snapshot(_own(state), _own(state).length)
+        return self._snapshot(own_state(state), own_state(state).length)
 
     def _snapshot(self, state: SimulatedState, length: int) -> SimulatedSnapshot:
         prefix_hash = state.hashes[length - 1] if length else 0
@@ -247,7 +186,7 @@ class SimulatedBackend:
         snapshot_at: Sequence[int] = (),
         stop: threading.Event | None = None,
     ) -> list[SimulatedSnapshot]:
-        state = _own(state)
+        state = own_state(state)
         start, end = state.length, state.length + len(token_ids)
         if any(not start < p <= end for p in snapshot_at):
             raise ValueError(f"snapshot points {list(snapshot_at)} outside ({start}, {end}]")
@@ -294,7 +233,7 @@ class SimulatedBackend:
         Greedy decoding therefore follows ``next_token_for``; samplers and penalties act on these
         logits exactly as on a real model's.
         """
-        state = _own(state)
+        state = own_state(state)
         if not state.has_logits:
             raise RuntimeError("logits() after a prefill that kept none")
         return self.logits_after(state.hashes[-1] if state.hashes else 0)
@@ -316,7 +255,7 @@ class SimulatedBackend:
         """One pass (charged as one decode step) over a token and its drafts."""
         import mlx.core as mx
 
-        own = _own(state)
+        own = own_state(state)
         if len(token_ids) < 2:
             raise ValueError("verify takes a token and at least one draft")
         with self._lock:
@@ -329,7 +268,7 @@ class SimulatedBackend:
 
     def rewind(self, state: SequenceState, keep: int) -> None:
         """Drop the rejected drafts: the oracle's state is its tokens, whatever the cache kind."""
-        own = _own(state)
+        own = own_state(state)
         fed, least = self._verified.pop(id(own), (0, 1))
         if not least <= keep <= fed:
             raise ValueError(f"rewind to {keep} tokens without a verify that fed as many")
@@ -340,7 +279,7 @@ class SimulatedBackend:
     def draft(self, state: SequenceState, token_ids: Sequence[int], n: int) -> list[int]:
         """The greedy tokens after ``token_ids`` (``next_token_for``), all but the last fed; each
         pass charged as one decode step."""
-        own = _own(state)
+        own = own_state(state)
         if not token_ids or n < 1:
             raise ValueError("draft takes a token to catch up with and one draft or more")
         if not self._options.trimmable:
@@ -376,7 +315,7 @@ class SimulatedBackend:
         return 1 if self._options.pipelined else self._options.decode_block
 
     def feed(self, state: SequenceState, token: mx.array) -> mx.array:
-        self.prefill(state, [_read_token(token)])
+        self.prefill(state, [read_token(token)])
         return self.logits(state)
 
     def open_batch(self) -> SimulatedBatch | None:
@@ -436,62 +375,3 @@ class SimulatedProbe:
         self._backend._clock.spend(self._backend._options.probe_step_s)
         self._left -= 1
         return None if self._left > 0 else self._backend._probed(self._probed)
-
-
-def _read_token(token: int | mx.array) -> int:
-    """A token id, reading it first if it is a draw's array (the step needs its value now)."""
-    return token if isinstance(token, int) else int(token.item())  # type: ignore[arg-type]
-
-
-def _own(state: SequenceState) -> SimulatedState:
-    """Narrow an engine-held state back to ours (a foreign state is a programming error)."""
-    if not isinstance(state, SimulatedState):
-        raise TypeError(f"not a simulated state: {type(state).__name__}")
-    return state
-
-
-class SimulatedBatch:
-    """A decode batch of simulated states: one step costs one decode step, however many rows."""
-
-    def __init__(self, backend: SimulatedBackend) -> None:
-        self._backend = backend
-        self._rows: dict[int, SimulatedState] = {}
-        self._next_slot = 0
-
-    def __len__(self) -> int:
-        return len(self._rows)
-
-    @property
-    def padding_tokens(self) -> int:
-        """Left padding mlx-lm's batch KV would hold for these rows: B * longest - sum of lengths
-        (rows are right-aligned; a leave drops the padding every row shares)."""
-        lengths = [row.length for row in self._rows.values()]
-        return len(lengths) * max(lengths) - sum(lengths) if lengths else 0
-
-    def join(self, state: SequenceState) -> int:
-        own = _own(state)
-        if self._backend._options.fail_join:
-            raise SimulatedFault("injected fault: this model's states cannot join a batch")
-        self._next_slot += 1
-        self._rows[self._next_slot] = SimulatedState(list(own.tokens), list(own.hashes))
-        return self._next_slot
-
-    def leave(self, slot: int) -> SimulatedState:
-        return self._rows.pop(slot)
-
-    def step(self, tokens: Mapping[int, int | mx.array]) -> dict[int, mx.array]:
-        if set(tokens) != set(self._rows):
-            raise ValueError("a batch step needs exactly one token for every member")
-        self._backend._check_probed()
-        self._backend._clock.spend(self._backend._options.decode_s_per_token)
-        ids = {slot: _read_token(t) for slot, t in tokens.items()}
-        hashes = {
-            slot: extend_hash(self._rows[slot].hashes[-1] if self._rows[slot].hashes else 0, t)
-            for slot, t in ids.items()
-        }
-        # One forward pass: a fault leaves every row as it was (no row advances alone).
-        logits = {slot: self._backend.logits_after(h) for slot, h in hashes.items()}
-        for slot, token in ids.items():
-            self._rows[slot].tokens.append(token)
-            self._rows[slot].hashes.append(hashes[slot])
-        return logits

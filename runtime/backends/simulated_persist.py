@@ -26,7 +26,7 @@ def fingerprint(options: SimulatedModelOptions) -> str:
 
 
 def export_state(state: SequenceState, points: Mapping[int, Snapshot]) -> HostState:
-    from runtime.backends.simulated import SimulatedSnapshot, SimulatedState
+    from runtime.backends.simulated_tokens import SimulatedSnapshot, SimulatedState
 
     assert isinstance(state, SimulatedState)
     kept = {}
@@ -41,7 +41,7 @@ def export_state(state: SequenceState, points: Mapping[int, Snapshot]) -> HostSt
 
 
 def import_state(host: HostState) -> tuple[SequenceState, dict[int, Snapshot]]:
-    from runtime.backends.simulated import SimulatedSnapshot, SimulatedState
+    from runtime.backends.simulated_tokens import SimulatedSnapshot, SimulatedState
 
     try:
         tokens = [int(t) for t in host.arrays["tokens"]]

@@ -1,15 +1,13 @@
 """``mlxrt chat``: an interactive multi-turn chat in the terminal, on one runtime session.
 
-The runtime runs on an event loop in a background thread (an anyio blocking portal); the main
-thread owns the terminal, so ``input()`` gets readline editing and Ctrl-C arrives where it can be
-acted on: during a reply it cancels that reply only, at the prompt it ends the chat.
+The runtime runs on an event loop in a background thread (an anyio blocking portal); the main thread
+owns the terminal, so ``input()`` gets readline editing and Ctrl-C arrives where it can be acted on:
+during a reply it cancels that reply only, at the prompt it ends the chat. A cancelled reply keeps
+what was shown as the assistant's turn; one cancelled before any text drops the turn, question
+included. A model without a chat template gets no made-up one (unless ``--chat``): each line is
+appended to the text so far and the model continues it. Typed commands: chat_commands.py.
 
-A cancelled reply keeps what was already shown: its text stays in the history as the assistant's
-turn, as the user read it. A reply cancelled before any text drops the turn, question included.
-
-A model without a chat template is not given a made-up one (unless ``--chat``): the chat is then
-a raw completion, each line appended to the text so far and the model continuing it. The typed
-lines are parsed by runtime/cli/chat_commands.py.
+See docs/cli.md.
 """
 
 from __future__ import annotations

@@ -12,9 +12,8 @@ import logging
 import math
 import uuid
 from collections import Counter
-from collections.abc import Mapping, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, TypedDict, TypeVar, Unpack
+from typing import TYPE_CHECKING, TypeVar, Unpack
 
 import anyio
 import msgspec
@@ -32,6 +31,7 @@ from runtime.errors import (
     error_for_code,
 )
 from runtime.host.config import RuntimeConfig
+from runtime.host.options import GenerateOptions, PrewarmOptions, request_of
 from runtime.host.standing import configured_actors
 from runtime.host.streams import HOST, TERMINALS, Completion, GenerationStream, HostStreams
 from runtime.host.validation import validate_request
@@ -39,8 +39,6 @@ from runtime.kernel.actor import ActorSystem
 from runtime.kernel.core import ROUTER
 from runtime.messages import (
     Cancelled,
-    ChatMessage,
-    ChatOptions,
     CommandFailed,
     EndSession,
     Failed,
@@ -58,7 +56,6 @@ from runtime.messages import (
     Prewarm,
     Request,
     ResetPrefixes,
-    Sampling,
     SessionEnded,
     Shutdown,
     Started,
@@ -237,7 +234,7 @@ class Runtime:
         unloaded; 0: unloaded once idle); None leaves it as it is.
         """
         return self.submit(
-            _request(model, prompt, options),
+            request_of(model, prompt, options),
             request_id=options.get("request_id"),
             coalesce=options.get("coalesce"),
         )
@@ -296,7 +293,7 @@ class Runtime:
         ``Cancelled(reason="superseded")`` when a diverging request of its session replaced it,
         ``Failed(request_timeout)`` when ``timeout_s`` passed first (what it had prefilled is kept).
         """
-        request = _request(model, prompt, options)
+        request = request_of(model, prompt, options)
         return await self.submit_prewarm(request, request_id=options.get("request_id"))
 
     async def submit_prewarm(
@@ -353,59 +350,6 @@ class Runtime:
     def unrouted_events(self) -> Counter[str]:
         """Host events that reached no stream (their request had already ended), by type."""
         return self._streams.unrouted
-
-
-class PrewarmOptions(TypedDict, total=False):
-    """``Runtime.prewarm``'s keywords: ``Request``'s fields a prewarm uses, and its id."""
-
-    prompt_tokens: tuple[int, ...] | list[int] | None
-    messages: Sequence[ChatMessage] | None
-    chat: ChatOptions | None  # None: ChatOptions()
-    max_tokens: int | None
-    namespace: str
-    session: str | None
-    request_id: str | None  # None: a fresh one
-    timeout_s: float | None
-    anonymous: bool
-    keep_on_disk: bool
-
-
-class GenerateOptions(TypedDict, total=False):
-    """``Runtime.generate``'s keywords: ``Request``'s fields (a list may stand for a tuple), its
-    id and the stream's ``coalesce`` policy (None: ``config.coalesce``)."""
-
-    prompt_tokens: tuple[int, ...] | list[int] | None
-    messages: Sequence[ChatMessage] | None
-    chat: ChatOptions | None  # None: ChatOptions()
-    max_tokens: int | None
-    sampling: Sampling | None  # None: Sampling() (greedy)
-    stop: tuple[str, ...] | list[str]
-    stop_token_ids: tuple[int, ...] | list[int]
-    namespace: str
-    session: str | None
-    request_id: str | None  # None: a fresh one
-    coalesce: CoalescePolicy | None
-    supersede: bool
-    timeout_s: float | None
-    stall_timeout_s: float | None
-    anonymous: bool
-    reuse_prefix: bool
-    keep_alive_s: float | None
-
-
-_NOT_REQUEST = frozenset({"request_id", "coalesce"})  # the message's and the stream's
-_TUPLES = frozenset({"prompt_tokens", "messages", "stop", "stop_token_ids"})
-
-
-def _request(model: str, prompt: str | None, options: Mapping[str, Any]) -> Request:
-    """The keywords as one ``Request``: sequences held as tuples, None as the default options.
-    An unknown keyword raises ``TypeError``, as for any function."""
-    fields: dict[str, Any] = {
-        name: tuple(value) if name in _TUPLES and value is not None else value
-        for name, value in options.items()
-        if name not in _NOT_REQUEST and not (name in ("chat", "sampling") and value is None)
-    }
-    return Request(model=model, prompt=prompt, **fields)
 
 
 def _expect(reply: Message, kind: type[_T]) -> _T:

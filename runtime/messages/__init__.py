@@ -1,12 +1,11 @@
 """The runtime's one message vocabulary.
 
-Every actor talks only through these frozen msgspec Structs, so the protocols are values that a
-test can build, send and compare, and the same actors run under the simulator and the real loop.
-Heavy state (weights, KV arrays) never travels: messages carry handles (sequence ids, entry ids,
-model epochs). Each actor has one inbox union (``RouterInbox``, ``EngineInbox``, ``KVInbox``,
-``PrefixInbox``) and the host receives ``HostEvent``. Modules, each re-exported here:
-``vocabulary`` (base and value types), ``host``, ``router_timers``, ``engine``, ``kv_budget``,
-``prefix_cache``, ``unions`` (inboxes, event unions, ``for_request``), ``wire`` (encode/decode).
+Every actor talks only through these frozen msgspec Structs, so the protocols are values that a test
+can build, send and compare, and the same actors run under the simulator and the real loop. Heavy
+state (weights, KV arrays) never travels: messages carry handles. Each actor has one inbox union
+(``RouterInbox``, ``EngineInbox``, ``KVInbox``, ``PrefixInbox``); the host gets ``HostEvent``.
+Modules (re-exported here): ``vocabulary``, ``host``, ``router_timers``, ``engine``, ``kv_budget``,
+``prefix_cache``, ``unions`` (inboxes, event unions, ``for_request``), ``wire``.
 
 Every protocol, message by message, with its invariants: docs/protocols.md.
 """

@@ -9,7 +9,8 @@ Prometheus metric families at scrape time), ``gate`` (API keys and per-key limit
 route), ``auth`` (keys and tenants), ``allowance`` (each key's running and waiting requests).
 """
 
-from runtime.server.app import OpenAIServer, ServerConfig
+from runtime.server.app import OpenAIServer
 from runtime.server.auth import ApiKeys
+from runtime.server.config import ServerConfig
 
 __all__ = ["ApiKeys", "OpenAIServer", "ServerConfig"]

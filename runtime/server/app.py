@@ -21,28 +21,33 @@ import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from runtime.backends.model_source import available_models
-from runtime.errors import InvalidConfig, MlxRuntimeError, ModelNotLoaded, RuntimeClosed
+from runtime.errors import MlxRuntimeError, ModelNotLoaded, RuntimeClosed
 from runtime.host.api import Runtime
-from runtime.host.config import RuntimeConfig
-from runtime.messages import Cancelled, Failed, Finished, FinishReason, ModelSpec
+from runtime.messages import Cancelled, Failed, Finished, FinishReason
 from runtime.progress import Progress, no_progress
+from runtime.server import replies
 from runtime.server import schema as wire
-from runtime.server.allowance import Allowances, PerKeyLimits
-from runtime.server.auth import ApiKeys, scoped
+from runtime.server.auth import scoped
+from runtime.server.bodies import (
+    decode_body,
+    json_response,
+    on_http_error,
+    on_route_error,
+    read_body,
+)
 from runtime.server.compat import FieldNotes, default_model
+from runtime.server.config import ServerConfig, allowances_of
 from runtime.server.cors import cors_middleware
 from runtime.server.errors import (
     HttpError,
-    error_for_body,
     error_for_cancelled,
     error_for_failed,
     error_for_runtime,
-    invalid,
     model_not_loaded,
 )
 from runtime.server.gate import KeyGate
@@ -61,47 +66,6 @@ _Generation = TypeVar("_Generation", wire.CompletionRequest, wire.ChatCompletion
 _Named = TypeVar("_Named", wire.CompletionRequest, wire.ChatCompletionRequest, wire.PrewarmRequest)
 
 
-class ServerConfig(msgspec.Struct, frozen=True, kw_only=True):
-    """What to serve. ``models`` load at start-up, in order (each with its own
-    ``keep_alive_s``); a larger body than ``max_body_bytes`` is refused with 413 (the default
-    holds a million-token prompt as JSON token ids; a larger one could only fail the context
-    check, after tokenizing it). ``offer_cached_models``: the known models and the cached GGUF
-    conversions are available too (loaded by ``POST /v1/models/load``, or on a request's demand
-    with ``runtime.auto_load``), with ``keep_alive_s`` (None: kept loaded); off by default, so a
-    host serves only its own models unless it asks (``mlxrt serve`` does)."""
-
-    models: tuple[ModelSpec, ...]
-    runtime: RuntimeConfig = RuntimeConfig()
-    max_body_bytes: int = 8 << 20
-    offer_cached_models: bool = False
-    # The backend a catalog model loads on: "auto" picks per file (runtime/backends/choice.py).
-    catalog_backend: str = "mlx"
-    keep_alive_s: float | None = None
-    # The temperature of a request that sends none: OpenAI's 1.0 (``mlxrt serve --temp``: 0).
-    default_temperature: float = 1.0
-    # Who may use it (gate.py, docs/http.md "Security"). ``api_keys`` None: anyone who reaches
-    # the port. ``metrics_keys``: the only keys that read /metrics (else any API key does);
-    # ``public_metrics``: /metrics needs none. Per key (or, without keys, for all clients
-    # together): at most ``max_concurrent_per_key`` requests run, ``max_queued_per_key`` wait.
-    api_keys: ApiKeys | None = None
-    metrics_keys: ApiKeys | None = None
-    public_metrics: bool = False
-    max_concurrent_per_key: int | None = None
-    max_queued_per_key: int = 0
-    # The token limit of a request that sends none (``mlxrt serve --max-tokens``); None: OpenAI's
-    # (16 for completions; chat: the rest of the context, up to runtime.default_max_tokens).
-    default_max_tokens: int | None = None
-    # Browser origins allowed to call the API (CORS; "*": any); empty: no CORS headers at all.
-    allowed_origins: tuple[str, ...] = ()
-    # Directories whose files ``image_url`` and ``video_url`` parts may name (``mlxrt serve
-    # --media-dir``); empty: only data URLs.
-    media_dirs: tuple[str, ...] = ()
-    # Fetch remote (http/https) image and video URLs, each at most 20 MiB within ``fetch_timeout_s``
-    # (``mlxrt serve --fetch-images``); off: they are refused.
-    fetch_images: bool = False
-    fetch_timeout_s: float = 10.0
-
-
 class OpenAIServer:
     """One ``Runtime`` served over HTTP; ``app`` is the ASGI application to run."""
 
@@ -113,7 +77,7 @@ class OpenAIServer:
         self._runtime: Runtime | None = None
         self._manager: ModelManager | None = None
         self._served: set[str] = set()  # models loaded at some point: their metrics labels
-        self.allowances = _allowances(config)  # per-key limits; None: no limits
+        self.allowances = allowances_of(config)  # per-key limits; None: no limits
         self._shutdown: ShutdownNotice | None = None  # made in the lifespan (its event loop)
         self._field_notes = FieldNotes()
         self.metrics = ServerMetrics(
@@ -132,7 +96,7 @@ class OpenAIServer:
                 Route("/metrics", self._metrics, methods=["GET"]),
             ],
             lifespan=self._lifespan,
-            exception_handlers={HttpError: _on_http_error, HTTPException: _on_route_error},
+            exception_handlers={HttpError: on_http_error, HTTPException: on_route_error},
             # CORS outside the key gate: a refusal (401, 429) still carries CORS headers, so a
             # browser page sees it, and preflights pass the gate (docs/http.md).
             middleware=[
@@ -204,41 +168,41 @@ class OpenAIServer:
     # ------------------------------------------------------------------ routes
 
     async def _list_models(self, _request: Request) -> Response:
-        return _json(wire.ModelList(data=await self.models.cards()))
+        return json_response(replies.ModelList(data=await self.models.cards()))
 
     async def _get_model(self, request: Request) -> Response:
         name = request.path_params["model"]
         card = await self.models.card(name)
         if card is None:
             raise model_not_loaded(name)
-        return _json(card)
+        return json_response(card)
 
     async def _load_model(self, request: Request) -> Response:
         """Not cancelled when the client goes away: the load goes on, as a prewarm does."""
-        body = _decode(await self._read_body(request), wire.load_request_decoder)
+        body = decode_body(await self._read_body(request), wire.load_request_decoder)
         try:
             loaded = await self.models.load(body.model, body.keep_alive)
         except MlxRuntimeError as error:
             raise error_for_runtime(error) from error
         status = await self.models.card(body.model)
-        result = wire.ModelLoadResult(
+        result = replies.ModelLoadResult(
             model=loaded.model,
             epoch=loaded.epoch,
             context_length=loaded.context_length,
             reuse_path=loaded.reuse_path,
             keep_alive=None if status is None else status.keep_alive,
         )
-        return _json(result)
+        return json_response(result)
 
     async def _unload_model(self, request: Request) -> Response:
-        body = _decode(await self._read_body(request), wire.unload_request_decoder)
+        body = decode_body(await self._read_body(request), wire.unload_request_decoder)
         try:
             unloaded = await self.models.unload(body.model)
         except ModelNotLoaded:
             raise model_not_loaded(body.model) from None
         except MlxRuntimeError as error:
             raise error_for_runtime(error) from error
-        return _json(wire.ModelUnloadResult(model=unloaded.model, epoch=unloaded.epoch))
+        return json_response(replies.ModelUnloadResult(model=unloaded.model, epoch=unloaded.epoch))
 
     async def _health(self, _request: Request) -> Response:
         """``models``: each model the runtime knows and its state (``loading`` while a request
@@ -246,14 +210,14 @@ class OpenAIServer:
         if self._runtime is None:
             raise error_for_runtime(RuntimeClosed("the server is starting or stopping"))
         models = {status.name: status.state for status in await self._runtime.list_models()}
-        return _json({"status": "ok", "models": models})
+        return json_response({"status": "ok", "models": models})
 
     async def _metrics(self, _request: Request) -> Response:
         return Response(self.metrics.exposition(), media_type=self.metrics.content_type)
 
     async def _completions(self, request: Request) -> Response:
         body = await self._read_body(request)
-        decoded = await self._named(_decode(body, wire.completion_request_decoder))
+        decoded = await self._named(decode_body(body, wire.completion_request_decoder))
         self._field_notes.note(decoded)
         call = _scoped(request, completion_call(self._defaulted(decoded)))
         render = CompletionRender(
@@ -287,7 +251,7 @@ class OpenAIServer:
 
     async def _chat_completions(self, request: Request) -> Response:
         body = await self._read_body(request)
-        decoded = await self._named(_decode(body, wire.chat_request_decoder))
+        decoded = await self._named(decode_body(body, wire.chat_request_decoder))
         self._field_notes.note(decoded)
         sources = await self._media_sources(decoded.messages)
         call = _scoped(request, chat_call(self._defaulted(decoded), sources))
@@ -321,7 +285,7 @@ class OpenAIServer:
     async def _prewarm(self, request: Request) -> Response:
         """Not cancelled when the client goes away: a client may send it and not wait."""
         body = await self._read_body(request)
-        named = await self._named(_decode(body, wire.prewarm_request_decoder))
+        named = await self._named(decode_body(body, wire.prewarm_request_decoder))
         sources = await self._media_sources(named.messages or [])
         call = scoped(request, prewarm_call(named, sources))
         try:
@@ -346,13 +310,13 @@ class OpenAIServer:
             case Failed():
                 raise error_for_failed(ended, "messages" if call.messages else "prompt")
         usage = ended.usage
-        result = wire.PrewarmResult(
+        result = replies.PrewarmResult(
             model=call.model,
             status=status,
             prompt_tokens=usage.prompt_tokens,
             cached_tokens=usage.cached_prompt_tokens,
         )
-        return _json(result)
+        return json_response(result)
 
     # ------------------------------------------------------------------ plumbing
 
@@ -373,97 +337,14 @@ class OpenAIServer:
             stream, render, streaming=call.stream, timer=timer, shutdown=self._shutdown
         )
 
+    async def _read_body(self, request: Request) -> bytes:
+        return await read_body(request, self.config.max_body_bytes)
+
     def _model_label(self, model: str) -> str:
         # Clients name the model: an unknown name must not mint a new time series per request.
         return model if model in self._served else OTHER_MODEL
-
-    async def _read_body(self, request: Request) -> bytes:
-        _refuse_non_json(request.headers.get("content-type"))
-        limit = self.config.max_body_bytes
-        too_large = HttpError(
-            413,
-            f"the request body is over this server's limit of {limit} bytes; send a shorter "
-            "prompt (no model's context needs more)",
-            code="request_too_large",
-        )
-        declared = request.headers.get("content-length", "")
-        if declared.isdigit() and int(declared) > limit:  # refused before reading any of it
-            raise too_large
-        body = bytearray()
-        try:
-            async for piece in request.stream():
-                body += piece
-                if len(body) > limit:
-                    raise too_large
-        except ClientDisconnect:
-            # Nobody is left to read the answer; this only keeps the log free of a traceback.
-            raise HttpError(400, "the client disconnected", code=None) from None
-        return bytes(body)
 
 
 def _scoped(request: Request, call: RuntimeCall) -> RuntimeCall:
     """``call`` in its key's own cache namespace and sessions (auth.scoped)."""
     return msgspec.structs.replace(call, request=scoped(request, call.request))
-
-
-def _allowances(config: ServerConfig) -> Allowances | None:
-    """The per-key limits; raises ``InvalidConfig`` for them, or for keys given as plain strings
-    (msgspec does not check a struct's field types when it is built)."""
-    for name in ("api_keys", "metrics_keys"):
-        if not isinstance(getattr(config, name), ApiKeys | None):
-            raise InvalidConfig(
-                f"{name} must be runtime.server.ApiKeys([...]) (which keeps only their digests) "
-                "or None, not plain strings"
-            )
-    if config.max_concurrent_per_key is None:
-        if config.max_queued_per_key:
-            raise InvalidConfig(
-                "max_queued_per_key limits the queue of max_concurrent_per_key, which is unset; "
-                "set both"
-            )
-        return None
-    return Allowances(PerKeyLimits(config.max_concurrent_per_key, config.max_queued_per_key))
-
-
-def _refuse_non_json(content_type: str | None) -> None:
-    """A body labelled as something else (a form post, say: curl's default) is refused by its
-    label, so the client hears what to fix rather than a JSON syntax error; an unlabelled body
-    is read as JSON."""
-    media_type = (content_type or "").partition(";")[0].strip().lower()
-    if not media_type or media_type == "application/json" or media_type.endswith("+json"):
-        return
-    raise HttpError(
-        415,
-        f"the request body is labelled {media_type}; send JSON with the header "
-        "Content-Type: application/json",
-        code="unsupported_media_type",
-    )
-
-
-def _decode(body: bytes, decoder: msgspec.json.Decoder[_T]) -> _T:
-    try:
-        return decoder.decode(body)
-    except msgspec.DecodeError as error:
-        raise error_for_body(error) from None
-    except RecursionError:  # arrays nested thousands deep in a field typed Any (tools)
-        raise invalid(
-            None, "the request body nests too deeply; send a flatter JSON object"
-        ) from None
-
-
-def _json(body: object, status: int = 200) -> Response:
-    return Response(wire.encoder.encode(body), status_code=status, media_type="application/json")
-
-
-async def _on_http_error(_request: Request, error: Exception) -> Response:
-    assert isinstance(error, HttpError)
-    response = _json(error.body(), error.status)
-    response.headers.update(error.headers())
-    return response
-
-
-async def _on_route_error(request: Request, error: Exception) -> Response:
-    """Unknown paths and wrong methods, in the OpenAI error shape like everything else."""
-    assert isinstance(error, HTTPException)
-    message = f"{request.method} {request.url.path}: {error.detail}"
-    return await _on_http_error(request, HttpError(error.status_code, message, code=None))

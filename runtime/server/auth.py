@@ -1,15 +1,12 @@
 """API keys and the tenants they stand for: who may use the server, and whose cache is whose.
 
-A server given keys (``ServerConfig.api_keys``) answers only requests that present one, as
-``Authorization: Bearer <key>`` (OpenAI's clients, vLLM, llama-server) or ``x-api-key: <key>``
-(Anthropic's clients, llama-server). Keys are held only as SHA-256 digests: the presented key is
-hashed and compared with every digest by ``hmac.compare_digest``, with no early exit, so neither
-the answer nor its timing says which key nearly matched.
-
-Each key is a tenant. Its id is a short hash of the key, never the key, and is all that logs,
-namespaces and sessions carry. ``scoped`` moves a request into its tenant's prefix-cache
-namespace and session space, so one key's cached prompts can neither serve nor be timed by
-another's; ``cache_salt`` still separates users behind one key. See docs/http.md "Security".
+A server given keys (``ServerConfig.api_keys``) answers only requests that present one
+(``Authorization: Bearer`` or ``x-api-key``). Keys are held only as SHA-256 digests; the presented
+key's digest is compared with every one by ``hmac.compare_digest``, with no early exit, so neither
+the answer nor its timing says which key nearly matched. Each key is a tenant whose id is a short
+hash of the key, all that logs, namespaces and sessions carry. ``scoped`` moves a request into its
+tenant's prefix-cache namespace and session space, so one key's cached prompts can neither serve nor
+be timed by another's. See docs/http.md, "Security".
 """
 
 from __future__ import annotations

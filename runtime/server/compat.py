@@ -1,15 +1,13 @@
-"""Fields other servers' clients send, read the way those servers read them (docs/http.md).
+"""Fields other servers' clients send, read the way those servers read them.
 
-- No ``model``: llama-server and mlx_lm.server answer with the model they have. Here the one
-  model the server has (loaded, loading, idle or configured) is used; with several, or none, the
-  request is refused naming them (``default_model``).
-- ``keep_alive`` (Ollama's, per request): the model's keep-alive from this request on.
-- ``chat_template_kwargs`` (vLLM, SGLang, llama-server): variables of the chat template
-  (``enable_thinking``); ``reasoning_effort`` (OpenAI) reaches the template as the variable of
-  that name, as vLLM passes it (templates that know it, gpt-oss's, use it; others ignore it).
-- Known fields that do not change the output are accepted and ignored, with one log line per
-  field name for the server's life (``FieldNotes``). Anything else unknown is still refused by
-  name: a dropped field could change the output unnoticed.
+No ``model``: the one model the server has is used, as llama-server and mlx_lm.server do (with
+several, or none, the request is refused naming them). ``keep_alive`` (Ollama's): the model's
+keep-alive from this request on. ``chat_template_kwargs`` (vLLM, SGLang, llama-server) and
+``reasoning_effort`` (OpenAI) reach the chat template as variables. Known fields that do not change
+the output are accepted and ignored, logged once per name (``FieldNotes``); anything else unknown is
+still refused by name, since a dropped field could change the output unnoticed.
+
+See docs/http.md.
 """
 
 from __future__ import annotations

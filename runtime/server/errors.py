@@ -59,13 +59,8 @@ from runtime.errors import (
     UnsupportedModelFormat,
 )
 from runtime.messages import Cancelled, Failed
-from runtime.server.schema import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    ErrorBody,
-    ErrorDetail,
-    encoder,
-)
+from runtime.server.replies import ErrorBody, ErrorDetail, encoder
+from runtime.server.schema import ChatCompletionRequest, CompletionRequest
 
 RETRY_AFTER_S = 1
 UNSUPPORTED_PARAMETER = "unsupported_parameter"

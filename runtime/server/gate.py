@@ -1,17 +1,13 @@
 """The gate every HTTP request passes first: its API key, then its key's allowance.
 
-A pure ASGI middleware (no ``BaseHTTPMiddleware``), so a streamed answer passes through it
-untouched and a disconnect reaches the route as it would without it. In order:
-
-- ``GET /health``, and ``OPTIONS`` (a browser's CORS preflight never carries a key), are open;
-  ``/metrics`` is open with ``public_metrics``, else needs a metrics key where there are some,
-  else any API key. Everything else needs an API key: 401 ``invalid_api_key`` otherwise, one
-  body for a missing and a wrong key. The request's ``Tenant`` goes into its scope (auth.py).
-- ``POST`` requests that make work (every one but a model load or unload) take a ticket from
-  their key's ``Allowance`` (without keys, all clients share one); 429 ``rate_limit_exceeded``
-  with ``Retry-After`` when it has none. A queued request whose client leaves gives its place
-  back at once; the ticket is given back however the request ends.
-See docs/http.md "Security".
+A pure ASGI middleware (no ``BaseHTTPMiddleware``), so a streamed answer passes through untouched
+and a disconnect reaches the route as it would without it. ``GET /health`` and ``OPTIONS`` (CORS
+preflights carry no key) are open, ``/metrics`` as configured; everything else needs an API key (401
+``invalid_api_key``, one body for a missing and a wrong key) and puts its ``Tenant`` in the scope.
+``POST`` requests that make work take a ticket from their key's ``Allowance`` (429
+``rate_limit_exceeded`` with ``Retry-After`` when none is left); a queued request whose client
+leaves gives its place back, and the ticket is returned however the request ends. See docs/http.md,
+"Security".
 """
 
 from __future__ import annotations

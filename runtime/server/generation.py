@@ -1,20 +1,12 @@
 """One HTTP request running one runtime request: answered as JSON or Server-Sent Events.
 
-``GenerationResponse`` is the ASGI response of both generation endpoints. It enters the
-``GenerationStream`` (submitting the request) and waits for the first text or the end before it
-picks a status, so every failure up to the first token (unknown model, context length, KV budget,
-an out-of-vocabulary ``logit_bias``) is a proper HTTP error. A stream that fails after its first
-chunk gets an SSE error event and ends without ``[DONE]``.
-
-Shutdown: with a ``ShutdownNotice`` (shutdown.py), a task waits for it and stops the answer where
-it is (cancelling the runtime request as a disconnect does); the response then ends properly: a
-stream with the render's ``stopped`` chunks and ``[DONE]``, an unanswered request with a 503.
-
-Disconnects: a task waits for ``http.disconnect`` and cancels the response. Leaving the
-``GenerationStream`` block then cancels the runtime request at its next chunk or step boundary
-(quietly: ``Cancelled``, its KV released). Starlette's own disconnect handling is not relied on:
-on ASGI 2.4 servers it only notices a gone client when a write fails, which a long prefill never
-attempts.
+``GenerationResponse`` enters the ``GenerationStream`` and waits for the first text or the end
+before it picks a status, so every failure up to the first token is a proper HTTP error; a stream
+that fails later gets an SSE error event and no ``[DONE]``. At shutdown (a ``ShutdownNotice``) the
+answer stops where it is and ends properly: a stream with ``stopped`` chunks and ``[DONE]``, an
+unanswered request with a 503. A disconnect cancels the response, and leaving the
+``GenerationStream`` cancels the runtime request at its next boundary (quietly: ``Cancelled``, its
+KV released). See docs/http.md.
 """
 
 from __future__ import annotations
@@ -49,7 +41,7 @@ from runtime.server.errors import (
 )
 from runtime.server.metrics import StreamTimer
 from runtime.server.render import Render
-from runtime.server.schema import Chunk, encoder
+from runtime.server.replies import Chunk, encoder
 from runtime.server.shutdown import ShutdownNotice, shutting_down
 
 log = logging.getLogger("mlx_actor_runtime.server")
@@ -260,6 +252,8 @@ class GenerationResponse(Response):
 
 
 async def _cancel_on_disconnect(receive: Receive, scope: anyio.CancelScope) -> None:
+    # Not Starlette's own disconnect handling: on ASGI 2.4 servers it notices a gone client only
+    # when a write fails, which a long prefill never attempts.
     while (await receive())["type"] != "http.disconnect":
         pass  # the body was read already; nothing else is expected but the disconnect
     scope.cancel()

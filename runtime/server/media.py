@@ -1,16 +1,13 @@
 """``image_url`` and ``video_url`` content parts: where the server may read an image or video from.
 
-A data URL (``data:image/png;base64,...``) is always read. A local file (``file:///...`` or an
-absolute path) only under a directory the host allowed (``ServerConfig.media_dirs``, ``mlxrt
-serve --media-dir``), after resolving links, so a client cannot name ``/etc/passwd`` or climb out
-with ``..``. A remote ``http(s)`` URL is refused unless the host enabled fetching
-(``ServerConfig.fetch_images``, ``mlxrt serve --fetch-images``): then ``fetch_remote`` reads it
-before the request is translated, at most ``FETCH_MAX_BYTES`` within ``fetch_timeout_s`` (a
-failure is a 400 naming the part).
-A ``video_url`` follows the same rules (its data URL is ``data:video/<format>;base64,...``; a
-fetched video is held to the same ``FETCH_MAX_BYTES``).
-The bytes go to the engine as they are: decoding and the size limits are the engine's
-(runtime/backends/vision/media.py), so HTTP and the embedded API refuse the same images.
+A data URL is always read. A local file (``file:///...`` or an absolute path) only under a directory
+the host allowed (``ServerConfig.media_dirs``), links resolved, so a client cannot name
+``/etc/passwd`` or climb out with ``..``. A remote ``http(s)`` URL is refused unless the host
+enabled fetching (``ServerConfig.fetch_images``): then ``fetch_remote`` reads it before the request
+is translated, at most ``FETCH_MAX_BYTES`` within ``fetch_timeout_s`` (a failure is a 400 naming the
+part). The bytes go to the engine as they are: decoding and size limits are the engine's
+(runtime/backends/vision/media.py), so HTTP and the embedded API refuse the same media. See
+docs/http.md, "Security".
 """
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ from runtime.host.api import Runtime
 from runtime.kernel.core import engine_address
 from runtime.messages import ModelLoaded, ModelSpec, ModelStatus, ModelUnloaded
 from runtime.progress import Progress, no_progress
-from runtime.server import schema as wire
+from runtime.server import replies as wire
 from runtime.server.errors import invalid
 
 log = logging.getLogger("mlx_actor_runtime.server")

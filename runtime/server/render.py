@@ -1,19 +1,13 @@
 """Runtime events → OpenAI response bodies and stream chunks, one ``Render`` per request.
 
-Streaming: ``opening()``, then ``chunk(event)`` for each ``TokensEmitted`` (the host stream has
-already coalesced them, see runtime/text/coalesce.py), then ``closing(finished)``. Otherwise
-``whole(events, finished)``. ``started(event)`` comes first either way. The finish chunk and a
-whole response carry llama-server's ``timings`` (timings.py).
+Streaming: ``started(event)``, ``opening()``, ``chunk(event)`` per ``TokensEmitted``, then
+``closing(finished)``; otherwise ``whole(events, finished)``. The finish chunk and a whole response
+carry llama-server's ``timings`` (timings.py). Chat output is split into ``reasoning_content`` and
+``content`` (runtime/text/reasoning.py), a reasoning delta and a content delta in separate chunks.
+Logprobs name a chosen token by the text it produced, so the tokens add up to the output;
+alternatives not emitted have no text and are named ``token_id:<id>``, as vLLM does.
 
-Chat output is split into ``reasoning_content`` and ``content`` (runtime/text/reasoning.py): the
-reasoning block is opened by the output's first text or, when ``Started.reasoning_open`` says so,
-by the chat template. Streamed, a reasoning delta and a content delta are separate chunks, so a
-client reading one field per chunk misses nothing.
-
-Logprobs: the runtime reports token ids and the text each emitted token produced. A chosen token
-is named by that text, so the tokens add up to the output (a character split across tokens shows
-on the token that completed it). Alternatives that were not emitted have no text from the
-runtime and are named ``token_id:<id>``, vLLM's convention for the same case.
+See docs/http.md.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from typing import ClassVar
 import msgspec
 
 from runtime.messages import Finished, FinishReason, Started, TokenLogprob, TokensEmitted, Usage
-from runtime.server import schema as wire
+from runtime.server import replies as wire
 from runtime.server.shutdown import SHUTDOWN_FINISH_REASON
 from runtime.server.timings import RequestClock
 from runtime.text.reasoning import ReasoningSplitter, Split, split_reasoning

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import msgspec
 
 from runtime.messages import HostEvent, Started, TokensEmitted, Usage
-from runtime.server.schema import Timings
+from runtime.server.replies import Timings
 
 
 class RequestClock:

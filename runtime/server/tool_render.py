@@ -1,19 +1,12 @@
 """Chat responses with tools: the output split into ``content`` and ``tool_calls``.
 
 Non-streaming: ``message.tool_calls`` lists the calls, ``content`` is the text around them (None
-when there is none) and ``finish_reason`` is ``"tool_calls"`` when the model called and stopped
-(a reply cut by ``max_tokens`` says ``"length"``). Streaming: content deltas as the text is
-decided, and for each call one chunk with ``delta.tool_calls[0]`` = ``{index, id, type: "function",
-function: {name, arguments: ""}}`` followed by chunks with pieces of its ``arguments`` as the model
-writes them (OpenAI's shape: the official client's stream accumulation joins the pieces by
-``index``). The parser holds back text that may start a call block, so a stream's chunks can lag
-the tokens by a few characters. Reasoning (a ``<think>`` block) is split off first, as in any chat
-reply (``ChatRender``): only the content after it is parsed for calls.
-
-With ``end_on_repeat`` (``tool_choice`` "required" with parallel calls) a call identical to an
-earlier one ends the reply: the parser drops it and what follows, each call's chunks are sent
-once its block closes, and ``ended_early`` tells the response (generation.py) to cancel the
-rest of the generation; the reply then ends ``"tool_calls"``.
+when empty), and ``finish_reason`` is ``"tool_calls"`` when the model called and stopped. Streaming,
+in OpenAI's shape: content deltas, and for each call one chunk naming it (``arguments: ""``) then
+chunks with pieces of its arguments, joined by ``index`` in the client. The parser holds back text
+that may start a call, so chunks can lag the tokens by a few characters. With ``end_on_repeat`` a
+call repeating an earlier one ends the reply and ``ended_early`` tells generation.py to cancel the
+rest. See docs/structured.md, "In the output".
 """
 
 from __future__ import annotations
@@ -23,7 +16,7 @@ from collections.abc import Sequence
 import msgspec
 
 from runtime.messages import Finished, FinishReason, TokensEmitted
-from runtime.server import schema as wire
+from runtime.server import replies as wire
 from runtime.server.render import ChatRender, finish_reason
 from runtime.text.tool_calls import (
     ArgumentsAdded,

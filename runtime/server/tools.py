@@ -1,12 +1,11 @@
 """Tools on the wire → the runtime's ``Tool`` list, chat messages' tool fields and the constraint.
 
-``tools`` (function tools only), ``tool_choice`` and ``parallel_tool_calls`` become a
-``ToolSetup``: which tools the prompt shows, whether the output is parsed for calls, and, for
-``required`` or a named function, the grammar that makes the output call blocks whose arguments
-follow the function's JSON Schema (runtime/text/tool_calls.py). The defaults and rules are
-OpenAI's, so its clients behave as they do there. Bad input is a 400 naming the field:
-``invalid_tools`` for the shapes, ``invalid_schema`` for a schema the grammar engine cannot
-read, ``unknown_tool`` for a ``tool_choice`` naming no tool.
+``tools`` (function tools only), ``tool_choice`` and ``parallel_tool_calls`` become a ``ToolSetup``:
+which tools the prompt shows, whether the output is parsed for calls, and, for ``required`` or a
+named function, the grammar that makes the output call blocks whose arguments follow the function's
+JSON Schema (runtime/text/tool_calls.py). The defaults and rules are OpenAI's. Bad input is a 400
+naming the field: ``invalid_tools``, ``invalid_schema`` (a schema the grammar engine cannot read) or
+``unknown_tool``.
 
 Each ``tool_choice`` and what it does: docs/structured.md, "tool_choice" and "Refusals".
 """

@@ -1,17 +1,12 @@
 """Tiny random-weight builds of every architecture mlx-lm ships, for the architecture matrix.
 
-``runtime.testing.tiny_models`` writes three hand-made kinds; this module derives a tiny config
-from any ``mlx_lm.models.<arch>.ModelArgs`` instead, so the matrix (tests/test_architectures.py)
-covers each module of the installed mlx-lm, not a hand-picked subset. One generic config (hidden
-64, 4 layers, 4 query / 2 KV heads of dim 16, the tiny tokenizer's 512-token vocabulary, sliding
-windows of 32, 4 experts of which 2 are active) keeps the fields each ``ModelArgs`` declares;
-``OVERRIDES`` adds what an architecture needs beyond that (layer patterns with both layer kinds of
-a hybrid, nested configs). ``UNBUILDABLE`` lists, with the reason, each module that cannot be built
-this way. Weights are random (fixed seed), scaled as in ``tiny_models`` so greedy output depends on
-the prompt, with special and unprintable tokens' output rows zeroed so greedy text never stops
-early. Each build is a regular mlx-lm directory under ``tiny_models.cache_root()``. A test that
-counts on a size (a KV head count, a chunk, a layer count) passes it as ``overrides`` to
-``arch_model_path``: config fields merged over the generic config, built in a directory of its own.
+``tiny_models`` writes three kinds by hand; this derives a tiny config from any
+``mlx_lm.models.<arch>.ModelArgs``, so the matrix (tests/test_architectures.py) covers every module
+of the installed mlx-lm. One generic config keeps the fields each ``ModelArgs`` declares;
+``OVERRIDES`` adds what an architecture needs beyond it and ``UNBUILDABLE`` lists, with the reason,
+what cannot be built. Weights are random (fixed seed), scaled so greedy output depends on the
+prompt, with special tokens' output rows zeroed. A test that counts on a size passes it as
+``overrides`` to ``arch_model_path``. See docs/design.md, "Testing tools".
 """
 
 from __future__ import annotations

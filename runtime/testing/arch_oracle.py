@@ -1,14 +1,13 @@
 """What the architecture matrix (tests/test_architectures.py) compares the runtime against.
 
-Two references, each independent of the engine's own bookkeeping:
+Two references, each independent of the engine's own bookkeeping. ``raw_greedy``: greedy decoding
+with plain mlx-lm, with the top-2 logit margin of every step, so a comparison stops before a step
+whose winner a float rounding could change (``agree``). ``ReuseOracle``: how many prompt tokens a
+request restores from one namespace's prefix cache, from the reuse rules of docs/reuse.md (a
+trimmable entry serves its common prefix with the prompt; another only its end and its checkpoints,
+placed by ``actors.engine.checkpoints.plan_checkpoints``).
 
-* ``raw_greedy``: greedy decoding with plain mlx-lm (one pass over the prompt with
-  ``make_prompt_cache``, then one token at a time), and the top-2 logit margin of every step, so
-  a comparison stops before a step whose winner a float rounding could change (``agree``);
-* ``ReuseOracle``: how many prompt tokens a request restores from one namespace's prefix cache,
-  from the reuse semantics of docs/reuse.md: a trimmable entry serves its common prefix with the
-  prompt; another serves only its end and the checkpoints its prefill took, placed by
-  ``actors.engine.checkpoints.plan_checkpoints`` at the spacing the matrix's spec sets.
+See docs/models.md for the matrix.
 """
 
 from __future__ import annotations

@@ -2,11 +2,10 @@
 
 Supervision, the watchdog and the retry paths are only trustworthy if they are exercised, so a
 ``FaultPlan`` holds scripted faults (``Fault``: point, kind, after how many clean calls, how many
-times) and optionally random ones from its own seed, so a faulty run repeats exactly from its seed
-on the simulator. It can be switched off and on while the runtime runs (``enable``/``disable``):
-a state machine's safety phase runs with faults, its liveness phase without. It reaches the
-runtime by wrapping (fault_points.py): ``wrap_loader`` wraps any ``BackendLoader``, ``wrap_keeper``
-the KV keeper's core; ``Simulator(faults=plan)`` does both.
+times) and random ones from its own seed, so a faulty run repeats exactly on the simulator. It can
+be switched off and on while the runtime runs: a state machine's safety phase runs with faults, its
+liveness phase without. It reaches the runtime by wrapping (fault_points.py): ``wrap_loader``,
+``wrap_keeper``; ``Simulator(faults=plan)`` does both.
 
 Each point and what each kind does there: docs/design.md, "Testing tools"; the API: docs/api.md.
 """

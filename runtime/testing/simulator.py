@@ -1,14 +1,13 @@
 """The actor simulator: the real actor cores on a virtual clock, in an order chosen by a seed.
 
-Races between actors are found by trying orders, not by luck: this replaces the production
-transport (``runtime.kernel.actor``) with a single-threaded loop that, at each step, picks with a
-seeded random source one actor that has mail and delivers one message to it; compute jobs run
-inline and their simulated cost advances the virtual clock. Same seed, same trace, so a race
-found once is found again and Hypothesis can shrink it. A caller may pass its own ``order`` (e.g.
-``st.randoms(use_true_random=False)``) so that each choice of actor is a drawn value Hypothesis
-shrinks on its own.
+Races between actors are found by trying orders, not by luck: this replaces the production transport
+(``runtime.kernel.actor``) with a single-threaded loop that at each step picks, with a seeded random
+source, one actor that has mail and delivers one message to it; compute jobs run inline and their
+simulated cost advances the virtual clock. Same seed, same trace, so a race found once is found
+again and Hypothesis can shrink it. A caller may pass its own ``order`` (e.g.
+``st.randoms(use_true_random=False)``) so each choice of actor is a drawn value.
 
-Its use from a host's tests, with an example: docs/api.md, "Simulator for hosts' tests".
+Its use from a host's tests: docs/api.md, "Simulator for hosts' tests".
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Deterministic, offline factory for tiny mlx-lm model directories used in tests.
 
-Tests need real mlx-lm checkpoints (``mlx_lm.load(path)`` works on every directory written here)
-of each cache kind the engine handles, small enough to run hundreds of times on a CPU and built
-without a download: random weights from a fixed seed and a byte-level BPE tokenizer trained in
-process (``runtime.testing.tiny_tokenizer``). Kinds: ``llama`` (full attention), ``sliding``
-(Gemma 3 text, rotating + full caches), ``hybrid`` (Qwen3-Next, linear + full attention).
-Greedy decoding never emits a special or unprintable token, so outputs always run to
+Tests need real mlx-lm checkpoints of each cache kind the engine handles, small enough to run
+hundreds of times on a CPU and built without a download: random weights from a fixed seed and a
+byte-level BPE tokenizer trained in process (``tiny_tokenizer``). Kinds: ``llama`` (full attention),
+``sliding`` (Gemma 3 text, rotating + full caches), ``hybrid`` (Qwen3-Next, linear + full
+attention). Greedy decoding never emits a special or unprintable token, so outputs run to
 ``max_tokens``. Bump ``FACTORY_VERSION`` whenever the output changes, so stale caches go unused.
 
-Shapes, files, the cache root and the API: docs/design.md, "Testing tools".
+Shapes, files, the cache root and the API: docs/design.md, "Tiny models".
 """
 
 from __future__ import annotations

@@ -1,15 +1,12 @@
 """Tiny random-weight vision-language models, built offline from mlx-vlm's own model classes.
 
-Three families: ``gemma3`` (SigLIP tower, average-pooled soft tokens between ``<start_of_image>``
-and ``<end_of_image>``, sliding-window text layers), ``idefics3`` (SmolVLM's layout:
-pixel-shuffled SigLIP features between ``<fake_token_around_image>`` markers, a llama-like text
-model) and ``smolvlm`` (the same layout as SmolVLM2, whose processor declares ``video_sampling``:
-the video-capable family). Each
-directory holds what a real mlx-community VLM directory holds: ``config.json``, weights, the
-tokenizer (the tiny test BPE of ``tiny_tokenizer`` plus the family's image tokens),
-``preprocessor_config.json``, ``processor_config.json`` and a chat template, so mlx-vlm's loader
-and the family's processor read it as they read a real one. Cached under ``cache_root()`` like the
-tiny text models, stamped, rebuilt when ``VLM_FACTORY_VERSION`` changes. Needs ``[vision]``.
+Three families: ``gemma3`` (SigLIP tower, pooled soft tokens, sliding-window text layers),
+``idefics3`` (SmolVLM's layout: pixel-shuffled SigLIP features, a llama-like text model) and
+``smolvlm`` (SmolVLM2's, whose processor declares ``video_sampling``). Each directory holds what a
+real mlx-community VLM directory holds (config, weights, the tiny test tokenizer plus the family's
+image tokens, preprocessor and processor configs, a chat template), so mlx-vlm's loader and
+processor read it as a real one. Cached under ``cache_root()``, rebuilt when ``VLM_FACTORY_VERSION``
+changes. Needs ``[vision]``. See docs/design.md, "Testing tools".
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Token coalescing: batch streamed tokens into fewer, larger chunks.
 
 One event per token costs a message, a JSON frame and a syscall each; a client reading text wants
-words, not tokens. ``Coalescer`` sends a stream's first text at once (the time to the first token
-is what a client waits on), then buffers text until it reaches ``max_chars`` or its oldest text is
-``max_age_s`` old. It holds no timer and no event loop: the caller passes ``now`` and asks
-``next_deadline`` when to call ``due``, so the host API and the HTTP layer drive it with their own
-clocks and tests drive it with plain numbers.
+words, not tokens. ``Coalescer`` sends a stream's first text at once (a client waits on the first
+token), then buffers text until it reaches ``max_chars`` or its oldest text is ``max_age_s`` old. It
+holds no timer: the caller passes ``now`` and asks ``next_deadline`` when to call ``due``, so hosts
+drive it with their own clocks and tests with plain numbers. A chunk is at most ``max_chars`` long
+unless one ``add`` alone was longer: text is never split, a chunk keeps whole tokens with their ids.
 
-Size rule: a chunk is at most ``max_chars`` long, unless it ends with one ``add`` that alone was at
-least ``max_chars`` long (such text is never split: a chunk keeps whole tokens with their ids).
+See docs/http.md, "Streaming and coalescing".
 """
 
 from __future__ import annotations

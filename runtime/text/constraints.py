@@ -1,15 +1,13 @@
-"""Constrained decoding: a ``Constraint`` (JSON Schema, JSON mode, regex, Lark/GBNF grammar) made
-into a per-sequence token mask by llguidance (docs/structured.md says why that engine).
+"""Constrained decoding: a ``Constraint`` (JSON Schema, regex, grammar) made a token mask by
+llguidance.
 
-``grammar_of`` compiles a constraint to llguidance's grammar text and raises ``InvalidSchema`` /
-``InvalidGrammar`` naming the problem; it needs no tokenizer, so requests are checked at the edge.
-A ``ConstraintEngine`` belongs to one loaded model: it imports the model's tokenizer into
-llguidance once, on its own worker thread (3 s for a 262k vocabulary, so never on the event loop
-nor, unless a constrained request is waiting for it, on the compute thread), and makes one
-``TokenMatcher`` per constrained sequence. A matcher computes the next mask on the engine's worker
-thread right after a token is accepted (llguidance releases the GIL), so the mask is ready while
-the model computes the next step; ``apply`` waits for it and sets every disallowed logit to -inf.
-Each matcher must be ``release``d (the process counts the live ones: ``live_matchers``).
+``grammar_of`` compiles a constraint and raises ``InvalidSchema`` / ``InvalidGrammar`` naming the
+problem; it needs no tokenizer, so requests are checked at the edge. A ``ConstraintEngine`` belongs
+to one loaded model: it imports the tokenizer into llguidance once, on its own worker thread (3 s
+for a 262k vocabulary: never on the event loop), and makes one ``TokenMatcher`` per constrained
+sequence. A matcher computes the next mask on the worker thread right after a token is accepted
+(llguidance releases the GIL), so the mask is ready while the model computes. Each matcher must be
+``release``d (``live_matchers`` counts them). See docs/structured.md.
 """
 
 from __future__ import annotations

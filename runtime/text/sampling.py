@@ -1,20 +1,17 @@
 """Per-sequence token sampling: logits processors, truncation filters, and log-probabilities.
 
-A ``TokenSampler`` is built once per sequence from its ``Sampling`` and then asked, once per step,
-for the next token given the last position's logits and the sequence's token history. Keeping the
-whole pipeline in one object per sequence makes a seeded request repeat exactly (one ``rng``
-keys every draw) and lets the batch and speculative paths share it. The order follows llama.cpp
-and mlx-lm: processors (bias, penalties, DRY), the constraint's mask, then argmax at temperature 0
-or the truncation filters and temperature on the survivors. Log-probabilities are taken before the
-filters. ``draw`` builds the pick lazily (a ``Draw``) so the next model step can be queued first.
+A ``TokenSampler`` is built once per sequence from its ``Sampling`` and asked, once per step, for
+the next token given the last logits and the token history. One object per sequence makes a seeded
+request repeat exactly (one ``rng``) and serves every path. The order follows llama.cpp and mlx-lm:
+processors (bias, penalties, DRY), the constraint's mask, then argmax at temperature 0 or the
+truncation filters (truncation.py) and temperature. Log-probabilities are taken before the filters.
+``draw`` builds the pick lazily (a ``Draw``) so the next model step can be queued first.
 
-The order, each filter's definition and the logprobs rule: docs/sampling.md.
+DRY is dry.py. The order, each filter's definition and the logprobs rule: docs/sampling.md.
 """
 
 from __future__ import annotations
 
-import functools
-import math
 import random
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, cast
@@ -23,9 +20,6 @@ import mlx.core as mx
 import msgspec
 import numpy as np
 from mlx_lm.sample_utils import (
-    apply_min_p,
-    apply_top_k,
-    apply_top_p,
     make_frequency_penalty,
     make_presence_penalty,
     make_repetition_penalty,
@@ -33,18 +27,13 @@ from mlx_lm.sample_utils import (
 
 from runtime.errors import InvalidRequest
 from runtime.messages import Sampling
-from runtime.text.typical import apply_typical_p
+from runtime.text.dry import dry_penalties, sequence_breaker_ids
+from runtime.text.truncation import truncate
 
 if TYPE_CHECKING:
     from runtime.text.constraints import TokenMatcher
 
 __all__ = ["Draw", "SampleResult", "TokenSampler", "sequence_breaker_ids"]
-
-# DRY measures a repeated suffix at most this many tokens beyond ``dry_allowed_length``: it bounds
-# the per-step work (window x this) and the exponent; longer repeats get the same penalty.
-_DRY_MAX_EXTRA = 50
-# A DRY penalty is clamped here so it stays finite in float32 (the token is banned in effect).
-_DRY_MAX_PENALTY = 1e9
 
 _NEG_INF = float("-inf")
 
@@ -113,30 +102,6 @@ class Draw:
             values: list[float] = self._top[1].tolist()  # type: ignore[assignment]
             top = tuple(sorted(zip(ids, values, strict=True), key=lambda p: (-p[1], p[0])))
         return SampleResult(token=chosen, logprob=logprob, top_logprobs=top)
-
-
-@functools.lru_cache(maxsize=8)
-def sequence_breaker_ids(
-    decode_token: Callable[[int], str], vocab_size: int, breakers: tuple[str, ...]
-) -> frozenset[int]:
-    """Token ids whose text contains any of ``breakers``: one scan of the vocabulary.
-
-    Cached per ``(decode_token, vocab_size, breakers)``: pass a stable callable (such as a
-    tokenizer's bound method, which compares equal across accesses) so sequences share the scan.
-    Ids the tokenizer cannot decode (padding rows of the embedding) are not breakers.
-    """
-    needles = tuple(b for b in breakers if b)
-    if not needles:
-        return frozenset()
-    found = set()
-    for token_id in range(vocab_size):
-        try:
-            text = decode_token(token_id)
-        except Exception:  # tokenizers raise assorted errors for ids past their vocabulary
-            continue
-        if any(needle in text for needle in needles):
-            found.add(token_id)
-    return frozenset(found)
 
 
 class TokenSampler:
@@ -264,73 +229,13 @@ class TokenSampler:
         return out
 
     def dry_penalties(self, window: Sequence[int]) -> dict[int, float]:
-        """DRY: ``{token: amount to subtract}`` for the tokens that would extend a repetition.
-
-        ``window`` is the penalty window of the history (its last token is the newest).
-        """
-        s = self.sampling
-        n = len(window)
-        breakers = self._breakers
-        if n < 2 or window[-1] in breakers:
-            return {}
-        last = window[-1]
-        cap = s.dry_allowed_length + _DRY_MAX_EXTRA
-        longest: dict[int, int] = {}
-        for i in range(n - 1):
-            if window[i] != last:
-                continue
-            following = window[i + 1]
-            if following in breakers or not 0 <= following < self.vocab_size:
-                continue
-            length = 1  # window[i] == last already
-            while length < cap:
-                j = i - length
-                if j < 0:
-                    break
-                previous = window[n - 1 - length]
-                if window[j] != previous or previous in breakers:
-                    break
-                length += 1
-            if length > longest.get(following, 0):
-                longest[following] = length
-        penalties: dict[int, float] = {}
-        log_limit = math.log(_DRY_MAX_PENALTY)
-        for token, length in longest.items():
-            if length < s.dry_allowed_length:
-                continue
-            exponent = length - s.dry_allowed_length
-            log_amount = math.log(s.dry_multiplier) + exponent * math.log(s.dry_base)
-            penalties[token] = (
-                _DRY_MAX_PENALTY
-                if log_amount >= log_limit
-                else s.dry_multiplier * s.dry_base**exponent
-            )
-        return penalties
+        """DRY: ``{token: amount to subtract}`` for the tokens that would extend a repetition
+        (dry.py); ``window`` is the penalty window of the history, newest last."""
+        return dry_penalties(self.sampling, self._breakers, self.vocab_size, window)
 
     def truncate(self, logprobs: mx.array, rng: random.Random) -> mx.array:
-        """Top-k, top-n-sigma, typical-p, top-p, min-p, XTC on log-probabilities; removed tokens
-        get -inf.
-
-        Only top-p needs them normalised; the others (typical-p normalises its own) accept
-        logits shifted by any constant.
-
-        Draws XTC's coin from ``rng`` (only when ``xtc_probability > 0``).
-        """
-        s = self.sampling
-        lp = logprobs
-        if 0 < s.top_k < self.vocab_size:
-            lp = apply_top_k(lp, s.top_k)
-        if s.top_n_sigma > 0.0:
-            lp = _top_n_sigma(lp, s.top_n_sigma)
-        if 0.0 < s.typical_p < 1.0:
-            lp = apply_typical_p(lp, s.typical_p)
-        if 0.0 < s.top_p < 1.0:
-            lp = apply_top_p(lp, s.top_p)
-        if s.min_p > 0.0:
-            lp = apply_min_p(lp, s.min_p)
-        if s.xtc_probability > 0.0 and rng.random() < s.xtc_probability:
-            lp = _exclude_top_choices(lp, s.xtc_threshold)
-        return lp
+        """The truncation filters on log-probabilities (truncation.py); removed tokens get -inf."""
+        return truncate(self.sampling, self.vocab_size, logprobs, rng)
 
     # ------------------------------------------------------------------ the step
 
@@ -425,30 +330,3 @@ class TokenSampler:
             top_ids = mx.argpartition(-logprobs, kth=k - 1)[:k]
             top = (top_ids, mx.take(logprobs, top_ids))
         return Draw(token, chosen, top).read()
-
-
-def _top_n_sigma(logprobs: mx.array, n: float) -> mx.array:
-    """Keep tokens whose logit is within ``n`` standard deviations of the best one.
-
-    Mean and (population) standard deviation are taken over the tokens still in play (finite);
-    shifting every logit by a constant (as log-softmax does) changes nothing.
-    """
-    alive = mx.isfinite(logprobs)
-    count = alive.sum()
-    mean = mx.where(alive, logprobs, 0.0).sum() / count
-    variance = mx.where(alive, mx.square(logprobs - mean), 0.0).sum() / count
-    threshold = logprobs.max() - n * mx.sqrt(variance)
-    return mx.where(logprobs >= threshold, logprobs, _NEG_INF)
-
-
-def _exclude_top_choices(logprobs: mx.array, threshold: float) -> mx.array:
-    """XTC: remove every token with probability ``>= threshold`` except the least probable one.
-
-    Probabilities are renormalised over the tokens still in play; with fewer than two tokens at
-    or over the threshold nothing changes.
-    """
-    probs = mx.softmax(logprobs)
-    over = mx.logical_and(probs >= threshold, mx.isfinite(logprobs))
-    least = mx.where(over, probs, math.inf).min()
-    remove = mx.logical_and(over, probs > least)
-    return mx.where(remove, _NEG_INF, logprobs)

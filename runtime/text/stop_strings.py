@@ -1,14 +1,12 @@
 """Stop strings matched across token boundaries on streamed text.
 
 Text arrives in pieces that split words anywhere, so a stop string may begin in one piece and end
-several pieces later. ``StopStringMatcher`` holds back the shortest tail that could still grow into
-a stop string and emits the rest. Each stop keeps a KMP state (the longest suffix of the text so far
-that is a prefix of the stop), so every character is examined once per stop: linear overall, and
-the held-back tail is never longer than ``max(len(stop)) - 1`` characters.
-
-Which stop wins: the one that *completes* first; of those completing on the same character, the
-longest (it starts earliest). This is the only rule whose result does not depend on where the text
-was split, so a stream stops exactly where matching the whole text at once would.
+several later. ``StopStringMatcher`` holds back the shortest tail that could still grow into a stop
+string and emits the rest. Each stop keeps a KMP state: each character is examined once per stop,
+and the tail is under ``max(len(stop))``. Which stop wins: the one that *completes* first; of those
+completing on the same character, the longest (it starts earliest). That is the only rule whose
+result does not depend on where the text was split, so a stream stops exactly where matching the
+whole text would. See docs/streaming.md, "Stop strings".
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """Tool calls in the model's output: an incremental parser, and the grammar that forces them.
 
-The format is the Hermes one the fallback prompt asks for (runtime/text/tools.py) and that
-Qwen-style templates use natively: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``.
-``ToolCallParser`` splits output into content and calls as it streams, holding back text that may
-still start a tag, so any chunking of the output gives the same content and calls as the whole
-text (a client sees the same message streamed or not). ``tool_call_grammar`` is the constraint
-for ``tool_choice`` "required" or a named function; ``end_on_repeat`` drops a call that repeats
-an earlier one, so a small model that loops on one call can be stopped there.
+The format is the Hermes one the fallback prompt asks for and that Qwen-style templates use
+natively: ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``. ``ToolCallParser`` splits
+output into content and calls as it streams, holding back text that may still start a tag, so any
+chunking gives the same content and calls as the whole text. ``tool_call_grammar`` is the constraint
+for ``tool_choice`` "required" or a named function; ``end_on_repeat`` drops a call that repeats an
+earlier one, so a small model looping on one call is stopped there.
 
 Which blocks are calls, the grammar and repeats: docs/structured.md, "In the output".
 """

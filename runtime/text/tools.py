@@ -1,20 +1,12 @@
 """Tools in the chat prompt: the template's own tool rendering, or a documented fallback.
 
-A chat template *supports tools* when its Jinja text uses the ``tools`` variable (Qwen 2.5/3,
-Hermes 2 Pro, Llama 3.1 and Mistral templates do; SmolLM2's and Gemma 3's do not). Then the tools
-go to ``apply_chat_template(..., tools=[...])`` and assistant tool calls and ``tool`` messages go
-through as the Hugging Face chat format has them (``tool_calls[i].function.arguments`` a dict).
-
-Otherwise (no tool support, or no template at all) the fallback, in the Hermes format that
-Qwen-style models are trained on and that ``runtime.text.tool_calls`` parses:
-
-- the tools are listed in a system-prompt section (``tools_section``), appended to the leading
-  system/developer message or sent as a system message of their own;
-- an assistant message's calls are appended to its content as ``<tool_call>{json}</tool_call>``
-  blocks, one per call;
-- consecutive ``tool`` messages become one user message of ``<tool_response>`` blocks, so
-  templates that insist on user/assistant alternation (Gemma 3's) accept the conversation (only
-  in a conversation with tools or tool calls: one without renders as it always did).
+A chat template *supports tools* when its Jinja text uses the ``tools`` variable (Qwen 2.5/3, Llama
+3.1; not Gemma 3's). Then the tools go to ``apply_chat_template(..., tools=[...])`` and tool calls
+and ``tool`` messages pass in the Hugging Face chat format. Otherwise the fallback, in the Hermes
+format ``runtime.text.tool_calls`` parses: the tools listed in a system-prompt section
+(``tools_section``), an assistant's calls appended as ``<tool_call>`` blocks, and consecutive
+``tool`` messages made one user message of ``<tool_response>`` blocks, so templates that insist on
+alternation (Gemma 3's) accept the conversation. See docs/structured.md, "In the prompt".
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Batched decoding over mlx-lm's batch caches: the backend half of continuous batching.
 
-A ``DecodeBatch`` holds one persistent batch cache per layer and runs one forward pass per step
-for every sequence in it, each fed one token: one weight pass for B tokens instead of B passes.
-Sequences prefilled on the ordinary B=1 path ``join`` and ``leave`` between steps, leaving the
-others undisturbed. It is mlx-lm's ``BatchGenerator`` machinery (``merge``, ``extend``,
-``extract``, ``filter``) without its prompt processing or sampling, which the engine owns. Cache
-kinds mlx-lm cannot batch (``CacheKind.batch_refusal``) keep their models on the B=1 path.
-Every method runs on the engine's compute thread, like the backend's own.
+A ``DecodeBatch`` holds one persistent batch cache per layer and runs one forward pass per step for
+every sequence in it: one weight pass for B tokens instead of B passes. Sequences prefilled on the
+B=1 path ``join`` and ``leave`` between steps, leaving the others undisturbed. It is mlx-lm's
+``BatchGenerator`` machinery (``merge``, ``extend``, ``extract``, ``filter``) without its prompt
+processing or sampling, which the engine owns; cache kinds mlx-lm cannot batch
+(``CacheKind.batch_refusal``) stay on the B=1 path.
 
-Layout (left padding), the cost of a join, a leave and a step: docs/design.md, "The decode batch".
+Layout and the cost of a join, a leave and a step: docs/design.md, "The decode batch".
 """
 
 from __future__ import annotations

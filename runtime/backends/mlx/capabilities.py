@@ -1,17 +1,13 @@
 """A loaded model's capabilities: the load probe's verdict (cached or run) applied to the backend.
 
-A capability the probe found wrong is switched off for this model only: batched decoding off
-makes ``open_batch`` give None (streams are served one at a time); batched prefill off keeps the
-engine from prefilling prompts together (``ModelInfo.capable``); a snapshot that cannot reach back
-inside a pass makes the backend cut its passes at snapshot points; trimming off makes reuse
-restore checkpoints that copy every layer; checkpoints that do not restore exactly even so leave
-the model with no prefix reuse. The load log line says what is off and why; ``ModelInfo.limits``
-carries the same to ``/v1/models``, ``stats()`` and ``/metrics``.
+A capability the probe found wrong is switched off for this model only: no batched decoding, no
+batched prefill, passes cut at snapshot points, restores copying every layer, or no reuse. The load
+log line says what is off and why; ``ModelInfo.limits`` carries it to ``/v1/models``, ``stats()``
+and ``/metrics``. With ``MlxOptions.load_probe="background"`` (the default) a first load does not
+wait for the probe: the model is served as if every capability had failed until the engine has run
+the probe in pieces while idle (``DeferredProbe``) and applied its verdict.
 
-A model's first load need not wait for the probe (``MlxOptions.load_probe``, "background" by
-default): it is then served as if every capability had failed (one stream at a time, prompts
-prefilled alone, no trimming or checkpoints: whatever the probe finds can only widen that) until
-the engine has run the probe in pieces while idle (``DeferredProbe``) and applied its verdict.
+See docs/models.md, "Capabilities".
 """
 
 from __future__ import annotations

@@ -1,18 +1,13 @@
 """A prefill pass that gives up between layers once its sequence is aborted.
 
 MLX evaluates a forward pass as one graph, so an abort used to wait for the whole chunk. Here each
-attention layer's cache update first evaluates the layer's keys and values (so every layer before
-it has run) and checks the abort flag; once it is set the pass stops and every cache is put back as
-it was before the call. That bounds an abort's wait by the work from one attention layer to the
-next instead of a whole chunk, so chunks can stay long enough to run efficiently.
+attention layer's cache update first evaluates the layer's keys and values (so every layer before it
+has run) and checks the abort flag; once it is set the pass stops and every cache is put back as it
+was before the call, from shallow copies taken first. That bounds an abort's wait by the work
+between two attention layers, so chunks can stay long enough to run efficiently. Which cache kinds a
+shallow copy restores is said at ``can_interrupt``.
 
-The caches are put back from shallow copies taken before the call (each kind's ``undo_copy``).
-That is right for every kind whose updates either write past the old length (``KVCache``,
-``QuantizedKVCache``, ``ChunkedKVCache``), make new arrays (a multi-token ``RotatingKVCache``
-update, ``ArraysCache``, ``ConcatenateKVCache``), or write into the ring in place (a one-token
-``RotatingKVCache`` update: harmless after a multi-token one, whose ring is already new): each
-kind says so (``CacheKind.interruptible``). So a call whose first pass feeds more than one token,
-over caches of such kinds, is interruptible.
+See docs/design.md, "One step".
 """
 
 from __future__ import annotations
@@ -31,6 +26,10 @@ from runtime.backends.mlx.cache_kinds import kind_of
 def can_interrupt(caches: list[Any], first_pass_tokens: int) -> bool:
     """Whether a call over these caches whose first pass feeds ``first_pass_tokens`` can be
     stopped and undone."""
+    # Undone from shallow copies (each kind's ``undo_copy``): right for every kind whose update
+    # writes past the old length (KVCache, QuantizedKVCache, ChunkedKVCache), makes new arrays (a
+    # multi-token RotatingKVCache update, ArraysCache, ConcatenateKVCache), or writes the ring in
+    # place only on a one-token update, harmless after a multi-token one (``interruptible``).
     return first_pass_tokens > 1 and all(kind_of(c).interruptible(c) for c in caches)
 
 

@@ -1,14 +1,13 @@
 """Several prompts prefilled in one batched pass, each into its own sequence state.
 
 A pass over B rows reads every weight once, so on a CPU (and on a GPU with a small model) a padded
-batch of prompts costs each one less than its own pass: ~0.8x per 64-token prompt in a batch of 8
-on SmolLM2-135M and Gemma 3 270M (scripts/batched_prefill_gain.py). This is mlx-lm's own batch
-prompt processing (``PromptProcessingBatch``): per-sequence caches merged into batch caches, the
-prompts padded, the last tokens run as one more pass, each row extracted again. Every cache kind
-mlx-lm batches works, and checkpoint snapshots are taken where each is cheapest.
+batch of prompts costs each one less than its own pass: ~0.8x per 64-token prompt in a batch of 8 on
+SmolLM2-135M and Gemma 3 270M (scripts/batched_prefill_gain.py). This is mlx-lm's own batch prompt
+processing (``PromptProcessingBatch``): per-sequence caches merged, the prompts padded, the last
+tokens run as one more pass, each row extracted again. Every cache kind mlx-lm batches works.
 
-Where snapshots are taken, and the recurrent-layer workarounds: docs/design.md, "Prompts
-prefilled together".
+Where snapshots are taken, and the recurrent-layer workarounds: docs/design.md, "Prompts prefilled
+together".
 """
 
 from __future__ import annotations

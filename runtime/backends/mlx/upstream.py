@@ -1,12 +1,11 @@
 """Workarounds for mlx-lm's batching defects, where the fix can be ours.
 
-Batching must not change what a row computes, and some mlx-lm models do, in ways we can undo
-without forking mlx-lm: recurrent layers that read a cut or padded pass's state wrongly (ssm,
-nemotron_h, rwkv7: passes cut at each row's end, per-piece lengths, each row's state held and put
-back), masks and query rotations that ignore per-row offsets (gemma2, afm7), a KV layer the model
-never writes (nemotron-nas, handled in ``cache_kinds``) and position ids built from one offset
-(gpt_bigcode). The load probe (probe.py) checks the result on the loaded model itself and switches
-off what still fails.
+Batching must not change what a row computes, and some mlx-lm models do, in ways we can undo without
+forking mlx-lm: recurrent layers that read a cut or padded pass's state wrongly (ssm, nemotron_h,
+rwkv7), masks and query rotations that ignore per-row offsets (gemma2, afm7), a KV layer the model
+never writes (nemotron-nas, in ``cache_kinds``) and position ids built from one offset
+(gpt_bigcode). The load probe (probe.py) checks the result on the loaded model and switches off what
+still fails.
 
 Each defect with the mlx-lm file and line: docs/models.md, "Upstream defects and workarounds".
 """

@@ -1,16 +1,13 @@
-"""Speculative verification on MLX: one pass over a token and its drafts, then the rejected tail
-taken back out.
+"""Speculative verification on MLX: one pass over a token and its drafts, the rejected tail cut out.
 
-``verify_pass`` runs the tokens as one multi-token pass and keeps the logits of every position
-(a prefill keeps only the last). ``rewind_pass`` cuts each layer back by the rejected tokens with
-its kind's ``rewind``: full attention lowers its offset (mlx-lm's trim) and a sliding-window ring,
-which a multi-token update leaves in temporal order, is cut short, so neither copies anything. A
-recurrent state (``ArraysCache``) holds only its last step: the layers go back to shallow copies
-taken before the pass (the pass wrote past their ends or made new arrays, as for an interrupted
-prefill, interrupt.py) and the kept tokens run again. ``draft_pass`` is a draft model's side: it
-catches up with the sequence and then decodes greedily one token at a time, all in one lazy graph
-(no host round trip between drafts); only full-attention layers, whose one-token updates write
-past their end, can be cut back after it. See docs/design.md (speculative decoding).
+``verify_pass`` runs the tokens as one multi-token pass and keeps every position's logits.
+``rewind_pass`` cuts each layer back by the rejected tokens with its kind's ``rewind`` (full
+attention lowers its offset, a sliding-window ring is cut short: no copy); a recurrent state holds
+only its last step, so its layers go back to shallow copies taken before the pass and the kept
+tokens run again. ``draft_pass`` is a draft model's side: it catches up with the sequence, then
+decodes greedily in one lazy graph (no host round trip between drafts).
+
+See docs/design.md, "Speculative decoding (prompt lookup)" and "with a draft model".
 """
 
 from __future__ import annotations

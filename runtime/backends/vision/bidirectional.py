@@ -1,21 +1,12 @@
 """Bidirectional attention inside image spans, for the families whose reference declares it.
 
-Hugging Face's Gemma 3 (``Gemma3ForConditionalGeneration``) prefills a prompt with
-``token_type_ids`` from its processor (1 at each image soft token) and lets the tokens of one
-image block attend to each other both ways: a block is a maximal run of soft tokens
-(``get_block_sequence_ids_for_mask``), full-attention layers use ``causal OR same block`` and
-sliding-window layers ``window AND (causal OR same block)`` (``create_masks_for_vision_model``).
-Decode steps have no image tokens, so the overlay never applies there. mlx-vlm 0.7's Gemma 3 does
-not do this: its generation runs the language model with the causal mask (its Gemma 4 does, with
-the same overlay). So this module runs mlx-vlm's Gemma 3 language model layer by layer with the
-overlay added to each layer's causal mask: the same layers, caches and cache masks, one extra
-``OR`` on the columns of the pass's own tokens.
-
-It is exact only when each run of soft tokens is in one pass: the engine never ends a prefill
-chunk or a checkpoint inside one (``media.inside_span``), and the backend refuses a pass that would
-(``MlxBackend.prefill``). A pass that begins inside a run (a state restored there) is exact too:
-the run's first tokens were prefilled whole, so their keys and values already saw the rest, and
-the rest attends to them as past tokens and to each other through the overlay.
+Hugging Face's Gemma 3 lets the soft tokens of one image attend to each other both ways during
+prefill (full attention: ``causal OR same block``; sliding: ``window AND (causal OR same block)``);
+mlx-vlm 0.7's Gemma 3 runs the causal mask only. So this runs mlx-vlm's own layers one by one with
+that overlay added to each layer's cache mask, on the columns of the pass's own tokens. It is exact
+because the engine never ends a pass inside a run of soft tokens (``media.inside_span``), and the
+backend refuses one that would. Why, and why a restore inside a run would still be exact:
+docs/models.md, "Bidirectional inside an image, where the model declares it".
 """
 
 from __future__ import annotations

@@ -1,14 +1,11 @@
 """An mlx-vlm model in the shape of an mlx-lm one, so the MLX backend runs it unchanged.
 
-``model(ids, cache=caches)`` returns logits, ``make_cache`` mlx-lm's cache classes (the ones
-``cache_kinds`` has adapters for). Text arrives as int32 ids and runs through the language model
-as it would alone, so a text request to a VLM keeps reuse, batching, samplers and constraints. A
-pass whose ids hold media ids (``media.py``: they need 64 bits, so the array is int64) embeds its
-text ids, puts each image's features (``MediaStore.features``) at its soft tokens, and runs the
-language model on those embeddings, as mlx-vlm's own ``get_input_embeddings`` would lay them out.
-A family whose reference attends bidirectionally inside image spans (Gemma 3) runs such a pass
-through ``bidirectional.forward``, with the overlay on its causal masks; the others stay causal
-inside a span, as their references are (docs/models.md).
+``model(ids, cache=caches)`` returns logits; ``make_cache`` gives mlx-lm's cache classes. Text runs
+through the language model as it would alone, so a text request keeps reuse, batching, samplers and
+constraints. A pass whose ids hold media ids (int64, ``media.py``) embeds its text, puts each
+image's features (``MediaStore.features``) at its soft tokens as mlx-vlm's ``get_input_embeddings``
+lays them out, and runs the language model on those embeddings; Gemma 3 through
+``bidirectional.forward``, the others causally, as their references are (docs/models.md).
 """
 
 from __future__ import annotations

@@ -1,16 +1,12 @@
 """The engine's images: each image's soft-token span as its processor makes it, and its features.
 
-``register`` runs on the tokenize job: the model's own processor expands the model's image marker
-for the image (Gemma 3: ``<start_of_image>``, 256 soft tokens, ``<end_of_image>``; SmolVLM: a
-``<fake_token_around_image>`` row per tile and a global view), so the prompt holds the exact number
-of soft tokens the model will read and the KV reservation prices them before admission. The
-vision tower runs later, in the prefill job whose chunk reaches the span, image by image ahead of
-its passes (``encode``): an abort stops it at the next encoder layer of the image being encoded
-(``tower.py``) or before the next image, and the passes after it at their next layer
-(runtime/backends/mlx/interrupt.py). Items are kept in LRU order, at most
-``capacity`` of them and ``capacity_bytes`` of pixels and features (memory the KV budget does
-not count); one evicted before its prefill fails that request ``MediaEvicted`` (retryable),
-never another image's features.
+``register`` (the tokenize job) expands the model's image marker with its own processor, so the
+prompt holds the exact soft tokens the model reads and the KV reservation prices them before
+admission. ``encode`` runs the vision tower in the prefill job whose chunk reaches the span, image
+by image; an abort stops it at the next encoder layer (``tower.py``) or image. Items are kept in
+LRU order within ``capacity`` and ``capacity_bytes`` (memory the KV budget does not count); one
+evicted before its prefill fails that request ``MediaEvicted`` (retryable), never another's.
+See docs/models.md, "Vision-language models".
 """
 
 from __future__ import annotations

@@ -1,17 +1,12 @@
 """The vision tower as an abortable job: a stop check before each of its encoder layers.
 
-MLX evaluates a forward pass as one graph, so an abort used to wait for a whole image's tower
-(dozens of layers over a few thousand patches on a real model). While an image is encoded with a
-stop flag, each encoder of the VLM's vision model (every module holding a ``layers`` list of
-modules: SigLIP's ``Encoder`` in Gemma 3, Idefics3's and SmolVLM's) runs its layers through a
-``Checked`` stand-in, which evaluates the layer's input (so every layer before it has run) and
-raises ``PrefillInterrupted`` once the flag is set. The lists are put back when the image is done
-or stopped. mlx-vlm's own ``get_input_embeddings`` still does the rest (embeddings, projector,
-pixel shuffle): no family's tower is rewritten here, and a run with the flag never set computes
-the same graph, evaluated in more pieces (tests/test_vision.py).
-
-It swaps the lists in the model's module tree for the call's length, which is safe because only
-the engine's compute thread runs the model.
+MLX evaluates a forward pass as one graph, so an abort used to wait for a whole image's tower.
+While an image is encoded with a stop flag, each encoder of the vision model (a module holding a
+``layers`` list) runs its layers through a ``Checked`` stand-in that evaluates the layer's input
+and raises ``PrefillInterrupted`` once the flag is set; the lists are put back afterwards.
+mlx-vlm's ``get_input_embeddings`` does the rest, so no family's tower is rewritten, and a run
+whose flag is never set computes the same graph in more pieces. Swapping the lists is safe because
+only the engine's compute thread runs the model.
 """
 
 from __future__ import annotations
