@@ -284,6 +284,39 @@ def test_tidy_frees_two_slots_ahead_of_need_so_a_branch_copies_without_a_spill(
         backend.close()
 
 
+def test_a_decode_batch_keeps_its_seq_ids_one_run_and_each_member_decodes_as_alone(
+    real_gguf: Callable[[str], Any],
+) -> None:
+    """llama.cpp makes one pass of a step only over consecutive seq_ids (seqs.py). With ids
+    0-6 held by states and 3 freed: members join on 7 and 8, then on 6, whose state moves to 3;
+    a member leaving from the middle of the run leaves a hole that the next step closes (the
+    state it left as moves to a freed id, the top member into the hole). Every member draws
+    what it draws alone, and the moved states continue as they would have (a step after the
+    move is not compared: a 2-row pass sums otherwise than one row, a near-tie here)."""
+    backend = few_sequences(real_gguf, max_sequences=9, max_batch=3)
+    try:
+        prompts, states = prefilled(backend, 7)
+        assert [state.seq for state in states] == list(range(7))
+        states[3] = backend.new_state()  # the old state is dropped: seq_id 3 is freed
+        batch, slots, drawn = batch_greedy(backend, states[:3], 3)
+        assert batch.runs == 1 and backend.pool.moves == 1 and states[6].seq == 3
+        states[4] = backend.new_state()  # frees seq_id 4 for the state leaving below
+        left = batch.leave(slots[0])
+        assert left.seq == 7 and batch.runs == 2  # the first to join took 7, between 6 and 8
+        top = backend.context.seq_size(8)
+        batch.close_holes()  # as the next step() does first
+        assert batch.runs == 1 and backend.pool.moves == 2 and left.seq == 4
+        assert backend.context.seq_size(7) == top and backend.context.seq_size(8) < 100  # emptied
+        tokens = {slot: drawn[slot][-1] for slot in slots[1:]}
+        assert set(batch.step(tokens)) == set(slots[1:])
+        assert drawn[slots[0]] + greedy(backend, left, 3) == cold(backend, prompts[0], 6)
+        for slot, ids in zip(slots[1:], prompts[1:3], strict=True):
+            assert drawn[slot] == cold(backend, ids, 3)
+        assert greedy(backend, states[6], 4) == cold(backend, prompts[6], 4)
+    finally:
+        backend.close()
+
+
 def test_tidy_grows_the_copy_buffer_for_the_largest_resident_state(
     real_gguf: Callable[[str], Any],
 ) -> None:

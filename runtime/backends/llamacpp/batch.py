@@ -4,7 +4,10 @@ Each member is a seq_id of the model's one context. ``join`` copies the state's 
 the batch owns (through host bytes: ``SeqPool.copy``), ``step`` builds a ``llama_batch`` with one
 row per member (its own seq_id and position, logits kept) and runs it, and ``leave`` hands the
 member's seq_id back as an ordinary state. Sequences of different lengths need no padding: each row
-attends to its own cells through llama.cpp's mask. A batch dropped with members (the engine drops
+attends to its own cells through llama.cpp's mask. llama.cpp makes one pass of a step only over
+consecutive seq_ids (``SeqPool.acquire_beside``), so members join on ids that keep the batch one
+run, rows go in in seq_id order, and a hole a member leaves is closed before the next step (the
+top member's cells move into it). A batch dropped with members (the engine drops
 a batch whose step failed) gives their seq_ids back to the pool, as a dropped state does.
 """
 
@@ -19,7 +22,7 @@ import mlx.core as mx
 from runtime.backends.contract import SequenceState
 from runtime.backends.llamacpp.binding import Context
 from runtime.backends.llamacpp.passes import Row
-from runtime.backends.llamacpp.seqs import LlamaState, SeqPool, own_state
+from runtime.backends.llamacpp.seqs import LlamaState, SeqPool, own_state, runs
 
 
 @dataclass
@@ -51,7 +54,7 @@ class LlamaDecodeBatch:
         if own.n_tokens <= 0:
             raise ValueError("join() needs a prefilled state (at least one token)")
         self._pool.reclaim()
-        dst = self._pool.copy(own)
+        dst = self._pool.copy(own, beside=[member.seq for member in self._members.values()])
         slot = self._next_slot
         self._next_slot += 1
         self._members[slot] = _Member(dst, own.n_tokens, own.high_water, own.logits)
@@ -79,7 +82,9 @@ class LlamaDecodeBatch:
             )
         if not self._members:
             return {}
-        slots = list(self._members)
+        self.close_holes()
+        # In seq_id order: llama.cpp takes a run of ids in one pass only in increasing order.
+        slots = sorted(self._members, key=lambda slot: self._members[slot].seq)
         rows = []
         for slot in slots:
             member, token = self._members[slot], tokens[slot]
@@ -94,6 +99,23 @@ class LlamaDecodeBatch:
                 member.high_water = max(member.high_water, member.n_tokens)
                 member.logits = out[slot] = mx.array(row_logits)
         return out
+
+    @property
+    def runs(self) -> int:
+        """The runs of consecutive seq_ids the members hold: the passes a step takes."""
+        return runs(member.seq for member in self._members.values())
+
+    def close_holes(self) -> None:
+        """Move the top member into each hole of the members' ids (a state that holds the hole
+        moves off it first), while copies succeed: one copy each, where a split costs a pass
+        every step."""
+        while self.runs > 1:
+            by_seq = {member.seq: member for member in self._members.values()}
+            hole = next(seq for seq in range(min(by_seq), max(by_seq)) if seq not in by_seq)
+            top = by_seq[max(by_seq)]
+            if not self._pool.holder_moves_off(hole) or not self._pool.move_member(top.seq, hole):
+                return
+            top.seq = hole
 
     def _check(self, slot: int) -> int:
         if slot not in self._members:
