@@ -7,8 +7,7 @@ member's seq_id back as an ordinary state. Sequences of different lengths need n
 attends to its own cells through llama.cpp's mask. llama.cpp makes one pass of a step only over
 consecutive seq_ids (``SeqPool.acquire_beside``), so members join on ids that keep the batch one
 run, rows go in in seq_id order, and a hole a member leaves is closed before the next step (the
-top member's cells move into it). A batch dropped with members (the engine drops
-a batch whose step failed) gives their seq_ids back to the pool, as a dropped state does.
+top member's cells move into it). A dropped batch (a failed step) gives its seq_ids back.
 """
 
 from __future__ import annotations
