@@ -11,17 +11,11 @@ CAP_SYS_NICE) it is skipped.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
 from runtime.cluster.proxy import niceness_note
-from runtime.testing.tiny_models import tiny_model_path
+from tests.fresh_process import run_script
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """
 import os
 try:
@@ -49,17 +43,7 @@ anyio.run(main)
 @pytest.mark.mlx
 def test_an_engine_process_runs_at_the_hosts_niceness() -> None:
     pytest.importorskip("ray")
-    source = SCRIPT.replace("PATH", repr(str(tiny_model_path("llama"))))
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    done = subprocess.run(
-        [sys.executable, "-c", source],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": path},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = run_script(SCRIPT)
     assert done.returncode == 0, done.stderr[-3000:]
     if done.stdout.strip() == "no permission":
         pytest.skip("lowering a niceness needs CAP_SYS_NICE here")

@@ -4,20 +4,14 @@ under the second, which serves on; the last one leaving stops it."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from runtime.testing.tiny_models import tiny_model_path
+from tests.fresh_process import run_script
 
 pytest.importorskip("ray")
 
 pytestmark = [pytest.mark.cluster, pytest.mark.mlx]
 
-ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = """
 import anyio, ray
 from runtime import ClusterConfig, ModelSpec, Runtime, RuntimeConfig
@@ -62,15 +56,5 @@ anyio.run(main)
 
 
 def test_runtimes_of_one_process_share_the_ray_the_first_started() -> None:
-    source = SCRIPT.replace("PATH", repr(str(tiny_model_path("llama"))))
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
-    done = subprocess.run(
-        [sys.executable, "-c", source],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": path},
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
+    done = run_script(SCRIPT)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
