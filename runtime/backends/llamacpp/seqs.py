@@ -304,8 +304,18 @@ class SeqPool:
 def runs(seqs: Iterable[int]) -> int:
     """How many runs of consecutive ids ``seqs`` make: the passes llama.cpp splits a decode
     step over them into (``SeqPool.acquire_beside``)."""
-    ordered = sorted(set(seqs))
-    return sum(1 for i, seq in enumerate(ordered) if i == 0 or seq != ordered[i - 1] + 1)
+    return len(_runs(seqs))
+
+
+def _runs(seqs: Iterable[int]) -> list[tuple[int, int]]:
+    """The runs of consecutive ids in ``seqs``, lowest first: (first id, length) each."""
+    found: list[tuple[int, int]] = []
+    for seq in sorted(set(seqs)):
+        if found and seq == found[-1][0] + found[-1][1]:
+            found[-1] = (found[-1][0], found[-1][1] + 1)
+        else:
+            found.append((seq, 1))
+    return found
 
 
 def _wanted(run: Collection[int], size: int) -> list[int]:
@@ -318,11 +328,5 @@ def _wanted(run: Collection[int], size: int) -> list[int]:
 
 def _longest_run_start(free: Iterable[int]) -> int:
     """The first id of the longest run of consecutive ids in ``free`` (the lowest on a tie)."""
-    ordered = sorted(free)
-    best, best_len, start = ordered[0], 0, ordered[0]
-    for i, seq in enumerate(ordered):
-        if i and seq != ordered[i - 1] + 1:
-            start = seq
-        if seq - start + 1 > best_len:
-            best, best_len = start, seq - start + 1
-    return best
+    first, _ = max(_runs(free), key=lambda run: run[1])  # max keeps the first of equals
+    return first
