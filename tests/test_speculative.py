@@ -16,12 +16,14 @@ import math
 import random
 from typing import Any, NamedTuple
 
+import httpx
 import mlx.core as mx
 import msgspec
 import pytest
 
 from actors.engine.drafting import PromptLookup, Speculation
 from runtime.backends.mlx.backend import MlxBackend
+from runtime.backends.simulated import greedy_continuation
 from runtime.host.api import Runtime
 from runtime.host.config import RuntimeConfig
 from runtime.messages import (
@@ -32,6 +34,8 @@ from runtime.messages import (
     TokenLogprob,
     TokensEmitted,
 )
+from runtime.server import OpenAIServer, ServerConfig
+from runtime.testing.harness import sim_spec
 from runtime.testing.tiny_models import TinyModelKind, tiny_model_path
 from runtime.text.sampling import TokenSampler
 from tests.loop_checks import on_uvloop
@@ -353,12 +357,8 @@ def test_judged_drafts_keep_the_sampling_distribution(source: str) -> None:
 
 @pytest.mark.anyio
 async def test_http_speculative_field_timings_and_metrics() -> None:
-    import httpx
-
-    from runtime.backends.simulated import greedy_continuation
-    from runtime.server import OpenAIServer, ServerConfig
-    from runtime.testing.harness import sim_spec
-
+    # runtime.server is imported at the module's top: its first import reads /proc
+    # (prometheus_client's process collector), which the loop checks rightly refuse on the loop.
     prompt = "the quick brown fox jumps over the lazy dog; " * 4
     config = ServerConfig(
         models=(sim_spec("m", chunk=64, context_length=512),),
