@@ -4,9 +4,10 @@ each line is the max difference of the last token's logits against the reference
 
     python scripts/llamacpp_gemma_exactness.py [gemma3-270m]
 
-(1) a 300-token prompt in one pass against calls ending at the cuts listed; (2) a state of P
-tokens copied through host bytes (as ``copy_state`` and a batch join copy), both continued by
-the same pass, for P below and past the 512-token window.
+(1) a 300-token prompt in one pass against calls ending at the cuts listed, and the same with
+each call padded to 8 rows by throwaway rows (removed after, as ``exact_reuse`` pads a lone row);
+(2) a state of P tokens copied through host bytes (as ``copy_state`` and a batch join copy), both
+continued by the same pass, for P below and past the 512-token window.
 """
 
 from __future__ import annotations
@@ -35,14 +36,17 @@ def main() -> None:
     )  # fmt: skip
     ids = ctx.tokenize("\n\n".join(CORPUS))
 
-    def prefill(seq: int, start: int, cuts: list[int], n: int) -> np.ndarray:
-        """ids[start:n] on ``seq`` in calls ending at each cut (and every 512); the last logits."""
+    def prefill(seq: int, start: int, cuts: list[int], n: int, pad: int = 0) -> np.ndarray:
+        """ids[start:n] on ``seq`` in calls ending at each cut (and every 512), each padded to
+        ``pad`` rows; the last logits."""
         pos, out = start, None
         for cut in [*cuts, n]:
             while pos < cut:
                 upto = min(cut, pos + 512)
                 rows = [Row(seq, p, ids[p], p == n - 1) for p in range(pos, upto)]
+                rows += [Row(seq, upto + i, ids[0], False) for i in range(pad - len(rows))]
                 got = ctx.decode(rows)
+                ctx.seq_rm(seq, upto, -1)  # the throwaway rows' cells
                 out, pos = (np.array(got[-1]) if got else out), upto
         assert out is not None
         return out
@@ -53,7 +57,9 @@ def main() -> None:
         for cuts in CUTS:
             ctx.seq_rm(1, 0, -1)
             diff = np.abs(prefill(1, 0, cuts, 300) - whole).max()
-            print(f"(1) calls ending at {cuts} against one pass: {diff:.4g}")
+            ctx.seq_rm(1, 0, -1)
+            padded = np.abs(prefill(1, 0, cuts, 300, pad=8) - whole).max()
+            print(f"(1) calls ending at {cuts} against one pass: {diff:.4g}, padded {padded:.4g}")
         for at in COPIED_AT:
             for seq in (0, 1):
                 ctx.seq_rm(seq, 0, -1)
