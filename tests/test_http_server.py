@@ -628,5 +628,33 @@ async def test_a_timeout_that_is_not_positive_seconds_is_400_naming_it() -> None
             )
 
 
+async def test_a_prewarm_takes_timeout_s_as_a_completion_does() -> None:
+    """Past its ``timeout_s`` a prewarm is a 504 ``request_timeout``; a value that is not
+    positive seconds is a 400 naming ``timeout_s``; one that leaves time prewarms as without."""
+    slow = sim_model(prefill_s_per_token=0.01)  # a 100-token prompt: 1 s of prefill
+
+    async def prewarm(client: httpx.AsyncClient, prompt: str, timeout_s: object) -> httpx.Response:
+        body = {"model": "m", "prompt": prompt, "timeout_s": timeout_s}
+        return await client.post("/v1/prewarm", json=body)
+
+    async with serving(slow) as (client, server):
+        late = await prewarm(client, "x" * 100, 0.05)
+        assert late.status_code == 504
+        error = error_of(late)
+        assert (error["code"], error["type"]) == ("request_timeout", "server_error")
+        assert "timeout_s of 0.05 s" in error["message"]
+        for bad in (0, -1.5, "soon", True):
+            refused = await prewarm(client, "y", bad)
+            assert refused.status_code == 400, bad
+            assert (error_of(refused)["code"], error_of(refused)["param"]) == (
+                "invalid_request",
+                "timeout_s",
+            )
+        in_time = await prewarm(client, "z" * 10, 60)
+        assert in_time.status_code == 200
+        assert (in_time.json()["status"], in_time.json()["prompt_tokens"]) == ("prewarmed", 10)
+        await wait_until(server.runtime, lambda: kv_reserved(server) == prefix_bytes(server))
+
+
 def prefix_bytes(server: OpenAIServer) -> int:
     return server.runtime.stats().actors["prefix"].gauges["bytes"]

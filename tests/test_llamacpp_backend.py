@@ -18,7 +18,7 @@ import pytest
 
 from runtime.backends.contract import CannotTrim, PrefillInterrupted, ReuseStrategy
 from runtime.backends.llamacpp.backend import LlamaCppBackend
-from runtime.backends.llamacpp.seqs import LlamaState
+from runtime.backends.llamacpp.seqs import LlamaState, runs
 from runtime.messages import ChatMessage, ChatOptions, ModelSpec
 from runtime.text.chat import prepare_chat
 from tests.llamacpp_support import StopAfter, batch_greedy, greedy
@@ -106,6 +106,22 @@ def test_greedy_equals_llama_cpps_own_greedy(backend: LlamaCppBackend) -> None:
     finally:
         oracle.close()
     assert cold(backend, ids, 16) == expected
+
+
+def test_a_steps_logits_are_an_array_of_their_own_past_the_next_pass(
+    backend: LlamaCppBackend,
+) -> None:
+    """Logits are copied once, from the buffer the next ``llama_decode`` overwrites straight into
+    an ``mx.array`` (binding.py): a float32 (vocab,) array that later passes leave unchanged."""
+    state, other = backend.new_state(), backend.new_state()
+    prefill(backend, state, backend.encode(CORPUS[0]))
+    first = backend.logits(state)
+    assert (first.dtype, first.shape) == (mx.float32, (backend.info.vocab_size,))
+    kept = np.array(first)
+    prefill(backend, other, backend.encode(CORPUS[1]))
+    after = backend.feed(state, mx.array(int(np.argmax(kept))))
+    assert np.array_equal(np.array(first), kept)
+    assert not np.array_equal(np.array(after), kept)
 
 
 # ---------------------------------------------------------------------- reuse
@@ -210,7 +226,7 @@ def test_prefill_together_equals_each_alone(backend: LlamaCppBackend) -> None:
 
 
 def few_sequences(
-    real_gguf: Callable[[str], Any], *, max_sequences: int, max_batch: int
+    real_gguf: Callable[[str], Any], *, max_sequences: int, max_batch: int, exact: bool = False
 ) -> LlamaCppBackend:
     """SmolLM2 on llama.cpp with only ``max_sequences`` seq_ids (the caller closes it)."""
     from tests.llamacpp_support import require_llama_cpp
@@ -218,6 +234,7 @@ def few_sequences(
     require_llama_cpp()
     real_gguf("smollm2-135m-instruct")
     options = {"max_sequences": max_sequences, "max_batch": max_batch, "n_threads": 1}
+    options |= {"exact_reuse": True} if exact else {}
     spec = ModelSpec(name="small", backend="llamacpp", path="smollm2-135m-instruct",
                      options={**options, "context_length": 1024})  # fmt: skip
     return LlamaCppBackend.load(spec)
@@ -313,6 +330,36 @@ def test_a_decode_batch_keeps_its_seq_ids_one_run_and_each_member_decodes_as_alo
         for slot, ids in zip(slots[1:], prompts[1:3], strict=True):
             assert drawn[slot] == cold(backend, ids, 3)
         assert greedy(backend, states[6], 4) == cold(backend, prompts[6], 4)
+    finally:
+        backend.close()
+
+
+def test_a_together_prefill_of_equal_rests_takes_one_run_of_seq_ids_and_each_equals_cold(
+    real_gguf: Callable[[str], Any],
+) -> None:
+    """Equal rests are one pass only over consecutive seq_ids, as a decode step (seqs.py). With
+    ids 0-6 held, the states on 1 and 4 continue together with a new one, 9 tokens each: the new
+    one takes 2 (its state moves to a free id), then the state on 3 moves off and the one on 4
+    into it, so the three hold 1-3 (before: 1, 4 and 7, three passes). Each then draws what its
+    whole prompt draws cold, and so do the states that moved (exact_reuse: the same sums)."""
+    backend = few_sequences(real_gguf, max_sequences=9, max_batch=3, exact=True)
+    try:
+        prompts, states = prefilled(backend, 7)
+        fresh = backend.new_state()
+        group = [states[1], states[4], fresh]
+        rests = [prompts[5][:9], prompts[2][:9], backend.encode(CORPUS[7])[:9]]
+        backend.prefill_together(group, rests)
+        assert [state.seq for state in group] == [1, 3, 2] and runs(s.seq for s in group) == 1
+        assert backend.pool.moves == 3 and (states[2].seq, states[3].seq) == (7, 8)
+        for state, head, rest in zip(group, (prompts[1], prompts[4], []), rests, strict=True):
+            assert greedy(backend, state, 4) == cold(backend, [*head, *rest], 4)
+        for index in (2, 3, 6):
+            assert greedy(backend, states[index], 4) == cold(backend, prompts[index], 4)
+        # Unequal rests go one pass each (faster than llama.cpp's equal sub-passes): no moves.
+        again = [backend.new_state(), backend.new_state()]
+        backend.prefill_together(again, [prompts[0][:12], prompts[0][:20]])
+        assert backend.pool.moves == 3
+        assert greedy(backend, again[1], 4) == cold(backend, prompts[0][:20], 4)
     finally:
         backend.close()
 

@@ -187,6 +187,7 @@ class PrewarmRequest(_Body, frozen=True, kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None  # as the chat request's
     reasoning_effort: str | None = None
     keep_on_disk: bool = False  # also write it to the server's disk tier at once
+    timeout_s: float | None = None  # as a generate's: 504 request_timeout once it passes
 
 
 completion_request_decoder = msgspec.json.Decoder(CompletionRequest)

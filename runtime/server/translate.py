@@ -170,6 +170,7 @@ def prewarm_call(request: PrewarmRequest, sources: MediaSources = NO_MEDIA) -> R
         session=request.session,
         anonymous=request.session is None,  # as for a generate (_call)
         keep_on_disk=request.keep_on_disk,
+        timeout_s=request.timeout_s,  # checked by the runtime, as a generate's (400 timeout_s)
     )
 
 

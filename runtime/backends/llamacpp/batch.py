@@ -96,7 +96,7 @@ class LlamaDecodeBatch:
                 member = self._members[slot]
                 member.n_tokens += 1
                 member.high_water = max(member.high_water, member.n_tokens)
-                member.logits = out[slot] = mx.array(row_logits)
+                member.logits = out[slot] = row_logits
         return out
 
     @property

@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import mlx.core as mx
 import numpy as np
 
 from runtime.backends.contract import PrefillInterrupted
@@ -297,16 +298,17 @@ class Context:
 
     # ------------------------------------------------------------------ compute
 
-    def decode(self, rows: Sequence[Row], stop: threading.Event | None = None) -> list[np.ndarray]:
+    def decode(self, rows: Sequence[Row], stop: threading.Event | None = None) -> list[mx.array]:
         """``rows`` (at most ``n_batch``) through ``llama_decode``; the float32 logits of each
-        row that asks for them, in order. With ``stop`` a call gives up between graph nodes once
-        it is set (``PrefillInterrupted``; llama.cpp drops what that call added).
+        row that asks for them, in order, as the ``mx.array``s the samplers take. With ``stop``
+        a call gives up between graph nodes once it is set (``PrefillInterrupted``; llama.cpp
+        drops what that call added).
 
         Where a sequence's lone row would be computed by other kernels than the same row inside
         a longer pass (``pads_lone_rows``), the rows go in calls planned by ``passes.plan_calls``
         (a throwaway row beside each lone one, equal rows per sequence)."""
         calls = plan_calls(rows, self.n_batch, pad=self.pads_lone_rows)
-        kept: dict[int, np.ndarray] = {}
+        kept: dict[int, mx.array] = {}
         for call in calls:
             try:
                 self._decode_call(call.rows, stop)
@@ -344,9 +346,12 @@ class Context:
                 "larger context_length"
             )
 
-    def _logits(self, i: int) -> np.ndarray:
+    def _logits(self, i: int) -> mx.array:
+        """Row ``i``'s logits copied once, from the buffer the next ``llama_decode`` overwrites
+        straight into MLX's memory (``mx.array`` copies what it is made from): not into numpy
+        first and again into MLX, which cost a step another vocabulary-sized copy."""
         ptr = self._lib.llama_get_logits_ith(self._ctx, i)
-        return np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)).copy()
+        return mx.array(np.ctypeslib.as_array(ptr, shape=(self.n_vocab,)))
 
     def _should_abort(self, _data: Any) -> bool:
         self.abort_checks += 1

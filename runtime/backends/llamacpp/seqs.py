@@ -19,7 +19,7 @@ from __future__ import annotations
 import collections
 import itertools
 import weakref
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -155,17 +155,40 @@ class SeqPool:
         """``state``'s seq_id, restoring it from host bytes (or giving an empty state a fresh
         one) first; marks it used now."""
         if state.seq is None:
-            seq = self.acquire(keep)
-            if state.spilled is not None and not self._context.set_seq_data(state.spilled, seq):
-                self._free.append(seq)
-                raise BackendError(
-                    "llama.cpp could not restore a sequence moved to host memory (its KV cache "
-                    "has no room); load the model with a larger context_length"
-                )
-            self.bind(state, seq)
+            self._settle(state, self.acquire(keep))
         state.used = next(self._clock)
         assert state.seq is not None
         return state.seq
+
+    def resident_together(self, states: Sequence[LlamaState], *, one_run: bool) -> list[int]:
+        """``resident`` for states computed together (``prefill_together``); their ids, in
+        ``states``' order. With ``one_run``, on one run of consecutive seq_ids where it can be
+        had, for the reason ``acquire_beside`` gives: a state holding an id keeps it, one
+        without takes an id beside the others, then a member off the run moves into a hole
+        (one copy of its cells, where a split costs a pass)."""
+        self.reclaim()
+        for state in states:
+            if state.seq is None:
+                members = tuple(s.seq for s in states if s.seq is not None)
+                seq = self.acquire_beside(members, keep=members) if one_run else None
+                self._settle(state, self.acquire(members) if seq is None else seq)
+        while one_run and runs(ids := [s.seq for s in states if s.seq is not None]) > 1:
+            hole = next(seq for seq in range(min(ids), max(ids)) if seq not in ids)
+            top = max(states, key=lambda s: s.seq or 0)
+            if not self.holder_moves_off(hole) or not self._move(top, hole):
+                break
+        return [self.resident(state) for state in states]
+
+    def _settle(self, state: LlamaState, seq: int) -> None:
+        """Bind ``state`` (holding no id) to the free id ``seq``, restoring its spilled cells;
+        raises ``BackendError`` (``seq`` freed) where llama.cpp has no room for them."""
+        if state.spilled is not None and not self._context.set_seq_data(state.spilled, seq):
+            self._free.append(seq)
+            raise BackendError(
+                "llama.cpp could not restore a sequence moved to host memory (its KV cache "
+                "has no room); load the model with a larger context_length"
+            )
+        self.bind(state, seq)
 
     def copy(self, source: LlamaState, beside: Collection[int] = ()) -> int:
         """A new seq_id (bound to no state) holding a copy of ``source``'s cells, one that keeps
@@ -235,15 +258,18 @@ class SeqPool:
         ``seq``; False where no state holds it or no other id is free."""
         ref = self._holders.get(seq)
         state = None if ref is None else ref()
-        if state is None or not self._free:
+        return state is not None and bool(self._free) and self._move(state, self._free[-1])
+
+    def _move(self, state: LlamaState, dst: int) -> bool:
+        """Move ``state``'s cells to the free id ``dst`` (one copy) and free the id it held;
+        False (nothing moved) where it holds none or llama.cpp has no room."""
+        src = state.seq
+        if src is None or dst not in self._free or not self._context.copy_seq(src, dst):
             return False
-        dst = self._free.pop()
-        if not self._context.copy_seq(seq, dst):
-            self._free.append(dst)
-            return False
+        self._free.remove(dst)
         used = state.used
         self.unbind(state)
-        self.release(seq)
+        self.release(src)
         self.bind(state, dst)
         state.used = used  # moved, not used: its place in the spill order stays
         self.moves += 1
