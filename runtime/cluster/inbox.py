@@ -1,14 +1,12 @@
-"""An engine process's incoming mail on the host, grouped into Ray calls (outbox.py: the other way).
+"""The host's mail to one engine process, grouped into Ray calls (outbox.py: the other way).
 
-Each message the host sends the engine goes on at once, in a Ray call of its own, except after a
-grant whose lookup's answer is on its way. When a sequence's ``Reserve`` carries its ``Lookup``
-(``then_lookup``), the keeper, in the handler that grants it, sends ``Reserved`` to the engine and
-the lookup to the prefix manager, which answers every lookup, to the engine. So such a
-``Reserved`` waits here, with whatever mail reaches the proxy after it, until that sequence's
-``LookupResult`` arrives, and all of it crosses in one call: one crossing fewer on each request's
-way to its first token. The engine gets the same messages in the same order; only their grouping
-into calls changes. The proxy sends what still waits at each collection of the engine's mail, so
-nothing waits longer than one poll, whatever becomes of a lookup (docs/protocols.md).
+Each message goes on at once, in a call of its own, except after a grant whose lookup's answer
+is on its way: when a sequence's ``Reserve`` carries its ``Lookup`` (``then_lookup``), the keeper
+sends ``Reserved`` to the engine and, in the same handler, the lookup to the prefix manager,
+which answers every lookup, to the engine. So such a ``Reserved`` waits here, with any mail after
+it, until that sequence's ``LookupResult`` arrives, and all of it crosses in one call: a crossing
+fewer per request. The engine gets the same messages in the same order; only their grouping
+changes. What waits goes at the proxy's next poll at the latest (docs/protocols.md, "Ray").
 """
 
 from __future__ import annotations

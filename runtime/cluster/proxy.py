@@ -3,8 +3,7 @@
 ``RemoteEngine`` is an ordinary actor core at the engine's address, so the router, the keeper and
 the prefix manager talk to it exactly as to an engine in the host's process, and every message
 the engine sends comes out of it with the engine's address as its sender. It forwards its mail to
-the engine's process in the wire form (a Ray call per message, numbered so the process applies
-them in order; a KV grant and its prefix lookup's answer share one, inbox.py) and collects the
+the engine's process in the wire form (numbered Ray calls, grouped by inbox.py) and collects the
 engine's mail with a long poll run as its compute job (the one blocking ``ray.get`` is on the
 proxy's own thread, never the event loop), handing each collected message on. Ray supervises
 the process; when it dies (killed, out of memory, a native crash) or stops answering, the poll
