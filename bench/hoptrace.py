@@ -183,11 +183,15 @@ def _requests(lines: list[str]) -> dict[str, list[tuple[float, Trace]]]:
 
 
 def _crossings(trace: Trace) -> tuple[int, int, int]:
-    """(Ray calls in, messages in them, collections out) of one request before its first token
-    reached the host (the collection with it included)."""
-    calls = [line for _, line in trace if "process.deliver" in line]
+    """(Ray calls in, messages in them, collections out) of one request until the host collected
+    its first token (that collection included; the trace runs on to the stream's end)."""
+    sent, engine = next((t, line.split()[1]) for t, line in trace if "send TokensProduced" in line)
+    end = next(t for t, line in trace if t >= sent and "poll.got" in line)
+    lines = [line for t, line in trace if t <= end]
+    # Its engine's process only: another engine's mail may cross meanwhile (a late Committed).
+    calls = [line for line in lines if "process.deliver" in line and line.split()[1] == engine]
     messages = sum(int(line.split(" n=", 1)[1].split()[0]) for line in calls)
-    return len(calls), messages, sum(1 for _, line in trace if "poll.got" in line)
+    return len(calls), messages, sum(1 for line in lines if "poll.got" in line)
 
 
 def _report(lines: list[str]) -> None:
