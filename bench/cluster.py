@@ -10,7 +10,10 @@ costs, and where requests land across replicas.
   first token (the admission, the engine's reservation with its prefix lookup riding on it, and
   the first token cross the process boundary) and microseconds per streamed token over a long
   stream. ``cluster.ray_lookup_apart.*``: the same on Ray with the lookup asked after the grant
-  (``lookup_with_reserve=False``, a round trip more), in the same run, for the ratio.
+  (``lookup_with_reserve=False``, a round trip more), in the same run, for the ratio;
+  ``cluster.ray_grant_apart.*``: with the grant and the lookup's answer in a Ray call each
+  (``ClusterConfig.grant_with_lookup=False``, a crossing more), likewise. ``--ttft
+  --grant-apart`` adds that third system to SmolLM2's TTFT rows.
 - ``cluster.cached_fraction`` / ``cluster.chat_ttft_ms_p50``: a multi-session chat (sessions take
   turns two at a time, each turn its history plus a new line, sent without a session id so that
   only the prompt can tell where its cache is) on a model with two replicas, routed by exact
@@ -82,11 +85,12 @@ def measure(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measuremen
 
 
 @contextlib.asynccontextmanager
-async def _local_ray() -> AsyncIterator[None]:
-    """A local Ray of 2 CPUs for the rows' runtimes to place their engines on."""
+async def _local_ray(cpus: int = 2) -> AsyncIterator[None]:
+    """A local Ray of ``cpus`` CPUs (Ray's count, for placing: each engine computes on the
+    threads its own CPUs say) for the rows' runtimes to place their engines on."""
     from runtime.cluster.connect import connect
 
-    link = await anyio.to_thread.run_sync(connect, ClusterConfig(num_cpus=2))
+    link = await anyio.to_thread.run_sync(connect, ClusterConfig(num_cpus=cpus))
     try:
         yield
     finally:
@@ -94,20 +98,22 @@ async def _local_ray() -> AsyncIterator[None]:
 
 
 async def _measure(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
-    async with _local_ray():
+    async with _local_ray(3):  # the overhead rows' three Ray engines, one CPU each
         out = await _overhead(sizes)
         out += await _transport(spec, model, sizes)
         return out + await _routing(spec, model, sizes)
 
 
 async def _overhead_alone(sizes: ClusterSizes) -> list[Measurement]:
-    async with _local_ray():
+    async with _local_ray(3):
         return await _overhead(sizes)
 
 
-async def _transport_alone(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
-    async with _local_ray():
-        return await _transport(spec, model, sizes)
+async def _transport_alone(
+    spec: ModelSpec, model: str, sizes: ClusterSizes, grant_apart: bool = False
+) -> list[Measurement]:
+    async with _local_ray(4 if grant_apart else 2):  # each Ray engine has 2 CPUs
+        return await _transport(spec, model, sizes, grant_apart)
 
 
 async def _routing_alone(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
@@ -115,54 +121,63 @@ async def _routing_alone(spec: ModelSpec, model: str, sizes: ClusterSizes) -> li
         return await _routing(spec, model, sizes)
 
 
-def _config(ray: bool, engine_cpus: float = 1.0) -> RuntimeConfig:
+def _config(ray: bool, engine_cpus: float = 1.0, grant_with_lookup: bool = True) -> RuntimeConfig:
     """``engine_cpus``: Ray sets an engine process's OMP_NUM_THREADS to its CPUs, and OpenBLAS
     (MLX's matmuls on a CPU) follows it: the lone engine of the transport rows gets both CPUs,
     the threads the in-process engine uses."""
-    cluster = ClusterConfig(engine_num_cpus=engine_cpus) if ray else None
+    cluster = None
+    if ray:
+        cluster = ClusterConfig(engine_num_cpus=engine_cpus, grant_with_lookup=grant_with_lookup)
     # One host event per token: the first token is timed when it arrives, not when a chunk is full.
     return RuntimeConfig(kv_budget_bytes=KV_BUDGET_BYTES, cluster=cluster, coalesce=PER_TOKEN)
 
 
-async def _transport(spec: ModelSpec, model: str, sizes: ClusterSizes) -> list[Measurement]:
-    ttft: dict[bool, list[float]] = {False: [], True: []}
-    decode: dict[bool, list[float]] = {False: [], True: []}
-    async with Runtime(_config(False)) as local, Runtime(_config(True, 2.0)) as remote:
-        runtimes = {False: local, True: remote}
-        for rt in runtimes.values():
+async def _transport(
+    spec: ModelSpec, model: str, sizes: ClusterSizes, grant_apart: bool = False
+) -> list[Measurement]:
+    """SmolLM2 in-process and on Ray (and, ``grant_apart``, on Ray with the grant and the
+    lookup's answer crossing in a call each), alternating."""
+    configs = {"in_process": _config(False), "ray": _config(True, 2.0)}
+    if grant_apart:
+        configs["ray_grant_apart"] = _config(True, 2.0, grant_with_lookup=False)
+    ttft: dict[str, list[float]] = {where: [] for where in configs}
+    decode: dict[str, list[float]] = {where: [] for where in configs}
+    async with contextlib.AsyncExitStack() as stack:
+        runtimes = {}
+        for where, config in configs.items():
+            runtimes[where] = rt = await stack.enter_async_context(Runtime(config))
             await rt.load_model(spec)
         for repetition in range(sizes.repetitions + 1):  # the first is a warm-up
-            for ray, rt in runtimes.items():
+            for where, rt in runtimes.items():
                 first, last, n = await _one_stream(rt, spec.name, repetition, sizes.tokens)
                 if repetition:
-                    ttft[ray].append(first)
-                    decode[ray].append((last - first) / max(n - 1, 1))
+                    ttft[where].append(first)
+                    decode[where].append((last - first) / max(n - 1, 1))
     rows = []
-    for ray in (False, True):
-        where = _where(ray)
-        rows.append(timed(SYSTEM, model, f"cluster.{where}.ttft_ms", ttft[ray]))
-        rows.append(timed(SYSTEM, model, f"cluster.{where}.decode_ms_per_token", decode[ray]))
+    for where in configs:
+        rows.append(timed(SYSTEM, model, f"cluster.{where}.ttft_ms", ttft[where]))
+        rows.append(timed(SYSTEM, model, f"cluster.{where}.decode_ms_per_token", decode[where]))
     return rows
-
-
-def _where(ray: bool) -> str:
-    return "ray" if ray else "in_process"
 
 
 async def _overhead(sizes: ClusterSizes) -> list[Measurement]:
     """The transport alone: a simulated model with no compute cost, in-process and on Ray (with
-    the prefix lookup riding on the reservation, and asked apart after it), alternating."""
+    the prefix lookup riding on the reservation, asked apart after it, or riding on it with the
+    grant and the answer crossing apart), alternating."""
     options = {"context_length": 1 << 15}
     spec = ModelSpec(name="sim", backend="simulated", options=options)
     apart = ModelSpec(name="sim", backend="simulated",
                       options={**options, "lookup_with_reserve": False})  # fmt: skip
-    systems = {"in_process": (False, spec), "ray": (True, spec), "ray_lookup_apart": (True, apart)}
+    grant_apart = _config(True, grant_with_lookup=False)
+    systems = {"in_process": (_config(False), spec), "ray": (_config(True), spec),
+               "ray_lookup_apart": (_config(True), apart),
+               "ray_grant_apart": (grant_apart, spec)}  # fmt: skip
     ttft: dict[str, list[float]] = {where: [] for where in systems}
     per_token: dict[str, list[float]] = {where: [] for where in systems}
     async with contextlib.AsyncExitStack() as stack:
         runtimes = {}
-        for where, (ray, model) in systems.items():
-            runtimes[where] = rt = await stack.enter_async_context(Runtime(_config(ray)))
+        for where, (config, model) in systems.items():
+            runtimes[where] = rt = await stack.enter_async_context(Runtime(config))
             await rt.load_model(model)
         for repetition in range(sizes.repetitions * 5 + 1):
             for where, rt in runtimes.items():
@@ -321,9 +336,9 @@ def plot(rows: Sequence[Measurement], path: str) -> None:
 
 
 def main() -> None:
-    """``python -m bench.cluster [--quick] [--overhead | --ttft | --routing] [--repetitions N]
-    [--plot PATH]``: the rows for SmolLM2 (or the simulated transport's, SmolLM2's TTFT and
-    decode in-process against Ray, or the routing's, alone), as JSON lines."""
+    """``python -m bench.cluster [--quick] [--overhead | --ttft [--grant-apart] | --routing]
+    [--repetitions N] [--plot PATH]``: the rows for SmolLM2 (or the simulated transport's,
+    SmolLM2's TTFT and decode in-process against Ray, or the routing's, alone), as JSON lines."""
     import sys
 
     from runtime.backends.model_source import prepare_model
@@ -337,7 +352,8 @@ def main() -> None:
     elif "--ttft" in sys.argv:  # SmolLM2 in-process and on Ray, alternating, alone
         spec = ModelSpec(name="smollm2", path="smollm2-135m-instruct")
         prepare_model(spec)
-        rows = anyio.run(_transport_alone, spec, "smollm2", sizes)
+        grant_apart = "--grant-apart" in sys.argv  # and on Ray with the merge off, paired
+        rows = anyio.run(_transport_alone, spec, "smollm2", sizes, grant_apart)
     elif "--routing" in sys.argv:  # the routing rows alone
         spec = ModelSpec(name="smollm2", path="smollm2-135m-instruct")
         prepare_model(spec)

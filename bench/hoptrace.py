@@ -1,15 +1,19 @@
 """Diagnostic: where a SmolLM2 request's time to first token goes, in-process and on Ray.
 
-``python -m bench.hoptrace [N] [--worker-niceness K]``: N+1 alternating greedy chat requests (the
-first a warm-up) on an in-process engine and on a Ray engine, each hop timestamped with the
-system's monotonic clock (one clock for every process of the machine): the engine core's mail,
-its compute jobs, the proxy's forwards and polls, the engine process's deliveries, sends and
-takes. It prints, for the Ray engine, the median time of each hop from the request to the
-first token collected by the host, and for both, TTFT split into before the prefill, the prefill
-and after it. Not a bench row and not a test: it wraps the classes' methods in place (here, and
-in the engine process through Ray's worker setup hook), which nothing else may do.
+``python -m bench.hoptrace [N] [--worker-niceness K] [--grant-apart]``: N+1 alternating greedy
+chat requests (the first a warm-up) on an in-process engine and on a Ray engine, each hop
+timestamped with the system's monotonic clock (one clock for every process of the machine): the
+engine core's mail, its compute jobs, the proxy's forwards and polls, the engine process's
+deliveries, sends and takes. It prints, for each Ray engine, the median time of each hop from
+the request to the first token collected by the host, and the Ray calls (with their messages)
+into the engine's process and the collections out of it before that token; for each engine,
+TTFT split into before the prefill, the prefill and after it. Not a bench row and not a test: it
+wraps the classes' methods in place (here, and in the engine process through Ray's worker setup
+hook), which nothing else may do.
 ``--worker-niceness 15``: Ray's own default for its workers, the priority engines ran at before
-the runtime set it to 0 (docs/cluster.md, "Figures").
+the runtime set it to 0 (docs/cluster.md, "Figures"). ``--grant-apart``: a second Ray engine
+whose grant and lookup answer cross in a call each (``ClusterConfig.grant_with_lookup=False``),
+alternating with the others: the merge's before and after in one run.
 """
 
 from __future__ import annotations
@@ -121,9 +125,9 @@ HOPS = (
     ("the prompt is tokenized", "compute.end TokenizeJob"),
     ("the engine sends Reserve", "process.send Reserve "),
     ("the host collects it", "poll.got"),
-    ("the proxy forwards Reserved", "proxy.handle Reserved"),
-    ("the proxy forwards LookupResult", "proxy.handle LookupResult"),
-    ("LookupResult arrives", "process.deliver"),
+    ("the keeper's Reserved reaches the proxy", "proxy.handle Reserved"),
+    ("the prefix manager's LookupResult too", "proxy.handle LookupResult"),
+    ("LookupResult arrives in the engine", "process.deliver"),
 )
 
 
@@ -159,10 +163,13 @@ def _prefill(request: list[tuple[float, str]]) -> tuple[float, float]:
     raise ValueError("no prefill in the trace")
 
 
-def _requests(lines: list[str]) -> dict[bool, list[tuple[float, list[tuple[float, str]]]]]:
-    """The timed requests' traces (the warm-up left out), with their TTFT, by ray or not."""
-    out: dict[bool, list[tuple[float, list[tuple[float, str]]]]] = {False: [], True: []}
-    current: list[tuple[float, str]] = []
+Trace = list[tuple[float, str]]
+
+
+def _requests(lines: list[str]) -> dict[str, list[tuple[float, Trace]]]:
+    """The timed requests' traces (the warm-up left out), with their TTFT, by where they ran."""
+    out: dict[str, list[tuple[float, Trace]]] = {}
+    current: Trace = []
     for line in sorted(lines, key=lambda text: float(text.split()[0])):
         t = float(line.split()[0])
         if "=== request" in line:
@@ -170,31 +177,50 @@ def _requests(lines: list[str]) -> dict[bool, list[tuple[float, list[tuple[float
         current.append((t, line))
         if "=== first token" in line and "rep=0 " not in line:
             ttft = float(line.rsplit("ttft=", 1)[1].removesuffix("ms"))
-            out["ray=True" in line].append((ttft, current))
+            where = line.split(" on=", 1)[1].split()[0]
+            out.setdefault(where, []).append((ttft, current))
     return out
+
+
+def _crossings(trace: Trace) -> tuple[int, int, int]:
+    """(Ray calls in, messages in them, collections out) of one request until the host collected
+    its first token (that collection included; the trace runs on to the stream's end)."""
+    sent, engine = next((t, line.split()[1]) for t, line in trace if "send TokensProduced" in line)
+    end = next(t for t, line in trace if t >= sent and "poll.got" in line)
+    lines = [line for t, line in trace if t <= end]
+    # Its engine's process only: another engine's mail may cross meanwhile (a late Committed).
+    calls = [line for line in lines if "process.deliver" in line and line.split()[1] == engine]
+    messages = sum(int(line.split(" n=", 1)[1].split()[0]) for line in calls)
+    return len(calls), messages, sum(1 for line in lines if "poll.got" in line)
 
 
 def _report(lines: list[str]) -> None:
     import statistics
 
     requests = _requests(lines)
-    for ray, rows in requests.items():
+    for where, rows in requests.items():
         splits = []
         for ttft, trace in rows:
             end, took = _prefill(trace)
             before = 1e3 * (end - took - trace[0][0])
             splits.append((ttft, before, 1e3 * took, ttft - before - 1e3 * took))
         medians = [statistics.median(split[i] for split in splits) for i in range(4)]
-        print(f"{'ray' if ray else 'in-process':10s} TTFT {medians[0]:6.1f} ms = before the "
+        print(f"{where:15s} TTFT {medians[0]:6.1f} ms = before the "
               f"prefill {medians[1]:5.1f} + prefill {medians[2]:6.1f} + after {medians[3]:4.1f} "
               f"(medians of {len(splits)}: {[round(s[0], 1) for s in splits]})")  # fmt: skip
-    hops = []
-    for _, trace in requests[True]:
-        with contextlib.suppress(LookupError):
-            hops.append(_hops(trace))
-    print(f"  ray: hops of the {len(hops)} requests whose mail crossed in the usual order")
-    for i, (name, _) in enumerate(hops[0]):
-        print(f"  ray: {name:34s} +{statistics.median(h[i][1] for h in hops):7.2f} ms")
+    for where, rows in requests.items():
+        if where == "in_process":
+            continue
+        crossings = sorted({_crossings(trace) for _, trace in rows})
+        print(f"  {where}: (Ray calls in, messages, collections out) before the first token: "
+              f"{crossings}")  # fmt: skip
+        hops = []
+        for _, trace in rows:
+            with contextlib.suppress(LookupError):
+                hops.append(_hops(trace))
+        print(f"  {where}: hops of the {len(hops)} requests whose mail crossed in the usual order")
+        for i, (name, _) in enumerate(hops[0] if hops else ()):
+            print(f"  {where}: {name:40s} +{statistics.median(h[i][1] for h in hops):7.2f} ms")
 
 
 def main() -> None:
@@ -211,6 +237,8 @@ def main() -> None:
 
     args = sys.argv[1:]
     niceness = 0
+    grant_apart = "--grant-apart" in args
+    args = [arg for arg in args if arg != "--grant-apart"]
     if "--worker-niceness" in args:
         at = args.index("--worker-niceness")
         niceness = int(args[at + 1])
@@ -220,7 +248,8 @@ def main() -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(
         p for p in (os.getcwd(), os.environ.get("PYTHONPATH")) if p
     )
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+    cpus = 4 if grant_apart else 2  # each Ray engine has 2
+    ray.init(num_cpus=cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
              log_to_driver=False, _system_config={"worker_niceness": niceness},
              runtime_env={"worker_process_setup_hook": "bench.hoptrace.setup"})  # fmt: skip
     # Patched by the module's own name: run as __main__, Ray would pickle the patches by value.
@@ -231,18 +260,21 @@ def main() -> None:
     spec = ModelSpec(name="smollm2", path="smollm2-135m-instruct")
     prepare_model(spec)
 
+    configs = {"in_process": cluster._config(False), "ray": cluster._config(True, 2.0)}
+    if grant_apart:
+        configs["ray_grant_apart"] = cluster._config(True, 2.0, grant_with_lookup=False)
+
     async def run() -> None:
-        local = Runtime(cluster._config(False))
-        remote = Runtime(cluster._config(True, 2.0))
-        async with local, remote:
-            runtimes = {False: local, True: remote}
-            for rt in runtimes.values():
+        async with contextlib.AsyncExitStack() as stack:
+            runtimes = {}
+            for where, config in configs.items():
+                runtimes[where] = rt = await stack.enter_async_context(Runtime(config))
                 await rt.load_model(spec)
             for repetition in range(repetitions + 1):
-                for on_ray, rt in runtimes.items():
-                    log(f"=== request rep={repetition} ray={on_ray}")
+                for where, rt in runtimes.items():
+                    log(f"=== request rep={repetition} on={where}")
                     first, _, _ = await cluster._one_stream(rt, spec.name, repetition, 8)
-                    log(f"=== first token rep={repetition} ray={on_ray} ttft={first * 1e3:.1f}ms")
+                    log(f"=== first token rep={repetition} on={where} ttft={first * 1e3:.1f}ms")
 
     anyio.run(run)
     ray.shutdown()

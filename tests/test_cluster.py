@@ -22,7 +22,8 @@ from runtime.cluster.options import ClusterConfig
 from runtime.errors import ClusterResourcesMissing, ClusterUnavailable
 from runtime.host.api import Runtime
 from runtime.host.config import RuntimeConfig
-from runtime.messages import Failed, Finished, ModelSpec, TokensEmitted
+from runtime.kernel.supervision import RestartPolicy
+from runtime.messages import Failed, Finished, ModelSpec, Started, TokensEmitted
 from runtime.testing.faults import Fault, FaultKind, FaultPlan, FaultPoint
 from runtime.testing.harness import wait_until
 from runtime.testing.tiny_models import tiny_model_path
@@ -96,6 +97,35 @@ async def test_a_ray_engine_streams_what_an_in_process_engine_does() -> None:
             assert engine_pid(rt) not in (0, os.getpid())  # it ran in a process of its own
     assert remote == local
     assert local[1][1] > 0  # the second turn reused the first one's prefix
+
+
+def crossings(rt: Runtime) -> tuple[int, int]:
+    """(Ray calls, messages in them) the engine's proxy has sent the engine's process."""
+    engines = [s for a, s in rt.stats().actors.items() if a.startswith("engine:")]
+    counters = engines[0].counters
+    return counters.get("transport_calls_out", 0), counters.get("transport_messages_out", 0)
+
+
+async def test_a_requests_admission_crosses_to_its_engine_in_two_ray_calls() -> None:
+    """Admit, then the KV grant with the prefix lookup's answer (runtime/cluster/inbox.py): a
+    round trip more on a request's way to its first token fails this. The prefill hangs, so
+    nothing else crosses before the counts are read; killing the process then ends it."""
+    plan = FaultPlan(Fault(FaultPoint.PREFILL, FaultKind.HANG))
+    loader = plan.wrap_loader(make_backend_loader())
+    once = config(engine_restart=RestartPolicy(max_restarts=0))
+    with anyio.fail_after(120):
+        async with Runtime(once, load_backend=loader) as rt:
+            await rt.load_model(llama())
+            before = after = crossings(rt)
+            stream = rt.generate("llama", PROMPT, max_tokens=4)
+            async with stream:
+                async for event in stream:
+                    if isinstance(event, Started):  # restored: its prefill hangs
+                        after = crossings(rt)
+                        os.kill(engine_pid(rt), signal.SIGKILL)
+                        break
+    calls, messages = after[0] - before[0], after[1] - before[1]
+    assert (calls, messages) == (2, 3)  # [Admit], [Reserved, LookupResult]
 
 
 async def test_a_killed_engine_process_ends_its_stream_and_the_model_comes_back() -> None:

@@ -142,6 +142,7 @@ class ClusterLink:
             poll_s=config.poll_s,
             placement_timeout_s=config.placement_timeout_s,
             unresponsive_s=config.unresponsive_s,
+            grant_with_lookup=config.grant_with_lookup,
         )
 
     def _start_engine(self, address: Address, build: BuildOnNode) -> Any:

@@ -19,7 +19,9 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True):
     ``engine_resources`` (custom resources, e.g. ``{"mac_studio": 1}``).
     Each node's engines reserve KV against that node's budget: ``node_kv_budget_bytes`` by Ray
     node id or node IP address, else ``kv_budget_bytes_per_node`` (None: the runtime's
-    ``kv_budget_bytes``)."""
+    ``kv_budget_bytes``). ``grant_with_lookup``: a sequence's KV grant and its prefix lookup's
+    answer reach the engine in one Ray call (False: one each, a crossing more per request; kept
+    to measure the difference)."""
 
     address: str | None = None
     num_cpus: int | None = None  # only for a local start: what Ray may schedule here
@@ -33,6 +35,7 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True):
     unresponsive_s: float = 30.0
     node_kv_budget_bytes: dict[str, int] = {}
     kv_budget_bytes_per_node: int | None = None
+    grant_with_lookup: bool = True
 
     def __post_init__(self) -> None:
         for name, value in (

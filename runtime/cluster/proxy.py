@@ -3,13 +3,13 @@
 ``RemoteEngine`` is an ordinary actor core at the engine's address, so the router, the keeper and
 the prefix manager talk to it exactly as to an engine in the host's process, and every message
 the engine sends comes out of it with the engine's address as its sender. It forwards its mail to
-the engine's process in the wire form (one Ray call per message, numbered so the process applies
-them in order) and collects the engine's mail with a long poll run as its compute job (the one
-blocking ``ray.get`` is on the proxy's own thread, never the event loop), handing each collected
-message on. Ray supervises the process; when it dies (killed, out of memory, a native crash) or
-stops answering, the poll says so and the proxy becomes a ``LostEngine`` (actors/engine/lost.py):
-the epoch's entries and bytes are released and the router restarts the model in a new process.
-Stopping the proxy kills the process, so a stuck compute thread dies with it.
+the engine's process in the wire form (numbered Ray calls, grouped by inbox.py) and collects the
+engine's mail with a long poll run as its compute job (the one blocking ``ray.get`` is on the
+proxy's own thread, never the event loop), handing each collected message on. Ray supervises
+the process; when it dies (killed, out of memory, a native crash) or stops answering, the poll
+says so and the proxy becomes a ``LostEngine`` (actors/engine/lost.py): the epoch's entries and
+bytes are released and the router restarts the model in a new process. Stopping the proxy kills
+the process, so a stuck compute thread dies with it.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import msgspec
 
 from actors.engine.lost import LostEngine
 from actors.standing import BuildOnNode
+from runtime.cluster.inbox import Inbox
 from runtime.cluster.outbox import Wired
 from runtime.errors import ClusterResourcesMissing, ModelLoadFailed
 from runtime.kernel.core import KV_KEEPER, ROUTER, Address, Context
@@ -37,7 +38,6 @@ from runtime.messages import (
     Message,
     Stats,
     decode,
-    encode,
 )
 
 log = logging.getLogger("mlx_actor_runtime.cluster")
@@ -87,6 +87,7 @@ class EngineLink:
     poll_s: float
     placement_timeout_s: float
     unresponsive_s: float
+    grant_with_lookup: bool = True  # a grant crosses with its lookup's answer (inbox.py)
 
 
 class RemoteEngine:
@@ -117,6 +118,7 @@ class RemoteEngine:
         self.node = ""
         self.niceness = 0
         self.counters = Counters()
+        self._inbox = Inbox(self.counters, link.grant_with_lookup)
 
     def on_start(self, ctx: Context) -> None:
         self._address = ctx.self_address
@@ -148,8 +150,7 @@ class RemoteEngine:
         else:
             if isinstance(message, Drain) and message.epoch == self.epoch:
                 self._drain_requester = sender
-            self._sent += 1
-            self._handle.deliver.remote(self._sent, [(sender, encode(message))])
+            self._deliver(self._inbox.put(sender, message))
 
     def statistics(self) -> Stats:
         if self._lost is not None:
@@ -160,6 +161,16 @@ class RemoteEngine:
         counters = {**self.counters.snapshot(), **({} if known is None else known.counters)}
         limits = {} if known is None else known.limits
         return Stats(actor=self._address, counters=counters, gauges=gauges, limits=limits)
+
+    def _deliver(self, items: list[Wired]) -> None:
+        """One Ray call with ``items`` (none: nothing to call for); not awaited: the numbers
+        keep the order, and a process that is gone shows in the next poll."""
+        if not items or self._handle is None:
+            return
+        self._sent += 1
+        self.counters.inc("transport_calls_out")
+        self.counters.inc("transport_messages_out", len(items))
+        self._handle.deliver.remote(self._sent, items)
 
     # ------------------------------------------------------------------ collecting
 
@@ -197,8 +208,10 @@ class RemoteEngine:
             stats = decode(poll.stats)
             self._stats = stats if isinstance(stats, Stats) else self._stats
         self.counters.inc("transport_batches_in")
+        self._deliver(self._inbox.take())  # a grant whose lookup's answer never came: on alone
         for to, data in poll.items:
             message = decode(data)
+            self._inbox.sent_by_engine(message)
             if isinstance(message, EngineReady):  # the router lists where each engine runs
                 where = f"node {self.node[:8]} pid {self.pid}"
                 message = msgspec.structs.replace(message, placement=where)
