@@ -25,10 +25,13 @@ NGRAMS = (3, 2)  # the longest suffix that matches wins; one token alone matches
 # A 2-gram match drafts only while drafts are being accepted (inside a copy): in free text two
 # tokens recur often ("of the") and what followed them is rarely what follows now.
 _SHORT_MATCH_RATE = 0.8
-# A pass of n tokens costs about 1 + SLOPE * (n - 1) one-token passes (float32 SmolLM2 on one CPU
-# core: ~0.3; a GPU pass is nearly flat). A constant, not timed: what a seeded request samples
-# must not depend on how busy the machine was.
-DEFAULT_SLOPE = 0.3
+# A pass of n tokens costs about 1 + SLOPE * (n - 1) one-token passes. Measured with OpenBLAS on
+# 2 threads after a 300-token prompt (2026-11-28, medians of 7): SmolLM2 1.20 / 1.39 / 1.52 /
+# 1.64 / 1.79x for n = 2 / 3 / 4 / 6 / 8, Gemma 3 270M 1.22 / 1.45 / 1.67 / 1.73 / 1.79x: ~0.2 a
+# token for short passes, less for longer ones (an earlier one-core SmolLM2 figure was ~0.3; a
+# GPU pass is nearly flat). A constant, not timed: what a seeded request samples must not depend
+# on how busy the machine was.
+DEFAULT_SLOPE = 0.2
 PRIOR = 0.6  # the acceptance rate assumed before any pass, and drifted back to meanwhile
 _WEIGHT = 0.3  # of a pass's own rate in the running estimate
 _DRIFT = 0.003  # per token decoded plainly, back towards PRIOR: a retry ~20 tokens after a miss
