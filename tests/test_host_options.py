@@ -95,6 +95,5 @@ def test_the_http_translation_sets_every_request_field() -> None:
     fields = set(Request.__struct_fields__)
     generate = _keywords_in("_call", translate) | _keywords_in("chat_call", translate)
     assert generate == fields - set(PREWARM_ONLY)
-    # /v1/prewarm has no timeout_s (the host API's prewarm does): a field its body would need.
-    prewarm = fields - set(GENERATE_ONLY) - {"timeout_s"}
+    prewarm = fields - set(GENERATE_ONLY)
     assert _keywords_in("prewarm_call", translate) == prewarm
