@@ -31,7 +31,7 @@ class MediaItem:
     """One image: its prompt span (``span``: the marker's expansion, soft tokens as media ids),
     the processor's own ids and inputs (for the tower), and its features once computed."""
 
-    __slots__ = ("features", "inputs", "key", "raw_ids", "soft_tokens", "span")
+    __slots__ = ("features", "grid", "inputs", "key", "raw_ids", "soft_tokens", "span")
 
     def __init__(self, key: int, raw_ids: list[int], image_token: int, inputs: dict[str, Any]):
         self.key = key
@@ -41,6 +41,7 @@ class MediaItem:
         soft = iter(media_ids(key, self.soft_tokens))
         self.span = [next(soft) if t == image_token else t for t in raw_ids]
         self.features: mx.array | None = None
+        self.grid = (1, 1, self.soft_tokens)  # merged (time, rows, columns): M-RoPE families'
 
     @property
     def nbytes(self) -> int:
@@ -64,6 +65,10 @@ class MediaStore:
         tokenizer = processor.tokenizer
         # The text a prompt names an image with, which the processor expands.
         self.marker: str = getattr(processor, "boi_token", None) or processor.image_token
+        # Qwen2-VL's image_grid_thw: its merged grid gives the soft tokens' M-RoPE positions.
+        self._merge = int(getattr(processor.image_processor, "merge_size", 0) or 0)
+        if self._merge:  # the span its template writes for an image part
+            self.marker = f"<|vision_start|>{processor.image_token}<|vision_end|>"
         self.image_token = int(processor.image_token_id)
         self._bos = getattr(tokenizer, "bos_token_id", None)
         # A video-capable family (SmolVLM2): its frames are one tile each, as its own video
@@ -100,6 +105,9 @@ class MediaStore:
             if k not in ("input_ids", "attention_mask", "token_type_ids")
         }
         item = MediaItem(image.key, raw, self.image_token, inputs)
+        if self._merge and "image_grid_thw" in inputs:
+            t, h, w = (int(x) for x in np.asarray(out["image_grid_thw"])[0])
+            item.grid = (t, h // self._merge, w // self._merge)
         self._items[image.key] = item
         self._evict()
         return item
@@ -118,6 +126,10 @@ class MediaStore:
     def span(self, key: int) -> list[int]:
         """The prompt span of the registered image ``key``."""
         return self._item(key).span
+
+    def grid(self, key: int) -> tuple[int, int, int]:
+        """The merged grid of the registered image ``key`` (M-RoPE positions, ``mrope.py``)."""
+        return self._item(key).grid
 
     def features(self, key: int, stop: threading.Event | None = None) -> mx.array:
         """``(soft_tokens, hidden)``: what the model puts in its input embeddings at the image's
