@@ -13,7 +13,7 @@ gives each pass its first token's position; within a pass positions follow from 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import mlx.core as mx
 
@@ -46,7 +46,7 @@ def media_positions(
 ) -> tuple[mx.array, mx.array]:
     """As ``text_positions`` for a pass holding media ids, row by row as ``get_rope_index``
     numbers them; a pass may start inside a span (its base is the stored one)."""
-    starts = start.tolist()
+    starts = cast("list[list[int]]", start.tolist())
     positions: list[list[list[int]]] = [[], [], []]
     stored: list[list[tuple[int, int]]] = []
     for row, (nxt, base) in zip(rows, starts, strict=True):
