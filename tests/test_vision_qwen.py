@@ -8,6 +8,7 @@ first test shows it): greedy output with reuse, chunked prefill or a batch equal
 from __future__ import annotations
 
 import io
+import threading
 from collections.abc import AsyncIterator
 
 import mlx.core as mx
@@ -179,3 +180,51 @@ async def test_concurrent_image_streams_equal_each_alone(qwen: tuple[Runtime, st
     for i in range(3):
         await rt.reset(model)
         assert (await greedy(rt, model, chats[i])).token_ids == together[i]
+
+
+class TripsAt(threading.Event):
+    """A stop flag that reads as set from its ``at``-th check on."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+        self.checks = 0
+
+    def is_set(self) -> bool:
+        self.checks += 1
+        return self.checks >= self.at
+
+
+@pytest.mark.parametrize("kind", QWEN_KINDS)
+def test_an_abort_stops_the_qwen_tower_between_its_blocks(kind: QwenKind) -> None:
+    from runtime.backends.contract import PrefillInterrupted
+    from runtime.backends.vision.tower import encoders
+
+    backend = MlxBackend.load(spec(kind))
+    try:
+        tokens = prompt(backend, 3)
+        store = backend._media.store  # type: ignore[union-attr]
+        (encoder,) = encoders(store._model)
+        blocks = list(encoder["blocks"])
+        assert len(blocks) == 2
+        stop = TripsAt(3)  # check 1 is encode's, before the image; 2 and 3 the blocks'
+        with pytest.raises(PrefillInterrupted, match="inside an image's encoding"):
+            store.encode(tokens, stop)
+        assert stop.checks == 3 and encoder["blocks"] == blocks
+        whole = backend.new_state()
+        backend.prefill(whole, tokens)  # the image encodes again once not aborted
+        assert backend.logits(whole).shape[0] > 0
+    finally:
+        backend.close()
+
+
+async def test_a_prewarmed_image_chat_is_reused_exactly(qwen: tuple[Runtime, str]) -> None:
+    rt, model = qwen
+    chat = [ask("Describe this picture.", png(4))]
+    warm = await rt.prewarm(model, messages=chat)
+    assert isinstance(warm, Finished)
+    done = await greedy(rt, model, chat)
+    assert done.started is not None and done.started.path is ReusePath.EXACT
+    await rt.reset(model)
+    cold = await greedy(rt, model, chat)
+    assert done.token_ids == cold.token_ids
