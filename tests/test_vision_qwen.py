@@ -23,7 +23,15 @@ from runtime.backends.mlx.backend import MlxBackend
 from runtime.backends.vision.media import is_media
 from runtime.host.api import Completion, Runtime
 from runtime.host.config import RuntimeConfig
-from runtime.messages import ChatMessage, ChatOptions, Finished, ImagePart, ModelSpec, ReusePath
+from runtime.messages import (
+    ChatMessage,
+    ChatOptions,
+    Finished,
+    ImagePart,
+    ModelSpec,
+    ReusePath,
+    VideoPart,
+)
 from runtime.testing.tiny_qwen_vl import QWEN_KINDS, QwenKind, tiny_qwen_vl_path
 from runtime.text.chat import prepare_chat
 
@@ -228,3 +236,53 @@ async def test_a_prewarmed_image_chat_is_reused_exactly(qwen: tuple[Runtime, str
     await rt.reset(model)
     cold = await greedy(rt, model, chat)
     assert done.token_ids == cold.token_ids
+
+
+def clip(seed: int, frames: int = 4) -> VideoPart:
+    return VideoPart(frames=tuple(png(seed * 100 + k) for k in range(frames)), fps=2.0)
+
+
+@pytest.mark.parametrize("kind", QWEN_KINDS)
+def test_a_video_is_one_span_at_the_models_own_cold_positions(kind: QwenKind) -> None:
+    backend = MlxBackend.load(spec(kind))
+    try:
+        message = ChatMessage(role="user", content="What happens?", videos=(clip(1),))
+        messages = backend.prepare_media((message,))
+        tokens = list(prepare_chat(backend.chat_tokenizer, messages, ChatOptions(), 8, 2048).tokens)
+        store = backend._media.store  # type: ignore[union-attr]
+        vlm = backend.model.vlm
+        frames = [Image.fromarray(pixels(100 + k)) for k in range(4)]
+        video = store._processor.video_token_id
+        out = store._processor(
+            text=["<|vision_start|><|video_pad|><|vision_end|>"], videos=[frames]
+        )
+        raw = mx.array([[video if is_media(t) else t for t in tokens]])
+        grid = mx.array(np.asarray(out["video_grid_thw"]))
+        t, h, w = (int(x) for x in np.asarray(out["video_grid_thw"])[0])
+        assert t == 2 and sum(map(is_media, tokens)) == t * h * w // 4  # the processor's count
+        values = mx.array(np.asarray(out["pixel_values_videos"]))
+        cold = vlm(raw, values, video_grid_thw=grid).logits[0, -1]
+        state = backend.new_state()
+        for at in range(0, len(tokens), 5):  # chunked, ending inside the video's span
+            backend.prefill(state, tokens[at : at + 5])
+        assert mx.allclose(backend.logits(state), cold, atol=1e-4)
+    finally:
+        backend.close()
+
+
+async def test_the_same_video_in_turn_two_reuses_and_equals_cold(
+    qwen: tuple[Runtime, str],
+) -> None:
+    rt, model = qwen
+    turn1 = [ChatMessage(role="user", content="What happens?", videos=(clip(2),))]
+    first = await greedy(rt, model, turn1)
+    turn2 = [
+        *turn1,
+        ChatMessage(role="assistant", content=first.text),
+        ChatMessage(role="user", content="And then?"),
+    ]
+    warm = await greedy(rt, model, turn2)
+    assert warm.started is not None and warm.started.cached_tokens > 8  # past the video's span
+    await rt.reset(model)
+    cold = await greedy(rt, model, turn2)
+    assert warm.token_ids == cold.token_ids
