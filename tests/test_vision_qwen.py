@@ -92,6 +92,7 @@ def test_positions_are_the_models_own_cold_pass_and_naive_offsets_differ(kind: Q
         # The price is the cache the prompt really fills (within 10%).
         real = backend.state_nbytes(state)
         assert real <= backend.info.kv_bytes(len(tokens)) <= 1.1 * real
+        assert backend.batch_decode  # the load probe found batched decoding exact
     finally:
         backend.close()
 
