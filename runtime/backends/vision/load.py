@@ -3,8 +3,8 @@
 A directory is a VLM when its config.json names an mlx-vlm ``model_type`` this runtime serves and
 has a ``vision_config``; the MLX backend asks ``vision_family`` before it loads anything, so the
 directory's config decides, never a flag. Families served: those whose language model numbers
-positions like a text model (Gemma 3, Idefics3 / SmolVLM). Qwen2-VL's family places image tokens
-by M-RoPE grid positions, which a prefix cache keyed on token offsets cannot restore: refused.
+positions like a text model (Gemma 3, Idefics3 / SmolVLM), and Qwen2-VL / Qwen2.5-VL, whose M-RoPE
+grid positions a layer of their cache keeps (``mrope.py``). Qwen3-VL is refused with its reason.
 """
 
 from __future__ import annotations
@@ -18,18 +18,17 @@ from runtime.backends.options import MlxOptions
 from runtime.backends.vision.bidirectional import DECLARED
 from runtime.backends.vision.media import MediaLimits
 from runtime.backends.vision.model import VisionTextModel
+from runtime.backends.vision.mrope import GRID_FAMILIES
 from runtime.backends.vision.prompt import VisionChatTokenizer, prepare
 from runtime.backends.vision.store import MediaStore
 from runtime.backends.vision.video import sampling_of
 from runtime.errors import ModelLoadFailed
 from runtime.messages import ChatMessage
 
-SERVED: Final = frozenset(("gemma3", "idefics3", "smolvlm"))
+SERVED: Final = frozenset(("gemma3", "idefics3", "smolvlm", *GRID_FAMILIES))
 # Served by mlx-vlm but not here yet, and why (the load says so rather than failing later).
 _REFUSED: Final = {
-    "qwen2_vl": "M-RoPE positions",
-    "qwen2_5_vl": "M-RoPE positions",
-    "qwen3_vl": "M-RoPE positions",
+    "qwen3_vl": "its deepstack visual features and interleaved M-RoPE have no adapter yet",
 }
 log = logging.getLogger("mlx_actor_runtime.vision")
 
@@ -115,7 +114,8 @@ def load_vision(path: Path, options: MlxOptions) -> tuple[Any, Any, dict[str, An
     media = VisionMedia(store, VisionChatTokenizer(tokenizer, store), limits)
     log.info("%s: a %s vision-language model (mlx-vlm)", path, config.get("model_type"))
     try:
-        model = VisionTextModel(vlm, store, config.get("model_type") in DECLARED)
+        family = config.get("model_type")
+        model = VisionTextModel(vlm, store, family in DECLARED, family in GRID_FAMILIES)
     except TypeError as exc:  # an mlx-vlm whose Gemma 3 is shaped otherwise
         raise ModelLoadFailed(
             f"{path}: cannot keep its image spans bidirectional with this mlx-vlm ({exc}); "

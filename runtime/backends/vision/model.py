@@ -15,7 +15,7 @@ from typing import Any, cast
 import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
-from runtime.backends.vision import bidirectional
+from runtime.backends.vision import bidirectional, mrope
 from runtime.backends.vision.media import MEDIA_BASE, split_media
 from runtime.backends.vision.store import MediaStore
 from runtime.errors import UnsupportedCache
@@ -25,9 +25,13 @@ class VisionTextModel:
     """The language model of ``vlm`` fed token ids and media ids (see the module docstring);
     ``parameters``, ``update`` and ``modules`` are the whole VLM's, as an mlx-lm model's are."""
 
-    def __init__(self, vlm: Any, store: MediaStore, bidirectional_spans: bool = False) -> None:
+    def __init__(
+        self, vlm: Any, store: MediaStore, bidirectional_spans: bool = False, grid: bool = False
+    ) -> None:
         self.vlm = vlm
         self._store = store
+        # M-RoPE grid positions (Qwen2-VL): one more cache layer keeps them (mrope.py).
+        self.grid_positions = grid
         # Whether a pass's runs of soft tokens attend to each other both ways (bidirectional.py).
         self.bidirectional_spans = bidirectional_spans
         if bidirectional_spans:
@@ -50,7 +54,8 @@ class VisionTextModel:
         """mlx-lm's cache of each layer, like the one mlx-vlm would make."""
         language = self.vlm.language_model
         if not hasattr(language, "make_cache"):
-            return [mlx_cache.KVCache() for _ in self.layers]  # type: ignore[no-untyped-call]
+            extra = 1 if self.grid_positions else 0  # the positions layer, last
+            return [mlx_cache.KVCache() for _ in range(len(self.layers) + extra)]  # type: ignore[no-untyped-call]
         caches: list[Any] = []
         for made in language.make_cache():
             name = type(made).__name__
@@ -68,7 +73,10 @@ class VisionTextModel:
 
     def __call__(self, inputs: mx.array, cache: Any = None) -> mx.array:
         language = self.vlm.language_model
+        grid = self._store.grid if self.grid_positions else None
         if inputs.dtype != mx.int64:  # no media id fits 32 bits: text only, as it runs alone
+            if grid is not None:
+                return mrope.forward(language, inputs, None, cache, None, grid)
             logits: mx.array = language(inputs, cache=cache).logits
             return logits
         media = inputs >= MEDIA_BASE
@@ -81,6 +89,8 @@ class VisionTextModel:
             flat = embeds.reshape(batch * length, hidden)
             flat[mx.array(positions)] = rows.astype(flat.dtype)
             embeds = flat.reshape(batch, length, hidden)
+        if grid is not None:
+            return mrope.forward(language, ids, embeds, cache, listed, grid)
         if self.bidirectional_spans and positions and inputs.shape[1] > 1:
             blocks = bidirectional.block_ids(listed)
             return bidirectional.forward(language, embeds, cache, blocks)

@@ -93,6 +93,9 @@ def _videos(
                 "frames as images, or load a video-capable model (SmolVLM2; docs/models.md)"
             )
         frames = video_frames(part, where, sampling, limits)
+        if store.whole_videos:  # Qwen-VL: one span of the whole video (video_grid_thw)
+            keyed += [keyed_marker(store.register_video(frames.images, where).key), rest]
+            continue
         markers = [
             keyed_marker(store.register(frame, f"{where} frame {k}").key)
             for k, frame in enumerate(frames.images)

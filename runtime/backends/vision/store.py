@@ -12,6 +12,7 @@ See docs/models.md, "Vision-language models".
 from __future__ import annotations
 
 import copy
+import hashlib
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -31,16 +32,18 @@ class MediaItem:
     """One image: its prompt span (``span``: the marker's expansion, soft tokens as media ids),
     the processor's own ids and inputs (for the tower), and its features once computed."""
 
-    __slots__ = ("features", "inputs", "key", "raw_ids", "soft_tokens", "span")
+    __slots__ = ("features", "grid", "inputs", "key", "raw_ids", "soft_tokens", "span", "token")
 
     def __init__(self, key: int, raw_ids: list[int], image_token: int, inputs: dict[str, Any]):
         self.key = key
         self.raw_ids = raw_ids
         self.inputs = inputs
+        self.token = image_token  # the processor's soft token: an image's, or a video's
         self.soft_tokens = sum(1 for t in raw_ids if t == image_token)
         soft = iter(media_ids(key, self.soft_tokens))
         self.span = [next(soft) if t == image_token else t for t in raw_ids]
         self.features: mx.array | None = None
+        self.grid = (1, 1, self.soft_tokens)  # merged (time, rows, columns): M-RoPE families'
 
     @property
     def nbytes(self) -> int:
@@ -64,13 +67,17 @@ class MediaStore:
         tokenizer = processor.tokenizer
         # The text a prompt names an image with, which the processor expands.
         self.marker: str = getattr(processor, "boi_token", None) or processor.image_token
+        # Qwen2-VL's image_grid_thw: its merged grid gives the soft tokens' M-RoPE positions.
+        self._merge = int(getattr(processor.image_processor, "merge_size", 0) or 0)
+        if self._merge:  # the span its template writes for an image part
+            self.marker = f"<|vision_start|>{processor.image_token}<|vision_end|>"
         self.image_token = int(processor.image_token_id)
         self._bos = getattr(tokenizer, "bos_token_id", None)
         # A video-capable family (SmolVLM2): its frames are one tile each, as its own video
         # processor makes them, so a copy of the processor that never splits an image.
         self.video: VideoSampling | None = sampling_of(processor)
         self._frames = processor
-        if self.video is not None:
+        if self.video is not None and not self._merge:
             self._frames = copy.copy(processor)
             self._frames.image_processor = copy.copy(processor.image_processor)
             self._frames.image_processor.do_image_splitting = False
@@ -91,6 +98,32 @@ class MediaStore:
             )
         except Exception as exc:  # the processor's own checks (size, aspect ratio...)
             raise InvalidMedia(f"the model's processor refused {where}: {exc}") from exc
+        return self._keep(image.key, out, self.image_token, "image_grid_thw")
+
+    def register_video(self, frames: Sequence[DecodedImage], where: str) -> MediaItem:
+        """A Qwen-VL video (``frames`` sampled by ``video.py``) as one item, keyed on every
+        frame's pixels; raises ``InvalidMedia`` naming ``where`` when the processor refuses it."""
+        digest = hashlib.sha256(b"video:" + b"".join(f.key.to_bytes(6, "big") for f in frames))
+        key = int.from_bytes(digest.digest()[:6], "big")
+        item = self._items.get(key)
+        if item is not None:
+            self._items.move_to_end(key)
+            return item
+        from PIL import Image
+
+        video_token = str(self._processor.video_token)
+        try:
+            out = self._processor(
+                text=[f"<|vision_start|>{video_token}<|vision_end|>"],
+                videos=[[Image.fromarray(f.pixels) for f in frames]],
+                return_tensors="np",
+            )
+        except Exception as exc:
+            raise InvalidMedia(f"the model's processor refused {where}: {exc}") from exc
+        return self._keep(key, out, int(self._processor.video_token_id), "video_grid_thw")
+
+    def _keep(self, key: int, out: Any, token: int, grid: str) -> MediaItem:
+        """The item of processor output ``out`` (soft tokens ``token``), kept under ``key``."""
         raw = [int(t) for t in np.asarray(out["input_ids"])[0]]
         if self._bos is not None and raw and raw[0] == self._bos:
             raw = raw[1:]  # the prompt has its own BOS; a span never starts one
@@ -99,10 +132,18 @@ class MediaStore:
             for k, v in out.items()
             if k not in ("input_ids", "attention_mask", "token_type_ids")
         }
-        item = MediaItem(image.key, raw, self.image_token, inputs)
-        self._items[image.key] = item
+        item = MediaItem(key, raw, token, inputs)
+        if self._merge and grid in inputs:
+            t, h, w = (int(x) for x in np.asarray(out[grid])[0])
+            item.grid = (t, h // self._merge, w // self._merge)
+        self._items[key] = item
         self._evict()
         return item
+
+    @property
+    def whole_videos(self) -> bool:
+        """Whether a video is one item of its processor (Qwen-VL), not a run of frames."""
+        return bool(self._merge) and self.video is not None
 
     @property
     def nbytes(self) -> int:
@@ -119,6 +160,10 @@ class MediaStore:
         """The prompt span of the registered image ``key``."""
         return self._item(key).span
 
+    def grid(self, key: int) -> tuple[int, int, int]:
+        """The merged grid of the registered image ``key`` (M-RoPE positions, ``mrope.py``)."""
+        return self._item(key).grid
+
     def features(self, key: int, stop: threading.Event | None = None) -> mx.array:
         """``(soft_tokens, hidden)``: what the model puts in its input embeddings at the image's
         soft tokens, computed by the model's own ``get_input_embeddings`` at first use; with
@@ -127,12 +172,14 @@ class MediaStore:
         if item.features is None:
             ids = mx.array([item.raw_ids])
             inputs = dict(item.inputs)
-            pixels = inputs.pop("pixel_values")
+            pixels = inputs.pop("pixel_values", None)
+            if pixels is None:  # a Qwen-VL video's
+                pixels = inputs.pop("pixel_values_videos")
             with layer_checks(self._model, stop):
                 embedded = self._model.get_input_embeddings(
                     ids, pixels, mask=mx.ones(ids.shape), **inputs
                 ).inputs_embeds[0]
-            where = mx.array(np.flatnonzero(np.array(item.raw_ids) == self.image_token))
+            where = mx.array(np.flatnonzero(np.array(item.raw_ids) == item.token))
             item.features = embedded[where]
             mx.eval(item.features)
             item.inputs = {}  # the pixels are not needed again

@@ -24,6 +24,8 @@ from runtime.backends.contract import PrefillInterrupted
 Module: Any = nn.Module  # type: ignore[attr-defined]  # mlx's type stubs leave it out
 # Where mlx-vlm keeps a VLM's vision model (Gemma 3: vision_tower; Idefics3, SmolVLM: vision_model).
 _TOWERS = ("vision_tower", "vision_model")
+# What an encoder calls its list of layers (Qwen2-VL's vision tower: blocks).
+_LISTS = ("layers", "blocks")
 
 
 class Checked:
@@ -48,10 +50,20 @@ def encoders(vlm: Any) -> list[Any]:
         if not isinstance(tower, Module):
             continue
         for _, module in tower.named_modules():
-            layers = module.get("layers")
-            if isinstance(layers, list) and layers and all(isinstance(x, Module) for x in layers):
+            if _layer_lists(module):
                 found.append(module)
     return found
+
+
+def _layer_lists(module: Any) -> list[str]:
+    """The names under which ``module`` holds a non-empty list of layers."""
+    return [
+        name
+        for name in _LISTS
+        if isinstance(layers := module.get(name), list)
+        and layers
+        and all(isinstance(x, Module) for x in layers)
+    ]
 
 
 @contextlib.contextmanager
@@ -60,11 +72,13 @@ def layer_checks(vlm: Any, stop: threading.Event | None) -> Iterator[None]:
     if stop is None:
         yield
         return
-    swapped = [(module, module["layers"]) for module in encoders(vlm)]
-    for module, layers in swapped:
-        module["layers"] = [Checked(layer, stop) for layer in layers]
+    swapped = [
+        (module, name, module[name]) for module in encoders(vlm) for name in _layer_lists(module)
+    ]
+    for module, name, layers in swapped:
+        module[name] = [Checked(layer, stop) for layer in layers]
     try:
         yield
     finally:
-        for module, layers in swapped:
-            module["layers"] = layers
+        for module, name, layers in swapped:
+            module[name] = layers

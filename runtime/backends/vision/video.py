@@ -5,8 +5,9 @@ A video becomes what SmolVLM2's own processor makes of it: frames sampled at the
 ``max_video_frames`` lowers or raises the processor's cap), each a one-tile image of the frame
 processor (``store.py``) with its timestamp, after a line saying how many frames of how long a
 video follow. Each frame is a ``DecodedImage`` keyed on its pixels (``frame=True``), so its soft
-tokens are in the prompt, priced by the one KV reservation, and reused by content like an image's.
-OpenCV (``cv2``, from the ``opencv-python`` package of the ``[vision]`` extra) decodes the file.
+tokens are priced by the one KV reservation and reused by content like an image's.
+Qwen-VL's frames go to its video processor as one span (``register_video``). OpenCV (``cv2``,
+``opencv-python`` in the ``[vision]`` extra) decodes the file.
 """
 
 from __future__ import annotations
@@ -41,6 +42,10 @@ def sampling_of(processor: Any) -> VideoSampling | None:
     """The video sampling the processor of a video-capable family declares (SmolVLM2's
     ``video_sampling``), or None: the family takes no video."""
     declared = getattr(getattr(processor, "image_processor", None), "video_sampling", None)
+    videos: Any = getattr(processor, "video_processor", None)
+    if not isinstance(declared, dict) and hasattr(videos, "merge_size"):
+        # Qwen2-VL's video processor: a whole video becomes one span (video_grid_thw).
+        return VideoSampling(float(videos.fps), int(videos.max_frames))
     if not isinstance(declared, dict):
         return None
     return VideoSampling(float(declared.get("fps", 1)), int(declared.get("max_frames", 64)))
