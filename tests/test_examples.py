@@ -110,7 +110,9 @@ def test_the_autocomplete_host_reports_consistent_latency_abort_and_reuse_figure
 
 @pytest.mark.real_model
 def test_the_autocomplete_host_on_the_default_model(real_model: str) -> None:
-    check_autocomplete(run_example("autocomplete_host.py", "--max-tokens", "4"))
+    # Its usage's "fast typist": at the default 100-200 ms a key, ~20 s of the run is the pauses.
+    pace = ("--pace-ms", "40", "80")
+    check_autocomplete(run_example("autocomplete_host.py", "--max-tokens", "4", *pace))
 
 
 # ---------------------------------------------------------------- the chat host

@@ -16,6 +16,7 @@ from tests.test_http_server import (
     error_of,
     expected,
     serving,
+    sim_model,
     sse_data,
 )
 
@@ -44,7 +45,8 @@ def prefilled(server: OpenAIServer) -> int:
 
 
 async def test_the_neighbours_names_mean_what_ours_mean() -> None:
-    async with serving() as (client, _):
+    # A short context: n_predict=-1 and a null max_tokens each generate the rest of it.
+    async with serving(sim_model(context_length=256)) as (client, _):
         plain = text_of(await complete(client, prompt="x", max_tokens=30))
         ours = text_of(await complete(client, prompt="x", max_tokens=30, repetition_penalty=50.0))
         llama = text_of(await complete(client, prompt="x", max_tokens=30, repeat_penalty=50.0))

@@ -48,9 +48,6 @@ def prompts(name: str) -> tuple[list[int], list[int]]:
 async def test_a_disk_hit_on_real_weights_equals_cold(model: str, tmp_path: Path) -> None:
     base, longer = prompts(model)
     spec = ModelSpec(name=model, path=model)
-    async with Runtime(RuntimeConfig(kv_budget_bytes=BUDGET)) as rt:
-        await rt.load_model(spec)
-        reference = await rt.complete(model, prompt_tokens=longer, max_tokens=MAX_TOKENS)
     disk = DiskCacheConfig(directory=str(tmp_path))
     async with Runtime(RuntimeConfig(kv_budget_bytes=BUDGET, disk_cache=disk)) as rt:
         await rt.load_model(spec)
@@ -59,6 +56,13 @@ async def test_a_disk_hit_on_real_weights_equals_cold(model: str, tmp_path: Path
         loaded = await rt.load_model(spec)  # RAM empty; the disk's index read at load
         result = await rt.complete(model, prompt_tokens=longer, max_tokens=MAX_TOKENS)
         stats = engine_stats(rt, loaded)
+        # The cold run: a namespace of its own shares no entry, in RAM or on disk (no second
+        # load of the model for it; the reuse tests take their cold runs the same way).
+        reference = await rt.complete(
+            model, prompt_tokens=longer, max_tokens=MAX_TOKENS, namespace="cold"
+        )
+    assert reference.started is not None
+    assert (reference.started.tier, reference.started.cached_tokens) == (ReuseTier.COLD, 0)
     started = result.started
     assert started is not None
     assert started.tier is ReuseTier.DISK

@@ -7,12 +7,15 @@ a real ``mlxrt serve``."""
 
 from __future__ import annotations
 
+import contextlib
+import itertools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import anyio
+import anyio.from_thread
 import jsonschema
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -74,11 +77,15 @@ DEPTH_1 = objects(st.one_of(LEAVES, arrays(LEAVES)))
 SCHEMAS = objects(st.one_of(LEAVES, arrays(LEAVES), DEPTH_1))  # nested up to depth 2
 
 
-async def generate_under(rt: Runtime, model: str, schema: Schema, seed: int) -> tuple[str, Any]:
+async def generate_under(
+    rt: Runtime, model: str, schema: Schema, seed: int, namespace: str = "default"
+) -> tuple[str, Any]:
     sampling = Sampling(
         temperature=1.0, seed=seed, constraint=JsonSchemaConstraint(schema=json.dumps(schema))
     )
-    async with rt.generate(model, "JSON please:", max_tokens=400, sampling=sampling) as stream:
+    async with rt.generate(
+        model, "JSON please:", max_tokens=400, sampling=sampling, namespace=namespace
+    ) as stream:
         events = [event async for event in stream]
     return "".join(e.text for e in events if isinstance(e, TokensEmitted)), events[-1]
 
@@ -100,20 +107,33 @@ def test_tiny_model_outputs_validate_against_drawn_schemas(schema: Schema, seed:
     assert live_matchers() == 0
 
 
+@pytest.fixture(scope="module")
+def default_model(
+    real_gguf: Callable[[str], Path],
+) -> Iterator[tuple[anyio.from_thread.BlockingPortal, Runtime]]:
+    """The default model loaded once, in a Runtime driven through a blocking portal (its load
+    costs more than a drawn schema's generation)."""
+    real_gguf("smollm2-135m-instruct")
+    with contextlib.ExitStack() as stack:
+        portal = stack.enter_context(anyio.from_thread.start_blocking_portal("asyncio"))
+        rt = stack.enter_context(portal.wrap_async_context_manager(Runtime(RuntimeConfig())))
+        portal.call(rt.load_model, ModelSpec(name="smol", path="smollm2-135m-instruct"))
+        yield portal, rt
+
+
+EXAMPLES = itertools.count()
+
+
 @pytest.mark.real_model
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(schema=SCHEMAS)
 def test_the_default_model_outputs_validate_against_drawn_schemas(
-    real_gguf: Callable[[str], Path], schema: Schema
+    default_model: tuple[anyio.from_thread.BlockingPortal, Runtime], schema: Schema
 ) -> None:
-    real_gguf("smollm2-135m-instruct")
-
-    async def main() -> tuple[str, Any]:
-        async with Runtime(RuntimeConfig()) as rt:
-            await rt.load_model(ModelSpec(name="smol", path="smollm2-135m-instruct"))
-            return await generate_under(rt, "smol", schema, 0)
-
-    text, terminal = anyio.run(main)
+    portal, rt = default_model
+    # A namespace per example: none reuses another's cached prompt, as if each had its Runtime.
+    namespace = f"example-{next(EXAMPLES)}"
+    text, terminal = portal.call(generate_under, rt, "smol", schema, 0, namespace)
     assert isinstance(terminal, Finished) and terminal.reason is FinishReason.STOP, terminal
     jsonschema.validate(json.loads(text), schema)
     assert live_matchers() == 0
