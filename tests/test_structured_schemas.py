@@ -156,8 +156,10 @@ def test_openai_parse_with_a_pydantic_model_against_mlxrt_serve(
         country: str = pydantic.Field(max_length=20)
         population: int = pydantic.Field(ge=0, le=100_000_000)
 
-    with running([mlxrt_serve(model_dir, "smol")]) as (server,):
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none")
+    with (
+        running([mlxrt_serve(model_dir, "smol")]) as (server,),
+        openai.OpenAI(base_url=f"http://127.0.0.1:{server.port}/v1", api_key="none") as client,
+    ):
         completion = client.chat.completions.parse(
             model="smol",
             messages=[{"role": "user", "content": "Describe Paris as JSON."}],
