@@ -2,11 +2,10 @@
 
 A draft is the run of tokens that followed the most recent earlier occurrence of the history's last
 few tokens (an editor's code, a quoted document), so no second model is needed. Verifying k drafts
-costs one pass over k + 1 tokens, which on a CPU grows with k (less for each more: ``pass_cost``),
-so ``Speculation.size`` picks k per pass for the most tokens per second at the acceptance rate seen
-so far, raised inside a copy that has held: where drafts keep failing it falls to 0 (plain
-pipelined decoding) while its estimate drifts back, so a later quote is noticed.
-With a draft model (draft_model.py) its tokens are the drafts.
+costs one pass over k + 1 tokens (``pass_cost``: concave on a CPU), so ``Speculation.size`` picks
+k for the most tokens per second at the acceptance rate seen so far, raised inside a copy that has
+held: where drafts keep failing it falls to 0 (plain pipelined decoding) while its estimate drifts
+back, so a later quote is noticed. With a draft model (draft_model.py) its tokens are the drafts.
 
 See docs/design.md, "Speculative decoding (prompt lookup)".
 """
