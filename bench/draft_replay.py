@@ -5,29 +5,58 @@ The speculative group times decoding, which on a shared 2-core machine moves by 
 is deterministic given the greedy text, so this replays each workload's greedy tokens (raw
 mlx-lm) through the runtime's own ``Speculation`` as the engine drives it: a pass verifies the
 drafts, accepts up to the first rejection and adds one token of its own. It prints the passes,
-the drafts accepted, and the cost model's speedup over plain decoding (a pass of k drafts costs
-1 + slope x k one-token passes, ``drafting.DEFAULT_SLOPE``): a change to drafting is compared
-here first, then timed. ``python -m bench.draft_replay [model] [max_tokens]``.
+the plain steps, the drafts accepted, and the cost model's speedup over plain decoding (a pass of
+k drafts costs ``drafting.pass_cost(k + 1)`` one-token passes): a change to drafting is compared
+here first, then timed. With ``--show`` it prints each workload's text with every token marked:
+``[...]`` accepted drafts, ``{...}`` a pass's own token after its drafts (``/r``: r drafts
+rejected), bare text a plain step's token.
+``python -m bench.draft_replay [model] [max_tokens] [--show]``.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
-from actors.engine.drafting import DEFAULT_SLOPE, Speculation
+from actors.engine.drafting import Speculation, pass_cost
 from bench.models import load_bench_model
 from bench.speculative import DRAFTS, WORKLOADS, _prompt, banned_ends, raw_rate
 
 
-def replay(prompt: list[int], greedy: list[int], most: int = DRAFTS) -> tuple[int, int, int, float]:
-    """(forward passes, drafted, accepted, cost in one-token passes) to decode ``greedy`` after
-    ``prompt`` with prompt-lookup speculation.
+@dataclass
+class Replay:
+    """What decoding ``greedy`` took: passes, drafts, the cost in one-token passes, and each
+    pass's (first token's index, accepted drafts, drafts) for ``marked``."""
 
-    As the engine's pipelined B=1 path does (actors/engine/decode.py): a plain step builds the
-    next one before its token is read unless the history's end already promised drafts
-    (``expects_drafts``), and only a step not built ahead asks for drafts."""
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    cost: float = 0.0
+    blocks: list[tuple[int, int, int]] = field(default_factory=list)
+
+    def marked(self, greedy: list[int], decode: Callable[[list[int]], str]) -> str:
+        """``greedy`` as text with each token marked (module docstring)."""
+        out = []
+        for start, accepted, drafted in self.blocks:
+            if not drafted:
+                out.append(decode(greedy[start : start + 1]))
+                continue
+            if accepted:
+                out.append(f"[{decode(greedy[start : start + accepted])}]")
+            own = decode(greedy[start + accepted : start + accepted + 1])
+            rejected = drafted - accepted
+            out.append(f"{{{own}}}" + (f"/{rejected}" if rejected else ""))
+        return "".join(out)
+
+
+def replay(prompt: list[int], greedy: list[int], most: int = DRAFTS) -> Replay:
+    """Decode ``greedy`` after ``prompt`` with prompt-lookup speculation, as the engine's
+    pipelined B=1 path does (actors/engine/decode.py): a plain step builds the next one before
+    its token is read unless the history's end already promised drafts (``expects_drafts``), and
+    only a step not built ahead asks for drafts."""
     speculation = Speculation(most)
-    history, done, passes, cost = list(prompt), 0, 0, 0.0
+    history, done, result = list(prompt), 0, Replay()
     built_ahead = False
     while done < len(greedy):
         room = len(greedy) - done - 1
@@ -41,27 +70,39 @@ def replay(prompt: list[int], greedy: list[int], most: int = DRAFTS) -> tuple[in
         else:
             speculation.decoded_plainly()
             built_ahead = not speculation.expects_drafts(history, room)
-        cost += 1.0 + DEFAULT_SLOPE * len(drafts)
+        result.cost += pass_cost(len(drafts) + 1)
+        result.blocks.append((done, accepted, len(drafts)))
         history += greedy[done : done + accepted + 1]
         done += accepted + 1
-        passes += 1
-    return passes, speculation.drafted, speculation.accepted, cost
+        result.passes += 1
+    result.drafted, result.accepted = speculation.drafted, speculation.accepted
+    return result
 
 
 def main() -> None:
-    name = sys.argv[1] if len(sys.argv) > 1 else "smollm2"
-    max_tokens = int(sys.argv[2]) if len(sys.argv) > 2 else 96
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    show = "--show" in sys.argv
+    name = args[0] if args else "smollm2"
+    max_tokens = int(args[1]) if len(args) > 1 else 96
     bench = load_bench_model(name)
     bias = banned_ends(bench.tokenizer)
     ends = set(bench.tokenizer.eos_token_ids)
-    print(f"model {name}, {max_tokens} greedy tokens, slope {DEFAULT_SLOPE}")
-    print(f"{'workload':20} {'tokens':>6} {'steps':>6} {'accepted':>9} {'modelled':>8}")
+    print(f"model {name}, {max_tokens} greedy tokens")
+    print(
+        f"{'workload':20} {'tokens':>6} {'steps':>6} {'plain':>6} {'accepted':>9} {'modelled':>8}"
+    )
     for workload, text in WORKLOADS.items():
         prompt = _prompt(bench.tokenizer, text)
         _, greedy = raw_rate(bench.model, prompt, max_tokens, ends, bias)
-        passes, drafted, accepted, cost = replay(prompt, greedy)
-        speedup = len(greedy) / cost if cost else 0.0
-        print(f"{workload:20} {len(greedy):6} {passes:6} {accepted:4}/{drafted:<4} {speedup:7.2f}x")
+        done = replay(prompt, greedy)
+        plain = sum(1 for _, _, drafted in done.blocks if not drafted)
+        speedup = len(greedy) / done.cost if done.cost else 0.0
+        print(
+            f"{workload:20} {len(greedy):6} {done.passes:6} {plain:6} "
+            f"{done.accepted:4}/{done.drafted:<4} {speedup:7.2f}x"
+        )
+        if show:
+            print(done.marked(greedy, bench.tokenizer.decode), end="\n\n")
 
 
 if __name__ == "__main__":

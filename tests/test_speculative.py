@@ -12,6 +12,7 @@ logits, with penalties, top-k and top-p in play.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from typing import Any, NamedTuple
@@ -171,6 +172,45 @@ def test_the_draft_count_follows_the_acceptance_rate() -> None:
     for _ in range(1000):
         speculation.decoded_plainly()
     assert speculation.size(10) > 0  # and tries again later
+
+
+def test_a_pass_costs_what_was_measured_and_the_policy_drafts_long_inside_copies() -> None:
+    from actors.engine.drafting import TAIL_FROM, pass_cost
+
+    # Concave up to TAIL_FROM tokens, as measured on the CPU: a 4-token pass costs about 1.5
+    # one-token passes and an 8-token one under 1.8, not the 2.4 a linear 0.2 a token said.
+    assert pass_cost(1) == 1.0
+    assert 1.4 < pass_cost(4) < 1.65 and 1.7 < pass_cost(8) < 1.9
+    costs = [pass_cost(n) for n in range(1, 65)]
+    steps = [b - a for a, b in itertools.pairwise(costs)]
+    assert all(step > 0 for step in steps)  # a wider pass never costs less
+    head = steps[: TAIL_FROM - 1]
+    assert all(b <= a + 1e-9 for a, b in itertools.pairwise(head))
+    # At a rate of 0.8 a pass of 6 or more drafts pays best; the linear model chose 4.
+    speculation = Speculation(most=10)
+    speculation.rate = 0.8
+    assert speculation.size(10) >= 6
+    speculation.rate = 0.3
+    assert speculation.size(10) == 0  # where drafts mostly fail it still decodes plainly
+
+
+def test_a_long_copy_drafts_more_than_the_running_rate_alone_would() -> None:
+    source = list(range(100, 130))
+    history = [*source, 1, 100, 101, 102]
+    speculation = Speculation(most=10)
+    speculation.rate = 0.4  # after misses elsewhere
+    assert speculation.drafts(history, 10) == [103]  # a fresh match: the rate alone, one draft
+    speculation.passed(1, 1)
+    rate = speculation.rate
+    history += source[3:15]  # the copy held for 12 more tokens (plain steps built ahead)
+    speculation.rate = rate
+    assert speculation.lookup.run == 0  # counted when the lookup catches up
+    assert len(speculation.drafts(history, 10)) == 10
+    assert speculation.lookup.run == 12
+    # The same rate with no copy behind it: no run, fewer drafts.
+    fresh = Speculation(most=10)
+    fresh.rate = rate
+    assert fresh.size(10) < 10
 
 
 # ---------------------------------------------------------------------------- the engine
@@ -538,9 +578,13 @@ def test_the_draft_replay_counts_passes_as_the_engine_makes_them() -> None:
     from bench.draft_replay import replay
 
     source = list(range(100, 140))
-    passes, drafted, accepted, cost = replay([*source, 1, 100, 101, 102], source[3:35])
-    assert drafted >= accepted > 20  # a copy: most tokens come as accepted drafts
-    assert passes == 32 - accepted  # each pass yields its accepted drafts and one more
-    assert cost < 32  # cheaper than one pass a token
+    copied = replay([*source, 1, 100, 101, 102], source[3:35])
+    assert copied.drafted >= copied.accepted > 20  # a copy: most tokens come as accepted drafts
+    assert copied.passes == 32 - copied.accepted  # each pass: its accepted drafts and one more
+    assert copied.cost < 32  # cheaper than one pass a token
     plain = replay([1, 2, 3], [50, 51, 52, 53])
-    assert plain == (4, 0, 0, 4.0)  # nothing to copy: plain decoding
+    assert (plain.passes, plain.drafted, plain.accepted, plain.cost) == (4, 0, 0, 4.0)
+    marked = copied.marked(source[3:35], lambda tokens: "".join(f"<{t}>" for t in tokens))
+    assert marked.startswith("[<103><104>")  # accepted drafts in brackets (the prompt's end
+    assert "]{<107>}[<108>" in marked  # matched), each pass's own token in braces
+    assert plain.marked([50, 51, 52, 53], lambda t: "".join(map(str, t))) == "50515253"
