@@ -2,7 +2,7 @@
 
 A replica's cost for a request is an estimate of its time to first token, in prefill-token units:
 the work queued ahead of it there (the prompt tokens its other requests still have to prefill,
-and a decode step for each request already decoding) plus the prompt tokens this request would
+and a decode step if any is decoding) plus the prompt tokens this request would
 prefill there (its prompt less the longest prefix that replica holds, from the prefix manager's
 exact lookup), plus ``move_tokens`` for a replica it would have to move to. The cheapest wins, so
 the replica holding the longest prefix wins unless its queue costs more than the prefill it
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 class RoutingCosts:
     """The estimate's weights, in prefill tokens (see module docstring)."""
 
-    # A decode step of a request already decoding on the replica, ahead of this one's prefill:
+    # The decode step a replica with requests decoding runs before a newcomer's prefill:
     # SmolLM2 on one CPU thread decodes a token in the time it prefills ~20 (docs/cluster.md).
     decode_step_tokens: int = 20
     # Moving a request after its first replica looked it up: an abort and a new admission, the
@@ -40,15 +40,14 @@ class Queued:
 
 
 def queue_tokens(queued: Iterable[Queued], costs: RoutingCosts) -> int:
-    """The work ahead of a new request on a replica. A request not yet looked up counts nothing
-    (its prompt is not known in tokens yet), one in its prefill counts its whole prefill."""
-    total = 0
-    for q in queued:
-        if q.decoding:
-            total += costs.decode_step_tokens
-        elif q.uncached is not None:
-            total += q.uncached
-    return total
+    """The work ahead of a new request on a replica: every prefill not finished (an engine runs
+    them one at a time), whole (one under way counts all of it; one not looked up yet counts
+    nothing: its prompt is not known in tokens yet), and one decode step if any request decodes
+    there (a newcomer's prompt goes ahead of the decode batch, which steps for all its rows at
+    once: actors/engine/turns.py)."""
+    prefills = sum(q.uncached or 0 for q in queued if not q.decoding)
+    decoding = any(q.decoding for q in queued)
+    return prefills + (costs.decode_step_tokens if decoding else 0)
 
 
 def replica_cost(queue: int, prompt: int, matched: int, moving: bool, costs: RoutingCosts) -> int:

@@ -17,9 +17,11 @@ COSTS = RoutingCosts(decode_step_tokens=20, move_tokens=4)
 NAMES = ("m@0", "m@1", "m@2")
 
 
-def test_the_queue_counts_uncached_prefills_and_a_step_per_decoding_request() -> None:
-    queued = [Queued(100, False), Queued(None, False), Queued(7, True), Queued(None, True)]
-    assert queue_tokens(queued, COSTS) == 100 + 0 + 20 + 20
+def test_the_queue_counts_unfinished_prefills_and_one_step_if_any_request_decodes() -> None:
+    queued = [Queued(100, False), Queued(None, False), Queued(30, False)]
+    assert queue_tokens(queued, COSTS) == 100 + 0 + 30
+    assert queue_tokens([*queued, Queued(7, True), Queued(None, True)], COSTS) == 130 + 20
+    assert queue_tokens([], COSTS) == 0
 
 
 def test_a_longer_prefix_wins_when_the_queues_are_equal() -> None:
@@ -109,7 +111,7 @@ def test_a_kept_session_moves_only_to_a_replica_holding_more_of_it() -> None:
     table = _Table()
     replicas = _replicas(table)
     assert replicas.route("m", "s") == "m@0"
-    table.on["m@0"] = [Queued(None, True)] * 30  # far busier than a whole prefill elsewhere
+    table.on["m@0"] = [Queued(300, False)] * 2  # far busier than a whole prefill elsewhere
     assert replicas.destination("m", "s", "m@0", 9, 100, {"m@0": 90}, {}) == "m@0"
     assert replicas.destination("m", None, "m@0", 9, 100, {"m@0": 90}, {}) == "m@1"
     assert replicas.destination("m", "s", "m@0", 9, 100, {"m@0": 0, "m@1": 90}, {}) == "m@1"
