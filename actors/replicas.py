@@ -135,6 +135,8 @@ class Replicas:
         if rs.load_asker is not None:
             ctx.send(rs.load_asker, CommandFailed(code="model_unloading",
                                                   message="unloaded while loading"))  # fmt: skip
+        for replica in rs.names:  # a later load starts with nothing cached
+            self._resident.pop(replica, None)
         unloading = self._unloading.setdefault(name, _Unloading([], set()))
         if asker is not None:
             unloading.askers.append(asker)
@@ -161,6 +163,7 @@ class Replicas:
     def clear(self) -> None:
         """Shutdown: the table unloads every replica itself."""
         self._sets.clear()
+        self._resident.clear()
 
     # ------------------------------------------------------------------ routing
 

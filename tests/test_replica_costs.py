@@ -115,3 +115,14 @@ def test_a_kept_session_moves_only_to_a_replica_holding_more_of_it() -> None:
     assert replicas.destination("m", "s", "m@0", 9, 100, {"m@0": 90}, {}) == "m@0"
     assert replicas.destination("m", None, "m@0", 9, 100, {"m@0": 90}, {}) == "m@1"
     assert replicas.destination("m", "s", "m@0", 9, 100, {"m@0": 0, "m@1": 90}, {}) == "m@1"
+
+
+def test_a_reloaded_model_forgets_what_its_replicas_held() -> None:
+    table = _Table()
+    replicas = _replicas(table)
+    replicas.destination("m", None, "m@0", 1, 10, {}, {"m@0": 3000, "m@1": 1000})
+    assert replicas.route("m", None) == "m@1"
+    assert replicas.unload("m", None, RecordingContext(ROUTER))
+    replicas.load(ModelSpec(name="m", backend="simulated", replicas=2), ROUTER,
+                  RecordingContext(ROUTER))  # fmt: skip
+    assert replicas.route("m", None) == "m@0"  # both empty again: by name
