@@ -1,16 +1,12 @@
 """Which replica a request's first token comes soonest from: the exact routing decision.
 
-A replica's cost for a request is an estimate of its time to first token, in prefill-token units:
-the work queued ahead of it there (the prompt tokens its other requests still have to prefill,
-and a decode step if any is decoding) plus the prompt tokens this request would
-prefill there (its prompt less the longest prefix that replica holds, from the prefix manager's
-exact lookup), plus ``move_tokens`` for a replica it would have to move to. The cheapest wins, so
-the replica holding the longest prefix wins unless its queue costs more than the prefill it
-saves: what "not overloaded" means. A tie (a new session's prompt, held nowhere, on idle
-replicas) goes to the replica holding the least cached state, so co-active sessions spread.
-Nothing here is timed or approximated from text: the token counts are the engines' and the
-prefix manager's. The weights are ``ClusterConfig``'s (docs/cluster.md, "Routing across
-replicas").
+A replica's cost is an estimate of the request's time to first token there, in prefill tokens:
+the work queued ahead of it (its other requests' unfinished prefills, a decode step if any
+decodes), plus the prompt tokens it would prefill there (less the longest prefix that replica
+holds, from the prefix manager's exact lookup), plus ``move_tokens`` to move. The cheapest wins:
+the longest prefix wins unless its queue costs more than the prefill it saves. A tie (a prompt
+held nowhere, idle replicas) goes to the replica holding the least cached state, so new sessions
+spread. Nothing is timed or guessed from text. Weights: ``ClusterConfig`` (docs/cluster.md).
 """
 
 from __future__ import annotations

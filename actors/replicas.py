@@ -3,14 +3,10 @@
 A model loaded with ``ModelSpec.replicas`` N > 1 is N loads in the router's model table (``NAME@0``
 … ``NAME@N-1``), each with its own epoch, restarts and prefix entries, so the prefix manager knows
 which replica holds which prefix. A request with a session goes to its session's replica; any other
-to the serving one with the least work queued (actors/replica_costs.py; then the fewest live
-requests, then the least cached state). Once its replica has looked its prompt up, the prefix
-manager says what every replica holds of it, and the router moves it once, before it starts, to
-the replica with the lowest estimated time to first token (queued work plus uncached prompt plus
-the move), if that is not its own; a session's request moves only to a replica holding more of
-it. Routing is decided on exact token counts, not on past request text.
-
-See docs/protocols.md, "Replicas and routing", and docs/cluster.md.
+to the one with the least work queued, fewest live requests, least cached state. Once looked up,
+it moves once, before it starts, to the replica with the lowest estimated time to first token
+(actors/replica_costs.py), a session's request only to one holding more of it. Exact token
+counts, not past request text. See docs/protocols.md, "Replicas and routing", and docs/cluster.md.
 """
 
 from __future__ import annotations

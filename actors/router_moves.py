@@ -1,14 +1,12 @@
 """Requests the router moves from one replica of a model to another before they start.
 
 Two things move a request (docs/cluster.md, "Routing across replicas"): the prefix manager saying
-what each replica holds of its prompt (``CachedElsewhere``, after every lookup: moved once to
-the replica whose estimated time to first token is lowest, if that is not its own;
-actors/replica_costs.py), and its replica's engine failing (``EngineFailed``: what it had
-not started goes to another replica). A move lets the first sequence go (aborted quietly: what
-its engine still says is stale) and sends the request again through the router's acceptance,
-keeping its deadline (``timeout_s`` counts from its first acceptance) and, when the prefix
-manager's hint carries them, its prompt's tokens, so the replica it moves to does not tokenize it
-again.
+what each replica holds of its prompt (``CachedElsewhere``, after every lookup: moved once to the
+replica with the lowest estimated time to first token, actors/replica_costs.py), and its
+replica's engine failing (``EngineFailed``: what it had not started goes to another replica). A
+move aborts the first sequence quietly and sends the request again through the router's
+acceptance, keeping its deadline and, when the hint carries them, its prompt's tokens, so the
+replica it moves to does not tokenize it again.
 """
 
 from __future__ import annotations
