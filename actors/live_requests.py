@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from actors.replica_costs import Queued
 from runtime.kernel.core import Address
 from runtime.messages import (
     EngineTerminal,
@@ -43,6 +44,10 @@ class LiveRequests:
         self._by_request: dict[str, Live] = {}
         self._by_sequence: dict[int, Live] = {}
         self._started: set[int] = set()
+        # What routing estimates a replica's queue from (actors/replica_costs.py): each looked-up
+        # request's uncached prompt tokens, and which requests are decoding (a token came).
+        self._uncached: dict[int, int] = {}
+        self._decoding: set[int] = set()
 
     def __len__(self) -> int:
         return len(self._by_request)
@@ -77,6 +82,8 @@ class LiveRequests:
         live = self._by_sequence.pop(sequence_id)
         del self._by_request[live.request_id]
         self._started.discard(sequence_id)
+        self._uncached.pop(sequence_id, None)
+        self._decoding.discard(sequence_id)
         return live
 
     def started(self, sequence_id: int) -> None:
@@ -84,6 +91,24 @@ class LiveRequests:
 
     def has_started(self, sequence_id: int) -> bool:
         return sequence_id in self._started
+
+    def looked_up(self, sequence_id: int, uncached: int) -> None:
+        """``sequence_id``'s replica must prefill ``uncached`` of its prompt's tokens."""
+        if sequence_id in self._by_sequence:
+            self._uncached[sequence_id] = uncached
+
+    def decoding(self, sequence_id: int) -> None:
+        """``sequence_id``'s first token came: it is past its prefill."""
+        if sequence_id in self._by_sequence:
+            self._decoding.add(sequence_id)
+
+    def queued_on(self, model: str, besides: int | None = None) -> list[Queued]:
+        """The live requests on load ``model`` (but ``besides``), as routing estimates them."""
+        return [
+            Queued(self._uncached.get(s), s in self._decoding)
+            for s, live in self._by_sequence.items()
+            if live.model == model and s != besides
+        ]
 
 
 def cancelled_by_unload(live: Live) -> EngineTerminal:

@@ -181,33 +181,40 @@ class PrefixCacheCore:
             self._elsewhere(request, result.matched, ctx)
 
     def _elsewhere(self, request: Lookup, matched_here: int, ctx: Context) -> None:
-        """Tell the router if another replica of the model holds more of this prompt."""
+        """Tell the router what every replica of the model holds of this prompt (and how much
+        cached state each holds): its routing estimates each replica's time to first token."""
         base = replica_base(request.model)
-        best: tuple[str, int] | None = None
+        matches: dict[str, int] = {}
+        resident: dict[str, int] = {request.model: self._index.model_bytes(request.model)}
         for model, epoch, namespace in self._index.partitions():
             if (
-                namespace != request.namespace
-                or model == request.model
+                model == request.model
                 or replica_base(model) != base
                 or (model, epoch) in self._invalidated_epochs
             ):
                 continue
+            resident[model] = self._index.model_bytes(model)
+            if namespace != request.namespace:
+                continue
             match = self._index.best_match((model, epoch, namespace), request.tokens)
-            if match is not None and match.matched > (matched_here if best is None else best[1]):
-                best = (model, match.matched)
-        if best is not None:
+            if match is not None and match.matched > matches.get(model, 0):
+                matches[model] = match.matched
+        best = max(matches.items(), key=lambda item: item[1], default=("", 0))
+        if best[1] > matched_here:
             self.counters.inc("cached_elsewhere")
-            hint = CachedElsewhere(
-                sequence_id=request.sequence_id,
-                epoch=request.epoch,
-                model=request.model,
-                elsewhere=best[0],
-                matched_here=matched_here,
-                matched_there=best[1],
-                tokens=request.tokens,
-                facts=request.facts,
-            )
-            ctx.send(ROUTER, hint)
+        hint = CachedElsewhere(
+            sequence_id=request.sequence_id,
+            epoch=request.epoch,
+            model=request.model,
+            elsewhere=best[0],
+            matched_here=matched_here,
+            matched_there=best[1],
+            tokens=request.tokens,
+            facts=request.facts,
+            matches=matches,
+            resident=resident,
+        )
+        ctx.send(ROUTER, hint)
 
     def _commit(self, commit: Commit) -> Committed:
         key = EntryKey(commit.model, commit.epoch, commit.entry_id)

@@ -8,7 +8,7 @@ add, lease, doom or forget (``actors.prefix_cache``); this store keeps the struc
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -78,6 +78,7 @@ class PrefixIndex:
         self._next_lease_id = 1
         self._recency_clock = 0
         self._total_bytes = 0
+        self._bytes_by_model: Counter[str] = Counter()  # what the router spreads new sessions by
 
     # ------------------------------------------------------------------ reading
 
@@ -85,6 +86,10 @@ class PrefixIndex:
     def total_bytes(self) -> int:
         """Sum of ``nbytes`` over every entry still charged (findable or doomed)."""
         return self._total_bytes
+
+    def model_bytes(self, model: str) -> int:
+        """Sum of ``nbytes`` over ``model``'s entries still charged (every epoch, namespace)."""
+        return self._bytes_by_model[model]
 
     @property
     def lease_count(self) -> int:
@@ -158,6 +163,7 @@ class PrefixIndex:
         """Index a new entry as the most recently used."""
         self._entries[entry.key] = entry
         self._total_bytes += entry.nbytes
+        self._bytes_by_model[entry.key.model] += entry.nbytes
         self._recency_clock += 1
         trie = self._tries.setdefault(entry.partition, TokenTrie())
         trie.insert(
@@ -194,6 +200,9 @@ class PrefixIndex:
         for lease_id in entry.leases:
             del self._leases[lease_id]
         self._total_bytes -= entry.nbytes
+        self._bytes_by_model[entry.key.model] -= entry.nbytes
+        if not self._bytes_by_model[entry.key.model]:
+            del self._bytes_by_model[entry.key.model]
 
     def _touch(self, entry: Entry) -> None:
         self._recency_clock += 1

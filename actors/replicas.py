@@ -3,28 +3,26 @@
 A model loaded with ``ModelSpec.replicas`` N > 1 is N loads in the router's model table (``NAME@0``
 … ``NAME@N-1``), each with its own epoch, restarts and prefix entries, so the prefix manager knows
 which replica holds which prefix. A request with a session goes to its session's replica; any other
-to the least busy serving one. When another replica holds at least ``MOVE_MIN_GAIN`` more tokens of
-the prompt, the router moves the request there once, before it starts, within ``MOVE_MAX_SKEW``.
-Routing is decided on exact token prefixes, not on past request text.
-
-See docs/protocols.md, "Replicas and routing", and docs/cluster.md.
+to the one with the least work queued, fewest live requests, least cached state. Once looked up,
+it moves once, before it starts, to the replica with the lowest estimated time to first token
+(actors/replica_costs.py), a session's request only to one holding more of it. Exact token
+counts, not past request text. See docs/protocols.md, "Replicas and routing", and docs/cluster.md.
 """
 
 from __future__ import annotations
 
 import random
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import msgspec
 
+from actors.replica_costs import Queued, RoutingCosts, cheapest, queue_tokens
 from runtime.kernel.core import Address, Context
 from runtime.messages import CommandFailed, ModelLoaded, ModelSpec, ModelUnloaded
 
 SEPARATOR = "@"
-MOVE_MIN_GAIN = 16  # tokens: a move costs the first replica's tokenizing and a hop
-MOVE_MAX_SKEW = 4  # live requests: past this the cached replica counts as overloaded
 SESSIONS_KEPT = 4096  # sticky sessions remembered per model (least recently used forgotten)
 # ModelSpec.routing: ours, and two that know nothing of caches (for comparison, bench/cluster.py).
 ROUTING_POLICIES = ("affinity", "round_robin", "power_of_two")
@@ -69,13 +67,18 @@ class ModelTable:
     serving: Callable[[str], bool]  # ready, or loading (a request waits for it)
     live: Callable[[str], int]  # live requests of its current epoch
     loaded: Callable[[str], ModelLoaded | None]
+    # The live requests on a load, but one (a sequence id), as routing's estimate sees them.
+    queued: Callable[[str, int | None], list[Queued]]
 
 
 class Replicas:
     """The router's replica sets (see module docstring)."""
 
-    def __init__(self, table: ModelTable) -> None:
+    def __init__(self, table: ModelTable, costs: RoutingCosts | None = None) -> None:
         self._table = table
+        self._costs = costs or RoutingCosts()
+        # Cached bytes per replica as the prefix manager last said: new sessions go to the least.
+        self._resident: dict[str, int] = {}
         self._sets: dict[str, ReplicaSet] = {}
         self._unloading: dict[str, _Unloading] = {}
 
@@ -128,6 +131,8 @@ class Replicas:
         if rs.load_asker is not None:
             ctx.send(rs.load_asker, CommandFailed(code="model_unloading",
                                                   message="unloaded while loading"))  # fmt: skip
+        for replica in rs.names:  # a later load starts with nothing cached
+            self._resident.pop(replica, None)
         unloading = self._unloading.setdefault(name, _Unloading([], set()))
         if asker is not None:
             unloading.askers.append(asker)
@@ -154,6 +159,7 @@ class Replicas:
     def clear(self) -> None:
         """Shutdown: the table unloads every replica itself."""
         self._sets.clear()
+        self._resident.clear()
 
     # ------------------------------------------------------------------ routing
 
@@ -173,7 +179,7 @@ class Replicas:
             if kept is not None and kept != avoid and self._table.serving(kept):
                 rs.sessions.move_to_end(session)
                 return kept
-        chosen = min(serving, key=self._table.live)
+        chosen = min(serving, key=self._least_loaded)
         if session is not None:
             rs.sessions[session] = chosen
             rs.sessions.move_to_end(session)
@@ -186,19 +192,37 @@ class Replicas:
         rs = self._sets.get(name)
         return name if rs is None else rs.sessions.get(session, rs.names[0])
 
-    def worth_moving(self, name: str, here: str, there: str, gain: int) -> bool:
-        """Whether a request of ``name`` on ``here`` should move to ``there``, which holds
-        ``gain`` more of its prompt: enough to pay for the move, and not onto an overloaded
-        replica (only with affinity routing)."""
+    def _least_loaded(self, replica: str) -> tuple[int, int, int]:
+        """Where a request whose prompt is not known in tokens yet goes first."""
+        queue = queue_tokens(self._table.queued(replica, None), self._costs)
+        return queue, self._table.live(replica), self._resident.get(replica, 0)
+
+    def destination(
+        self,
+        name: str,
+        session: str | None,
+        here: str,
+        sequence_id: int,
+        prompt: int,
+        matches: Mapping[str, int],
+        resident: Mapping[str, int],
+    ) -> str:
+        """The replica a request of ``name`` on ``here`` (sequence ``sequence_id``, ``prompt``
+        tokens, ``matches``: what each replica holds of it) is first served from soonest
+        (``here`` unless another one's estimate is lower; only with affinity routing). A
+        request whose session is kept on ``here`` moves only to a replica holding more of it."""
+        self._resident.update(resident)
         rs = self._sets.get(name)
-        if (
-            rs is None
-            or rs.spec.routing != "affinity"
-            or gain < MOVE_MIN_GAIN
-            or not self._table.serving(there)
-        ):
-            return False
-        return self._table.live(there) <= self._table.live(here) + MOVE_MAX_SKEW
+        if rs is None or rs.spec.routing != "affinity":
+            return here
+        candidates = [r for r in rs.names if r == here or self._table.serving(r)]
+        if session is not None and rs.sessions.get(session) == here:
+            held = matches.get(here, 0)
+            candidates = [r for r in candidates if r == here or matches.get(r, 0) > held]
+        queues = {
+            r: queue_tokens(self._table.queued(r, sequence_id), self._costs) for r in candidates
+        }
+        return cheapest(here, prompt, matches, queues, self._resident, self._costs)
 
     def stick(self, name: str, session: str | None, replica: str) -> None:
         """A moved request's session follows it."""

@@ -21,6 +21,7 @@ from actors.deadlines import Expiry, RequestGuards
 from actors.live_requests import Live, LiveRequests, cancelled_by_unload, failed_with
 from actors.model_lifecycle import EngineFactory, ModelLifecycle
 from actors.model_record import ModelState
+from actors.replica_costs import RoutingCosts
 from actors.replicas import ModelTable, Replicas
 from actors.router_commands import CommandReplies
 from actors.router_moves import Moves
@@ -84,18 +85,27 @@ class RouterCore:
         *,
         stall_timeout_s: float | None = None,
         auto_load: bool = True,
+        routing_costs: RoutingCosts | None = None,
     ) -> None:
         """``stall_timeout_s``: the stall guard of a generate that sets none (None: off).
-        ``auto_load``: a request for a loading or idle model waits for it (else: refused)."""
+        ``auto_load``: a request for a loading or idle model waits for it (else: refused).
+        ``routing_costs``: the weights of the replica choice (None: the defaults)."""
         self._models = models = ModelLifecycle(
             engine_factory, engine_restart or RestartPolicy(), auto_load=auto_load
         )
+        self._live = live = LiveRequests()
         self._replicas = Replicas(
             ModelTable(
-                models.load, models.unload, models.knows, models.serving, models.live, models.loaded
-            )
+                models.load,
+                models.unload,
+                models.knows,
+                models.serving,
+                models.live,
+                models.loaded,
+                live.queued_on,
+            ),
+            routing_costs,
         )
-        self._live = LiveRequests()
         # Requests for a model its keep-alive is unloading: sent on once it is loaded again.
         self._parked: dict[str, tuple[Generate | Prewarm, Address]] = {}
         self._next_sequence_id = 1
@@ -159,6 +169,8 @@ class RouterCore:
                 live = self._live.of_sequence(message.sequence_id)
                 assert live is not None  # the arm above sends the not-live ones elsewhere
                 self._live.started(message.sequence_id)
+                if isinstance(message, TokensProduced):
+                    self._live.decoding(message.sequence_id)
                 self._guards.shown(message, ctx)
                 ctx.send(live.host, message.for_request(live.request_id, live.incarnation))
             case SequenceFinished() | SequenceCancelled() | SequenceFailed():

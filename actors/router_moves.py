@@ -1,13 +1,12 @@
 """Requests the router moves from one replica of a model to another before they start.
 
 Two things move a request (docs/cluster.md, "Routing across replicas"): the prefix manager saying
-another replica holds more of its prompt (``CachedElsewhere``: moved there once, if worth it and
-that replica is not overloaded), and its replica's engine failing (``EngineFailed``: what it had
-not started goes to another replica). A move lets the first sequence go (aborted quietly: what
-its engine still says is stale) and sends the request again through the router's acceptance,
-keeping its deadline (``timeout_s`` counts from its first acceptance) and, when the prefix
-manager's hint carries them, its prompt's tokens, so the replica it moves to does not tokenize it
-again.
+what each replica holds of its prompt (``CachedElsewhere``, after every lookup: moved once to the
+replica with the lowest estimated time to first token, actors/replica_costs.py), and its
+replica's engine failing (``EngineFailed``: what it had not started goes to another replica). A
+move aborts the first sequence quietly and sends the request again through the router's
+acceptance, keeping its deadline and, when the hint carries them, its prompt's tokens, so the
+replica it moves to does not tokenize it again.
 """
 
 from __future__ import annotations
@@ -47,24 +46,39 @@ class Moves:
         self._resend = resend
 
     def cached_elsewhere(self, hint: CachedElsewhere, ctx: Context) -> None:
-        """Move a request that has not started to the replica holding more of its prompt."""
+        """Note the request's uncached tokens (its replica's queue) and move it, if it has not
+        started, to the replica its first token would come soonest from."""
         live = self._live.of_sequence(hint.sequence_id)
-        gain = hint.matched_there - hint.matched_here
-        if live is None:
-            self._counters.inc("moves_declined")
+        held_elsewhere = hint.matched_there > hint.matched_here
+        if live is None or live.epoch != hint.epoch:
+            self._counters.inc("moves_declined", int(held_elsewhere))
             return
+        self._live.looked_up(hint.sequence_id, len(hint.tokens) - hint.matched_here)
         asked = live.request.request
         if (
             asked.model not in self._replicas
-            or live.epoch != hint.epoch
             or live.moved
             or self._live.has_started(hint.sequence_id)
-            or not self._replicas.worth_moving(asked.model, live.model, hint.elsewhere, gain)
         ):
-            self._counters.inc("moves_declined")
+            self._counters.inc("moves_declined", int(held_elsewhere))
             return
-        self._move(live, hint.elsewhere, ctx, hint)
-        self._replicas.stick(asked.model, asked.session, hint.elsewhere)
+        matches = {**hint.matches, live.model: hint.matched_here}
+        to = self._replicas.destination(
+            asked.model,
+            asked.session,
+            live.model,
+            hint.sequence_id,
+            len(hint.tokens),
+            matches,
+            hint.resident,
+        )
+        if to == live.model:  # held elsewhere maybe, but its queue costs more than it saves
+            self._counters.inc("moves_declined", int(held_elsewhere))
+            return
+        if matches.get(to, 0) <= hint.matched_here:
+            self._counters.inc("moves_for_queue")  # away from a queue costlier than its cache
+        self._move(live, to, ctx, hint)
+        self._replicas.stick(asked.model, asked.session, to)
 
     def unstarted_of(self, epoch: int, ctx: Context) -> None:
         """A replica's engine failed: what it had not started goes to another replica."""

@@ -13,6 +13,7 @@ from actors.engine.core import EngineCore
 from actors.kv_budget import KVBudgetCore
 from actors.kv_ledgers import node_budget
 from actors.prefix_cache import PrefixCacheCore
+from actors.replica_costs import RoutingCosts
 from actors.router import RouterCore
 from runtime.backends.contract import BackendLoader
 from runtime.backends.disk import DiskCacheConfig
@@ -41,6 +42,7 @@ def standing_actors(
     node_kv_budgets: Mapping[str, int] | None = None,
     node_kv_default: int | None = None,
     disk_cache: DiskCacheConfig | None = None,
+    routing_costs: RoutingCosts | None = None,
 ) -> list[tuple[Address, ActorCore]]:
     """The standing actors with their addresses; engines load their model with ``load_backend``,
     and are restarted (their model reloaded) after a crash as ``engine_restart`` allows;
@@ -48,7 +50,8 @@ def standing_actors(
     ``engine_host``: where an engine runs (given the spec, the epoch and how to build the engine
     core), e.g. a Ray actor of its own (runtime/cluster/); None: in this process;
     ``node_kv_budgets`` / ``node_kv_default``: the KV budget of an engine's Ray node (by node id
-    or IP / any other; None: ``kv_budget_bytes``), the host's being ``kv_budget_bytes``."""
+    or IP / any other; None: ``kv_budget_bytes``), the host's being ``kv_budget_bytes``;
+    ``routing_costs``: the weights of the choice between a model's replicas (None: defaults)."""
 
     def engine_factory(spec: ModelSpec, epoch: int) -> ActorCore:
         if engine_host is not None:
@@ -92,6 +95,7 @@ def standing_actors(
                 engine_restart or RestartPolicy(),
                 stall_timeout_s=stall_timeout_s,
                 auto_load=auto_load,
+                routing_costs=routing_costs,
             ),
         ),
     ]

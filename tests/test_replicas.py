@@ -93,16 +93,21 @@ def test_a_request_moves_to_the_replica_holding_its_prefix_unless_it_is_overload
     assert router(sim).statistics().counters["requests_moved"] == 1
     done = sim.terminal("again", 1)
     assert isinstance(done, Finished) and done.usage.cached_prompt_tokens >= len(LONG) - 1
-    # With the holder far busier than the other replica, the request stays where it was routed.
-    for i in range(8):
-        sim.send(generate(f"load{i}", (8, i), max_tokens=400, session="pin"))  # all on one replica
+    # With the holder's queue costing more than the 80 tokens its cache saves (three 2000-token
+    # prompts still to prefill: actors/replica_costs.py), the request stays where it was routed.
+    # The session "pin" sticks to the holder: its first request moved there.
+    sim.send(generate("load0", (*LONG, 99), max_tokens=400, session="pin"))
     sim.advance(0.01)
-    assert replica_of(sim, "load0") == holder  # both idle: ties go to the first replica
+    for i in range(1, 4):
+        prompt = (200 + i, *((k * 7) % 256 for k in range(2000)))
+        sim.send(generate(f"load{i}", prompt, max_tokens=400, session="pin"))  # on the holder
+    sim.advance(0.001)  # their lookups answered, their prefills (0.2 s each) not finished
     sim.send(generate("second", (*LONG, 3, 4), 4, session="pin-elsewhere"))
     sim.run_until_quiescent()
     assert router(sim).statistics().counters["moves_declined"] >= 1
     assert replica_of(sim, "second") != holder
-    assert router(sim).statistics().counters["requests_moved"] == 1
+    assert router(sim).statistics().counters["requests_moved"] == 2
+    assert {replica_of(sim, f"load{i}") for i in range(4)} == {holder}
     assert kv_keeper(sim).reserved_bytes == prefix_cache(sim).total_bytes
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import msgspec
 
+from actors.replica_costs import RoutingCosts
 from runtime.errors import InvalidConfig
 
 
@@ -21,7 +22,11 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True):
     node id or node IP address, else ``kv_budget_bytes_per_node`` (None: the runtime's
     ``kv_budget_bytes``). ``grant_with_lookup``: a sequence's KV grant and its prefix lookup's
     answer reach the engine in one Ray call (False: one each, a crossing more per request; kept
-    to measure the difference)."""
+    to measure the difference). ``routing_decode_step_tokens`` / ``routing_move_tokens``: the
+    weights, in prefill tokens, of the estimated time to first token a model's replicas are
+    chosen by (actors/replica_costs.py; docs/cluster.md, "Routing across replicas"): a decode
+    step of a request already decoding on a replica, and moving a request off the replica that
+    looked it up."""
 
     address: str | None = None
     num_cpus: int | None = None  # only for a local start: what Ray may schedule here
@@ -36,6 +41,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True):
     node_kv_budget_bytes: dict[str, int] = {}
     kv_budget_bytes_per_node: int | None = None
     grant_with_lookup: bool = True
+    routing_decode_step_tokens: int = 20
+    routing_move_tokens: int = 4
 
     def __post_init__(self) -> None:
         for name, value in (
@@ -45,6 +52,8 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True):
             ("placement_timeout_s", self.placement_timeout_s),
             ("poll_s", self.poll_s),
             ("unresponsive_s", self.unresponsive_s),
+            ("routing_decode_step_tokens", self.routing_decode_step_tokens),
+            ("routing_move_tokens", self.routing_move_tokens),
         ):
             if value < 0 or (name.endswith("_s") and value == 0):
                 raise InvalidConfig(f"ClusterConfig.{name} must be > 0 (got {value!r})")
@@ -56,6 +65,10 @@ class ClusterConfig(msgspec.Struct, frozen=True, kw_only=True):
                 )
         if self.num_cpus is not None and self.num_cpus < 1:
             raise InvalidConfig(f"ClusterConfig.num_cpus must be >= 1 (got {self.num_cpus!r})")
+
+    def routing_costs(self) -> RoutingCosts:
+        """The replica choice's weights (actors/replica_costs.py)."""
+        return RoutingCosts(self.routing_decode_step_tokens, self.routing_move_tokens)
 
     def engine_needs(self) -> dict[str, float]:
         """What one engine process is placed with (Ray's resource names)."""

@@ -29,4 +29,5 @@ def configured_actors(
         node_kv_budgets=None if cluster is None else cluster.node_kv_budget_bytes,
         node_kv_default=None if cluster is None else cluster.kv_budget_bytes_per_node,
         disk_cache=config.disk_cache,
+        routing_costs=None if cluster is None else cluster.routing_costs(),
     )

@@ -42,11 +42,14 @@ class LookupResult(Message, frozen=True):
 
 
 class CachedElsewhere(Message, frozen=True):
-    """Prefix manager → router: a ``Lookup`` of replica ``model`` (actors/replicas.py) matched
-    ``matched_here`` tokens there, and another replica of the same model, ``elsewhere``, holds
-    ``matched_there`` (more) of the same prompt. The router may move the request, if it has not
-    started and ``elsewhere`` is not overloaded (docs/protocols.md, "Replicas and routing");
-    it sends the prompt's ``tokens`` and ``facts`` (the lookup's) with it, not to tokenize twice."""
+    """Prefix manager → router, after every ``Lookup`` of a replica ``model`` (actors/replicas.py):
+    it matched ``matched_here`` tokens there; ``matches`` holds what each other replica of the
+    same model holds of the same prompt (those holding any), ``elsewhere`` the one holding most
+    (``matched_there``; ``""`` and 0 when none holds any), ``resident`` the cached bytes each
+    replica holds. The router learns the request's uncached tokens from it (its replica's queue)
+    and may move the request, if it has not started, to the replica whose estimated time to first
+    token is lowest (docs/protocols.md, "Replicas and routing"); it sends the prompt's ``tokens``
+    and ``facts`` (the lookup's) with it, not to tokenize twice."""
 
     sequence_id: int
     epoch: int
@@ -56,6 +59,8 @@ class CachedElsewhere(Message, frozen=True):
     matched_there: int
     tokens: TokenIds = ()
     facts: PromptFacts | None = None
+    matches: dict[str, int] = {}  # noqa: RUF012 (a msgspec default; ruff cannot see the base)
+    resident: dict[str, int] = {}  # noqa: RUF012 (a msgspec default; ruff cannot see the base)
 
 
 class Commit(Message, frozen=True):
