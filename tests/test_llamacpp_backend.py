@@ -206,6 +206,57 @@ def test_a_decode_batch_equals_each_sequence_alone(backend: LlamaCppBackend) -> 
     assert greedy(backend, states[2], 6) == alone[2]  # the joined state was left as it was
 
 
+def test_a_greedy_member_gets_its_argmax_in_place_and_leaves_with_its_logits(
+    backend: LlamaCppBackend, real_gguf: Callable[[str], Any]
+) -> None:
+    """A slot asked for its argmax gets the id ``np.argmax`` picks from the logits a plain step
+    returns, the other slot its logits; a member leaving after such a step, right away or after
+    another ``llama_decode`` overwrote llama.cpp's buffer, leaves with the logits it would have
+    had (copied out before that decode). With ``exact_reuse`` (throwaway rows in the call) and,
+    on SmolLM2, without (the engine's default)."""
+    greedy_in_place(backend)
+    if backend.context.n_vocab < 100_000:  # once, not per model
+        plain = few_sequences(real_gguf, max_sequences=8, max_batch=4)
+        try:
+            greedy_in_place(plain)
+        finally:
+            plain.close()
+
+
+def greedy_in_place(backend: LlamaCppBackend) -> None:
+    prompts = [backend.encode(text) for text in (CORPUS[0], CORPUS[1])]
+    states = []
+    for ids in prompts:
+        states.append(backend.new_state())
+        prefill(backend, states[-1], ids)
+    first = {0: int(mx.argmax(backend.logits(states[0])).item())}
+    first[1] = int(mx.argmax(backend.logits(states[1])).item())
+
+    def two_steps(argmax: set[int]) -> tuple[Any, list[dict[int, Any]]]:
+        batch = backend.open_batch()
+        assert batch is not None
+        slots = [batch.join(state) for state in states]
+        assert slots == [0, 1]
+        out = [batch.step(first, argmax)]
+        out.append(batch.step({0: 7, 1: 7}, argmax))  # any tokens: the same in both runs
+        return batch, out
+
+    plain, expected = two_steps(set())
+    picked, got = two_steps({0})
+    for want, have in zip(expected, got, strict=True):
+        assert have[0] == int(np.argmax(np.asarray(want[0])))  # an id, not an array
+        assert isinstance(have[1], mx.array) and mx.array_equal(have[1], want[1])
+    prefill(backend, backend.new_state(), prompts[0][:5])  # overwrites llama.cpp's logits
+    assert mx.array_equal(picked.leave(0).logits, plain.leave(0).logits)
+    assert mx.array_equal(picked.leave(1).logits, plain.leave(1).logits)
+    again = backend.open_batch()
+    assert again is not None
+    slot = again.join(states[0])
+    token = again.step({slot: first[0]}, {slot})[slot]
+    assert isinstance(token, int)
+    assert mx.array_equal(again.leave(slot).logits, expected[0][0])  # left before any decode
+
+
 def test_prefill_together_equals_each_alone(backend: LlamaCppBackend) -> None:
     """Prompts in shared ``llama_decode`` calls, with snapshots inside them on Gemma."""
     prompts = [backend.encode(text) for text in (DOC, CORPUS[3], CORPUS[4] + CORPUS[5])]
