@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -19,6 +20,7 @@ import pytest
 from runtime.backends.contract import CannotTrim, PrefillInterrupted, ReuseStrategy
 from runtime.backends.llamacpp.backend import LlamaCppBackend
 from runtime.backends.llamacpp.seqs import LlamaState, runs
+from runtime.backends.llamacpp.tokenizer import direct_decoder
 from runtime.messages import ChatMessage, ChatOptions, ModelSpec
 from runtime.text.chat import prepare_chat
 from tests.llamacpp_support import StopAfter, batch_greedy, greedy
@@ -89,6 +91,25 @@ def test_token_ids_equal_llama_cpps_own(backend: LlamaCppBackend) -> None:
 
 
 # ---------------------------------------------------------------------- greedy = llama.cpp's
+
+
+def test_decode_goes_straight_to_the_rust_tokenizer_and_gives_what_the_wrapper_gives(
+    backend: LlamaCppBackend,
+) -> None:
+    """The detokenizer's decode skips the Hugging Face layers (tokenizer.py ``direct_decoder``)
+    on both models, with the same text for every prefix of every corpus text's ids; a tokenizer
+    that cleans up spaces keeps the wrapper's decode."""
+    wrapper = backend.chat_tokenizer
+    assert direct_decoder(wrapper) is not None
+    for text in TOKEN_CORPUS[:-1]:
+        ids = backend.encode(text)
+        for end in range(len(ids) + 1):
+            assert backend.decode(ids[:end]) == wrapper.decode(ids[:end])
+
+    class Cleaning:
+        _tokenizer = SimpleNamespace(clean_up_tokenization_spaces=True, _tokenizer=object())
+
+    assert direct_decoder(Cleaning()) is None
 
 
 def test_greedy_equals_llama_cpps_own_greedy(backend: LlamaCppBackend) -> None:
