@@ -65,8 +65,10 @@ class LlamaDecodeBatch:
 
     def leave(self, slot: int) -> LlamaState:
         """Take ``slot`` out as an independent state (its seq_id and logits)."""
-        self.keep_rows()
         member = self._members.pop(self._check(slot))
+        row = self._in_place.pop(slot, None)
+        if row is not None:  # still in llama.cpp's buffer: no decode since (``keep_rows``)
+            member.logits = mx.array(self._context.row_view(row))
         state = LlamaState()
         self._pool.bind(state, member.seq)
         state.n_tokens, state.high_water, state.logits = (
