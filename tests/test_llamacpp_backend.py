@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import mlx.core as mx
@@ -19,6 +20,7 @@ import pytest
 from runtime.backends.contract import CannotTrim, PrefillInterrupted, ReuseStrategy
 from runtime.backends.llamacpp.backend import LlamaCppBackend
 from runtime.backends.llamacpp.seqs import LlamaState, runs
+from runtime.backends.llamacpp.tokenizer import direct_decoder
 from runtime.messages import ChatMessage, ChatOptions, ModelSpec
 from runtime.text.chat import prepare_chat
 from tests.llamacpp_support import StopAfter, batch_greedy, greedy
@@ -89,6 +91,25 @@ def test_token_ids_equal_llama_cpps_own(backend: LlamaCppBackend) -> None:
 
 
 # ---------------------------------------------------------------------- greedy = llama.cpp's
+
+
+def test_decode_goes_straight_to_the_rust_tokenizer_and_gives_what_the_wrapper_gives(
+    backend: LlamaCppBackend,
+) -> None:
+    """The detokenizer's decode skips the Hugging Face layers (tokenizer.py ``direct_decoder``)
+    on both models, with the same text for every prefix of every corpus text's ids; a tokenizer
+    that cleans up spaces keeps the wrapper's decode."""
+    wrapper = backend.chat_tokenizer
+    assert direct_decoder(wrapper) is not None
+    for text in TOKEN_CORPUS[:-1]:
+        ids = backend.encode(text)
+        for end in range(len(ids) + 1):
+            assert backend.decode(ids[:end]) == wrapper.decode(ids[:end])
+
+    class Cleaning:
+        _tokenizer = SimpleNamespace(clean_up_tokenization_spaces=True, _tokenizer=object())
+
+    assert direct_decoder(Cleaning()) is None
 
 
 def test_greedy_equals_llama_cpps_own_greedy(backend: LlamaCppBackend) -> None:
@@ -204,6 +225,57 @@ def test_a_decode_batch_equals_each_sequence_alone(backend: LlamaCppBackend) -> 
     assert drawn[slots[0]] == alone[0]
     assert [drawn[s][:5] for s in slots[1:]] == [a[:5] for a in alone[1:]]
     assert greedy(backend, states[2], 6) == alone[2]  # the joined state was left as it was
+
+
+def test_a_greedy_member_gets_its_argmax_in_place_and_leaves_with_its_logits(
+    backend: LlamaCppBackend, real_gguf: Callable[[str], Any]
+) -> None:
+    """A slot asked for its argmax gets the id ``np.argmax`` picks from the logits a plain step
+    returns, the other slot its logits; a member leaving after such a step, right away or after
+    another ``llama_decode`` overwrote llama.cpp's buffer, leaves with the logits it would have
+    had (copied out before that decode). With ``exact_reuse`` (throwaway rows in the call) and,
+    on SmolLM2, without (the engine's default)."""
+    greedy_in_place(backend)
+    if backend.context.n_vocab < 100_000:  # once, not per model
+        plain = few_sequences(real_gguf, max_sequences=8, max_batch=4)
+        try:
+            greedy_in_place(plain)
+        finally:
+            plain.close()
+
+
+def greedy_in_place(backend: LlamaCppBackend) -> None:
+    prompts = [backend.encode(text) for text in (CORPUS[0], CORPUS[1])]
+    states = []
+    for ids in prompts:
+        states.append(backend.new_state())
+        prefill(backend, states[-1], ids)
+    first = {0: int(mx.argmax(backend.logits(states[0])).item())}
+    first[1] = int(mx.argmax(backend.logits(states[1])).item())
+
+    def two_steps(argmax: set[int]) -> tuple[Any, list[dict[int, Any]]]:
+        batch = backend.open_batch()
+        assert batch is not None
+        slots = [batch.join(state) for state in states]
+        assert slots == [0, 1]
+        out = [batch.step(first, argmax)]
+        out.append(batch.step({0: 7, 1: 7}, argmax))  # any tokens: the same in both runs
+        return batch, out
+
+    plain, expected = two_steps(set())
+    picked, got = two_steps({0})
+    for want, have in zip(expected, got, strict=True):
+        assert have[0] == int(np.argmax(np.asarray(want[0])))  # an id, not an array
+        assert isinstance(have[1], mx.array) and mx.array_equal(have[1], want[1])
+    prefill(backend, backend.new_state(), prompts[0][:5])  # overwrites llama.cpp's logits
+    assert mx.array_equal(picked.leave(0).logits, plain.leave(0).logits)
+    assert mx.array_equal(picked.leave(1).logits, plain.leave(1).logits)
+    again = backend.open_batch()
+    assert again is not None
+    slot = again.join(states[0])
+    token = again.step({slot: first[0]}, {slot})[slot]
+    assert isinstance(token, int)
+    assert mx.array_equal(again.leave(slot).logits, expected[0][0])  # left before any decode
 
 
 def test_prefill_together_equals_each_alone(backend: LlamaCppBackend) -> None:

@@ -166,13 +166,17 @@ def _step_batch(
         token = decoding.pending if decoding.ahead is None else decoding.ahead.token
         assert token is not None  # only sequences with a token to feed join (batch.py)
         fed[slot] = token
-    logits = batch.step(fed)
+    logits = batch.step(fed, _argmax_slots(slots, backend))
     reads: dict[int, Draw] = {}
     for slot, seq in slots.items():
         decoding = seq.decoding
         assert decoding is not None
         step = StepJob(seq, prefilled=1)
         row = logits[slot]
+        if isinstance(row, int):  # asked of a plain greedy sampler with no draw ahead
+            reads[slot] = _picked(row)
+            job.stepped[seq.sequence_id] = step
+            continue
         sampler = _sampler(decoding, seq, backend, row)
         draw, decoding.ahead = decoding.ahead, None
         if draw is None:
@@ -217,7 +221,7 @@ def _batch_more(
                 return
             fed[slot] = decoding.pending
         try:
-            logits = batch.step(fed)
+            logits = batch.step(fed, _argmax_slots(slots, backend))
         except BaseException as exc:  # each member's tokens before it are still shown
             for slot, seq in slots.items():
                 records[slot].more.append(StepJob(seq, error=exc))
@@ -231,8 +235,35 @@ def _batch_more(
             record = StepJob(seq)
             records[slot].more.append(record)
             records[slot].prefilled += 1
-            draw = decoding.sampler.draw(logits[slot], decoding.history, seq.rng, computed=True)
+            row = logits[slot]
+            draw = (
+                _picked(row)
+                if isinstance(row, int)
+                else decoding.sampler.draw(row, decoding.history, seq.rng, computed=True)
+            )
             read(record, seq, decoding, draw.read())
+
+
+def _argmax_slots(slots: dict[int, Sequence], backend: Backend) -> set[int]:
+    """The members whose next token is their logits' argmax as they come, where the backend
+    computes before it returns (llama.cpp then reads it off its own buffer, no copy): a plain
+    greedy sampler (``TokenSampler.plain_argmax``) with no draw left by the last step."""
+    if backend.pipelined:
+        return set()
+    return {
+        slot
+        for slot, seq in slots.items()
+        if seq.decoding is not None
+        and seq.decoding.ahead is None
+        and seq.decoding.sampler is not None
+        and seq.decoding.sampler.plain_argmax
+    }
+
+
+def _picked(token: int) -> Draw:
+    from runtime.text.sampling import Draw
+
+    return Draw(token)
 
 
 def _may_build_next(seq: Sequence, decoding: Decoding, backend: Backend) -> bool:

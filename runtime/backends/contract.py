@@ -11,7 +11,7 @@ simulated backend do).
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import msgspec
@@ -167,9 +167,13 @@ class DecodeBatchHandle(Protocol):
         """Take a sequence out, as an independent state (its logits included)."""
         ...
 
-    def step(self, tokens: Mapping[int, int | mx.array]) -> dict[int, mx.array]:
+    def step(
+        self, tokens: Mapping[int, int | mx.array], argmax: Collection[int] = ()
+    ) -> Mapping[int, mx.array | int]:
         """Feed one token to every member (a token id, or a scalar array not read yet); each
-        member's next logits, which MLX has not computed yet (see ``Backend.pipelined``)."""
+        member's next logits, which MLX has not computed yet (see ``Backend.pipelined``). For a
+        slot in ``argmax`` (a plain greedy sampler's) a backend may give the id of its largest
+        logit instead (the first of equal ones), which llama.cpp reads without copying the row."""
         ...
 
     def __len__(self) -> int: ...

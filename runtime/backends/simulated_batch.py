@@ -8,7 +8,7 @@ See docs/design.md, "Fast path and continuous batching".
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 from runtime.backends.contract import SequenceState
@@ -69,7 +69,9 @@ class SimulatedBatch:
     def leave(self, slot: int) -> SimulatedState:
         return self._rows.pop(slot)
 
-    def step(self, tokens: Mapping[int, int | mx.array]) -> dict[int, mx.array]:
+    def step(
+        self, tokens: Mapping[int, int | mx.array], argmax: Collection[int] = ()
+    ) -> dict[int, mx.array]:  # logits for ``argmax`` slots too (the contract allows either)
         if set(tokens) != set(self._rows):
             raise ValueError("a batch step needs exactly one token for every member")
         self._backend._check_probed()

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from runtime.backends.contract import (
@@ -194,9 +194,11 @@ class FaultyBatch:
     def leave(self, slot: int) -> SequenceState:
         return self._inner.leave(slot)
 
-    def step(self, tokens: Mapping[int, int | mx.array]) -> dict[int, mx.array]:
+    def step(
+        self, tokens: Mapping[int, int | mx.array], argmax: Collection[int] = ()
+    ) -> Mapping[int, mx.array | int]:
         self._at(FaultPoint.BATCH_STEP)
-        return self._inner.step(tokens)
+        return self._inner.step(tokens, argmax)
 
 
 class FaultyKeeper:

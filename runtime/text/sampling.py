@@ -169,6 +169,12 @@ class TokenSampler:
         )
 
     @property
+    def plain_argmax(self) -> bool:
+        """Whether the pick is the logits' argmax as they come (greedy, with nothing to change
+        them or report about them): a backend may then give the token instead of the logits."""
+        return self._plain_argmax
+
+    @property
     def greedy(self) -> bool:
         """True when this sampler takes the argmax (temperature 0) and never uses its ``rng``."""
         return self.sampling.temperature == 0.0

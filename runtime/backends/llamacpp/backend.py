@@ -38,7 +38,7 @@ from runtime.backends.llamacpp.files import gguf_file_of
 from runtime.backends.llamacpp.passes import Row
 from runtime.backends.llamacpp.persist import Persisting
 from runtime.backends.llamacpp.seqs import LlamaSnapshot, LlamaState, SeqPool, own_state
-from runtime.backends.llamacpp.tokenizer import load_tokenizer, tokenizer_dir
+from runtime.backends.llamacpp.tokenizer import direct_decoder, load_tokenizer, tokenizer_dir
 from runtime.backends.mlx.facts import effective_eos_ids
 from runtime.backends.model_source import converted_models_dir
 from runtime.backends.options import LlamaCppOptions, options_as
@@ -66,6 +66,7 @@ class LlamaCppBackend(Persisting):
     def __init__(self, context: Context, tokenizer: Any, pool: SeqPool) -> None:
         self._context = context
         self._tokenizer = tokenizer
+        self._decode_direct = direct_decoder(tokenizer)
         self._pool = pool
         self._info: ModelInfo | None = None
         self._n_swa = context.model_int("n_swa")
@@ -226,6 +227,8 @@ class LlamaCppBackend(Persisting):
         return messages
 
     def decode(self, token_ids: Sequence[int]) -> str:
+        if self._decode_direct is not None:
+            return self._decode_direct(list(token_ids))
         return str(self._tokenizer.decode(list(token_ids)))
 
     # ------------------------------------------------------------------ states

@@ -12,7 +12,7 @@ Layout and the cost of a join, a leave and a step: docs/design.md, "The decode b
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any, Protocol
 
 import mlx.core as mx
@@ -147,8 +147,11 @@ class DecodeBatch:
 
     # ------------------------------------------------------------------ decoding
 
-    def step(self, tokens: Mapping[int, int | mx.array]) -> dict[int, mx.array]:
-        """Feed each member one token in one forward pass; returns each one's (vocab,) logits.
+    def step(
+        self, tokens: Mapping[int, int | mx.array], argmax: Collection[int] = ()
+    ) -> dict[int, mx.array]:
+        """Feed each member one token in one forward pass; returns each one's (vocab,) logits
+        (for ``argmax`` slots too: they are not computed yet, so an argmax here saves nothing).
 
         ``tokens`` must name every member exactly once: all rows advance together. A token is an
         id or a scalar array not read yet (a draw). Nothing is evaluated here: reading the logits
