@@ -91,8 +91,8 @@ def main() -> None:
     print(
         f"{'workload':20} {'tokens':>6} {'steps':>6} {'plain':>6} {'accepted':>9} {'modelled':>8}"
     )
-    for workload, text in WORKLOADS.items():
-        prompt = _prompt(bench.tokenizer, text)
+    for workload in WORKLOADS:
+        prompt = _prompt(bench.tokenizer, workload)
         _, greedy = raw_rate(bench.model, prompt, max_tokens, ends, bias)
         done = replay(prompt, greedy)
         plain = sum(1 for _, _, drafted in done.blocks if not drafted)

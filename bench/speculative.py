@@ -68,17 +68,32 @@ WORKLOADS = {
     "code_continue": "Continue this Python file with the next three functions.\n\n" + _CODE,
     "free_chat": "Tell me a short story about a fox who learns to play the violin.",
 }
+# A base model (no chat template: Gemma 3 270M's GGUF) does not follow an instruction given as raw
+# text: asked to rewrite the function it wrote the signature, then prose and a run of zeros (34 of
+# 96 tokens prose), so its "rename" row measured no rewrite. It gets each task framed as text to
+# continue, the way a base model is prompted; every system gets the same prompt. (It copies the
+# function verbatim, without the rename: this 270M base model does not rename.)
+BASE_PROMPTS = {
+    "rewrite_rename": "Rename `orders` to `purchases` everywhere in this function.\n\nBefore:\n"
+    "```python\n" + _FUNCTION + "```\n\nAfter:\n```python\n",
+    "summarise_quotes": "Passage:\n" + _PASSAGE + "\n\nA summary in two sentences, quoting the "
+    "passage exactly where it can:\n",
+    "document_citations": "Document:\n" + _PASSAGE + "\n\nQuestion: what did Marr rebuild, and "
+    "when? Cite the sentences used, in quotes.\nAnswer:",
+    "code_continue": _CODE,
+    "free_chat": "Here is a short story about a fox who learns to play the violin.\n\n",
+}
 SYSTEMS = ("mlx-lm", "runtime", "runtime+speculative")
 SIZES = Scaled(tiny=(48, 2), tiny_quick=(16, 1), real=(96, 3), real_quick=(24, 1))  # tokens, reps
 DRAFTS = 10  # the most drafts a pass verifies (Sampling.speculative)
 
 
-def _prompt(tokenizer: Any, text: str) -> list[int]:
-    """The chat-templated prompt; a model without a template (Gemma 3 270M's GGUF) gets the raw
-    text, as ``mlxrt generate`` sends it."""
+def _prompt(tokenizer: Any, workload: str) -> list[int]:
+    """The workload's chat-templated instruction; a model without a template (Gemma 3 270M's
+    GGUF) gets the task framed as text to continue (``BASE_PROMPTS``)."""
     if not getattr(tokenizer, "chat_template", None):
-        return list(tokenizer.encode(text))
-    messages = [{"role": "user", "content": text}]
+        return list(tokenizer.encode(BASE_PROMPTS[workload]))
+    messages = [{"role": "user", "content": WORKLOADS[workload]}]
     return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
 
 
@@ -187,7 +202,7 @@ def _counters(rt: Any) -> dict[str, int]:
 def measure(model: BenchModel, systems: set[str], quick: bool) -> list[Measurement]:
     """Every workload's rows on ``model`` for the systems of ``systems`` it has."""
     max_tokens, reps = SIZES.pick(model, quick)
-    prompts = {name: _prompt(model.tokenizer, text) for name, text in WORKLOADS.items()}
+    prompts = {name: _prompt(model.tokenizer, name) for name in WORKLOADS}
     results = anyio.run(measure_all, model, prompts, max_tokens, reps)
     served: dict[str, float | None] = {}
     if "mlx_lm.server" in systems:
@@ -254,7 +269,7 @@ def main() -> None:
     reps = int(sys.argv[3]) if len(sys.argv) > 3 else 3
     bench = load_bench_model(model_name)
     chosen = sys.argv[4].split(",") if len(sys.argv) > 4 else list(WORKLOADS)
-    prompts = {name: _prompt(bench.tokenizer, WORKLOADS[name]) for name in chosen}
+    prompts = {name: _prompt(bench.tokenizer, name) for name in chosen}
     results = anyio.run(measure_all, bench, prompts, max_tokens, reps)
     print(
         f"model {model_name}, {max_tokens} tokens, greedy, best of {reps} interleaved; "
