@@ -173,6 +173,9 @@ class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unk
     # ``tidy_step_s`` long (Backend.tidy, as llama.cpp's spilling a state ahead of need).
     tidy_pieces: NonNegativeInt = 0
     tidy_step_s: NonNegativeFloat = 0.0
+    # >0: the engine takes an entry nobody else holds in place when at most this many of its
+    # tokens lie past the reuse point (ModelInfo.take_tail_tokens, as on llama.cpp).
+    take_tail_tokens: NonNegativeInt = 0
 
 
 ModelOptions = MlxOptions | LlamaCppOptions | SimulatedModelOptions

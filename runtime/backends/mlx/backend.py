@@ -259,6 +259,13 @@ class MlxBackend:
             )
         return MlxState([kind_of(c).copy(c, drop) for c in source.caches], length, logits)
 
+    def take_state(
+        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+    ) -> MlxState:
+        """A copy: ``info.take_tail_tokens`` is 0 here, so the engine never takes an entry
+        (a copy of a trimmable MLX cache slices its arrays; docs/reuse.md)."""
+        return self.copy_state(state, length, snapshot)
+
     def snapshot(self, state: SequenceState) -> MlxSnapshot:
         """Copy the sliding-window and recurrent layers; full-attention KV is trimmed later."""
         snapshot = self._snapshot(own_state(state), 0)
