@@ -70,7 +70,8 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     alloc_step: int = 1  # KV caches grow in steps of this many tokens (mlx-lm: 256)
     # The most tokens past a reuse point the engine gives up to *take* an entry nobody else holds
     # (``take_state``: cut back in place, the entry leaves the cache) instead of copying it; 0:
-    # never, a copy costs this backend little. What the threshold weighs: docs/reuse.md.
+    # never (the backend has no separate copy worth saving). What the threshold weighs:
+    # docs/reuse.md, "Taking an entry instead of copying it".
     take_tail_tokens: int = 0
     # Seconds of a one-token pass that keeps no logits, measured at load: the fixed cost every
     # prefill pass pays (reading the weights, launching each layer), whatever its length.
