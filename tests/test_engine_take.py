@@ -12,7 +12,8 @@ from collections import Counter
 
 from runtime.backends.contract import SequenceState
 from runtime.backends.simulated import greedy_continuation
-from runtime.messages import ModelSpec, ReusePath, Started
+from runtime.kernel.core import Address
+from runtime.messages import Cancel, LookupResult, Message, ModelSpec, ReusePath, Started
 from runtime.testing.harness import engine, kv_keeper, make_sim, prefix_cache, sim_spec
 from runtime.testing.requests import generate
 from runtime.testing.simulator import Simulator
@@ -162,3 +163,33 @@ def test_a_model_that_copies_cheaply_never_takes() -> None:
     assert not in_place(before, sim)
     assert len(prefix_cache(sim).entries()) == 2
     check_exact_bytes(sim)
+
+
+def test_an_entry_taken_for_a_request_cancelled_meanwhile_is_freed_not_leaked() -> None:
+    """The prefix cache hands the entry over, but the request was cancelled before the answer
+    reached the engine: the engine frees the entry (its bytes leave the keeper) rather than
+    holding a state no index knows."""
+    sim = make_sim(spec())
+    out = first_request(sim)
+    held: list[tuple[Address, Message, Address]] = []
+    real = sim.deliver
+
+    def hold_lookup_results(to: Address, message: Message, sender: Address) -> None:
+        if isinstance(message, LookupResult) and message.taken:
+            held.append((to, message, sender))
+        else:
+            real(to, message, sender)
+
+    sim.deliver = hold_lookup_results  # type: ignore[method-assign]
+    sim.send(generate("b", (*PROMPT, *out, 5), MAX_TOKENS))
+    sim.run_until_quiescent()
+    assert len(held) == 1
+    sim.send(Cancel(request_id="b", incarnation=1))
+    sim.run_until_quiescent()
+    sim.deliver = real  # type: ignore[method-assign]
+    real(*held[0])
+    sim.run_until_quiescent()
+
+    assert prefix_cache(sim).entries() == ()
+    assert engine(sim).statistics().gauges["entries"] == 0
+    assert kv_keeper(sim).reserved_bytes == 0

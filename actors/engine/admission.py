@@ -269,6 +269,8 @@ class Admission:
         if seq is None or result.epoch != seq.epoch or seq.phase is not Phase.LOOKING_UP:
             if result.lease_id is not None:
                 ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=result.lease_id))
+            if result.taken and result.entry_id is not None:  # handed over to nobody: freed
+                self._entries.take(result.entry_id, result.matched, ctx)
             ctx.count_dead_letter("stale_lookup_result")
             return
         seq.lease_id, seq.generation = result.lease_id, result.generation
