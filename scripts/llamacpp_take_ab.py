@@ -26,7 +26,7 @@ import anyio
 import actors.engine.gate as gate
 import runtime.backends.llamacpp.binding as binding
 from bench.branch import QUESTIONS, make_notes
-from runtime.backends.llamacpp.backend import LlamaCppBackend
+from runtime.backends.llamacpp.backend import TAKE_TAIL_TOKENS, LlamaCppBackend
 from runtime.host.api import Runtime
 from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec, Started, TokensEmitted
@@ -96,7 +96,7 @@ async def measure(args: argparse.Namespace) -> None:
         name="m",
         backend="llamacpp",
         path=str(GGUF / MODELS[args.model]),
-        options={"n_threads": args.threads},
+        options={"n_threads": args.threads, "take_tail_tokens": TAKE_TAIL_TOKENS},
     )
     async with Runtime(RuntimeConfig(kv_budget_bytes=2 << 30)) as rt:
         await rt.load_model(spec)

@@ -103,7 +103,7 @@ class Tiny:
         return f"ns{self.namespaces}"
 
     def oracle(self) -> ReuseOracle:
-        return ReuseOracle(True, SPACING, self.tokenizer.decode)
+        return ReuseOracle(True, SPACING, self.tokenizer.decode)  # take_tail_tokens off
 
     async def complete(self, prompt: Prompt, namespace: str) -> Run:
         before = self.counter("prefilled_tokens")
@@ -140,6 +140,7 @@ class Tiny:
         observed = (run.started.cached_tokens, run.prefilled)
         assert observed == (reused, len(prompt) - reused), "(cached, prefilled)"
         assert str(run.started.path) in paths, f"path {run.started.path}, expected {paths}"
+        oracle.take(prompt, reused, run.started.taken)
         oracle.generated(prompt, run.tokens, reused)
         assert run.tokens == await self.cold(prompt), "reused != cold"
         return run

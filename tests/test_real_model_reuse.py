@@ -355,7 +355,8 @@ def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> 
         # exact_reuse: the kernels and passes that make a decoded token equal to the same token
         # prefilled (passes.py), where the weights allow it: SmolLM2's, not Gemma 3's (the
         # xfails below).
-        options = {"n_threads": 1, "exact_reuse": True}
+        # take_tail_tokens: restores take the entry in place where they may (docs/reuse.md).
+        options = {"n_threads": 1, "exact_reuse": True, "take_tail_tokens": TAKE_TAIL_TOKENS}
         spec = ModelSpec(name=name, path=name, backend=backend, options=options)
         tokenizer_path = tokenizer_dir(fetch_model(name), converted_models_dir())
     with contextlib.ExitStack() as stack:

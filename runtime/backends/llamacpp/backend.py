@@ -51,9 +51,8 @@ from runtime.text.constraints import ConstraintEngine
 # seq_ids ``tidy`` keeps free while the engine idles: one for a request's new sequence, one for
 # a copy of a cached prefix it branches from.
 SPARE_SEQS = 2
-# The most tokens of a cached entry past the reuse point the engine gives up to take the entry in
-# place rather than copy it (ModelInfo.take_tail_tokens): a changed last line or question, a chat
-# turn's closing tokens. Why this many: docs/reuse.md, "Taking an entry instead of copying it".
+# ``take_tail_tokens`` measured and reasoned for (LlamaCppOptions, off by default): a changed last
+# line or question and a short reply. Why this many: docs/reuse.md.
 TAKE_TAIL_TOKENS = 32
 _TIMED_PASSES = 8  # the fastest of these is the fixed cost of a pass (noise only adds to it)
 log = logging.getLogger("mlx_actor_runtime.llamacpp")
@@ -193,7 +192,7 @@ class LlamaCppBackend(Persisting):
             together_snapshot_tokens=context,
             chat_template=templated,
             verifies=False,  # no verification pass yet: requests decode one token per pass
-            take_tail_tokens=TAKE_TAIL_TOKENS,
+            take_tail_tokens=options.take_tail_tokens,
         )
 
     def _timed_pass(self) -> float:
