@@ -158,9 +158,9 @@ class Gate:
 
 def take_within(info: ModelInfo | None) -> int:
     """The most tokens of an entry past the reuse point a lookup may give up to take the entry
-    instead of copying it (``Lookup.take_within``): the backend's ``take_tail_tokens``, or -1
-    (never) where copying costs it little. One policy for every backend; only the figure is the
-    backend's (docs/reuse.md, "Taking an entry instead of copying it")."""
+    instead of copying it (``Lookup.take_within``): the model's ``take_tail_tokens``, or -1
+    (never) where that is 0. One policy for every backend; only the figure is the model's
+    (docs/reuse.md, "Taking an entry instead of copying it")."""
     return info.take_tail_tokens if info is not None and info.take_tail_tokens > 0 else -1
 
 
