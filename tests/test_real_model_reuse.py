@@ -349,7 +349,7 @@ def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> 
     take_tail = -1  # MLX copies (ModelInfo.take_tail_tokens 0)
     if backend == "llamacpp":
         require_llama_cpp()
-        from runtime.backends.llamacpp.backend import TAKE_TAIL_TOKENS
+        from runtime.backends.llamacpp.cuts import TAKE_TAIL_TOKENS
 
         take_tail = TAKE_TAIL_TOKENS
         # exact_reuse: the kernels and passes that make a decoded token equal to the same token

@@ -34,6 +34,7 @@ from runtime.backends.contract import (
     Snapshot,
 )
 from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context
+from runtime.backends.llamacpp.cuts import check_cut, cut, cut_to
 from runtime.backends.llamacpp.files import gguf_file_of
 from runtime.backends.llamacpp.passes import Row
 from runtime.backends.llamacpp.persist import Persisting
@@ -51,9 +52,6 @@ from runtime.text.constraints import ConstraintEngine
 # seq_ids ``tidy`` keeps free while the engine idles: one for a request's new sequence, one for
 # a copy of a cached prefix it branches from.
 SPARE_SEQS = 2
-# ``take_tail_tokens`` measured and reasoned for (LlamaCppOptions, off by default): a changed last
-# line or question and a short reply. Why this many: docs/reuse.md.
-TAKE_TAIL_TOKENS = 32
 _TIMED_PASSES = 8  # the fastest of these is the fixed cost of a pass (noise only adds to it)
 log = logging.getLogger("mlx_actor_runtime.llamacpp")
 
@@ -252,67 +250,31 @@ class LlamaCppBackend(Persisting):
     ) -> LlamaState:
         source = own_state(state)
         self._pool.reclaim()
-        self._check_cut(source, length, snapshot)
+        check_cut(source, length, snapshot, self.can_trim(source))
         copy = LlamaState()
         if length == 0:
             return copy
         dst = self._pool.copy(source)
         try:
-            self._cut(dst, length, snapshot)
+            cut(self._context, dst, length, snapshot)
         except CannotTrim:
             self._pool.release(dst)
             raise
         self._pool.bind(copy, dst)
-        self._cut_to(copy, source, length, snapshot)
+        cut_to(copy, source, length, snapshot)
         return copy
 
     def take_state(
         self, state: SequenceState, length: int, snapshot: Snapshot | None = None
     ) -> LlamaState:
-        """``state`` itself cut back to ``length`` (its snapshot's partial cells put back
-        first): no copy of its cells, which on a 1,970-token SmolLM2 state is a 45 MB copy through
-        host memory (docs/reuse.md, "Taking an entry instead of copying it")."""
+        """``state`` itself cut back to ``length``: no copy of its cells (cuts.py)."""
         own = own_state(state)
         self._pool.reclaim()
-        self._check_cut(own, length, snapshot)
-        if length == own.n_tokens and snapshot is None:
-            return own  # the whole state: nothing to cut, its logits stay
-        if length == 0:
-            return LlamaState()  # ``own`` is dropped by the caller: its seq_id goes back
-        self._cut(self._pool.resident(own), length, snapshot)
-        self._cut_to(own, own, length, snapshot)
+        check_cut(own, length, snapshot, self.can_trim(own))
+        if length < own.n_tokens or snapshot is not None:
+            cut(self._context, self._pool.resident(own), length, snapshot)
+            cut_to(own, own, length, snapshot)
         return own
-
-    def _check_cut(self, source: LlamaState, length: int, snapshot: Snapshot | None) -> None:
-        if not 0 <= length <= source.n_tokens:
-            raise CannotTrim(f"cannot copy {length} tokens of a {source.n_tokens}-token state")
-        if snapshot is not None:
-            if not isinstance(snapshot, LlamaSnapshot) or snapshot.n_tokens != length:
-                raise CannotTrim(f"the snapshot does not hold {length} tokens of this state")
-        elif length < source.n_tokens and not self.can_trim(source):
-            raise CannotTrim("a sliding-window or recurrent cache cannot be cut back here")
-
-    def _cut(self, seq: int, length: int, snapshot: Snapshot | None) -> None:
-        """Cut seq_id ``seq``'s cells back to ``length`` tokens. The snapshot first: a recurrent
-        state refuses to be cut back, and on a hybrid model its refusal leaves the attention
-        cells uncut too; once the state is at ``length``, removing what lies past it removes only
-        attention cells."""
-        ctx = self._context
-        data = snapshot.data if isinstance(snapshot, LlamaSnapshot) else b""
-        restored = not data or ctx.set_seq_data(data, seq, PARTIAL_ONLY)
-        trimmed = restored and ctx.seq_rm(seq, length, -1)
-        if not trimmed or ctx.seq_pos_max(seq) != length - 1:
-            raise CannotTrim(f"llama.cpp could not cut this state back to {length} tokens")
-
-    @staticmethod
-    def _cut_to(
-        state: LlamaState, source: LlamaState, length: int, snapshot: Snapshot | None
-    ) -> None:
-        """``state``'s bookkeeping once its cells are ``source``'s first ``length`` tokens."""
-        whole = length == source.n_tokens
-        state.logits = source.logits if whole else None
-        state.high_water = length if snapshot is not None else source.high_water
-        state.n_tokens = length
 
     def snapshot(self, state: SequenceState) -> LlamaSnapshot:
         """The sliding-window or recurrent cells at the state's length (empty: none)."""
