@@ -48,6 +48,7 @@ _COUNTER_NAMES = (
     "hits_trim",
     "hits_checkpoint",
     "misses",
+    "taken",
     "tokens_reused",
     "commits",
     "commits_refused",
@@ -159,12 +160,20 @@ class PrefixCacheCore:
         partition = (request.model, request.epoch, request.namespace)
         match = self._index.best_match(partition, request.tokens)
         entry_id = lease_id = None
+        taken = False
         if match is None:
             self.counters.inc("misses")
         else:
             entry = self._index[EntryKey(request.model, request.epoch, match.entry_id)]
             entry_id = match.entry_id
-            lease_id = self._index.lease(entry, request.sequence_id)
+            if self._may_take(entry, match.matched, request.take_within):
+                # Handed over whole: gone from the index (and its bytes from the total) now,
+                # so no later lookup finds it; the engine releases its reservation.
+                self._index.forget(entry)
+                taken = True
+                self.counters.inc("taken")
+            else:
+                lease_id = self._index.lease(entry, request.sequence_id)
             self.counters.inc(_HIT_COUNTERS[match.path])
             self.counters.inc("tokens_reused", match.matched)
         result = LookupResult(
@@ -175,10 +184,19 @@ class PrefixCacheCore:
             path=ReusePath.MISS if match is None else match.path,
             lease_id=lease_id,
             generation=self.generation(request.model, request.namespace),
+            taken=taken,
         )
         ctx.send(request.reply_to or sender, result)  # reply_to: a lookup the keeper sent on
         if replica_base(request.model) is not None:
             self._elsewhere(request, result.matched, ctx)
+
+    @staticmethod
+    def _may_take(entry: Entry, matched: int, take_within: int) -> bool:
+        """Whether a hit hands its entry over instead of leasing it: nobody else holds it (a
+        lease is a restore under way), it is not a session's pinned prefix, and at most
+        ``take_within`` of its tokens lie past the reuse point (what is lost with it)."""
+        lost = len(entry.tokens) - matched
+        return 0 <= lost <= take_within and not entry.leases and not entry.pinned
 
     def _elsewhere(self, request: Lookup, matched_here: int, ctx: Context) -> None:
         """Tell the router what every replica of the model holds of this prompt (and how much

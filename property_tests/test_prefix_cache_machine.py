@@ -55,6 +55,9 @@ point_lists = st.lists(st.integers(0, 7), max_size=3).map(tuple)
 # one already loading beside it (so two live epochs of one model coexist).
 epoch_offsets = st.sampled_from((0, 0, 1, -1))
 rarely = st.integers(0, 3).map(lambda n: n == 0)
+# Lookup.take_within: mostly never take (-1), else hand over an unheld entry that loses at most
+# this many tokens past the reuse point.
+take_withins = st.sampled_from((-1, -1, 0, 2, 100))
 
 
 @dataclass
@@ -328,19 +331,34 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         epoch_offset=epoch_offsets,
         namespace=namespaces,
         prompt=token_lists,
+        take_within=take_withins,
     )
-    def lookup(self, model: str, epoch_offset: int, namespace: str, prompt: TokenIds) -> object:
-        return self.check_lookup(model, self.epoch(model, epoch_offset), namespace, prompt)
+    def lookup(
+        self, model: str, epoch_offset: int, namespace: str, prompt: TokenIds, take_within: int
+    ) -> object:
+        epoch = self.epoch(model, epoch_offset)
+        return self.check_lookup(model, epoch, namespace, prompt, take_within)
 
     @precondition(lambda self: self.entries)
-    @rule(target=leases, data=st.data(), keep=st.integers(0, 6), suffix=token_lists)
-    def lookup_near_entry(self, data: st.DataObject, keep: int, suffix: TokenIds) -> object:
+    @rule(
+        target=leases,
+        data=st.data(),
+        keep=st.integers(0, 6),
+        suffix=token_lists,
+        take_within=take_withins,
+    )
+    def lookup_near_entry(
+        self, data: st.DataObject, keep: int, suffix: TokenIds, take_within: int
+    ) -> object:
         """Prompts that share a prefix with a cached entry, where hits and ties happen."""
         entry = self.entries[data.draw(st.sampled_from(sorted(self.entries)))]
         prompt = entry.tokens[:keep] + suffix
-        return self.check_lookup(entry.key.model, entry.key.epoch, entry.namespace, prompt)
+        key = entry.key
+        return self.check_lookup(key.model, key.epoch, entry.namespace, prompt, take_within)
 
-    def check_lookup(self, model: str, epoch: int, namespace: str, prompt: TokenIds) -> object:
+    def check_lookup(
+        self, model: str, epoch: int, namespace: str, prompt: TokenIds, take_within: int = -1
+    ) -> object:
         scored = [
             (score, e)
             for e in self.entries.values()
@@ -349,11 +367,15 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             and (score := usable(e, prompt)) is not None
         ]
         engine = engine_address(model, epoch)
-        self.core.handle(
-            Lookup(model=model, epoch=epoch, namespace=namespace, tokens=prompt, sequence_id=1),
-            engine,
-            self.ctx,
+        lookup = Lookup(
+            model=model,
+            epoch=epoch,
+            namespace=namespace,
+            tokens=prompt,
+            sequence_id=1,
+            take_within=take_within,
         )
+        self.core.handle(lookup, engine, self.ctx)
         [(to, result)] = self.ctx.take_sent()
         assert to == engine
         assert isinstance(result, LookupResult)
@@ -361,6 +383,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if not scored:
             assert (result.entry_id, result.matched, result.path) == (None, 0, ReusePath.MISS)
             assert result.lease_id is None
+            assert not result.taken
             return multiple()
 
         (matched, path), best = max(
@@ -371,6 +394,15 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             matched,
             path,
         )
+        unheld = not best.leases and not best.pinned
+        if unheld and 0 <= len(best.tokens) - matched <= take_within:
+            # Handed over: out of the index now, its bytes released by its engine (no drop).
+            assert result.taken
+            assert result.lease_id is None
+            self.drop(best)
+            del self.charged[best.key]
+            return multiple()
+        assert not result.taken
         assert result.lease_id is not None
         assert result.lease_id not in self.lease_owner
         snapshot = self.core_snapshot(best.key)

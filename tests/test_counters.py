@@ -20,11 +20,11 @@ KV_NAMES = [
 ]  # fmt: skip
 
 PREFIX_NAMES = [
-    "lookups", "hits_exact", "hits_trim", "hits_checkpoint", "misses", "tokens_reused", "commits",
-    "commits_refused", "refused_stale_generation", "refused_invalidated_epoch", "refused_invalid",
-    "refused_duplicate", "superseded", "lease_releases", "unknown_lease_releases",
-    "evict_requests", "evict_shortfalls", "evictions", "evicted_bytes", "resets",
-    "reset_entries", "invalidations", "invalidated_entries", "unpinned",
+    "lookups", "hits_exact", "hits_trim", "hits_checkpoint", "misses", "taken", "tokens_reused",
+    "commits", "commits_refused", "refused_stale_generation", "refused_invalidated_epoch",
+    "refused_invalid", "refused_duplicate", "superseded", "lease_releases",
+    "unknown_lease_releases", "evict_requests", "evict_shortfalls", "evictions", "evicted_bytes",
+    "resets", "reset_entries", "invalidations", "invalidated_entries", "unpinned",
 ]  # fmt: skip
 
 SEQUENCE = Holder(model="m", epoch=1, kind=HolderKind.SEQUENCE, id=1)

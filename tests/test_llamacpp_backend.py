@@ -188,6 +188,29 @@ def test_gemma_sliding_window_restores_from_snapshots(real_llama: Backends) -> N
     assert greedy(backend, whole, 4) == greedy(backend, state, 4) == cold(backend, ids, 4)
 
 
+def test_a_state_taken_in_place_continues_like_a_cold_prefill(backend: LlamaCppBackend) -> None:
+    """``take_state`` cuts the state itself back (SmolLM2: trimmed; Gemma 3, past its window:
+    its snapshot put back into the same seq_id first), keeping its seq_id, and a new suffix then
+    gives the greedy tokens of the whole edited prompt computed anew; the whole state taken keeps
+    its logits."""
+    ids = backend.encode(DOC)
+    assert len(ids) > 700
+    state = backend.new_state()
+    (snap,) = prefill(backend, state, ids, snapshot_at=[600])
+    seq = state.seq
+    edited = ids[:600] + backend.encode(" The keepers sang.")[1:]
+    point = None if backend.can_trim(state) else snap
+    taken = backend.take_state(state, 600, point)
+    assert taken is state and (state.seq, state.length) == (seq, 600)
+    prefill(backend, taken, edited[600:])
+    assert greedy(backend, taken, 8) == cold(backend, edited)
+    whole = backend.new_state()
+    prefill(backend, whole, ids)
+    kept = backend.logits(whole)
+    assert backend.take_state(whole, len(ids)) is whole and backend.logits(whole) is kept
+    assert greedy(backend, whole, 4) == cold(backend, ids, 4)
+
+
 def test_an_interrupted_prefill_leaves_the_state_as_before(backend: LlamaCppBackend) -> None:
     """Stopped inside its second ``llama_decode`` (past Gemma's window, where llama.cpp reuses
     sliding cells): the state is as it was, and prefilling the same tokens again equals cold."""

@@ -103,7 +103,7 @@ class Tiny:
         return f"ns{self.namespaces}"
 
     def oracle(self) -> ReuseOracle:
-        return ReuseOracle(True, SPACING, self.tokenizer.decode)
+        return ReuseOracle(True, SPACING, self.tokenizer.decode)  # take_tail_tokens off
 
     async def complete(self, prompt: Prompt, namespace: str) -> Run:
         before = self.counter("prefilled_tokens")
@@ -140,6 +140,7 @@ class Tiny:
         observed = (run.started.cached_tokens, run.prefilled)
         assert observed == (reused, len(prompt) - reused), "(cached, prefilled)"
         assert str(run.started.path) in paths, f"path {run.started.path}, expected {paths}"
+        oracle.take(prompt, reused, run.started.taken)
         oracle.generated(prompt, run.tokens, reused)
         assert run.tokens == await self.cold(prompt), "reused != cold"
         return run
@@ -368,3 +369,38 @@ def test_entries_are_charged_llama_cpps_real_state_bytes(tiny: Tiny) -> None:
         backend.close()
     assert snapshots == n_points * partial
     assert entry - snapshots == whole
+
+
+def test_with_take_tail_tokens_a_turn_2_takes_the_entry_in_place_and_equals_cold(
+    tiny: Tiny,
+) -> None:
+    """The option on (docs/reuse.md, "Taking an entry instead of copying it"): a chat's second
+    turn takes the first turn's whole entry (its recurrent state used in place), and its output
+    equals a cold run's."""
+    name = f"{tiny.loaded.model}-take"
+    options = {"n_threads": 1, "checkpoint_every_tokens": SPACING, "take_tail_tokens": 32}
+    spec = ModelSpec(name=name, path=str(tiny.path), backend="llamacpp", options=options)
+    base = prompt_tokens(220, seed=1)
+
+    async def run(prompt: Sequence[int]) -> tuple[Started, list[int]]:
+        started, tokens = None, []
+        async with tiny.rt.generate(name, prompt_tokens=prompt, max_tokens=MAX_TOKENS) as stream:
+            async for event in stream:
+                started = event if isinstance(event, Started) else started
+                tokens += getattr(event, "token_ids", [])
+        assert started is not None
+        return started, tokens
+
+    async def scenario() -> None:
+        await tiny.rt.load_model(spec)
+        try:
+            first, reply = await run(base)
+            assert not first.taken
+            turn_2 = [*base, *reply, *CHAT_NEXT]
+            second, out = await run(turn_2)
+            assert (second.taken, second.cached_tokens) == (True, len(base) + MAX_TOKENS - 1)
+            assert tuple(out) == await tiny.cold(turn_2)
+        finally:
+            await tiny.rt.unload_model(name)
+
+    tiny.portal.call(scenario)

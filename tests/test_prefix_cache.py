@@ -84,9 +84,15 @@ def lookup(
     epoch: int = 1,
     model: str = MODEL,
     sequence_id: int = 7,
+    take_within: int = -1,
 ) -> LookupResult:
     message = Lookup(
-        model=model, epoch=epoch, namespace=namespace, tokens=tokens, sequence_id=sequence_id
+        model=model,
+        epoch=epoch,
+        namespace=namespace,
+        tokens=tokens,
+        sequence_id=sequence_id,
+        take_within=take_within,
     )
     engine = engine_address(model, epoch)
     core.handle(message, engine, ctx)
@@ -263,6 +269,42 @@ def test_epochs_never_share(core: PrefixCacheCore, ctx: RecordingContext) -> Non
 
 
 # --------------------------------------------------------------------------- eviction
+
+
+def test_an_unheld_entry_losing_few_tokens_is_handed_over_and_leaves_the_cache(
+    core: PrefixCacheCore, ctx: RecordingContext
+) -> None:
+    """A branch near the end: the entry is taken (no lease), its bytes leave the total at once,
+    no later lookup finds it, and no DropEntries follows (the engine releases it itself)."""
+    commit(core, ctx, 1, (1, 2, 3, 4, 5), nbytes=50)
+    commit(core, ctx, 2, (9, 9), nbytes=20)
+    taken = lookup(core, ctx, (1, 2, 3, 7), take_within=2)
+    assert hit(taken) == (1, 3, ReusePath.TRIM)
+    assert (taken.taken, taken.lease_id) == (True, None)
+    assert [e.entry_id for e in core.entries()] == [2]
+    assert core.total_bytes == 20
+    assert hit(lookup(core, ctx, (1, 2, 3, 4, 5, 6))) == (None, 0, ReusePath.MISS)
+    core.handle(Evict(nbytes=1000), PREFIX_CACHE, ctx)
+    assert ctx.take_sent() == [(ENGINE, DropEntries(epoch=1, entry_ids=(2,), spill=True))]
+    assert stats(core, ctx).counters["taken"] == 1
+
+
+def test_a_held_pinned_or_too_long_entry_is_leased_not_taken(
+    core: PrefixCacheCore, ctx: RecordingContext
+) -> None:
+    commit(core, ctx, 1, (1, 2, 3, 4, 5))
+    held = lookup(core, ctx, (1, 2, 3, 4, 5, 6), sequence_id=1)  # a restore under way
+    assert not held.taken
+    second = lookup(core, ctx, (1, 2, 3, 4, 5, 7), sequence_id=2, take_within=10)
+    assert (second.taken, second.lease_id is not None) == (False, True)
+    assert hit(lookup(core, ctx, (1, 2, 8), take_within=2)) == (1, 2, ReusePath.TRIM)
+    commit(core, ctx, 3, (6, 6, 6), pinned=True)  # a session's instructions prefix
+    assert not lookup(core, ctx, (6, 6, 6, 1), take_within=10).taken
+    commit(core, ctx, 4, (7, 7, 7, 7, 7))
+    too_long = lookup(core, ctx, (7, 7, 1), take_within=2)  # 3 tokens past the reuse point
+    assert (too_long.taken, hit(too_long)) == (False, (4, 2, ReusePath.TRIM))
+    assert lookup(core, ctx, (7, 7, 7, 7, 7, 1), take_within=0).taken is False  # leased above
+    assert len(core.entries()) == 3
 
 
 def test_lease_protects_entry_from_eviction(core: PrefixCacheCore, ctx: RecordingContext) -> None:

@@ -162,14 +162,43 @@ class ReuseModel:
     chunk it reached. A trimmable entry (every layer full attention, or a sliding ring that has not
     wrapped) serves its common prefix with a prompt; another serves only at its end or at the
     checkpoints its prefill took (``checkpoints``) strictly inside it, and only when its tokens up
-    to there prefix the prompt. At most ``len(prompt) - 1`` tokens are reused.
+    to there prefix the prompt. At most ``len(prompt) - 1`` tokens are reused. A generate's
+    lookup *takes* the entry it reuses (it leaves the cache) where at most ``take_tail`` of its
+    tokens lie past the reuse point (docs/reuse.md; -1: the backend never takes).
     """
 
     checkpointing: bool
     window: int | None
     word_start: Callable[[int], bool]
     line_end: Callable[[int], bool]
+    take_tail: int = -1
     entries: list[Entry] = field(default_factory=list)
+
+    def take(self, prompt: Sequence[int], started: Started) -> None:
+        """Check ``Started.taken`` of a generate of ``prompt`` (looked up against the entries as
+        they were) and drop the entry it took: of those serving the reuse, one that loses at
+        most ``take_tail`` tokens, a whole one first, else the latest (as the cache breaks
+        ties)."""
+        reused = started.cached_tokens
+        takeable = [
+            e
+            for e in self.entries
+            if reused
+            and self.serves(e, prompt) == reused
+            and len(e.tokens) - reused <= self.take_tail
+        ]
+        assert started.taken == bool(takeable), f"taken {started.taken}, expected {takeable!r}"
+        if takeable:
+            whole = [e for e in takeable if len(e.tokens) == reused]
+            self.entries.remove((whole or takeable)[-1])
+
+    def serves(self, entry: Entry, prompt: Sequence[int]) -> int:
+        """Tokens ``entry`` alone would serve ``prompt`` (0: none)."""
+        limit = len(prompt) - 1
+        if entry.trimmable:
+            return min(common_prefix_length(entry.tokens, prompt), limit)
+        fits = (p for p in entry.restorable if p <= limit and entry.tokens[:p] == prompt[:p])
+        return max(fits, default=0)
 
     def reusable(self, prompt: Sequence[int]) -> tuple[int, set[ReusePath]]:
         """Tokens a lookup reuses, and the paths that may serve them (ties go by recency)."""
@@ -247,6 +276,7 @@ class RealModel:
     texts: Texts
     window: int | None  # tokens a sliding-window layer keeps (config.json), None: no such layer
     pipelined: bool  # the backend builds a decode step on a token before reading it (MLX)
+    take_tail: int = -1  # ModelInfo.take_tail_tokens of its backend (-1: it never takes)
     cold_outputs: dict[tuple[int, ...], tuple[int, ...]] = field(default_factory=dict)
     rows: list[str] = field(default_factory=list)
     _namespaces: Iterator[int] = field(default_factory=itertools.count)
@@ -316,12 +346,17 @@ def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> 
     window = json.loads((path / "config.json").read_text()).get("sliding_window")
     spec = ModelSpec(name=name, path=name)
     tokenizer_path = path
+    take_tail = -1  # MLX copies (ModelInfo.take_tail_tokens 0)
     if backend == "llamacpp":
         require_llama_cpp()
+        from runtime.backends.llamacpp.cuts import TAKE_TAIL_TOKENS
+
+        take_tail = TAKE_TAIL_TOKENS
         # exact_reuse: the kernels and passes that make a decoded token equal to the same token
         # prefilled (passes.py), where the weights allow it: SmolLM2's, not Gemma 3's (the
         # xfails below).
-        options = {"n_threads": 1, "exact_reuse": True}
+        # take_tail_tokens: restores take the entry in place where they may (docs/reuse.md).
+        options = {"n_threads": 1, "exact_reuse": True, "take_tail_tokens": TAKE_TAIL_TOKENS}
         spec = ModelSpec(name=name, path=name, backend=backend, options=options)
         tokenizer_path = tokenizer_dir(fetch_model(name), converted_models_dir())
     with contextlib.ExitStack() as stack:
@@ -331,7 +366,14 @@ def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> 
         assert loaded.reuse_path == ("trim" if name.startswith("smollm2") else "checkpoint")
         tokenizer = load_tokenizer(tokenizer_path)
         model = RealModel(
-            portal, rt, loaded, tokenizer, TEXTS[name], window, pipelined=backend == "mlx"
+            portal,
+            rt,
+            loaded,
+            tokenizer,
+            TEXTS[name],
+            window,
+            pipelined=backend == "mlx",
+            take_tail=take_tail,
         )
         yield model
         print("\n".join(model.rows))
@@ -348,7 +390,9 @@ class Walk:
     @classmethod
     def start(cls, real: RealModel, purpose: str) -> Walk:
         checkpointing = real.loaded.reuse_path == "checkpoint"
-        model = ReuseModel(checkpointing, real.window, real.word_start, real.line_end)
+        model = ReuseModel(
+            checkpointing, real.window, real.word_start, real.line_end, real.take_tail
+        )
         return cls(real, real.namespace(purpose), model)
 
     async def generate(self, prompt: Prompt, label: str) -> Run:
@@ -356,6 +400,7 @@ class Walk:
         reused, paths = self.model.reusable(tokens)
         run = await self.real.complete(prompt, self.namespace)
         self._check(label, tokens, run.started, run.prefilled, reused, paths)
+        self.model.take(tokens, run.started)
         output: tuple[object, ...] = (*tokens, *run.tokens)
         if run.terminal.reason is FinishReason.LENGTH:
             output = output[:-1]  # the last allowed token is never fed
@@ -396,6 +441,7 @@ class Walk:
                 if isinstance(event, Started):
                     assert event.cached_tokens == reused, label
                     assert event.path in paths, label
+                    self.model.take(tokens, event)
                     await wait_until(
                         self.real.rt,
                         lambda: self.real.prefilled_total() - before >= prefilled_at_least,

@@ -153,10 +153,13 @@ class ComputeSlot:
                 seq.in_compute = True
                 single = StepJob(seq, chunk_tokens=chunk)
                 # Leased: never dropped meanwhile.
-                source = seq.disk_source or self._entries.restore_source(
-                    seq.restore_entry, seq.restore_length
+                source = (
+                    seq.taken_source
+                    or seq.disk_source
+                    or self._entries.restore_source(seq.restore_entry, seq.restore_length)
                 )
-                seq.disk_source = None  # the job holds it now; the restore copies what it needs
+                # The job holds it now; the restore copies what it needs (or cuts a taken one).
+                seq.disk_source = seq.taken_source = None
                 self.submit(ctx, single, lambda: run_step(single, seq, backend, source))
             case Prefill(seqs=group):
                 together = TogetherJob([StepJob(s) for s in group])

@@ -78,6 +78,7 @@ def announce_start(seq: Sequence, counters: Counters, ctx: Context) -> None:
             dropped_turns=seq.dropped_turns,
             reasoning_open=seq.reasoning_open,
             tier=tier,
+            taken=seq.taken,
         ),
     )
 

@@ -187,6 +187,19 @@ class EntryStore:
         self._counters.inc("snapshots_refused")
         return True
 
+    def take(self, entry_id: int, length: int, ctx: Context) -> RestoreSource | None:
+        """Hand entry ``entry_id`` over to a sequence (the prefix cache has forgotten it:
+        ``LookupResult.taken``): it leaves this store, its bytes go back to the keeper (the
+        sequence's own reservation covers the state from now on), and its state, with its
+        snapshot at ``length``, is restored from in place. None if it is not held here."""
+        entry = self._entries.pop(entry_id, None)
+        if entry is None:
+            return None
+        self._forget_pins((entry_id,))
+        ctx.send(KV_KEEPER, Release(holder=self.holder(entry_id)))
+        self._counters.inc("entries_taken")
+        return RestoreSource(entry.state, entry.points.get(length), taken=True)
+
     def drop(self, entry_ids: tuple[int, ...], ctx: Context) -> list[Kept]:
         """Free these entries (evicted, superseded, refused) and return their bytes; what they
         held, for the disk tier (their arrays live on only as long as it keeps them)."""

@@ -151,7 +151,17 @@ class Gate:
             tokens=seq.tokens,
             sequence_id=seq.sequence_id,
             facts=seq.facts() if replica else None,
+            # A prewarm finds its prompt already cached and ends: it keeps the entry.
+            take_within=take_within(self._info) if seq.kind is RequestKind.GENERATE else -1,
         )
+
+
+def take_within(info: ModelInfo | None) -> int:
+    """The most tokens of an entry past the reuse point a lookup may give up to take the entry
+    instead of copying it (``Lookup.take_within``): the model's ``take_tail_tokens``, or -1
+    (never) where that is 0. One policy for every backend; only the figure is the model's
+    (docs/reuse.md, "Taking an entry instead of copying it")."""
+    return info.take_tail_tokens if info is not None and info.take_tail_tokens > 0 else -1
 
 
 def tokens_to_reserve(seq: Sequence) -> int:

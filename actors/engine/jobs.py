@@ -280,7 +280,10 @@ def _restore(
         state = backend.new_state()
     else:
         try:
-            state = backend.copy_state(source.state, seq.restore_length, source.snapshot)
+            if source.taken:  # the entry left the cache: its state is ours to cut back
+                state = backend.take_state(source.state, seq.restore_length, source.snapshot)
+            else:
+                state = backend.copy_state(source.state, seq.restore_length, source.snapshot)
         except CannotTrim:
             job.fallback = "trim_refused"
             state = backend.new_state()

@@ -68,6 +68,11 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     window_bytes_per_token: int = 0
     fixed_state_bytes: int = 0  # recurrent state, independent of length
     alloc_step: int = 1  # KV caches grow in steps of this many tokens (mlx-lm: 256)
+    # The most tokens past a reuse point the engine gives up to *take* an entry nobody else holds
+    # (``take_state``: cut back in place, the entry leaves the cache) instead of copying it; 0:
+    # never (the backend has no separate copy worth saving). What the threshold weighs:
+    # docs/reuse.md, "Taking an entry instead of copying it".
+    take_tail_tokens: int = 0
     # Seconds of a one-token pass that keeps no logits, measured at load: the fixed cost every
     # prefill pass pays (reading the weights, launching each layer), whatever its length.
     pass_s: float = 0.0
@@ -242,6 +247,15 @@ class Backend(Protocol):
         With ``snapshot`` (taken by ``snapshot`` at ``length`` tokens of this state's own history)
         the untrimmable layers come from it and only the trimmable ones are cut back, so a state
         that cannot be trimmed as a whole can still be restored at any of its snapshots.
+        """
+        ...
+
+    def take_state(
+        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+    ) -> SequenceState:
+        """``state``'s first ``length`` tokens as ``copy_state`` gives them, made from ``state``
+        itself where the backend can (cut back in place: no copy), which the caller gives up
+        (it is changed, or returned); raises ``CannotTrim``, after which ``state`` is unusable.
         """
         ...
 

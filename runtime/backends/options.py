@@ -123,6 +123,12 @@ class LlamaCppOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_f
     # 1.83x a B=1 decode step on SmolLM2 (docs/models.md). False, as in llama-server: the reused
     # output may differ from a cold run's where two tokens nearly tie.
     exact_reuse: bool = False
+    # >0: a generate takes a cached entry nobody else holds in place (no copy; it leaves the
+    # cache) when at most this many of its tokens lie past the reuse point (docs/reuse.md,
+    # "Taking an entry instead of copying it"; 32 covers a changed last line and a short reply).
+    # 0, the default: every restore copies, since several requests that reach one entry at
+    # once would find it taken by the first and run cold.
+    take_tail_tokens: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
     # Tokens a lone stream's decode step may decode back to back on the compute thread before
     # the event loop sees them (Backend.decode_block): fewer loop round trips per token, which
     # on a CPU the model's threads fill cost decode speed; an abort still lands at the next token.
@@ -173,6 +179,9 @@ class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unk
     # ``tidy_step_s`` long (Backend.tidy, as llama.cpp's spilling a state ahead of need).
     tidy_pieces: NonNegativeInt = 0
     tidy_step_s: NonNegativeFloat = 0.0
+    # >0: the engine takes an entry nobody else holds in place when at most this many of its
+    # tokens lie past the reuse point (ModelInfo.take_tail_tokens, as on llama.cpp).
+    take_tail_tokens: NonNegativeInt = 0
 
 
 ModelOptions = MlxOptions | LlamaCppOptions | SimulatedModelOptions

@@ -98,9 +98,11 @@ class SimulatedBackend:
             pass_s=options.decode_s_per_token or options.prefill_s_per_token,  # a 1-token prefill
             together_snapshot_tokens=options.context_length,
             chat_template=False,  # chat_tokenizer below: the fallback format
+            take_tail_tokens=options.take_tail_tokens,
         )
         self._probe: SimulatedProbe | None = None
         self.tidy_calls = 0
+        self.takes = 0  # states cut back in place (take_state)
         self._tidy_left = 0  # pieces of housekeeping the last prefill left
         if options.probe_steps:
             self._probe = SimulatedProbe(self, options.probe_steps, self._info)
@@ -168,6 +170,16 @@ class SimulatedBackend:
         copy = SimulatedState(state.tokens[:length], state.hashes[:length])
         copy.has_logits = state.has_logits and length == state.length  # as MLX's copies keep them
         return copy
+
+    def take_state(
+        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+    ) -> SimulatedState:
+        """``copy_state``'s checks, then ``state`` itself cut back (counted in ``takes``)."""
+        cut = self.copy_state(state, length, snapshot)
+        own = own_state(state)
+        own.tokens, own.hashes, own.has_logits = cut.tokens, cut.hashes, cut.has_logits
+        self.takes += 1
+        return own
 
     def snapshot(self, state: SequenceState) -> SimulatedSnapshot:
         return self._snapshot(own_state(state), own_state(state).length)

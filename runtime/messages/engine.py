@@ -116,6 +116,7 @@ class SequenceStarted(Message, frozen=True):
     dropped_turns: int = 0
     reasoning_open: bool = False
     tier: ReuseTier = ReuseTier.COLD  # where the reused state came from
+    taken: bool = False  # the reused entry was taken in place, not copied (``Started.taken``)
 
     def for_request(self, request_id: str, incarnation: int) -> Started:
         """The host's event, built field by field (tests/test_engine_events.py checks them all)."""
@@ -130,6 +131,7 @@ class SequenceStarted(Message, frozen=True):
             dropped_turns=self.dropped_turns,
             reasoning_open=self.reasoning_open,
             tier=self.tier,
+            taken=self.taken,
         )
 
 

@@ -125,6 +125,9 @@ class Started(Message, frozen=True):
     # starts as reasoning (runtime/text/reasoning.py).
     reasoning_open: bool = False
     tier: ReuseTier = ReuseTier.COLD  # where the reused state came from
+    # The reused entry was taken: it left the prefix cache and its state was cut back in place
+    # instead of copied (docs/reuse.md, "Taking an entry instead of copying it").
+    taken: bool = False
 
 
 class TokensEmitted(Message, frozen=True):

@@ -13,7 +13,10 @@ class Lookup(Message, frozen=True):
     ``sequence_id`` names the sequence that will hold the lease on a hit. ``reply_to``: who hears
     the answer (None: the sender); the keeper sets it to the engine when it sends the lookup an
     engine's ``Reserve`` carried (``Reserve.then_lookup``). ``facts``: a replica's chat prompt's
-    rendering, passed on in ``CachedElsewhere`` should the request move.
+    rendering, passed on in ``CachedElsewhere`` should the request move. ``take_within``: the
+    most tokens of the hit's entry past the reuse point the engine would give up to *take* the
+    entry (it leaves the cache and the sequence cuts its state back in place, no copy) where
+    nobody else holds it; -1: never take (docs/protocols.md, "Prefix cache").
     """
 
     model: str
@@ -23,13 +26,16 @@ class Lookup(Message, frozen=True):
     sequence_id: int
     reply_to: str | None = None
     facts: PromptFacts | None = None
+    take_within: int = -1
 
 
 class LookupResult(Message, frozen=True):
     """``entry_id`` None on a miss. ``matched`` tokens of the entry are usable (after trimming).
 
     ``generation`` counts resets of this (model, namespace); a later ``Commit`` carries it back so
-    state computed before a reset can never be committed after it.
+    state computed before a reset can never be committed after it. ``taken``: the entry was
+    handed over whole (``Lookup.take_within``): it is no longer in the cache, nothing is leased,
+    and the engine releases its bytes and uses its state in place.
     """
 
     sequence_id: int
@@ -39,6 +45,7 @@ class LookupResult(Message, frozen=True):
     path: ReusePath
     lease_id: int | None
     generation: int
+    taken: bool = False
 
 
 class CachedElsewhere(Message, frozen=True):

@@ -91,28 +91,51 @@ class ReuseOracle:
 
     ``checkpointing``: the model's reuse path is ``checkpoint`` (its caches do not trim).
     ``spacing``: the periodic checkpoint spacing its prefills use. ``decode``: the tokenizer's
-    decode, which finds the word boundary ``plan_checkpoints`` snapshots at.
+    decode, which finds the word boundary ``plan_checkpoints`` snapshots at. ``take_tail``: the
+    backend's ``ModelInfo.take_tail_tokens`` (-1: it never takes; docs/reuse.md, "Taking an entry
+    instead of copying it").
     """
 
     checkpointing: bool
     spacing: int
     decode: Callable[[Sequence[int]], str]
+    take_tail: int = -1
     entries: list[Entry] = field(default_factory=list)
+
+    def take(self, prompt: Sequence[int], reused: int, taken: bool) -> None:
+        """Check a generate's ``Started.taken`` (looked up against the entries as they were) and
+        drop the entry it took: of those serving ``reused`` tokens, one losing at most
+        ``take_tail`` of its own, a whole one first, else the latest."""
+        prompt = tuple(prompt)
+        takeable = [
+            e
+            for e in self.entries
+            if reused
+            and self._serves(e, prompt)[0] == reused
+            and len(e.tokens) - reused <= self.take_tail
+        ]
+        assert taken == bool(takeable), f"taken {taken}, expected {takeable!r}"
+        if takeable:
+            whole = [e for e in takeable if len(e.tokens) == reused]
+            self.entries.remove((whole or takeable)[-1])
+
+    @staticmethod
+    def _serves(entry: Entry, prompt: tuple[int, ...]) -> tuple[int, str]:
+        """Tokens ``entry`` alone serves ``prompt``, and the path."""
+        limit = len(prompt) - 1
+        if entry.trimmable:
+            n = min(common_prefix_length(entry.tokens, prompt), limit)
+            return n, "exact" if n == len(entry.tokens) else "trim"
+        fits = (p for p in entry.restorable if p <= limit and entry.tokens[:p] == prompt[:p])
+        return max(fits, default=0), "checkpoint"
 
     def reusable(self, prompt: Sequence[int]) -> tuple[int, set[str]]:
         """Tokens a lookup of ``prompt`` reuses (at most all but its last) and the reuse paths
         that may serve them (``Started.path`` values)."""
-        prompt, limit = tuple(prompt), len(prompt) - 1
+        prompt = tuple(prompt)
         best, paths = 0, {"miss"}
         for entry in self.entries:
-            if entry.trimmable:
-                n = min(common_prefix_length(entry.tokens, prompt), limit)
-                path = "exact" if n == len(entry.tokens) else "trim"
-            else:
-                fits = (
-                    p for p in entry.restorable if p <= limit and entry.tokens[:p] == prompt[:p]
-                )
-                n, path = max(fits, default=0), "checkpoint"
+            n, path = self._serves(entry, prompt)
             # A whole entry is "exact" where the engine kept it as it is (a state that could still
             # be trimmed when it was committed: llama4's chunked cache before its front drops).
             found = {path, "exact"} if path == "checkpoint" and n == len(entry.tokens) else {path}

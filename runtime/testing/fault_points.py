@@ -99,6 +99,11 @@ class FaultyBackend:
     ) -> SequenceState:
         return self._inner.copy_state(state, length, snapshot)
 
+    def take_state(
+        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+    ) -> SequenceState:
+        return self._inner.take_state(state, length, snapshot)
+
     def state_nbytes(self, state: SequenceState) -> int:
         return self._inner.state_nbytes(state)
 

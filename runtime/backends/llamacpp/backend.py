@@ -34,6 +34,7 @@ from runtime.backends.contract import (
     Snapshot,
 )
 from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context
+from runtime.backends.llamacpp.cuts import check_cut, cut, cut_to
 from runtime.backends.llamacpp.files import gguf_file_of
 from runtime.backends.llamacpp.passes import Row
 from runtime.backends.llamacpp.persist import Persisting
@@ -190,6 +191,7 @@ class LlamaCppBackend(Persisting):
             together_snapshot_tokens=context,
             chat_template=templated,
             verifies=False,  # no verification pass yet: requests decode one token per pass
+            take_tail_tokens=options.take_tail_tokens,
         )
 
     def _timed_pass(self) -> float:
@@ -251,33 +253,31 @@ class LlamaCppBackend(Persisting):
     ) -> LlamaState:
         source = own_state(state)
         self._pool.reclaim()
-        if not 0 <= length <= source.n_tokens:
-            raise CannotTrim(f"cannot copy {length} tokens of a {source.n_tokens}-token state")
-        drop = source.n_tokens - length
+        check_cut(source, length, snapshot, self.can_trim(source))
         copy = LlamaState()
         if length == 0:
             return copy
-        if snapshot is not None:
-            if not isinstance(snapshot, LlamaSnapshot) or snapshot.n_tokens != length:
-                raise CannotTrim(f"the snapshot does not hold {length} tokens of this state")
-        elif drop and not self.can_trim(source):
-            raise CannotTrim("a sliding-window or recurrent cache cannot be cut back here")
         dst = self._pool.copy(source)
-        ctx = self._context
-        # The snapshot first: a recurrent state refuses to be cut back, and on a hybrid model
-        # its refusal leaves the attention cells uncut too; once the state is at ``length``,
-        # removing what lies past it removes only attention cells.
-        data = snapshot.data if snapshot is not None else b""
-        restored = not data or ctx.set_seq_data(data, dst, PARTIAL_ONLY)
-        trimmed = restored and ctx.seq_rm(dst, length, -1)
-        if not trimmed or ctx.seq_pos_max(dst) != length - 1:
+        try:
+            cut(self._context, dst, length, snapshot)
+        except CannotTrim:
             self._pool.release(dst)
-            raise CannotTrim(f"llama.cpp could not cut this state back to {length} tokens")
+            raise
         self._pool.bind(copy, dst)
-        copy.n_tokens = length
-        copy.high_water = length if snapshot is not None else source.high_water
-        copy.logits = source.logits if drop == 0 else None
+        cut_to(copy, source, length, snapshot)
         return copy
+
+    def take_state(
+        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+    ) -> LlamaState:
+        """``state`` itself cut back to ``length``: no copy of its cells (cuts.py)."""
+        own = own_state(state)
+        self._pool.reclaim()
+        check_cut(own, length, snapshot, self.can_trim(own))
+        if length < own.n_tokens or snapshot is not None:
+            cut(self._context, self._pool.resident(own), length, snapshot)
+            cut_to(own, own, length, snapshot)
+        return own
 
     def snapshot(self, state: SequenceState) -> LlamaSnapshot:
         """The sliding-window or recurrent cells at the state's length (empty: none)."""

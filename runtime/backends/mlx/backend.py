@@ -4,8 +4,7 @@ Loading never downloads: ``ModelSpec.path`` is a local mlx-lm model directory, o
 repo id that is already in the local cache. At load the backend runs one tiny prompt (the load
 probe's first, so a probe need not run it again), which warms the weights and lets it measure the
 cache layout (bytes per token, windows, fixed recurrent state) from real arrays instead of
-trusting config fields that differ between architectures.
-"""
+trusting config fields that differ between architectures."""
 
 from __future__ import annotations
 
@@ -259,6 +258,8 @@ class MlxBackend:
             )
         return MlxState([kind_of(c).copy(c, drop) for c in source.caches], length, logits)
 
+    take_state = copy_state  # never asked: take_tail_tokens is 0 here (docs/reuse.md)
+
     def snapshot(self, state: SequenceState) -> MlxSnapshot:
         """Copy the sliding-window and recurrent layers; full-attention KV is trimmed later."""
         snapshot = self._snapshot(own_state(state), 0)
@@ -432,8 +433,7 @@ class MlxBackend:
         """Drop the model and return MLX's cached buffers to the system.
 
         The thread's MLX streams are left alone: the thread's owner clears them before the
-        thread exits (``runtime.kernel.actor.release_thread_resources``).
-        """
+        thread exits (``runtime.kernel.actor.release_thread_resources``)."""
         if self._constraints is not None:
             self._constraints.close()
             self._constraints = None

@@ -1,0 +1,45 @@
+"""Cutting a llama.cpp sequence back to a prefix of itself: what a restore does to a copy of a
+cached state (``copy_state``) or, where the engine takes the entry, to the state itself
+(``take_state``; docs/reuse.md, "Taking an entry instead of copying it")."""
+
+from __future__ import annotations
+
+from runtime.backends.contract import CannotTrim, Snapshot
+from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context
+from runtime.backends.llamacpp.seqs import LlamaSnapshot, LlamaState
+
+# ``take_tail_tokens`` measured and reasoned for (LlamaCppOptions, off by default): a changed last
+# line or question and a short reply. Why this many: docs/reuse.md.
+TAKE_TAIL_TOKENS = 32
+
+
+def check_cut(source: LlamaState, length: int, snapshot: Snapshot | None, trimmable: bool) -> None:
+    """Raise ``CannotTrim`` unless ``source`` can be cut back to ``length`` (``trimmable``: the
+    backend's ``can_trim(source)``)."""
+    if not 0 <= length <= source.n_tokens:
+        raise CannotTrim(f"cannot copy {length} tokens of a {source.n_tokens}-token state")
+    if snapshot is not None:
+        if not isinstance(snapshot, LlamaSnapshot) or snapshot.n_tokens != length:
+            raise CannotTrim(f"the snapshot does not hold {length} tokens of this state")
+    elif length < source.n_tokens and not trimmable:
+        raise CannotTrim("a sliding-window or recurrent cache cannot be cut back here")
+
+
+def cut(context: Context, seq: int, length: int, snapshot: Snapshot | None) -> None:
+    """Cut seq_id ``seq``'s cells back to ``length`` tokens. The snapshot first: a recurrent
+    state refuses to be cut back, and on a hybrid model its refusal leaves the attention cells
+    uncut too; once the state is at ``length``, removing what lies past it removes only
+    attention cells."""
+    data = snapshot.data if isinstance(snapshot, LlamaSnapshot) else b""
+    restored = not data or context.set_seq_data(data, seq, PARTIAL_ONLY)
+    trimmed = restored and context.seq_rm(seq, length, -1)
+    if not trimmed or context.seq_pos_max(seq) != length - 1:
+        raise CannotTrim(f"llama.cpp could not cut this state back to {length} tokens")
+
+
+def cut_to(state: LlamaState, source: LlamaState, length: int, snapshot: Snapshot | None) -> None:
+    """``state``'s bookkeeping once its cells are ``source``'s first ``length`` tokens."""
+    whole = length == source.n_tokens
+    state.logits = source.logits if whole else None
+    state.high_water = length if snapshot is not None else source.high_water
+    state.n_tokens = length
