@@ -26,6 +26,7 @@ import mlx.core as mx
 import numpy as np
 
 from runtime.backends.contract import PrefillInterrupted
+from runtime.backends.llamacpp.build import amx_build
 from runtime.backends.llamacpp.passes import Row, plan_calls
 from runtime.errors import BackendError, ModelLoadFailed, UnsupportedModelFormat
 
@@ -37,7 +38,6 @@ _recent_log: collections.deque[str] = collections.deque(maxlen=20)  # for load e
 _log_callback: Any = None  # kept referenced while llama.cpp holds it
 _live = 0  # contexts made and not yet freed, in this process (``live_contexts``)
 _live_lock = threading.Lock()
-_amx_warned = False
 INSTALL_HINT = (
     "install llama-cpp-python (pip install 'mlx-actor-runtime[llamacpp]', which builds it from "
     "source in a few minutes; docs/models.md)"
@@ -71,28 +71,6 @@ def _route_log(lib: Any) -> None:
 
     _log_callback = lib.llama_log_callback(forward)
     lib.llama_log_set(_log_callback, None)
-
-
-def amx_build(lib: Any) -> bool:
-    """Whether this llama.cpp build has its AMX kernels, and so takes AMX's extra buffer type for
-    weights when extra buffer types are on. On Sapphire Rapids those kernels segfault in
-    ``ggml_backend_amx_mul_mat`` on the first pass of two rows or more (llama.cpp #20824, also
-    why Ollama ships no AMX build), so the backend then gives up extra buffer types (the x86
-    repacked kernels with them: slower on Q4_K) and warns once: build llama-cpp-python without
-    AMX (the Makefile's ``LLAMA_CMAKE_ARGS``, docs/models.md) to keep them."""
-    global _amx_warned
-    info = lib.llama_print_system_info().decode("utf-8", "replace")
-    if "AMX_INT8 = 1" not in info:
-        return False
-    if not _amx_warned:
-        _amx_warned = True
-        log.warning(
-            "this llama-cpp-python was built with AMX kernels, which crash on some CPUs "
-            "(llama.cpp #20824): weights stay unrepacked (slower); rebuild it with "
-            "CMAKE_ARGS='-DGGML_NATIVE=ON -DCMAKE_C_FLAGS=-mno-amx-int8 "
-            "-DCMAKE_CXX_FLAGS=-mno-amx-int8' (docs/models.md)"
-        )
-    return True
 
 
 def recent_log() -> str:
