@@ -78,7 +78,7 @@ def test_the_default_threads_follow_omp_num_threads_as_ray_sets_it(
 ) -> None:
     import os
 
-    from runtime.backends.llamacpp.backend import cpus_given
+    from runtime.backends.llamacpp.build import cpus_given
 
     may_run_on = len(os.sched_getaffinity(0))
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)

@@ -73,7 +73,6 @@ def test_the_docstring_count_counts_lines(doc: str, tmp_path: pathlib.Path) -> N
 # Over the line, each held at its length when the rule came in so it cannot grow. The first two
 # were other branches' work then; the rest are still to be split along a seam.
 MODULE_CAPS: dict[str, int] = {
-    "runtime/backends/llamacpp/backend.py": 497,
     "runtime/backends/mlx/backend.py": 449,
 }
 

@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
 import threading
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -29,30 +27,28 @@ from runtime.backends.contract import (
     DecodeBatchHandle,
     ModelInfo,
     PrefillInterrupted,
-    ReuseStrategy,
     SequenceState,
     Snapshot,
 )
 from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context
+from runtime.backends.llamacpp.build import cpus_given
 from runtime.backends.llamacpp.cuts import check_cut, cut, cut_to
 from runtime.backends.llamacpp.files import gguf_file_of
+from runtime.backends.llamacpp.measure import measure_model
 from runtime.backends.llamacpp.passes import Row
 from runtime.backends.llamacpp.persist import Persisting
 from runtime.backends.llamacpp.seqs import LlamaSnapshot, LlamaState, SeqPool, own_state
 from runtime.backends.llamacpp.tokenizer import direct_decoder, load_tokenizer, tokenizer_dir
-from runtime.backends.mlx.facts import effective_eos_ids
 from runtime.backends.model_source import converted_models_dir
 from runtime.backends.options import LlamaCppOptions, options_as
 from runtime.backends.vision.media import refuse_media
 from runtime.errors import BackendError, InvalidModelSpec
 from runtime.messages import ChatMessage, ModelSpec
-from runtime.text.chat import has_chat_template
 from runtime.text.constraints import ConstraintEngine
 
 # seq_ids ``tidy`` keeps free while the engine idles: one for a request's new sequence, one for
 # a copy of a cached prefix it branches from.
 SPARE_SEQS = 2
-_TIMED_PASSES = 8  # the fastest of these is the fixed cost of a pass (noise only adds to it)
 log = logging.getLogger("mlx_actor_runtime.llamacpp")
 
 
@@ -118,7 +114,7 @@ class LlamaCppBackend(Persisting):
             backend.path = gguf
             backend._identity = (sha256, options.exact_reuse)
             backend._decode_block = options.decode_block
-            backend._info = backend._measure(spec.name, options, facts)
+            backend._info = measure_model(backend, options, facts)
         except BaseException:
             context.close()
             raise
@@ -130,75 +126,6 @@ class LlamaCppBackend(Persisting):
             context.n_ctx_seq,
         )
         return backend
-
-    def _measure(self, name: str, options: LlamaCppOptions, facts: dict[str, Any]) -> ModelInfo:
-        """Read the cache layout off real sequence states, and time a one-token pass."""
-        ctx = self._context
-        state = self.new_state()
-        sizes = {}
-        for n in (1, 2):
-            self.prefill(state, [0] * (n - state.n_tokens), logits=False)
-            seq = self._pool.resident(state)
-            sizes[n] = (ctx.seq_size(seq), ctx.seq_size(seq, PARTIAL_ONLY))
-        per_token = sizes[2][0] - sizes[1][0]
-        partial_per_token = sizes[2][1] - sizes[1][1]
-        pass_s = min(self._timed_pass() for _ in range(_TIMED_PASSES))
-        # An abort lands between graph nodes: as many chances per pass as the graph has nodes.
-        asked = ctx.abort_checks
-        self.prefill(self.new_state(), [0], logits=False, stop=threading.Event())
-        stop_checks = max(ctx.model_int("n_layer"), ctx.abort_checks - asked)
-        context = ctx.n_ctx_seq
-        if self._recurrent:
-            reuse, reason = (
-                ReuseStrategy.CHECKPOINT,
-                (
-                    "a recurrent state cannot be cut back (llama_memory_seq_rm refuses part of a "
-                    "sequence): reuse restores snapshots of its state"
-                ),
-            )
-        elif self._n_swa:
-            reuse, reason = (
-                ReuseStrategy.CHECKPOINT,
-                (
-                    f"sliding-window layers ({self._n_swa} tokens) reuse cells that leave the "
-                    "window: checkpoints snapshot only those layers "
-                    "(llama_state_seq_get_data_ext) and cut the full-attention layers back from "
-                    "the state they came from"
-                ),
-            )
-        else:
-            reuse, reason = (
-                ReuseStrategy.TRIM,
-                ("every layer is full attention: trim to the common prefix (llama_memory_seq_rm)"),
-            )
-        templated = has_chat_template(self._tokenizer)
-        eos = effective_eos_ids(
-            self._tokenizer, self.path, {"eos_token_id": facts.get("eos_token_id")}
-        )
-        return ModelInfo(
-            context_length=context,
-            vocab_size=ctx.n_vocab,
-            eos_token_ids=eos,
-            reuse=reuse,
-            reuse_reason=reason,
-            bytes_per_token=per_token - (partial_per_token if self._n_swa else 0),
-            window_tokens=self._n_swa or None,
-            window_bytes_per_token=partial_per_token if self._n_swa else 0,
-            # What does not grow with the sequence: the recurrent state and the headers.
-            fixed_state_bytes=sizes[1][0] - per_token if self._recurrent else 0,
-            pass_s=pass_s,
-            stop_checks=stop_checks,
-            together_snapshot_tokens=context,
-            chat_template=templated,
-            verifies=False,  # no verification pass yet: requests decode one token per pass
-            take_tail_tokens=options.take_tail_tokens,
-        )
-
-    def _timed_pass(self) -> float:
-        state = self.new_state()  # dropped after: its seq_id goes back to the pool
-        start = time.perf_counter()
-        self.prefill(state, [0], logits=False)
-        return time.perf_counter() - start
 
     @property
     def info(self) -> ModelInfo:
@@ -489,12 +416,3 @@ class LlamaCppBackend(Persisting):
             self._constraints.close()
             self._constraints = None
         self._context.close()
-
-
-def cpus_given() -> int:
-    """The threads a computation of this process should use: ``$OMP_NUM_THREADS`` where set (Ray
-    sets it to an engine's CPUs, so engines sharing a node do not run more threads than it has
-    cores; OpenBLAS, MLX's CPU matmuls, follows it too), else every CPU it may run on."""
-    given = os.environ.get("OMP_NUM_THREADS", "")
-    may_run_on = len(os.sched_getaffinity(0))
-    return min(int(given), may_run_on) if given.isdigit() and int(given) > 0 else may_run_on

@@ -1,4 +1,5 @@
-"""What this llama.cpp build was compiled with, where the backend must act on it at load.
+"""What the backend must act on at load about the machine: the CPUs this process is given, and
+what this llama.cpp build was compiled with.
 
 See docs/models.md, "AMX".
 """
@@ -6,6 +7,7 @@ See docs/models.md, "AMX".
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 log = logging.getLogger("mlx_actor_runtime.llamacpp")
@@ -32,3 +34,12 @@ def amx_build(lib: Any) -> bool:
             "-DCMAKE_CXX_FLAGS=-mno-amx-int8' (docs/models.md)"
         )
     return True
+
+
+def cpus_given() -> int:
+    """The threads a computation of this process should use: ``$OMP_NUM_THREADS`` where set (Ray
+    sets it to an engine's CPUs, so engines sharing a node do not run more threads than it has
+    cores; OpenBLAS, MLX's CPU matmuls, follows it too), else every CPU it may run on."""
+    given = os.environ.get("OMP_NUM_THREADS", "")
+    may_run_on = len(os.sched_getaffinity(0))
+    return min(int(given), may_run_on) if given.isdigit() and int(given) > 0 else may_run_on
