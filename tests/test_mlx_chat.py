@@ -65,7 +65,7 @@ async def test_unload_through_the_runtime_returns_mlx_memory_to_its_baseline() -
         await rt.complete("llama", "fill some cache " * 20, max_tokens=8)
         assert mx.get_active_memory() > baseline + (1 << 20)  # weights and cached prefixes
         await rt.unload_model("llama")
-        gc.collect()
+        # No collection here: the weights go by their reference counts (MlxBackend.close).
         assert mx.get_active_memory() <= baseline + (1 << 20)
 
 

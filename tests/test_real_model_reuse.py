@@ -346,17 +346,19 @@ def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> 
     window = json.loads((path / "config.json").read_text()).get("sliding_window")
     spec = ModelSpec(name=name, path=name)
     tokenizer_path = path
-    take_tail = -1  # MLX copies (ModelInfo.take_tail_tokens 0)
+    # Restores copy, as a user's load does: taking an entry in place is off by default
+    # (LlamaCppOptions.take_tail_tokens), because four concurrent extenders of one entry would
+    # then see the first take it and the other three prefill cold (docs/reuse.md), which the
+    # concurrent-streams test below would rightly fail. The take path's real-GGUF check is
+    # tests/test_llamacpp_backend.py's; the walks' ``ReuseModel.take`` models it for a run
+    # with ``take_tail`` set.
+    take_tail = -1
     if backend == "llamacpp":
         require_llama_cpp()
-        from runtime.backends.llamacpp.cuts import TAKE_TAIL_TOKENS
-
-        take_tail = TAKE_TAIL_TOKENS
         # exact_reuse: the kernels and passes that make a decoded token equal to the same token
         # prefilled (passes.py), where the weights allow it: SmolLM2's, not Gemma 3's (the
         # xfails below).
-        # take_tail_tokens: restores take the entry in place where they may (docs/reuse.md).
-        options = {"n_threads": 1, "exact_reuse": True, "take_tail_tokens": TAKE_TAIL_TOKENS}
+        options = {"n_threads": 1, "exact_reuse": True}
         spec = ModelSpec(name=name, path=name, backend=backend, options=options)
         tokenizer_path = tokenizer_dir(fetch_model(name), converted_models_dir())
     with contextlib.ExitStack() as stack:

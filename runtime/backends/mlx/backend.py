@@ -8,7 +8,6 @@ trusting config fields that differ between architectures."""
 
 from __future__ import annotations
 
-import gc
 import logging
 import threading
 import time
@@ -430,16 +429,15 @@ class MlxBackend:
         return False  # MLX arrays need no slots: nothing to do ahead of a request
 
     def close(self) -> None:
-        """Drop the model and return MLX's cached buffers to the system.
-
-        The thread's MLX streams are left alone: the thread's owner clears them before the
-        thread exits (``runtime.kernel.actor.release_thread_resources``)."""
+        """Drop the model (its weights go by reference count, no ``gc.collect()``: that holds
+        the GIL over the host's whole heap, stalling its event loop) and return MLX's cached
+        buffers. The thread's MLX streams are left to the thread's owner to clear
+        (``runtime.kernel.actor.release_thread_resources``)."""
         if self._constraints is not None:
             self._constraints.close()
             self._constraints = None
         self._model = None
         self._tokenizer = None
-        gc.collect()
         mx.clear_cache()
 
 
