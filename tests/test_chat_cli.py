@@ -258,5 +258,15 @@ def test_show_cache_says_how_many_drafts_were_accepted_on_a_speculating_model() 
     _, read_line = scripted("Once upon a time, in a land far away, there lived")
     settings = ChatSettings(max_tokens=60, show_cache=True, framing="raw")
     run_chat(spec, settings, read_line=read_line, out=out)
-    [(accepted, drafted)] = re.findall(r"\[drafts accepted (\d+)/(\d+)\]", out.getvalue())
+    shown = re.findall(r"\[drafts accepted (\d+)/(\d+), ([\d.]+) tokens a pass\]", out.getvalue())
+    [(accepted, drafted, per_pass)] = shown
     assert 0 < int(accepted) <= int(drafted)
+    assert float(per_pass) > 1.0  # accepted drafts came several to a pass
+
+
+def test_tokens_a_pass_count_the_prefills_token_apart() -> None:
+    from runtime.cli.chat_session import tokens_per_pass
+
+    assert tokens_per_pass(11, 0) == 1.0  # 10 plain passes after the prefill's token
+    assert tokens_per_pass(11, 5) == 2.0  # 5 passes, each its own token and one accepted draft
+    assert tokens_per_pass(1, 0) == 1.0  # only the prefill's token: no pass to divide by

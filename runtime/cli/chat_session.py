@@ -317,7 +317,11 @@ class ChatTerminal:
             self._say(f"[cached {started.cached_tokens}/{started.prompt_tokens}{where}]")
             usage = getattr(reply.terminal, "usage", None)
             if usage is not None and usage.drafted_tokens:  # the model speculates
-                self._say(f"[drafts accepted {usage.accepted_tokens}/{usage.drafted_tokens}]")
+                per_pass = tokens_per_pass(usage.completion_tokens, usage.accepted_tokens)
+                self._say(
+                    f"[drafts accepted {usage.accepted_tokens}/{usage.drafted_tokens}, "
+                    f"{per_pass:.2f} tokens a pass]"
+                )
         if self._settings.stats and reply.speed is not None:
             self._say(f"({reply.speed.line()})")
 
@@ -392,3 +396,11 @@ def run_chat(
             raw=raw, read_line=read_line, out=out,
         )  # fmt: skip
         terminal.run()
+
+
+def tokens_per_pass(completion_tokens: int, accepted_tokens: int) -> float:
+    """Decoded tokens per forward pass: the first token comes from the prompt's prefill, and
+    each decode pass after it gives one token of its own plus the drafts it accepted."""
+    decoded = completion_tokens - 1
+    passes = decoded - accepted_tokens
+    return decoded / passes if passes > 0 else 1.0
