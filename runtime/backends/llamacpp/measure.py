@@ -8,23 +8,50 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
 
 from runtime.backends.contract import ModelInfo, ReuseStrategy
-from runtime.backends.llamacpp.binding import PARTIAL_ONLY
+from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context
+from runtime.backends.llamacpp.seqs import LlamaSnapshot, LlamaState, SeqPool
 from runtime.backends.mlx.facts import effective_eos_ids
 from runtime.backends.options import LlamaCppOptions
 from runtime.text.chat import has_chat_template
 
-if TYPE_CHECKING:
-    from runtime.backends.llamacpp.backend import LlamaCppBackend
+
+class Loaded(Protocol):
+    """What measuring needs of the backend it measures (``LlamaCppBackend``, which imports this
+    module: a protocol, not that class, so the two do not import each other)."""
+
+    path: Path
+
+    @property
+    def context(self) -> Context: ...
+
+    @property
+    def pool(self) -> SeqPool: ...
+
+    @property
+    def chat_tokenizer(self) -> Any: ...
+
+    def new_state(self) -> LlamaState: ...
+
+    def prefill(
+        self,
+        state: Any,
+        token_ids: Sequence[int],
+        *,
+        logits: bool = True,
+        snapshot_at: Sequence[int] = (),
+        stop: threading.Event | None = None,
+    ) -> list[LlamaSnapshot]: ...
+
 
 _TIMED_PASSES = 8  # the fastest of these is the fixed cost of a pass (noise only adds to it)
 
 
-def measure_model(
-    backend: LlamaCppBackend, options: LlamaCppOptions, facts: dict[str, Any]
-) -> ModelInfo:
+def measure_model(backend: Loaded, options: LlamaCppOptions, facts: dict[str, Any]) -> ModelInfo:
     """Read the cache layout off real sequence states, and time a one-token pass."""
     ctx = backend.context
     n_swa = ctx.model_int("n_swa")
@@ -88,7 +115,7 @@ def measure_model(
     )
 
 
-def _timed_pass(backend: LlamaCppBackend) -> float:
+def _timed_pass(backend: Loaded) -> float:
     state = backend.new_state()  # dropped after: its seq_id goes back to the pool
     start = time.perf_counter()
     backend.prefill(state, [0], logits=False)
