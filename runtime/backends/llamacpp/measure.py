@@ -8,21 +8,20 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from runtime.backends.contract import ModelInfo, ReuseStrategy
+from runtime.backends.contract import Backend, ModelInfo, ReuseStrategy
 from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context
-from runtime.backends.llamacpp.seqs import LlamaSnapshot, LlamaState, SeqPool
+from runtime.backends.llamacpp.seqs import SeqPool, own_state
 from runtime.backends.mlx.facts import effective_eos_ids
 from runtime.backends.options import LlamaCppOptions
 from runtime.text.chat import has_chat_template
 
 
-class Loaded(Protocol):
-    """What measuring needs of the backend it measures (``LlamaCppBackend``, which imports this
-    module: a protocol, not that class, so the two do not import each other)."""
+class Loaded(Backend, Protocol):
+    """The backend measuring reads (``LlamaCppBackend``, which imports this module: a protocol,
+    not that class, so the two do not import each other): the contract and its llama.cpp parts."""
 
     path: Path
 
@@ -31,21 +30,6 @@ class Loaded(Protocol):
 
     @property
     def pool(self) -> SeqPool: ...
-
-    @property
-    def chat_tokenizer(self) -> Any: ...
-
-    def new_state(self) -> LlamaState: ...
-
-    def prefill(
-        self,
-        state: Any,
-        token_ids: Sequence[int],
-        *,
-        logits: bool = True,
-        snapshot_at: Sequence[int] = (),
-        stop: threading.Event | None = None,
-    ) -> list[LlamaSnapshot]: ...
 
 
 _TIMED_PASSES = 8  # the fastest of these is the fixed cost of a pass (noise only adds to it)
@@ -56,7 +40,7 @@ def measure_model(backend: Loaded, options: LlamaCppOptions, facts: dict[str, An
     ctx = backend.context
     n_swa = ctx.model_int("n_swa")
     recurrent = ctx.model_flag("is_recurrent") or ctx.model_flag("is_hybrid")
-    state = backend.new_state()
+    state = own_state(backend.new_state())
     sizes = {}
     for n in (1, 2):
         backend.prefill(state, [0] * (n - state.n_tokens), logits=False)
