@@ -351,8 +351,7 @@ def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> 
     # then see the first take it and the other three prefill cold (docs/reuse.md), which the
     # concurrent-streams test below would rightly fail. The take path's real-GGUF check is
     # tests/test_llamacpp_backend.py's; the walks' ``ReuseModel.take`` models it for a run
-    # with ``take_tail`` set.
-    take_tail = -1
+    # with ``RealModel.take_tail`` set (left at -1, never, here).
     if backend == "llamacpp":
         require_llama_cpp()
         # exact_reuse: the kernels and passes that make a decoded token equal to the same token
@@ -368,14 +367,7 @@ def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> 
         assert loaded.reuse_path == ("trim" if name.startswith("smollm2") else "checkpoint")
         tokenizer = load_tokenizer(tokenizer_path)
         model = RealModel(
-            portal,
-            rt,
-            loaded,
-            tokenizer,
-            TEXTS[name],
-            window,
-            pipelined=backend == "mlx",
-            take_tail=take_tail,
+            portal, rt, loaded, tokenizer, TEXTS[name], window, pipelined=backend == "mlx"
         )
         yield model
         print("\n".join(model.rows))

@@ -114,7 +114,9 @@ class LlamaCppBackend(Persisting):
             backend.path = gguf
             backend._identity = (sha256, options.exact_reuse)
             backend._decode_block = options.decode_block
-            backend._info = measure_model(backend, options, facts)
+            backend._info = measure_model(
+                backend, options, facts, n_swa=backend._n_swa, recurrent=backend._recurrent
+            )
         except BaseException:
             context.close()
             raise

@@ -35,11 +35,17 @@ class Loaded(Backend, Protocol):
 _TIMED_PASSES = 8  # the fastest of these is the fixed cost of a pass (noise only adds to it)
 
 
-def measure_model(backend: Loaded, options: LlamaCppOptions, facts: dict[str, Any]) -> ModelInfo:
-    """Read the cache layout off real sequence states, and time a one-token pass."""
+def measure_model(
+    backend: Loaded,
+    options: LlamaCppOptions,
+    facts: dict[str, Any],
+    *,
+    n_swa: int,
+    recurrent: bool,
+) -> ModelInfo:
+    """Read the cache layout off real sequence states, and time a one-token pass. ``n_swa`` and
+    ``recurrent``: the cache kind, as the backend read it off the model at construction."""
     ctx = backend.context
-    n_swa = ctx.model_int("n_swa")
-    recurrent = ctx.model_flag("is_recurrent") or ctx.model_flag("is_hybrid")
     state = own_state(backend.new_state())
     sizes = {}
     for n in (1, 2):
