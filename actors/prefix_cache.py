@@ -126,8 +126,8 @@ class PrefixCacheCore:
                 # Unknown, already released, or its epoch was invalidated: nothing to undo.
                 self.counters.inc("unknown_lease_releases")
                 ctx.count_dead_letter("prefix_unknown_lease")
-            case ReleaseLease(lease_id=lease_id):
-                self._release_lease(lease_id, ctx)
+            case ReleaseLease(lease_id=lease_id, take=take):
+                self._release_lease(lease_id, take, ctx)
             case Unpin(model=model, epoch=epoch, entry_id=entry_id) if (
                 EntryKey(model, epoch, entry_id) not in self._index
             ):
@@ -160,20 +160,17 @@ class PrefixCacheCore:
         partition = (request.model, request.epoch, request.namespace)
         match = self._index.best_match(partition, request.tokens)
         entry_id = lease_id = None
-        taken = False
+        takeable = False
         if match is None:
             self.counters.inc("misses")
         else:
             entry = self._index[EntryKey(request.model, request.epoch, match.entry_id)]
             entry_id = match.entry_id
-            if self._may_take(entry, match.matched, request.take_within):
-                # Handed over whole: gone from the index (and its bytes from the total) now,
-                # so no later lookup finds it; the engine releases its reservation.
-                self._index.forget(entry)
-                taken = True
-                self.counters.inc("taken")
-            else:
-                lease_id = self._index.lease(entry, request.sequence_id)
+            # Leased like any hit: whether it is taken is the engine's call at the restore, where
+            # it sees every sequence that holds or awaits one of its entries (a burst of lookups
+            # decided here would hand it to the first and leave the rest cold).
+            takeable = self._may_take(entry, match.matched, request.take_within)
+            lease_id = self._index.lease(entry, request.sequence_id)
             self.counters.inc(_HIT_COUNTERS[match.path])
             self.counters.inc("tokens_reused", match.matched)
         result = LookupResult(
@@ -184,7 +181,7 @@ class PrefixCacheCore:
             path=ReusePath.MISS if match is None else match.path,
             lease_id=lease_id,
             generation=self.generation(request.model, request.namespace),
-            taken=taken,
+            takeable=takeable,
         )
         ctx.send(request.reply_to or sender, result)  # reply_to: a lookup the keeper sent on
         if replica_base(request.model) is not None:
@@ -192,11 +189,11 @@ class PrefixCacheCore:
 
     @staticmethod
     def _may_take(entry: Entry, matched: int, take_within: int) -> bool:
-        """Whether a hit hands its entry over instead of leasing it: nobody else holds it (a
-        lease is a restore under way), it is not a session's pinned prefix, and at most
-        ``take_within`` of its tokens lie past the reuse point (what is lost with it)."""
+        """Whether the engine may take a hit's entry at its restore instead of copying it: it is
+        not a session's pinned prefix, and at most ``take_within`` of its tokens lie past the
+        reuse point (what is lost with it)."""
         lost = len(entry.tokens) - matched
-        return 0 <= lost <= take_within and not entry.leases and not entry.pinned
+        return 0 <= lost <= take_within and not entry.pinned
 
     def _elsewhere(self, request: Lookup, matched_here: int, ctx: Context) -> None:
         """Tell the router what every replica of the model holds of this prompt (and how much
@@ -282,10 +279,16 @@ class PrefixCacheCore:
         self.counters.inc("superseded", len(superseded))
         return Committed(entry_id=commit.entry_id, accepted=True, superseded=tuple(superseded))
 
-    def _release_lease(self, lease_id: int, ctx: Context) -> None:
+    def _release_lease(self, lease_id: int, take: bool, ctx: Context) -> None:
         self.counters.inc("lease_releases")
         entry = self._index.release_lease(lease_id)
-        if entry.doomed and not entry.leases:
+        if take:
+            # The engine took it at its restore: its state is a sequence's now. Forgotten, leases
+            # and all (the engine took it only with no other of its sequences holding or awaiting
+            # it), and no DropEntries: the engine already let it go.
+            self._index.forget(entry)
+            self.counters.inc("taken")
+        elif entry.doomed and not entry.leases:
             self._index.forget(entry)
             self._send_drops([entry.key], ctx)
 

@@ -55,8 +55,8 @@ point_lists = st.lists(st.integers(0, 7), max_size=3).map(tuple)
 # one already loading beside it (so two live epochs of one model coexist).
 epoch_offsets = st.sampled_from((0, 0, 1, -1))
 rarely = st.integers(0, 3).map(lambda n: n == 0)
-# Lookup.take_within: mostly never take (-1), else hand over an unheld entry that loses at most
-# this many tokens past the reuse point.
+# Lookup.take_within: mostly never take (-1), else mark a hit takeable (its engine may take it at
+# the restore) where its entry loses at most this many tokens past the reuse point.
 take_withins = st.sampled_from((-1, -1, 0, 2, 100))
 
 
@@ -123,6 +123,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         self.ctx = RecordingContext(PREFIX_CACHE)
         self.entries: dict[EntryKey, ModelEntry] = {}
         self.lease_owner: dict[int, EntryKey] = {}
+        self.takeable: set[int] = set()  # leases whose lookup said takeable
         self.clock = 0
         self.model_resets: dict[str, int] = {}
         self.namespace_resets: dict[tuple[str, str], int] = {}
@@ -383,7 +384,7 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         if not scored:
             assert (result.entry_id, result.matched, result.path) == (None, 0, ReusePath.MISS)
             assert result.lease_id is None
-            assert not result.taken
+            assert not result.takeable
             return multiple()
 
         (matched, path), best = max(
@@ -394,15 +395,10 @@ class PrefixCacheMachine(RuleBasedStateMachine):
             matched,
             path,
         )
-        unheld = not best.leases and not best.pinned
-        if unheld and 0 <= len(best.tokens) - matched <= take_within:
-            # Handed over: out of the index now, its bytes released by its engine (no drop).
-            assert result.taken
-            assert result.lease_id is None
-            self.drop(best)
-            del self.charged[best.key]
-            return multiple()
-        assert not result.taken
+        # Leased like any hit; takeable where the engine may take it at its restore.
+        assert result.takeable == (
+            not best.pinned and 0 <= len(best.tokens) - matched <= take_within
+        )
         assert result.lease_id is not None
         assert result.lease_id not in self.lease_owner
         snapshot = self.core_snapshot(best.key)
@@ -416,7 +412,24 @@ class PrefixCacheMachine(RuleBasedStateMachine):
         best.leases.add(result.lease_id)
         self.lease_owner[result.lease_id] = best.key
         self.leased_snapshot.setdefault(best.key, snapshot)
+        if result.takeable:
+            self.takeable.add(result.lease_id)
         return result.lease_id
+
+    @rule(lease_id=consumes(leases))
+    def take_lease(self, lease_id: int) -> None:
+        """The engine took a takeable lease's entry at its restore: it leaves the index and the
+        total at once, with no drop (the engine holds its state); its other leases are void."""
+        if lease_id not in self.takeable or lease_id not in self.lease_owner:
+            self.release_lease(lease_id)  # not takeable (or voided): released as it is
+            return
+        entry = self.entries[self.lease_owner[lease_id]]
+        self.drop(entry)  # its leases with it: a later release of one is an unknown lease
+        del self.charged[entry.key]
+        self.core.handle(
+            ReleaseLease(lease_id=lease_id, take=True), engine_address("m1", 1), self.ctx
+        )
+        assert self.ctx.take_sent() == []
 
     @rule(lease_id=consumes(leases))
     def release_lease(self, lease_id: int) -> None:

@@ -75,6 +75,9 @@ class RuntimeMachine(RuleBasedStateMachine):
         # 2: each prefill leaves two pieces of idle housekeeping (Backend.tidy), run once the
         # engine has idled a while (actors/engine/tidying.py).
         tidy_pieces=st.sampled_from([0, 2]),
+        # 6: a generate's restore takes its entry in place where it loses at most 6 tokens and
+        # no other sequence holds or may look it up (llama.cpp's default; docs/reuse.md).
+        take_tail=st.sampled_from([0, 6]),
     )
     def start(
         self,
@@ -86,6 +89,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         queue_steps: bool = False,
         decode_block: int = 1,
         tidy_pieces: int = 0,
+        take_tail: int = 0,
     ) -> None:
         config = RuntimeConfig(kv_budget_bytes=BUDGET, reservation_timeout_s=0.05)
         self.sim = Simulator(seed=seed, config=config)
@@ -118,6 +122,7 @@ class RuntimeMachine(RuleBasedStateMachine):
             probe_step_s=0.003,
             tidy_pieces=tidy_pieces,
             tidy_step_s=0.004,
+            take_tail_tokens=take_tail,
         )
         self.eos_every = eos_every
         self.incarnation = 0

@@ -27,7 +27,7 @@ import actors.engine.gate as gate
 import runtime.backends.llamacpp.binding as binding
 from bench.branch import QUESTIONS, make_notes
 from runtime.backends.llamacpp.backend import LlamaCppBackend
-from runtime.backends.llamacpp.cuts import TAKE_TAIL_TOKENS
+from runtime.backends.options import TAKE_TAIL_TOKENS
 from runtime.host.api import Runtime
 from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec, Started, TokensEmitted

@@ -165,17 +165,17 @@ def test_a_model_that_copies_cheaply_never_takes() -> None:
     check_exact_bytes(sim)
 
 
-def test_an_entry_taken_for_a_request_cancelled_meanwhile_is_freed_not_leaked() -> None:
-    """The prefix cache hands the entry over, but the request was cancelled before the answer
-    reached the engine: the engine frees the entry (its bytes leave the keeper) rather than
-    holding a state no index knows."""
+def test_a_takeable_hit_for_a_request_cancelled_meanwhile_stays_cached() -> None:
+    """The prefix cache marks the hit takeable, but the request was cancelled before the answer
+    reached the engine: nothing was taken (a take is the restore's), so the lease goes back and
+    the entry stays cached, its bytes held for it alone."""
     sim = make_sim(spec())
     out = first_request(sim)
     held: list[tuple[Address, Message, Address]] = []
     real = sim.deliver
 
     def hold_lookup_results(to: Address, message: Message, sender: Address) -> None:
-        if isinstance(message, LookupResult) and message.taken:
+        if isinstance(message, LookupResult) and message.takeable:
             held.append((to, message, sender))
         else:
             real(to, message, sender)
@@ -190,6 +190,46 @@ def test_an_entry_taken_for_a_request_cancelled_meanwhile_is_freed_not_leaked() 
     real(*held[0])
     sim.run_until_quiescent()
 
-    assert prefix_cache(sim).entries() == ()
-    assert engine(sim).statistics().gauges["entries"] == 0
-    assert kv_keeper(sim).reserved_bytes == 0
+    [entry] = prefix_cache(sim).entries()
+    assert entry.leases == 0
+    assert engine(sim).statistics().gauges["entries"] == 1
+    assert counters(sim)["entries_taken"] == 0
+    check_exact_bytes(sim)
+
+
+def test_a_burst_on_one_entry_copies_it_for_each_and_none_runs_cold() -> None:
+    """Four prompts extending one cached prompt, sent together: each lookup leases the entry
+    before any restore runs, so each restore finds the others holding it and copies; none runs
+    cold and the entry stays cached. A take decided at the lookup gave it to the first and left
+    the other three cold."""
+    sim = make_sim(spec())
+    out = first_request(sim)
+    prompts = {f"x{i}": (*PROMPT, *out[:-1], 50 + i) for i in range(4)}
+    for request_id, prompt in prompts.items():
+        sim.send(generate(request_id, prompt, MAX_TOKENS))
+    sim.run_until_quiescent()
+
+    for request_id, prompt in prompts.items():
+        start = started(sim, request_id)
+        assert (start.cached_tokens, start.taken) == (END_STATE, False), request_id
+        assert sim.emitted_tokens(request_id, 1) == greedy_continuation(prompt, MAX_TOKENS)
+    assert counters(sim)["entries_taken"] == 0
+    check_exact_bytes(sim)
+
+
+def test_a_turn_after_the_others_ended_takes_the_entry_they_copied() -> None:
+    """Once no other sequence holds or awaits the entry, the next restore takes it."""
+    sim = make_sim(spec())
+    out = first_request(sim)
+    shared = (*PROMPT, *out[:-1])
+    sim.send(generate("x0", (*shared, 50), MAX_TOKENS))
+    sim.send(generate("x1", (*shared, 51), MAX_TOKENS))
+    sim.run_until_quiescent()
+    before = states(sim)
+    sim.send(generate("later", (*shared, 52), MAX_TOKENS))
+    sim.run_until_quiescent()
+
+    assert started(sim, "later").taken
+    assert sim.emitted_tokens("later", 1) == greedy_continuation((*shared, 52), MAX_TOKENS)
+    assert in_place(before, sim)
+    check_exact_bytes(sim)

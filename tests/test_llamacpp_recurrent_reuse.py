@@ -26,6 +26,7 @@ import pytest
 from actors.engine.checkpoints import MAX_POINTS, CheckpointRule, plan_checkpoints
 from runtime.backends.llamacpp.tokenizer import load_tokenizer, tokenizer_dir
 from runtime.backends.model_source import converted_models_dir
+from runtime.backends.options import LlamaCppOptions
 from runtime.host.api import Runtime
 from runtime.host.config import RuntimeConfig
 from runtime.messages import (
@@ -103,7 +104,8 @@ class Tiny:
         return f"ns{self.namespaces}"
 
     def oracle(self) -> ReuseOracle:
-        return ReuseOracle(True, SPACING, self.tokenizer.decode)  # take_tail_tokens off
+        # The backend's default take_tail_tokens: the fixture's load leaves it on.
+        return ReuseOracle(True, SPACING, self.tokenizer.decode, LlamaCppOptions().take_tail_tokens)
 
     async def complete(self, prompt: Prompt, namespace: str) -> Run:
         before = self.counter("prefilled_tokens")
@@ -371,36 +373,22 @@ def test_entries_are_charged_llama_cpps_real_state_bytes(tiny: Tiny) -> None:
     assert entry - snapshots == whole
 
 
-def test_with_take_tail_tokens_a_turn_2_takes_the_entry_in_place_and_equals_cold(
-    tiny: Tiny,
-) -> None:
-    """The option on (docs/reuse.md, "Taking an entry instead of copying it"): a chat's second
+def test_a_turn_2_takes_the_entry_in_place_and_equals_cold(tiny: Tiny) -> None:
+    """The default take (docs/reuse.md, "Taking an entry instead of copying it"): a chat's second
     turn takes the first turn's whole entry (its recurrent state used in place), and its output
     equals a cold run's."""
-    name = f"{tiny.loaded.model}-take"
-    options = {"n_threads": 1, "checkpoint_every_tokens": SPACING, "take_tail_tokens": 32}
-    spec = ModelSpec(name=name, path=str(tiny.path), backend="llamacpp", options=options)
     base = prompt_tokens(220, seed=1)
 
-    async def run(prompt: Sequence[int]) -> tuple[Started, list[int]]:
-        started, tokens = None, []
-        async with tiny.rt.generate(name, prompt_tokens=prompt, max_tokens=MAX_TOKENS) as stream:
-            async for event in stream:
-                started = event if isinstance(event, Started) else started
-                tokens += getattr(event, "token_ids", [])
-        assert started is not None
-        return started, tokens
-
     async def scenario() -> None:
-        await tiny.rt.load_model(spec)
-        try:
-            first, reply = await run(base)
-            assert not first.taken
-            turn_2 = [*base, *reply, *CHAT_NEXT]
-            second, out = await run(turn_2)
-            assert (second.taken, second.cached_tokens) == (True, len(base) + MAX_TOKENS - 1)
-            assert tuple(out) == await tiny.cold(turn_2)
-        finally:
-            await tiny.rt.unload_model(name)
+        namespace = tiny.namespace()
+        first = await tiny.complete(base, namespace)
+        assert not first.started.taken
+        turn_2 = [*base, *first.tokens, *CHAT_NEXT]
+        second = await tiny.complete(turn_2, namespace)
+        assert (second.started.taken, second.started.cached_tokens) == (
+            True,
+            len(base) + MAX_TOKENS - 1,
+        )
+        assert tuple(second.tokens) == await tiny.cold(turn_2)
 
     tiny.portal.call(scenario)

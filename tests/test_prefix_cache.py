@@ -271,16 +271,21 @@ def test_epochs_never_share(core: PrefixCacheCore, ctx: RecordingContext) -> Non
 # --------------------------------------------------------------------------- eviction
 
 
-def test_an_unheld_entry_losing_few_tokens_is_handed_over_and_leaves_the_cache(
+def test_a_taken_lease_forgets_its_entry_at_once_without_a_drop(
     core: PrefixCacheCore, ctx: RecordingContext
 ) -> None:
-    """A branch near the end: the entry is taken (no lease), its bytes leave the total at once,
-    no later lookup finds it, and no DropEntries follows (the engine releases it itself)."""
+    """A branch near the end: the hit is leased and marked takeable; the engine takes it at its
+    restore (``ReleaseLease(take=True)``), and the entry's bytes leave the total at once, no
+    later lookup finds it, and no DropEntries follows (the engine holds its state now)."""
     commit(core, ctx, 1, (1, 2, 3, 4, 5), nbytes=50)
     commit(core, ctx, 2, (9, 9), nbytes=20)
-    taken = lookup(core, ctx, (1, 2, 3, 7), take_within=2)
-    assert hit(taken) == (1, 3, ReusePath.TRIM)
-    assert (taken.taken, taken.lease_id) == (True, None)
+    takeable = lookup(core, ctx, (1, 2, 3, 7), take_within=2)
+    assert hit(takeable) == (1, 3, ReusePath.TRIM)
+    assert takeable.takeable
+    assert takeable.lease_id is not None
+    assert core.total_bytes == 70  # nothing leaves before the engine takes it
+    core.handle(ReleaseLease(lease_id=takeable.lease_id, take=True), ENGINE, ctx)
+    assert ctx.take_sent() == []
     assert [e.entry_id for e in core.entries()] == [2]
     assert core.total_bytes == 20
     assert hit(lookup(core, ctx, (1, 2, 3, 4, 5, 6))) == (None, 0, ReusePath.MISS)
@@ -289,21 +294,50 @@ def test_an_unheld_entry_losing_few_tokens_is_handed_over_and_leaves_the_cache(
     assert stats(core, ctx).counters["taken"] == 1
 
 
-def test_a_held_pinned_or_too_long_entry_is_leased_not_taken(
+def test_a_takeable_entry_released_without_take_stays_cached(
+    core: PrefixCacheCore, ctx: RecordingContext
+) -> None:
+    """The engine copied it instead (another of its sequences held or awaited it): a plain
+    release leaves the entry as it was."""
+    commit(core, ctx, 1, (1, 2, 3, 4, 5), nbytes=50)
+    takeable = lookup(core, ctx, (1, 2, 3, 4, 5, 6), take_within=2)
+    assert takeable.takeable and takeable.lease_id is not None
+    core.handle(ReleaseLease(lease_id=takeable.lease_id), ENGINE, ctx)
+    assert ctx.take_sent() == []
+    assert [e.entry_id for e in core.entries()] == [1]
+    assert (core.total_bytes, stats(core, ctx).counters["taken"]) == (50, 0)
+
+
+def test_a_take_voids_the_other_leases_on_its_entry(
+    core: PrefixCacheCore, ctx: RecordingContext
+) -> None:
+    """A lookup that leased the entry after the engine decided to take it (the take was on its
+    way): the take wins, the late lease is void and its release is a counted dead letter."""
+    commit(core, ctx, 1, (1, 2, 3, 4, 5))
+    first = lookup(core, ctx, (1, 2, 3, 4, 5, 6), sequence_id=1, take_within=2)
+    late = lookup(core, ctx, (1, 2, 3, 4, 5, 7), sequence_id=2, take_within=2)
+    assert first.lease_id is not None and late.lease_id is not None
+    core.handle(ReleaseLease(lease_id=first.lease_id, take=True), ENGINE, ctx)
+    assert core.entries() == () and core.total_bytes == 0
+    core.handle(ReleaseLease(lease_id=late.lease_id), ENGINE, ctx)
+    assert ctx.take_sent() == []
+    assert stats(core, ctx).counters["unknown_lease_releases"] == 1
+
+
+def test_a_pinned_or_too_long_entry_is_not_takeable(
     core: PrefixCacheCore, ctx: RecordingContext
 ) -> None:
     commit(core, ctx, 1, (1, 2, 3, 4, 5))
-    held = lookup(core, ctx, (1, 2, 3, 4, 5, 6), sequence_id=1)  # a restore under way
-    assert not held.taken
+    assert not lookup(core, ctx, (1, 2, 3, 4, 5, 6), sequence_id=1).takeable  # take_within -1
     second = lookup(core, ctx, (1, 2, 3, 4, 5, 7), sequence_id=2, take_within=10)
-    assert (second.taken, second.lease_id is not None) == (False, True)
-    assert hit(lookup(core, ctx, (1, 2, 8), take_within=2)) == (1, 2, ReusePath.TRIM)
+    # Held by another lease, still takeable: whether others hold it is the engine's to judge.
+    assert (second.takeable, second.lease_id is not None) == (True, True)
     commit(core, ctx, 3, (6, 6, 6), pinned=True)  # a session's instructions prefix
-    assert not lookup(core, ctx, (6, 6, 6, 1), take_within=10).taken
+    assert not lookup(core, ctx, (6, 6, 6, 1), take_within=10).takeable
     commit(core, ctx, 4, (7, 7, 7, 7, 7))
     too_long = lookup(core, ctx, (7, 7, 1), take_within=2)  # 3 tokens past the reuse point
-    assert (too_long.taken, hit(too_long)) == (False, (4, 2, ReusePath.TRIM))
-    assert lookup(core, ctx, (7, 7, 7, 7, 7, 1), take_within=0).taken is False  # leased above
+    assert (too_long.takeable, hit(too_long)) == (False, (4, 2, ReusePath.TRIM))
+    assert lookup(core, ctx, (7, 7, 7, 7, 7, 1), take_within=0).takeable
     assert len(core.entries()) == 3
 
 

@@ -34,7 +34,7 @@ from actors.engine.checkpoints import BRANCH_REACH, LINE_STARTS, WORD_SCAN_TOKEN
 from runtime.backends.llamacpp.tokenizer import tokenizer_dir
 from runtime.backends.model_source import converted_models_dir, prepare_model
 from runtime.backends.model_store import fetch_model
-from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY
+from runtime.backends.options import DEFAULT_CHECKPOINT_EVERY, LlamaCppOptions
 from runtime.host.api import Runtime
 from runtime.host.config import RuntimeConfig
 from runtime.messages import (
@@ -346,13 +346,12 @@ def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> 
     window = json.loads((path / "config.json").read_text()).get("sliding_window")
     spec = ModelSpec(name=name, path=name)
     tokenizer_path = path
-    # Restores copy, as a user's load does: taking an entry in place is off by default
-    # (LlamaCppOptions.take_tail_tokens), because four concurrent extenders of one entry would
-    # then see the first take it and the other three prefill cold (docs/reuse.md), which the
-    # concurrent-streams test below would rightly fail. The take path's real-GGUF check is
-    # tests/test_llamacpp_backend.py's; the walks' ``ReuseModel.take`` models it for a run
-    # with ``RealModel.take_tail`` set (left at -1, never, here).
+    # The backend's default take (LlamaCppOptions.take_tail_tokens, as a user's load runs): the
+    # walks, one request at a time, take every entry ``ReuseModel.take`` says they may, and the
+    # concurrent-streams test's four extenders copy theirs (docs/reuse.md, "Taking an entry").
+    take_tail = -1
     if backend == "llamacpp":
+        take_tail = LlamaCppOptions().take_tail_tokens
         require_llama_cpp()
         # exact_reuse: the kernels and passes that make a decoded token equal to the same token
         # prefilled (passes.py), where the weights allow it: SmolLM2's, not Gemma 3's (the
@@ -367,7 +366,14 @@ def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> 
         assert loaded.reuse_path == ("trim" if name.startswith("smollm2") else "checkpoint")
         tokenizer = load_tokenizer(tokenizer_path)
         model = RealModel(
-            portal, rt, loaded, tokenizer, TEXTS[name], window, pipelined=backend == "mlx"
+            portal,
+            rt,
+            loaded,
+            tokenizer,
+            TEXTS[name],
+            window,
+            pipelined=backend == "mlx",
+            take_tail=take_tail,
         )
         yield model
         print("\n".join(model.rows))

@@ -269,8 +269,6 @@ class Admission:
         if seq is None or result.epoch != seq.epoch or seq.phase is not Phase.LOOKING_UP:
             if result.lease_id is not None:
                 ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=result.lease_id))
-            if result.taken and result.entry_id is not None:  # handed over to nobody: freed
-                self._entries.take(result.entry_id, result.matched, ctx)
             ctx.count_dead_letter("stale_lookup_result")
             return
         seq.lease_id, seq.generation = result.lease_id, result.generation
@@ -281,17 +279,14 @@ class Admission:
             if seq.lease_id is not None:  # nothing of it is used: let it be evicted
                 ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
                 seq.lease_id = None
-        if result.taken and entry_id is not None:
-            seq.taken_source = self._entries.take(entry_id, matched, ctx)
-            seq.taken = seq.taken_source is not None
+        seq.takeable = result.takeable and entry_id is not None
         if seq.kind is RequestKind.PREWARM and matched >= seq.prefill_target:
             self._counters.inc("prewarms_already_warm")
             self._ends.finish(seq, ctx, FinishReason.PREWARMED)
             return
         seq.restore_entry, seq.restore_length = entry_id, matched
         seq.cached_tokens, seq.path = matched, path
-        # A taken entry is restored from: the disk tier's better file would lose it for good.
-        if seq.taken or (on_disk := self._disk.better(seq, matched)) is None:
+        if (on_disk := self._disk.better(seq, matched)) is None:
             seq.move(Phase.RESTORING)
         else:
             seq.move(Phase.LOADING)  # the RAM hit stays leased in case the file fails

@@ -19,7 +19,8 @@ from typing import assert_never
 from actors.engine.batch import BatchScheduler
 from actors.engine.chunking import ChunkSizer
 from actors.engine.decode import run_batch, run_decode
-from actors.engine.entries import EntryStore
+from actors.engine.entries import EntryStore, RestoreSource
+from actors.engine.gate import may_take
 from actors.engine.jobs import (
     BatchJob,
     CloseJob,
@@ -33,12 +34,12 @@ from actors.engine.jobs import (
     run_tokenize,
 )
 from actors.engine.plan import SCHEDULED, BatchStep, Decode, Prefill, StepPlanner, Tokenize
-from actors.engine.sequence import Sequence
+from actors.engine.sequence import Phase, Sequence
 from actors.engine.watchdog import Watchdog
 from runtime.backends.contract import Backend
 from runtime.errors import StepTimedOut
-from runtime.kernel.core import Context
-from runtime.messages import ComputeDone
+from runtime.kernel.core import PREFIX_CACHE, Context
+from runtime.messages import ComputeDone, ReleaseLease
 
 
 class ComputeSlot:
@@ -154,12 +155,12 @@ class ComputeSlot:
                 single = StepJob(seq, chunk_tokens=chunk)
                 # Leased: never dropped meanwhile.
                 source = (
-                    seq.taken_source
-                    or seq.disk_source
+                    seq.disk_source
+                    or self._take(seq, ctx)
                     or self._entries.restore_source(seq.restore_entry, seq.restore_length)
                 )
                 # The job holds it now; the restore copies what it needs (or cuts a taken one).
-                seq.disk_source = seq.taken_source = None
+                seq.disk_source = None
                 self.submit(ctx, single, lambda: run_step(single, seq, backend, source))
             case Prefill(seqs=group):
                 together = TogetherJob([StepJob(s) for s in group])
@@ -169,6 +170,24 @@ class ComputeSlot:
             case _:
                 assert_never(plan)
         return True
+
+    def _take(self, seq: Sequence, ctx: Context) -> RestoreSource | None:
+        """Take the sequence's leased entry for its restore instead of copying it, where the
+        prefix cache allowed it (``LookupResult.takeable``) and no other sequence here holds or
+        awaits that entry (``gate.may_take``); the manager forgets it on ``ReleaseLease(take)``."""
+        if (
+            seq.phase is not Phase.RESTORING
+            or seq.state is not None
+            or seq.lease_id is None
+            or seq.restore_entry is None
+            or not may_take(seq, self._sequences.values())
+        ):
+            return None
+        source = self._entries.take(seq.restore_entry, seq.restore_length, ctx)
+        if source is not None:
+            ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id, take=True))
+            seq.lease_id, seq.taken = None, True
+        return source
 
     def note_waiting(self) -> None:
         """While the slot is busy: if a sequence other than those in flight has compute work,

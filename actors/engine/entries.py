@@ -188,8 +188,8 @@ class EntryStore:
         return True
 
     def take(self, entry_id: int, length: int, ctx: Context) -> RestoreSource | None:
-        """Hand entry ``entry_id`` over to a sequence (the prefix cache has forgotten it:
-        ``LookupResult.taken``): it leaves this store, its bytes go back to the keeper (the
+        """Hand entry ``entry_id`` over to a sequence's restore (the prefix cache forgets it on
+        ``ReleaseLease(take=True)``): it leaves this store, its bytes go back to the keeper (the
         sequence's own reservation covers the state from now on), and its state, with its
         snapshot at ``length``, is restored from in place. None if it is not held here."""
         entry = self._entries.pop(entry_id, None)

@@ -11,6 +11,7 @@ sequence, so ``Endings`` can own it without a cycle back into admission. See doc
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from actors.engine.checkpoints import CheckpointPolicy
@@ -162,6 +163,33 @@ def take_within(info: ModelInfo | None) -> int:
     (never) where that is 0. One policy for every backend; only the figure is the model's
     (docs/reuse.md, "Taking an entry instead of copying it")."""
     return info.take_tail_tokens if info is not None and info.take_tail_tokens > 0 else -1
+
+
+# Sequences whose lookup may yet name any entry: not sent yet (a burst's later requests, still
+# tokenized or queued at the gate, would find a taken entry gone and run cold), on its way, or
+# sent on by the keeper (``Reserve.then_lookup``) before the manager hears of a take.
+_AWAITING_LOOKUP = frozenset(
+    {Phase.TOKENIZING, Phase.WAITING, Phase.FOLLOWING, Phase.RESERVING, Phase.LOOKING_UP}
+)
+
+
+def may_take(seq: Sequence, sequences: Iterable[Sequence]) -> bool:
+    """Whether ``seq``'s restore may take its leased entry (the prefix cache marked it
+    ``takeable``) instead of copying it: no other sequence of this engine holds it (a lease on
+    it: its restore may not have run, or a prewarm adopted later would need it) or awaits a
+    lookup that could name it. Only this engine's sequences lease its entries, so this sees
+    every other claim; a burst of requests on one entry copies it, each finding the others
+    (docs/reuse.md, "Taking an entry instead of copying it")."""
+    if not seq.takeable:
+        return False
+    return not any(
+        other is not seq
+        and (
+            other.phase in _AWAITING_LOOKUP
+            or (other.lease_id is not None and other.restore_entry == seq.restore_entry)
+        )
+        for other in sequences
+    )
 
 
 def tokens_to_reserve(seq: Sequence) -> int:

@@ -38,8 +38,8 @@ if TYPE_CHECKING:
 
 class RestoreSource(NamedTuple):
     """What a lookup hit restores from: an entry's state, and its snapshot at the hit's length.
-    ``taken``: the entry was handed over (``LookupResult.taken``): its state is cut back in
-    place (``Backend.take_state``), not copied."""
+    ``taken``: the engine took the entry at the restore (``LookupResult.takeable``,
+    ``gate.may_take``): its state is cut back in place (``Backend.take_state``), not copied."""
 
     state: SequenceState
     snapshot: Snapshot | None
@@ -110,9 +110,9 @@ class Sequence:
     restore_length: int = 0
     # An entry the disk tier read back, restored from instead of ``restore_entry``.
     disk_source: RestoreSource | None = None
-    # An entry the prefix cache handed over whole (LookupResult.taken), restored from in place.
-    taken_source: RestoreSource | None = None
-    taken: bool = False  # it restored from a taken entry (Started.taken)
+    # The prefix cache allows its restore to take the leased entry (LookupResult.takeable).
+    takeable: bool = False
+    taken: bool = False  # it restored from a taken entry, cut back in place (Started.taken)
     from_disk: bool = False
     path: ReusePath = ReusePath.MISS
     checkpoint_rule: CheckpointRule | None = None  # None: the cache trims, no checkpoints

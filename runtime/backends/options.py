@@ -35,6 +35,9 @@ DEFAULT_MAX_CONCURRENT = 32
 DEFAULT_SPECULATIVE = 0
 DEFAULT_LLAMACPP_CONTEXT = 4096
 DEFAULT_LLAMACPP_BATCH = 512
+# A taken entry's tail given up at most on llama.cpp: a changed last line or question and a short
+# reply (why this many: docs/reuse.md, "Taking an entry instead of copying it").
+TAKE_TAIL_TOKENS = 32
 DEFAULT_CHUNK_TOKENS = 256  # ModelSpec.prefill_chunk_tokens's default, but on llama.cpp
 
 # Ranges, checked where options are decoded: a zero batch or admission gate would admit nothing.
@@ -123,12 +126,11 @@ class LlamaCppOptions(EngineOptions, frozen=True, kw_only=True, forbid_unknown_f
     # 1.83x a B=1 decode step on SmolLM2 (docs/models.md). False, as in llama-server: the reused
     # output may differ from a cold run's where two tokens nearly tie.
     exact_reuse: bool = False
-    # >0: a generate takes a cached entry nobody else holds in place (no copy; it leaves the
-    # cache) when at most this many of its tokens lie past the reuse point (docs/reuse.md,
-    # "Taking an entry instead of copying it"; 32 covers a changed last line and a short reply).
-    # 0, the default: every restore copies, since several requests that reach one entry at
-    # once would find it taken by the first and run cold.
-    take_tail_tokens: Annotated[int, msgspec.Meta(ge=0, le=4096)] = 0
+    # >0: a generate's restore takes a cached entry in place (no copy; it leaves the cache) when
+    # at most this many of its tokens lie past the reuse point and no other sequence holds or
+    # may still look it up (docs/reuse.md, "Taking an entry instead of copying it"). 0: every
+    # restore copies.
+    take_tail_tokens: Annotated[int, msgspec.Meta(ge=0, le=4096)] = TAKE_TAIL_TOKENS
     # Tokens a lone stream's decode step may decode back to back on the compute thread before
     # the event loop sees them (Backend.decode_block): fewer loop round trips per token, which
     # on a CPU the model's threads fill cost decode speed; an abort still lands at the next token.

@@ -33,9 +33,10 @@ class LookupResult(Message, frozen=True):
     """``entry_id`` None on a miss. ``matched`` tokens of the entry are usable (after trimming).
 
     ``generation`` counts resets of this (model, namespace); a later ``Commit`` carries it back so
-    state computed before a reset can never be committed after it. ``taken``: the entry was
-    handed over whole (``Lookup.take_within``): it is no longer in the cache, nothing is leased,
-    and the engine releases its bytes and uses its state in place.
+    state computed before a reset can never be committed after it. ``takeable``: the hit is
+    leased as any other, and the engine may take it at the restore (``Lookup.take_within``: at
+    most that many of its tokens lie past the reuse point, and it is not pinned) if then no other
+    sequence of its own holds or awaits it; it says so with ``ReleaseLease(take=True)``.
     """
 
     sequence_id: int
@@ -45,7 +46,7 @@ class LookupResult(Message, frozen=True):
     path: ReusePath
     lease_id: int | None
     generation: int
-    taken: bool = False
+    takeable: bool = False
 
 
 class CachedElsewhere(Message, frozen=True):
@@ -100,7 +101,12 @@ class Committed(Message, frozen=True):
 
 
 class ReleaseLease(Message, frozen=True):
+    """Engine → prefix manager: the lease's sequence no longer needs its entry kept. ``take``: it
+    took the (takeable) entry at its restore: the manager forgets the entry at once, without a
+    ``DropEntries`` (the engine holds its state now; any other lease on it is void)."""
+
     lease_id: int
+    take: bool = False
 
 
 class Unpin(Message, frozen=True):

@@ -8,10 +8,6 @@ from runtime.backends.contract import CannotTrim, Snapshot
 from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context
 from runtime.backends.llamacpp.seqs import LlamaSnapshot, LlamaState
 
-# ``take_tail_tokens`` measured and reasoned for (LlamaCppOptions, off by default): a changed last
-# line or question and a short reply. Why this many: docs/reuse.md.
-TAKE_TAIL_TOKENS = 32
-
 
 def check_cut(source: LlamaState, length: int, snapshot: Snapshot | None, trimmable: bool) -> None:
     """Raise ``CannotTrim`` unless ``source`` can be cut back to ``length`` (``trimmable``: the
