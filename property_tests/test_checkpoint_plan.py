@@ -3,15 +3,17 @@
 ``CheckpointPolicy.rule`` and ``plan_checkpoints`` are pure. Layouts, budgets, prompts (token 0
 starts a word), cached starts, message ends and rules are drawn; the rules:
 
-- the plan is sorted, without repeats, strictly inside (start, target);
+- the plan is sorted, without repeats, strictly inside (start, target), or at target where that
+  is the whole prompt (point 1, the end of the prompt: a generate's last pass ends there);
 - it never holds more than ``rule.most`` points, so the snapshots fit the room admission reserved
   (``rule.most`` snapshots of at most ``snapshot_bytes`` each);
-- every point that is not an anchor (end of prompt minus one, the last word boundary, the starts
+- every point that is not an anchor (the end of the prompt, the last word boundary, the starts
   of the last lines near the end, the end of the instructions, ``BRANCH_REACH`` before the end) or
   a message end is a multiple of the rule's spacing;
 - the spacing widens only when it must: a multiple of the spacing is left out only when the plan
   could not have held it with all the others;
-- the end of the prompt minus one, when inside and ``most`` allows one point, is always planned;
+- the end of the prompt, when it is the target (a generate) and ``most`` allows one point, is
+  always planned;
 - a rule's snapshots take at most 1/``BUDGET_SHARE`` of the budget and the bytes left free, its
   spacing is at most the option and weighs a snapshot against the full-attention KV it spans.
 
@@ -68,10 +70,11 @@ def test_a_plan_stays_inside_its_bounds_and_widens_only_when_it_must(
     )
 
     assert plan == sorted(set(plan))
-    assert all(start < p < target for p in plan)
+    end = len(tokens)
+    assert all(start < p < target or p == target == end for p in plan)
     assert len(plan) <= rule.most
-    end = len(tokens) - 1
-    words = [i for i in range(end, max(start, end - WORD_SCAN_TOKENS), -1) if tokens[i] == 0]
+    last = end - 1
+    words = [i for i in range(last, max(start, last - WORD_SCAN_TOKENS), -1) if tokens[i] == 0]
     lines = [i + 1 for i in range(end - 2, max(start, len(tokens) - BRANCH_REACH) - 1, -1)]
     lines = [p for p in lines if tokens[p - 1] == 1][:LINE_STARTS]
     anchors = {end, instructions, *ends, *words[:1], *lines, len(tokens) - BRANCH_REACH}
@@ -81,7 +84,7 @@ def test_a_plan_stays_inside_its_bounds_and_widens_only_when_it_must(
         multiples = range((start // rule.spacing + 1) * rule.spacing, target, rule.spacing)
         missing = [m for m in multiples if m not in plan]
         assert not missing or len(plan) + len(missing) > rule.most
-    if start < end < target and rule.most > 0:
+    if start < end == target and rule.most > 0:
         assert end in plan
 
 

@@ -52,19 +52,20 @@ TINY_HYBRID = info(1024, fixed=38912)
 GEMMA3_270M = info(6144, window=512, window_bytes_per_token=30720)
 
 
-def test_end_of_prompt_minus_one_and_the_last_word_boundary() -> None:
+def test_the_end_of_the_prompt_and_the_last_word_boundary() -> None:
     tokens = [5, 0, 5, 5, 0, 5, 5]  # words start at 1 and 4
-    assert plan_checkpoints(tokens, 0, 7, decode, ANY) == [4, 6]
+    # The end: the last pass ends there anyway, so its snapshot cuts no pass of its own.
+    assert plan_checkpoints(tokens, 0, 7, decode, ANY) == [4, 7]
 
 
 def test_the_starts_of_the_last_lines_near_the_end() -> None:
     tokens = [5] * 40
-    for end_of_line in (3, 9, 20, 30, 38):  # the line starting at 39 is end - 1 (point 1)
+    for end_of_line in (3, 9, 20, 30, 38):
         tokens[end_of_line] = 1
-    # The latest three line starts below end - 1, not the one at 4.
-    assert plan_checkpoints(tokens, 0, 40, decode, ANY) == [10, 21, 31, 39]
+    # The latest three line starts below the end (point 1), not those at 4 and 10.
+    assert plan_checkpoints(tokens, 0, 40, decode, ANY) == [21, 31, 39, 40]
     # Only those above the cached start.
-    assert plan_checkpoints(tokens, 21, 40, decode, ANY) == [31, 39]
+    assert plan_checkpoints(tokens, 21, 40, decode, ANY) == [31, 39, 40]
 
 
 def test_line_starts_are_looked_for_only_within_the_branch_reach() -> None:
@@ -72,15 +73,15 @@ def test_line_starts_are_looked_for_only_within_the_branch_reach() -> None:
     tokens[50] = tokens[99] = 1  # line starts at 51 and 100: 100 lies within the reach
     end = len(tokens)
     plan = plan_checkpoints(tokens, 0, end, decode, ANY)
-    assert plan == [end - BRANCH_REACH, end - 1]  # end - BRANCH_REACH is 100
+    assert plan == [end - BRANCH_REACH, end]  # end - BRANCH_REACH is 100
     tokens[150] = 1
-    assert plan_checkpoints(tokens, 0, end, decode, ANY) == [100, 151, end - 1]
+    assert plan_checkpoints(tokens, 0, end, decode, ANY) == [100, 151, end]
 
 
 def test_a_point_branch_reach_tokens_before_the_end() -> None:
     tokens = [5] * 1000
-    assert plan_checkpoints(tokens, 0, 1000, decode, ANY) == [1000 - BRANCH_REACH, 999]
-    assert plan_checkpoints(tokens, 500, 1000, decode, ANY) == [999]  # below the cached start
+    assert plan_checkpoints(tokens, 0, 1000, decode, ANY) == [1000 - BRANCH_REACH, 1000]
+    assert plan_checkpoints(tokens, 500, 1000, decode, ANY) == [1000]  # below the cached start
 
 
 def test_a_capped_plan_prefers_the_last_line_to_messages_and_the_reach() -> None:
@@ -88,13 +89,13 @@ def test_a_capped_plan_prefers_the_last_line_to_messages_and_the_reach() -> None
     tokens[899] = tokens[949] = 1  # the last two lines start at 900 and 950
     rule = CheckpointRule(spacing=0, most=4)
     plan = plan_checkpoints(tokens, 0, 1000, decode, rule, message_ends=(300, 600))
-    assert plan == [600, 900, 950, 999]  # not 300, nor the reach's 488
+    assert plan == [600, 900, 950, 1000]  # not 300, nor the reach's 488
 
 
 def test_every_spacing_tokens_and_nothing_at_or_before_the_cached_start() -> None:
     tokens = [5] * 20
     rule = CheckpointRule(spacing=4, most=MAX_POINTS)
-    assert plan_checkpoints(tokens, 8, 20, decode, rule) == [12, 16, 19]
+    assert plan_checkpoints(tokens, 8, 20, decode, rule) == [12, 16, 20]
 
 
 def test_a_prewarm_target_excludes_its_own_end() -> None:
@@ -108,7 +109,7 @@ def test_the_end_of_the_instructions_and_of_each_message_are_checkpoints() -> No
     plan = plan_checkpoints(
         tokens, 0, 30, decode, ANY, message_ends=(12, 20, 26), instructions_end=12
     )
-    assert plan == [12, 20, 26, 29]
+    assert plan == [12, 20, 26, 30]
 
 
 def test_a_capped_plan_keeps_the_preferred_points_and_widens_the_spacing() -> None:
@@ -121,17 +122,17 @@ def test_a_capped_plan_keeps_the_preferred_points_and_widens_the_spacing() -> No
             tokens, 0, 100, decode, rule, message_ends=ends, instructions_end=10
         )
 
-    # End - 1, the instructions, message ends; one left for multiples of 8: 64 (spacing 64).
-    assert plan(6) == [10, 50, 64, 70, 90, 99]
+    # The end, the instructions, message ends; one left for multiples of 8: 64 (spacing 64).
+    assert plan(6) == [10, 50, 64, 70, 90, 100]
     # Fewer still: the earliest message end goes, and every periodic point.
-    assert plan(4) == [10, 70, 90, 99]
+    assert plan(4) == [10, 70, 90, 100]
 
 
 def test_a_widened_spacing_leaves_its_room_to_the_denser_points_nearest_the_end() -> None:
     rule = CheckpointRule(spacing=8, most=9)
-    # End - 1 and 12 multiples of 8 want 13: every 16 fits (6), then 88 and 72 of the rest.
+    # The end and 12 multiples of 8 want 13: every 16 fits (6), then 88 and 72 of the rest.
     plan = plan_checkpoints([5] * 100, 0, 100, decode, rule)
-    assert plan == [16, 32, 48, 64, 72, 80, 88, 96, 99]
+    assert plan == [16, 32, 48, 64, 72, 80, 88, 96, 100]
 
 
 @pytest.mark.parametrize(
@@ -164,10 +165,10 @@ def test_a_model_without_full_attention_checkpoints_at_the_floor_within_the_caps
     assert CheckpointPolicy(widest=512, budget_bytes=GIB).spacing(recurrent_only) == MIN_SPACING
     assert CheckpointPolicy(widest=32, budget_bytes=GIB).spacing(recurrent_only) == 32
     assert CheckpointPolicy(widest=0, budget_bytes=GIB).spacing(recurrent_only) == 0
-    # 1/32 of 64 MiB holds two 1 MiB states: a 300-token plan keeps end - 1 and one multiple.
+    # 1/32 of 64 MiB holds two 1 MiB states: a 300-token plan keeps the end and one multiple.
     rule = CheckpointPolicy(widest=512, budget_bytes=64 << 20).rule(recurrent_only, 300, 0, GIB)
     assert rule == CheckpointRule(MIN_SPACING, 2)
-    assert plan_checkpoints([5] * 300, 0, 300, decode, rule) == [256, 299]
+    assert plan_checkpoints([5] * 300, 0, 300, decode, rule) == [256, 300]
 
 
 def test_the_rule_caps_the_snapshots_by_count_and_by_budget_share() -> None:
@@ -178,7 +179,7 @@ def test_the_rule_caps_the_snapshots_by_count_and_by_budget_share() -> None:
     # end of a prompt shorter than that), 2 message ends, 4 multiples of 64.
     assert policy.rule(TINY_SLIDING, 300, 2, GIB) == CheckpointRule(64, 12)
     assert policy.rule(TINY_SLIDING, 600, 2, GIB) == CheckpointRule(64, 7 + 2 + 9)
-    assert policy.rule(TINY_SLIDING, 5, 2, GIB) == CheckpointRule(64, 4)  # a point per token
+    assert policy.rule(TINY_SLIDING, 5, 2, GIB) == CheckpointRule(64, 5)  # a point per token
     # Gemma's 15 MiB snapshots: 1/32 of 1 GiB affords two.
     assert GIB // BUDGET_SHARE // GEMMA3_270M.snapshot_bytes == 2
     assert policy.rule(GEMMA3_270M, 4000, 0, GIB) == CheckpointRule(512, 2)
@@ -197,7 +198,7 @@ def test_the_rule_holds_every_anchor_a_plan_can_take() -> None:
     rule = CheckpointPolicy(widest=0, budget_bytes=GIB).rule(TINY_SLIDING, 1000, len(ends), GIB)
     assert rule is not None
     plan = plan_checkpoints(tokens, 0, 1000, decode, rule, message_ends=ends, instructions_end=50)
-    assert plan == [50, 100, 300, 1000 - BRANCH_REACH, 900, 920, 940, 990, 999]
+    assert plan == [50, 100, 300, 1000 - BRANCH_REACH, 900, 920, 940, 990, 1000]
     assert rule.most == len(plan)
 
 

@@ -61,8 +61,8 @@ EVERY = 8
 CHUNK = 4
 PROMPT = tuple(range(100, 130))  # 30 tokens, none whitespace: no word-boundary snapshot
 MAX_TOKENS = 6
-# The snapshot plan of a cold prefill of PROMPT: every 8 tokens, then len - 1.
-PLANNED = [8, 16, 24, 29]
+# The snapshot plan of a cold prefill of PROMPT: every 8 tokens, then its end.
+PLANNED = [8, 16, 24, 30]
 # What the sequence itself leaves behind: the prompt and every generated token but the last,
 # which was sampled and emitted but never fed to the model.
 END_STATE = len(PROMPT) + MAX_TOKENS - 1
@@ -175,8 +175,9 @@ def test_checkpoints_of_a_non_trimmable_prefill_become_points_of_its_final_entry
     [
         # Shares 20 tokens: the deepest point at or below 20 is 16.
         pytest.param((*PROMPT[:20], *range(200, 210)), ReusePath.CHECKPOINT, 16, id="point-16"),
-        # The same prompt again: the end-of-prompt point (one token left to run).
-        pytest.param(PROMPT, ReusePath.CHECKPOINT, len(PROMPT) - 1, id="repeat"),
+        # The same prompt again: at most its length - 1 is reused, so the deepest point below
+        # the end (a prompt of words or lines has one a few tokens back; this one has none).
+        pytest.param(PROMPT, ReusePath.CHECKPOINT, 24, id="repeat"),
         # The next turn: the whole final state.
         pytest.param(None, ReusePath.CHECKPOINT, END_STATE, id="next-turn"),
     ],
@@ -215,7 +216,7 @@ def test_a_cheap_snapshot_checkpoints_a_long_prompt_every_64_tokens_by_default()
     assert emitted(sim, "a") == greedy_continuation(prompt, 2)
     [entry] = prefix_cache(sim).entries()
     branch = 1030 - BRANCH_REACH  # the point an edit near the end falls back to
-    expected = tuple(sorted({*range(64, 1030, 64), branch, 1029}))
+    expected = tuple(sorted({*range(64, 1030, 64), branch, 1030}))
     assert (len(entry.tokens), entry.points) == (1031, expected)
     total = 1031 * BPT + FIXED + 18 * FIXED
     assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes == total
@@ -226,9 +227,9 @@ def test_a_cheap_snapshot_checkpoints_a_long_prompt_every_64_tokens_by_default()
     ("spare_snapshots", "kept"),
     [
         pytest.param(0, (), id="no-room-for-any"),
-        pytest.param(1, (29,), id="room-for-the-end-of-the-prompt"),
+        pytest.param(1, (30,), id="room-for-the-end-of-the-prompt"),
         # One periodic point: the spacing doubles until one multiple is left below the target.
-        pytest.param(2, (16, 29), id="room-for-one-periodic-too"),
+        pytest.param(2, (16, 30), id="room-for-one-periodic-too"),
     ],
 )
 def test_a_budget_with_little_room_checkpoints_less_but_still_runs_the_request(

@@ -137,15 +137,15 @@ def test_an_entry_another_live_request_holds_is_copied_not_taken() -> None:
 def test_a_checkpoint_entry_is_taken_at_a_point_from_its_snapshot() -> None:
     sim = make_sim(spec(trimmable=False, checkpoint_every_tokens=8, fixed_state_bytes=FIXED))
     out = first_request(sim)
-    assert 29 in prefix_cache(sim).entries()[0].points  # the end-of-prompt point
-    again = (*PROMPT, *range(200, 204))  # restores at 29: the entry loses its 6 last tokens
+    assert 30 in prefix_cache(sim).entries()[0].points  # the end-of-prompt point
+    again = (*PROMPT, *range(200, 204))  # restores at 30: the entry loses its 5 last tokens
     before = states(sim)
 
     sim.send(generate("b", again, MAX_TOKENS))
     sim.run_until_quiescent()
 
     start = started(sim, "b")
-    assert (start.path, start.cached_tokens, start.taken) == (ReusePath.CHECKPOINT, 29, True)
+    assert (start.path, start.cached_tokens, start.taken) == (ReusePath.CHECKPOINT, 30, True)
     # The simulated backend checks a snapshot against the state it is restored into.
     assert sim.emitted_tokens("b", 1) == greedy_continuation(again, MAX_TOKENS)
     assert in_place(before, sim)

@@ -146,7 +146,7 @@ async def test_the_snapshots_bytes_are_part_of_the_entry_and_of_the_kv_budget(
 
         stats = rt.stats().actors
         engine = next(s for address, s in stats.items() if address.startswith("engine:warm#"))
-        # Every 64 tokens, the end of the prompt minus one and 512 before the end (the random
+        # Every 64 tokens, the end of the prompt and 512 before the end (the random
         # tokens may add the last word boundary): one window or one recurrent state each.
         points = engine.gauges["entry_points"]
         assert len(prompt) // SPACING + 2 <= points <= len(prompt) // SPACING + 3

@@ -23,6 +23,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from actors.engine.checkpoints import LINE_STARTS
 from runtime.backends.mlx.backend import MlxBackend
 from runtime.host.api import Runtime
 from runtime.host.config import RuntimeConfig
@@ -299,9 +300,10 @@ class CacheModel:
 
     Entries (all kinds): each generation's prompt + generated[:-1]; each prewarm's prompt[:-1]; an
     aborted prefill's state at its last completed chunk. Checkpoint layouts also snapshot, during
-    every prefill, prompt[:-1], the state before the prompt's last token whose text starts with a
-    space, and every ``CHECKPOINT_EVERY`` tokens (absolute positions). (On a trimmable layout
-    those snapshots are dominated by trimming the final entry, so adding them changes nothing.)
+    every generate's prefill, the whole prompt, the state before the prompt's last token whose text
+    starts with a space, the starts of its last ``LINE_STARTS`` lines, and every
+    ``CHECKPOINT_EVERY`` tokens (absolute positions). (On a trimmable layout those snapshots are
+    dominated by trimming the final entry, so adding them changes nothing.)
 
     A trimmable entry (llama; a sliding-window state that has not wrapped) serves its longest
     common prefix with the prompt; another serves only as a whole, strict prefix of the prompt.
@@ -332,7 +334,9 @@ class CacheModel:
         """Record the snapshots of prefilling ``prompt[:end]``; return tokens prefilled."""
         start = self.reusable(prompt)
         boundaries = [i for i in range(1, len(prompt)) if _word_start(prompt[i])]
-        marks = {len(prompt) - 1, *boundaries[-1:]}
+        # The starts of the last lines (the state after a token holding a newline).
+        lines = [i + 1 for i in range(len(prompt) - 2, 0, -1) if "\n" in _text(prompt[i])]
+        marks = {len(prompt), *boundaries[-1:], *lines[:LINE_STARTS]}
         marks |= set(range(CHECKPOINT_EVERY, end + 1, CHECKPOINT_EVERY))
         for mark in marks:
             if start < mark <= end:
@@ -346,8 +350,12 @@ class CacheModel:
 
 
 @functools.cache
+def _text(token: int) -> str:
+    return str(tokenizer().decode([token]))
+
+
 def _word_start(token: int) -> bool:
-    return tokenizer().decode([token]).startswith(" ")
+    return _text(token).startswith(" ")
 
 
 @dataclass
@@ -375,6 +383,7 @@ class Scenario:
     async def prewarm(self, prompt: list[int], label: str | None = None) -> Run:
         run = await self.h.prewarm(prompt)
         predicted = self.model.prefill(prompt, len(prompt) - 1)
+        self.model.entries.add(tuple(prompt[:-1]))  # the prewarm's own entry
         if label is not None:
             self.rows.append((label, run.prefilled, predicted, len(prompt) - 1))
         return run

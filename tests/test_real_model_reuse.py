@@ -224,15 +224,17 @@ class ReuseModel:
         if not self.checkpointing:
             return set()
         last = len(prompt) - 1
-        points = {last, *range(DEFAULT_CHECKPOINT_EVERY, target, DEFAULT_CHECKPOINT_EVERY)}
+        points = set(range(DEFAULT_CHECKPOINT_EVERY, target, DEFAULT_CHECKPOINT_EVERY))
         scan = range(last, max(start, last - WORD_SCAN_TOKENS), -1)
         points.update(itertools.islice((i for i in scan if self.word_start(prompt[i])), 1))
         # The starts of the last lines near the end, and a point BRANCH_REACH before the end.
-        near = range(last - 1, max(start, len(prompt) - BRANCH_REACH), -1)
+        near = range(last, max(start, len(prompt) - BRANCH_REACH), -1)
         starts = (i for i in near if self.line_end(prompt[i - 1]))
         points.update(itertools.islice(starts, LINE_STARTS))
         points.add(len(prompt) - BRANCH_REACH)
-        return {p for p in points if start < p < target}
+        inside = {p for p in points if start < p < target}
+        # The end of the prompt, where a generate's prefill (its target) ends.
+        return inside | ({target} if target == len(prompt) > start else set())
 
     def commit(self, tokens: Sequence[int], snapshots: set[int]) -> None:
         trimmable = not self.checkpointing or len(tokens) < (self.window or 0)

@@ -140,7 +140,7 @@ def test_checkpoints_are_never_planned_inside_a_span(gemma: MlxBackend) -> None:
     every = CheckpointRule(spacing=1, most=len(tokens))  # a point at every token but the spans'
     points = plan_checkpoints(tokens, 0, len(tokens), gemma.decode, every)
     assert not any(inside_span(tokens, p) for p in points)
-    assert len(points) == len(tokens) - 1 - 2 * 15  # all but the 15 inside each 16-token run
+    assert len(points) == len(tokens) - 2 * 15  # the end too; none of the 15 inside each run
 
 
 def test_prompts_prefilled_together_equal_each_alone(gemma: MlxBackend) -> None:

@@ -19,7 +19,12 @@ from runtime.backends.contract import ModelInfo, ReuseStrategy
 from runtime.backends.vision.media import inside_span
 
 # The points, in order of preference, and the prompt each serves:
-# 1. the end of the prompt minus one token (the same prompt again: one token left to run);
+# 1. the end of the prompt, where a generate's prefill ends anyway, so the snapshot costs no pass
+#    of its own (a next turn whose reply was re-rendered or edited: all the prompt kept). Not one
+#    token before it: on llama.cpp and MLX a pass cut there runs the last token alone, which costs
+#    about a decode step (Gemma 3 270M on llama.cpp, 2 threads: 27 ms, a 16-token prompt's
+#    whole pass 35); the same prompt again restores at point 2 or 3 and runs its few last tokens
+#    in one pass, which costs about the same as one token;
 # 2. the last word boundary before the end (a person typing re-tokenizes the last word);
 # 3. the starts of the last LINE_STARTS lines within BRANCH_REACH of the end, latest first (a
 #    prompt re-sent with its last line changed; a chat message ends a line);
@@ -71,7 +76,7 @@ class CheckpointPolicy:
         spacing = self.spacing(info)
         reach = 1 if target >= BRANCH_REACH else 0  # point 6 lies inside a prompt this long only
         wanted = _ANCHORS + reach + message_ends + periodic_count(0, target, spacing)
-        most = min(MAX_POINTS, wanted, max(target - 1, 0))  # no more points than tokens
+        most = min(MAX_POINTS, wanted, max(target, 0))  # no more points than tokens
         if info.snapshot_bytes > 0:
             affordable = min(self.budget_bytes // BUDGET_SHARE, max(free_bytes, 0))
             most = min(most, affordable // info.snapshot_bytes)
@@ -95,11 +100,13 @@ def plan_checkpoints(
     message_ends: Sequence[int] = (),
     instructions_end: int = 0,
 ) -> list[int]:
-    """Sorted token counts strictly between ``start`` (cached) and ``target`` to snapshot at:
-    at most ``rule.most``, the preferred ones first (see the module docstring)."""
-    end_of_prompt = len(tokens) - 1
+    """Sorted token counts after ``start`` (cached) to snapshot at: strictly before ``target``,
+    or at it where it is the whole prompt (point 1); at most ``rule.most``, the preferred ones
+    first (see the module docstring)."""
+    end_of_prompt = len(tokens)
     preferred = [end_of_prompt]
-    for index in range(end_of_prompt, max(start, end_of_prompt - WORD_SCAN_TOKENS), -1):
+    last = end_of_prompt - 1
+    for index in range(last, max(start, last - WORD_SCAN_TOKENS), -1):
         if decode([tokens[index]])[:1].isspace():
             preferred.append(index)  # the state just before the last word began
             break
@@ -107,7 +114,8 @@ def plan_checkpoints(
     preferred.append(instructions_end)
     preferred.extend(reversed(message_ends))
     preferred.append(len(tokens) - BRANCH_REACH)
-    kept = set(list(dict.fromkeys(p for p in preferred if start < p < target))[: rule.most])
+    inside = (p for p in preferred if start < p < target or p == target == end_of_prompt > start)
+    kept = set(list(dict.fromkeys(inside))[: rule.most])
     if rule.spacing > 0:
         kept |= _periodic(start, target, rule.spacing, kept, rule.most - len(kept))
     # Never inside an image's soft tokens: the pass cut there would split the run, which a family
@@ -134,10 +142,10 @@ def _periodic(start: int, target: int, spacing: int, kept: set[int], room: int) 
 def _line_starts(
     tokens: Sequence[int], floor: int, decode: Callable[[Sequence[int]], str]
 ) -> list[int]:
-    """The latest ``LINE_STARTS`` token counts above ``floor`` and below the end minus one whose
-    last token holds a newline (the state just before the next line began), latest first."""
+    """The latest ``LINE_STARTS`` token counts above ``floor`` and below the end whose last token
+    holds a newline (the state just before the next line began), latest first."""
     found: list[int] = []
-    for index in range(len(tokens) - 3, floor - 1, -1):  # a start at end - 1 is point 1
+    for index in range(len(tokens) - 2, floor - 1, -1):  # a start at the end is point 1
         if "\n" in decode([tokens[index]]):
             found.append(index + 1)
             if len(found) == LINE_STARTS:
