@@ -11,6 +11,7 @@ from actors.engine.checkpoints import (
     BUDGET_SHARE,
     MAX_POINTS,
     MIN_SPACING,
+    PERIODIC_GAP_SHARE,
     CheckpointPolicy,
     CheckpointRule,
     plan_checkpoints,
@@ -96,6 +97,18 @@ def test_every_spacing_tokens_and_nothing_at_or_before_the_cached_start() -> Non
     tokens = [5] * 20
     rule = CheckpointRule(spacing=4, most=MAX_POINTS)
     assert plan_checkpoints(tokens, 8, 20, decode, rule) == [12, 16, 20]
+
+
+def test_a_periodic_point_close_to_another_point_or_the_start_is_left_out() -> None:
+    rule = CheckpointRule(spacing=512, most=MAX_POINTS)
+    gap = 512 // PERIODIC_GAP_SHARE
+    # 512 lies 23 tokens after the branch reach's 489: its cut would end a 23-token pass.
+    assert plan_checkpoints([5] * 1001, 0, 1001, decode, rule) == [489, 1001]
+    # 512 lies 12 tokens after a cached start of 500; 1024 is far enough from the end.
+    assert plan_checkpoints([5] * 1100, 500, 1100, decode, rule) == [588, 1024, 1100]
+    # Exactly the gap away (from the reach and from the end): kept.
+    end = 1024 + gap
+    assert plan_checkpoints([5] * end, 0, end, decode, rule) == [512, end - BRANCH_REACH, 1024, end]
 
 
 def test_a_prewarm_target_excludes_its_own_end() -> None:
