@@ -37,10 +37,10 @@ WORD_SCAN_TOKENS = 32  # how far back to look for the last word boundary
 BRANCH_REACH = 512  # line starts are looked for this far back, and a point sits this far back
 LINE_STARTS = 3  # line starts near the end: the generation prompt's, and the last two lines'
 MIN_SPACING = 64  # on a recurrent state each checkpoint ends a pass: at most 4 per 256 tokens
-# A periodic point this close to a preferred one (a share of the spacing) is left out: each
-# point ends a pass, and a pass costs a read of every weight however few its rows (Gemma 3 on
-# llama.cpp: 23 rows after a cut at 489 took 50 ms, as long as 30 rows' share of a 512-row pass),
-# while the preferred point a little earlier serves the same prompts.
+# A periodic point this close (a share of the spacing) to a preferred one, the cached start or the
+# prefill's end is left out: each point ends a pass, and a pass costs a read of every weight
+# however few its rows (Gemma 3 on llama.cpp: 23 rows after a cut at 489 took 50 ms, as long as
+# 30 rows' share of a 512-row pass), while the nearby point serves the same prompts.
 PERIODIC_GAP_SHARE = 8
 MAX_POINTS = 32  # snapshots of one prefill, so a long prompt cannot flood the prefix cache
 BUDGET_SHARE = 32  # one prefill's snapshots take at most 1/32 of the KV budget
