@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import pytest
 
 from actors.engine.checkpoints import (
@@ -213,6 +214,18 @@ def test_the_rule_holds_every_anchor_a_plan_can_take() -> None:
     plan = plan_checkpoints(tokens, 0, 1000, decode, rule, message_ends=ends, instructions_end=50)
     assert plan == [50, 100, 300, 1000 - BRANCH_REACH, 900, 920, 940, 990, 1000]
     assert rule.most == len(plan)
+
+
+def test_a_sequence_that_never_fills_its_window_has_no_rule() -> None:
+    """Under ``trims_below`` (llama.cpp's sliding window before it fills) its state still trims
+    when it ends: snapshots would buy nothing."""
+    policy = CheckpointPolicy(widest=512, budget_bytes=GIB)
+    gemma = msgspec.structs.replace(GEMMA3_270M, trims_below=512)
+    assert policy.rule(gemma, 400, 0, GIB, longest=511) is None
+    assert policy.rule(gemma, 400, 0, GIB, longest=512) is not None
+    assert policy.rule(gemma, 400, 0, GIB) is not None  # a prewarm: its length unknown
+    # No bound (MLX's caches, a recurrent state): the rule whatever the length.
+    assert policy.rule(GEMMA3_270M, 10, 0, GIB, longest=20) is not None
 
 
 def test_a_trimmable_cache_has_no_rule() -> None:

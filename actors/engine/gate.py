@@ -133,8 +133,10 @@ class Gate:
             seq.snapshots.clear()  # the request must fit the budget; its snapshots need not
             held = 0
         free = policy.budget_bytes - kv - held
+        # A generate's tokens at most; a prewarm's state may yet be adopted by a longer one.
+        longest = tokens_to_reserve(seq) if seq.kind is RequestKind.GENERATE else None
         seq.checkpoint_rule = policy.rule(
-            self._info, seq.prefill_target, len(seq.message_ends), free
+            self._info, seq.prefill_target, len(seq.message_ends), free, longest=longest
         )
         most = 0 if seq.checkpoint_rule is None else seq.checkpoint_rule.most
         seq.snapshot_room = most * self._info.snapshot_bytes

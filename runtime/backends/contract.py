@@ -67,6 +67,10 @@ class ModelInfo(msgspec.Struct, frozen=True, kw_only=True):
     window_tokens: int | None = None  # sliding-window layers hold at most this many tokens
     window_bytes_per_token: int = 0
     fixed_state_bytes: int = 0  # recurrent state, independent of length
+    # A state that never held this many tokens still trims (0: no such bound): llama.cpp's
+    # sliding-window cells before the window fills. A generate that stays under it takes no
+    # checkpoints (actors/engine/checkpoints.py, ``CheckpointPolicy.rule``).
+    trims_below: int = 0
     alloc_step: int = 1  # KV caches grow in steps of this many tokens (mlx-lm: 256)
     # The most tokens past a reuse point the engine gives up to *take* an entry nobody else holds
     # (``take_state``: cut back in place, the entry leaves the cache) instead of copying it; 0:

@@ -96,6 +96,8 @@ def measure_model(
         window_bytes_per_token=partial_per_token if n_swa else 0,
         # What does not grow with the sequence: the recurrent state and the headers.
         fixed_state_bytes=sizes[1][0] - per_token if recurrent else 0,
+        # As can_trim reads it: the exact-reuse throwaway row reaches one cell further.
+        trims_below=0 if recurrent else max(n_swa - int(ctx.pads_lone_rows), 0),
         pass_s=pass_s,
         stop_checks=stop_checks,
         together_snapshot_tokens=context,
