@@ -429,6 +429,30 @@ def test_a_decode_batch_keeps_its_seq_ids_one_run_and_each_member_decodes_as_alo
         backend.close()
 
 
+def test_with_every_seq_id_held_a_join_spills_the_holder_of_the_id_that_keeps_one_run(
+    real_gguf: Callable[[str], Any],
+) -> None:
+    """Ids 0-4 all held by states (as when streams join right after their prefill, the states
+    they were prefilled in still holding ids): the first member's copy spills the least recently
+    used state other than its source (on 1) and takes 1; the next one's source holds 2, so it
+    wants 0, and with no id free the state on 0 goes to host memory instead of the member
+    taking an id off the run (before: 3, and every step two passes). Each member draws what it
+    draws alone, and the spilled states continue as they would have."""
+    backend = few_sequences(real_gguf, max_sequences=5, max_batch=2)
+    try:
+        prompts, states = prefilled(backend, 5)
+        assert not backend.pool.census().free
+        batch, slots, drawn = batch_greedy(backend, [states[0], states[2]], 3)
+        assert batch.runs == 1 and backend.pool.moves == 0 and backend.pool.spills == 2
+        assert states[0].seq is None and states[1].seq is None  # both on host now
+        for slot, ids in zip(slots, (prompts[0], prompts[2]), strict=True):
+            assert drawn[slot] == cold(backend, ids, 3)
+        for index in (0, 1):
+            assert greedy(backend, states[index], 3) == cold(backend, prompts[index], 3)
+    finally:
+        backend.close()
+
+
 def test_a_together_prefill_of_equal_rests_takes_one_run_of_seq_ids_and_each_equals_cold(
     real_gguf: Callable[[str], Any],
 ) -> None:
