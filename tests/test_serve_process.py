@@ -37,6 +37,8 @@ def mlxrt_serve(*args: str) -> Iterator[str]:
 
 
 def client_for(url: str) -> openai.OpenAI:
+    """A client for ``url``; use it in a ``with``: one dropped unclosed leaves its sockets to the
+    garbage collector, whose ResourceWarning then fails whichever test collects them."""
     return openai.OpenAI(
         base_url=f"{url}/v1", api_key="unused", timeout=REQUEST_TIMEOUT_S, max_retries=0
     )
@@ -61,8 +63,10 @@ def post(client: openai.OpenAI, path: str, **body: object) -> dict[str, Any]:
 
 
 def test_the_openai_client_lists_loads_and_unloads_models() -> None:
-    with mlxrt_serve("--backend", "simulated", "--model", "m", "--model", "other") as url:
-        client = client_for(url)
+    with (
+        mlxrt_serve("--backend", "simulated", "--model", "m", "--model", "other") as url,
+        client_for(url) as client,
+    ):
         assert states(client) == {"m": "loaded", "other": "loaded"}
         [card] = [model for model in client.models.list() if model.id == "m"]
         assert card.object == "model" and card.owned_by == "mlx-actor-runtime"
@@ -86,8 +90,10 @@ def test_the_openai_client_lists_loads_and_unloads_models() -> None:
 
 
 def test_a_request_loads_an_unloaded_model_and_the_keep_alive_unloads_it() -> None:
-    with mlxrt_serve("--backend", "simulated", "--model", "m", "--keep-alive", "0") as url:
-        client = client_for(url)
+    with (
+        mlxrt_serve("--backend", "simulated", "--model", "m", "--keep-alive", "0") as url,
+        client_for(url) as client,
+    ):
         wait_for(lambda: states(client)["m"] == "idle", "the idle model to unload")
         # Auto-load: the request waits for the load, then is answered as usual.
         chat = client.chat.completions.create(
@@ -126,8 +132,7 @@ def test_a_known_model_loads_on_demand_next_to_the_default_one(
 ) -> None:
     for name in ("smollm2-135m-instruct", "gemma3-270m"):
         real_gguf(name)  # fetched beforehand (or skipped): the server then only converts
-    with mlxrt_serve("--kv-budget-mib", "256") as url:
-        client = client_for(url)
+    with mlxrt_serve("--kv-budget-mib", "256") as url, client_for(url) as client:
         listed = states(client)
         assert listed["smollm2-135m-instruct"] == "loaded"
         assert listed["gemma3-270m"] == "available"
