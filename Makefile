@@ -5,8 +5,8 @@
 #                      PyPI on first use; installs OpenBLAS first where it can
 #   make lint          ruff check, ruff format --check, mypy --strict
 #   make test          lint, then pytest with the Hypothesis `ci` profile, in two runs
-#                      (scripts/run-tests.sh): the tests that keep one thread busy in TEST_WORKERS
-#                      processes, then the multi-threaded real-model tests and Ray tests in one
+#                      (scripts/run-tests.sh): the simulated and tiny-model tests in TEST_WORKERS
+#                      processes, then the real-model and Ray tests in one
 #   make test-nightly  pytest with the Hypothesis `nightly` profile
 #   make fuzz-nightly  the property tests alone with the `nightly` profile (the whole-runtime
 #                      fuzzer runs 10,000 examples: minutes; see property_tests/test_runtime_fuzz.py)

@@ -1,13 +1,11 @@
 #!/usr/bin/env bash
 # `make test`'s pytest, in two runs:
-#   1. everything but the Ray tests and the real-model tests that compute on several threads, in
-#      WORKERS processes (pytest-xdist). These run the simulator, tiny models, or a real model on
-#      one thread (marker one_thread): mostly one busy thread each, so on 2 cores two processes
-#      take about half the time of one (2,582 tests: 3 min 58 s, against ~9 min in one process);
-#   2. the other real-model tests and the Ray tests (markers real_model, cluster) in this one
-#      process. They fill every core on their own (llama.cpp's and OpenBLAS's threads spin while
-#      they wait), so two processes would only oversubscribe the cores; and Ray runs one local
-#      cluster per process.
+#   1. everything but the real-model and Ray tests, in WORKERS processes (pytest-xdist). These run
+#      the simulator and tiny models, mostly one busy thread each, so on 2 cores two processes take
+#      about half the time of one (2,582 tests: 3 min 58 s, against ~9 min in one process);
+#   2. the real-model and Ray tests (markers real_model, cluster) in this one process. They fill
+#      every core on their own (llama.cpp's and OpenBLAS's threads spin while they wait), so two
+#      processes would only oversubscribe the cores; and Ray runs one local cluster per process.
 # Both runs always happen, so that one failure does not hide another. A run that selects no test
 # (exit 5: PYTEST_ARGS names a file of one kind only) is fine as long as the other ran tests; if
 # neither did, the result is 5, a failure like any other.
@@ -35,13 +33,12 @@ pytest() {
     "$python" -m pytest -p no:cacheprovider "$@"
 }
 
-alone="cluster or (real_model and not one_thread)"
-pytest -n "$workers" -m "${narrow}not ($alone)" ${args[@]+"${args[@]}"}
+pytest -n "$workers" -m "${narrow}not real_model and not cluster" ${args[@]+"${args[@]}"}
 first=$?
-echo "run-tests: tests that keep one thread busy ($workers processes): exit $first"
-pytest -m "${narrow}($alone)" ${args[@]+"${args[@]}"}
+echo "run-tests: simulated and tiny-model tests ($workers processes): exit $first"
+pytest -m "${narrow}(real_model or cluster)" ${args[@]+"${args[@]}"}
 second=$?
-echo "run-tests: multi-threaded real-model tests and Ray tests (one process): exit $second"
+echo "run-tests: real-model and Ray tests (one process): exit $second"
 
 if [ "$first" -eq 5 ] && [ "$second" -eq 5 ]; then
     echo "run-tests: no test was selected" >&2

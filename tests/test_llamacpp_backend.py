@@ -26,9 +26,7 @@ from runtime.text.chat import prepare_chat
 from tests.llamacpp_support import StopAfter, batch_greedy, greedy
 from tests.test_real_model_reuse import CORPUS
 
-# one_thread: every model here computes on one thread (n_threads 1), so make test runs this file
-# beside other tests (scripts/run-tests.sh).
-pytestmark = [pytest.mark.real_model, pytest.mark.one_thread, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.real_model, pytest.mark.timeout(900)]
 
 MODELS = ("smollm2-135m-instruct", "gemma3-270m")
 CHUNK = 256  # the engine's default prefill chunk

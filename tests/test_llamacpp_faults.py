@@ -56,8 +56,7 @@ from runtime.testing.harness import engine_stats, wait_until
 from tests.llamacpp_support import require_llama_cpp
 from tests.loop_checks import LoopBackend, on_asyncio
 
-# one_thread: both models load with n_threads 1, so make test runs this file beside other tests.
-pytestmark = [pytest.mark.anyio, pytest.mark.real_model, pytest.mark.one_thread]
+pytestmark = [pytest.mark.anyio, pytest.mark.real_model]
 
 SMOL = ModelSpec(
     name="smollm2-135m-instruct",

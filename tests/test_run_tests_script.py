@@ -14,8 +14,6 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "run-tests.sh"
-# What runs alone: Ray, and real models that compute on several threads.
-ALONE = "cluster or (real_model and not one_thread)"
 
 # Exits with $PARALLEL_RC for the run with -n (the first), $ALONE_RC for the other.
 FAKE_PYTHON = """#!/usr/bin/env python3
@@ -71,21 +69,21 @@ def test_either_run_failing_fails_and_selecting_nothing_fails_only_when_both_do(
     assert len(runs) == 2, "the second run must happen even when the first fails"
 
 
-def test_the_first_run_is_parallel_the_second_alone_with_ray_and_multithreaded_models(
+def test_the_first_run_is_parallel_without_real_models_the_second_alone_with_them(
     tmp_path: Path,
 ) -> None:
     _, (parallel, alone) = run_script(tmp_path, (0, 0), "--hypothesis-profile=ci", "-k", "x y")
     assert parallel[:2] == ["-m", "pytest"] and alone[:2] == ["-m", "pytest"]
     assert parallel[parallel.index("-n") + 1] == "3" and "-n" not in alone
-    assert marker(parallel) == f"not ({ALONE})"
-    assert marker(alone) == f"({ALONE})"
+    assert marker(parallel) == "not real_model and not cluster"
+    assert marker(alone) == "(real_model or cluster)"
     for run in (parallel, alone):
         assert run[-3:] == ["--hypothesis-profile=ci", "-k", "x y"]  # passed on whole
 
 
 def test_a_marker_expression_in_the_arguments_narrows_both_runs(tmp_path: Path) -> None:
     _, (parallel, alone) = run_script(tmp_path, (0, 0), "-m", "not mlx", "-x")
-    assert marker(parallel) == f"(not mlx) and not ({ALONE})"
-    assert marker(alone) == f"(not mlx) and ({ALONE})"
+    assert marker(parallel) == "(not mlx) and not real_model and not cluster"
+    assert marker(alone) == "(not mlx) and (real_model or cluster)"
     assert [run.count("-m") for run in (parallel, alone)] == [2, 2]  # `-m pytest` and one more
     assert parallel[-1] == alone[-1] == "-x"
