@@ -246,6 +246,32 @@ def test_left_state_continues_alone_and_can_rejoin(
     assert_equivalent(driver.traces[slots[2]], reference.traces[ref_slots[2]], f"{kind} short")
 
 
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("together", [False, True], ids=["decoded", "prefilled-together"])
+def test_a_state_out_of_a_batch_grows_within_its_kv_price(
+    backends: dict[str, MlxBackend], kind: str, together: bool
+) -> None:
+    """A row leaves at a length that is no whole allocation step and decodes on alone: its cache
+    must still grow in the whole steps ``ModelInfo.kv_bytes`` prices. (mlx-lm's ``extract`` gives
+    the row a buffer of its exact length, and the next token then grew it one step past that: the
+    prefix entry it became held more bytes than its sequence had reserved.)"""
+    backend = backends[kind]
+    prompts = [tokens(9, 61), tokens(30, 62)]
+    if together:
+        states = [backend.new_state() for _ in prompts]
+        backend.prefill_together(states, prompts)
+        state, trace = states[1], Trace()
+        trace.add(backend.logits(state))
+    else:
+        driver = Driver(backend)
+        slots = [driver.join(prefilled(backend, p)) for p in prompts]
+        driver.step(3)
+        state, trace = driver.leave(slots[1]), driver.traces[slots[1]]
+    continue_alone(backend, state, trace, 4)
+    priced = backend.info.kv_bytes(state.n_tokens)
+    assert backend.state_nbytes(state) <= priced, f"{state.n_tokens} tokens"
+
+
 def test_sliding_window_past_the_window(backends: dict[str, MlxBackend]) -> None:
     """(4) Rows past the sliding window (ring buffers wrapped) still decode as they do alone.
 

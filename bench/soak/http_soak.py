@@ -93,9 +93,13 @@ class HttpSoakReport:
     active_memory_after: int
     peak_memory: int
     engine_counters: dict[str, int] = field(default_factory=dict)
+    keeper_counters: dict[str, int] = field(default_factory=dict)
 
     def problems(self) -> list[str]:
         found: list[str] = []
+        if short := self.keeper_counters.get("transfer_short", 0):
+            # An entry held more than its sequence had reserved: the KV price fell short.
+            found.append(f"{short} transfers moved more KV than their sequence held")
         for i, o in enumerate(self.outcomes):
             if o.status != 200 and not (o.disconnect and o.status == 0):  # 0: left unanswered
                 found.append(f"request {i} answered HTTP {o.status}")
@@ -189,6 +193,7 @@ async def run_http_soak(config: HttpSoakConfig, spec: ModelSpec | None = None) -
             active_memory_after=0,
             peak_memory=mx.get_peak_memory(),
             engine_counters=dict(engines[0].counters),
+            keeper_counters=dict(actors["kv"].counters),
         )
         await _reset(rt, spec.name)
         report.reserved_after_reset = rt.stats().actors["kv"].gauges["reserved"]

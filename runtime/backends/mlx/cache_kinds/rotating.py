@@ -29,8 +29,11 @@ class RotatingKind(CacheKind):
             if drop == 0:  # possibly wrapped around: copy the whole ring
                 clone.keys, clone.values = mx.array(keys), mx.array(values)
             else:  # trimmable means not wrapped: tokens sit in order before _idx
+                # Capacity to the next step boundary, as KVKind.copy keeps (a ring cut at an
+                # unaligned length would grow a whole step past it and outgrow its price).
                 end = layer._idx - drop
-                clone.keys, clone.values = keys[..., :end, :], values[..., :end, :]
+                capacity = min(keys.shape[2], -(-end // layer.step) * layer.step)
+                clone.keys, clone.values = keys[..., :capacity, :], values[..., :capacity, :]
         clone.offset = layer.offset - drop
         clone._idx = layer._idx - drop
         return clone
@@ -48,9 +51,11 @@ class RotatingKind(CacheKind):
             keys is not None
             and values is not None
             and layer.keep == 0
-            and layer._idx == int(keys.shape[2])  # in temporal order (a multi-token update)
+            # In temporal order: a multi-token update's ring, or one never wrapped (a row out
+            # of a batch or a cut-back copy may hold room past _idx).
+            and (layer._idx == int(keys.shape[2]) or layer.offset == layer._idx)
         ):
-            window, end = layer.max_size, int(keys.shape[2]) - back
+            window, end = layer.max_size, layer._idx - back
             point = layer.offset - back
             if back > 0 and end < min(point, window):
                 raise CannotTrim(f"the ring no longer holds a window before token {point}")
