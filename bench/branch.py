@@ -11,6 +11,8 @@ streamed greedy completions; fresh notes every repetition, so nothing carries ov
 - ``branch.N.reprocessed``: the second's prompt tokens not served from a cache (its
   ``prompt_tokens`` minus the ``cached_tokens`` the server reports; llama-server's own
   ``timings.prompt_n``);
+- ``branch.N.ttft.eval``, ``branch.N.ttft.rest``: the second's TTFT split by the server's own
+  ``timings.prompt_ms`` (``bench.results.split_ttft``), where it reports one;
 - ``branch.N.cold/branch``: the ratio of the two TTFT medians (higher is better).
 
 Raw mlx-lm has no row: it keeps no cache between two calls unless its host writes one.
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from bench.http_client import Server, complete, in_turn
 from bench.models import BenchModel, Scaled
 from bench.prompts import WORDS, encode
-from bench.results import Measurement, median, ratio, timed
+from bench.results import Measurement, median, ratio, split_ttft, timed
 
 QUESTIONS = (
     "Question: which of these notes mentions the sea, and what does it say?",
@@ -67,6 +69,7 @@ async def measure(servers: Sequence[Server], model: BenchModel, quick: bool) -> 
         cold: dict[str, list[float]] = {server.system: [] for server in servers}
         branch: dict[str, list[float]] = {server.system: [] for server in servers}
         redone: dict[str, list[float]] = {server.system: [] for server in servers}
+        evals: dict[str, list[float | None]] = {server.system: [] for server in servers}
         for rep in range(sizes.repetitions):
             notes = make_notes(model.tokenizer, size, 40000 + size + rep)
             first, second = (f"{notes}\n{question}" for question in QUESTIONS)
@@ -74,6 +77,7 @@ async def measure(servers: Sequence[Server], model: BenchModel, quick: bool) -> 
                 cold[server.system].append((await complete(server, first, sizes.max_tokens)).ttft)
                 reply = await complete(server, second, sizes.max_tokens)
                 branch[server.system].append(reply.ttft)
+                evals[server.system].append(reply.prompt_eval_s)
                 prefilled = reply.prefilled_tokens  # None: no cache reported, so all of it
                 redone[server.system].append(
                     reply.prompt_tokens if prefilled is None else prefilled
@@ -98,6 +102,7 @@ async def measure(servers: Sequence[Server], model: BenchModel, quick: bool) -> 
                     note,
                 ),
                 branch_m,
+                *split_ttft(system, model.name, f"{prefix}.ttft", branch[system], evals[system]),
                 ratio(system, model.name, f"{prefix}.cold/branch", cold_m.value, branch_m.value),
             ]
     return rows

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from bench.results import OVERHEAD_MODEL, ResultSet
+from bench.results import OVERHEAD_MODEL, SPLIT_PARTS, ResultSet
 
 RAW = "mlx-lm"
 SERVER = "mlx_lm.server"
@@ -118,6 +118,28 @@ LLAMACPP_GOALS = (  # judged on each real model
     *LLAMACPP_BRANCH.values(),
 )
 HOP = Goal("hop.message_us_p50", 10.0, at_most=True, unit="us")
+
+
+def ttft_split(goal: Goal, results: ResultSet, model: str) -> str:
+    """Where a TTFT goal's two sides spent their time, from each server's own prompt time
+    (``bench.results.split_ttft``): ``prompt time 412 vs 389 ms, the rest 25 vs 22 ms``
+    (``goal.system``'s first). Empty for other goals, or where either side gave no split."""
+    if goal.versus is None:
+        return ""
+    sides = [
+        [
+            results.value(system, model, f"{goal.scenario}.{part}")
+            for system in (goal.system, goal.versus)
+        ]
+        for part in SPLIT_PARTS
+    ]
+    if any(v is None for side in sides for v in side):
+        return ""
+    (ours_eval, their_eval), (ours_rest, their_rest) = sides
+    return (
+        f"prompt time {ours_eval:.0f} vs {their_eval:.0f} ms, "
+        f"the rest {ours_rest:.0f} vs {their_rest:.0f} ms"
+    )
 
 
 def hop_verdict(results: ResultSet) -> str:

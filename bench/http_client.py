@@ -67,6 +67,12 @@ class Reply:
         return self.finished_s
 
     @property
+    def prompt_eval_s(self) -> float | None:
+        """The server's own prompt time (``timings.prompt_ms``), None where it does not say."""
+        ms = self.timings.get("prompt_ms")
+        return None if ms is None else float(ms) / 1000
+
+    @property
     def last_token_s(self) -> float:
         """Time of the last text, or of the end for a reply with no text at all."""
         return self.chunks[-1][0] if self.chunks else self.ttft

@@ -13,6 +13,7 @@ llama.cpp loads).
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
 import re
 import subprocess
@@ -103,9 +104,18 @@ class Found:
             OURS_LLAMACPP: f"skipped: {self.ours.reason}"
             if self.ours is not None
             else "`mlxrt serve --backend llamacpp --model-option "
-            f"n_threads={self.threads}` on the same GGUF file",
+            f"n_threads={self.threads}` on the same GGUF file ({_binding_version()})",
         }
         return {system: lines[system] for system in self.wanted()}
+
+
+def _binding_version() -> str:
+    """Which llama.cpp ours runs: the binding's version (it vendors its own llama.cpp, older or
+    newer than llama-server's, and the two compute a prompt at different speeds)."""
+    try:
+        return f"llama-cpp-python {importlib.metadata.version('llama_cpp_python')}"
+    except importlib.metadata.PackageNotFoundError:
+        return "llama-cpp-python version unknown"
 
 
 def _home_relative(path: Path) -> str:

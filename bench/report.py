@@ -105,9 +105,29 @@ def _goals(results: ResultSet, models: Sequence[str]) -> str:
 def _llamacpp_goals(results: ResultSet, models: Sequence[str]) -> str:
     """Issue 22's goals on the real models, then why a llama.cpp system has no rows, if so."""
     real = [m for m in models if m in REAL_MODELS] or list(REAL_MODELS)
-    parts = [_goal_table(results, goals.LLAMACPP_GOALS, real)]
+    parts = [_goal_table(results, goals.LLAMACPP_GOALS, real), _ttft_splits(results, real)]
     parts += [f"{why}." for why in results.skip_reasons(LLAMACPP_SYSTEMS, real)]
-    return "\n\n".join(parts)
+    return "\n\n".join(p for p in parts if p)
+
+
+def _ttft_splits(results: ResultSet, models: Sequence[str]) -> str:
+    """Each TTFT goal's two sides split by the servers' own prompt time: whether a gap is in
+    llama.cpp's prompt evaluation or around it."""
+    ttft_goals = [g for g in goals.LLAMACPP_GOALS if g.scenario.endswith("ttft")]
+    rows = [
+        [f"`{goal.scenario}`", *(goals.ttft_split(goal, results, m) or ABSENT for m in models)]
+        for goal in ttft_goals
+    ]
+    if all(cell == ABSENT for row in rows for cell in row[1:]):
+        return ""
+    lead = (
+        f"Where each TTFT went, {OURS_LLAMACPP} vs {LLAMA_SERVER} (medians): the prompt time is "
+        "each server's own `timings.prompt_ms` (llama-server's from taking the prompt up, a "
+        "checkpoint's restore included, to its first token; ours from the engine's `Started`, "
+        "after any restore, to the first token reaching the HTTP layer), the rest is the TTFT "
+        "the client saw less it."
+    )
+    return f"{lead}\n\n{table(['scenario', *models], rows)}"
 
 
 def _goal_table(results: ResultSet, judged: Sequence[goals.Goal], models: Sequence[str]) -> str:

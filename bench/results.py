@@ -20,9 +20,14 @@ SYSTEMS = (
     "ours-llamacpp",
 )
 OVERHEAD_MODEL = "simulated"  # the model of the hop.* rows: they run no model, or a simulated one
+# A TTFT split by the server's own timings.prompt_ms (``split_ttft``): ``<ttft scenario>.eval``
+# and ``<ttft scenario>.rest``, for the servers that report it (llama-server and ours).
+SPLIT_PARTS = ("eval", "rest")
 SCENARIOS = (
     "turn2.cold_ttft",
+    *(f"turn2.cold_ttft.{part}" for part in SPLIT_PARTS),
     "turn2.warm_ttft",
+    *(f"turn2.warm_ttft.{part}" for part in SPLIT_PARTS),
     "turn2.cold/warm",
     "turn2.prefilled_cold",
     "turn2.prefilled_warm",
@@ -47,7 +52,7 @@ SCENARIOS = (
     *(
         f"branch.{n}.{what}"
         for n in (300, 900, 1800)
-        for what in ("cold_ttft", "ttft", "reprocessed", "cold/branch")
+        for what in ("cold_ttft", "ttft", "ttft.eval", "ttft.rest", "reprocessed", "cold/branch")
     ),
     "keystroke.latency_p50",
     "keystroke.latency_p90",
@@ -111,6 +116,29 @@ def timed(
     scale = 1000.0 if unit == "ms" else 1.0
     scaled = [round(s * scale, 3) for s in samples]
     return Measurement(system, model, scenario, median(scaled), unit, scaled)
+
+
+def split_ttft(
+    system: str, model: str, scenario: str, ttfts: Sequence[float], evals: Sequence[float | None]
+) -> list[Measurement]:
+    """Where ``scenario``'s TTFTs (seconds) went, by the server's own ``timings.prompt_ms``
+    (``evals``, seconds; None where a reply had none): ``<scenario>.eval``, the server's prompt
+    time, and ``<scenario>.rest``, the TTFT less it (HTTP, tokenizing, queueing, and whatever the
+    server counts outside its prompt time), each the median of the per-request values, in ms.
+    Nothing unless every reply said.
+
+    What the prompt time spans: llama-server's from taking the prompt up (restoring a checkpoint
+    included) to its first token; ours from the engine's ``Started`` (after restoring what the
+    cache held) to the first token reaching the HTTP layer (runtime/server/timings.py).
+    """
+    if not evals or any(e is None for e in evals):
+        return []
+    spent = [e for e in evals if e is not None]
+    rest = [t - e for t, e in zip(ttfts, spent, strict=True)]
+    return [
+        timed(system, model, f"{scenario}.eval", spent),
+        timed(system, model, f"{scenario}.rest", rest),
+    ]
 
 
 def decode_rate(

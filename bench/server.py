@@ -13,7 +13,7 @@ import asyncio
 import time
 
 from bench.http_client import RequestFailed, Server, complete, open_completion
-from bench.results import Measurement, decode_rate, ratio, timed
+from bench.results import Measurement, decode_rate, ratio, split_ttft, timed
 from bench.serving import ServerCommand, ServerUnavailable, running
 from bench.workload import Workload
 
@@ -37,13 +37,17 @@ async def _measure(server: Server, name: str, work: Workload) -> list[Measuremen
     await complete(server, work.warmup.text, 2)  # the first request also loads the model
 
     cold, warm, prefilled_cold, prefilled_warm = [], [], [], []
+    cold_eval: list[float | None] = []
+    warm_eval: list[float | None] = []
     for turn1, followup in zip(work.conversations, work.followups, strict=True):
         first = await complete(server, turn1.text, sizes.reply_tokens)
         cold.append(first.ttft)
+        cold_eval.append(first.prompt_eval_s)
         prefilled_cold.append(first.prefilled_tokens)
         await asyncio.sleep(THINK_TIME_S)
         second = await complete(server, turn1.text + first.text + followup.text, 1)
         warm.append(second.ttft)
+        warm_eval.append(second.prompt_eval_s)
         prefilled_warm.append(second.prefilled_tokens)
         prompt_tokens = second.prompt_tokens
 
@@ -76,7 +80,9 @@ async def _measure(server: Server, name: str, work: Workload) -> list[Measuremen
     )
     return [
         cold_m,
+        *split_ttft(system, name, "turn2.cold_ttft", cold, cold_eval),
         warm_m,
+        *split_ttft(system, name, "turn2.warm_ttft", warm, warm_eval),
         ratio(system, name, "turn2.cold/warm", cold_m.value, warm_m.value),
         Measurement(
             system,

@@ -21,7 +21,7 @@ from bench import goals, headline, llamacpp, report
 from bench.http_client import Reply
 from bench.llamacpp import LLAMA_SERVER, OURS_LLAMACPP, Binary, Found, Unavailable
 from bench.models import BenchModel
-from bench.results import Measurement, ResultSet, format_table, read
+from bench.results import Measurement, ResultSet, format_table, read, split_ttft
 
 REPO = Path(__file__).resolve().parents[1]
 GGUF = Path("/models/SmolLM2-135M-Instruct.Q4_1.gguf")
@@ -151,12 +151,29 @@ def test_prefilled_tokens_prefer_llama_servers_own_count() -> None:
     assert Reply(usage={"prompt_tokens": 900}).prefilled_tokens is None  # nothing said
 
 
+def test_a_ttft_splits_by_the_servers_own_prompt_time_only_where_every_reply_said() -> None:
+    assert Reply(timings={"prompt_ms": 412.5}).prompt_eval_s == 0.4125
+    assert Reply().prompt_eval_s is None  # mlx_lm.server reports no timings
+    rows = split_ttft(
+        OURS_LLAMACPP, "smollm2", "turn2.cold_ttft", [0.5, 0.44, 0.6], [0.4, 0.4, 0.5]
+    )
+    assert [(r.scenario, r.value, r.unit) for r in rows] == [
+        ("turn2.cold_ttft.eval", 400.0, "ms"),
+        ("turn2.cold_ttft.rest", 100.0, "ms"),  # the median of 100, 40 and 100 ms
+    ]
+    assert split_ttft(LLAMA_SERVER, "smollm2", "turn2.cold_ttft", [0.5, 0.4], [0.4, None]) == []
+
+
 # (system, model, scenario, value, unit): ours on llama.cpp and llama-server on smollm2, skipped
 # on gemma3; the runtime on MLX beside them.
 ROWS = [
     ("runtime", "smollm2", "turn2.cold_ttft", 1240.0, "ms"),
     (LLAMA_SERVER, "smollm2", "turn2.cold_ttft", 1000.0, "ms"),
     (OURS_LLAMACPP, "smollm2", "turn2.cold_ttft", 900.0, "ms"),
+    (LLAMA_SERVER, "smollm2", "turn2.cold_ttft.eval", 960.0, "ms"),
+    (LLAMA_SERVER, "smollm2", "turn2.cold_ttft.rest", 40.0, "ms"),
+    (OURS_LLAMACPP, "smollm2", "turn2.cold_ttft.eval", 870.4, "ms"),
+    (OURS_LLAMACPP, "smollm2", "turn2.cold_ttft.rest", 29.6, "ms"),
     (LLAMA_SERVER, "smollm2", "decode.tokens_per_s", 125.0, "tok/s"),
     (OURS_LLAMACPP, "smollm2", "decode.tokens_per_s", 100.0, "tok/s"),
     ("runtime", "smollm2", "decode.tokens_per_s", 17.0, "tok/s"),
@@ -217,6 +234,10 @@ def test_the_page_shows_llama_server_beside_the_others_and_why_one_was_skipped()
     )
     assert header in page
     assert "| `turn2.cold_ttft` | ms | 1240.0 | 1000.0 | 900.0 | 1.24x | 0.90x |" in page
+    # Where the TTFTs went: only the goals whose two sides both split them have a cell.
+    assert "| scenario | smollm2 | gemma3 |" in page
+    assert "| `turn2.cold_ttft` | prompt time 870 vs 960 ms, the rest 30 vs 40 ms | — |" in page
+    assert "| `turn2.warm_ttft` | — | — |" in page
 
 
 def test_the_readme_block_has_the_llama_server_rows(tmp_path: Path) -> None:
