@@ -78,6 +78,9 @@ class RuntimeMachine(RuleBasedStateMachine):
         # 6: a generate's restore takes its entry in place where it loses at most 6 tokens and
         # no other sequence holds or may look it up (llama.cpp's default; docs/reuse.md).
         take_tail=st.sampled_from([0, 6]),
+        # 5: a non-trimmable state still cuts back, without a snapshot, to within 5 tokens of
+        # its end (a llama.cpp sliding ring keeps cells past its window: copy_state's reach).
+        reach_back=st.sampled_from([0, 5]),
     )
     def start(
         self,
@@ -90,6 +93,7 @@ class RuntimeMachine(RuleBasedStateMachine):
         decode_block: int = 1,
         tidy_pieces: int = 0,
         take_tail: int = 0,
+        reach_back: int = 0,
     ) -> None:
         config = RuntimeConfig(kv_budget_bytes=BUDGET, reservation_timeout_s=0.05)
         self.sim = Simulator(seed=seed, config=config)
@@ -123,6 +127,7 @@ class RuntimeMachine(RuleBasedStateMachine):
             tidy_pieces=tidy_pieces,
             tidy_step_s=0.004,
             take_tail_tokens=take_tail,
+            reach_back_tokens=reach_back,
         )
         self.eos_every = eos_every
         self.incarnation = 0

@@ -206,6 +206,43 @@ def test_a_later_prompt_restores_at_a_point_of_the_final_entry(
     assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes
 
 
+@pytest.mark.parametrize(("reach_back", "cached"), [(16, 20), (8, 16)], ids=["reached", "too-far"])
+def test_a_branch_past_a_checkpoint_cuts_back_to_the_common_prefix_where_the_state_reaches(
+    reach_back: int, cached: int
+) -> None:
+    """A prompt sharing 20 tokens of a 35-token non-trimmable entry: its nearest point is 16, but
+    a backend whose state still holds what a cut to 20 needs (llama.cpp's sliding rings keep cells
+    past their window: ``reach_back_tokens`` here) cuts back there, a trim that reuses 4 tokens
+    more; 15 tokens back is more than 8 reach, so the point stands."""
+    model = spec(
+        trimmable=False,
+        checkpoint_every_tokens=EVERY,
+        fixed_state_bytes=FIXED,
+        reach_back_tokens=reach_back,
+    )
+    sim = make_sim(model)
+    sim.send(generate("a", PROMPT, MAX_TOKENS))
+    sim.run_until_quiescent()
+    prompt = (*PROMPT[:20], *range(200, 210))
+    before = engine_counters(sim)
+
+    sim.send(generate("b", prompt, MAX_TOKENS))
+    sim.run_until_quiescent()
+
+    [start] = started(sim, "b")
+    reached = cached == 20
+    path = ReusePath.TRIM if reached else ReusePath.CHECKPOINT
+    assert (start.path, start.cached_tokens) == (path, cached)
+    assert emitted(sim, "b") == greedy_continuation(prompt, MAX_TOKENS)
+    after = engine_counters(sim)
+    assert after["prefilled_tokens"] - before["prefilled_tokens"] == len(prompt) - cached
+    assert after["reached_past_checkpoint"] == int(reached)
+    assert after["reached_tokens"] == (4 if reached else 0)
+    [ended] = terminals(sim, "b")
+    assert isinstance(ended, Finished) and ended.usage.cached_prompt_tokens == cached
+    assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes
+
+
 def test_a_chunk_with_a_checkpoint_inside_ends_at_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk that would run past a checkpoint ends there, so the piece after the cut goes into
     the next chunk's first pass, not a short pass of its own (a pass reads every weight)."""

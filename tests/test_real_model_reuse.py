@@ -164,7 +164,10 @@ class ReuseModel:
     checkpoints its prefill took (``checkpoints``) strictly inside it, and only when its tokens up
     to there prefix the prompt. At most ``len(prompt) - 1`` tokens are reused. A generate's
     lookup *takes* the entry it reuses (it leaves the cache) where at most ``take_tail`` of its
-    tokens lie past the reuse point (docs/reuse.md; -1: the backend never takes).
+    tokens lie past the reuse point (docs/reuse.md; -1: the backend never takes). ``reaches``: a
+    taken entry may instead be cut back past its checkpoint to the common prefix (a trim), where
+    its sliding-window cells still allow it (llama.cpp's keep cells past the window; a copy holds
+    only the window): whether they do depends on how llama.cpp placed them, so either is right.
     """
 
     checkpointing: bool
@@ -172,7 +175,25 @@ class ReuseModel:
     word_start: Callable[[int], bool]
     line_end: Callable[[int], bool]
     take_tail: int = -1
+    reaches: bool = False
     entries: list[Entry] = field(default_factory=list)
+
+    def reached(self, prompt: Sequence[int], started: Started) -> int:
+        """What ``started`` reused if it cut a taken entry back past its checkpoint, else 0."""
+        if not (self.reaches and started.taken and started.path is ReusePath.TRIM):
+            return 0
+        limit = len(prompt) - 1
+        return max(
+            (
+                min(common_prefix_length(e.tokens, prompt), limit)
+                for e in self.entries
+                if not e.trimmable and self.serves(e, prompt) > 0 and self._takes(e, prompt)
+            ),
+            default=0,
+        )
+
+    def _takes(self, entry: Entry, prompt: Sequence[int]) -> bool:
+        return len(entry.tokens) - self.serves(entry, prompt) <= self.take_tail
 
     def take(self, prompt: Sequence[int], started: Started) -> None:
         """Check ``Started.taken`` of a generate of ``prompt`` (looked up against the entries as
@@ -180,16 +201,22 @@ class ReuseModel:
         most ``take_tail`` tokens, a whole one first, else the latest (as the cache breaks
         ties)."""
         reused = started.cached_tokens
+        reach = self.reached(prompt, started) == reused
         takeable = [
             e
             for e in self.entries
             if reused
-            and self.serves(e, prompt) == reused
-            and len(e.tokens) - reused <= self.take_tail
+            and self._takes(e, prompt)
+            and (
+                self.serves(e, prompt) == reused
+                or (
+                    reach and min(common_prefix_length(e.tokens, prompt), len(prompt) - 1) == reused
+                )
+            )
         ]
         assert started.taken == bool(takeable), f"taken {started.taken}, expected {takeable!r}"
         if takeable:
-            whole = [e for e in takeable if len(e.tokens) == reused]
+            whole = [e for e in takeable if len(e.tokens) == self.serves(e, prompt)]
             self.entries.remove((whole or takeable)[-1])
 
     def serves(self, entry: Entry, prompt: Sequence[int]) -> int:
@@ -279,6 +306,7 @@ class RealModel:
     window: int | None  # tokens a sliding-window layer keeps (config.json), None: no such layer
     pipelined: bool  # the backend builds a decode step on a token before reading it (MLX)
     take_tail: int = -1  # ModelInfo.take_tail_tokens of its backend (-1: it never takes)
+    reaches: bool = False  # a taken entry may be cut back past its checkpoint (llama.cpp)
     cold_outputs: dict[tuple[int, ...], tuple[int, ...]] = field(default_factory=dict)
     rows: list[str] = field(default_factory=list)
     _namespaces: Iterator[int] = field(default_factory=itertools.count)
@@ -376,6 +404,7 @@ def real(request: pytest.FixtureRequest, real_gguf: Callable[[str], object]) -> 
             window,
             pipelined=backend == "mlx",
             take_tail=take_tail,
+            reaches=backend == "llamacpp",
         )
         yield model
         print("\n".join(model.rows))
@@ -393,7 +422,12 @@ class Walk:
     def start(cls, real: RealModel, purpose: str) -> Walk:
         checkpointing = real.loaded.reuse_path == "checkpoint"
         model = ReuseModel(
-            checkpointing, real.window, real.word_start, real.line_end, real.take_tail
+            checkpointing,
+            real.window,
+            real.word_start,
+            real.line_end,
+            real.take_tail,
+            reaches=real.reaches,
         )
         return cls(real, real.namespace(purpose), model)
 
@@ -401,6 +435,8 @@ class Walk:
         tokens = self.real.tokens(prompt)
         reused, paths = self.model.reusable(tokens)
         run = await self.real.complete(prompt, self.namespace)
+        if reach := self.model.reached(tokens, run.started):
+            reused, paths = reach, {ReusePath.TRIM}
         self._check(label, tokens, run.started, run.prefilled, reused, paths)
         self.model.take(tokens, run.started)
         output: tuple[object, ...] = (*tokens, *run.tokens)
@@ -441,6 +477,8 @@ class Walk:
             async for event in stream:
                 assert not isinstance(event, TokensEmitted), "the prefill was not interrupted"
                 if isinstance(event, Started):
+                    if reach := self.model.reached(tokens, event):
+                        reused, paths = reach, {ReusePath.TRIM}
                     assert event.cached_tokens == reused, label
                     assert event.path in paths, label
                     self.model.take(tokens, event)
@@ -634,8 +672,10 @@ def test_a_long_prompt_resent_with_its_last_line_changed_reprocesses_only_that_l
     real: RealModel, lines: int
 ) -> None:
     """The notes stay, the question on the last line changes (what llama-server re-processes 20
-    tokens of): SmolLM2 trims to the common prefix; Gemma restores the state at the start of the
-    last line, snapshotted when the first prompt was prefilled. Exact counts, output equal cold."""
+    tokens of): SmolLM2 trims to the common prefix; Gemma on MLX restores the state at the start
+    of the last line, snapshotted when the first prompt was prefilled; Gemma on llama.cpp takes
+    the entry and cuts it back to the common prefix, as llama-server does, since its sliding
+    window's cells are still there. Exact counts, output equal cold."""
     if lines > 28 and real.loaded.reuse_path == "trim":
         # 56 lines are for Gemma: its snapshots past three windows. A trim cuts back the same at
         # any length, and the 56-line runs took a minute of the suite on SmolLM2.
@@ -650,8 +690,10 @@ def test_a_long_prompt_resent_with_its_last_line_changed_reprocesses_only_that_l
         resent = await walk.generate(changed, "the same notes, another question")
         first, second = real.tokens(asked), real.tokens(changed)
         shared = common_prefix_length(first, second)
-        if walk.model.checkpointing:  # the start of the question's line (a newline before it)
+        if walk.model.checkpointing and not real.reaches:  # the question's line start
             shared = max(i for i in range(shared + 1) if real.line_end(first[i - 1]))
+        elif walk.model.checkpointing:
+            assert (resent.started.path, resent.started.taken) == (ReusePath.TRIM, True)
         assert resent.prefilled == len(second) - shared < 24
         assert len(second) > 900 * lines // 28
 

@@ -37,6 +37,7 @@ from runtime.messages import (
     ReleaseLease,
     RequestKind,
     ReusePath,
+    common_prefix_length,
 )
 
 log = logging.getLogger("mlx_actor_runtime.engine")
@@ -213,6 +214,15 @@ class Admission:
                 case _:
                     assert_never(step)
 
+    def _reach(self, seq: Sequence, entry_id: int | None, path: ReusePath) -> int:
+        """On a checkpoint hit, how much of the entry the prompt shares (leaving its last token
+        to compute, as the prefix cache does): more than the checkpoint when the prompt branches
+        past it. The restore cuts back there where the backend still can (``reach``)."""
+        if path is not ReusePath.CHECKPOINT or entry_id is None or seq.tokens is None:
+            return 0
+        entry = self._entries.tokens(entry_id)
+        return common_prefix_length(entry, seq.tokens, limit=len(seq.tokens) - 1)
+
     def _adopt(self, seq: Sequence, prewarm: Sequence, ctx: Context) -> None:
         seq.state, prewarm.state = prewarm.state, None
         seq.lease_id, prewarm.lease_id = prewarm.lease_id, None
@@ -220,6 +230,7 @@ class Admission:
         seq.snapshots, prewarm.snapshots = prewarm.snapshots, []
         seq.generation = prewarm.generation
         seq.restore_entry, seq.restore_length = prewarm.restore_entry, prewarm.restore_length
+        seq.reach_length = prewarm.reach_length
         hand_over(prewarm, seq)
         seq.resume_phase = prewarm.phase
         seq.path = ReusePath.ADOPTED
@@ -285,6 +296,7 @@ class Admission:
             self._ends.finish(seq, ctx, FinishReason.PREWARMED)
             return
         seq.restore_entry, seq.restore_length = entry_id, matched
+        seq.reach_length = self._reach(seq, entry_id, path)
         seq.cached_tokens, seq.path = matched, path
         if (on_disk := self._disk.better(seq, matched)) is None:
             seq.move(Phase.RESTORING)

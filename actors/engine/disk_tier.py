@@ -219,7 +219,7 @@ class DiskTier:
             ctx.send(PREFIX_CACHE, ReleaseLease(lease_id=seq.lease_id))
             seq.lease_id = None
         match = job.match
-        seq.restore_entry, seq.restore_length = None, match.matched
+        seq.restore_entry, seq.restore_length, seq.reach_length = None, match.matched, 0
         seq.disk_source, seq.from_disk, seq.cached_tokens = job.source, True, match.matched
         if not match.trimmable:
             seq.path = ReusePath.CHECKPOINT

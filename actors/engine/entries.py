@@ -82,6 +82,11 @@ class EntryStore:
             return None
         return RestoreSource(entry.state, entry.points.get(length))
 
+    def tokens(self, entry_id: int) -> TokenIds:
+        """Entry ``entry_id``'s tokens (none if it is not held here)."""
+        entry = self._entries.get(entry_id)
+        return () if entry is None else entry.tokens
+
     def state(self, entry_id: int) -> SequenceState | None:
         """Entry ``entry_id``'s state, or None if it is not held here."""
         entry = self._entries.get(entry_id)

@@ -280,10 +280,9 @@ def _restore(
         state = backend.new_state()
     else:
         try:
-            if source.taken:  # the entry left the cache: its state is ours to cut back
-                state = backend.take_state(source.state, seq.restore_length, source.snapshot)
-            else:
-                state = backend.copy_state(source.state, seq.restore_length, source.snapshot)
+            cut = backend.take_state if source.taken else backend.copy_state
+            # Taken: the entry left the cache, its state is ours to cut back.
+            state = cut(source.state, seq.restore_length, source.snapshot, reach=seq.reach_length)
         except CannotTrim:
             job.fallback = "trim_refused"
             state = backend.new_state()

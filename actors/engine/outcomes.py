@@ -67,6 +67,8 @@ class StepOutcomes:
             self._fell_back(seq, job.fallback, ctx)
         if job.state is not None:
             seq.state = job.state
+            if seq.path is ReusePath.CHECKPOINT and job.state.length > seq.cached_tokens:
+                self._reached(seq, job.state.length)
         if job.checkpoints is not None:
             seq.checkpoints = job.checkpoints
         del seq.checkpoints[: job.passed]  # the chunk went past them: each left one of the two
@@ -101,6 +103,13 @@ class StepOutcomes:
                 self._counters.inc("drafted_tokens", job.drafted)
                 self._counters.inc("accepted_tokens", job.accepted)
             self._show(job, seq, ctx)
+
+    def _reached(self, seq: Sequence, length: int) -> None:
+        """The restore cut the entry back past the checkpoint the lookup found, to where the
+        prompt leaves it (``Sequence.reach_length``): a trim, which reuses more."""
+        self._counters.inc("reached_past_checkpoint")
+        self._counters.inc("reached_tokens", length - seq.cached_tokens)
+        seq.cached_tokens, seq.path = length, ReusePath.TRIM
 
     def _fell_back(self, seq: Sequence, reason: str, ctx: Context) -> None:
         """The restore could not use the lookup's hit (``reason``): the prompt is prefilled cold."""

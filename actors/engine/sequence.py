@@ -108,6 +108,9 @@ class Sequence:
     generation: int = 0
     restore_entry: int | None = None
     restore_length: int = 0
+    # A checkpoint hit's longer reach: the most of its entry the prompt shares; the restore cuts
+    # back there instead where the backend still can (Backend.copy_state's ``reach``).
+    reach_length: int = 0
     # An entry the disk tier read back, restored from instead of ``restore_entry``.
     disk_source: RestoreSource | None = None
     # The prefix cache allows its restore to take the leased entry (LookupResult.takeable).

@@ -244,18 +244,33 @@ class Backend(Protocol):
         ...
 
     def copy_state(
-        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+        self,
+        state: SequenceState,
+        length: int,
+        snapshot: Snapshot | None = None,
+        *,
+        reach: int = 0,
     ) -> SequenceState:
         """An independent copy of ``state``'s first ``length`` tokens; raises ``CannotTrim``.
 
         With ``snapshot`` (taken by ``snapshot`` at ``length`` tokens of this state's own history)
         the untrimmable layers come from it and only the trimmable ones are cut back, so a state
         that cannot be trimmed as a whole can still be restored at any of its snapshots.
+
+        ``reach`` (more than ``length``, at most the state's length): a longer prefix the caller
+        would rather have. A backend whose state still holds everything a cut back to ``reach``
+        needs (llama.cpp's sliding-window layers keep cells past their window until reused) cuts
+        there instead, without the snapshot; the returned state's ``length`` says which it gave.
         """
         ...
 
     def take_state(
-        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+        self,
+        state: SequenceState,
+        length: int,
+        snapshot: Snapshot | None = None,
+        *,
+        reach: int = 0,
     ) -> SequenceState:
         """``state``'s first ``length`` tokens as ``copy_state`` gives them, made from ``state``
         itself where the backend can (cut back in place: no copy), which the caller gives up

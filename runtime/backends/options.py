@@ -184,6 +184,10 @@ class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unk
     # >0: the engine takes an entry nobody else holds in place when at most this many of its
     # tokens lie past the reuse point (ModelInfo.take_tail_tokens, as on llama.cpp).
     take_tail_tokens: NonNegativeInt = 0
+    # >0: a state that is not trimmable still cuts back, without a snapshot, to a length at most
+    # this many tokens short of its own (Backend.copy_state's ``reach``, as a llama.cpp sliding
+    # ring that keeps cells past its window).
+    reach_back_tokens: NonNegativeInt = 0
 
 
 ModelOptions = MlxOptions | LlamaCppOptions | SimulatedModelOptions

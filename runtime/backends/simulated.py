@@ -154,28 +154,42 @@ class SimulatedBackend:
         return self._options.trimmable and not self._info.probe_pending
 
     def copy_state(
-        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+        self,
+        state: SequenceState,
+        length: int,
+        snapshot: Snapshot | None = None,
+        *,
+        reach: int = 0,
     ) -> SimulatedState:
         state = own_state(state)
         if length > state.length or length < 0:
             raise CannotTrim(f"cannot copy {length} tokens of a {state.length}-token state")
+        # Still held, as a llama.cpp sliding ring keeps cells past its window.
+        reached = length < reach <= state.length <= reach + self._options.reach_back_tokens
+        if reached:
+            length, snapshot = reach, None
         if snapshot is not None:
             # The oracle: a snapshot restores only the state whose history it was taken from.
             if not isinstance(snapshot, SimulatedSnapshot) or snapshot.length != length:
                 raise CannotTrim(f"the snapshot does not hold {length} tokens of this state")
             if length and snapshot.prefix_hash != state.hashes[length - 1]:
                 raise ValueError("a snapshot was paired with a state it was not taken from")
-        elif length < state.length and not self._options.trimmable:
+        elif length < state.length and not self._options.trimmable and not reached:
             raise CannotTrim("this simulated cache is not trimmable")
         copy = SimulatedState(state.tokens[:length], state.hashes[:length])
         copy.has_logits = state.has_logits and length == state.length  # as MLX's copies keep them
         return copy
 
     def take_state(
-        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+        self,
+        state: SequenceState,
+        length: int,
+        snapshot: Snapshot | None = None,
+        *,
+        reach: int = 0,
     ) -> SimulatedState:
         """``copy_state``'s checks, then ``state`` itself cut back (counted in ``takes``)."""
-        cut = self.copy_state(state, length, snapshot)
+        cut = self.copy_state(state, length, snapshot, reach=reach)
         own = own_state(state)
         own.tokens, own.hashes, own.has_logits = cut.tokens, cut.hashes, cut.has_logits
         self.takes += 1

@@ -125,6 +125,7 @@ from runtime.messages.vocabulary import (
     ToolCall,
     Usage,
     VideoPart,
+    common_prefix_length,
 )
 from runtime.messages.wire import decode, encode
 
@@ -132,6 +133,7 @@ __all__ = [
     # vocabulary
     "PromptFacts",
     "TokenIds",
+    "common_prefix_length",
     "Message",
     "JsonSchemaConstraint",
     "JsonObjectConstraint",

@@ -1,6 +1,7 @@
 """The shared vocabulary: the ``Message`` base every message derives from, and the value types
 messages carry (sampling and its constraints, chat messages and tools, usage, logprobs, model specs,
-and the enums naming reuse paths, finish reasons and request kinds).
+and the enums naming reuse paths, finish reasons and request kinds), and the one operation on
+token ids every layer uses: their common prefix.
 
 ``Message`` sets ``tag=True``: a message's wire form is tagged with its bare class name, whatever
 module defines it.
@@ -9,11 +10,27 @@ module defines it.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from typing import Final, Literal
 
 import msgspec
 
 TokenIds = tuple[int, ...]
+
+
+def common_prefix_length(a: Sequence[int], b: Sequence[int], limit: int | None = None) -> int:
+    """How many leading tokens ``a`` and ``b`` share (at most ``limit``): what a trimmable cache
+    can reuse. By bisection on slice equality, which compares in C: a 2,000-token prompt against
+    hundreds of cached prefixes stays cheap."""
+    a, b = tuple(a), tuple(b)  # slices of a list and a tuple never compare equal
+    low, high = 0, min(len(a), len(b), len(a) if limit is None else limit)
+    while low < high:
+        middle = (low + high + 1) // 2
+        if a[:middle] == b[:middle]:
+            low = middle
+        else:
+            high = middle - 1
+    return low
 
 
 class PromptFacts(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

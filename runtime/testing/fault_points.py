@@ -95,14 +95,24 @@ class FaultyBackend:
         return self._inner.can_trim(state)
 
     def copy_state(
-        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+        self,
+        state: SequenceState,
+        length: int,
+        snapshot: Snapshot | None = None,
+        *,
+        reach: int = 0,
     ) -> SequenceState:
-        return self._inner.copy_state(state, length, snapshot)
+        return self._inner.copy_state(state, length, snapshot, reach=reach)
 
     def take_state(
-        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+        self,
+        state: SequenceState,
+        length: int,
+        snapshot: Snapshot | None = None,
+        *,
+        reach: int = 0,
     ) -> SequenceState:
-        return self._inner.take_state(state, length, snapshot)
+        return self._inner.take_state(state, length, snapshot, reach=reach)
 
     def state_nbytes(self, state: SequenceState) -> int:
         return self._inner.state_nbytes(state)

@@ -12,7 +12,7 @@ statistics of the engine a ``load_model`` started.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol, TypeVar
 
 import anyio
@@ -25,6 +25,7 @@ from actors.router import RouterCore
 from runtime.host.config import RuntimeConfig
 from runtime.kernel.core import KV_KEEPER, PREFIX_CACHE, ROUTER, Address, engine_address
 from runtime.messages import ModelLoaded, ModelSpec, Stats
+from runtime.messages import common_prefix_length as common_prefix_length  # for hosts' tests
 from runtime.testing.faults import FaultPlan, FaultyKeeper
 from runtime.testing.simulator import Simulator
 
@@ -34,16 +35,6 @@ if TYPE_CHECKING:
 ModelOption = str | int | float | bool | None
 DEFAULT_BUDGET = 64 << 20
 _Core = TypeVar("_Core")
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading tokens two token sequences share: what a trimmable cache can reuse."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 # --------------------------------------------------------------------------- the simulator

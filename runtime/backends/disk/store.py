@@ -30,6 +30,7 @@ from runtime.backends.disk.entry_file import (
     write_entry,
 )
 from runtime.backends.disk.host import HostState
+from runtime.messages import common_prefix_length
 
 log = logging.getLogger("mlx_actor_runtime.disk")
 
@@ -270,25 +271,12 @@ def usable(
     """How many tokens of ``prompt`` (at most ``limit``) an entry of ``tokens`` restores: any
     common prefix of a trimmable one, else all of it or one of its ``points``."""
     if trimmable:
-        return _common_prefix(tokens, prompt, limit)
+        return common_prefix_length(tokens, prompt, limit)
     candidates = [p for p in (*points, len(tokens)) if p <= limit]
     for point in sorted(candidates, reverse=True):
         if prompt[:point] == tokens[:point]:
             return point
     return 0
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...], limit: int) -> int:
-    """The length of the longest common prefix (at most ``limit``), by bisection on slice
-    equality, which compares in C: a 2,000-token prompt against hundreds of files stays cheap."""
-    low, high = 0, min(len(a), len(b), limit)
-    while low < high:
-        middle = (low + high + 1) // 2
-        if a[:middle] == b[:middle]:
-            low = middle
-        else:
-            high = middle - 1
-    return low
 
 
 def _name(namespace: str, tokens: tuple[int, ...]) -> str:

@@ -32,7 +32,7 @@ from runtime.backends.contract import (
 )
 from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context
 from runtime.backends.llamacpp.build import cpus_given
-from runtime.backends.llamacpp.cuts import check_cut, cut, cut_to
+from runtime.backends.llamacpp.cuts import check_cut, cut, cut_to, cut_within_window
 from runtime.backends.llamacpp.files import gguf_file_of
 from runtime.backends.llamacpp.measure import measure_model
 from runtime.backends.llamacpp.passes import Row
@@ -178,17 +178,22 @@ class LlamaCppBackend(Persisting):
         return self._n_swa == 0 or reach < self._n_swa
 
     def copy_state(
-        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+        self,
+        state: SequenceState,
+        length: int,
+        snapshot: Snapshot | None = None,
+        *,
+        reach: int = 0,
     ) -> LlamaState:
         source = own_state(state)
         self._pool.reclaim()
         check_cut(source, length, snapshot, self.can_trim(source))
         copy = LlamaState()
-        if length == 0:
+        if max(length, reach) == 0:
             return copy
         dst = self._pool.copy(source)
         try:
-            cut(self._context, dst, length, snapshot)
+            length, snapshot = self._cut(dst, source, length, snapshot, reach)
         except CannotTrim:
             self._pool.release(dst)
             raise
@@ -197,16 +202,38 @@ class LlamaCppBackend(Persisting):
         return copy
 
     def take_state(
-        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+        self,
+        state: SequenceState,
+        length: int,
+        snapshot: Snapshot | None = None,
+        *,
+        reach: int = 0,
     ) -> LlamaState:
-        """``state`` itself cut back to ``length``: no copy of its cells (cuts.py)."""
+        """``state`` itself cut back to ``length`` or ``reach``: no copy of its cells (cuts.py)."""
         own = own_state(state)
         self._pool.reclaim()
         check_cut(own, length, snapshot, self.can_trim(own))
         if length < own.n_tokens or snapshot is not None:
-            cut(self._context, self._pool.resident(own), length, snapshot)
+            length, snapshot = self._cut(self._pool.resident(own), own, length, snapshot, reach)
             cut_to(own, own, length, snapshot)
         return own
+
+    def _cut(
+        self, seq: int, source: LlamaState, length: int, snapshot: Snapshot | None, reach: int
+    ) -> tuple[int, Snapshot | None]:
+        """Cut ``seq`` (holding ``source``'s cells) back to ``reach`` where its sliding-window
+        cells still allow it, as llama-server does (it keeps n_ubatch cells past the window),
+        else to ``length`` from ``snapshot``; returns the length and snapshot it used."""
+        window, cell = self._n_swa, self.info.window_bytes_per_token
+        if (
+            window
+            and not self._recurrent
+            and length < reach <= source.n_tokens
+            and cut_within_window(self._context, seq, reach, window, cell)
+        ):
+            return reach, None
+        cut(self._context, seq, length, snapshot)
+        return length, snapshot
 
     def snapshot(self, state: SequenceState) -> LlamaSnapshot:
         """The sliding-window or recurrent cells at the state's length (empty: none)."""

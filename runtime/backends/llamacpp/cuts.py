@@ -33,6 +33,24 @@ def cut(context: Context, seq: int, length: int, snapshot: Snapshot | None) -> N
         raise CannotTrim(f"llama.cpp could not cut this state back to {length} tokens")
 
 
+def cut_within_window(context: Context, seq: int, reach: int, n_swa: int, cell_bytes: int) -> bool:
+    """Cut seq_id ``seq`` back to ``reach`` tokens with no snapshot; True if its sliding-window
+    layers still held every cell the tokens after ``reach`` attend to, else False (the
+    full-attention cells before ``reach`` are kept either way, so a snapshot's restore may follow).
+
+    llama.cpp reuses a sliding-window cell only once no later token of its sequence attends to it,
+    so a cut back inside the window may find cells already gone. Which ones is not a matter of
+    position alone, so this counts them: a state's sliding-window state (``PARTIAL_ONLY``) holds
+    its cells within the window of its last token, ``cell_bytes`` each, and after the cut that
+    window ends at ``reach``: it must have shrunk by exactly the cells cut away.
+    """
+    before, held = context.seq_size(seq, PARTIAL_ONLY), context.seq_pos_max(seq) + 1
+    if not context.seq_rm(seq, reach, -1) or context.seq_pos_max(seq) != reach - 1:
+        return False
+    expected = before - (min(held, n_swa) - min(reach, n_swa)) * cell_bytes
+    return context.seq_size(seq, PARTIAL_ONLY) == expected
+
+
 def cut_to(state: LlamaState, source: LlamaState, length: int, snapshot: Snapshot | None) -> None:
     """``state``'s bookkeeping once its cells are ``source``'s first ``length`` tokens."""
     whole = length == source.n_tokens

@@ -236,7 +236,12 @@ class MlxBackend:
         )
 
     def copy_state(
-        self, state: SequenceState, length: int, snapshot: Snapshot | None = None
+        self,
+        state: SequenceState,
+        length: int,
+        snapshot: Snapshot | None = None,
+        *,
+        reach: int = 0,  # unused: an MLX ring holds no more than its window (rotating.py)
     ) -> MlxState:
         source = own_state(state)
         if not 0 <= length <= source.n_tokens:
