@@ -23,7 +23,6 @@ from typing import Any
 import mlx.core as mx
 
 from runtime.backends.contract import (
-    CannotTrim,
     DecodeBatchHandle,
     ModelInfo,
     PrefillInterrupted,
@@ -32,7 +31,7 @@ from runtime.backends.contract import (
 )
 from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context
 from runtime.backends.llamacpp.build import cpus_given
-from runtime.backends.llamacpp.cuts import check_cut, cut, cut_to, cut_within_window
+from runtime.backends.llamacpp.cuts import Cutter
 from runtime.backends.llamacpp.files import gguf_file_of
 from runtime.backends.llamacpp.measure import measure_model
 from runtime.backends.llamacpp.passes import Row
@@ -68,6 +67,7 @@ class LlamaCppBackend(Persisting):
         self._info: ModelInfo | None = None
         self._n_swa = context.model_int("n_swa")
         self._recurrent = context.model_flag("is_recurrent") or context.model_flag("is_hybrid")
+        self._cuts = Cutter(context, pool, self._n_swa, self._recurrent)
         self._partial = self._recurrent or self._n_swa > 0  # snapshots hold the partial state
         if self._recurrent and context.pads_lone_rows:
             # A throwaway row (passes.py) advances a recurrent state, and llama.cpp cannot take
@@ -178,62 +178,19 @@ class LlamaCppBackend(Persisting):
         return self._n_swa == 0 or reach < self._n_swa
 
     def copy_state(
-        self,
-        state: SequenceState,
-        length: int,
-        snapshot: Snapshot | None = None,
-        *,
-        reach: int = 0,
+        self, state: SequenceState, length: int, snapshot: Snapshot | None = None, *, reach: int = 0
     ) -> LlamaState:
         source = own_state(state)
-        self._pool.reclaim()
-        check_cut(source, length, snapshot, self.can_trim(source))
-        copy = LlamaState()
-        if max(length, reach) == 0:
-            return copy
-        dst = self._pool.copy(source)
-        try:
-            length, snapshot = self._cut(dst, source, length, snapshot, reach)
-        except CannotTrim:
-            self._pool.release(dst)
-            raise
-        self._pool.bind(copy, dst)
-        cut_to(copy, source, length, snapshot)
-        return copy
+        trimmable, cell = self.can_trim(source), self.info.window_bytes_per_token
+        return self._cuts.copy(source, length, snapshot, reach, trimmable=trimmable, cell=cell)
 
     def take_state(
-        self,
-        state: SequenceState,
-        length: int,
-        snapshot: Snapshot | None = None,
-        *,
-        reach: int = 0,
+        self, state: SequenceState, length: int, snapshot: Snapshot | None = None, *, reach: int = 0
     ) -> LlamaState:
         """``state`` itself cut back to ``length`` or ``reach``: no copy of its cells (cuts.py)."""
         own = own_state(state)
-        self._pool.reclaim()
-        check_cut(own, length, snapshot, self.can_trim(own))
-        if length < own.n_tokens or snapshot is not None:
-            length, snapshot = self._cut(self._pool.resident(own), own, length, snapshot, reach)
-            cut_to(own, own, length, snapshot)
-        return own
-
-    def _cut(
-        self, seq: int, source: LlamaState, length: int, snapshot: Snapshot | None, reach: int
-    ) -> tuple[int, Snapshot | None]:
-        """Cut ``seq`` (holding ``source``'s cells) back to ``reach`` where its sliding-window
-        cells still allow it, as llama-server does (it keeps n_ubatch cells past the window),
-        else to ``length`` from ``snapshot``; returns the length and snapshot it used."""
-        window, cell = self._n_swa, self.info.window_bytes_per_token
-        if (
-            window
-            and not self._recurrent
-            and length < reach <= source.n_tokens
-            and cut_within_window(self._context, seq, reach, window, cell)
-        ):
-            return reach, None
-        cut(self._context, seq, length, snapshot)
-        return length, snapshot
+        trimmable, cell = self.can_trim(own), self.info.window_bytes_per_token
+        return self._cuts.take(own, length, snapshot, reach, trimmable=trimmable, cell=cell)
 
     def snapshot(self, state: SequenceState) -> LlamaSnapshot:
         """The sliding-window or recurrent cells at the state's length (empty: none)."""

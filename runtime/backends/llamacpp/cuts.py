@@ -6,7 +6,83 @@ from __future__ import annotations
 
 from runtime.backends.contract import CannotTrim, Snapshot
 from runtime.backends.llamacpp.binding import PARTIAL_ONLY, Context
-from runtime.backends.llamacpp.seqs import LlamaSnapshot, LlamaState
+from runtime.backends.llamacpp.seqs import LlamaSnapshot, LlamaState, SeqPool
+
+
+class Cutter:
+    """A state's first tokens as a copy on a seq_id of its own (``copy_state``) or cut back in
+    place (``take_state``): to ``reach`` where the sliding-window cells allow it, else to
+    ``length`` from its snapshot. ``trimmable``: the backend's ``can_trim`` of the state;
+    ``cell``: a sliding-window cell's serialized bytes (``ModelInfo.window_bytes_per_token``)."""
+
+    def __init__(self, context: Context, pool: SeqPool, n_swa: int, recurrent: bool) -> None:
+        self._context, self._pool = context, pool
+        self._n_swa, self._recurrent = n_swa, recurrent
+
+    def copy(
+        self,
+        source: LlamaState,
+        length: int,
+        snapshot: Snapshot | None,
+        reach: int,
+        *,
+        trimmable: bool,
+        cell: int,
+    ) -> LlamaState:
+        self._pool.reclaim()
+        check_cut(source, length, snapshot, trimmable)
+        copy = LlamaState()
+        if max(length, reach) == 0:
+            return copy
+        dst = self._pool.copy(source)
+        try:
+            length, snapshot = self._cut(dst, source, length, snapshot, reach, cell)
+        except CannotTrim:
+            self._pool.release(dst)
+            raise
+        self._pool.bind(copy, dst)
+        cut_to(copy, source, length, snapshot)
+        return copy
+
+    def take(
+        self,
+        own: LlamaState,
+        length: int,
+        snapshot: Snapshot | None,
+        reach: int,
+        *,
+        trimmable: bool,
+        cell: int,
+    ) -> LlamaState:
+        self._pool.reclaim()
+        check_cut(own, length, snapshot, trimmable)
+        if length < own.n_tokens or snapshot is not None:
+            seq = self._pool.resident(own)
+            length, snapshot = self._cut(seq, own, length, snapshot, reach, cell)
+            cut_to(own, own, length, snapshot)
+        return own
+
+    def _cut(
+        self,
+        seq: int,
+        source: LlamaState,
+        length: int,
+        snapshot: Snapshot | None,
+        reach: int,
+        cell: int,
+    ) -> tuple[int, Snapshot | None]:
+        """Cut ``seq`` (holding ``source``'s cells) back to ``reach`` where its sliding-window
+        cells still allow it, as llama-server does (it keeps n_ubatch cells past the window),
+        else to ``length`` from ``snapshot``; returns the length and snapshot it used."""
+        if (
+            self._n_swa
+            and not self._recurrent
+            and length < reach <= source.n_tokens
+            and cut_within_window(self._context, seq, reach, self._n_swa, cell)
+        ):
+            return reach, None
+        cut(self._context, seq, length, snapshot)
+        return length, snapshot
 
 
 def check_cut(source: LlamaState, length: int, snapshot: Snapshot | None, trimmable: bool) -> None:

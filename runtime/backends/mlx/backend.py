@@ -235,13 +235,8 @@ class MlxBackend:
             kind_of(c).trimmable(c) for c in own_state(state).caches
         )
 
-    def copy_state(
-        self,
-        state: SequenceState,
-        length: int,
-        snapshot: Snapshot | None = None,
-        *,
-        reach: int = 0,  # unused: an MLX ring holds no more than its window (rotating.py)
+    def copy_state(  # ``reach`` unused: an MLX ring holds no more than its window (rotating.py)
+        self, state: SequenceState, length: int, snapshot: Snapshot | None = None, *, reach: int = 0
     ) -> MlxState:
         source = own_state(state)
         if not 0 <= length <= source.n_tokens:
