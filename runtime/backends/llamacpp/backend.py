@@ -180,17 +180,21 @@ class LlamaCppBackend(Persisting):
     def copy_state(
         self, state: SequenceState, length: int, snapshot: Snapshot | None = None, *, reach: int = 0
     ) -> LlamaState:
-        source = own_state(state)
-        trimmable, cell = self.can_trim(source), self.info.window_bytes_per_token
-        return self._cuts.copy(source, length, snapshot, reach, trimmable=trimmable, cell=cell)
+        return self._restore(own_state(state), length, snapshot, reach, in_place=False)
 
     def take_state(
         self, state: SequenceState, length: int, snapshot: Snapshot | None = None, *, reach: int = 0
     ) -> LlamaState:
         """``state`` itself cut back to ``length`` or ``reach``: no copy of its cells (cuts.py)."""
-        own = own_state(state)
-        trimmable, cell = self.can_trim(own), self.info.window_bytes_per_token
-        return self._cuts.take(own, length, snapshot, reach, trimmable=trimmable, cell=cell)
+        return self._restore(own_state(state), length, snapshot, reach, in_place=True)
+
+    def _restore(
+        self, source: LlamaState, n: int, snapshot: Snapshot | None, reach: int, *, in_place: bool
+    ) -> LlamaState:
+        trimmable, cell = self.can_trim(source), self.info.window_bytes_per_token
+        return self._cuts.restore(
+            source, n, snapshot, reach, trimmable=trimmable, cell=cell, in_place=in_place
+        )
 
     def snapshot(self, state: SequenceState) -> LlamaSnapshot:
         """The sliding-window or recurrent cells at the state's length (empty: none)."""

@@ -19,7 +19,7 @@ class Cutter:
         self._context, self._pool = context, pool
         self._n_swa, self._recurrent = n_swa, recurrent
 
-    def copy(
+    def restore(
         self,
         source: LlamaState,
         length: int,
@@ -28,9 +28,18 @@ class Cutter:
         *,
         trimmable: bool,
         cell: int,
+        in_place: bool,
     ) -> LlamaState:
+        """``source``'s first tokens: ``source`` itself cut back (``in_place``: take_state) or a
+        copy on a seq_id of its own (copy_state)."""
         self._pool.reclaim()
         check_cut(source, length, snapshot, trimmable)
+        if in_place:
+            if length < source.n_tokens or snapshot is not None:
+                seq = self._pool.resident(source)
+                length, snapshot = self._cut(seq, source, length, snapshot, reach, cell)
+                cut_to(source, source, length, snapshot)
+            return source
         copy = LlamaState()
         if max(length, reach) == 0:
             return copy
@@ -43,24 +52,6 @@ class Cutter:
         self._pool.bind(copy, dst)
         cut_to(copy, source, length, snapshot)
         return copy
-
-    def take(
-        self,
-        own: LlamaState,
-        length: int,
-        snapshot: Snapshot | None,
-        reach: int,
-        *,
-        trimmable: bool,
-        cell: int,
-    ) -> LlamaState:
-        self._pool.reclaim()
-        check_cut(own, length, snapshot, trimmable)
-        if length < own.n_tokens or snapshot is not None:
-            seq = self._pool.resident(own)
-            length, snapshot = self._cut(seq, own, length, snapshot, reach, cell)
-            cut_to(own, own, length, snapshot)
-        return own
 
     def _cut(
         self,
