@@ -41,11 +41,13 @@ class Cutter:
                 cut_to(source, source, length, snapshot)
             return source
         copy = LlamaState()
-        if max(length, reach) == 0:
+        if length == 0:
             return copy
         dst = self._pool.copy(source)
         try:
-            length, snapshot = self._cut(dst, source, length, snapshot, reach, cell)
+            # No reach: a copy goes through host memory, which holds only the window before its
+            # last token, so a cut back inside it would only be counted short and undone.
+            length, snapshot = self._cut(dst, source, length, snapshot, 0, cell)
         except CannotTrim:
             self._pool.release(dst)
             raise

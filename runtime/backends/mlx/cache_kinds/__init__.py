@@ -14,7 +14,6 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from runtime.backends.mlx.cache_kinds.attention import (
@@ -96,34 +95,8 @@ def extract_row(batch_layer: Any, row: int) -> Any:
     keys, which are None there."""
     if isinstance(batch_layer, mlx_cache.BatchKVCache) and batch_layer.keys is None:
         return mlx_cache.KVCache()  # type: ignore[no-untyped-call]
-    return _in_whole_steps(batch_layer.extract(row))
-
-
-def _in_whole_steps(layer: Any) -> Any:
-    """Pad an extracted row's buffer to whole allocation steps, as if it had grown alone.
-
-    mlx-lm's ``extract`` cuts the buffer to the row's exact length, and the next token then grows
-    it by a whole step past that odd length: a 40-token row held 296 cells where
-    ``ModelInfo.kv_bytes`` prices 256, so the prefix entry it became held more bytes than its
-    sequence had reserved. Padded, it grows as a cache that never left a batch does.
-    """
-    if isinstance(layer, mlx_cache.CacheList):  # e.g. a hybrid layer's attention part
-        layer.caches = tuple(_in_whole_steps(c) for c in layer.caches)
-        return layer
-    if type(layer) not in (mlx_cache.KVCache, mlx_cache.RotatingKVCache) or layer.keys is None:
-        return layer
-    have = int(layer.keys.shape[2])
-    want = -(-have // layer.step) * layer.step
-    if isinstance(layer, mlx_cache.RotatingKVCache):
-        want = min(want, layer.max_size)  # a ring never grows past its window
-    if want > have:
-        layer.keys, layer.values = (_padded(a, want - have) for a in (layer.keys, layer.values))
-    return layer
-
-
-def _padded(array: Any, cells: int) -> Any:
-    b, heads, _, dim = array.shape
-    return mx.concatenate([array, mx.zeros((b, heads, cells, dim), array.dtype)], axis=2)
+    extracted = batch_layer.extract(row)
+    return kind_of(extracted).extracted(extracted)
 
 
 def finalize_layer(batch_layer: Any) -> None:

@@ -11,7 +11,14 @@ import mlx.core as mx
 from mlx_lm.models import cache as mlx_cache
 
 from runtime.backends.contract import CannotTrim
-from runtime.backends.mlx.cache_kinds.base import CacheKind, Price, clone_layer, kv_bytes_per_token
+from runtime.backends.mlx.cache_kinds.base import (
+    CacheKind,
+    Price,
+    clone_layer,
+    kv_bytes_per_token,
+    padded_to,
+    whole_steps,
+)
 
 
 class _FullAttention(CacheKind):
@@ -55,17 +62,19 @@ class KVKind(_FullAttention):
         clone = clone_layer(layer)
         keys, values = layer.keys, layer.values
         if keys is not None and values is not None:
-            # Keep capacity to the next step boundary: cut at an unaligned length, mlx-lm would
-            # grow the copy by a whole step from there and outgrow its KV reservation.
-            end = layer.offset - drop
-            step = mlx_cache.KVCache.step
-            capacity = min(keys.shape[2], -(-end // step) * step)
+            # Capacity to the next step boundary (whole_steps), no more than the buffer holds.
+            capacity = min(keys.shape[2], whole_steps(layer.offset - drop, layer.step))
             clone.keys, clone.values = keys[..., :capacity, :], values[..., :capacity, :]
         clone.offset = _cut_offset(layer, drop)
         return clone
 
     def batch_refusal(self, layer: Any) -> str | None:
         return None
+
+    def extracted(self, layer: Any) -> Any:
+        if layer.keys is None:  # a layer the model never writes to: nothing to grow
+            return layer
+        return padded_to(layer, whole_steps(int(layer.keys.shape[2]), layer.step))
 
 
 class QuantizedKind(_FullAttention):

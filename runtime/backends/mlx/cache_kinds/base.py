@@ -6,6 +6,8 @@ import copy
 import dataclasses
 from typing import Any
 
+import mlx.core as mx
+
 from runtime.backends.contract import CannotTrim
 
 
@@ -123,6 +125,31 @@ class CacheKind:
     def children(self, layer: Any) -> list[Any]:
         """The caches this one is made of (``CacheList``), checked at load like any layer."""
         return []
+
+    def extracted(self, layer: Any) -> Any:
+        """A row just taken out of a batched layer (mlx-lm's ``extract``), made ready to go on
+        alone: a kind that grows in steps gets its buffer back to a whole step (``padded_to``)."""
+        return layer
+
+
+def whole_steps(cells: int, step: int) -> int:
+    """``cells`` rounded up to mlx-lm's allocation ``step``: what a cache that grew alone holds,
+    and what ``ModelInfo.kv_bytes`` prices. A buffer cut to an unaligned length would grow a whole
+    step past it on its next update and outgrow its KV reservation."""
+    return -(-cells // step) * step
+
+
+def padded_to(layer: Any, cells: int) -> Any:
+    """``layer`` (keys and values of shape batch, heads, tokens, dim) with its buffers grown with
+    zeros to ``cells``. mlx-lm's ``extract`` cuts a row's buffers to its exact length: a 40-token
+    row then held 296 cells after its next token where 256 are priced."""
+    have = int(layer.keys.shape[2])
+    if cells > have:
+        layer.keys, layer.values = (
+            mx.concatenate([a, mx.zeros((*a.shape[:2], cells - have, a.shape[3]), a.dtype)], 2)
+            for a in (layer.keys, layer.values)
+        )
+    return layer
 
 
 def clone_layer(layer_cache: Any) -> Any:

@@ -94,3 +94,6 @@ class CacheListKind(CacheKind):
 
     def children(self, layer: Any) -> list[Any]:
         return list(layer.caches)
+
+    def extracted(self, layer: Any) -> Any:
+        return _CacheList(*(k.extracted(c) for k, c in self._each(layer)))

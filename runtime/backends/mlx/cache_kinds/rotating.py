@@ -10,7 +10,14 @@ from typing import Any
 import mlx.core as mx
 
 from runtime.backends.contract import CannotTrim
-from runtime.backends.mlx.cache_kinds.base import CacheKind, Price, clone_layer, kv_bytes_per_token
+from runtime.backends.mlx.cache_kinds.base import (
+    CacheKind,
+    Price,
+    clone_layer,
+    kv_bytes_per_token,
+    padded_to,
+    whole_steps,
+)
 
 
 class RotatingKind(CacheKind):
@@ -29,10 +36,9 @@ class RotatingKind(CacheKind):
             if drop == 0:  # possibly wrapped around: copy the whole ring
                 clone.keys, clone.values = mx.array(keys), mx.array(values)
             else:  # trimmable means not wrapped: tokens sit in order before _idx
-                # Capacity to the next step boundary, as KVKind.copy keeps (a ring cut at an
-                # unaligned length would grow a whole step past it and outgrow its price).
+                # Capacity to the next step boundary (whole_steps), as KVKind.copy keeps.
                 end = layer._idx - drop
-                capacity = min(keys.shape[2], -(-end // layer.step) * layer.step)
+                capacity = min(keys.shape[2], whole_steps(end, layer.step))
                 clone.keys, clone.values = keys[..., :capacity, :], values[..., :capacity, :]
         clone.offset = layer.offset - drop
         clone._idx = layer._idx - drop
@@ -98,3 +104,11 @@ class RotatingKind(CacheKind):
         if layer.keep:
             return "a RotatingKVCache with keep > 0 (BatchRotatingKVCache drops kept tokens)"
         return None
+
+    def extracted(self, layer: Any) -> Any:
+        if layer.keys is None:
+            return layer
+        # A ring never grows past its window (snapshot reads a never-wrapped ring with room
+        # past _idx as in temporal order).
+        cells = min(whole_steps(int(layer.keys.shape[2]), layer.step), layer.max_size)
+        return padded_to(layer, cells)
