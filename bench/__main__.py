@@ -190,9 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 _log(f"{kind}: runtime")
                 sink.extend(ours.measure(path, kind, work))
             mlx_server = [mlx_lm_server(path)] if "mlx_lm.server" in args.systems else []
-            for command in [*mlx_server, *llama_servers]:
-                _log(f"{kind}: {command.system}")
-                sink.extend(server.measure(command, kind, work))
+            servers = [*mlx_server, *llama_servers]
+            if servers:
+                _log(f"{kind}: {', '.join(c.system for c in servers)} (in turns)")
+                sink.extend(server.measure(servers, kind, work))
     mode = "quick" if args.quick else "full"
     print(f"\n# bench ({mode}; {time.perf_counter() - began:.0f}s)", file=sys.stderr)
     print(format_table(sink.items), file=sys.stdout if args.json else sys.stderr)

@@ -34,6 +34,9 @@ class Goal:
     versus: str | None = None
     unit: str = "x"
     system: str = RUNTIME
+    # Both systems ran each repetition in turn, on the same prompt (bench/server.py): their
+    # samples pair up, and the spread of the pairs' ratios says how far the run's noise reaches.
+    paired: bool = False
 
     @property
     def subject(self) -> str:
@@ -64,6 +67,31 @@ def judged(goal: Goal, results: ResultSet, model: str) -> str:
     value = goal.measure(results, model)
     verdict = goal.judge(value)
     return verdict if value is None else f"{verdict} ({show(value, goal.unit)})"
+
+
+def spread(goal: Goal, results: ResultSet, model: str) -> tuple[float, float] | None:
+    """The lowest and highest per-repetition ratio of a paired goal (``Goal.paired``): its
+    system's sample over the other's from the same repetition. None where the goal is not
+    paired or the two rows have no samples of the same length."""
+    if not goal.paired or goal.versus is None:
+        return None
+    ours = results.get(goal.system, model, goal.scenario)
+    theirs = results.get(goal.versus, model, goal.scenario)
+    if ours is None or theirs is None or len(ours.samples) != len(theirs.samples):
+        return None
+    ratios = [a / b for a, b in zip(ours.samples, theirs.samples, strict=True) if b]
+    return (min(ratios), max(ratios)) if len(ratios) > 1 else None
+
+
+def judged_in_full(goal: Goal, results: ResultSet, model: str) -> str:
+    """``judged``, and for a paired goal the spread of its per-repetition ratios:
+    ``not met (1.02x; 0.97-1.06x)``. A spread across the limit: the run cannot tell."""
+    verdict = judged(goal, results, model)
+    pairs = spread(goal, results, model)
+    if pairs is None or not verdict.endswith(")"):
+        return verdict
+    low, high = pairs
+    return f"{verdict[:-1]}; {low:.2f}-{high:.2f}x)"
 
 
 def show(value: float | None, unit: str) -> str:
@@ -99,7 +127,7 @@ MODEL_GOALS = (  # judged on each model
 
 
 def _vs_llama_server(scenario: str, limit: float, at_most: bool) -> Goal:
-    return Goal(scenario, limit, at_most, versus=LLAMA_SERVER, system=OURS_LLAMACPP)
+    return Goal(scenario, limit, at_most, LLAMA_SERVER, system=OURS_LLAMACPP, paired=True)
 
 
 # Issue 22: our runtime on llama.cpp's kernels against llama-server on the same GGUF file.

@@ -132,7 +132,7 @@ def _ttft_splits(results: ResultSet, models: Sequence[str]) -> str:
 
 def _goal_table(results: ResultSet, judged: Sequence[goals.Goal], models: Sequence[str]) -> str:
     rows = [
-        [f"`{goal.scenario}`", goal.text, *(goals.judged(goal, results, m) for m in models)]
+        [f"`{goal.scenario}`", goal.text, *(goals.judged_in_full(goal, results, m) for m in models)]
         for goal in judged
     ]
     return table(["scenario", "goal", *models], rows) if models else NOT_MEASURED

@@ -218,6 +218,26 @@ def test_issue_22_goals_judge_ours_on_llamacpp_against_llama_server() -> None:
     assert goals.LLAMACPP_ABANDON.text == "ours-llamacpp `abandon.after/idle` ≤ 1.50x"
 
 
+def test_a_paired_goal_shows_the_spread_of_its_per_repetition_ratios() -> None:
+    """The servers took each repetition in turn: ours 1,020, 1,100 and 960 ms against 1,000,
+    1,000 and 1,000 ms is 1.02x (medians) and 0.96-1.10x repetition by repetition."""
+    rows = [
+        Measurement(OURS_LLAMACPP, "smollm2", "turn2.cold_ttft", 1020.0, "ms", [1020, 1100, 960]),
+        Measurement(LLAMA_SERVER, "smollm2", "turn2.cold_ttft", 1000.0, "ms", [1000] * 3),
+        Measurement(OURS_LLAMACPP, "smollm2", "abandon.after/idle", 1.2, "x", [1.1, 1.3]),
+        Measurement("runtime", "smollm2", "turn2.cold_ttft", 1240.0, "ms", [1200, 1240, 1300]),
+        Measurement("mlx_lm.server", "smollm2", "turn2.cold_ttft", 1000.0, "ms", [1000] * 3),
+    ]
+    results = ResultSet(rows)
+    cold = goals.LLAMACPP_COLD
+    assert goals.spread(cold, results, "smollm2") == pytest.approx((0.96, 1.10))
+    assert goals.judged_in_full(cold, results, "smollm2") == "not met (1.02x; 0.96-1.10x)"
+    # Not paired: its own ratio, or systems measured apart (the runtime in its own process).
+    assert goals.judged_in_full(goals.LLAMACPP_ABANDON, results, "smollm2") == "met (1.20x)"
+    assert goals.judged_in_full(goals.COLD_VS_SERVER, results, "smollm2") == "not met (1.24x)"
+    assert goals.judged_in_full(cold, results, "gemma3") == "not measured"
+
+
 def test_the_page_shows_llama_server_beside_the_others_and_why_one_was_skipped() -> None:
     results = _results()
     page = report.render({"mode": "full", "llama.cpp": {LLAMA_SERVER: "`/x` (v1)"}}, results, "r")

@@ -243,6 +243,63 @@ def test_a_branch_past_a_checkpoint_cuts_back_to_the_common_prefix_where_the_sta
     assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes
 
 
+class _StopAfter:
+    """A prefill's stop flag that trips after ``checks`` looks, setting the sequence's own flag
+    then, as an abort landing while the chunk runs would."""
+
+    def __init__(self, checks: int, flag: Any) -> None:
+        self._left, self._flag = checks, flag
+
+    def is_set(self) -> bool:
+        self._left -= 1
+        if self._left < 0:
+            self._flag.set()
+        return bool(self._flag.is_set())
+
+
+@pytest.mark.parametrize(("keeps", "cached"), [(True, 16), (False, 0)], ids=["keeps", "undoes"])
+def test_a_prefill_stopped_past_a_checkpoint_leaves_an_entry_where_the_backend_kept_it(
+    monkeypatch: pytest.MonkeyPatch, keeps: bool, cached: int
+) -> None:
+    """Stopped after 20 of the prompt's 30 tokens, in one chunk with points at 8, 16, 24 and
+    30: a backend that goes back to its last snapshot (llama.cpp's sliding-window models:
+    ``PrefillInterrupted.kept``) leaves the state at 16, kept as an entry with both snapshots,
+    which the same prompt then restores; one that undoes the call leaves nothing."""
+    model = spec(
+        chunk=32,
+        trimmable=False,
+        checkpoint_every_tokens=EVERY,
+        fixed_state_bytes=FIXED,
+        interrupt_keeps_snapshots=keeps,
+    )
+    real = SimulatedBackend.prefill
+    stopped: list[bool] = []
+
+    def stop_once(self: SimulatedBackend, state: Any, token_ids: Any, **kw: Any) -> Any:
+        if kw.get("stop") is not None and not stopped:
+            stopped.append(True)
+            kw["stop"] = _StopAfter(20, kw["stop"])
+        return real(self, state, token_ids, **kw)
+
+    monkeypatch.setattr(SimulatedBackend, "prefill", stop_once)
+    sim = make_sim(model)
+    sim.send(generate("a", PROMPT, MAX_TOKENS))
+    sim.run_until_quiescent()
+
+    [ended] = terminals(sim, "a")
+    assert isinstance(ended, Cancelled) and emitted(sim, "a") == []
+    assert engine_counters(sim)["prefilled_tokens"] == cached
+    assert [len(e.tokens) for e in prefix_cache(sim).entries()] == ([cached] if cached else [])
+    assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes
+
+    sim.send(generate("b", PROMPT, MAX_TOKENS))
+    sim.run_until_quiescent()
+    [start] = started(sim, "b")
+    assert start.cached_tokens == cached
+    assert emitted(sim, "b") == greedy_continuation(PROMPT, MAX_TOKENS)
+    assert prefix_cache(sim).total_bytes == kv_keeper(sim).reserved_bytes
+
+
 def test_a_chunk_with_a_checkpoint_inside_ends_at_it(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk that would run past a checkpoint ends there, so the piece after the cut goes into
     the next chunk's first pass, not a short pass of its own (a pass reads every weight)."""

@@ -323,8 +323,13 @@ def _prefill_chunk(job: StepJob, seq: Sequence, backend: Backend) -> None:
         taken = backend.prefill(
             seq.state, seq.tokens[start:end], logits=logits, snapshot_at=points, stop=seq.abort
         )
-    except PrefillInterrupted:  # aborted meanwhile: the state is as before the chunk
+    except PrefillInterrupted as stopped:
+        # Aborted meanwhile: the state is as before the chunk, or at the last snapshot point it
+        # passed, whose snapshots join the sequence's (an entry of that length is kept).
         job.skipped = True
+        if stopped.kept:
+            job.prefilled = stopped.kept
+            _keep_snapshots(job, backend, points[: len(stopped.snapshots)], stopped.snapshots)
         return
     job.prefilled = end - start
     _keep_snapshots(job, backend, points, taken)

@@ -202,7 +202,12 @@ class CannotTrim(Exception):
 
 
 class PrefillInterrupted(Exception):
-    """Raised by ``prefill`` that gave up once its ``stop`` was set; the state is as before."""
+    """Raised by ``prefill`` that gave up once its ``stop`` was set; the state is as before, or
+    (``kept``) at the last snapshot point the call passed, with ``snapshots`` taken up to there."""
+
+    def __init__(self, message: str, kept: int = 0, snapshots: Sequence[Snapshot] = ()) -> None:
+        super().__init__(message)
+        self.kept, self.snapshots = kept, tuple(snapshots)
 
 
 class Backend(Protocol):
@@ -300,7 +305,7 @@ class Backend(Protocol):
         would have taken it there) is returned in that order. The backend ends its passes where it
         must to reach them; the engine never cuts a chunk for a snapshot. Once ``stop`` is set
         (the sequence's abort flag) the backend may give up inside the call: it then raises
-        ``PrefillInterrupted`` with ``state`` as it was before the call.
+        ``PrefillInterrupted``, ``state`` as it was before the call or as its ``kept`` says.
         """
         ...
 

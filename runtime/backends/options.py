@@ -188,6 +188,9 @@ class SimulatedModelOptions(EngineOptions, frozen=True, kw_only=True, forbid_unk
     # this many tokens short of its own (Backend.copy_state's ``reach``, as a llama.cpp sliding
     # ring that keeps cells past its window).
     reach_back_tokens: NonNegativeInt = 0
+    # True: a prefill stopped past one of its snapshot points keeps the state at the last one
+    # (PrefillInterrupted.kept, as llama.cpp's sliding-window models do) instead of undoing it.
+    interrupt_keeps_snapshots: bool = False
 
 
 ModelOptions = MlxOptions | LlamaCppOptions | SimulatedModelOptions

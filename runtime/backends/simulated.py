@@ -15,7 +15,7 @@ from __future__ import annotations
 import random
 import threading
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import msgspec
 
@@ -226,14 +226,31 @@ class SimulatedBackend:
             if stop is None or len(token_ids) == 1:
                 self._clock.spend(cost * len(token_ids))
             else:  # token by token, giving up (state untouched) once stopped, as MLX's layers do
-                for _ in token_ids:
+                for done in range(len(token_ids)):
                     if stop.is_set():
-                        raise PrefillInterrupted("the sequence was aborted during this prefill")
+                        self._interrupted(state, token_ids[:done], snapshot_at)
                     self._clock.spend(cost)
             state.extend(token_ids)
             state.has_logits = logits
             self._tidy_left = self._options.tidy_pieces
         return [self._snapshot(state, p) for p in snapshot_at]
+
+    def _interrupted(
+        self, state: SimulatedState, done: Sequence[int], snapshot_at: Sequence[int]
+    ) -> NoReturn:
+        """Stopped after ``done``: the state untouched, or (``interrupt_keeps_snapshots``) at the
+        last snapshot point ``done`` passed, with the snapshots up to there."""
+        end = state.length + len(done)
+        passed = (
+            [p for p in snapshot_at if p <= end] if self._options.interrupt_keeps_snapshots else []
+        )
+        if not passed:
+            raise PrefillInterrupted("the sequence was aborted during this prefill")
+        kept = passed[-1] - state.length
+        state.extend(done[:kept])
+        state.has_logits = False
+        snapshots = [self._snapshot(state, p) for p in passed]
+        raise PrefillInterrupted("the sequence was aborted; it kept its snapshots", kept, snapshots)
 
     def prefill_together(
         self,
