@@ -17,8 +17,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.http_client import Server, complete
 from bench.prompts import make_text
-from bench.server import complete, running_server
+from bench.serving import mlx_lm_server, running
 from runtime.host.api import Runtime
 from runtime.host.config import RuntimeConfig
 from runtime.messages import ModelSpec, TokensEmitted
@@ -43,7 +44,7 @@ def _stream_generate_ttft(model: Any, tokenizer: Any, prompt: str) -> float:
     raise RuntimeError("stream_generate yielded nothing")
 
 
-async def _main(args: argparse.Namespace, path: Path, port: int) -> None:
+async def _main(args: argparse.Namespace, path: Path, server: Server | None) -> None:
     from mlx_lm import load
 
     model, tokenizer = load(str(path))
@@ -59,16 +60,16 @@ async def _main(args: argparse.Namespace, path: Path, port: int) -> None:
         warm = make_text(tokenizer, 16, 99)
         await _runtime_ttft(rt, "m", warm)
         _stream_generate_ttft(model, tokenizer, warm)
-        if port:
-            await complete(port, warm, 1)
+        if server is not None:
+            await complete(server, warm, 1)
         for round_ in range(args.rounds):
             prompt = make_text(tokenizer, args.tokens, 1000 + round_)
             runs: list[tuple[str, Callable[[str], Any]]] = [
                 ("runtime", lambda text: _runtime_ttft(rt, "m", text)),
                 ("stream_generate", lambda text: _stream_generate_ttft(model, tokenizer, text)),
             ]
-            if port:
-                runs.append(("server", lambda text: _server_ttft(port, text)))
+            if server is not None:
+                runs.append(("server", lambda text: _server_ttft(server, text)))
             for system, run in runs if round_ % 2 == 0 else runs[::-1]:
                 if system not in systems:
                     continue
@@ -84,18 +85,18 @@ async def _main(args: argparse.Namespace, path: Path, port: int) -> None:
             print(f"runtime/{system}: {medians['runtime'] / value:.2f}x")
 
 
-async def _server_ttft(port: int, prompt: str) -> float:
-    return (await complete(port, prompt, 1)).ttft
+async def _server_ttft(server: Server, prompt: str) -> float:
+    return (await complete(server, prompt, 1)).ttft
 
 
 def main(args: argparse.Namespace) -> None:
     path = Path(args.model).expanduser()
-    # The server starts first, outside the event loop: running_server polls it with asyncio.run.
+    # The server starts first, outside the event loop: ``running`` polls it with asyncio.run.
     if "server" not in args.systems.split(","):
-        asyncio.run(_main(args, path, 0))
+        asyncio.run(_main(args, path, None))
         return
-    with running_server(path) as port:
-        asyncio.run(_main(args, path, port))
+    with running([mlx_lm_server(path)]) as [server]:
+        asyncio.run(_main(args, path, server))
 
 
 if __name__ == "__main__":
