@@ -86,12 +86,11 @@ def spread(goal: Goal, results: ResultSet, model: str) -> tuple[float, float] | 
 def judged_in_full(goal: Goal, results: ResultSet, model: str) -> str:
     """``judged``, and for a paired goal the spread of its per-repetition ratios:
     ``not met (1.02x; 0.97-1.06x)``. A spread across the limit: the run cannot tell."""
-    verdict = judged(goal, results, model)
-    pairs = spread(goal, results, model)
-    if pairs is None or not verdict.endswith(")"):
-        return verdict
+    value, pairs = goal.measure(results, model), spread(goal, results, model)
+    if value is None or pairs is None:
+        return judged(goal, results, model)
     low, high = pairs
-    return f"{verdict[:-1]}; {low:.2f}-{high:.2f}x)"
+    return f"{goal.judge(value)} ({show(value, goal.unit)}; {low:.2f}-{high:.2f}x)"
 
 
 def show(value: float | None, unit: str) -> str:
