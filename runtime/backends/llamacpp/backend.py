@@ -269,8 +269,8 @@ class LlamaCppBackend(Persisting):
             # rest is undone here: the partial state put back first (copy_state says why), then
             # the cells past ``start`` (or the last snapshot's point) removed.
             back = snapshots[-1] if back_to_snapshot and snapshots else None
-            keep = start if back is None else back.n_tokens
-            data = back.data if back is not None else saved.data if saved is not None else b""
+            undo, keep = (saved, start) if back is None else (back, back.n_tokens)
+            data = b"" if undo is None else undo.data
             restored = not data or self._context.set_seq_data(data, seq, PARTIAL_ONLY)
             if not (restored and self._context.seq_rm(seq, keep, -1)):
                 raise BackendError(
