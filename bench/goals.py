@@ -8,6 +8,7 @@ runtime on MLX against raw mlx-lm and mlx_lm.server, issue 22 the runtime on lla
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -206,6 +207,19 @@ def why_not(goal: Goal, results: ResultSet, model: str) -> str:
                 f"by the servers' own prompt times; {outside:+.1f} ms outside it)"
             )
     return "; ".join(reasons)
+
+
+WHY_NOT_LEAD = "Why a goal was not met, from this run's own rows:"
+
+
+def why_not_bullets(judged: Sequence[Goal], results: ResultSet, models: Sequence[str]) -> list[str]:
+    """A markdown bullet per goal a model did not meet, saying ``why_not``."""
+    return [
+        f"- `{goal.scenario}` on {model}: {why}."
+        for goal in judged
+        for model in models
+        if (why := why_not(goal, results, model))
+    ]
 
 
 def hop_verdict(results: ResultSet) -> str:

@@ -107,24 +107,16 @@ def _llamacpp_goals(results: ResultSet, models: Sequence[str]) -> str:
     real = [m for m in models if m in REAL_MODELS] or list(REAL_MODELS)
     parts = [
         _goal_table(results, goals.LLAMACPP_GOALS, real),
-        _why_not(results, goals.LLAMACPP_GOALS, real),
+        _why_not(results, real),
         _ttft_splits(results, real),
     ]
     parts += [f"{why}." for why in results.skip_reasons(LLAMACPP_SYSTEMS, real)]
     return "\n\n".join(p for p in parts if p)
 
 
-def _why_not(results: ResultSet, judged: Sequence[goals.Goal], models: Sequence[str]) -> str:
-    """A line per goal a model did not meet, with what the run's rows say of why."""
-    lines = [
-        f"- `{goal.scenario}` on {model}: {why}."
-        for goal in judged
-        for model in models
-        if (why := goals.why_not(goal, results, model))
-    ]
-    if not lines:
-        return ""
-    return "Why a goal was not met, from this run's own rows:\n\n" + "\n".join(lines)
+def _why_not(results: ResultSet, models: Sequence[str]) -> str:
+    bullets = goals.why_not_bullets(goals.LLAMACPP_GOALS, results, models)
+    return "\n\n".join([goals.WHY_NOT_LEAD, "\n".join(bullets)]) if bullets else ""
 
 
 def _ttft_splits(results: ResultSet, models: Sequence[str]) -> str:

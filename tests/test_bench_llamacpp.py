@@ -275,6 +275,9 @@ def test_a_goal_not_met_says_why_from_the_runs_own_rows() -> None:
     page = report.render({"mode": "full"}, results, "r")
     assert "Why a goal was not met, from this run's own rows:" in page
     assert "- `turn2.warm_ttft` on smollm2: every repetition missed it (1.02-1.09x);" in page
+    readme = headline.llamacpp_block(results)  # README's block: the same bullets, wrapped
+    assert "Why a goal was not met, from this run's own rows:\n\n- `turn2.cold_ttft`" in readme
+    assert all(len(line) <= 100 for line in readme.splitlines() if not line.startswith("|"))
 
 
 def test_the_page_shows_llama_server_beside_the_others_and_why_one_was_skipped() -> None:
