@@ -1,13 +1,12 @@
-"""A token trie that finds the best reusable cached prefix of a prompt in O(prompt length).
+"""A radix tree of tokens: the best reusable cached prefix of a prompt in O(prompt length).
 
-One trie indexes the live prefix entries of one (model, epoch, namespace) partition, one node per
-token position, so a lookup walks the prompt once however many entries there are. A trimmable entry
-serves any shared prefix, cut back; a non-trimmable ("checkpoint") entry only where its tokens end
-and at its ``points``. At most ``len(prompt) - 1`` tokens are reused: a prompt keeps one token to
-run. Every node caches ``subtree_best`` (the most recently used trimmable entry at or below it), so
-a match needs no subtree walk; recency values must only grow (the caller passes a logical clock).
-
-Placement, the reuse rules and ties: docs/design.md, "The token trie".
+One trie indexes the live prefix entries of one (model, epoch, namespace) partition. A trimmable
+entry serves any shared prefix, cut back; a non-trimmable ("checkpoint") entry only where its tokens
+end and at its ``points``. At most ``len(prompt) - 1`` tokens are reused: a prompt keeps one token
+to run. Tokens with no entry and no branch along them are one edge, compared as a slice: a lookup,
+take or commit (each on a request's way to its first token) visits a few nodes, not one per token.
+Every node caches ``subtree_best`` (the most recently used trimmable entry at or below it); recency
+values must only grow. Placement, the reuse rules and ties: docs/design.md, "The token trie".
 """
 
 from __future__ import annotations
@@ -30,16 +29,19 @@ class PrefixMatch:
 
 
 class _Node:
-    __slots__ = ("children", "restorable", "subtree_best", "trimmable")
+    """The position after ``edge``, the tokens from its parent's position to its own."""
 
-    def __init__(self) -> None:
-        self.children: dict[int, _Node] = {}
+    __slots__ = ("children", "edge", "restorable", "subtree_best", "trimmable")
+
+    def __init__(self, edge: TokenIds) -> None:
+        self.edge = edge
+        self.children: dict[int, _Node] = {}  # by the first token of the child's edge
         self.trimmable: _Slot | None = None
-        self.restorable: set[int] = set()  # checkpoint entries restorable at this depth
+        self.restorable: set[int] = set()  # checkpoint entries restorable at this position
         self.subtree_best: _Slot | None = None
 
-    def is_empty(self) -> bool:
-        return not self.children and self.trimmable is None and not self.restorable
+    def holds_entry(self) -> bool:
+        return self.trimmable is not None or bool(self.restorable)
 
     def recompute_subtree_best(self) -> None:
         best = self.trimmable
@@ -49,16 +51,24 @@ class _Node:
         self.subtree_best = best
 
 
+def _shared(edge: TokenIds, tokens: TokenIds, start: int, stop: int) -> int:
+    """How many leading tokens of ``edge`` equal ``tokens[start:stop]``."""
+    length = min(len(edge), stop - start)
+    if edge[:length] == tokens[start : start + length]:  # the usual case: one C comparison
+        return length
+    return next(i for i in range(length) if edge[i] != tokens[start + i])
+
+
 class TokenTrie:
     """Index of one partition's live entries by their tokens.
 
-    Insert, remove and touch cost O(len(tokens)) (removal also scans the siblings on the path of
-    the removed entry; touching a checkpoint entry is O(1)); ``best_match`` costs O(len(prompt))
-    plus the entries restorable at the chosen node.
+    Insert, remove and touch cost O(len(tokens)) in slice comparisons plus O(nodes on the path)
+    (removal also scans the children of the nodes its entry was best below; touching a checkpoint
+    entry is O(1)); ``best_match`` costs the same plus the entries restorable at the chosen node.
     """
 
     def __init__(self) -> None:
-        self._root = _Node()
+        self._root = _Node(())
         self._size = 0
         # Checkpoint entries: the depths where each is restorable (its end last), and recency.
         self._depths: dict[int, tuple[int, ...]] = {}
@@ -69,9 +79,10 @@ class TokenTrie:
 
     def find(self, tokens: TokenIds, trimmable: bool) -> int | None:
         """The id of the entry with exactly these tokens and trimmability, if indexed."""
-        node = self._walk(tokens)
-        if node is None:
+        path = self._path(tokens)
+        if path is None:
             return None
+        node = path[-1]
         if trimmable:
             return None if node.trimmable is None else node.trimmable[1]
         ending_here = (e for e in node.restorable if self._depths[e][-1] == len(tokens))
@@ -98,17 +109,18 @@ class TokenTrie:
             raise ValueError(f"points {points} must lie strictly inside {len(tokens)} tokens")
         if self.find(tokens, trimmable) is not None:
             raise ValueError(f"an entry with these tokens (trimmable={trimmable}) is indexed")
-        path = [self._root]
-        for token in tokens:
-            path.append(path[-1].children.setdefault(token, _Node()))
+        tokens = tuple(tokens)  # edges are slices of it: a list would make list edges
+        depths = (*sorted(set(points)), len(tokens))
+        path, at = self._make_path(tokens, depths)
         if trimmable:
             slot = (recency, entry_id)
             path[-1].trimmable = slot
-            self._raise_subtree_best(path, slot)
+            for node in path:
+                if node.subtree_best is None or slot > node.subtree_best:
+                    node.subtree_best = slot
         else:
-            depths = (*sorted(set(points)), len(tokens))
             for depth in depths:
-                path[depth].restorable.add(entry_id)
+                at[depth].restorable.add(entry_id)
             self._depths[entry_id] = depths
             self._recency[entry_id] = recency
         self._size += 1
@@ -120,14 +132,18 @@ class TokenTrie:
             self._recency[entry_id] = recency
             return
         path = self._path(tokens)
-        end = path[-1]
-        assert end.trimmable is not None, "touch of an entry that is not indexed"
-        end.trimmable = (recency, end.trimmable[1])
-        self._raise_subtree_best(path, end.trimmable)
+        assert path is not None, "touch of an entry that is not indexed"
+        assert path[-1].trimmable is not None, "touch of an entry that is not indexed"
+        slot = (recency, path[-1].trimmable[1])
+        path[-1].trimmable = slot
+        for node in path:
+            if node.subtree_best is None or slot > node.subtree_best:
+                node.subtree_best = slot
 
     def remove(self, entry_id: int, tokens: TokenIds, trimmable: bool) -> None:
-        """Unindex an entry, pruning nodes that no longer lead anywhere."""
+        """Unindex an entry, pruning and merging nodes that no longer hold an entry or a branch."""
         path = self._path(tokens)
+        assert path is not None, "removal of an entry that is not indexed"
         removed: _Slot | None = None
         if trimmable:
             removed = path[-1].trimmable
@@ -135,27 +151,37 @@ class TokenTrie:
             path[-1].trimmable = None
         else:
             assert entry_id in self._depths, "removal of an entry that is not indexed"
+            at = self._at_depths(path)
             for depth in self._depths.pop(entry_id):
-                path[depth].restorable.discard(entry_id)
+                at[depth].restorable.discard(entry_id)
             del self._recency[entry_id]
         self._size -= 1
-        for depth in range(len(tokens), -1, -1):
-            node = path[depth]
+        for index in range(len(path) - 1, -1, -1):
+            node = path[index]
             # Above the first ancestor whose best was not the removed entry, nothing changes.
             if removed is not None and node.subtree_best == removed:
                 node.recompute_subtree_best()
-            if depth > 0 and node.is_empty():
-                del path[depth - 1].children[tokens[depth - 1]]
+            if index == 0 or node.holds_entry():
+                continue
+            parent = path[index - 1]
+            if not node.children:
+                del parent.children[node.edge[0]]
+            elif len(node.children) == 1:  # no entry, no branch: one edge with its child
+                (child,) = node.children.values()
+                child.edge = node.edge + child.edge
+                parent.children[node.edge[0]] = child
 
     def strict_prefix_trimmable(self, tokens: TokenIds) -> list[int]:
         """Ids of trimmable entries whose tokens strictly prefix ``tokens``, shortest first."""
         found: list[int] = []
-        node = self._root
-        for token in tokens[:-1]:
-            child = node.children.get(token)
-            if child is None:
+        node, depth, limit = self._root, 0, len(tokens) - 1
+        while depth < limit:
+            child = node.children.get(tokens[depth])
+            if child is None or depth + len(child.edge) > limit:
                 break
-            node = child
+            if _shared(child.edge, tokens, depth, limit) < len(child.edge):
+                break
+            node, depth = child, depth + len(child.edge)
             if node.trimmable is not None:
                 found.append(node.trimmable[1])
         return found
@@ -169,55 +195,95 @@ class TokenTrie:
         limit = len(prompt) - 1  # leave one token to compute the next-token logits from
         if limit < 1:
             return None
-        path = [self._root]
-        for token in prompt[:limit]:
-            child = path[-1].children.get(token)
+        # The nodes the prompt reaches whole, with their depths; then, where it stops inside an
+        # edge, that edge's node and how far into the prompt it still matches.
+        path: list[tuple[_Node, int]] = [(self._root, 0)]
+        partial: tuple[_Node, int] | None = None
+        node, depth = self._root, 0
+        while depth < limit:
+            child = node.children.get(prompt[depth])
             if child is None:
                 break
-            path.append(child)
+            shared = _shared(child.edge, prompt, depth, limit)
+            if shared < len(child.edge):
+                partial = (child, depth + shared)
+                break
+            node, depth = child, depth + shared
+            path.append((node, depth))
 
-        # Every trimmable entry below path[d] shares at least d tokens with the prompt, so the
-        # deepest node with one below it gives the longest trimmable reuse.
-        trim_depth = next(
-            (d for d in range(len(path) - 1, 0, -1) if path[d].subtree_best is not None), 0
-        )
-        checkpoint_depth = next((d for d in range(len(path) - 1, 0, -1) if path[d].restorable), 0)
+        # Every trimmable entry below a position shares its depth's tokens with the prompt, so
+        # the deepest position with one below it gives the longest trimmable reuse.
+        trim: tuple[_Node, int] | None = None
+        if partial is not None and partial[0].subtree_best is not None:
+            trim = partial
+        else:
+            trim = next(((n, d) for n, d in reversed(path[1:]) if n.subtree_best is not None), None)
+        checkpoint = next(((n, d) for n, d in reversed(path[1:]) if n.restorable), None)
+        trim_depth = 0 if trim is None else trim[1]
+        checkpoint_depth = 0 if checkpoint is None else checkpoint[1]
         matched = max(trim_depth, checkpoint_depth)
         if matched < 1:
             return None
 
-        node = path[matched]
         # Candidates ranked by (used whole, recency).
         candidates: list[tuple[bool, int, int, ReusePath]] = []
-        if trim_depth == matched:
-            if node.trimmable is not None:
-                candidates.append((True, *node.trimmable, ReusePath.EXACT))
+        if trim is not None and trim_depth == matched:
+            trim_node = trim[0]
+            if trim is not partial and trim_node.trimmable is not None:
+                candidates.append((True, *trim_node.trimmable, ReusePath.EXACT))
             else:
-                assert node.subtree_best is not None
-                candidates.append((False, *node.subtree_best, ReusePath.TRIM))
-        if checkpoint_depth == matched:
-            recency, entry_id = max((self._recency[e], e) for e in node.restorable)
+                assert trim_node.subtree_best is not None
+                candidates.append((False, *trim_node.subtree_best, ReusePath.TRIM))
+        if checkpoint is not None and checkpoint_depth == matched:
+            recency, entry_id = max((self._recency[e], e) for e in checkpoint[0].restorable)
             candidates.append((True, recency, entry_id, ReusePath.CHECKPOINT))
         _, _, entry_id, path_kind = max(candidates)
         return PrefixMatch(entry_id=entry_id, matched=matched, path=path_kind)
 
-    def _walk(self, tokens: TokenIds) -> _Node | None:
-        node = self._root
-        for token in tokens:
-            child = node.children.get(token)
-            if child is None:
+    def _path(self, tokens: TokenIds) -> list[_Node] | None:
+        """The nodes from the root to the one at exactly ``tokens``; None if there is none."""
+        path, node, depth = [self._root], self._root, 0
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None or _shared(child.edge, tokens, depth, len(tokens)) < len(child.edge):
                 return None
-            node = child
-        return node
-
-    def _path(self, tokens: TokenIds) -> list[_Node]:
-        path = [self._root]
-        for token in tokens:
-            path.append(path[-1].children[token])
+            node, depth = child, depth + len(child.edge)
+            path.append(node)
         return path
 
-    @staticmethod
-    def _raise_subtree_best(path: list[_Node], slot: _Slot) -> None:
+    def _make_path(
+        self, tokens: TokenIds, depths: tuple[int, ...]
+    ) -> tuple[list[_Node], dict[int, _Node]]:
+        """The nodes from the root to ``tokens``' end, made (splitting edges) where missing, with
+        a node at each of ``depths`` (ascending, ``len(tokens)`` last); and those by depth."""
+        path, at = [self._root], {}
+        node, depth, stops = self._root, 0, iter(depths)
+        stop = next(stops)
+        while depth < len(tokens):
+            child = node.children.get(tokens[depth])
+            if child is None:
+                child = _Node(tokens[depth:stop])
+                node.children[tokens[depth]] = child
+            else:
+                shared = _shared(child.edge, tokens, depth, stop)
+                if shared < len(child.edge):  # a branch or a stop inside the edge: split it
+                    upper = _Node(child.edge[:shared])
+                    upper.children[child.edge[shared]] = child
+                    upper.subtree_best = child.subtree_best
+                    child.edge = child.edge[shared:]
+                    node.children[upper.edge[0]] = upper
+                    child = upper
+            node, depth = child, depth + len(child.edge)
+            path.append(node)
+            if depth == stop:
+                at[depth] = node
+                stop = next(stops, stop)
+        return path, at
+
+    def _at_depths(self, path: list[_Node]) -> dict[int, _Node]:
+        """``path``'s nodes by their depth."""
+        at, depth = {}, 0
         for node in path:
-            if node.subtree_best is None or slot > node.subtree_best:
-                node.subtree_best = slot
+            depth += len(node.edge)
+            at[depth] = node
+        return at

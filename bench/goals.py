@@ -8,6 +8,7 @@ runtime on MLX against raw mlx-lm and mlx_lm.server, issue 22 the runtime on lla
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -167,6 +168,58 @@ def ttft_split(goal: Goal, results: ResultSet, model: str) -> str:
         f"prompt time {ours_eval:.0f} vs {their_eval:.0f} ms, "
         f"the rest {ours_rest:.0f} vs {their_rest:.0f} ms"
     )
+
+
+def why_not(goal: Goal, results: ResultSet, model: str) -> str:
+    """What a paired goal's own rows say of why this run did not meet it ('' where it did, or
+    was not measured): a spread across the limit is the run's noise; a TTFT gap is placed by the
+    servers' own prompt times (``ttft_split``), in the prompt's evaluation or around it."""
+    value = goal.measure(results, model)
+    if not goal.paired or goal.versus is None or value is None or goal.judge(value) != "not met":
+        return ""
+    reasons = []
+    pairs = spread(goal, results, model)
+    if pairs is not None:
+        low, high = pairs
+        if low <= goal.limit <= high:
+            reasons.append(
+                f"within this run's noise: its repetitions gave {low:.2f}-{high:.2f}x, on both "
+                f"sides of {show(goal.limit, goal.unit)}"
+            )
+        else:
+            reasons.append(f"every repetition missed it ({low:.2f}-{high:.2f}x)")
+    ours_eval, ours_rest = (results.value(goal.system, model, f"{goal.scenario}.{part}")
+                            for part in SPLIT_PARTS)  # fmt: skip
+    their_eval, their_rest = (results.value(goal.versus, model, f"{goal.scenario}.{part}")
+                              for part in SPLIT_PARTS)  # fmt: skip
+    if ours_eval and their_eval and ours_rest is not None and their_rest is not None:
+        inside, outside = ours_eval - their_eval, ours_rest - their_rest
+        if outside > 0 and outside >= inside:
+            reasons.append(
+                f"{outside:.1f} ms more outside the prompt's evaluation (the servers' own prompt "
+                f"times: {inside:+.1f} ms, {ours_eval / their_eval:.2f}x): the runtime's own "
+                "hand-offs around llama.cpp's work (HTTP, tokenizing, the cache's and budget's "
+                "messages, the jobs' trips to the compute thread)"
+            )
+        elif inside > 0:
+            reasons.append(
+                f"{inside:.1f} ms more in the prompt's evaluation ({ours_eval / their_eval:.2f}x, "
+                f"by the servers' own prompt times; {outside:+.1f} ms outside it)"
+            )
+    return "; ".join(reasons)
+
+
+WHY_NOT_LEAD = "Why a goal was not met, from this run's own rows:"
+
+
+def why_not_bullets(judged: Sequence[Goal], results: ResultSet, models: Sequence[str]) -> list[str]:
+    """A markdown bullet per goal a model did not meet, saying ``why_not``."""
+    return [
+        f"- `{goal.scenario}` on {model}: {why}."
+        for goal in judged
+        for model in models
+        if (why := why_not(goal, results, model))
+    ]
 
 
 def hop_verdict(results: ResultSet) -> str:

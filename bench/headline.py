@@ -114,6 +114,10 @@ def llamacpp_block(results: ResultSet) -> str:
     ]
     for why in results.skip_reasons(LLAMACPP_SYSTEMS, REAL_MODELS):
         parts += ["", _fill(f"{why}.")]
+    bullets = goals.why_not_bullets(goals.LLAMACPP_GOALS, results, REAL_MODELS)
+    if bullets:
+        wrapped = [_fill(bullet, indent="  ") for bullet in bullets]
+        parts += ["", goals.WHY_NOT_LEAD, "", *wrapped]
     return "\n".join(parts)
 
 
@@ -141,8 +145,10 @@ def _after_idle(results: ResultSet, system: str, model: str) -> str:
     return f"{model} {show(results.value(system, model, 'abandon.after/idle'), 'x')}"
 
 
-def _fill(text: str) -> str:
-    return textwrap.fill(text, width=100, break_long_words=False, break_on_hyphens=False)
+def _fill(text: str, indent: str = "") -> str:
+    return textwrap.fill(
+        text, width=100, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False
+    )
 
 
 def rewrite(readme: Path, text: str) -> None:

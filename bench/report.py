@@ -105,9 +105,18 @@ def _goals(results: ResultSet, models: Sequence[str]) -> str:
 def _llamacpp_goals(results: ResultSet, models: Sequence[str]) -> str:
     """Issue 22's goals on the real models, then why a llama.cpp system has no rows, if so."""
     real = [m for m in models if m in REAL_MODELS] or list(REAL_MODELS)
-    parts = [_goal_table(results, goals.LLAMACPP_GOALS, real), _ttft_splits(results, real)]
+    parts = [
+        _goal_table(results, goals.LLAMACPP_GOALS, real),
+        _why_not(results, real),
+        _ttft_splits(results, real),
+    ]
     parts += [f"{why}." for why in results.skip_reasons(LLAMACPP_SYSTEMS, real)]
     return "\n\n".join(p for p in parts if p)
+
+
+def _why_not(results: ResultSet, models: Sequence[str]) -> str:
+    bullets = goals.why_not_bullets(goals.LLAMACPP_GOALS, results, models)
+    return "\n\n".join([goals.WHY_NOT_LEAD, "\n".join(bullets)]) if bullets else ""
 
 
 def _ttft_splits(results: ResultSet, models: Sequence[str]) -> str:

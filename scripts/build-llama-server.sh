@@ -26,6 +26,10 @@ esac
 PREFIX="$CACHE_ROOT/llama.cpp/$VERSION-$FLAVOUR"
 BINARY="$PREFIX/bin/llama-server"
 JOBS="${BUILD_JOBS:-2}"
+# The bench runs with MLX's BLAS preload; where that library is missing, ld.so prints an error on
+# every command's stderr, and llama.cpp's CMake pastes its compiler's output into build-info.cpp.
+# Nothing here needs a preload.
+unset LD_PRELOAD
 
 if [[ -x "$BINARY" ]]; then
     echo "$BINARY"

@@ -238,6 +238,48 @@ def test_a_paired_goal_shows_the_spread_of_its_per_repetition_ratios() -> None:
     assert goals.judged_in_full(cold, results, "gemma3") == "not measured"
 
 
+def test_a_goal_not_met_says_why_from_the_runs_own_rows() -> None:
+    """Repetitions on both sides of the limit are noise; otherwise the servers' own prompt times
+    place a TTFT gap in the prompt's evaluation or outside it (the runtime's hand-offs)."""
+    warm = "turn2.warm_ttft"
+    rows = [
+        Measurement(OURS_LLAMACPP, "smollm2", warm, 114.0, "ms", [112, 114, 120]),
+        Measurement(LLAMA_SERVER, "smollm2", warm, 110.0, "ms", [110] * 3),
+        Measurement(OURS_LLAMACPP, "smollm2", f"{warm}.eval", 108.7, "ms", []),
+        Measurement(LLAMA_SERVER, "smollm2", f"{warm}.eval", 108.5, "ms", []),
+        Measurement(OURS_LLAMACPP, "smollm2", f"{warm}.rest", 5.5, "ms", []),
+        Measurement(LLAMA_SERVER, "smollm2", f"{warm}.rest", 3.6, "ms", []),
+        Measurement(OURS_LLAMACPP, "smollm2", "turn2.cold_ttft", 1020.0, "ms", [1020, 1100, 960]),
+        Measurement(LLAMA_SERVER, "smollm2", "turn2.cold_ttft", 1000.0, "ms", [1000] * 3),
+        Measurement(OURS_LLAMACPP, "smollm2", "turn2.cold_ttft.eval", 1015.0, "ms", []),
+        Measurement(LLAMA_SERVER, "smollm2", "turn2.cold_ttft.eval", 990.0, "ms", []),
+        Measurement(OURS_LLAMACPP, "smollm2", "turn2.cold_ttft.rest", 5.0, "ms", []),
+        Measurement(LLAMA_SERVER, "smollm2", "turn2.cold_ttft.rest", 10.0, "ms", []),
+        Measurement(OURS_LLAMACPP, "gemma3", warm, 50.0, "ms", [50, 51, 49]),
+        Measurement(LLAMA_SERVER, "gemma3", warm, 80.0, "ms", [80, 80, 80]),
+    ]
+    results = ResultSet(rows)
+    assert goals.why_not(goals.LLAMACPP_WARM, results, "smollm2") == (
+        "every repetition missed it (1.02-1.09x); 1.9 ms more outside the prompt's evaluation "
+        "(the servers' own prompt times: +0.2 ms, 1.00x): the runtime's own hand-offs around "
+        "llama.cpp's work (HTTP, tokenizing, the cache's and budget's messages, the jobs' trips "
+        "to the compute thread)"
+    )
+    assert goals.why_not(goals.LLAMACPP_COLD, results, "smollm2") == (
+        "within this run's noise: its repetitions gave 0.96-1.10x, on both sides of 1.00x; "
+        "25.0 ms more in the prompt's evaluation (1.03x, by the servers' own prompt times; "
+        "-5.0 ms outside it)"
+    )
+    assert goals.why_not(goals.LLAMACPP_WARM, results, "gemma3") == ""  # met
+    assert goals.why_not(goals.LLAMACPP_COLD, results, "gemma3") == ""  # not measured
+    page = report.render({"mode": "full"}, results, "r")
+    assert "Why a goal was not met, from this run's own rows:" in page
+    assert "- `turn2.warm_ttft` on smollm2: every repetition missed it (1.02-1.09x);" in page
+    readme = headline.llamacpp_block(results)  # README's block: the same bullets, wrapped
+    assert "Why a goal was not met, from this run's own rows:\n\n- `turn2.cold_ttft`" in readme
+    assert all(len(line) <= 100 for line in readme.splitlines() if not line.startswith("|"))
+
+
 def test_the_page_shows_llama_server_beside_the_others_and_why_one_was_skipped() -> None:
     results = _results()
     page = report.render({"mode": "full", "llama.cpp": {LLAMA_SERVER: "`/x` (v1)"}}, results, "r")

@@ -214,3 +214,45 @@ def _newcomer_wait(pipelined: bool) -> float:
     assert s.emitted_tokens("b", 1) == greedy_continuation(tuple(b"jumps over"), 10)
     entries_match_their_states(s)
     return wait
+
+
+@pytest.mark.parametrize("queued", [False, True], ids=["step-by-step", "queued"])
+def test_a_lone_prompts_first_draw_queues_behind_the_chunk_that_ends_it(queued: bool) -> None:
+    """On a backend that queues steps, a lone generate's first draw follows its prompt's last
+    chunk without a trip through the loop; the output, the entry and the budget are the same."""
+    s = sim(False, queue_steps=queued, prefill_s_per_token=0.01)
+    s.send(generate("a", PROMPT, 6))
+    s.run_until_quiescent()
+    assert s.emitted_tokens("a", 1) == greedy_continuation(PROMPT, 6)
+    assert engine(s).counters.snapshot().get("first_draws_queued", 0) == int(queued)
+    entries_match_their_states(s)
+    assert kv_keeper(s).reserved_bytes == prefix_cache(s).total_bytes
+
+
+def test_a_cancel_during_the_last_chunk_leaves_the_first_draw_queued_behind_it_undone() -> None:
+    s = sim(False, queue_steps=True, prefill_s_per_token=0.1)
+    s.send(generate("a", PROMPT, 6))
+    s.run_until(lambda: any(isinstance(e, Started) for e in s.events("a", 1)))
+    s.advance(0.5)  # the prompt's one chunk runs, the first draw queued behind it
+    s.send(Cancel(request_id="a", incarnation=1))
+    s.run_until_quiescent()
+    end = s.terminal("a", 1)
+    assert isinstance(end, Cancelled)
+    assert s.emitted_tokens("a", 1) == []
+    assert end.usage.completion_tokens == 0
+    for key in entries_match_their_states(s):
+        assert PROMPT[: len(key)] == key  # the prompt or a part of it, never a drawn token
+    assert kv_keeper(s).reserved_bytes == prefix_cache(s).total_bytes
+    assert engine(s).counters.snapshot().get("first_draws_queued", 0) == 0
+
+
+def test_a_prompt_with_company_or_checkpoints_draws_through_the_loop() -> None:
+    """Two prompts at once (the second may join a batch), or a prompt with checkpoints to file:
+    no first draw is queued."""
+    s = sim(False, queue_steps=True, prefill_s_per_token=0.01)
+    s.send(generate("a", PROMPT, 4))
+    s.send(generate("b", tuple(b"jumps over the lazy dog"), 4))
+    s.run_until_quiescent()
+    assert s.emitted_tokens("a", 1) == greedy_continuation(PROMPT, 4)
+    assert s.emitted_tokens("b", 1) == greedy_continuation(tuple(b"jumps over the lazy dog"), 4)
+    assert engine(s).counters.snapshot().get("first_draws_queued", 0) == 0

@@ -19,6 +19,7 @@ from typing import assert_never
 from actors.engine.batch import BatchScheduler
 from actors.engine.chunking import ChunkSizer
 from actors.engine.decode import run_batch, run_decode
+from actors.engine.emission import fresh_decoding
 from actors.engine.entries import EntryStore, RestoreSource
 from actors.engine.gate import may_take
 from actors.engine.jobs import (
@@ -152,7 +153,9 @@ class ComputeSlot:
                     self.top_up(backend, ctx)
             case Prefill(seqs=(seq,), chunk=chunk):
                 seq.in_compute = True
-                single = StepJob(seq, chunk_tokens=chunk)
+                # Decided before it runs: the running chunk moves the state's length.
+                ends = seq.state is not None and 0 < seq.prefill_rest <= chunk
+                single = StepJob(seq, chunk_tokens=chunk, ends_prompt=ends)
                 # Leased: never dropped meanwhile.
                 source = (
                     seq.disk_source
@@ -162,6 +165,7 @@ class ComputeSlot:
                 # The job holds it now; the restore copies what it needs (or cuts a taken one).
                 seq.disk_source = None
                 self.submit(ctx, single, lambda: run_step(single, seq, backend, source))
+                self.top_up(backend, ctx)
             case Prefill(seqs=group):
                 together = TogetherJob([StepJob(s) for s in group])
                 for member in group:
@@ -204,17 +208,31 @@ class ComputeSlot:
             self._waiting.set()
 
     def top_up(self, backend: Backend, ctx: Context) -> None:
-        """Queue a lone stream's next decode step behind its running one (module docstring)."""
+        """Queue a lone stream's next decode step behind its running one, or its first draw
+        behind the chunk that ends its prompt (module docstring)."""
         if not backend.queues_steps or len(self._jobs) != 1:
             return
         ((running, _),) = self._jobs.values()
         if not isinstance(running, StepJob):
+            return
+        if running.ends_prompt:
+            self._first_draw_behind(running.seq, backend, ctx)
             return
         plan = self._planner.behind(running.seq)
         if plan is None:
             return
         seq = plan.seq
         step = StepJob(seq, queued=True, yield_to=self._waiting)
+        self.submit(ctx, step, lambda: run_decode(step, seq, backend))
+
+    def _first_draw_behind(self, seq: Sequence, backend: Backend, ctx: Context) -> None:
+        """Queue ``seq``'s first draw behind the chunk that ends its prompt, so the token follows
+        the prompt without a trip through the loop; the decoding it fills is the one
+        ``start_decoding`` takes when the chunk's outcome lands."""
+        if not self._planner.first_draw_behind(seq):
+            return
+        decoding = seq.next_decoding = fresh_decoding(seq, backend.decode)
+        step = StepJob(seq, queued=True, first=decoding, yield_to=self._waiting)
         self.submit(ctx, step, lambda: run_decode(step, seq, backend))
 
 

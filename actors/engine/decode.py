@@ -35,9 +35,13 @@ def run_decode(job: StepJob, seq: Sequence, backend: Backend) -> None:
     if seq.abort.is_set():
         job.skipped = True
         return
-    decoding = seq.decoding
+    decoding = seq.decoding if job.first is None else job.first
     assert decoding is not None
-    if job.queued and (decoding.ended or (decoding.ahead is None and decoding.pending is None)):
+    if job.first is not None:
+        assert seq.state is not None
+        if seq.state.length < seq.prefill_target:
+            return  # the chunk it was queued behind did not finish the prompt (failed, stopped)
+    elif job.queued and (decoding.ended or (decoding.ahead is None and decoding.pending is None)):
         return  # the step it was queued behind ended the sequence (or failed)
     try:
         _decode(job, seq, decoding, backend)

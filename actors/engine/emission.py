@@ -89,14 +89,20 @@ def start_decoding(
     """The prompt is in: from now on each step samples a token (its text built on the compute
     thread, ``Decoding``) and the text is matched against the stop strings here. A speculating
     sequence drafts with ``draft`` (the model's draft model) where there is one."""
-    assert seq.tokens is not None
     seq.move(Phase.DECODING)
-    seq.decoding = Decoding(history=list(seq.tokens), detokenizer=IncrementalDetokenizer(decode))
+    seq.decoding = seq.next_decoding or fresh_decoding(seq, decode)
+    seq.next_decoding = None
     if seq.drafts:
         source = None if draft is None else DraftSource(draft)
         seq.decoding.speculation = Speculation(seq.drafts, source=source)
     if seq.stop_strings:
         seq.stop_matcher = StopStringMatcher(seq.stop_strings)
+
+
+def fresh_decoding(seq: Sequence, decode: Callable[[Tokens[int]], str]) -> Decoding:
+    """The compute thread's side of ``seq``'s decoding before its first draw."""
+    assert seq.tokens is not None
+    return Decoding(history=list(seq.tokens), detokenizer=IncrementalDetokenizer(decode))
 
 
 def take_token(

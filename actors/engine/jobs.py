@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from actors.engine.checkpoints import plan_checkpoints
 from actors.engine.disk_tier import ExportJob, ScanJob
 from actors.engine.draft_model import DraftModel, load_draft
-from actors.engine.sequence import Phase, Sequence
+from actors.engine.sequence import Decoding, Phase, Sequence
 from runtime.backends.contract import (
     Backend,
     BackendLoader,
@@ -99,6 +99,10 @@ class StepJob:
     completes_constraint: bool = False  # ``token`` completed the grammar: nothing may follow
     ahead_error: BaseException | None = None  # building that step failed (after ``token``)
     queued: bool = False  # a decode step queued behind the running one of the same sequence
+    # A first draw queued behind the prompt's last chunk: the decoding it fills (the loop takes
+    # it at the chunk's outcome, Sequence.next_decoding); it draws only if the prompt is all in.
+    first: Decoding | None = None
+    ends_prompt: bool = False  # a prefill chunk that prefills the rest of the prompt
     # False: a first draw that went ahead of decode work (turns.py) builds nothing past its token:
     # the sequence joins the batch next, and a step of its own would only delay the others.
     build_ahead: bool = True

@@ -156,6 +156,8 @@ class StepOutcomes:
             self._ends.finish(seq, ctx, FinishReason.PREWARMED)
             return
         assert self._backend is not None
+        if seq.next_decoding is not None:  # its first draw was queued behind this chunk
+            self._counters.inc("first_draws_queued")
         emission.start_decoding(seq, self._backend.decode, self._draft)
 
     def batch_done(self, job: BatchJob, ctx: Context) -> None:

@@ -117,16 +117,35 @@ class StepPlanner:
     def behind(self, running: Sequence) -> Decode | None:
         """A lone stream's next decode step, to queue behind its running one (compute.py's
         ``top_up``); None while anything else could use the slot."""
-        if (
-            running.phase is not Phase.DECODING
-            or running.batch_slot is not None
+        if running.phase is not Phase.DECODING or not self._alone(running):
+            return None
+        return Decode(running)
+
+    def first_draw_behind(self, prefilling: Sequence) -> bool:
+        """Whether a lone generate's first draw may queue behind the running chunk that ends its
+        prompt (compute.py's ``top_up``): not one with checkpoints or its instructions to pin
+        (the loop files those snapshots first), drafts to verify or a grammar to hold (their
+        state is set up or released with the sequence's decoding); never while anything else
+        could use the slot."""
+        return (
+            prefilling.kind is RequestKind.GENERATE
+            and prefilling.phase is Phase.PREFILLING
+            and not prefilling.checkpoints
+            and not prefilling.drafts
+            and prefilling.sampling.constraint is None
+            and self._alone(prefilling)
+        )
+
+    def _alone(self, running: Sequence) -> bool:
+        """Nothing but ``running``'s steps could use the slot: no batch, no other sequence with
+        work, and its abort flag is clear."""
+        return not (
+            running.batch_slot is not None
             or running.abort.is_set()
             or len(self._batches)
             or self._batches.has_leaving
             or any(s is not running and s.phase in SCHEDULED for s in self._sequences.values())
-        ):
-            return None
-        return Decode(running)
+        )
 
     def _single(
         self,

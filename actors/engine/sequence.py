@@ -131,6 +131,9 @@ class Sequence:
     leader: Sequence | None = None  # the identical prewarm this one follows (Phase.FOLLOWING)
     generated: list[int] = field(default_factory=list)  # the tokens shown
     decoding: Decoding | None = None  # the compute thread's side, from the first decode step on
+    # Built for a first draw queued behind the prompt's last chunk (compute.py's ``top_up``):
+    # ``start_decoding`` takes it as ``decoding``, which that draw may be filling already.
+    next_decoding: Decoding | None = None
     stop_matcher: StopStringMatcher | None = None
     batch_slot: int | None = None  # its row in the engine's decode batch, while batched
     ending: Ending | None = None  # ended while a queued step held its state: settled on its return
