@@ -6,8 +6,9 @@ by id, and ``done`` hands the record back to the engine core. The slot carries o
 it hands a sequence to a job, cleared in ``done``. A prefill chunk's time feeds the ``ChunkSizer``.
 
 A lone decoding stream keeps one more decode step queued behind its running one (``top_up``, where
-``Backend.queues_steps``), so its next token computes while the loop shows the last one; only while
-nothing else is ready to run. See docs/design.md ("One step").
+``Backend.queues_steps``), so its next token computes while the loop shows the last one, and a lone
+prompt's first draw queues behind the chunk that ends it; only while nothing else is ready to run.
+See docs/design.md ("One step").
 """
 
 from __future__ import annotations
