@@ -5,10 +5,9 @@ by id, and ``done`` hands the record back to the engine core. The slot carries o
 ``StepPlanner`` (plan.py) decides, and it alone sets and clears ``Sequence.in_compute``: set when
 it hands a sequence to a job, cleared in ``done``. A prefill chunk's time feeds the ``ChunkSizer``.
 
-A lone decoding stream keeps one more decode step queued behind its running one (``top_up``, where
-``Backend.queues_steps``), so its next token computes while the loop shows the last one, and a lone
-prompt's first draw queues behind the chunk that ends it; only while nothing else is ready to run.
-See docs/design.md ("One step").
+While nothing else is ready to run (``top_up``, where ``Backend.queues_steps``), a lone stream keeps
+its next decode step queued behind its running one, and a lone prompt's first draw waits behind the
+chunk that ends it: the token computes while the loop shows the last. See docs/design.md, One step.
 """
 
 from __future__ import annotations
