@@ -148,22 +148,31 @@ LLAMACPP_GOALS = (  # judged on each real model
 HOP = Goal("hop.message_us_p50", 10.0, at_most=True, unit="us")
 
 
+def _split(
+    goal: Goal, results: ResultSet, model: str
+) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """((ours, theirs) prompt time, (ours, theirs) rest) in ms of a goal against another system;
+    None where either side gave no split (``bench.results.split_ttft``)."""
+    if goal.versus is None:
+        return None
+    ours_eval, their_eval, ours_rest, their_rest = (
+        results.value(system, model, f"{goal.scenario}.{part}")
+        for part in SPLIT_PARTS
+        for system in (goal.system, goal.versus)
+    )
+    if ours_eval is None or their_eval is None or ours_rest is None or their_rest is None:
+        return None
+    return (ours_eval, their_eval), (ours_rest, their_rest)
+
+
 def ttft_split(goal: Goal, results: ResultSet, model: str) -> str:
     """Where a TTFT goal's two sides spent their time, from each server's own prompt time
     (``bench.results.split_ttft``): ``prompt time 412 vs 389 ms, the rest 25 vs 22 ms``
     (``goal.system``'s first). Empty for other goals, or where either side gave no split."""
-    if goal.versus is None:
+    split = _split(goal, results, model)
+    if split is None:
         return ""
-    sides = [
-        [
-            results.value(system, model, f"{goal.scenario}.{part}")
-            for system in (goal.system, goal.versus)
-        ]
-        for part in SPLIT_PARTS
-    ]
-    if any(v is None for side in sides for v in side):
-        return ""
-    (ours_eval, their_eval), (ours_rest, their_rest) = sides
+    (ours_eval, their_eval), (ours_rest, their_rest) = split
     return (
         f"prompt time {ours_eval:.0f} vs {their_eval:.0f} ms, "
         f"the rest {ours_rest:.0f} vs {their_rest:.0f} ms"
@@ -188,11 +197,9 @@ def why_not(goal: Goal, results: ResultSet, model: str) -> str:
             )
         else:
             reasons.append(f"every repetition missed it ({low:.2f}-{high:.2f}x)")
-    ours_eval, ours_rest = (results.value(goal.system, model, f"{goal.scenario}.{part}")
-                            for part in SPLIT_PARTS)  # fmt: skip
-    their_eval, their_rest = (results.value(goal.versus, model, f"{goal.scenario}.{part}")
-                              for part in SPLIT_PARTS)  # fmt: skip
-    if ours_eval and their_eval and ours_rest is not None and their_rest is not None:
+    split = _split(goal, results, model)
+    if split is not None and split[0][0] and split[0][1]:
+        (ours_eval, their_eval), (ours_rest, their_rest) = split
         inside, outside = ours_eval - their_eval, ours_rest - their_rest
         if outside > 0 and outside >= inside:
             reasons.append(
